@@ -1,0 +1,5 @@
+"""Command line (filled in below)."""
+
+
+def main() -> None:
+    raise SystemExit("not yet")
