@@ -1,0 +1,215 @@
+"""Consume-queue index of the light queues, in RocksDB (WAL off: the CommitLog is the log).
+
+Everything lives in ONE column family on purpose: with the WAL disabled, RocksDB only
+guarantees that what survives a crash is a prefix of the writes within a column family,
+so the checkpoint record and the entries it covers must share one.
+
+Keys:
+    b"q" + queue name + b"\\0" + offset (u64 BE) -> phys offset u64 | size u32 | store_ts u64
+    b"k" + message key + b"\\0" + phys offset (u64 BE) -> b""      (lookup by key)
+    b"\\0checkpoint" -> end CommitLog offset covered by the index (u64 BE)
+Queue names are MQTT topic names/filters, which never contain U+0000, so prefixes are exact.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from rocksdict import Options, Rdict, ReadOptions, WriteBatch, WriteOptions
+
+ENTRY = struct.Struct(">QIQ")
+U64 = struct.Struct(">Q")
+CHECKPOINT_KEY = b"\x00checkpoint"
+_MAX_U64 = b"\xff" * 8
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    offset: int
+    phys_offset: int
+    size: int
+    store_ts: int
+
+
+def queue_prefix(queue: str) -> bytes:
+    return b"q" + queue.encode() + b"\x00"
+
+
+def entry_key(queue: str, offset: int) -> bytes:
+    return queue_prefix(queue) + U64.pack(offset)
+
+
+def key_prefix(key: str) -> bytes:
+    return b"k" + key.encode() + b"\x00"
+
+
+class ConsumeQueueIndex:
+    """Light-queue entries and per-queue offset allocation on one node."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._db = self._open(self.path)
+        self._no_wal = WriteOptions()
+        self._no_wal.disable_wal = True
+        # Next offset of every queue touched since start. Owned by the single writer
+        # thread; filled lazily from RocksDB (one seek, never a scan).
+        self._next: dict[str, int] = {}
+
+    @staticmethod
+    def _open(path: Path) -> Rdict:
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        opts.set_write_buffer_size(64 * 1024 * 1024)
+        return Rdict(str(path), opts)
+
+    # -- offset allocation (writer thread only) ---------------------------------------
+    def next_offset(self, queue: str) -> int:
+        nxt = self._next.get(queue)
+        if nxt is None:
+            last = self._last_offset(queue)
+            nxt = 0 if last is None else last + 1
+            self._next[queue] = nxt
+        return nxt
+
+    def assign(self, queues: Iterable[str]) -> list[tuple[str, int]]:
+        """Give each queue its next offset; the caller rolls back with `unassign` on failure."""
+        out = []
+        for q in queues:
+            off = self.next_offset(q)
+            self._next[q] = off + 1
+            out.append((q, off))
+        return out
+
+    def unassign(self, assigned: Iterable[tuple[str, int]]) -> None:
+        for q, off in assigned:
+            if self._next.get(q, -1) > off:
+                self._next[q] = off
+
+    def forget_allocations(self) -> None:
+        self._next.clear()
+
+    # -- dispatch ---------------------------------------------------------------------
+    def write(
+        self,
+        entries: Iterable[tuple[str, int, int, int, int]],
+        keys: Iterable[tuple[str, int]],
+        checkpoint: int,
+    ) -> int:
+        """Write (queue, offset, phys, size, store_ts) entries and key refs in one batch."""
+        wb = WriteBatch(raw_mode=True)
+        put = wb.put
+        pack = ENTRY.pack
+        n = 0
+        for queue, offset, phys, size, ts in entries:
+            put(b"q" + queue.encode() + b"\x00" + U64.pack(offset), pack(phys, size, ts))
+            n += 1
+        for key, phys in keys:
+            put(key_prefix(key) + U64.pack(phys), b"")
+        put(CHECKPOINT_KEY, U64.pack(checkpoint))
+        self._db.write(wb, self._no_wal)
+        return n
+
+    def checkpoint(self) -> int:
+        raw = self._db.get(CHECKPOINT_KEY)
+        return U64.unpack(raw)[0] if raw else 0
+
+    # -- reads ------------------------------------------------------------------------
+    def _last_offset(self, queue: str) -> int | None:
+        prefix = queue_prefix(queue)
+        it = self._db.iter()
+        it.seek_for_prev(prefix + _MAX_U64)
+        if it.valid():
+            key = it.key()
+            if key.startswith(prefix) and len(key) == len(prefix) + 8:
+                return U64.unpack_from(key, len(prefix))[0]
+        return None
+
+    def min_offset(self, queue: str) -> int:
+        prefix = queue_prefix(queue)
+        it = self._db.iter()
+        it.seek(prefix)
+        if it.valid() and it.key().startswith(prefix):
+            return U64.unpack_from(it.key(), len(prefix))[0]
+        last = self._last_offset(queue)
+        return 0 if last is None else last + 1
+
+    def max_offset(self, queue: str) -> int:
+        """One past the last entry (the offset the next message will get)."""
+        last = self._last_offset(queue)
+        return 0 if last is None else last + 1
+
+    def read(self, queue: str, offset: int, max_count: int) -> list[IndexEntry]:
+        prefix = queue_prefix(queue)
+        ro = ReadOptions()
+        ro.set_iterate_upper_bound(prefix[:-1] + b"\x01")
+        it = self._db.iter(ro)
+        it.seek(prefix + U64.pack(max(offset, 0)))
+        out: list[IndexEntry] = []
+        plen = len(prefix)
+        while it.valid() and len(out) < max_count:
+            key = it.key()
+            phys, size, ts = ENTRY.unpack(it.value())
+            out.append(IndexEntry(U64.unpack_from(key, plen)[0], phys, size, ts))
+            it.next()
+        return out
+
+    def find_key(self, key: str, limit: int = 100) -> list[int]:
+        """Physical offsets of the messages stored with this key, oldest first."""
+        prefix = key_prefix(key)
+        ro = ReadOptions()
+        ro.set_iterate_upper_bound(prefix[:-1] + b"\x01")
+        it = self._db.iter(ro)
+        it.seek(prefix)
+        out = []
+        while it.valid() and len(out) < limit:
+            out.append(U64.unpack_from(it.key(), len(prefix))[0])
+            it.next()
+        return out
+
+    def queues(self, prefix: str = "", limit: int = 1000) -> Iterator[str]:
+        """Distinct queue names starting with `prefix` (skips from queue to queue)."""
+        it = self._db.iter()
+        start = b"q" + prefix.encode()
+        it.seek(start)
+        n = 0
+        while it.valid() and n < limit:
+            key = it.key()
+            if not key.startswith(start):
+                break
+            name, _, _ = key[1:].partition(b"\x00")
+            yield name.decode()
+            n += 1
+            it.seek(b"q" + name + b"\x01")
+
+    # -- retention --------------------------------------------------------------------
+    def delete_below(self, queue_ends: dict[str, int], keys: Iterable[tuple[str, int]]) -> None:
+        """Drop entries below `end` of each queue and the given key refs, in one batch."""
+        wb = WriteBatch(raw_mode=True)
+        for queue, end in queue_ends.items():
+            prefix = queue_prefix(queue)
+            wb.delete_range(prefix, prefix + U64.pack(end))
+        for key, phys in keys:
+            wb.delete(key_prefix(key) + U64.pack(phys))
+        self._db.write(wb, self._no_wal)
+
+    # -- lifecycle --------------------------------------------------------------------
+    def flush(self) -> None:
+        """Persist memtables, so a crash after this needs no re-dispatch before it."""
+        self._db.flush()
+
+    def clear(self) -> None:
+        """Drop every entry (for a rebuild from the CommitLog)."""
+        self._db.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+        self._db = self._open(self.path)
+        self._next.clear()
+
+    def close(self) -> None:
+        try:
+            self._db.flush()
+        finally:
+            self._db.close()

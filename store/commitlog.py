@@ -1,0 +1,568 @@
+"""The CommitLog: every message of every topic, appended once, in segment files.
+
+One writer thread owns the tail. It takes every pending append request at once (group
+commit), assigns light-queue offsets inside the append, writes the batch with one
+`write`, makes it as durable as the flush mode asks, writes the consume-queue entries
+to RocksDB in one WriteBatch, and only then completes the callers' futures.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import errno
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from lightqueue.index import ConsumeQueueIndex
+from store import record
+from store.record import CorruptRecord, Message
+from store.segment import Segment, is_segment_name, segment_name
+
+log = logging.getLogger("lightgate.store.commitlog")
+
+ABORT_FILE = "abort"  # present while running; left behind by a crash (as RocketMQ's)
+CHECKPOINT_FILE = "checkpoint"
+QUARANTINE_DIR = "quarantine"
+REDISPATCH_BATCH = 5000
+
+
+class StoreError(Exception):
+    """The store could not take the message; nothing of it was kept."""
+
+
+class StoreFullError(StoreError):
+    """No space left on the store's disk."""
+
+
+class StoreClosedError(StoreError):
+    """The CommitLog is closed or has failed."""
+
+
+@dataclass
+class RecoveryReport:
+    clean_shutdown: bool
+    verified_from: int
+    end: int
+    records_verified: int = 0
+    truncated_at: int | None = None
+    truncated_bytes: int = 0
+    quarantined: list[str] = field(default_factory=list)
+    index_rebuilt: bool = False
+    redispatched: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Append:
+    messages: list[Message]
+    queues: Sequence[Sequence[str]]
+    future: Future
+
+
+_STOP = object()
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class CommitLog:
+    def __init__(
+        self,
+        directory: str | Path,
+        index: ConsumeQueueIndex,
+        *,
+        segment_size: int = 1 << 30,
+        flush: str = "async",
+        flush_interval_ms: int = 500,
+        flush_bytes: int = 16 << 20,
+        on_dispatched: Callable[[set[str]], None] | None = None,
+        full_verify: bool = False,
+    ) -> None:
+        if flush not in ("sync", "async"):
+            raise ValueError("flush must be 'sync' or 'async'")
+        self.dir = Path(directory)
+        self.index = index
+        self.segment_size = segment_size
+        self.flush_mode = flush
+        self.flush_interval = flush_interval_ms / 1000
+        self.flush_bytes = flush_bytes
+        self.on_dispatched = on_dispatched
+        self.full_verify = full_verify
+        self._segments: tuple[Segment, ...] = ()
+        self._bases: tuple[int, ...] = ()
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._wfd = -1
+        self._write_pos = 0  # absolute offset of the end of the log
+        self._flushed = 0  # absolute offset up to which the log is fsync'd
+        self._dirty_since = 0.0
+        self._last_checkpoint = 0.0
+        self._undispatched: list[Message] = []
+        self._failed: BaseException | None = None
+        self._closed = True
+        self.stats = {"appends": 0, "messages": 0, "bytes": 0, "fsyncs": 0, "batches": 0}
+
+    # -- lifecycle --------------------------------------------------------------------
+    def open(self) -> RecoveryReport:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        report = self._recover()
+        (self.dir / ABORT_FILE).write_text(str(os.getpid()))
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="commitlog-writer", daemon=True)
+        self._thread.start()
+        return report
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._requests.put(_STOP)
+        if self._thread:
+            self._thread.join()
+        if self._wfd >= 0:
+            os.fsync(self._wfd)
+            os.close(self._wfd)
+            self._wfd = -1
+        self._flushed = self._write_pos
+        self._write_checkpoint()
+        for seg in self._segments:
+            seg.close()
+        (self.dir / ABORT_FILE).unlink(missing_ok=True)
+
+    # -- public API -------------------------------------------------------------------
+    @property
+    def min_offset(self) -> int:
+        return self._bases[0] if self._bases else 0
+
+    @property
+    def max_offset(self) -> int:
+        return self._write_pos
+
+    @property
+    def flushed_offset(self) -> int:
+        return self._flushed
+
+    def segments(self) -> list[tuple[int, int]]:
+        """(base, size) of every live segment, oldest first."""
+        return [(s.base, s.size()) for s in self._segments]
+
+    def append(self, messages: list[Message], queues: Sequence[Sequence[str]]) -> Future:
+        """Queue `messages` (each indexed into its list of queues) for the writer.
+
+        The future resolves to the same messages with phys_offset, size, store_ts and
+        queue offsets filled in, once they are as durable as the flush mode promises.
+        """
+        fut: Future = Future()
+        if self._closed or self._failed:
+            fut.set_exception(
+                StoreClosedError(f"commitlog unavailable: {self._failed or 'closed'}")
+            )
+            return fut
+        if len(messages) != len(queues):
+            raise ValueError("one list of queues per message")
+        self._requests.put(_Append(messages, queues, fut))
+        return fut
+
+    def read(self, phys_offset: int, size: int | None = None) -> Message:
+        """Read and verify the record at `phys_offset`."""
+        seg = self._segment_for(phys_offset)
+        if seg is None or not seg.acquire():
+            raise KeyError(f"offset {phys_offset} is not in the log (min {self.min_offset})")
+        try:
+            pos = phys_offset - seg.base
+            if size is None:
+                _, size = record.frame_length(seg.pread(record.FRAME.size, pos))
+            return record.decode(seg.pread(size, pos), 0, phys_offset)
+        finally:
+            seg.release()
+
+    def scan(self, start: int, end: int | None = None) -> Iterator[Message]:
+        """Every record from `start` (a record boundary) to `end`, verified."""
+        end = self._write_pos if end is None else end
+        for seg in self._segments:
+            if seg.end <= start or seg.base >= end:
+                continue
+            if not seg.acquire():
+                continue
+            try:
+                yield from self._scan_segment(seg, max(start, seg.base), end)
+            finally:
+                seg.release()
+
+    # -- writer thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            timeout = None
+            if self._flushed < self._write_pos:
+                timeout = max(0.0, self._dirty_since + self.flush_interval - time.monotonic())
+            try:
+                first = self._requests.get(timeout=timeout)
+            except queue.Empty:
+                with contextlib.suppress(OSError):  # logged and latched in _fsync_tail
+                    self._fsync_tail()
+                continue
+            batch = [first]
+            with contextlib.suppress(queue.Empty):
+                while len(batch) < 10_000:
+                    batch.append(self._requests.get_nowait())
+            stop = _STOP in batch
+            appends = [b for b in batch if b is not _STOP]
+            if appends:
+                self._write_batch(appends)
+            if stop:
+                return
+
+    def _write_batch(self, batch: list[_Append]) -> None:
+        if self._failed:
+            for req in batch:
+                req.future.set_exception(StoreClosedError(f"commitlog failed: {self._failed}"))
+            return
+        now = _now_ms()
+        accepted: list[_Append] = []
+        chunks: list[tuple[Segment | None, list[bytes]]] = [(None, [])]  # None = active
+        pos = self._write_pos
+        active_base = self._segments[-1].base
+        assigned_all: list[tuple[str, int]] = []
+        for req in batch:
+            assigned_req: list[tuple[str, int]] = []
+            try:
+                encoded = []
+                for msg, qs in zip(req.messages, req.queues, strict=True):
+                    msg.queues = self.index.assign(qs)
+                    assigned_req.extend(msg.queues)
+                    msg.store_ts = now
+                    encoded.append((msg, record.encode(msg)))
+            except Exception as exc:  # one bad request must not sink the batch
+                self.index.unassign(assigned_req)
+                req.future.set_exception(exc)
+                continue
+            for msg, rec in encoded:
+                if pos - active_base + len(rec) > self.segment_size and pos > active_base:
+                    active_base = pos  # roll: the next segment starts where this one ends
+                    chunks.append((None, []))
+                msg.phys_offset = pos
+                msg.size = len(rec)
+                chunks[-1][1].append(rec)
+                pos += len(rec)
+            assigned_all.extend(assigned_req)
+            accepted.append(req)
+        if not accepted:
+            return
+        try:
+            self._write_chunks([c for _, c in chunks])
+        except OSError as exc:
+            self.index.unassign(reversed(assigned_all))
+            err: StoreError = (
+                StoreFullError("no space left on the store's disk")
+                if exc.errno == errno.ENOSPC
+                else StoreError(f"commitlog write failed: {exc}")
+            )
+            log.error("append of %d requests failed: %s", len(accepted), exc)
+            for req in accepted:
+                req.future.set_exception(err)
+            return
+        msgs = [m for req in accepted for m in req.messages]
+        self._dispatch(msgs)
+        self.stats["batches"] += 1
+        self.stats["appends"] += len(accepted)
+        self.stats["messages"] += len(msgs)
+        for req in accepted:
+            req.future.set_result(req.messages)
+        if self.on_dispatched:
+            try:
+                self.on_dispatched({name for m in msgs for name, _ in m.queues})
+            except Exception:
+                log.exception("on_dispatched callback failed")
+
+    def _write_chunks(self, chunks: list[list[bytes]]) -> None:
+        """Write each chunk to its segment (a new chunk = a roll); undo everything on error."""
+        start_pos = self._write_pos
+        start_segments = len(self._segments)
+        try:
+            for i, parts in enumerate(chunks):
+                if i > 0:
+                    self._roll()
+                data = b"".join(parts)
+                view = memoryview(data)
+                while view:
+                    n = os.write(self._wfd, view)
+                    view = view[n:]
+                self._write_pos += len(data)
+                self.stats["bytes"] += len(data)
+            if self.flush_mode == "sync" or self._write_pos - self._flushed >= self.flush_bytes:
+                self._fsync_tail()
+            elif self._flushed == start_pos:
+                self._dirty_since = time.monotonic()
+        except OSError:
+            self._undo_write(start_pos, start_segments)
+            raise
+
+    def _undo_write(self, start_pos: int, start_segments: int) -> None:
+        """Cut the log back to `start_pos` after a failed write (e.g. disk full)."""
+        try:
+            while len(self._segments) > start_segments:
+                seg = self._segments[-1]
+                self._set_segments(self._segments[:-1])
+                seg.doom()
+            active = self._segments[-1]
+            os.close(self._wfd)
+            os.truncate(active.path, start_pos - active.base)
+            self._wfd = os.open(active.path, os.O_WRONLY | os.O_APPEND)
+            self._write_pos = start_pos
+            self._flushed = min(self._flushed, start_pos)
+        except OSError as exc:  # cannot even restore the tail: stop taking writes
+            self._failed = exc
+            log.critical("commitlog cannot restore its tail after a failed write: %s", exc)
+
+    def _roll(self) -> None:
+        os.fsync(self._wfd)  # a closed segment is always durable
+        os.close(self._wfd)
+        self._flushed = self._write_pos
+        seg = Segment(self.dir / segment_name(self._write_pos), self._write_pos)
+        self._set_segments((*self._segments, seg))
+        self._wfd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
+
+    def _fsync_tail(self) -> None:
+        if self._flushed == self._write_pos:
+            return
+        try:
+            os.fdatasync(self._wfd)
+        except OSError as exc:
+            # After a failed fsync the page cache state is unknown (fsyncgate): stop.
+            self._failed = exc
+            log.critical("fsync failed, commitlog stops taking writes: %s", exc)
+            raise
+        self.stats["fsyncs"] += 1
+        self._flushed = self._write_pos
+        if time.monotonic() - self._last_checkpoint >= 1.0:
+            self._write_checkpoint()
+
+    def _write_checkpoint(self) -> None:
+        self._last_checkpoint = time.monotonic()
+        tmp = self.dir / (CHECKPOINT_FILE + ".tmp")
+        tmp.write_bytes(orjson.dumps({"flushed": self._flushed, "ts": _now_ms()}))
+        os.replace(tmp, self.dir / CHECKPOINT_FILE)
+
+    def _dispatch(self, msgs: list[Message]) -> None:
+        """Index entries for `msgs` (and any earlier batch whose dispatch failed)."""
+        pending = self._undispatched + msgs
+        try:
+            self._index_write(pending)
+            self._undispatched = []
+        except Exception:
+            # The records are safe in the log; the index catches up on the next batch
+            # or, at worst, on recovery.
+            log.exception("dispatch of %d messages failed; will retry", len(pending))
+            self._undispatched = pending
+
+    def _index_write(self, msgs: list[Message]) -> int:
+        if not msgs:
+            return 0
+        entries = [
+            (name, off, m.phys_offset, m.size, m.store_ts) for m in msgs for name, off in m.queues
+        ]
+        keys = [(m.key, m.phys_offset) for m in msgs if m.key]
+        last = msgs[-1]
+        return self.index.write(entries, keys, last.phys_offset + last.size)
+
+    # -- segments ---------------------------------------------------------------------
+    def _set_segments(self, segs: tuple[Segment, ...]) -> None:
+        # Copy-on-write: readers on other threads see either the old or the new tuple.
+        self._segments = segs
+        self._bases = tuple(s.base for s in segs)
+
+    def _segment_for(self, phys_offset: int) -> Segment | None:
+        segs, bases = self._segments, self._bases
+        i = bisect.bisect_right(bases, phys_offset) - 1
+        if i < 0 or phys_offset >= self._write_pos:
+            return None
+        return segs[i]
+
+    def _scan_segment(self, seg: Segment, start: int, end: int) -> Iterator[Message]:
+        mm = seg.map()
+        if mm is None:
+            return
+        try:
+            pos = start - seg.base
+            limit = min(len(mm), end - seg.base)
+            while pos < limit:
+                msg = record.decode(mm, pos, seg.base + pos)
+                yield msg
+                pos += msg.size
+        finally:
+            mm.close()
+
+    # -- recovery ---------------------------------------------------------------------
+    def _load_segments(self) -> None:
+        segs = [
+            Segment(p, int(p.name))
+            for p in sorted(self.dir.iterdir())
+            if p.is_file() and is_segment_name(p.name)
+        ]
+        if not segs:
+            segs = [Segment(self.dir / segment_name(0), 0)]
+        self._set_segments(tuple(segs))
+
+    def _read_checkpoint(self) -> int | None:
+        try:
+            return int(orjson.loads((self.dir / CHECKPOINT_FILE).read_bytes())["flushed"])
+        except (OSError, ValueError, KeyError, TypeError, orjson.JSONDecodeError):
+            return None
+
+    def _recover(self) -> RecoveryReport:
+        t0 = time.monotonic()
+        self._load_segments()
+        clean = not (self.dir / ABORT_FILE).exists()
+        ckpt = self._read_checkpoint()
+        index_ckpt = self.index.checkpoint()
+        if ckpt is None or self.full_verify:
+            verify_from = self._segments[0].base  # no checkpoint: trust nothing
+        else:
+            seg = self._segment_for_any(min(ckpt, index_ckpt))
+            verify_from = seg.base
+        report = RecoveryReport(clean_shutdown=clean, verified_from=verify_from, end=verify_from)
+        end = self._verify_from(verify_from, report)
+        report.end = end
+        self._write_pos = self._flushed = end
+        last = self._segments[-1]
+        self._wfd = os.open(last.path, os.O_WRONLY | os.O_APPEND)
+        self._write_checkpoint()
+        self._recover_index(index_ckpt, report)
+        report.seconds = time.monotonic() - t0
+        level = logging.INFO if clean and report.truncated_at is None else logging.WARNING
+        log.log(level, "commitlog recovered: %s", report)
+        return report
+
+    def _segment_for_any(self, offset: int) -> Segment:
+        i = max(0, bisect.bisect_right(self._bases, offset) - 1)
+        return self._segments[i]
+
+    def _verify_from(self, start: int, report: RecoveryReport) -> int:
+        """Walk records from `start`; cut the log at the first torn or corrupt one."""
+        segs = [s for s in self._segments if s.base >= start or s.end > start]
+        for i, seg in enumerate(segs):
+            pos = max(start, seg.base)
+            mm = seg.map()
+            try:
+                rel = pos - seg.base
+                size = len(mm) if mm else 0
+                while rel < size:
+                    try:
+                        msg = record.decode(mm, rel, seg.base + rel)
+                    except CorruptRecord as exc:
+                        self._truncate(seg, rel, segs[i + 1 :], exc, report)
+                        return seg.base + rel
+                    rel += msg.size
+                    report.records_verified += 1
+            finally:
+                if mm is not None:
+                    mm.close()
+            if i + 1 < len(segs) and segs[i + 1].base != seg.base + size:
+                # A gap between segments: the next one cannot be trusted to follow on.
+                self._truncate(seg, size, segs[i + 1 :], CorruptRecord("segment gap"), report)
+                return seg.base + size
+        return self._segments[-1].end
+
+    def _truncate(
+        self,
+        seg: Segment,
+        rel: int,
+        later: list[Segment],
+        why: Exception,
+        report: RecoveryReport,
+    ) -> None:
+        """Cut `seg` at `rel`, keeping the cut bytes and later segments in quarantine."""
+        qdir = self.dir / QUARANTINE_DIR
+        qdir.mkdir(exist_ok=True)
+        tail_size = seg.size() - rel
+        if tail_size:
+            tail = seg.pread(tail_size, rel)
+            (qdir / f"{segment_name(seg.base + rel)}.tail").write_bytes(tail)
+        os.truncate(seg.path, rel)
+        report.truncated_at = seg.base + rel
+        report.truncated_bytes = tail_size
+        for other in later:
+            report.truncated_bytes += other.size()
+            other.close()
+            os.replace(other.path, qdir / other.path.name)
+            report.quarantined.append(other.path.name)
+        self._set_segments(tuple(s for s in self._segments if s not in later))
+        log.warning(
+            "commitlog cut at offset %d (%s): %d bytes moved to %s",
+            seg.base + rel,
+            why,
+            report.truncated_bytes,
+            qdir,
+        )
+
+    def _recover_index(self, index_ckpt: int, report: RecoveryReport) -> None:
+        """Re-dispatch what the index lost; rebuild it whole if it points past the end."""
+        start = max(index_ckpt, self.min_offset)
+        if index_ckpt > self._write_pos:
+            log.warning(
+                "index covers %d beyond log end %d: rebuilding", index_ckpt, self._write_pos
+            )
+            self.index.clear()
+            report.index_rebuilt = True
+            start = self.min_offset
+        self.index.forget_allocations()
+        batch: list[Message] = []
+        for msg in self.scan(start):
+            batch.append(msg)
+            if len(batch) >= REDISPATCH_BATCH:
+                report.redispatched += len(batch)
+                self._index_write(batch)
+                batch = []
+        report.redispatched += len(batch)
+        self._index_write(batch)
+        if report.redispatched:
+            self.index.flush()
+
+    # -- retention --------------------------------------------------------------------
+    def enforce_retention(
+        self, retention_hours: float | None = None, retention_bytes: int | None = None
+    ) -> list[int]:
+        """Delete the oldest whole segments past the age or size limit, with their index
+        entries. The active segment is never deleted. Returns the deleted bases."""
+        deleted: list[int] = []
+        now = time.time()
+        while len(self._segments) > 1:
+            oldest = self._segments[0]
+            total = self._write_pos - oldest.base
+            too_big = retention_bytes is not None and total > retention_bytes
+            age_h = (now - os.stat(oldest.path).st_mtime) / 3600
+            too_old = retention_hours is not None and age_h > retention_hours
+            if not (too_big or too_old):
+                break
+            self._delete_segment(oldest)
+            deleted.append(oldest.base)
+        return deleted
+
+    def _delete_segment(self, seg: Segment) -> None:
+        ends: dict[str, int] = {}
+        keys: list[tuple[str, int]] = []
+        for msg in self._scan_segment(seg, seg.base, seg.end):
+            for name, off in msg.queues:
+                ends[name] = off + 1
+            if msg.key:
+                keys.append((msg.key, msg.phys_offset))
+        self._set_segments(self._segments[1:])  # no new reader finds it from here on
+        self.index.delete_below(ends, keys)
+        gone = seg.doom()
+        log.info(
+            "retention: segment %s removed%s (%d queues trimmed)",
+            seg.path.name,
+            "" if gone else " once its readers finish",
+            len(ends),
+        )

@@ -1,0 +1,130 @@
+"""Store metadata in RocksDB column families, updated key by key (never rewritten whole).
+
+Unlike the consume-queue index, this is primary data: the WAL stays on, so a killed
+process keeps every completed write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rocksdict import Options, Rdict, ReadOptions, WriteBatch
+
+from store.record import dumps_json as dumps
+from store.record import loads_json as loads
+
+COLUMN_FAMILIES = (
+    "topics",  # first-level topic -> {"partitions": n}
+    "groups",  # consumer group -> {...}
+    "offsets",  # group \0 queue -> committed offset
+    "sessions",  # MQTT client id -> session state
+    "subscriptions",  # client id \0 filter -> options
+    "retained",  # MQTT topic -> retained message
+    "wildcards",  # registered wildcard filter -> {"since": ts}
+    "inflight",  # client id \0 packet id -> QoS 2 / in-flight state
+    "users",
+    "acl",
+)
+
+
+def _cf_options() -> Options:
+    return Options(raw_mode=True)
+
+
+class Metadata:
+    """Named column families of JSON values (bytes allowed inside, stored as base64)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        opts.create_missing_column_families(True)
+        self._db = Rdict(
+            str(self.path), opts, column_families={cf: _cf_options() for cf in COLUMN_FAMILIES}
+        )
+        self._cfs = {cf: self._db.get_column_family(cf) for cf in COLUMN_FAMILIES}
+        self._handles = {cf: self._db.get_column_family_handle(cf) for cf in COLUMN_FAMILIES}
+
+    def _cf(self, cf: str) -> Rdict:
+        try:
+            return self._cfs[cf]
+        except KeyError:
+            raise KeyError(f"unknown metadata column family {cf!r}") from None
+
+    def get(self, cf: str, key: str, default: Any = None) -> Any:
+        raw = self._cf(cf).get(key.encode())
+        return default if raw is None else loads(raw)
+
+    def put(self, cf: str, key: str, value: Any) -> None:
+        self._cf(cf)[key.encode()] = dumps(value)
+
+    def delete(self, cf: str, key: str) -> None:
+        del self._cf(cf)[key.encode()]
+
+    def items(
+        self, cf: str, prefix: str = "", limit: int | None = None
+    ) -> Iterator[tuple[str, Any]]:
+        """(key, value) pairs whose key starts with `prefix`, in key order."""
+        ro = ReadOptions()
+        raw_prefix = prefix.encode()
+        if raw_prefix:
+            ro.set_iterate_upper_bound(_prefix_end(raw_prefix))
+        it = self._cf(cf).iter(ro)
+        it.seek(raw_prefix)
+        n = 0
+        while it.valid() and (limit is None or n < limit):
+            yield it.key().decode(), loads(it.value())
+            n += 1
+            it.next()
+
+    def count(self, cf: str, prefix: str = "") -> int:
+        return sum(1 for _ in self.items(cf, prefix))
+
+    def delete_prefix(self, cf: str, prefix: str) -> None:
+        raw = prefix.encode()
+        wb = WriteBatch(raw_mode=True)
+        wb.delete_range(raw, _prefix_end(raw), self._handles[cf])
+        self._db.write(wb)
+
+    def batch(self) -> MetaBatch:
+        return MetaBatch(self)
+
+    def close(self) -> None:
+        self._cfs.clear()  # CF handles keep the DB open; drop them first
+        self._handles.clear()
+        self._db.close()
+
+
+class MetaBatch:
+    """Several puts/deletes applied atomically: `with meta.batch() as b: b.put(...)`."""
+
+    def __init__(self, meta: Metadata) -> None:
+        self._meta = meta
+        self._wb = WriteBatch(raw_mode=True)
+
+    def put(self, cf: str, key: str, value: Any) -> None:
+        self._wb.put(key.encode(), dumps(value), self._meta._handles[cf])
+
+    def delete(self, cf: str, key: str) -> None:
+        self._wb.delete(key.encode(), self._meta._handles[cf])
+
+    def delete_prefix(self, cf: str, prefix: str) -> None:
+        raw = prefix.encode()
+        self._wb.delete_range(raw, _prefix_end(raw), self._meta._handles[cf])
+
+    def __enter__(self) -> MetaBatch:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is None and not self._wb.is_empty():
+            self._meta._db.write(self._wb)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The smallest key greater than every key starting with `prefix`."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return b"\xff" * (len(prefix) + 1)
+    return stripped[:-1] + bytes([stripped[-1] + 1])

@@ -1,0 +1,192 @@
+"""The CommitLog record: one message, self-describing and CRC-protected.
+
+Layout (big-endian):
+
+    magic u32 | total_len u32 | crc32 u32            <- 12-byte frame; crc covers the rest
+    store_ts u64 | born_ts u64 | qos u8 | flags u8 | client_len u16 | topic_len u16 |
+    key_len u16 | props_len u32 | body_len u32 | nqueues u16          <- 34-byte fixed part
+    client_id | topic | key | properties (JSON) | body | nqueues x (name_len u16, name, offset u64)
+
+The light-queue offsets assigned inside the append are part of the record, so the index
+is derived data: re-dispatching a record writes exactly the entries it had before.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+MAGIC = 0x4C47_4D31  # "LGM1"
+BLANK_MAGIC = 0x4C47_4245  # "LGBE": the rest of this segment is empty, go to the next
+FRAME = struct.Struct(">III")
+FIXED = struct.Struct(">QQBBHHHIIH")
+QNAME_LEN = struct.Struct(">H")
+QOFFSET = struct.Struct(">Q")
+HEADER_SIZE = FRAME.size + FIXED.size
+MAX_RECORD = 512 * 1024 * 1024
+FLAG_RETAIN = 0x01
+
+
+class CorruptRecord(ValueError):
+    """Bytes at this position are not a whole, valid record."""
+
+
+@dataclass(slots=True)
+class Message:
+    """A message as the store keeps it. The store fills the fields below `key`."""
+
+    topic: str
+    body: bytes
+    qos: int = 0
+    retain: bool = False
+    client_id: str = ""
+    properties: dict[str, Any] = field(default_factory=dict)
+    born_ts: int = 0
+    key: str = ""
+    store_ts: int = 0
+    phys_offset: int = -1
+    size: int = 0
+    queues: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def msg_id(self) -> str:
+        """Stable id: the physical offset, 16 hex digits (no precision lost, unlike RoP)."""
+        return format_msg_id(self.phys_offset)
+
+    def offset_in(self, queue: str) -> int:
+        for name, offset in self.queues:
+            if name == queue:
+                return offset
+        raise KeyError(queue)
+
+
+def format_msg_id(phys_offset: int) -> str:
+    return f"{phys_offset:016X}"
+
+
+def parse_msg_id(msg_id: str) -> int:
+    if len(msg_id) != 16:
+        raise ValueError(f"message id must be 16 hex digits, got {msg_id!r}")
+    return int(msg_id, 16)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, bytes | bytearray | memoryview):
+        return {"$b64": base64.b64encode(bytes(obj)).decode()}
+    if isinstance(obj, tuple):
+        return list(obj)
+    raise TypeError(f"property value of type {type(obj).__name__} cannot be stored")
+
+
+def _restore_bytes(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if len(obj) == 1 and "$b64" in obj:
+            return base64.b64decode(obj["$b64"])
+        return {k: _restore_bytes(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_restore_bytes(v) for v in obj]
+    return obj
+
+
+def dumps_json(value: Any) -> bytes:
+    """JSON that may hold bytes (wrapped as {"$b64": ...})."""
+    return orjson.dumps(value, default=_json_default)
+
+
+def loads_json(raw: bytes) -> Any:
+    value = orjson.loads(raw)
+    # Binary values (e.g. MQTT 5 correlation data) were wrapped; only walk when present.
+    return _restore_bytes(value) if b'"$b64"' in raw else value
+
+
+def encode_properties(props: dict[str, Any]) -> bytes:
+    return dumps_json(props) if props else b""
+
+
+def decode_properties(raw: bytes) -> dict[str, Any]:
+    return loads_json(raw) if raw else {}
+
+
+def encode(msg: Message) -> bytes:
+    """Encode `msg` (its store_ts and queues must be set) into one record."""
+    client = msg.client_id.encode()
+    topic = msg.topic.encode()
+    key = msg.key.encode()
+    props = encode_properties(msg.properties)
+    parts = [
+        b"",  # frame placeholder
+        FIXED.pack(
+            msg.store_ts, msg.born_ts, msg.qos, FLAG_RETAIN if msg.retain else 0,
+            len(client), len(topic), len(key), len(props), len(msg.body), len(msg.queues),
+        ),
+        client, topic, key, props, msg.body,
+    ]
+    for name, offset in msg.queues:
+        raw = name.encode()
+        parts.append(QNAME_LEN.pack(len(raw)))
+        parts.append(raw)
+        parts.append(QOFFSET.pack(offset))
+    rest = b"".join(parts)
+    total = FRAME.size + len(rest)
+    if total > MAX_RECORD:
+        raise ValueError(f"record of {total} bytes exceeds the {MAX_RECORD}-byte limit")
+    return FRAME.pack(MAGIC, total, zlib.crc32(rest)) + rest
+
+
+def frame_length(buf: bytes | memoryview, pos: int = 0) -> tuple[int, int]:
+    """(magic, total_len) of the record starting at `pos`."""
+    if len(buf) - pos < FRAME.size:
+        raise CorruptRecord("truncated frame")
+    magic, total, _ = FRAME.unpack_from(buf, pos)
+    return magic, total
+
+
+def decode(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1) -> Message:
+    """Decode and verify the record at `buf[pos:]`; raise CorruptRecord if it is not valid."""
+    if len(buf) - pos < HEADER_SIZE:
+        raise CorruptRecord("truncated header")
+    magic, total, crc = FRAME.unpack_from(buf, pos)
+    if magic != MAGIC:
+        raise CorruptRecord(f"bad magic {magic:#x}")
+    if total < HEADER_SIZE or total > MAX_RECORD or pos + total > len(buf):
+        raise CorruptRecord(f"bad length {total}")
+    body_start = pos + FRAME.size
+    end = pos + total
+    if zlib.crc32(memoryview(buf)[body_start:end]) != crc:
+        raise CorruptRecord("CRC mismatch")
+    (store_ts, born_ts, qos, flags, lc, lt, lk, lp, lb, nq) = FIXED.unpack_from(buf, body_start)
+    p = body_start + FIXED.size
+    try:
+        client = bytes(buf[p : p + lc]).decode()
+        p += lc
+        topic = bytes(buf[p : p + lt]).decode()
+        p += lt
+        key = bytes(buf[p : p + lk]).decode()
+        p += lk
+        props = decode_properties(bytes(buf[p : p + lp]))
+        p += lp
+        body = bytes(buf[p : p + lb])
+        p += lb
+        queues = []
+        for _ in range(nq):
+            (ln,) = QNAME_LEN.unpack_from(buf, p)
+            p += 2
+            name = bytes(buf[p : p + ln]).decode()
+            p += ln
+            (offset,) = QOFFSET.unpack_from(buf, p)
+            p += 8
+            queues.append((name, offset))
+    except (UnicodeDecodeError, struct.error, orjson.JSONDecodeError) as exc:
+        raise CorruptRecord(f"undecodable fields: {exc}") from exc
+    if p != end:
+        raise CorruptRecord("field lengths disagree with the record length")
+    return Message(
+        topic=topic, body=body, qos=qos, retain=bool(flags & FLAG_RETAIN), client_id=client,
+        properties=props, born_ts=born_ts, key=key, store_ts=store_ts,
+        phys_offset=phys_offset, size=total, queues=queues,
+    )

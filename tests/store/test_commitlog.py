@@ -1,0 +1,212 @@
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from lightqueue.index import ConsumeQueueIndex
+from store.commitlog import CommitLog
+from store.record import Message
+
+
+def append(log: CommitLog, topic: str, body: bytes, queues: list[str] | None = None) -> Message:
+    return log.append([Message(topic, body, qos=1)], [queues or [topic]]).result(10)[0]
+
+
+def queue_dump(index: ConsumeQueueIndex, names: list[str]) -> dict[str, list[tuple]]:
+    return {
+        q: [(e.offset, e.phys_offset, e.size, e.store_ts) for e in index.read(q, 0, 1_000_000)]
+        for q in names
+    }
+
+
+@pytest.mark.parametrize("flush", ["sync", "async"])
+def test_append_and_read_across_segment_rolls(logs, flush) -> None:
+    log = logs.open(segment_size=4096, flush=flush)
+    sent = [append(log, "a/b", os.urandom(300) + bytes([i]), ["a/b", "a/+"]) for i in range(100)]
+    assert len(log.segments()) > 5
+    for seg_base, seg_size in log.segments():
+        assert seg_size <= 4096 and (log.dir / f"{seg_base:020d}").exists()
+    for i, msg in enumerate(sent):
+        assert msg.queues == [("a/b", i), ("a/+", i)]
+        assert log.read(msg.phys_offset).body == msg.body
+        assert log.read(msg.phys_offset, msg.size).body == msg.body
+    entries = log.index.read("a/+", 0, 1000)
+    assert [e.offset for e in entries] == list(range(100))
+    assert [log.read(e.phys_offset, e.size).body for e in entries] == [m.body for m in sent]
+    # A batch read of a range in the middle.
+    assert [e.offset for e in log.index.read("a/b", 40, 5)] == [40, 41, 42, 43, 44]
+    assert [m.body for m in log.scan(sent[10].phys_offset, sent[13].phys_offset)] == [
+        m.body for m in sent[10:13]
+    ]
+
+
+def test_batched_append_is_one_write(logs) -> None:
+    log = logs.open()
+    msgs = [Message("t", b"x%d" % i) for i in range(500)]
+    done = log.append(msgs, [["t"]] * 500).result(10)
+    assert [m.offset_in("t") for m in done] == list(range(500))
+    assert log.stats["batches"] == 1
+
+
+def test_concurrent_appenders_get_unique_gap_free_offsets(logs) -> None:
+    log = logs.open(flush="sync", segment_size=256 * 1024)
+    results: list[Message] = []
+    lock = threading.Lock()
+
+    def worker(n: int) -> None:
+        for i in range(200):
+            futs = [
+                log.append([Message("s/x", b"%d-%d-%d" % (n, i, j))], [["s/x", "s/+", f"w/{n}"]])
+                for j in range(3)
+            ]
+            got = [m for f in futs for m in f.result(10)]
+            with lock:
+                results.extend(got)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8 * 600
+    for q in ("s/x", "s/+"):
+        offsets = sorted(m.offset_in(q) for m in results)
+        assert offsets == list(range(len(results)))
+    for n in range(8):
+        mine = [m for m in results if m.body.startswith(b"%d-" % n)]
+        assert sorted(m.offset_in(f"w/{n}") for m in mine) == list(range(600))
+    # Offsets follow log order: a queue never goes backwards in the CommitLog.
+    entries = log.index.read("s/x", 0, 10_000)
+    assert [e.offset for e in entries] == list(range(len(results)))
+    assert all(a.phys_offset < b.phys_offset for a, b in zip(entries, entries[1:], strict=False))
+    assert log.stats["batches"] < len(results)  # group commit actually grouped
+
+
+def test_offsets_continue_after_restart(logs) -> None:
+    log = logs.open()
+    for i in range(10):
+        append(log, "r", b"%d" % i)
+    logs.close(log)
+    log = logs.open()
+    assert append(log, "r", b"10").queues == [("r", 10)]
+    assert append(log, "new", b"x").queues == [("new", 0)]
+
+
+def _fill(log: CommitLog, n: int) -> list[Message]:
+    return [append(log, "t/1", b"body-%05d" % i * 20, ["t/1", "t/#"]) for i in range(n)]
+
+
+def test_recovery_cuts_a_torn_tail(logs) -> None:
+    log = logs.open(segment_size=16 * 1024)
+    sent = _fill(log, 200)
+    last = sent[-1]
+    logs.crash(log)
+    seg_path = log.dir / f"{log.segments()[-1][0]:020d}"
+    # Tear the last record in half, as a crash mid-write would.
+    os.truncate(seg_path, last.phys_offset - log.segments()[-1][0] + last.size // 2)
+    log = logs.open(segment_size=16 * 1024)
+    rep = log.report
+    assert not rep.clean_shutdown
+    assert rep.truncated_at == last.phys_offset
+    assert log.max_offset == last.phys_offset
+    bodies = [m.body for m in log.scan(log.min_offset)]
+    assert bodies == [m.body for m in sent[:-1]]
+    assert log.index.max_offset("t/#") == 199
+    # The freed offset is given again, so the queue has no hole.
+    assert append(log, "t/1", b"again", ["t/1", "t/#"]).queues == [("t/1", 199), ("t/#", 199)]
+
+
+def test_recovery_cuts_at_a_flipped_byte_and_quarantines_the_rest(logs) -> None:
+    log = logs.open(segment_size=16 * 1024)
+    sent = _fill(log, 200)
+    logs.crash(log)
+    victim = sent[150]
+    seg_base = max(b for b, _ in log.segments() if b <= victim.phys_offset)
+    with open(log.dir / f"{seg_base:020d}", "r+b") as fh:
+        fh.seek(victim.phys_offset - seg_base + victim.size - 3)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    log = logs.open(segment_size=16 * 1024, full_verify=True)
+    rep = log.report
+    assert rep.truncated_at == victim.phys_offset
+    assert [m.body for m in log.scan(log.min_offset)] == [m.body for m in sent[:150]]
+    assert [e.offset for e in log.index.read("t/1", 0, 1000)] == list(range(150))
+    # Nothing is thrown away: the cut bytes wait in quarantine.
+    quarantined = sum(p.stat().st_size for p in (log.dir / "quarantine").iterdir())
+    assert quarantined == rep.truncated_bytes > 0
+
+
+def test_index_rebuild_after_deleting_rocksdb_gives_identical_queues(logs, tmp_path: Path) -> None:
+    log = logs.open(segment_size=8 * 1024)
+    for i in range(300):
+        append(log, f"h/{i % 7}", b"x" * 50, [f"h/{i % 7}", "h/+", f"h#{i % 3}"])
+    names = [f"h/{i}" for i in range(7)] + ["h/+", "h#0", "h#1", "h#2"]
+    before = queue_dump(log.index, names)
+    logs.close(log)
+    shutil.rmtree(tmp_path / "index")
+    log = logs.open(segment_size=8 * 1024)
+    assert log.report.redispatched == 300
+    assert queue_dump(log.index, names) == before
+    assert append(log, "h/0", b"next", ["h/0"]).queues == [("h/0", len(before["h/0"]))]
+
+
+def test_index_ahead_of_a_cut_log_is_rebuilt(logs) -> None:
+    log = logs.open(segment_size=16 * 1024)
+    sent = _fill(log, 50)
+    logs.crash(log)
+    seg_base = log.segments()[-1][0]
+    os.truncate(log.dir / f"{seg_base:020d}", sent[40].phys_offset - seg_base)
+    log = logs.open(segment_size=16 * 1024)
+    assert log.report.index_rebuilt
+    assert log.index.max_offset("t/1") == 40
+    assert [e.offset for e in log.index.read("t/#", 0, 100)] == list(range(40))
+
+
+def test_missing_checkpoint_means_full_verification(logs) -> None:
+    log = logs.open(segment_size=4096)
+    _fill(log, 100)
+    logs.close(log)
+    (log.dir / "checkpoint").unlink()
+    log = logs.open(segment_size=4096)
+    assert log.report.verified_from == 0 and log.report.records_verified == 100
+
+
+def test_retention_deletes_old_segments_and_their_index_entries(logs) -> None:
+    log = logs.open(segment_size=4096)
+    sent = [append(log, "ret/a", b"y" * 200, ["ret/a", "ret/+"]) for _ in range(100)]
+    append(log, "ret/b", b"z", ["ret/b"])
+    total = log.max_offset
+    deleted = log.enforce_retention(retention_bytes=total // 2)
+    assert deleted
+    assert log.min_offset == log.segments()[0][0] > deleted[-1]
+    assert log.max_offset - log.min_offset <= total // 2 + 4096
+    first = log.index.read("ret/a", 0, 1)[0]
+    assert first.phys_offset >= log.min_offset
+    assert log.index.min_offset("ret/a") == first.offset > 0
+    assert log.index.min_offset("ret/+") == first.offset
+    assert log.index.max_offset("ret/a") == 100
+    for base in deleted:
+        assert not (log.dir / f"{base:020d}").exists()
+    with pytest.raises(KeyError):
+        log.read(sent[0].phys_offset)
+    # Age-based: everything but the active segment is older than 0 hours.
+    log.enforce_retention(retention_hours=0)
+    assert len(log.segments()) == 1
+
+
+def test_retention_waits_for_readers(logs) -> None:
+    log = logs.open(segment_size=4096)
+    for _ in range(50):
+        append(log, "w", b"q" * 200)
+    oldest = log._segments[0]
+    assert oldest.acquire()  # a reader in the middle of a read
+    log.enforce_retention(retention_hours=0)
+    assert oldest.path.exists()  # still there for the reader
+    assert log.min_offset > oldest.base  # but no new reader can find it
+    oldest.release()
+    assert not oldest.path.exists()
