@@ -58,6 +58,7 @@ class ConsumeQueueIndex:
         # Next offset of every queue touched since start. Owned by the single writer
         # thread; filled lazily from RocksDB (one seek, never a scan).
         self._next: dict[str, int] = {}
+        self._prefixes: dict[str, bytes] = {}  # encoded key prefix per queue (writer only)
 
     @staticmethod
     def _open(path: Path) -> Rdict:
@@ -91,6 +92,7 @@ class ConsumeQueueIndex:
 
     def forget_allocations(self) -> None:
         self._next.clear()
+        self._prefixes.clear()
 
     # -- dispatch ---------------------------------------------------------------------
     def write(
@@ -103,9 +105,14 @@ class ConsumeQueueIndex:
         wb = WriteBatch(raw_mode=True)
         put = wb.put
         pack = ENTRY.pack
+        u64 = U64.pack
+        prefixes = self._prefixes
         n = 0
         for queue, offset, phys, size, ts in entries:
-            put(b"q" + queue.encode() + b"\x00" + U64.pack(offset), pack(phys, size, ts))
+            prefix = prefixes.get(queue)
+            if prefix is None:
+                prefix = prefixes[queue] = queue_prefix(queue)
+            put(prefix + u64(offset), pack(phys, size, ts))
             n += 1
         for key, phys in keys:
             put(key_prefix(key) + U64.pack(phys), b"")
@@ -206,7 +213,7 @@ class ConsumeQueueIndex:
         self._db.close()
         shutil.rmtree(self.path, ignore_errors=True)
         self._db = self._open(self.path)
-        self._next.clear()
+        self.forget_allocations()
 
     def close(self) -> None:
         try:

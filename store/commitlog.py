@@ -111,7 +111,7 @@ class CommitLog:
         self._undispatched: list[Message] = []
         self._failed: BaseException | None = None
         self._closed = True
-        self.stats = {"appends": 0, "messages": 0, "bytes": 0, "fsyncs": 0, "batches": 0}
+        self.stats = {"appends": 0, "messages": 0, "bytes_written": 0, "fsyncs": 0, "batches": 0}
 
     # -- lifecycle --------------------------------------------------------------------
     def open(self) -> RecoveryReport:
@@ -299,7 +299,7 @@ class CommitLog:
                     n = os.write(self._wfd, view)
                     view = view[n:]
                 self._write_pos += len(data)
-                self.stats["bytes"] += len(data)
+                self.stats["bytes_written"] += len(data)
             if self.flush_mode == "sync" or self._write_pos - self._flushed >= self.flush_bytes:
                 self._fsync_tail()
             elif self._flushed == start_pos:

@@ -1,0 +1,308 @@
+"""The broker service: the store's one async interface, in-process (embedded mode).
+
+The gateway and the native-protocol server talk only to this class (or, in separated
+mode, to a client with the same methods). It owns the CommitLog, the consume-queue
+index, the metadata and the router, and bridges the writer thread to trio.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from lightqueue.index import ConsumeQueueIndex
+from lightqueue.routing import Router, split_partition_queue, validate_first_level
+from lightqueue.topic import validate_topic_filter, validate_topic_name
+from store.commitlog import CommitLog, RecoveryReport
+from store.metadata import Metadata
+from store.record import Message, parse_msg_id
+
+log = logging.getLogger("lightgate.store")
+
+MAX_PULL = 1024
+
+
+@dataclass
+class StoreConfig:
+    data_dir: Path = Path("data")
+    segment_size: int = 1 << 30
+    flush: str = "async"
+    flush_interval_ms: int = 500
+    flush_bytes: int = 16 << 20
+    retention_hours: float | None = 72.0
+    retention_bytes: int | None = None
+    retention_check_s: float = 60.0
+    default_partitions: int = 4
+    max_pending_appends: int = 10_000
+    full_verify: bool = False
+
+
+@dataclass
+class PullResult:
+    messages: list[Message]
+    next_offset: int  # where the next pull should start
+    min_offset: int
+    max_offset: int  # one past the last entry in the queue
+
+
+@dataclass
+class QueueStats:
+    name: str
+    min_offset: int
+    max_offset: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+async def await_future(fut: Future) -> Any:
+    """Wait for a concurrent future without blocking trio (no thread per call)."""
+    if not fut.done():
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        fut.add_done_callback(lambda _: token.run_sync_soon(done.set))
+        await done.wait()
+    return fut.result()
+
+
+class EmbeddedStore:
+    """Store in this process. Open with `async with EmbeddedStore.open(cfg) as store`."""
+
+    def __init__(self, config: StoreConfig, notify: Callable[[set[str]], None] | None) -> None:
+        self.config = config
+        root = Path(config.data_dir)
+        self.index = ConsumeQueueIndex(root / "index")
+        self.meta = Metadata(root / "meta")
+        self.router = Router(config.default_partitions)
+        self._notify = notify
+        self.commitlog = CommitLog(
+            root / "commitlog",
+            self.index,
+            segment_size=config.segment_size,
+            flush=config.flush,
+            flush_interval_ms=config.flush_interval_ms,
+            flush_bytes=config.flush_bytes,
+            on_dispatched=self._on_dispatched,
+            full_verify=config.full_verify,
+        )
+        self._pending = trio.Semaphore(config.max_pending_appends)
+        self.recovery: RecoveryReport | None = None
+        self.started_at = time.time()
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls, config: StoreConfig, notify: Callable[[set[str]], None] | None = None
+    ) -> AsyncIterator[EmbeddedStore]:
+        """`notify` is called from the writer thread with the names of queues that grew."""
+        Path(config.data_dir).mkdir(parents=True, exist_ok=True)
+        store = await trio.to_thread.run_sync(cls, config, notify)
+        try:
+            store.recovery = await trio.to_thread.run_sync(store.commitlog.open)
+            store._load_routes()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(store._retention_loop)
+                try:
+                    yield store
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(store._close)
+
+    def _close(self) -> None:
+        self.commitlog.close()
+        self.index.close()
+        self.meta.close()
+        log.info("store closed cleanly")
+
+    def _load_routes(self) -> None:
+        for topic_filter, _ in self.meta.items("wildcards"):
+            self.router.register_wildcard(topic_filter)
+        for topic, info in self.meta.items("topics"):
+            self.router.set_partitions(topic, int(info.get("partitions", 1)))
+
+    def _on_dispatched(self, names: set[str]) -> None:
+        if self._notify is not None:
+            self._notify(names)
+
+    # -- writes -----------------------------------------------------------------------
+    async def append(
+        self, messages: list[Message], queues: Sequence[Sequence[str]]
+    ) -> list[Message]:
+        """Append with explicit target queues; returns once durable per the flush mode."""
+        async with self._pending:
+            return await await_future(self.commitlog.append(messages, queues))
+
+    async def publish(self, messages: list[Message]) -> list[Message]:
+        """Append MQTT messages, each routed by its topic (exact, wildcards, partition)."""
+        async with self._pending:
+            return await await_future(self.publish_start(messages))
+
+    def publish_start(self, messages: list[Message]) -> Future:
+        """Submit without waiting: requests are appended in submission order, so a
+        connection can pipeline its publishes and still keep them in order."""
+        for m in messages:
+            validate_topic_name(m.topic)
+        return self.commitlog.append(messages, [self.router.route(m.topic) for m in messages])
+
+    async def send(self, topic: str, messages: list[Message]) -> list[Message]:
+        """Append server-app messages to first-level `topic`; a message whose .topic is an
+        MQTT topic under it is also routed to MQTT subscribers (a command to devices)."""
+        validate_first_level(topic)
+        routes = []
+        for m in messages:
+            if m.topic and m.topic != topic:
+                validate_topic_name(m.topic)
+                if m.topic.split("/", 1)[0] != topic:
+                    raise ValueError(f"MQTT topic {m.topic!r} is not under {topic!r}")
+                routes.append(self.router.route(m.topic))
+            else:
+                m.topic = topic
+                routes.append([self.router.partition_for(topic, m.key or m.client_id or "")])
+        return await self.append(messages, routes)
+
+    # -- reads ------------------------------------------------------------------------
+    async def pull(self, queue: str, offset: int, max_count: int = 32) -> PullResult:
+        """Messages of `queue` from `offset` (clamped to the queue's minimum)."""
+        return await trio.to_thread.run_sync(self.pull_sync, queue, offset, max_count)
+
+    def pull_sync(self, queue: str, offset: int, max_count: int = 32) -> PullResult:
+        max_count = max(1, min(max_count, MAX_PULL))
+        lo = self.index.min_offset(queue)
+        hi = self.index.max_offset(queue)
+        start = max(offset, lo)
+        messages = []
+        next_offset = start
+        for entry in self.index.read(queue, start, max_count):
+            try:
+                msg = self.commitlog.read(entry.phys_offset, entry.size)
+            except KeyError:  # removed by retention after the index read: skip past it
+                next_offset = entry.offset + 1
+                continue
+            messages.append(msg)
+            next_offset = entry.offset + 1
+        return PullResult(messages, next_offset, lo, hi)
+
+    def queue_range(self, queue: str) -> tuple[int, int]:
+        return self.index.min_offset(queue), self.index.max_offset(queue)
+
+    async def get_message(self, msg_id: str) -> Message:
+        return await trio.to_thread.run_sync(self.commitlog.read, parse_msg_id(msg_id))
+
+    async def find_by_key(self, key: str, limit: int = 100) -> list[Message]:
+        def find() -> list[Message]:
+            out = []
+            for phys in self.index.find_key(key, limit):
+                try:
+                    out.append(self.commitlog.read(phys))
+                except KeyError:
+                    continue
+            return out
+
+        return await trio.to_thread.run_sync(find)
+
+    # -- metadata, as the gateway sees it (async: a network call in separated mode) ----
+    async def meta_get(self, cf: str, key: str) -> Any:
+        return self.meta.get(cf, key)
+
+    async def meta_put(self, cf: str, key: str, value: Any) -> None:
+        self.meta.put(cf, key, value)
+
+    async def meta_delete(self, cf: str, key: str) -> None:
+        self.meta.delete(cf, key)
+
+    async def meta_items(
+        self, cf: str, prefix: str = "", limit: int | None = None
+    ) -> list[tuple[str, Any]]:
+        return list(self.meta.items(cf, prefix, limit))
+
+    async def meta_write(self, ops: Sequence[tuple[str, str, str, Any]]) -> None:
+        """Apply ("put"|"delete"|"delete_prefix", cf, key, value) ops atomically."""
+        with self.meta.batch() as batch:
+            for op, cf, key, value in ops:
+                if op == "put":
+                    batch.put(cf, key, value)
+                elif op == "delete":
+                    batch.delete(cf, key)
+                elif op == "delete_prefix":
+                    batch.delete_prefix(cf, key)
+                else:
+                    raise ValueError(f"unknown metadata op {op!r}")
+
+    async def queue_end(self, queue: str) -> int:
+        """One past the last entry of `queue`: where a new subscription starts."""
+        return self.index.max_offset(queue)
+
+    # -- routing metadata -------------------------------------------------------------
+    def register_wildcard(self, topic_filter: str) -> bool:
+        """Index future messages matching `topic_filter` into its wildcard queue."""
+        validate_topic_filter(topic_filter)
+        if not self.router.register_wildcard(topic_filter):
+            return False
+        self.meta.put("wildcards", topic_filter, {"since": int(time.time() * 1000)})
+        return True
+
+    def unregister_wildcard(self, topic_filter: str) -> bool:
+        if not self.router.unregister_wildcard(topic_filter):
+            return False
+        self.meta.delete("wildcards", topic_filter)
+        return True
+
+    def create_topic(self, topic: str, partitions: int) -> None:
+        self.router.set_partitions(topic, partitions)
+        self.meta.put("topics", topic, {"partitions": partitions})
+
+    def topic_queues(self, topic: str) -> list[str]:
+        return [f"{topic}#{p}" for p in range(self.router.partitions(topic))]
+
+    def list_queues(self, prefix: str = "", limit: int = 1000) -> list[QueueStats]:
+        out = []
+        for name in self.index.queues(prefix, limit):
+            lo, hi = self.queue_range(name)
+            kind = (
+                "partition"
+                if split_partition_queue(name)
+                else ("wildcard" if ("+" in name or "#" in name) else "topic")
+            )
+            out.append(QueueStats(name, lo, hi, {"kind": kind}))
+        return out
+
+    # -- housekeeping -----------------------------------------------------------------
+    async def _retention_loop(self) -> None:
+        cfg = self.config
+        if cfg.retention_hours is None and cfg.retention_bytes is None:
+            return
+        while True:
+            await trio.sleep(cfg.retention_check_s)
+            await self.enforce_retention()
+
+    async def enforce_retention(self) -> list[int]:
+        return await trio.to_thread.run_sync(
+            self.commitlog.enforce_retention,
+            self.config.retention_hours,
+            self.config.retention_bytes,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        segs = self.commitlog.segments()
+        return {
+            "commitlog": {
+                "min_offset": self.commitlog.min_offset,
+                "max_offset": self.commitlog.max_offset,
+                "flushed_offset": self.commitlog.flushed_offset,
+                "segments": len(segs),
+                "bytes": sum(size for _, size in segs),
+                "flush": self.config.flush,
+                **self.commitlog.stats,
+            },
+            "index_checkpoint": self.index.checkpoint(),
+            "wildcards": len(self.router.wildcards()),
+            "uptime_s": round(time.time() - self.started_at, 3),
+        }
