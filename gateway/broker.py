@@ -1,0 +1,390 @@
+"""The gateway's shared state: sessions, who is subscribed to which queue, retained
+messages, wills, and the notify loop that wakes sessions (DESIGN.md steps 5-7)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from gateway.cache import QueueCache
+from gateway.mqtt import PublishTemplate, Will
+from gateway.session import (
+    NEVER_EXPIRES,
+    NUL,
+    Outgoing,
+    Session,
+    Subscription,
+    in_key,
+    offset_key,
+    out_key,
+    sub_key,
+)
+from lightqueue.topic import is_wildcard, matches
+from store.record import Message
+
+log = logging.getLogger("lightgate.gateway")
+
+
+@dataclass
+class GatewayConfig:
+    max_inflight: int = 32  # QoS 1/2 messages unacknowledged per client (server side)
+    max_packet_size: int = 16 * 1024 * 1024
+    max_pending_publishes: int = 64  # inbound publishes in the store pipeline per client
+    max_offline_messages: int = 10_000  # per queue of a persistent session; older dropped
+    connect_timeout: float = 10.0
+    pull_batch: int = 64
+    offsets_flush_interval: float = 0.5
+    sys_interval: float = 10.0
+    expiry_check_interval: float = 30.0
+    max_qos: int = 2
+
+
+@dataclass
+class RetainedMessage:
+    topic: str
+    body: bytes
+    qos: int
+    properties: dict[str, Any]
+    client_id: str
+    ts: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"body": self.body, "qos": self.qos, "props": self.properties,
+                "client_id": self.client_id, "ts": self.ts}
+
+    @classmethod
+    def from_meta(cls, topic: str, d: dict[str, Any]) -> RetainedMessage:
+        return cls(topic, d["body"], d["qos"], d.get("props") or {}, d.get("client_id", ""),
+                   d.get("ts", 0))
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.connections = 0
+        self.connects_total = 0
+        self.messages_in = 0
+        self.messages_out = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.dropped = 0
+        self.publish_errors = 0
+
+
+class Broker:
+    def __init__(self, store: Any, config: GatewayConfig | None = None) -> None:
+        self.store = store
+        self.config = config or GatewayConfig()
+        self.sessions: dict[str, Session] = {}
+        self.queue_subs: dict[str, set[Session]] = {}
+        self.cache = QueueCache(store)
+        self.stats = Stats()
+        self._templates: OrderedDict[int, PublishTemplate] = OrderedDict()
+
+    def assign_client_id(self) -> str:
+        """An id for a client that sent none: unique across restarts and gateways."""
+        return f"lg-{uuid.uuid4().hex[:20]}"
+
+    # -- notify -----------------------------------------------------------------------
+    def on_queues_changed(self, names: set[str]) -> None:
+        """Wake every live session subscribed to a queue that grew."""
+        for name in names:
+            if name == "*":  # notify lost events (e.g. Redis reconnect): look everywhere
+                for s in self.sessions.values():
+                    if s.connection is not None:
+                        for q in s.subscriptions:
+                            s.notify(q)
+                continue
+            for session in self.queue_subs.get(name, ()):
+                if session.connection is not None:
+                    session.notify(name)
+
+    async def run_notify(self, bus: Any) -> None:
+        async with bus.subscribe() as events:
+            async for names in events:
+                self.on_queues_changed(names)
+
+    # -- sessions ---------------------------------------------------------------------
+    async def open_session(
+        self, client_id: str, clean_start: bool, expiry: int, version: int
+    ) -> tuple[Session, bool]:
+        """The session for a new connection, and whether one was present."""
+        session = self.sessions.get(client_id)
+        if session is not None and session.connection is not None:
+            await session.connection.take_over()  # closed, will sent, session detached
+            session = self.sessions.get(client_id)
+        if clean_start:
+            if session is not None or await self.store.meta_get("sessions", client_id):
+                await self.discard_session(client_id)
+            session, present = None, False
+        elif session is not None:
+            present = True
+        else:
+            session = await self._load_session(client_id)
+            present = session is not None
+        if session is None:
+            session = Session(client_id, persistent=expiry > 0, version=version, expiry=expiry)
+            self.sessions[client_id] = session
+        session.persistent = expiry > 0
+        session.expiry = expiry
+        session.version = version
+        session.disconnected_at = None
+        if session.persistent:
+            await self.store.meta_put("sessions", client_id, {"version": version,
+                                                               "expiry": expiry})
+        return session, present
+
+    async def _load_session(self, client_id: str) -> Session | None:
+        info = await self.store.meta_get("sessions", client_id)
+        if info is None:
+            return None
+        s = Session(client_id, persistent=True, version=info.get("version", 4),
+                    expiry=info.get("expiry", NEVER_EXPIRES))
+        for key, value in await self.store.meta_items("subscriptions", client_id + NUL):
+            sub = Subscription.from_meta(key.split(NUL, 1)[1], value)
+            s.add_subscription(sub)
+            self._index_sub(s, sub.queue)
+        for sub in s.subscriptions.values():
+            off = await self.store.meta_get("offsets", offset_key(client_id, sub.queue))
+            if off is not None:
+                s.cursors[sub.queue] = off
+        for key, value in await self.store.meta_items("inflight", client_id + NUL):
+            _, direction, pid = key.split(NUL)
+            if direction == "in":
+                s.incoming_qos2.add(int(pid))
+            else:
+                await self._restore_outgoing(s, int(pid), value)
+        self.sessions[client_id] = s
+        log.info("session %r restored from the store (%d subscriptions, %d in flight)",
+                 client_id, len(s.subscriptions), len(s.outgoing))
+        return s
+
+    async def _restore_outgoing(self, s: Session, pid: int, value: dict[str, Any]) -> None:
+        queue, offset, state = value["queue"], value["offset"], value["state"]
+        res = await self.store.pull(queue, offset, 1)
+        if not res.messages or res.messages[0].offset_in(queue) != offset:
+            return  # gone by retention: nothing to resend
+        msg = res.messages[0]
+        qos = value.get("qos", msg.qos)
+        data = self.template(msg).for_subscriber(pid, False, version=s.version, qos=qos,
+                                                 retain=False)
+        s.outgoing[pid] = Outgoing(pid, queue, offset, data, qos, state)
+        s.next_packet_id = pid % 65535 + 1
+
+    async def discard_session(self, client_id: str) -> None:
+        s = self.sessions.pop(client_id, None)
+        if s is not None:
+            for sub in s.subscriptions.values():
+                self._unindex_sub(s, sub.queue)
+        await self.store.meta_write([
+            ("delete", "sessions", client_id, None),
+            ("delete_prefix", "subscriptions", client_id + NUL, None),
+            ("delete_prefix", "offsets", offset_key(client_id, ""), None),
+            ("delete_prefix", "inflight", client_id + NUL, None),
+        ])
+
+    async def session_detached(self, session: Session) -> None:
+        """The connection of `session` closed; keep or drop the session per its expiry."""
+        session.connection = None
+        session.disconnected_at = time.time()
+        if not session.persistent:
+            if self.sessions.get(session.client_id) is session:
+                await self.discard_session(session.client_id)
+            return
+        await self.flush_offsets(session)
+        await self.store.meta_put("sessions", session.client_id, {
+            "version": session.version, "expiry": session.expiry,
+            "disconnected_at": session.disconnected_at,
+        })
+
+    # -- subscriptions ----------------------------------------------------------------
+    def _index_sub(self, s: Session, queue: str) -> None:
+        self.queue_subs.setdefault(queue, set()).add(s)
+
+    def _unindex_sub(self, s: Session, queue: str) -> None:
+        subs = self.queue_subs.get(queue)
+        if subs is not None:
+            subs.discard(s)
+            if not subs:
+                del self.queue_subs[queue]
+
+    async def subscribe(self, s: Session, sub: Subscription) -> bool:
+        """Add or replace a subscription; a new one starts at its queue's end."""
+        if is_wildcard(sub.topic_filter):
+            self.store.register_wildcard(sub.topic_filter)  # no admin step (rocketmq-mqtt #196)
+        new = s.add_subscription(sub)
+        if new:
+            s.cursors[sub.queue] = await self.store.queue_end(sub.queue)
+            s.offsets_dirty.add(sub.queue)
+        self._index_sub(s, sub.queue)
+        if s.persistent:
+            await self.store.meta_put("subscriptions", sub_key(s.client_id, sub.topic_filter),
+                                      sub.to_meta())
+            await self.flush_offsets(s)
+        return new
+
+    async def unsubscribe(self, s: Session, topic_filter: str) -> bool:
+        sub = s.subscriptions.get(topic_filter)
+        if sub is None:
+            return False
+        s.remove_subscription(topic_filter)
+        self._unindex_sub(s, sub.queue)
+        if s.persistent:
+            await self.store.meta_write([
+                ("delete", "subscriptions", sub_key(s.client_id, topic_filter), None),
+                ("delete", "offsets", offset_key(s.client_id, sub.queue), None),
+            ])
+        return True
+
+    async def flush_offsets(self, s: Session) -> None:
+        """Persist where each queue of `s` resumes: the first unacknowledged offset."""
+        if not s.persistent or not s.offsets_dirty:
+            return
+        ops = []
+        for queue in s.offsets_dirty:
+            off = s.acked_offset(queue)
+            if off is not None and queue in s.subscriptions:
+                ops.append(("put", "offsets", offset_key(s.client_id, queue), off))
+        s.offsets_dirty.clear()
+        if ops:
+            await self.store.meta_write(ops)
+
+    async def persist_outgoing(self, s: Session, o: Outgoing) -> None:
+        if s.persistent and o.queue is not None:
+            await self.store.meta_put("inflight", out_key(s.client_id, o.packet_id),
+                                      {"queue": o.queue, "offset": o.offset, "state": o.state,
+                                       "qos": o.qos})
+
+    async def forget_outgoing(self, s: Session, o: Outgoing) -> None:
+        if s.persistent and o.queue is not None:
+            await self.store.meta_delete("inflight", out_key(s.client_id, o.packet_id))
+            s.offsets_dirty.add(o.queue)
+
+    async def remember_incoming_qos2(self, s: Session, pid: int, done: bool) -> None:
+        if s.persistent:
+            if done:
+                await self.store.meta_delete("inflight", in_key(s.client_id, pid))
+            else:
+                await self.store.meta_put("inflight", in_key(s.client_id, pid), {})
+
+    # -- messages ---------------------------------------------------------------------
+    def template(self, msg: Message) -> PublishTemplate:
+        """Encode once per message, stamp per subscriber (cached across subscribers)."""
+        t = self._templates.get(msg.phys_offset)
+        if t is None:
+            props = {k: v for k, v in msg.properties.items() if k != "topic_alias"}
+            t = PublishTemplate(msg.topic, msg.body, msg.qos, msg.retain, props)
+            self._templates[msg.phys_offset] = t
+            if len(self._templates) > 4096:
+                self._templates.popitem(last=False)
+        return t
+
+    async def publish_message(self, msg: Message) -> Message:
+        """Store one message (a will, a $SYS value) and keep it retained if flagged."""
+        [stored] = await self.store.publish([msg])
+        if msg.retain:
+            await self.set_retained(stored)
+        return stored
+
+    async def publish_will(self, s: Session, will: Will) -> None:
+        msg = Message(will.topic, will.payload, will.qos, will.retain, s.client_id,
+                      dict(will.properties), born_ts=int(time.time() * 1000))
+        try:
+            await self.publish_message(msg)
+            log.info("will of %r published on %r", s.client_id, will.topic)
+        except Exception:
+            log.exception("will of %r could not be published", s.client_id)
+
+    async def set_retained(self, msg: Message) -> None:
+        if msg.body:
+            r = RetainedMessage(msg.topic, msg.body, msg.qos, msg.properties, msg.client_id,
+                                msg.store_ts)
+            await self.store.meta_put("retained", msg.topic, r.to_meta())
+        else:  # an empty retained payload clears the topic's retained message
+            await self.store.meta_delete("retained", msg.topic)
+
+    async def retained_for(self, topic_filter: str) -> list[RetainedMessage]:
+        if not is_wildcard(topic_filter):
+            d = await self.store.meta_get("retained", topic_filter)
+            return [RetainedMessage.from_meta(topic_filter, d)] if d else []
+        # Scan only the literal prefix before the first wildcard level.
+        literal = []
+        for level in topic_filter.split("/"):
+            if level in ("+", "#"):
+                break
+            literal.append(level)
+        prefix = "/".join(literal)  # 'a/#' matches 'a' itself: no trailing slash
+        out = []
+        for topic, d in await self.store.meta_items("retained", prefix):
+            if matches(topic_filter, topic):
+                out.append(RetainedMessage.from_meta(topic, d))
+        return out
+
+    # -- housekeeping -----------------------------------------------------------------
+    async def run_housekeeping(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._offsets_loop)
+            nursery.start_soon(self._expiry_loop)
+            nursery.start_soon(self._sys_loop)
+
+    async def _offsets_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.offsets_flush_interval)
+            for s in list(self.sessions.values()):
+                if s.offsets_dirty:
+                    await self.flush_offsets(s)
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await self.expire_sessions()
+            await trio.sleep(self.config.expiry_check_interval)
+
+    async def expire_sessions(self) -> int:
+        now = time.time()
+        gone = 0
+        for client_id, info in await self.store.meta_items("sessions"):
+            s = self.sessions.get(client_id)
+            if s is not None:
+                if s.expired(now):
+                    await self.discard_session(client_id)
+                    gone += 1
+                continue
+            at, expiry = info.get("disconnected_at"), info.get("expiry", NEVER_EXPIRES)
+            if at is not None and expiry != NEVER_EXPIRES and now - at >= expiry:
+                await self.discard_session(client_id)
+                gone += 1
+        return gone
+
+    async def _sys_loop(self) -> None:
+        while True:
+            await self.publish_sys()
+            await trio.sleep(self.config.sys_interval)
+
+    async def publish_sys(self) -> None:
+        st = self.stats
+        store_stats = self.store.stats()["commitlog"]
+        values = {
+            "$SYS/broker/uptime": f"{int(time.time() - st.started)} seconds",
+            "$SYS/broker/clients/connected": st.connections,
+            "$SYS/broker/clients/total": len(self.sessions),
+            "$SYS/broker/messages/received": st.messages_in,
+            "$SYS/broker/messages/sent": st.messages_out,
+            "$SYS/broker/bytes/received": st.bytes_in,
+            "$SYS/broker/bytes/sent": st.bytes_out,
+            "$SYS/broker/store/bytes": store_stats["bytes"],
+            "$SYS/broker/store/segments": store_stats["segments"],
+        }
+        msgs = [Message(t, str(v).encode(), 0, True, "$SYS", born_ts=int(time.time() * 1000))
+                for t, v in values.items()]
+        try:
+            for stored in await self.store.publish(msgs):
+                await self.set_retained(stored)
+        except Exception:
+            log.exception("$SYS publish failed")
+

@@ -1,0 +1,84 @@
+"""Per-gateway message cache: N subscribers of one queue cost one store read.
+
+Each queue keeps a window of its most recent messages by offset. Sessions pulling the
+same queue at nearby offsets (the normal case right after a notify event) are served
+from the window; only one of them at a time fetches from the store, the others wait
+for that fetch and then read the window.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from store.record import Message
+
+
+@dataclass
+class _Window:
+    base: int = 0  # offset of messages[0]
+    messages: list[Message] = field(default_factory=list)
+    lock: trio.Lock = field(default_factory=trio.Lock)
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.messages)
+
+    def slice(self, offset: int, max_count: int) -> list[Message]:
+        i = offset - self.base
+        return self.messages[i : i + max_count]
+
+
+class QueueCache:
+    def __init__(self, store: Any, *, window: int = 512, max_queues: int = 10_000) -> None:
+        self.store = store
+        self.window = window
+        self.max_queues = max_queues
+        self._queues: OrderedDict[str, _Window] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def _get(self, queue: str) -> _Window:
+        w = self._queues.get(queue)
+        if w is None:
+            w = self._queues[queue] = _Window()
+            while len(self._queues) > self.max_queues:
+                self._queues.popitem(last=False)
+        else:
+            self._queues.move_to_end(queue)
+        return w
+
+    async def pull(self, queue: str, offset: int, max_count: int = 64) -> tuple[list[Message], int]:
+        """Messages from `offset` on and the offset to continue from (which may jump
+        forward when retention removed the messages at `offset`)."""
+        w = self._get(queue)
+        if w.base <= offset < w.end:
+            self.hits += 1
+            return w.slice(offset, max_count), offset
+        async with w.lock:
+            if w.base <= offset < w.end:  # someone else fetched it while we waited
+                self.hits += 1
+                return w.slice(offset, max_count), offset
+            self.misses += 1
+            res = await self.store.pull(queue, offset, max(max_count, 64))
+            msgs = res.messages
+            if not msgs:
+                return [], max(offset, res.min_offset)
+            start = msgs[0].offset_in(queue)
+            if start == w.end and w.messages:  # extends the window: keep it contiguous
+                w.messages.extend(msgs)
+            else:
+                w.base, w.messages = start, list(msgs)
+            if len(w.messages) > self.window:
+                drop = len(w.messages) - self.window
+                w.messages = w.messages[drop:]
+                w.base += drop
+            return w.slice(start, max_count), start
+
+    @property
+    def hit_ratio(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0

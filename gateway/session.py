@@ -1,0 +1,160 @@
+"""MQTT session state: what survives a disconnect, and how it is kept in the store.
+
+Metadata layout (column family: key -> value):
+    sessions:      client_id -> {"version", "expiry", "disconnected_at"}
+    subscriptions: client_id NUL filter -> {"qos", "nl", "rap", "rh", "sid"}
+    offsets:       "mqtt" NUL client_id NUL queue -> next offset to deliver (all before acked)
+    inflight:      client_id NUL "out" NUL packet_id -> {"queue", "offset", "state"}
+                   client_id NUL "in" NUL packet_id -> {}   (QoS 2 received, awaiting PUBREL)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from gateway.mqtt import SubscriptionOptions, Will
+from lightqueue.trie import TopicTrie
+
+NUL = "\x00"
+NEVER_EXPIRES = 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class Subscription:
+    topic_filter: str
+    options: SubscriptionOptions
+    subscription_id: int | None = None
+
+    @property
+    def queue(self) -> str:
+        # A subscription reads the light queue named by its filter: the exact-topic queue
+        # for a plain topic, the wildcard queue for a wildcard filter.
+        return self.topic_filter
+
+    def to_meta(self) -> dict[str, Any]:
+        o = self.options
+        return {"qos": o.qos, "nl": o.no_local, "rap": o.retain_as_published,
+                "rh": o.retain_handling, "sid": self.subscription_id}
+
+    @classmethod
+    def from_meta(cls, topic_filter: str, d: dict[str, Any]) -> Subscription:
+        opts = SubscriptionOptions(d["qos"], d.get("nl", False), d.get("rap", False),
+                                   d.get("rh", 0))
+        return cls(topic_filter, opts, d.get("sid"))
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """A QoS 1/2 PUBLISH sent and not yet completed."""
+
+    packet_id: int
+    queue: str | None  # None for retained messages sent on subscribe
+    offset: int
+    data: bytes  # the encoded PUBLISH without DUP (resent with DUP on reconnect)
+    qos: int
+    state: str = "publish"  # "publish": awaiting PUBACK/PUBREC; "pubrel": awaiting PUBCOMP
+    dup_data: bytes = b""
+
+
+@dataclass(eq=False)  # identity: sessions live in sets
+class Session:
+    client_id: str
+    persistent: bool
+    version: int = 4
+    expiry: int = 0  # seconds after disconnect (v5); persistent 3.1.1 sessions: NEVER
+    subscriptions: dict[str, Subscription] = field(default_factory=dict)
+    trie: TopicTrie[str] = field(default_factory=TopicTrie)
+    cursors: dict[str, int] = field(default_factory=dict)  # queue -> next offset to send
+    outgoing: OrderedDict[int, Outgoing] = field(default_factory=OrderedDict)
+    incoming_qos2: set[int] = field(default_factory=set)
+    will: Will | None = None
+    connection: Any = None  # the live Connection, or None while offline
+    disconnected_at: float | None = None
+    dirty: set[str] = field(default_factory=set)  # queues with news since the last look
+    wakeup: trio.Event = field(default_factory=trio.Event)
+    recent: OrderedDict[int, None] = field(default_factory=OrderedDict)  # delivered phys offsets
+    next_packet_id: int = 1
+    offsets_dirty: set[str] = field(default_factory=set)
+
+    # -- subscriptions ----------------------------------------------------------------
+    def add_subscription(self, sub: Subscription) -> bool:
+        """True if new (a replaced subscription keeps its queue position)."""
+        new = sub.topic_filter not in self.subscriptions
+        self.subscriptions[sub.topic_filter] = sub
+        self.trie.add(sub.topic_filter, sub.topic_filter)
+        return new
+
+    def remove_subscription(self, topic_filter: str) -> bool:
+        sub = self.subscriptions.pop(topic_filter, None)
+        if sub is None:
+            return False
+        self.trie.remove(topic_filter, topic_filter)
+        self.cursors.pop(sub.queue, None)
+        self.dirty.discard(sub.queue)
+        return True
+
+    def matching(self, topic: str) -> list[Subscription]:
+        return [self.subscriptions[f] for f in self.trie.match(topic) if f in self.subscriptions]
+
+    # -- delivery bookkeeping ---------------------------------------------------------
+    def notify(self, queue: str) -> None:
+        self.dirty.add(queue)
+        self.wakeup.set()
+
+    def take_dirty(self) -> set[str]:
+        dirty, self.dirty = self.dirty, set()
+        self.wakeup = trio.Event()
+        return dirty
+
+    def seen(self, phys_offset: int) -> bool:
+        """Remember a delivered message; True if it was delivered already (overlapping
+        subscriptions put one message in several queues: one copy goes out)."""
+        if phys_offset in self.recent:
+            return True
+        self.recent[phys_offset] = None
+        if len(self.recent) > 10_000:
+            self.recent.popitem(last=False)
+        return False
+
+    def allocate_packet_id(self) -> int:
+        for _ in range(65535):
+            pid = self.next_packet_id
+            self.next_packet_id = pid % 65535 + 1
+            if pid not in self.outgoing:
+                return pid
+        raise RuntimeError("no free packet id")  # the in-flight window prevents this
+
+    def acked_offset(self, queue: str) -> int | None:
+        """Lowest offset of `queue` not yet acknowledged: where a resume starts."""
+        pending = [o.offset for o in self.outgoing.values() if o.queue == queue]
+        if pending:
+            return min(pending)
+        return self.cursors.get(queue)
+
+    def expired(self, now: float | None = None) -> bool:
+        if self.connection is not None or self.disconnected_at is None:
+            return False
+        if self.expiry == NEVER_EXPIRES:
+            return False
+        return (now or time.time()) - self.disconnected_at >= self.expiry
+
+
+def sub_key(client_id: str, topic_filter: str) -> str:
+    return f"{client_id}{NUL}{topic_filter}"
+
+
+def offset_key(client_id: str, queue: str) -> str:
+    return f"mqtt{NUL}{client_id}{NUL}{queue}"
+
+
+def out_key(client_id: str, packet_id: int) -> str:
+    return f"{client_id}{NUL}out{NUL}{packet_id:05d}"
+
+
+def in_key(client_id: str, packet_id: int) -> str:
+    return f"{client_id}{NUL}in{NUL}{packet_id:05d}"

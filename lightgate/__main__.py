@@ -1,0 +1,3 @@
+from lightgate.cli import main
+
+main()
