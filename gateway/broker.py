@@ -151,9 +151,13 @@ class Broker:
             s.add_subscription(sub)
             self._index_sub(s, sub.queue)
         for sub in s.subscriptions.values():
-            off = await self.store.meta_get("offsets", offset_key(client_id, sub.queue))
-            if off is not None:
-                s.cursors[sub.queue] = off
+            pos = await self.store.meta_get("offsets", offset_key(client_id, sub.queue))
+            if pos is not None:
+                # Resume at the first unacknowledged offset; what lies between it and the
+                # next unsent one was acknowledged or is resent from the in-flight state.
+                s.cursors[sub.queue] = pos["acked"]
+                if pos["next"] > pos["acked"]:
+                    s.restored_upto[sub.queue] = pos["next"] - 1
         for key, value in await self.store.meta_items("inflight", client_id + NUL):
             _, direction, pid = key.split(NUL)
             if direction == "in":
@@ -175,6 +179,7 @@ class Broker:
         data = self.template(msg).for_subscriber(pid, False, version=s.version, qos=qos,
                                                  retain=False)
         s.outgoing[pid] = Outgoing(pid, queue, offset, data, qos, state)
+        s.restored_upto[queue] = max(offset, s.restored_upto.get(queue, -1))
         s.next_packet_id = pid % 65535 + 1
 
     async def discard_session(self, client_id: str) -> None:
@@ -248,9 +253,10 @@ class Broker:
             return
         ops = []
         for queue in s.offsets_dirty:
-            off = s.acked_offset(queue)
-            if off is not None and queue in s.subscriptions:
-                ops.append(("put", "offsets", offset_key(s.client_id, queue), off))
+            acked = s.acked_offset(queue)
+            if acked is not None and queue in s.subscriptions:
+                pos = {"acked": acked, "next": s.cursors.get(queue, acked)}
+                ops.append(("put", "offsets", offset_key(s.client_id, queue), pos))
         s.offsets_dirty.clear()
         if ops:
             await self.store.meta_write(ops)

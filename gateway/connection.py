@@ -475,6 +475,12 @@ class Connection:
                 s.offsets_dirty.add(queue)
 
     async def _deliver(self, s: Session, queue: str, msg: Message) -> None:
+        if s.restored_upto:
+            upto = s.restored_upto.get(queue)
+            if upto is not None:
+                if msg.offset_in(queue) <= upto:
+                    return  # sent before a restart: acknowledged, or resent with DUP
+                del s.restored_upto[queue]
         subs = s.matching(msg.topic)
         if not subs:
             return
@@ -501,10 +507,11 @@ class Connection:
         pid = s.allocate_packet_id()
         data = template.for_subscriber(pid, False, version=self.version, qos=qos,
                                        retain=retain, subscription_ids=sids)
+        log.debug("deliver %r %s@%d pid=%d qos=%d", s.client_id, queue, msg.offset_in(queue),
+                  pid, qos)
         o = Outgoing(pid, queue, msg.offset_in(queue), data, qos)
         s.outgoing[pid] = o
-        if qos == 2:
-            await self.broker.persist_outgoing(s, o)
+        await self.broker.persist_outgoing(s, o)  # persistent sessions only
         await self.send(data)
         self.broker.stats.messages_out += 1
 

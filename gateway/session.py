@@ -3,7 +3,8 @@
 Metadata layout (column family: key -> value):
     sessions:      client_id -> {"version", "expiry", "disconnected_at"}
     subscriptions: client_id NUL filter -> {"qos", "nl", "rap", "rh", "sid"}
-    offsets:       "mqtt" NUL client_id NUL queue -> next offset to deliver (all before acked)
+    offsets:       "mqtt" NUL client_id NUL queue -> {"acked": first unacknowledged offset,
+                                                      "next": first offset not yet sent}
     inflight:      client_id NUL "out" NUL packet_id -> {"queue", "offset", "state"}
                    client_id NUL "in" NUL packet_id -> {}   (QoS 2 received, awaiting PUBREL)
 """
@@ -80,6 +81,10 @@ class Session:
     recent: OrderedDict[int, None] = field(default_factory=OrderedDict)  # delivered phys offsets
     next_packet_id: int = 1
     offsets_dirty: set[str] = field(default_factory=set)
+    # queue -> highest offset in flight when the session was restored from the store. A
+    # resume reads from the first unacked offset; everything up to here was either
+    # acknowledged or is being resent with DUP, so it is not sent again.
+    restored_upto: dict[str, int] = field(default_factory=dict)
 
     # -- subscriptions ----------------------------------------------------------------
     def add_subscription(self, sub: Subscription) -> bool:
