@@ -31,9 +31,10 @@ STORE_SETTINGS: list[tuple[str, Any, Any, str]] = [
 HTTP_SETTING = ("http", str, "127.0.0.1:18083", "HTTP (dashboard, admin API, metrics) HOST:PORT")
 GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("mqtt", str, "0.0.0.0:1883", "MQTT over TCP HOST:PORT"),
-    ("notify", str, None, "notify transport: omit for in-process, or redis://HOST:PORT"),
+    ("notify", str, None, "notify transport between nodes (default: in-process)"),
     ("max-inflight", int, 32, "unacknowledged QoS 1/2 messages per client"),
     ("max-packet-size", int, 16 * 1024 * 1024, "largest MQTT packet accepted, in bytes"),
+    ("max-pending-publishes", int, 64, "publishes per client in the store pipeline at once"),
     ("max-offline-messages", int, 10_000,
      "per queue of an offline persistent session; older ones are dropped on reconnect"),
     ("sys-interval", float, 10.0, "seconds between $SYS/broker/... updates"),
@@ -96,6 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     gateway = GatewayConfig(
         max_inflight=values["max_inflight"],
         max_packet_size=values["max_packet_size"],
+        max_pending_publishes=values["max_pending_publishes"],
         max_offline_messages=values["max_offline_messages"],
         sys_interval=values["sys_interval"],
     )
