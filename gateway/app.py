@@ -48,7 +48,7 @@ async def run_serve(opts: ServeOptions) -> None:
             )
         broker = Broker(store, opts.gateway)
         nursery.start_soon(broker.run_notify, bus)
-        nursery.start_soon(broker.run_housekeeping)
+        await nursery.start(broker.run_housekeeping)
         mqtt_addr = await nursery.start(serve_mqtt_tcp, broker, opts.mqtt)
         http_addr = await nursery.start(serve_http, make_app(store_routes(store)), opts.http)
         print(f"ready mqtt={mqtt_addr} http={http_addr}", flush=True)

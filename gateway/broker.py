@@ -25,6 +25,7 @@ from gateway.session import (
     out_key,
     sub_key,
 )
+from gateway.shared import SharedGroup, group_key
 from lightqueue.topic import is_wildcard, matches
 from store.record import Message
 
@@ -43,6 +44,8 @@ class GatewayConfig:
     sys_interval: float = 10.0
     expiry_check_interval: float = 30.0
     max_qos: int = 2
+    max_keepalive: int = 0  # 0: accept any; else clients get Server Keep Alive (v5)
+    topic_alias_maximum: int = 64  # per connection, client to server (v5)
 
 
 @dataclass
@@ -53,15 +56,20 @@ class RetainedMessage:
     properties: dict[str, Any]
     client_id: str
     ts: int
+    phys_offset: int = -1  # where it is in the CommitLog (while retention keeps it)
 
     def to_meta(self) -> dict[str, Any]:
         return {"body": self.body, "qos": self.qos, "props": self.properties,
-                "client_id": self.client_id, "ts": self.ts}
+                "client_id": self.client_id, "ts": self.ts, "phys": self.phys_offset}
 
     @classmethod
     def from_meta(cls, topic: str, d: dict[str, Any]) -> RetainedMessage:
         return cls(topic, d["body"], d["qos"], d.get("props") or {}, d.get("client_id", ""),
-                   d.get("ts", 0))
+                   d.get("ts", 0), d.get("phys", -1))
+
+    def to_message(self) -> Message:
+        return Message(self.topic, self.body, self.qos, True, self.client_id, self.properties,
+                       store_ts=self.ts, phys_offset=self.phys_offset)
 
 
 class Stats:
@@ -74,7 +82,9 @@ class Stats:
         self.bytes_in = 0
         self.bytes_out = 0
         self.dropped = 0
+        self.expired = 0
         self.publish_errors = 0
+        self.wills = 0
 
 
 class Broker:
@@ -86,6 +96,10 @@ class Broker:
         self.cache = QueueCache(store)
         self.stats = Stats()
         self._templates: OrderedDict[int, PublishTemplate] = OrderedDict()
+        self.groups: dict[tuple[str, str], SharedGroup] = {}
+        self._group_scopes: dict[tuple[str, str], trio.CancelScope] = {}
+        self.queue_groups: dict[str, set[SharedGroup]] = {}
+        self._nursery: trio.Nursery | None = None
 
     def assign_client_id(self) -> str:
         """An id for a client that sent none: unique across restarts and gateways."""
@@ -104,6 +118,8 @@ class Broker:
             for session in self.queue_subs.get(name, ()):
                 if session.connection is not None:
                     session.notify(name)
+            for group in self.queue_groups.get(name, ()):
+                group.wake()
 
     async def run_notify(self, bus: Any) -> None:
         async with bus.subscribe() as events:
@@ -149,8 +165,14 @@ class Broker:
         for key, value in await self.store.meta_items("subscriptions", client_id + NUL):
             sub = Subscription.from_meta(key.split(NUL, 1)[1], value)
             s.add_subscription(sub)
-            self._index_sub(s, sub.queue)
+            if sub.shared:
+                (await self._group(*sub.shared)).add(s)
+                s.groups.add(self.groups[sub.shared])
+            else:
+                self._index_sub(s, sub.queue)
         for sub in s.subscriptions.values():
+            if sub.shared:
+                continue
             pos = await self.store.meta_get("offsets", offset_key(client_id, sub.queue))
             if pos is not None:
                 # Resume at the first unacknowledged offset; what lies between it and the
@@ -185,8 +207,11 @@ class Broker:
     async def discard_session(self, client_id: str) -> None:
         s = self.sessions.pop(client_id, None)
         if s is not None:
-            for sub in s.subscriptions.values():
-                self._unindex_sub(s, sub.queue)
+            for sub in list(s.subscriptions.values()):
+                if sub.shared:
+                    await self._leave_group(s, sub.shared)
+                else:
+                    self._unindex_sub(s, sub.queue)
         await self.store.meta_write([
             ("delete", "sessions", client_id, None),
             ("delete_prefix", "subscriptions", client_id + NUL, None),
@@ -207,6 +232,8 @@ class Broker:
             "version": session.version, "expiry": session.expiry,
             "disconnected_at": session.disconnected_at,
         })
+        if session.expiry != NEVER_EXPIRES:
+            self._spawn(self._expire_later, session)
 
     # -- subscriptions ----------------------------------------------------------------
     def _index_sub(self, s: Session, queue: str) -> None:
@@ -221,13 +248,18 @@ class Broker:
 
     async def subscribe(self, s: Session, sub: Subscription) -> bool:
         """Add or replace a subscription; a new one starts at its queue's end."""
-        if is_wildcard(sub.topic_filter):
-            self.store.register_wildcard(sub.topic_filter)  # no admin step (rocketmq-mqtt #196)
+        if is_wildcard(sub.queue):
+            self.store.register_wildcard(sub.queue)  # no admin step (rocketmq-mqtt #196)
         new = s.add_subscription(sub)
-        if new:
-            s.cursors[sub.queue] = await self.store.queue_end(sub.queue)
-            s.offsets_dirty.add(sub.queue)
-        self._index_sub(s, sub.queue)
+        if sub.shared:
+            group = await self._group(*sub.shared)
+            group.add(s)
+            s.groups.add(group)
+        else:
+            if new:
+                s.cursors[sub.queue] = await self.store.queue_end(sub.queue)
+                s.offsets_dirty.add(sub.queue)
+            self._index_sub(s, sub.queue)
         if s.persistent:
             await self.store.meta_put("subscriptions", sub_key(s.client_id, sub.topic_filter),
                                       sub.to_meta())
@@ -239,13 +271,90 @@ class Broker:
         if sub is None:
             return False
         s.remove_subscription(topic_filter)
-        self._unindex_sub(s, sub.queue)
+        if sub.shared:
+            await self._leave_group(s, sub.shared)
+        else:
+            self._unindex_sub(s, sub.queue)
         if s.persistent:
             await self.store.meta_write([
                 ("delete", "subscriptions", sub_key(s.client_id, topic_filter), None),
                 ("delete", "offsets", offset_key(s.client_id, sub.queue), None),
             ])
         return True
+
+    # -- shared subscriptions -----------------------------------------------------------
+    async def _group(self, group: str, topic_filter: str) -> SharedGroup:
+        key = (group, topic_filter)
+        g = self.groups.get(key)
+        if g is not None:
+            return g
+        pos = await self.store.meta_get("offsets", group_key(group, topic_filter))
+        cursor = pos["acked"] if pos else await self.store.queue_end(topic_filter)
+        g = self.groups[key] = SharedGroup(self, group, topic_filter, cursor)
+        self.queue_groups.setdefault(topic_filter, set()).add(g)
+        assert self._nursery is not None, "housekeeping must run before clients connect"
+        scope = self._group_scopes[key] = trio.CancelScope()
+        self._nursery.start_soon(self._run_group, g, scope)
+        return g
+
+    async def _run_group(self, g: SharedGroup, scope: trio.CancelScope) -> None:
+        with scope:
+            await g.run()
+
+    async def _leave_group(self, s: Session, shared: tuple[str, str]) -> None:
+        g = self.groups.get(shared)
+        if g is None:
+            return
+        g.remove(s)
+        s.groups.discard(g)
+        if not g.members:  # nobody left: the group and its position go
+            del self.groups[shared]
+            self.queue_groups[g.queue].discard(g)
+            if not self.queue_groups[g.queue]:
+                del self.queue_groups[g.queue]
+            self._group_scopes.pop(shared).cancel()
+            await self.store.meta_delete("offsets", group_key(*shared))
+
+    async def flush_group_offsets(self) -> None:
+        ops = []
+        for g in self.groups.values():
+            if g.dirty:
+                g.dirty = False
+                ops.append(("put", "offsets", group_key(g.group, g.filter),
+                            {"acked": g.acked_offset(), "next": g.cursor}))
+        if ops:
+            await self.store.meta_write(ops)
+
+    # -- wills and expiry ---------------------------------------------------------------
+    def schedule_will(self, s: Session, will: Will) -> None:
+        """Publish the will now, or after its Will Delay Interval unless the client is
+        back by then (MQTT 5 §3.1.3.2.2); never later than the session's end."""
+        delay = int(will.properties.get("will_delay_interval", 0))
+        if s.persistent and s.expiry != NEVER_EXPIRES:
+            delay = min(delay, s.expiry)
+        elif not s.persistent:
+            delay = 0
+        if delay <= 0 or self._nursery is None:
+            self._spawn(self.publish_will, s, will)
+        else:
+            self._spawn(self._delayed_will, s, will, delay)
+
+    async def _delayed_will(self, s: Session, will: Will, delay: float) -> None:
+        await trio.sleep(delay)
+        current = self.sessions.get(s.client_id)
+        if current is s and s.connection is not None:
+            return  # reconnected in time: no will
+        await self.publish_will(s, will)
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
+
+    async def _expire_later(self, s: Session) -> None:
+        await trio.sleep(s.expiry)
+        if self.sessions.get(s.client_id) is s and s.expired():
+            log.info("session %r expired after %ds offline", s.client_id, s.expiry)
+            await self.discard_session(s.client_id)
 
     async def flush_offsets(self, s: Session) -> None:
         """Persist where each queue of `s` resumes: the first unacknowledged offset."""
@@ -282,6 +391,8 @@ class Broker:
     # -- messages ---------------------------------------------------------------------
     def template(self, msg: Message) -> PublishTemplate:
         """Encode once per message, stamp per subscriber (cached across subscribers)."""
+        if msg.phys_offset < 0:  # not from the log (no identity to cache it by)
+            return PublishTemplate(msg.topic, msg.body, msg.qos, msg.retain, msg.properties)
         t = self._templates.get(msg.phys_offset)
         if t is None:
             props = {k: v for k, v in msg.properties.items() if k != "topic_alias"}
@@ -299,10 +410,12 @@ class Broker:
         return stored
 
     async def publish_will(self, s: Session, will: Will) -> None:
+        props = {k: v for k, v in will.properties.items() if k != "will_delay_interval"}
         msg = Message(will.topic, will.payload, will.qos, will.retain, s.client_id,
-                      dict(will.properties), born_ts=int(time.time() * 1000))
+                      props, born_ts=int(time.time() * 1000))
         try:
             await self.publish_message(msg)
+            self.stats.wills += 1
             log.info("will of %r published on %r", s.client_id, will.topic)
         except Exception:
             log.exception("will of %r could not be published", s.client_id)
@@ -310,7 +423,7 @@ class Broker:
     async def set_retained(self, msg: Message) -> None:
         if msg.body:
             r = RetainedMessage(msg.topic, msg.body, msg.qos, msg.properties, msg.client_id,
-                                msg.store_ts)
+                                msg.store_ts, msg.phys_offset)
             await self.store.meta_put("retained", msg.topic, r.to_meta())
         else:  # an empty retained payload clears the topic's retained message
             await self.store.meta_delete("retained", msg.topic)
@@ -333,8 +446,13 @@ class Broker:
         return out
 
     # -- housekeeping -----------------------------------------------------------------
-    async def run_housekeeping(self) -> None:
+    async def run_housekeeping(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Background work: offsets, expiry, $SYS, shared groups, delayed wills."""
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
             nursery.start_soon(self._offsets_loop)
             nursery.start_soon(self._expiry_loop)
             nursery.start_soon(self._sys_loop)
@@ -345,6 +463,7 @@ class Broker:
             for s in list(self.sessions.values()):
                 if s.offsets_dirty:
                     await self.flush_offsets(s)
+            await self.flush_group_offsets()
 
     async def _expiry_loop(self) -> None:
         while True:

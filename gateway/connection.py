@@ -12,6 +12,7 @@ import trio
 from gateway import mqtt
 from gateway.broker import Broker
 from gateway.mqtt import (
+    Auth,
     Connack,
     Connect,
     Disconnect,
@@ -31,13 +32,14 @@ from gateway.mqtt import (
 )
 from gateway.mqtt import reason as rc
 from gateway.session import NEVER_EXPIRES, Outgoing, Session, Subscription
-from store.commitlog import StoreError
+from gateway.shared import SharedGroup, parse_shared
+from store.commitlog import StoreError, StoreFullError
 from store.record import Message
 from store.service import await_future
 
 log = logging.getLogger("lightgate.gateway.conn")
 
-_PUBLISH_IN_ORDER = object()  # marks an ack that needs no store wait
+_NO_STORE_WAIT = object()  # an acker item that needs no store acknowledgement
 
 
 class Closing(Exception):
@@ -59,17 +61,22 @@ class Connection:
         self.version = 4
         self.session: Session | None = None
         self.keepalive = 0
-        self.receive_maximum = self.config.max_inflight
+        self.receive_maximum = self.config.max_inflight  # the client's, for our sends
         self.client_max_packet = 268_435_455
+        self.problem_info = True
+        self.alive = True
         self._out_send, self._out_recv = trio.open_memory_channel[bytes](256)
-        self._acks_send, self._acks_recv = trio.open_memory_channel[tuple[Any, Publish]](
+        self._acks_send, self._acks_recv = trio.open_memory_channel[tuple[Any, Any]](
             self.config.max_pending_publishes
         )
+        self._inbound_unacked = 0  # QoS 1/2 publishes not yet acknowledged to the client
         self._window = trio.Event()  # set when an in-flight slot frees up
         self._cancel = trio.CancelScope()
         self._detached = trio.Event()
         self._taken_over = False
         self._aliases_in: dict[int, str] = {}
+        self._aliases_out: dict[str, int] = {}
+        self._alias_out_max = 0
 
     # -- lifecycle --------------------------------------------------------------------
     async def run(self) -> None:
@@ -86,30 +93,40 @@ class Connection:
                         closing = Closing(f"protocol error: {exc}", True, exc.reason_code)
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                         closing = Closing(f"connection lost: {exc!r}")
-                    if closing is not None and closing.reason_code and self.version == 5 \
-                            and self.session is not None:
-                        await self._send_now(mqtt.encode(
-                            Disconnect(closing.reason_code, {"reason_string": str(closing)}), 5))
                     nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
                 await self._close(closing)
 
     async def _close(self, closing: Closing | None) -> None:
-        if closing is None:
-            closing = Closing("taken over" if self._taken_over else "closed")
+        self.alive = False
+        if closing is None:  # cancelled from outside: a takeover or a server shutdown
+            closing = Closing("taken over") if self._taken_over else Closing(
+                "server shutting down", True, rc.SERVER_SHUTTING_DOWN)
         s = self.session
+        if s is not None and closing.reason_code and self.version == 5 and not self._taken_over:
+            with trio.move_on_after(0.5):
+                await self._send_now(mqtt.encode(
+                    Disconnect(closing.reason_code, self._reason(str(closing))), 5))
         if s is not None:
             log.info("client %r (%s) disconnected: %s", s.client_id, self.peer, closing)
             self.broker.stats.connections -= 1
+            self._give_back_shared(s)
             will, s.will = s.will, None
             if will is not None and closing.will:
-                await self.broker.publish_will(s, will)
+                self.broker.schedule_will(s, will)
             if s.connection is self:
                 await self.broker.session_detached(s)
         with trio.move_on_after(1):
             await self.stream.aclose()
         self._detached.set()
+
+    def _give_back_shared(self, s: Session) -> None:
+        """Shared-subscription messages this client did not acknowledge go to others."""
+        for pid, o in list(s.outgoing.items()):
+            if o.group is not None:
+                del s.outgoing[pid]
+                o.group.take_back(o.message)
 
     async def take_over(self) -> None:
         """A new connection claims this client id: close this one and wait until the
@@ -121,6 +138,9 @@ class Connection:
         self._cancel.cancel()
         await self._detached.wait()
 
+    def kick(self) -> None:
+        self._cancel.cancel()
+
     # -- writing ----------------------------------------------------------------------
     async def send(self, data: bytes) -> None:
         await self._out_send.send(data)
@@ -128,7 +148,8 @@ class Connection:
     async def _send_now(self, data: bytes) -> None:
         try:
             await self.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError,
+                OSError):
             pass
 
     async def _writer(self) -> None:
@@ -144,6 +165,10 @@ class Connection:
             buf = b"".join(chunks) if len(chunks) > 1 else data
             stats.bytes_out += len(buf)
             await self.stream.send_all(buf)
+
+    def _reason(self, text: str) -> dict[str, Any]:
+        """A reason string, unless the client asked for no problem information."""
+        return {"reason_string": text[:200]} if self.problem_info else {}
 
     # -- reading ----------------------------------------------------------------------
     async def _read_loop(self, nursery: trio.Nursery) -> None:
@@ -178,6 +203,9 @@ class Connection:
                 await self._send_now(mqtt.encode(Connack(False, code), 5 if code > 5 else 4))
                 raise Closing(str(exc), will=False) from exc
             except ProtocolError as exc:
+                if self.session is None and self.decoder.version == 5:
+                    await self._send_now(mqtt.encode(
+                        Connack(False, exc.reason_code, self._reason(exc.message)), 5))
                 if exc.packets:  # handle what came before the bad bytes, then close
                     for packet in exc.packets:
                         await self._dispatch(packet)
@@ -190,8 +218,14 @@ class Connection:
         if not isinstance(p, Connect):
             raise Closing("first packet is not CONNECT", will=False)
         self.version = v = p.protocol_level
-        client_id = p.client_id
         props = p.properties
+        if v == 5 and "authentication_method" in props:
+            # Enhanced authentication (SCRAM etc.) plugs in here; none is configured.
+            await self._send_now(mqtt.encode(Connack(False, rc.BAD_AUTHENTICATION_METHOD, {
+                "reason_string": f"authentication method {props['authentication_method']!r} "
+                                 "is not supported"}), 5))
+            raise Closing("unsupported authentication method", will=False)
+        client_id = p.client_id
         assigned = None
         if not client_id:
             if v < 5 and not p.clean_start:
@@ -203,9 +237,15 @@ class Connection:
             expiry = int(props.get("session_expiry_interval", 0))
             self.receive_maximum = int(props.get("receive_maximum", 65535))
             self.client_max_packet = int(props.get("maximum_packet_size", 268_435_455))
+            self._alias_out_max = int(props.get("topic_alias_maximum", 0))
+            self.problem_info = bool(props.get("request_problem_information", 1))
         else:
             expiry = 0 if p.clean_start else NEVER_EXPIRES
         self.keepalive = p.keepalive
+        server_keepalive = None
+        max_ka = self.config.max_keepalive
+        if max_ka and (self.keepalive == 0 or self.keepalive > max_ka) and v == 5:
+            self.keepalive = server_keepalive = max_ka
         session, present = await self.broker.open_session(client_id, p.clean_start, expiry, v)
         self.session = session
         session.connection = self
@@ -215,24 +255,28 @@ class Connection:
         ack_props: dict[str, Any] = {}
         if v == 5:
             ack_props = {
-                "receive_maximum": self.config.max_inflight,
+                "receive_maximum": self.config.max_pending_publishes,
                 "maximum_packet_size": self.config.max_packet_size,
                 "retain_available": 1,
                 "wildcard_subscription_available": 1,
-                "shared_subscription_available": 0,
+                "shared_subscription_available": 1,
                 "subscription_identifier_available": 1,
-                "topic_alias_maximum": 0,
+                "topic_alias_maximum": self.config.topic_alias_maximum,
             }
             if self.config.max_qos < 2:
                 ack_props["maximum_qos"] = self.config.max_qos
             if assigned:
                 ack_props["assigned_client_identifier"] = assigned
+            if server_keepalive is not None:
+                ack_props["server_keep_alive"] = server_keepalive
         await self.send(mqtt.encode(Connack(present, 0, ack_props), v))
         log.info("client %r connected from %s (v%d, %s session%s)", client_id, self.peer, v,
                  "persistent" if session.persistent else "clean",
                  ", resumed" if present else "")
         nursery.start_soon(self._acker)
         nursery.start_soon(self._deliver_loop)
+        for group in session.groups:
+            group.wake()  # a member is back
 
     # -- packets after CONNECT --------------------------------------------------------
     async def _dispatch(self, p: Any) -> None:
@@ -245,7 +289,7 @@ class Connection:
         elif isinstance(p, Pubcomp):
             await self._on_ack(p.packet_id, 2)
         elif isinstance(p, Pubrel):
-            await self._acks_send.send((_PUBLISH_IN_ORDER, p))  # after pending PUBRECs
+            await self._acks_send.send((_NO_STORE_WAIT, p))  # after pending PUBRECs
         elif isinstance(p, Subscribe):
             await self._on_subscribe(p)
         elif isinstance(p, Unsubscribe):
@@ -253,15 +297,25 @@ class Connection:
         elif isinstance(p, Pingreq):
             await self.send(mqtt.encode(Pingresp(), self.version))
         elif isinstance(p, Disconnect):
-            will = p.reason_code == rc.DISCONNECT_WITH_WILL_MESSAGE
-            if self.version == 5 and "session_expiry_interval" in p.properties and self.session:
-                self.session.expiry = int(p.properties["session_expiry_interval"])
-                self.session.persistent = self.session.expiry > 0
-            raise Closing("DISCONNECT", will=will)
+            self._on_disconnect(p)
+        elif isinstance(p, Auth):
+            raise ProtocolError(rc.PROTOCOL_ERROR, "AUTH without an authentication method")
         elif isinstance(p, Connect):
             raise ProtocolError(rc.PROTOCOL_ERROR, "second CONNECT")
         else:
             raise ProtocolError(rc.PROTOCOL_ERROR, f"unexpected {type(p).__name__}")
+
+    def _on_disconnect(self, p: Disconnect) -> None:
+        s = self.session
+        assert s is not None
+        if self.version == 5 and "session_expiry_interval" in p.properties:
+            new = int(p.properties["session_expiry_interval"])
+            if s.expiry == 0 and new:
+                raise ProtocolError(rc.PROTOCOL_ERROR,
+                                    "session expiry set on DISCONNECT after 0 on CONNECT")
+            s.expiry = new
+            s.persistent = new > 0
+        raise Closing("DISCONNECT", will=p.reason_code == rc.DISCONNECT_WITH_WILL_MESSAGE)
 
     async def _on_publish(self, p: Publish) -> None:
         s = self.session
@@ -273,7 +327,16 @@ class Connection:
             raise ProtocolError(rc.QOS_NOT_SUPPORTED, f"QoS {p.qos} not supported")
         self.broker.stats.messages_in += 1
         if p.qos == 2 and p.packet_id in s.incoming_qos2:
-            await self._acks_send.send((_PUBLISH_IN_ORDER, p))  # duplicate: PUBREC again
+            await self._acks_send.send((_NO_STORE_WAIT, p))  # duplicate: PUBREC again
+            return
+        if p.qos:
+            self._inbound_unacked += 1
+            if self.version == 5 and self._inbound_unacked > self.config.max_pending_publishes:
+                raise ProtocolError(rc.RECEIVE_MAXIMUM_EXCEEDED, "Receive Maximum exceeded")
+        if p.properties.get("payload_format_indicator") == 1 and not _is_utf8(p.payload):
+            if not p.qos:
+                raise ProtocolError(rc.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8")
+            await self._acks_send.send((rc.PAYLOAD_FORMAT_INVALID, p))
             return
         props = {k: v for k, v in p.properties.items() if k != "topic_alias"}
         msg = Message(topic, p.payload, p.qos, p.retain, s.client_id, props,
@@ -288,54 +351,71 @@ class Connection:
 
     def _resolve_alias(self, p: Publish) -> str:
         alias = p.properties["topic_alias"]
+        if alias > self.config.topic_alias_maximum:
+            raise ProtocolError(rc.TOPIC_ALIAS_INVALID, f"topic alias {alias} above maximum")
         if p.topic:
             self._aliases_in[alias] = p.topic
             return p.topic
         topic = self._aliases_in.get(alias)
         if topic is None:
-            raise ProtocolError(rc.TOPIC_ALIAS_INVALID, f"unknown topic alias {alias}")
+            raise ProtocolError(rc.PROTOCOL_ERROR, f"unknown topic alias {alias}")
         return topic
 
     async def _acker(self) -> None:
         """Acknowledge publishes in arrival order, each only once the store has it."""
         s = self.session
         assert s is not None
-        v = self.version
-        async for fut, p in self._acks_recv:
+        async for item, p in self._acks_recv:
             if isinstance(p, Pubrel):
-                if p.packet_id in s.incoming_qos2:
-                    s.incoming_qos2.discard(p.packet_id)
-                    await self.broker.remember_incoming_qos2(s, p.packet_id, done=True)
-                    await self.send(mqtt.encode(Pubcomp(p.packet_id), v))
-                else:
-                    code = rc.PACKET_IDENTIFIER_NOT_FOUND if v == 5 else 0
-                    await self.send(mqtt.encode(Pubcomp(p.packet_id, code), v))
+                await self._on_pubrel(s, p)
                 continue
-            if fut is not _PUBLISH_IN_ORDER:
-                try:
-                    [stored] = await await_future(fut)
-                except StoreError as exc:
-                    self.broker.stats.publish_errors += 1
-                    log.warning("publish from %r on %r not stored: %s", s.client_id, p.topic, exc)
-                    if p.qos == 2:
-                        s.incoming_qos2.discard(p.packet_id)
-                    if p.qos and v == 5:
-                        code = rc.QUOTA_EXCEEDED if "space" in str(exc) else rc.UNSPECIFIED_ERROR
-                        ack = Puback if p.qos == 1 else Pubrec
-                        await self.send(mqtt.encode(
-                            ack(p.packet_id, code, {"reason_string": str(exc)}), v))
-                        continue
-                    if p.qos:  # 3.1.1 has no negative ack: close so the client resends
-                        raise Closing(f"store error: {exc}", will=True) from exc
+            code = 0
+            if isinstance(item, int):  # refused before storing
+                code = item
+            elif item is not _NO_STORE_WAIT:
+                code = await self._await_store(s, item, p)
+                if code is None:
                     continue
-                if p.retain:
-                    await self.broker.set_retained(stored)
-                if p.qos == 2:
-                    await self.broker.remember_incoming_qos2(s, p.packet_id, done=False)
+            if p.qos:
+                self._inbound_unacked -= 1
+            props = self._reason(rc.REASON_NAMES.get(code, "")) if code else {}
             if p.qos == 1:
-                await self.send(mqtt.encode(Puback(p.packet_id), v))
+                await self.send(mqtt.encode(Puback(p.packet_id, code, props), self.version))
             elif p.qos == 2:
-                await self.send(mqtt.encode(Pubrec(p.packet_id), v))
+                if code:
+                    s.incoming_qos2.discard(p.packet_id)
+                await self.send(mqtt.encode(Pubrec(p.packet_id, code, props), self.version))
+
+    async def _await_store(self, s: Session, fut: Any, p: Publish) -> int | None:
+        """0 when stored; a v5 reason code when not; None when nothing is to be sent."""
+        try:
+            [stored] = await await_future(fut)
+        except StoreError as exc:
+            self.broker.stats.publish_errors += 1
+            log.warning("publish from %r on %r not stored: %s", s.client_id, p.topic, exc)
+            if p.qos == 2:
+                s.incoming_qos2.discard(p.packet_id)
+            if p.qos and self.version == 5:
+                return rc.QUOTA_EXCEEDED if isinstance(exc, StoreFullError) \
+                    else rc.UNSPECIFIED_ERROR
+            if p.qos:  # 3.1.1 has no negative ack: close so the client resends
+                raise Closing(f"store error: {exc}", will=True) from exc
+            return None
+        if p.retain:
+            await self.broker.set_retained(stored)
+        if p.qos == 2:
+            await self.broker.remember_incoming_qos2(s, p.packet_id, done=False)
+        return 0
+
+    async def _on_pubrel(self, s: Session, p: Pubrel) -> None:
+        if p.packet_id in s.incoming_qos2:
+            s.incoming_qos2.discard(p.packet_id)
+            self._inbound_unacked -= 1
+            await self.broker.remember_incoming_qos2(s, p.packet_id, done=True)
+            await self.send(mqtt.encode(Pubcomp(p.packet_id), self.version))
+        else:
+            code = rc.PACKET_IDENTIFIER_NOT_FOUND if self.version == 5 else 0
+            await self.send(mqtt.encode(Pubcomp(p.packet_id, code), self.version))
 
     async def _on_ack(self, pid: int, qos: int) -> None:
         s = self.session
@@ -344,9 +424,17 @@ class Connection:
         if o is None or o.qos != qos or (qos == 2 and o.state != "pubrel"):
             log.debug("client %r acked unknown packet id %d", s.client_id, pid)
             return
-        del s.outgoing[pid]
-        await self.broker.forget_outgoing(s, o)
+        await self._complete(s, o)
+
+    async def _complete(self, s: Session, o: Outgoing) -> None:
+        del s.outgoing[o.packet_id]
+        if o.group is not None:
+            o.group.acked(o.offset)
+        else:
+            await self.broker.forget_outgoing(s, o)
         self._window.set()
+        for group in s.groups:
+            group.wake()  # this member has room again
 
     async def _on_pubrec(self, p: Pubrec) -> None:
         s = self.session
@@ -357,59 +445,48 @@ class Connection:
             await self.send(mqtt.encode(Pubrel(p.packet_id, code), self.version))
             return
         if p.reason_code >= 0x80:  # v5: the receiver refused it; the exchange ends here
-            del s.outgoing[p.packet_id]
-            await self.broker.forget_outgoing(s, o)
-            self._window.set()
+            await self._complete(s, o)
             return
         o.state = "pubrel"
-        await self.broker.persist_outgoing(s, o)
+        if o.group is None:
+            await self.broker.persist_outgoing(s, o)
         await self.send(mqtt.encode(Pubrel(p.packet_id), self.version))
 
     async def _on_subscribe(self, p: Subscribe) -> None:
         s = self.session
         assert s is not None
+        v = self.version
         codes = []
         retained_to_send = []
         sid = None
-        if self.version == 5:
+        if v == 5:
             ids = p.properties.get("subscription_identifier")
             sid = ids[0] if isinstance(ids, list) and ids else ids
         for topic_filter, opts in p.subscriptions:
-            if topic_filter.startswith("$share/"):
-                codes.append(rc.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED if self.version == 5
-                             else 0x80)
+            try:
+                shared = parse_shared(topic_filter)
+            except ValueError:
+                codes.append(rc.TOPIC_FILTER_INVALID if v == 5 else 0x80)
                 continue
+            if shared and opts.no_local:
+                raise ProtocolError(rc.PROTOCOL_ERROR, "No Local on a shared subscription")
             granted = min(opts.qos, self.config.max_qos)
             opts = mqtt.SubscriptionOptions(granted, opts.no_local, opts.retain_as_published,
                                             opts.retain_handling)
-            new = await self.broker.subscribe(s, Subscription(topic_filter, opts, sid))
+            sub = Subscription(topic_filter, opts, sid, shared)
+            new = await self.broker.subscribe(s, sub)
             codes.append(granted)
-            if opts.retain_handling == 0 or (opts.retain_handling == 1 and new):
-                retained_to_send.append((topic_filter, opts, sid))
-        await self.send(mqtt.encode(Suback(p.packet_id, codes), self.version))
-        for topic_filter, opts, sub_id in retained_to_send:
-            for r in await self.broker.retained_for(topic_filter):
-                await self._send_retained(r, opts, sub_id)
-
-    async def _send_retained(self, r: Any, opts: Any, sid: int | None) -> None:
-        s = self.session
-        assert s is not None
-        qos = min(r.qos, opts.qos)
-        props = r.properties if self.version == 5 else None
-        sids = [sid] if sid else None
-        if qos == 0:
-            data = mqtt.encode_publish(r.topic, r.body, 0, True, False, None, self.version,
-                                       _with_sids(props, sids))
-            await self.send(data)
-            self.broker.stats.messages_out += 1
-            return
-        await self._wait_window()
-        pid = s.allocate_packet_id()
-        data = mqtt.encode_publish(r.topic, r.body, qos, True, False, pid, self.version,
-                                   _with_sids(props, sids))
-        s.outgoing[pid] = Outgoing(pid, None, -1, data, qos)
-        await self.send(data)
-        self.broker.stats.messages_out += 1
+            # Retained messages are not sent for shared subscriptions (MQTT 5 §4.8.2).
+            if not shared and (opts.retain_handling == 0
+                               or (opts.retain_handling == 1 and new)):
+                retained_to_send.append(sub)
+        await self.send(mqtt.encode(Suback(p.packet_id, codes), v))
+        for sub in retained_to_send:
+            for r in await self.broker.retained_for(sub.topic_filter):
+                msg = r.to_message()
+                qos = min(r.qos, sub.options.qos)
+                sids = [sub.subscription_id] if sub.subscription_id else None
+                await self._push(msg, qos, True, sids, None, -1)
 
     async def _on_unsubscribe(self, p: Unsubscribe) -> None:
         s = self.session
@@ -426,7 +503,7 @@ class Connection:
         assert s is not None
         await self._resend_outgoing(s)
         await self._apply_offline_bound(s)
-        for queue in s.subscriptions:
+        for queue in s.reading():
             s.notify(queue)  # catch up with whatever arrived while offline
         while True:
             await s.wakeup.wait()
@@ -442,7 +519,7 @@ class Connection:
 
     async def _apply_offline_bound(self, s: Session) -> None:
         limit = self.config.max_offline_messages
-        for queue in list(s.subscriptions):
+        for queue in s.reading():
             cursor = s.cursors.get(queue)
             if cursor is None:
                 continue
@@ -475,10 +552,11 @@ class Connection:
                 s.offsets_dirty.add(queue)
 
     async def _deliver(self, s: Session, queue: str, msg: Message) -> None:
+        offset = msg.offset_in(queue)
         if s.restored_upto:
             upto = s.restored_upto.get(queue)
             if upto is not None:
-                if msg.offset_in(queue) <= upto:
+                if offset <= upto:
                     return  # sent before a restart: acknowledged, or resent with DUP
                 del s.restored_upto[queue]
         subs = s.matching(msg.topic)
@@ -490,36 +568,111 @@ class Connection:
             subs = [x for x in subs if not (x.options.no_local and msg.client_id == s.client_id)]
             if not subs:
                 return
-            if _expired(msg):
-                return
         qos = min(msg.qos, max(x.options.qos for x in subs))
         retain = msg.retain and any(x.options.retain_as_published for x in subs)
-        sids = [x.subscription_id for x in subs if x.subscription_id] if self.version == 5 \
-            else None
-        template = self.broker.template(msg)
-        if qos == 0:
-            data = template.for_subscriber(None, False, version=self.version, qos=0,
-                                           retain=retain, subscription_ids=sids)
-            await self.send(data)
-            self.broker.stats.messages_out += 1
-            return
-        await self._wait_window()
-        pid = s.allocate_packet_id()
-        data = template.for_subscriber(pid, False, version=self.version, qos=qos,
-                                       retain=retain, subscription_ids=sids)
-        log.debug("deliver %r %s@%d pid=%d qos=%d", s.client_id, queue, msg.offset_in(queue),
-                  pid, qos)
-        o = Outgoing(pid, queue, msg.offset_in(queue), data, qos)
-        s.outgoing[pid] = o
-        await self.broker.persist_outgoing(s, o)  # persistent sessions only
+        sids = [x.subscription_id for x in subs if x.subscription_id] \
+            if self.version == 5 else None
+        await self._push(msg, qos, retain, sids, queue, offset)
+
+    def has_window(self) -> bool:
+        s = self.session
+        return self.alive and s is not None and len(s.outgoing) < self._window_limit()
+
+    def _window_limit(self) -> int:
+        return min(self.receive_maximum, self.config.max_inflight)
+
+    async def push_shared(self, group: SharedGroup, msg: Message) -> bool:
+        """Deliver a message of a shared subscription this client is a member of."""
+        s = self.session
+        if s is None or not self.alive:
+            return False
+        sub = s.subscriptions.get(group.name)
+        if sub is None:
+            return False
+        qos = min(msg.qos, sub.options.qos)
+        sids = [sub.subscription_id] if sub.subscription_id and self.version == 5 else None
+        offset = msg.offset_in(group.queue)
+        sent = await self._push(msg, qos, False, sids, None, offset, group)
+        if qos == 0 or not sent:
+            group.acked(offset)  # at most once: done when written (or dropped)
+        return True
+
+    async def _push(
+        self,
+        msg: Message,
+        qos: int,
+        retain: bool,
+        sids: list[int] | None,
+        queue: str | None,
+        offset: int,
+        group: SharedGroup | None = None,
+    ) -> bool:
+        """Send one message at `qos`, within the in-flight window; False if dropped."""
+        s = self.session
+        assert s is not None
+        stats = self.broker.stats
+        if qos:
+            await self._wait_window()
+        pid = s.allocate_packet_id() if qos else None
+        data = self._encode(msg, pid, qos, retain, sids)
+        if data is None:
+            return False
+        if qos:
+            assert pid is not None
+            o = Outgoing(pid, queue, offset, data, qos, group=group, message=msg)
+            s.outgoing[pid] = o
+            if group is None:
+                await self.broker.persist_outgoing(s, o)  # persistent sessions only
         await self.send(data)
-        self.broker.stats.messages_out += 1
+        stats.messages_out += 1
+        return True
+
+    def _encode(self, msg: Message, pid: int | None, qos: int, retain: bool,
+                sids: list[int] | None) -> bytes | None:
+        """The PUBLISH bytes for this client, or None when the message must be dropped."""
+        v = self.version
+        props = None
+        if v == 5:
+            expiry = msg.properties.get("message_expiry_interval")
+            if expiry is not None:
+                left = expiry - int(time.time() - msg.store_ts / 1000)
+                if left <= 0:
+                    self.broker.stats.expired += 1
+                    return None  # expired messages are not delivered
+                props = dict(msg.properties, message_expiry_interval=left)
+            if self._alias_out_max and not qos:
+                # Aliases only on QoS 0: a QoS 1/2 packet may be resent on a new
+                # connection, where this connection's aliases mean nothing.
+                props = dict(props if props is not None else msg.properties)
+        if props is None:
+            data = self.broker.template(msg).for_subscriber(
+                pid, False, version=v, qos=qos, retain=retain, subscription_ids=sids)
+            topic = msg.topic
+        else:
+            topic = msg.topic
+            alias = self._aliases_out.get(topic)
+            if alias is None and self._alias_out_max and \
+                    len(self._aliases_out) < self._alias_out_max:
+                alias = self._aliases_out[topic] = len(self._aliases_out) + 1
+                props["topic_alias"] = alias  # first use: topic and alias together
+            elif alias is not None:
+                props["topic_alias"] = alias
+                topic = ""  # later uses: the alias alone
+            if sids:
+                props["subscription_identifier"] = sids
+            data = mqtt.encode_publish(topic, msg.body, qos, retain, False, pid, v, props)
+        if len(data) > self.client_max_packet:
+            # MQTT 5 §3.1.2.11.4: discard as if sent; the client asked for nothing larger.
+            self.broker.stats.dropped += 1
+            log.info("message on %r (%d bytes) dropped for %r: above its maximum packet "
+                     "size %d", msg.topic, len(data), self.peer, self.client_max_packet)
+            return None
+        return data
 
     async def _wait_window(self) -> None:
         s = self.session
         assert s is not None
-        limit = min(self.receive_maximum, self.config.max_inflight)
-        while len(s.outgoing) >= limit:
+        while len(s.outgoing) >= self._window_limit():
             self._window = trio.Event()
             await self._window.wait()
 
@@ -528,14 +681,9 @@ def _with_dup(data: bytes) -> bytes:
     return bytes([data[0] | 0x08]) + data[1:]
 
 
-def _with_sids(props: dict | None, sids: list[int] | None) -> dict | None:
-    if not sids:
-        return props
-    out = dict(props or {})
-    out["subscription_identifier"] = sids
-    return out
-
-
-def _expired(msg: Message) -> bool:
-    expiry = msg.properties.get("message_expiry_interval")
-    return expiry is not None and (time.time() * 1000 - msg.store_ts) / 1000 > expiry
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -27,15 +27,16 @@ NEVER_EXPIRES = 0xFFFFFFFF
 
 @dataclass(slots=True)
 class Subscription:
-    topic_filter: str
+    topic_filter: str  # as subscribed, '$share/{group}/{filter}' for a shared one
     options: SubscriptionOptions
     subscription_id: int | None = None
+    shared: tuple[str, str] | None = None  # (group, filter) of a shared subscription
 
     @property
     def queue(self) -> str:
         # A subscription reads the light queue named by its filter: the exact-topic queue
         # for a plain topic, the wildcard queue for a wildcard filter.
-        return self.topic_filter
+        return self.shared[1] if self.shared else self.topic_filter
 
     def to_meta(self) -> dict[str, Any]:
         o = self.options
@@ -44,9 +45,11 @@ class Subscription:
 
     @classmethod
     def from_meta(cls, topic_filter: str, d: dict[str, Any]) -> Subscription:
+        from gateway.shared import parse_shared
+
         opts = SubscriptionOptions(d["qos"], d.get("nl", False), d.get("rap", False),
                                    d.get("rh", 0))
-        return cls(topic_filter, opts, d.get("sid"))
+        return cls(topic_filter, opts, d.get("sid"), parse_shared(topic_filter))
 
 
 @dataclass(slots=True)
@@ -59,7 +62,8 @@ class Outgoing:
     data: bytes  # the encoded PUBLISH without DUP (resent with DUP on reconnect)
     qos: int
     state: str = "publish"  # "publish": awaiting PUBACK/PUBREC; "pubrel": awaiting PUBCOMP
-    dup_data: bytes = b""
+    group: Any = None  # the SharedGroup it was handed out by, if any
+    message: Any = None  # kept for shared messages, to hand back if unacknowledged
 
 
 @dataclass(eq=False)  # identity: sessions live in sets
@@ -85,23 +89,30 @@ class Session:
     # resume reads from the first unacked offset; everything up to here was either
     # acknowledged or is being resent with DUP, so it is not sent again.
     restored_upto: dict[str, int] = field(default_factory=dict)
+    groups: set[Any] = field(default_factory=set)  # SharedGroups this session is in
 
     # -- subscriptions ----------------------------------------------------------------
     def add_subscription(self, sub: Subscription) -> bool:
         """True if new (a replaced subscription keeps its queue position)."""
         new = sub.topic_filter not in self.subscriptions
         self.subscriptions[sub.topic_filter] = sub
-        self.trie.add(sub.topic_filter, sub.topic_filter)
+        if sub.shared is None:  # shared ones are read by their group, not the session
+            self.trie.add(sub.topic_filter, sub.topic_filter)
         return new
 
     def remove_subscription(self, topic_filter: str) -> bool:
         sub = self.subscriptions.pop(topic_filter, None)
         if sub is None:
             return False
-        self.trie.remove(topic_filter, topic_filter)
-        self.cursors.pop(sub.queue, None)
-        self.dirty.discard(sub.queue)
+        if sub.shared is None:
+            self.trie.remove(topic_filter, topic_filter)
+            self.cursors.pop(sub.queue, None)
+            self.dirty.discard(sub.queue)
         return True
+
+    def reading(self) -> list[str]:
+        """Queues this session reads itself (every subscription but shared ones)."""
+        return [sub.queue for sub in self.subscriptions.values() if sub.shared is None]
 
     def matching(self, topic: str) -> list[Subscription]:
         return [self.subscriptions[f] for f in self.trie.match(topic) if f in self.subscriptions]

@@ -38,6 +38,7 @@ GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("max-offline-messages", int, 10_000,
      "per queue of an offline persistent session; older ones are dropped on reconnect"),
     ("sys-interval", float, 10.0, "seconds between $SYS/broker/... updates"),
+    ("max-keepalive", int, 0, "longest keepalive allowed; v5 clients get Server Keep Alive"),
 ]
 
 
@@ -100,6 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_pending_publishes=values["max_pending_publishes"],
         max_offline_messages=values["max_offline_messages"],
         sys_interval=values["sys_interval"],
+        max_keepalive=values["max_keepalive"],
     )
     opts = ServeOptions(
         store=_store_config(values), gateway=gateway, mqtt=values["mqtt"],

@@ -1,0 +1,138 @@
+"""Shared subscriptions (`$share/{group}/{filter}`): one reader of the filter's light
+queue per group, handing each message to one live member.
+
+A message counts as done only when its member acknowledges it (PUBACK/PUBCOMP), never
+on the socket write (which lost messages in rocketmq-mqtt): if the member disconnects
+first, the message goes back to the front of the group's queue for another member. The
+group's resume point (first unacknowledged offset) is kept in the store.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from gateway.session import NUL, Session
+from store.record import Message
+
+if TYPE_CHECKING:
+    from gateway.broker import Broker
+
+log = logging.getLogger("lightgate.gateway.shared")
+
+SHARE_PREFIX = "$share/"
+
+
+def parse_shared(topic_filter: str) -> tuple[str, str] | None:
+    """('group', 'a/+') for '$share/group/a/+'; None for an ordinary filter."""
+    if not topic_filter.startswith(SHARE_PREFIX):
+        return None
+    group, sep, real = topic_filter[len(SHARE_PREFIX):].partition("/")
+    if not group or not sep or not real or "+" in group or "#" in group:
+        raise ValueError(f"invalid shared subscription {topic_filter!r}")
+    return group, real
+
+
+def group_key(group: str, topic_filter: str) -> str:
+    return f"share{NUL}{group}{NUL}{topic_filter}"
+
+
+class SharedGroup:
+    def __init__(self, broker: Broker, group: str, topic_filter: str, cursor: int) -> None:
+        self.broker = broker
+        self.group = group
+        self.filter = topic_filter
+        self.queue = topic_filter
+        self.cursor = cursor  # next offset to hand out
+        self.members: list[Session] = []
+        self.pending: OrderedDict[int, Message] = OrderedDict()  # offset -> handed out
+        self.retry: deque[Message] = deque()  # taken back from members that left
+        self.wakeup = trio.Event()
+        self._rr = 0
+        self.dirty = True
+        self.delivered = 0
+        self.redelivered = 0
+
+    @property
+    def name(self) -> str:
+        return f"$share/{self.group}/{self.filter}"
+
+    def acked_offset(self) -> int:
+        offsets = [*self.pending, *(m.offset_in(self.queue) for m in self.retry)]
+        return min(offsets) if offsets else self.cursor
+
+    def wake(self) -> None:
+        self.wakeup.set()
+
+    # -- members ------------------------------------------------------------------------
+    def add(self, s: Session) -> None:
+        if s not in self.members:
+            self.members.append(s)
+        self.wake()
+
+    def remove(self, s: Session) -> None:
+        if s in self.members:
+            self.members.remove(s)
+
+    def take_back(self, msg: Message) -> None:
+        """A member left with `msg` unacknowledged: hand it to someone else, first."""
+        off = msg.offset_in(self.queue)
+        if self.pending.pop(off, None) is not None:
+            self.retry.appendleft(msg)
+            self.redelivered += 1
+            self.wake()
+
+    def acked(self, offset: int) -> None:
+        if self.pending.pop(offset, None) is not None:
+            self.dirty = True
+
+    def _pick(self) -> Any:
+        """A live member with room in its in-flight window, round-robin."""
+        n = len(self.members)
+        for i in range(n):
+            s = self.members[(self._rr + i) % n]
+            conn = s.connection
+            if conn is not None and conn.has_window():
+                self._rr = (self._rr + i + 1) % n
+                return conn
+        return None
+
+    # -- the group's reader -------------------------------------------------------------
+    async def run(self) -> None:
+        cache = self.broker.cache
+        while True:
+            await self.wakeup.wait()
+            self.wakeup = trio.Event()
+            while True:
+                if self.retry:
+                    msg = self.retry[0]
+                else:
+                    msgs, start = await cache.pull(self.queue, self.cursor, 64)
+                    if start != self.cursor:
+                        self.cursor, self.dirty = start, True
+                    if not msgs:
+                        break
+                    msg = msgs[0]
+                conn = self._pick()
+                if conn is None:
+                    break  # woken again by an ack, a new member or a connect
+                if self.retry and self.retry[0] is msg:
+                    self.retry.popleft()
+                else:
+                    self.cursor = msg.offset_in(self.queue) + 1
+                self.dirty = True
+                off = msg.offset_in(self.queue)
+                self.pending[off] = msg
+                try:
+                    sent = await conn.push_shared(self, msg)
+                except Exception:
+                    log.exception("shared delivery to %r failed", conn.session.client_id)
+                    sent = False
+                if not sent:  # the member could not take it (closing, QoS 0 dropped...)
+                    if off in self.pending and not conn.alive:
+                        self.take_back(msg)
+                else:
+                    self.delivered += 1
