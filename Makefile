@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: serve test soak lint bench bench-full clean
+.PHONY: serve test soak lint bench clean redis
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
