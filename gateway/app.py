@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from gateway.admin import gateway_routes
 from gateway.broker import Broker, GatewayConfig
 from gateway.listener import serve_mqtt_tcp
 from notify import open_bus
@@ -50,7 +51,8 @@ async def run_serve(opts: ServeOptions) -> None:
         nursery.start_soon(broker.run_notify, bus)
         await nursery.start(broker.run_housekeeping)
         mqtt_addr = await nursery.start(serve_mqtt_tcp, broker, opts.mqtt)
-        http_addr = await nursery.start(serve_http, make_app(store_routes(store)), opts.http)
+        app = make_app([*store_routes(store), *gateway_routes(broker)])
+        http_addr = await nursery.start(serve_http, app, opts.http)
         print(f"ready mqtt={mqtt_addr} http={http_addr}", flush=True)
         signum = await wait_for_shutdown_signal()
         log.info("signal %s: shutting down", signal.Signals(signum).name)

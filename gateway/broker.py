@@ -249,7 +249,7 @@ class Broker:
     async def subscribe(self, s: Session, sub: Subscription) -> bool:
         """Add or replace a subscription; a new one starts at its queue's end."""
         if is_wildcard(sub.queue):
-            self.store.register_wildcard(sub.queue)  # no admin step (rocketmq-mqtt #196)
+            await self.store.add_wildcard(sub.queue)  # no admin step (rocketmq-mqtt #196)
         new = s.add_subscription(sub)
         if sub.shared:
             group = await self._group(*sub.shared)
@@ -493,7 +493,7 @@ class Broker:
 
     async def publish_sys(self) -> None:
         st = self.stats
-        store_stats = self.store.stats()["commitlog"]
+        store_stats = (await self.store.get_stats())["commitlog"]
         values = {
             "$SYS/broker/uptime": f"{int(time.time() - st.started)} seconds",
             "$SYS/broker/clients/connected": st.connections,

@@ -277,13 +277,13 @@ class CommitLog:
         self.stats["batches"] += 1
         self.stats["appends"] += len(accepted)
         self.stats["messages"] += len(msgs)
-        for req in accepted:
-            req.future.set_result(req.messages)
-        if self.on_dispatched:
+        if self.on_dispatched:  # before the acks: readers hear of it as early as possible
             try:
                 self.on_dispatched({name for m in msgs for name, _ in m.queues})
             except Exception:
                 log.exception("on_dispatched callback failed")
+        for req in accepted:
+            req.future.set_result(req.messages)
 
     def _write_chunks(self, chunks: list[list[bytes]]) -> None:
         """Write each chunk to its segment (a new chunk = a roll); undo everything on error."""

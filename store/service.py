@@ -236,6 +236,16 @@ class EmbeddedStore:
                 else:
                     raise ValueError(f"unknown metadata op {op!r}")
 
+    async def add_wildcard(self, topic_filter: str) -> None:
+        self.register_wildcard(topic_filter)
+
+    async def get_stats(self) -> dict[str, Any]:
+        return self.stats()
+
+    async def queue_ends(self, queues: Sequence[str]) -> dict[str, int]:
+        """End offsets of many queues at once (the poll fallback when notify is down)."""
+        return {q: self.index.max_offset(q) for q in queues}
+
     async def queue_end(self, queue: str) -> int:
         """One past the last entry of `queue`: where a new subscription starts."""
         return self.index.max_offset(queue)

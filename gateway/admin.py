@@ -1,0 +1,43 @@
+"""The gateway's admin HTTP API (JSON under /api/v1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from gateway.broker import Broker
+
+
+def _client_row(s: Any) -> dict[str, Any]:
+    conn = s.connection
+    return {
+        "client_id": s.client_id,
+        "connected": conn is not None,
+        "peer": conn.peer if conn is not None else None,
+        "protocol": s.version,
+        "persistent": s.persistent,
+        "subscriptions": len(s.subscriptions),
+        "inflight": len(s.outgoing),
+    }
+
+
+def gateway_routes(broker: Broker) -> list[Route]:
+    async def clients(request: Request) -> JSONResponse:
+        rows = [_client_row(s) for s in broker.sessions.values()]
+        return JSONResponse({"clients": rows, "total": len(rows)})
+
+    async def kick(request: Request) -> JSONResponse:
+        s = broker.sessions.get(request.path_params["client_id"])
+        if s is None or s.connection is None:
+            raise HTTPException(404, "no such connected client")
+        s.connection.kick()
+        return JSONResponse({"kicked": s.client_id})
+
+    return [
+        Route("/api/v1/clients", clients),
+        Route("/api/v1/clients/{client_id:path}/kick", kick, methods=["POST"]),
+    ]
