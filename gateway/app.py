@@ -1,10 +1,16 @@
-"""`lightgate serve`: the embedded mode, every part in one process: the store, the
-in-process notify bus, the MQTT gateway and the HTTP endpoints."""
+"""Gateway processes.
+
+- `lightgate serve`: embedded mode, every part in one process: the store with its native
+  server, an in-process notify bus, the MQTT gateway and HTTP.
+- `lightgate gateway --store HOST:PORT --notify redis://...`: separated mode; the same
+  gateway code over the native-protocol client.
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
+import uuid
 from dataclasses import dataclass, field
 
 import trio
@@ -12,9 +18,11 @@ import trio
 from gateway.admin import gateway_routes
 from gateway.broker import Broker, GatewayConfig
 from gateway.listener import serve_mqtt_tcp
-from notify import open_bus
+from notify import LocalBus, open_bus
+from store.app import store_node, wait_for_shutdown_signal
+from store.client import NativeClient, RemoteStore
 from store.http import make_app, serve_http, store_routes
-from store.service import EmbeddedStore, StoreConfig
+from store.service import StoreConfig
 
 log = logging.getLogger("lightgate.serve")
 
@@ -24,36 +32,69 @@ class ServeOptions:
     store: StoreConfig = field(default_factory=StoreConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     mqtt: str = "0.0.0.0:1883"
+    native: str = "127.0.0.1:10911"
     http: str = "127.0.0.1:18083"
-    notify: str | None = None  # None: in-process; redis://host:port for several nodes
 
 
-async def wait_for_shutdown_signal() -> int:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            return signum
-    return 0
+@dataclass
+class GatewayOptions:
+    store: str = "127.0.0.1:10911"
+    notify: str | None = None
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    mqtt: str = "0.0.0.0:1883"
+    http: str = "127.0.0.1:18083"
+
+
+async def _shutdown_on_signal(nursery: trio.Nursery) -> None:
+    signum = await wait_for_shutdown_signal()
+    log.info("signal %s: shutting down", signal.Signals(signum).name)
+    nursery.cancel_scope.cancel()
 
 
 async def run_serve(opts: ServeOptions) -> None:
     async with (
-        open_bus(opts.notify) as bus,
-        EmbeddedStore.open(opts.store, notify=bus.publish_from_thread) as store,
+        LocalBus() as bus,
+        store_node(opts.store, opts.native, bus.publish_from_thread) as node,
         trio.open_nursery() as nursery,
     ):
-        rec = store.recovery
-        if rec is not None:
-            log.info(
-                "store at %s: log end %d, %d records verified, %d re-dispatched in %.3fs",
-                opts.store.data_dir, rec.end, rec.records_verified, rec.redispatched, rec.seconds,
-            )
-        broker = Broker(store, opts.gateway)
+        broker = Broker(node.store, opts.gateway)
         nursery.start_soon(broker.run_notify, bus)
         await nursery.start(broker.run_housekeeping)
         mqtt_addr = await nursery.start(serve_mqtt_tcp, broker, opts.mqtt)
-        app = make_app([*store_routes(store), *gateway_routes(broker)])
+        app = make_app([*store_routes(node.store), *gateway_routes(broker)])
         http_addr = await nursery.start(serve_http, app, opts.http)
-        print(f"ready mqtt={mqtt_addr} http={http_addr}", flush=True)
-        signum = await wait_for_shutdown_signal()
-        log.info("signal %s: shutting down", signal.Signals(signum).name)
-        nursery.cancel_scope.cancel()
+        print(f"ready mqtt={mqtt_addr} native={node.native_addr} http={http_addr}", flush=True)
+        await _shutdown_on_signal(nursery)
+
+
+async def _announce(store: RemoteStore, gateway_id: str, info: dict) -> None:
+    """Tell the store this gateway exists: gateways find each other there, with no
+    static node list to keep in step (rocketmq-mqtt #217)."""
+    while True:
+        try:
+            await store.gateway_heartbeat(gateway_id, info)
+        except Exception as exc:
+            log.debug("gateway heartbeat failed: %s", exc)
+        await trio.sleep(5)
+
+
+async def run_gateway(opts: GatewayOptions) -> None:
+    if not opts.notify:
+        log.warning("no --notify: this gateway polls the store for new messages")
+    async with (
+        NativeClient.open(opts.store) as client,
+        open_bus(opts.notify) as bus,
+        trio.open_nursery() as nursery,
+    ):
+        store = RemoteStore(client)
+        broker = Broker(store, opts.gateway)
+        if opts.notify:
+            nursery.start_soon(broker.run_notify, bus)
+        nursery.start_soon(broker.run_poll_fallback, bus if opts.notify else None)
+        await nursery.start(broker.run_housekeeping)
+        mqtt_addr = await nursery.start(serve_mqtt_tcp, broker, opts.mqtt)
+        http_addr = await nursery.start(serve_http, make_app(gateway_routes(broker)), opts.http)
+        gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
+        nursery.start_soon(_announce, store, gateway_id, {"mqtt": mqtt_addr, "http": http_addr})
+        print(f"ready mqtt={mqtt_addr} http={http_addr} store={opts.store}", flush=True)
+        await _shutdown_on_signal(nursery)

@@ -126,6 +126,35 @@ class Broker:
             async for names in events:
                 self.on_queues_changed(names)
 
+    async def run_poll_fallback(self, bus: Any | None, interval: float = 0.2) -> None:
+        """While notify is down (or absent), poll the ends of subscribed queues so that
+        delivery goes on, slower; push takes over again when the bus is healthy."""
+        last: dict[str, int] = {}
+        polling = False
+        while True:
+            await trio.sleep(interval)
+            if bus is not None and bus.healthy:
+                if polling:
+                    log.warning("notify is back: polling stops")
+                polling = False
+                last.clear()
+                continue
+            if not polling and bus is not None:
+                log.warning("notify is down: polling queue ends every %.1fs", interval)
+            polling = True
+            queues = [*self.queue_subs, *self.queue_groups]
+            if not queues:
+                continue
+            try:
+                ends = await self.store.queue_ends(queues)
+            except Exception as exc:
+                log.debug("poll of queue ends failed: %s", exc)
+                continue
+            grown = {q for q, end in ends.items() if end != last.get(q)}
+            last.update(ends)
+            if grown:
+                self.on_queues_changed(grown)
+
     # -- sessions ---------------------------------------------------------------------
     async def open_session(
         self, client_id: str, clean_start: bool, expiry: int, version: int

@@ -29,9 +29,11 @@ STORE_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("full-verify", bool, False, "verify every CommitLog record on start, not just the tail"),
 ]
 HTTP_SETTING = ("http", str, "127.0.0.1:18083", "HTTP (dashboard, admin API, metrics) HOST:PORT")
+NATIVE_SETTING = ("native", str, "127.0.0.1:10911", "native protocol HOST:PORT")
+NOTIFY_SETTING = ("notify", str, None, "notify between nodes: redis://HOST:PORT")
+STORE_ADDR_SETTING = ("store", str, "127.0.0.1:10911", "the store's native HOST:PORT")
 GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("mqtt", str, "0.0.0.0:1883", "MQTT over TCP HOST:PORT"),
-    ("notify", str, None, "notify transport between nodes (default: in-process)"),
     ("max-inflight", int, 32, "unacknowledged QoS 1/2 messages per client"),
     ("max-packet-size", int, 16 * 1024 * 1024, "largest MQTT packet accepted, in bytes"),
     ("max-pending-publishes", int, 64, "publishes per client in the store pipeline at once"),
@@ -90,12 +92,10 @@ def _store_config(values: dict[str, Any]) -> Any:
     )
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from gateway.app import ServeOptions, run_serve
+def _gateway_config(values: dict[str, Any]) -> Any:
     from gateway.broker import GatewayConfig
 
-    values = resolve(args, [*STORE_SETTINGS, *GATEWAY_SETTINGS, HTTP_SETTING])
-    gateway = GatewayConfig(
+    return GatewayConfig(
         max_inflight=values["max_inflight"],
         max_packet_size=values["max_packet_size"],
         max_pending_publishes=values["max_pending_publishes"],
@@ -103,11 +103,97 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sys_interval=values["sys_interval"],
         max_keepalive=values["max_keepalive"],
     )
+
+
+SERVE_SETTINGS = [*STORE_SETTINGS, *GATEWAY_SETTINGS, NATIVE_SETTING, HTTP_SETTING]
+STORE_CMD_SETTINGS = [*STORE_SETTINGS, NATIVE_SETTING, NOTIFY_SETTING, HTTP_SETTING]
+GATEWAY_CMD_SETTINGS = [STORE_ADDR_SETTING, NOTIFY_SETTING, *GATEWAY_SETTINGS, HTTP_SETTING]
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.app import ServeOptions, run_serve
+
+    values = resolve(args, SERVE_SETTINGS)
     opts = ServeOptions(
-        store=_store_config(values), gateway=gateway, mqtt=values["mqtt"],
-        http=values["http"], notify=values["notify"],
+        store=_store_config(values), gateway=_gateway_config(values), mqtt=values["mqtt"],
+        native=values["native"], http=values["http"],
     )
     trio.run(run_serve, opts)
+    return 0
+
+
+async def _store_main(cfg: Any, native: str, http: str, notify: str | None) -> None:
+    from notify import open_bus
+    from store.app import run_store
+
+    if notify:
+        async with open_bus(notify) as bus:
+            await run_store(cfg, native, http, bus.publish_from_thread)
+    else:
+        await run_store(cfg, native, http, None)
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    values = resolve(args, STORE_CMD_SETTINGS)
+    trio.run(_store_main, _store_config(values), values["native"], values["http"],
+             values["notify"])
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.app import GatewayOptions, run_gateway
+
+    values = resolve(args, GATEWAY_CMD_SETTINGS)
+    opts = GatewayOptions(store=values["store"], notify=values["notify"],
+                          gateway=_gateway_config(values), mqtt=values["mqtt"],
+                          http=values["http"])
+    trio.run(run_gateway, opts)
+    return 0
+
+
+def _credentials(args: argparse.Namespace) -> dict[str, str]:
+    auth = getattr(args, "as_user", None) or os.environ.get("LIGHTGATE_AUTH")
+    if not auth:
+        return {}
+    name, _, password = auth.partition(":")
+    return {"username": name, "password": password}
+
+
+def cmd_produce(args: argparse.Namespace) -> int:
+    """Each line of stdin becomes one message."""
+    from store.sdk import Producer
+
+    n = 0
+    with Producer(args.server, **_credentials(args)) as producer:
+        for line in sys.stdin:
+            body = line.rstrip("\n").encode()
+            res = producer.send(args.topic, body, mqtt_topic=args.mqtt_topic, key=args.key,
+                                qos=args.qos)
+            n += 1
+            if args.verbose:
+                print(res.msg_id, flush=True)
+    print(f"sent {n} messages to {args.topic}", file=sys.stderr)
+    return 0
+
+
+def cmd_consume(args: argparse.Namespace) -> int:
+    import json
+
+    from store.sdk import Consumer
+
+    seen = 0
+    with Consumer(args.server, args.group, args.topic, start=args.start,
+                  **_credentials(args)) as consumer:
+        while args.max is None or seen < args.max:
+            for msg in consumer.poll(timeout=1.0):
+                row = {"msg_id": msg.msg_id, "mqtt_topic": msg.mqtt_topic, "qos": msg.qos,
+                       "client_id": msg.client_id, "queue": msg.queue, "offset": msg.offset,
+                       "body": msg.body.decode("utf-8", "replace")}
+                print(json.dumps(row), flush=True)
+                consumer.ack(msg)
+                seen += 1
+                if args.max is not None and seen >= args.max:
+                    break
     return 0
 
 
@@ -116,10 +202,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=os.environ.get("LIGHTGATE_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="embedded mode: store + gateway + HTTP in one process")
-    serve.add_argument("--config", help="TOML file with settings (keys named like the flags)")
-    _add_settings(serve, [*STORE_SETTINGS, *GATEWAY_SETTINGS, HTTP_SETTING])
-    serve.set_defaults(func=cmd_serve)
+    for name, func, settings, help_text in (
+        ("serve", cmd_serve, SERVE_SETTINGS,
+         "embedded mode: store + gateway + HTTP in one process"),
+        ("store", cmd_store, STORE_CMD_SETTINGS, "a storage node (separated mode)"),
+        ("gateway", cmd_gateway, GATEWAY_CMD_SETTINGS,
+         "an MQTT gateway on a remote store (separated mode)"),
+    ):
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("--config", help="TOML file with settings (keys named like the flags)")
+        _add_settings(cmd, settings)
+        cmd.set_defaults(func=func)
+
+    client_flags = argparse.ArgumentParser(add_help=False)
+    client_flags.add_argument("--server", default="127.0.0.1:10911",
+                              help="the store's native HOST:PORT")
+    client_flags.add_argument("--as", dest="as_user", metavar="NAME:PASSWORD",
+                              help="credentials (or env LIGHTGATE_AUTH)")
+    produce = sub.add_parser("produce", parents=[client_flags],
+                             help="send stdin lines as messages to a first-level topic")
+    produce.add_argument("topic")
+    produce.add_argument("--mqtt-topic", help="also deliver to MQTT subscribers of this topic")
+    produce.add_argument("--key", default="", help="message key (partitioning, lookup)")
+    produce.add_argument("--qos", type=int, default=1, choices=(0, 1, 2))
+    produce.add_argument("-v", "--verbose", action="store_true", help="print message ids")
+    produce.set_defaults(func=cmd_produce)
+    consume = sub.add_parser("consume", parents=[client_flags],
+                             help="print messages of a first-level topic as JSON lines")
+    consume.add_argument("topic")
+    consume.add_argument("--group", required=True)
+    consume.add_argument("--start", choices=("earliest", "latest"), default="earliest")
+    consume.add_argument("--max", type=int, help="stop after this many messages")
+    consume.set_defaults(func=cmd_consume)
     return parser
 
 

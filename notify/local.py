@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import trio
 
@@ -121,9 +122,15 @@ class LocalBus:
 
 
 @asynccontextmanager
-async def open_bus(url: str | None = None) -> AsyncIterator[LocalBus]:
-    """None or "local": in-process. (Redis comes with the separated mode.)"""
-    if url not in (None, "", "local"):
-        raise ValueError(f"notify transport {url!r} is not available in this build")
-    async with LocalBus() as bus:
-        yield bus
+async def open_bus(url: str | None = None) -> AsyncIterator[Any]:
+    """None or "local": in-process; "redis://host:port": across nodes via Redis."""
+    if url in (None, "", "local"):
+        async with LocalBus() as bus:
+            yield bus
+    elif url.startswith(("redis://", "rediss://", "unix://")):
+        from notify.redis_transport import RedisBus
+
+        async with RedisBus(url) as bus:
+            yield bus
+    else:
+        raise ValueError(f"unknown notify transport {url!r}: use redis://HOST:PORT")

@@ -29,7 +29,8 @@ class Server:
     def start(self) -> Server:
         args = [sys.executable, "-m", "lightgate", "--log-level", "DEBUG", "serve",
                 "--data-dir", str(self.data_dir), "--mqtt", f"127.0.0.1:{self.mqtt_port}",
-                "--http", "127.0.0.1:0", "--sys-interval", "1", *self.extra]
+                "--native", "127.0.0.1:0", "--http", "127.0.0.1:0", "--sys-interval", "1",
+                *self.extra]
         self.proc = subprocess.Popen(
             args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

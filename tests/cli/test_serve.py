@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def start_serve(data: Path, *extra: str) -> tuple[subprocess.Popen, dict[str, str]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "lightgate", "serve", "--data-dir", str(data),
-         "--http", "127.0.0.1:0", "--mqtt", "127.0.0.1:0", *extra],
+         "--http", "127.0.0.1:0", "--mqtt", "127.0.0.1:0", "--native", "127.0.0.1:0", *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     line = proc.stdout.readline()
@@ -53,7 +53,8 @@ def test_serve_reports_ready_answers_healthz_and_stops_cleanly_on_sigterm(tmp_pa
 def test_settings_come_from_env_and_config_file(tmp_path: Path) -> None:
     conf = tmp_path / "lightgate.toml"
     conf.write_text('flush = "sync"\nsegment_size = 1048576\n')
-    env = {**os.environ, "LIGHTGATE_HTTP": "127.0.0.1:0", "LIGHTGATE_MQTT": "127.0.0.1:0"}
+    env = {**os.environ, "LIGHTGATE_HTTP": "127.0.0.1:0", "LIGHTGATE_MQTT": "127.0.0.1:0",
+           "LIGHTGATE_NATIVE": "127.0.0.1:0"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "lightgate", "serve", "--data-dir", str(tmp_path / "d"),
          "--config", str(conf)],

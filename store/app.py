@@ -1,0 +1,77 @@
+"""`lightgate store`: a storage node (CommitLog, index, metadata, native protocol, HTTP).
+
+`store_node` is shared with `lightgate serve`, which adds a gateway in the same process.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+
+from store.http import make_app, serve_http, store_routes
+from store.server import NativeServer
+from store.service import EmbeddedStore, StoreConfig
+
+log = logging.getLogger("lightgate.store.app")
+
+
+@dataclass
+class StoreNode:
+    store: EmbeddedStore
+    server: NativeServer
+    native_addr: str
+
+
+async def wait_for_shutdown_signal() -> int:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            return signum
+    return 0
+
+
+@asynccontextmanager
+async def store_node(
+    cfg: StoreConfig, native: str, publish: Callable[[set[str]], None] | None = None
+) -> AsyncIterator[StoreNode]:
+    """The store and its native server. `publish` (called from the CommitLog writer
+    thread) carries the names of grown queues to gateways: an in-process bus or Redis."""
+    token = trio.lowlevel.current_trio_token()
+    server: NativeServer | None = None
+
+    def on_dispatched(names: set[str]) -> None:
+        if server is not None:  # wake long-polling pulls in this process
+            try:
+                token.run_sync_soon(server.waiters.wake, names)
+            except trio.RunFinishedError:
+                pass
+        if publish is not None:
+            publish(names)
+
+    async with EmbeddedStore.open(cfg, notify=on_dispatched) as store, \
+            trio.open_nursery() as nursery:
+        rec = store.recovery
+        if rec is not None:
+            log.info("store at %s: log end %d, %d records verified, %d re-dispatched in %.3fs",
+                     cfg.data_dir, rec.end, rec.records_verified, rec.redispatched,
+                     rec.seconds)
+        server = NativeServer(store)
+        native_addr = await nursery.start(server.serve, native)
+        yield StoreNode(store, server, native_addr)
+        nursery.cancel_scope.cancel()
+
+
+async def run_store(
+    cfg: StoreConfig, native: str, http: str, publish: Callable[[set[str]], None] | None
+) -> None:
+    async with store_node(cfg, native, publish) as node, trio.open_nursery() as nursery:
+        app = make_app(store_routes(node.store))
+        http_addr = await nursery.start(serve_http, app, http)
+        print(f"ready native={node.native_addr} http={http_addr}", flush=True)
+        signum = await wait_for_shutdown_signal()
+        log.info("signal %s: shutting down", signal.Signals(signum).name)
+        nursery.cancel_scope.cancel()

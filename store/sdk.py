@@ -1,0 +1,433 @@
+"""Client SDK for server applications: one async core (trio) and a sync facade over it,
+as the RocketMQ 5.0 SDK does.
+
+    from lightgate import Producer, Consumer
+    p = Producer("127.0.0.1:10911"); p.send("home", b"...", mqtt_topic="home/bath/cmd")
+    c = Consumer("127.0.0.1:10911", group="billing", topic="home")
+    for msg in c.poll(timeout=1.0): ...; c.ack(msg)
+
+The async twins `AsyncProducer` / `AsyncConsumer` run on trio (the loop the gateway and
+store use); from asyncio, use the sync classes in a thread (`asyncio.to_thread`).
+Every call's `timeout` bounds all of it: reconnecting, sending and the reply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from store import protocol as p
+from store.client import DEFAULT_TIMEOUT, NativeClient
+from store.record import Message
+
+log = logging.getLogger("lightgate.sdk")
+HEARTBEAT_S = 3.0
+
+
+# -- tracing hooks ----------------------------------------------------------------------
+def _tracer() -> Any:
+    try:
+        from opentelemetry import trace
+    except ImportError:
+        return None
+    return trace.get_tracer("lightgate")
+
+
+def span(name: str, **attrs: Any) -> contextlib.AbstractContextManager:
+    """An OpenTelemetry span when opentelemetry-api is installed, else nothing."""
+    tracer = _tracer()
+    if tracer is None:
+        return contextlib.nullcontext()
+    return tracer.start_as_current_span(name, attributes={k: v for k, v in attrs.items()
+                                                          if v is not None})
+
+
+# -- results ----------------------------------------------------------------------------
+@dataclass
+class SendResult:
+    msg_id: str
+    queues: list[tuple[str, int]]
+
+
+@dataclass
+class ReceivedMessage:
+    body: bytes
+    mqtt_topic: str
+    qos: int
+    properties: dict[str, Any]
+    client_id: str
+    msg_id: str
+    queue: str
+    offset: int
+    store_time: int
+    key: str = ""
+    retain: bool = False
+
+    @property
+    def attempt(self) -> int:
+        """How many times processing failed before (0 on the first delivery)."""
+        return int(self.properties.get("lg_attempt", 0))
+
+
+def _received(m: Message, queue_name: str, offset: int) -> ReceivedMessage:
+    return ReceivedMessage(m.body, m.topic, m.qos, m.properties, m.client_id, m.msg_id,
+                           queue_name, offset, m.store_ts, m.key, m.retain)
+
+
+# -- async core -------------------------------------------------------------------------
+class AsyncProducer:
+    """`async with AsyncProducer(addr) as p: await p.send("home", b"x")` (trio)."""
+
+    def __init__(self, addr: str, *, username: str | None = None,
+                 password: str | None = None, client_id: str = "",
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.addr = addr
+        self.credentials = (username, password) if username else None
+        self.client_id = client_id or f"producer-{uuid.uuid4().hex[:8]}"
+        self.timeout = timeout
+        self._stack = contextlib.AsyncExitStack()
+        self.client: NativeClient | None = None
+
+    async def __aenter__(self) -> AsyncProducer:
+        self.client = await self._stack.enter_async_context(NativeClient.open(self.addr))
+        await _hello(self.client, self.credentials)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def send(self, topic: str, body: bytes, *, mqtt_topic: str | None = None,
+                   key: str = "", qos: int = 0, retain: bool = False,
+                   properties: dict[str, Any] | None = None,
+                   timeout: float | None = None) -> SendResult:
+        [res] = await self.send_batch(topic, [body], mqtt_topic=mqtt_topic, key=key, qos=qos,
+                                      retain=retain, properties=properties, timeout=timeout)
+        return res
+
+    async def send_batch(self, topic: str, bodies: list[bytes], *,
+                         mqtt_topic: str | None = None, key: str = "", qos: int = 0,
+                         retain: bool = False, properties: dict[str, Any] | None = None,
+                         timeout: float | None = None) -> list[SendResult]:
+        """Many messages in one request (and one CommitLog write)."""
+        assert self.client is not None, "use `async with`"
+        now = int(time.time() * 1000)
+        msgs = [Message(mqtt_topic or topic, b, qos, retain, self.client_id,
+                        dict(properties or {}), born_ts=now, key=key) for b in bodies]
+        metas, body = p.pack_messages(msgs)
+        with span("lightgate produce", topic=topic, mqtt_topic=mqtt_topic, count=len(msgs)):
+            header, _ = await self.client.request(p.SEND, {"topic": topic, "messages": metas},
+                                                  body, timeout=timeout or self.timeout)
+        return [SendResult(r["msg_id"], [(q, o) for q, o in r["queues"]])
+                for r in header["results"]]
+
+
+async def _hello(client: NativeClient, credentials: tuple | None) -> None:
+    header: dict[str, Any] = {"sdk": "lightgate-python"}
+    if credentials:
+        header["username"], header["password"] = credentials
+    await client.request(p.HELLO, header)
+
+
+@dataclass
+class _QueueState:
+    next_offset: int  # next to fetch
+    delivered: set[int] = field(default_factory=set)  # handed out, not acked
+    acked: set[int] = field(default_factory=set)  # acked above the committed point
+    committed: int = 0  # everything below is done
+
+    def advance(self) -> bool:
+        moved = False
+        while self.committed in self.acked:
+            self.acked.discard(self.committed)
+            self.committed += 1
+            moved = True
+        if not self.delivered and not self.acked and self.committed < self.next_offset:
+            self.committed, moved = self.next_offset, True  # nothing outstanding below
+        return moved
+
+
+class AsyncConsumer:
+    """A member of a consumer group reading a first-level topic (trio).
+
+    Queues are assigned by the store; offsets are committed (automatically after acks
+    unless `auto_commit=False`, then call `commit()`). A message that fails is `nack`ed:
+    redelivered later with backoff, dead-lettered after `max_attempts`. A group with no
+    committed offset starts from the earliest message (`start="earliest"`) or the end.
+    """
+
+    def __init__(self, addr: str, group: str, topic: str, *, strategy: str = "average",
+                 auto_commit: bool = True, max_attempts: int = 5, start: str = "earliest",
+                 member_id: str | None = None, username: str | None = None,
+                 password: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.addr, self.group, self.topic = addr, group, topic
+        self.strategy = strategy
+        self.auto_commit = auto_commit
+        self.max_attempts = max_attempts
+        self.start = start
+        self.member_id = member_id or f"{group}-{uuid.uuid4().hex[:8]}"
+        self.credentials = (username, password) if username else None
+        self.timeout = timeout
+        self.assigned: list[str] = []
+        self.generation = -1
+        self._states: dict[str, _QueueState] = {}
+        self._held: list[tuple[ReceivedMessage, int]] = []  # retries not yet due
+        self._stack = contextlib.AsyncExitStack()
+        self.client: NativeClient | None = None
+        self.rebalances = 0
+
+    async def __aenter__(self) -> AsyncConsumer:
+        self.client = await self._stack.enter_async_context(NativeClient.open(self.addr))
+        await _hello(self.client, self.credentials)
+        await self._heartbeat()
+        nursery = await self._stack.enter_async_context(trio.open_nursery())
+        nursery.start_soon(self._heartbeat_loop)
+        self._stack.callback(nursery.cancel_scope.cancel)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await self.commit()
+            await self._request(p.HEARTBEAT, {"group": self.group, "topic": self.topic,
+                                              "member": self.member_id, "leave": True})
+        await self._stack.aclose()
+
+    async def _request(self, code: int, header: dict[str, Any], body: bytes = b"",
+                       timeout: float | None = None) -> tuple[dict[str, Any], bytes]:
+        assert self.client is not None, "use `async with`"
+        return await self.client.request(code, header, body, timeout=timeout or self.timeout)
+
+    # -- membership ---------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await trio.sleep(HEARTBEAT_S)
+            try:
+                await self._heartbeat()
+            except Exception as exc:  # keep trying; the store may be restarting
+                log.warning("heartbeat of %s failed: %s", self.member_id, exc)
+
+    async def _heartbeat(self) -> None:
+        header, _ = await self._request(p.HEARTBEAT, {
+            "group": self.group, "topic": self.topic, "member": self.member_id,
+            "strategy": self.strategy})
+        if header["generation"] != self.generation or header["queues"] != self.assigned:
+            await self._rebalance(list(header["queues"]))
+            self.generation = header["generation"]
+
+    async def _rebalance(self, queues: list[str]) -> None:
+        gone = [q for q in self._states if q not in queues]
+        if gone:
+            await self.commit()
+            for q in gone:
+                del self._states[q]
+            self._held = [(m, o) for m, o in self._held if m.queue not in gone]
+        new = [q for q in queues if q not in self._states]
+        if new:
+            header, _ = await self._request(p.FETCH_OFFSETS, {"group": self.group,
+                                                               "queues": new})
+            for q in new:
+                off = header["offsets"].get(q)
+                if off is None:
+                    off = 0 if self.start == "earliest" else await self._queue_end(q)
+                self._states[q] = _QueueState(off, committed=off)
+        self.assigned = queues
+        self.rebalances += 1
+        log.info("%s now reads %s", self.member_id, queues)
+
+    async def _queue_end(self, q: str) -> int:
+        header, _ = await self._request(p.QUEUE_RANGE, {"queue": q})
+        return int(header["max_offset"])
+
+    # -- consuming ----------------------------------------------------------------------
+    async def poll(self, timeout: float = 1.0, max_messages: int = 32) -> list[ReceivedMessage]:
+        """Messages ready now, waiting up to `timeout` for some; [] when none came."""
+        deadline = trio.current_time() + timeout
+        while True:
+            out = self._due_retries(max_messages)
+            for q, st in list(self._states.items()):
+                if len(out) >= max_messages:
+                    break
+                out.extend(await self._fetch(q, st, max_messages - len(out), 0))
+            if out:
+                return out
+            left = deadline - trio.current_time()
+            if left <= 0:
+                return []
+            if self._states and not self._held:
+                q, st = next(iter(self._states.items()))
+                wait = int(min(left, 0.5) * 1000)
+                out = await self._fetch(q, st, max_messages, wait)
+                if out:
+                    return out
+            else:
+                await trio.sleep(min(left, 0.05))
+
+    async def _fetch(self, q: str, st: _QueueState, n: int, wait_ms: int) -> list:
+        header, body = await self._request(
+            p.PULL, {"queue": q, "offset": st.next_offset, "max": n, "wait_ms": wait_ms},
+            timeout=self.timeout + wait_ms / 1000)
+        if self._states.get(q) is not st:
+            return []  # rebalanced away while we waited
+        msgs = p.unpack_messages(header["messages"], body)
+        if header["next_offset"] > st.next_offset and not msgs:
+            st.next_offset = header["next_offset"]  # skipped past retention
+        out = []
+        now_ms = time.time() * 1000
+        for m in msgs:
+            off = m.offset_in(q)
+            st.next_offset = off + 1
+            st.delivered.add(off)
+            rm = _received(m, q, off)
+            if int(m.properties.get("lg_not_before", 0)) > now_ms:
+                self._held.append((rm, off))  # a retry whose backoff has not passed
+                continue
+            out.append(rm)
+        with span("lightgate receive", group=self.group, queue=q, count=len(out)):
+            pass
+        return out
+
+    def _due_retries(self, n: int) -> list[ReceivedMessage]:
+        now_ms = time.time() * 1000
+        due = [(m, o) for m, o in self._held
+               if int(m.properties.get("lg_not_before", 0)) <= now_ms][:n]
+        for item in due:
+            self._held.remove(item)
+        return [m for m, _ in due]
+
+    async def ack(self, msg: ReceivedMessage) -> None:
+        with span("lightgate ack", group=self.group, msg_id=msg.msg_id):
+            st = self._states.get(msg.queue)
+            if st is None or msg.offset not in st.delivered:
+                return  # rebalanced away: the new owner will see it again
+            st.delivered.discard(msg.offset)
+            st.acked.add(msg.offset)
+            if st.advance() and self.auto_commit:
+                await self.commit()
+
+    async def nack(self, msg: ReceivedMessage) -> bool:
+        """Processing failed: try again later; True if it went to the dead-letter queue."""
+        original = Message(msg.mqtt_topic, msg.body, msg.qos, False, msg.client_id,
+                           dict(msg.properties), key=msg.key)
+        original.phys_offset = -1
+        metas, body = p.pack_messages([original])
+        metas[0]["props"] = dict(msg.properties, lg_origin=msg.properties.get("lg_origin")
+                                 or msg.msg_id)
+        with span("lightgate nack", group=self.group, msg_id=msg.msg_id):
+            header, _ = await self._request(p.NACK, {"group": self.group, "message": metas[0],
+                                                     "max_attempts": self.max_attempts}, body)
+        await self.ack(msg)  # handled: its copy lives on in the retry or dead-letter queue
+        return bool(header["dead"])
+
+    async def commit(self) -> None:
+        offsets = {q: st.committed for q, st in self._states.items()}
+        if offsets:
+            await self._request(p.COMMIT, {"group": self.group, "offsets": offsets})
+
+
+# -- sync facade ------------------------------------------------------------------------
+class _Portal:
+    """A trio loop in a daemon thread running one async object; calls cross over."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self._ready: queue.Queue = queue.Queue()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._done: trio.Event | None = None
+        self.obj: Any = None
+        self._thread = threading.Thread(target=trio.run, args=(self._main, factory),
+                                        daemon=True, name="lightgate-sdk")
+        self._thread.start()
+        ok, value = self._ready.get()
+        if not ok:
+            raise value
+
+    async def _main(self, factory: Callable[[], Any]) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._done = trio.Event()
+        try:
+            async with factory() as obj:
+                self.obj = obj
+                self._ready.put((True, None))
+                await self._done.wait()
+        except BaseException as exc:  # noqa: BLE001 - reported to the creating thread
+            if self.obj is None:
+                self._ready.put((False, exc))
+            else:
+                raise
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        async def run() -> Any:
+            return await fn(*args, **kw)
+
+        return trio.from_thread.run(run, trio_token=self._token)
+
+    def close(self) -> None:
+        if self._token is not None and self._done is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._done.set, trio_token=self._token)
+            self._thread.join(10)
+
+
+class Producer:
+    """Synchronous producer: `Producer("127.0.0.1:10911").send("home", b"...")`."""
+
+    def __init__(self, addr: str, **kw: Any) -> None:
+        self._portal = _Portal(lambda: AsyncProducer(addr, **kw))
+
+    def send(self, topic: str, body: bytes, **kw: Any) -> SendResult:
+        return self._portal.call(self._portal.obj.send, topic, body, **kw)
+
+    def send_batch(self, topic: str, bodies: list[bytes], **kw: Any) -> list[SendResult]:
+        return self._portal.call(self._portal.obj.send_batch, topic, bodies, **kw)
+
+    def close(self) -> None:
+        self._portal.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Consumer:
+    """Synchronous consumer: `poll()` returns a list ([] on timeout); iterating blocks."""
+
+    def __init__(self, addr: str, group: str, topic: str, **kw: Any) -> None:
+        self._portal = _Portal(lambda: AsyncConsumer(addr, group, topic, **kw))
+
+    @property
+    def assigned(self) -> list[str]:
+        return list(self._portal.obj.assigned)
+
+    def poll(self, timeout: float = 1.0, max_messages: int = 32) -> list[ReceivedMessage]:
+        return self._portal.call(self._portal.obj.poll, timeout, max_messages)
+
+    def ack(self, msg: ReceivedMessage) -> None:
+        self._portal.call(self._portal.obj.ack, msg)
+
+    def nack(self, msg: ReceivedMessage) -> bool:
+        return self._portal.call(self._portal.obj.nack, msg)
+
+    def commit(self) -> None:
+        self._portal.call(self._portal.obj.commit)
+
+    def __iter__(self) -> Iterator[ReceivedMessage]:
+        while True:
+            yield from self.poll(timeout=1.0)
+
+    def close(self) -> None:
+        self._portal.close()
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

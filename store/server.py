@@ -1,0 +1,378 @@
+"""The store's native-protocol server: what gateways and server applications call.
+
+Each connection has a reader (this task), a writer and bounded request concurrency.
+Appends (SEND, PUBLISH) are submitted to the CommitLog in frame order by the reader
+itself, so one connection's messages are stored in the order they were sent; their
+responses follow when the store acknowledges them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from lightqueue.routing import validate_first_level
+from lightqueue.topic import validate_topic_name
+from store import protocol as p
+from store.commitlog import StoreError, StoreFullError
+from store.groups import (
+    MAX_ATTEMPTS,
+    GroupRegistry,
+    backoff,
+    dlq_queue,
+    offset_key,
+    retry_queue,
+)
+from store.http import split_hostport
+from store.record import Message
+from store.service import EmbeddedStore, await_future
+
+log = logging.getLogger("lightgate.store.native")
+
+MAX_INFLIGHT_REQUESTS = 64
+MAX_PULL_WAIT_MS = 30_000
+
+
+class BadRequest(Exception):
+    status = 400
+
+
+class NotFound(BadRequest):
+    status = 404
+
+
+class QueueWaiters:
+    """Long-polling pulls wait here for their queue to grow."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, trio.Event] = {}
+
+    def event(self, queue: str) -> trio.Event:
+        ev = self._events.get(queue)
+        if ev is None:
+            ev = self._events[queue] = trio.Event()
+        return ev
+
+    def wake(self, names: set[str]) -> None:
+        for name in names:
+            ev = self._events.pop(name, None)
+            if ev is not None:
+                ev.set()
+
+
+class NativeServer:
+    def __init__(self, store: EmbeddedStore) -> None:
+        self.store = store
+        self.groups = GroupRegistry()
+        self.waiters = QueueWaiters()
+        self.gateways: dict[str, dict[str, Any]] = {}
+        self.connections = 0
+        self._handlers: dict[int, Callable[[p.Frame], Awaitable[tuple[dict, bytes]]]] = {
+            p.HELLO: self._hello,
+            p.PULL: self._pull,
+            p.QUEUE_RANGE: self._queue_range,
+            p.QUEUE_ENDS: self._queue_ends,
+            p.HEARTBEAT: self._heartbeat,
+            p.COMMIT: self._commit,
+            p.FETCH_OFFSETS: self._fetch_offsets,
+            p.NACK: self._nack,
+            p.GET_MESSAGE: self._get_message,
+            p.FIND_KEY: self._find_key,
+            p.TOPIC_CREATE: self._topic_create,
+            p.TOPIC_LIST: self._topic_list,
+            p.TOPIC_DESCRIBE: self._topic_describe,
+            p.META_GET: self._meta_get,
+            p.META_PUT: self._meta_put,
+            p.META_DELETE: self._meta_delete,
+            p.META_ITEMS: self._meta_items,
+            p.META_WRITE: self._meta_write,
+            p.WILDCARD_ADD: self._wildcard_add,
+            p.STATS: self._stats,
+            p.GATEWAY_HEARTBEAT: self._gateway_heartbeat,
+            p.GATEWAY_LIST: self._gateway_list,
+        }
+
+    async def serve(
+        self, addr: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        host, port = split_hostport(addr, "127.0.0.1")
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound = listeners[0].socket.getsockname()
+        task_status.started(f"{bound[0]}:{bound[1]}")
+        await trio.serve_listeners(self._handle, listeners)
+
+    # -- connection -------------------------------------------------------------------
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        send, recv = trio.open_memory_channel[bytes](256)
+        limit = trio.Semaphore(MAX_INFLIGHT_REQUESTS)
+        decoder = p.FrameDecoder()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._writer, stream, recv)
+                try:
+                    while True:
+                        data = await stream.receive_some(65536)
+                        if not data:
+                            break
+                        for frame in decoder.feed(data):
+                            await limit.acquire()
+                            self._start(nursery, frame, send, limit)
+                except p.ProtocolError as exc:
+                    log.warning("native client broke the protocol: %s", exc)
+                    await send.send(p.encode_frame(p.Frame(
+                        p.ERROR, 0, 0, {"status": 400, "error": f"protocol error: {exc}"})))
+                    await trio.sleep(0.05)  # let the writer flush the error frame
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+                nursery.cancel_scope.cancel()
+        finally:
+            self.connections -= 1
+            with trio.move_on_after(1) as scope:
+                scope.shield = True
+                await stream.aclose()
+
+    async def _writer(self, stream: trio.SocketStream, recv: trio.MemoryReceiveChannel) -> None:
+        async for data in recv:
+            chunks = [data]
+            while True:
+                try:
+                    chunks.append(recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            await stream.send_all(b"".join(chunks))
+
+    def _start(self, nursery: trio.Nursery, frame: p.Frame, send: Any, limit: Any) -> None:
+        if frame.kind != p.REQUEST:
+            limit.release()
+            return
+        if frame.code in (p.SEND, p.PUBLISH):
+            try:  # submitted now, in frame order; answered when stored
+                pending = self._submit(frame)
+            except (BadRequest, ValueError, p.ProtocolError) as exc:
+                nursery.start_soon(self._reply_error, frame, send, limit, 400, str(exc))
+                return
+            nursery.start_soon(self._reply_append, frame, pending, send, limit)
+        else:
+            nursery.start_soon(self._reply, frame, send, limit)
+
+    async def _reply_error(self, frame: p.Frame, send: Any, limit: Any, status: int,
+                           message: str) -> None:
+        try:
+            await send.send(_error(frame, status, message))
+        finally:
+            limit.release()
+
+    async def _reply(self, frame: p.Frame, send: Any, limit: Any) -> None:
+        try:
+            handler = self._handlers.get(frame.code)
+            if handler is None:
+                out = _error(frame, 400, f"unknown request code {frame.code}")
+            else:
+                try:
+                    header, body = await handler(frame)
+                    out = p.encode_frame(p.Frame(p.RESPONSE, frame.code, frame.request_id,
+                                                 header, body))
+                except BadRequest as exc:
+                    out = _error(frame, exc.status, str(exc))
+                except (KeyError, ValueError, TypeError, p.ProtocolError) as exc:
+                    out = _error(frame, 400, f"bad request: {exc}")
+                except StoreError as exc:
+                    out = _error(frame, 503, str(exc))
+            await send.send(out)
+        finally:
+            limit.release()
+
+    # -- appends ----------------------------------------------------------------------
+    def _submit(self, frame: p.Frame) -> Any:
+        msgs = p.unpack_messages(frame.header.get("messages", []), frame.body)
+        if not msgs:
+            raise BadRequest("no messages")
+        if frame.code == p.PUBLISH:
+            return self.store.publish_start(msgs)
+        topic = validate_first_level(str(frame.header.get("topic", "")))
+        routes = []
+        for m in msgs:
+            if m.topic and m.topic != topic:
+                validate_topic_name(m.topic)
+                if m.topic.split("/", 1)[0] != topic:
+                    raise BadRequest(f"MQTT topic {m.topic!r} is not under {topic!r}")
+                routes.append(self.store.router.route(m.topic))
+            else:
+                m.topic = topic
+                routes.append([self.store.router.partition_for(topic, m.key or m.client_id)])
+        return self.store.commitlog.append(msgs, routes)
+
+    async def _reply_append(self, frame: p.Frame, fut: Any, send: Any, limit: Any) -> None:
+        try:
+            try:
+                stored = await await_future(fut)
+            except StoreFullError as exc:
+                out = _error(frame, 507, str(exc))
+            except StoreError as exc:
+                out = _error(frame, 503, str(exc))
+            else:
+                results = [{"msg_id": m.msg_id, "queues": m.queues, "store_ts": m.store_ts,
+                            "phys": m.phys_offset, "rsize": m.size} for m in stored]
+                out = p.encode_frame(p.Frame(p.RESPONSE, frame.code, frame.request_id,
+                                             {"results": results}))
+            await send.send(out)
+        finally:
+            limit.release()
+
+    # -- handlers ---------------------------------------------------------------------
+    async def _hello(self, f: p.Frame) -> tuple[dict, bytes]:
+        return {"version": p.VERSION, "server": "lightgate-store",
+                "max_frame": p.MAX_FRAME}, b""
+
+    async def _pull(self, f: p.Frame) -> tuple[dict, bytes]:
+        queue = str(f.header["queue"])
+        offset = int(f.header.get("offset", 0))
+        max_count = int(f.header.get("max", 32))
+        wait_ms = min(int(f.header.get("wait_ms", 0)), MAX_PULL_WAIT_MS)
+        res = await self.store.pull(queue, offset, max_count)
+        if not res.messages and wait_ms > 0:
+            ev = self.waiters.event(queue)
+            # Re-check after registering the waiter: a message may have just landed.
+            res = await self.store.pull(queue, offset, max_count)
+            if not res.messages:
+                with trio.move_on_after(wait_ms / 1000):
+                    await ev.wait()
+                res = await self.store.pull(queue, offset, max_count)
+        metas, body = p.pack_messages(res.messages)
+        return {"messages": metas, "next_offset": res.next_offset,
+                "min_offset": res.min_offset, "max_offset": res.max_offset}, body
+
+    async def _queue_range(self, f: p.Frame) -> tuple[dict, bytes]:
+        lo, hi = self.store.queue_range(str(f.header["queue"]))
+        return {"min_offset": lo, "max_offset": hi}, b""
+
+    async def _queue_ends(self, f: p.Frame) -> tuple[dict, bytes]:
+        queues = [str(q) for q in f.header["queues"]]
+        return {"ends": await self.store.queue_ends(queues)}, b""
+
+    async def _heartbeat(self, f: p.Frame) -> tuple[dict, bytes]:
+        group, topic = str(f.header["group"]), str(f.header["topic"])
+        member = str(f.header["member"])
+        if f.header.get("leave"):
+            self.groups.leave(group, member)
+            return {"left": True}, b""
+        queues = self.store.topic_queues(validate_first_level(topic))
+        return self.groups.heartbeat(group, topic, member,
+                                     str(f.header.get("strategy", "average")), queues), b""
+
+    async def _commit(self, f: p.Frame) -> tuple[dict, bytes]:
+        group = str(f.header["group"])
+        ops = [("put", "offsets", offset_key(group, str(q)), int(off))
+               for q, off in dict(f.header["offsets"]).items()]
+        await self.store.meta_write(ops)
+        return {"committed": len(ops)}, b""
+
+    async def _fetch_offsets(self, f: p.Frame) -> tuple[dict, bytes]:
+        group = str(f.header["group"])
+        out = {}
+        for q in f.header["queues"]:
+            off = await self.store.meta_get("offsets", offset_key(group, str(q)))
+            out[str(q)] = off
+        return {"offsets": out}, b""
+
+    async def _nack(self, f: p.Frame) -> tuple[dict, bytes]:
+        """Give a failed message another try later, or dead-letter it."""
+        group = str(f.header["group"])
+        [msg] = p.unpack_messages([f.header["message"]], f.body)
+        attempt = int(msg.properties.get("lg_attempt", 0)) + 1
+        props = dict(msg.properties, lg_attempt=attempt,
+                     lg_origin=msg.properties.get("lg_origin") or msg.msg_id)
+        max_attempts = int(f.header.get("max_attempts", MAX_ATTEMPTS))
+        dead = attempt >= max_attempts
+        if not dead:
+            props["lg_not_before"] = int((time.time() + backoff(attempt)) * 1000)
+        target = dlq_queue(group) if dead else retry_queue(group)
+        copy = Message(msg.topic, msg.body, msg.qos, False, msg.client_id, props, key=msg.key)
+        [stored] = await self.store.append([copy], [[target]])
+        return {"queue": target, "attempt": attempt, "dead": dead, "msg_id": stored.msg_id}, b""
+
+    async def _get_message(self, f: p.Frame) -> tuple[dict, bytes]:
+        try:
+            msg = await self.store.get_message(str(f.header["msg_id"]))
+        except (KeyError, ValueError) as exc:
+            raise NotFound(f"no message {f.header['msg_id']!r}: {exc}") from exc
+        metas, body = p.pack_messages([msg])
+        return {"messages": metas}, body
+
+    async def _find_key(self, f: p.Frame) -> tuple[dict, bytes]:
+        msgs = await self.store.find_by_key(str(f.header["key"]), int(f.header.get("max", 100)))
+        metas, body = p.pack_messages(msgs)
+        return {"messages": metas}, body
+
+    async def _topic_create(self, f: p.Frame) -> tuple[dict, bytes]:
+        topic = str(f.header["topic"])
+        self.store.create_topic(topic, int(f.header.get("partitions", 4)))
+        return {"topic": topic, "queues": self.store.topic_queues(topic)}, b""
+
+    async def _topic_list(self, f: p.Frame) -> tuple[dict, bytes]:
+        topics = {t: info for t, info in await self.store.meta_items("topics")}
+        return {"topics": topics}, b""
+
+    async def _topic_describe(self, f: p.Frame) -> tuple[dict, bytes]:
+        topic = validate_first_level(str(f.header["topic"]))
+        queues = []
+        for q in self.store.topic_queues(topic):
+            lo, hi = self.store.queue_range(q)
+            queues.append({"queue": q, "min_offset": lo, "max_offset": hi})
+        return {"topic": topic, "partitions": len(queues), "queues": queues}, b""
+
+    async def _meta_get(self, f: p.Frame) -> tuple[dict, bytes]:
+        return {"value": await self.store.meta_get(str(f.header["cf"]), str(f.header["key"]))}, b""
+
+    async def _meta_put(self, f: p.Frame) -> tuple[dict, bytes]:
+        await self.store.meta_put(str(f.header["cf"]), str(f.header["key"]), f.header["value"])
+        return {}, b""
+
+    async def _meta_delete(self, f: p.Frame) -> tuple[dict, bytes]:
+        await self.store.meta_delete(str(f.header["cf"]), str(f.header["key"]))
+        return {}, b""
+
+    async def _meta_items(self, f: p.Frame) -> tuple[dict, bytes]:
+        limit = f.header.get("limit")
+        items = await self.store.meta_items(str(f.header["cf"]), str(f.header.get("prefix", "")),
+                                            int(limit) if limit is not None else None)
+        return {"items": items}, b""
+
+    async def _meta_write(self, f: p.Frame) -> tuple[dict, bytes]:
+        ops = [(str(op), str(cf), str(key), value) for op, cf, key, value in f.header["ops"]]
+        await self.store.meta_write(ops)
+        return {}, b""
+
+    async def _wildcard_add(self, f: p.Frame) -> tuple[dict, bytes]:
+        await self.store.add_wildcard(str(f.header["filter"]))
+        return {}, b""
+
+    async def _stats(self, f: p.Frame) -> tuple[dict, bytes]:
+        stats = await self.store.get_stats()
+        stats["native_connections"] = self.connections
+        return stats, b""
+
+    async def _gateway_heartbeat(self, f: p.Frame) -> tuple[dict, bytes]:
+        """Gateways announce themselves; nobody needs a static node list."""
+        gid = str(f.header["id"])
+        self.gateways[gid] = {**dict(f.header.get("info", {})), "last_seen": time.time()}
+        return {"gateways": self._live_gateways()}, b""
+
+    async def _gateway_list(self, f: p.Frame) -> tuple[dict, bytes]:
+        return {"gateways": self._live_gateways()}, b""
+
+    def _live_gateways(self) -> dict[str, Any]:
+        now = time.time()
+        for gid in [g for g, info in self.gateways.items() if now - info["last_seen"] > 15]:
+            del self.gateways[gid]
+        return self.gateways
+
+
+def _error(frame: p.Frame, status: int, message: str) -> bytes:
+    return p.encode_frame(p.Frame(p.ERROR, frame.code, frame.request_id,
+                                  {"status": status, "error": message}))
