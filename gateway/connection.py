@@ -74,6 +74,7 @@ class Connection:
         self._cancel = trio.CancelScope()
         self._detached = trio.Event()
         self._taken_over = False
+        self._write_failed = False
         self._aliases_in: dict[int, str] = {}
         self._aliases_out: dict[str, int] = {}
         self._alias_out_max = 0
@@ -100,9 +101,13 @@ class Connection:
 
     async def _close(self, closing: Closing | None) -> None:
         self.alive = False
-        if closing is None:  # cancelled from outside: a takeover or a server shutdown
-            closing = Closing("taken over") if self._taken_over else Closing(
-                "server shutting down", True, rc.SERVER_SHUTTING_DOWN)
+        if closing is None:  # cancelled: a takeover, a failed write or a server shutdown
+            if self._taken_over:
+                closing = Closing("taken over")
+            elif self._write_failed:
+                closing = Closing("connection lost while writing")
+            else:
+                closing = Closing("server shutting down", True, rc.SERVER_SHUTTING_DOWN)
         s = self.session
         if s is not None and closing.reason_code and self.version == 5 and not self._taken_over:
             with trio.move_on_after(0.5):
@@ -164,7 +169,12 @@ class Connection:
                     break
             buf = b"".join(chunks) if len(chunks) > 1 else data
             stats.bytes_out += len(buf)
-            await self.stream.send_all(buf)
+            try:
+                await self.stream.send_all(buf)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                self._write_failed = True
+                self._cancel.cancel()
+                return
 
     def _reason(self, text: str) -> dict[str, Any]:
         """A reason string, unless the client asked for no problem information."""

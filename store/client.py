@@ -102,29 +102,41 @@ class NativeClient:
 
     async def _session(self, stream: trio.SocketStream) -> None:
         send, recv = trio.open_memory_channel[bytes](math.inf)
+        error: Exception | None = None
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._writer, stream, recv)
+            nursery.start_soon(self._writer, stream, recv, nursery.cancel_scope)
             self._send = send
             self._connected.set()
             decoder = p.FrameDecoder()
-            while True:
-                data = await stream.receive_some(65536)
-                if not data:
-                    raise trio.BrokenResourceError("store closed the connection")
-                for frame in decoder.feed(data):
-                    fut = self._waiting.pop(frame.request_id, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(frame)
+            try:
+                while True:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        raise trio.BrokenResourceError("store closed the connection")
+                    for frame in decoder.feed(data):
+                        fut = self._waiting.pop(frame.request_id, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(frame)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError,
+                    p.ProtocolError) as exc:
+                error = exc
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
 
-    async def _writer(self, stream: trio.SocketStream, recv: Any) -> None:
-        async for data in recv:
-            chunks = [data]
-            while True:
-                try:
-                    chunks.append(recv.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            await stream.send_all(b"".join(chunks))
+    async def _writer(self, stream: trio.SocketStream, recv: Any,
+                      scope: trio.CancelScope) -> None:
+        try:
+            async for data in recv:
+                chunks = [data]
+                while True:
+                    try:
+                        chunks.append(recv.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                await stream.send_all(b"".join(chunks))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            scope.cancel()  # the reader sees the broken connection and reconnects
 
     def _fail_all(self, exc: Exception) -> None:
         waiting, self._waiting = self._waiting, {}

@@ -113,7 +113,7 @@ class NativeServer:
         decoder = p.FrameDecoder()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._writer, stream, recv)
+                nursery.start_soon(self._writer, stream, recv, nursery.cancel_scope)
                 try:
                     while True:
                         data = await stream.receive_some(65536)
@@ -136,15 +136,19 @@ class NativeServer:
                 scope.shield = True
                 await stream.aclose()
 
-    async def _writer(self, stream: trio.SocketStream, recv: trio.MemoryReceiveChannel) -> None:
-        async for data in recv:
-            chunks = [data]
-            while True:
-                try:
-                    chunks.append(recv.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            await stream.send_all(b"".join(chunks))
+    async def _writer(self, stream: trio.SocketStream, recv: trio.MemoryReceiveChannel,
+                      scope: trio.CancelScope) -> None:
+        try:
+            async for data in recv:
+                chunks = [data]
+                while True:
+                    try:
+                        chunks.append(recv.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                await stream.send_all(b"".join(chunks))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            scope.cancel()  # the client went away: end the connection
 
     def _start(self, nursery: trio.Nursery, frame: p.Frame, send: Any, limit: Any) -> None:
         if frame.kind != p.REQUEST:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,23 +19,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Server:
-    """`lightgate serve` in a subprocess; restartable on the same data directory."""
+    """A `lightgate` server command in a subprocess (serve by default); restartable on the
+    same data directory and ports."""
 
-    def __init__(self, data_dir: Path, *extra: str) -> None:
+    def __init__(self, data_dir: Path | None, *extra: str, command: str = "serve") -> None:
         self.data_dir = data_dir
         self.extra = list(extra)
+        self.command = command
         self.proc: subprocess.Popen | None = None
         self.addrs: dict[str, str] = {}
         self.log: list[str] = []
         self.mqtt_port = 0
+        self.native_port = 0
+
+    def _args(self) -> list[str]:
+        args = [sys.executable, "-m", "lightgate", "--log-level", "DEBUG", self.command]
+        if self.command in ("serve", "store"):
+            args += ["--data-dir", str(self.data_dir), "--native", f"127.0.0.1:{self.native_port}"]
+        if self.command in ("serve", "gateway"):
+            args += ["--mqtt", f"127.0.0.1:{self.mqtt_port}", "--sys-interval", "1"]
+        return [*args, "--http", "127.0.0.1:0", *self.extra]
 
     def start(self) -> Server:
-        args = [sys.executable, "-m", "lightgate", "--log-level", "DEBUG", "serve",
-                "--data-dir", str(self.data_dir), "--mqtt", f"127.0.0.1:{self.mqtt_port}",
-                "--native", "127.0.0.1:0", "--http", "127.0.0.1:0", "--sys-interval", "1",
-                *self.extra]
         self.proc = subprocess.Popen(
-            args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            self._args(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         line = self.proc.stdout.readline()
@@ -40,8 +50,11 @@ class Server:
             self.proc.wait(10)
             raise RuntimeError(f"server did not start: {line!r} {self.proc.stderr.read()}")
         self.addrs = dict(part.split("=", 1) for part in line.split()[1:])
-        # Keep the port on restart, as clients of a real broker would expect.
-        self.mqtt_port = int(self.addrs["mqtt"].rsplit(":", 1)[1])
+        # Keep the ports on restart, as clients of a real broker would expect.
+        if "mqtt" in self.addrs:
+            self.mqtt_port = int(self.addrs["mqtt"].rsplit(":", 1)[1])
+        if "native" in self.addrs:
+            self.native_port = int(self.addrs["native"].rsplit(":", 1)[1])
         threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
         return self
 
@@ -52,6 +65,10 @@ class Server:
     @property
     def port(self) -> int:
         return self.mqtt_port
+
+    @property
+    def native(self) -> str:
+        return self.addrs["native"]
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         assert self.proc is not None
@@ -65,6 +82,51 @@ class Server:
 
     def logs(self) -> str:
         return "".join(self.log)
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port."""
+
+    def __init__(self) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        sock.close()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (make test installs it from Debian)")
+    srv = RedisServer().start()
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture
