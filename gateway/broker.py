@@ -27,6 +27,7 @@ from gateway.session import (
 )
 from gateway.shared import SharedGroup, group_key
 from lightqueue.topic import is_wildcard, matches
+from store.commitlog import StoreError
 from store.record import Message
 
 log = logging.getLogger("lightgate.gateway")
@@ -383,7 +384,10 @@ class Broker:
         await trio.sleep(s.expiry)
         if self.sessions.get(s.client_id) is s and s.expired():
             log.info("session %r expired after %ds offline", s.client_id, s.expiry)
-            await self.discard_session(s.client_id)
+            try:
+                await self.discard_session(s.client_id)
+            except StoreError as exc:  # the periodic expiry check will try again
+                log.warning("expired session %r not removed yet: %s", s.client_id, exc)
 
     async def flush_offsets(self, s: Session) -> None:
         """Persist where each queue of `s` resumes: the first unacknowledged offset."""
@@ -395,9 +399,9 @@ class Broker:
             if acked is not None and queue in s.subscriptions:
                 pos = {"acked": acked, "next": s.cursors.get(queue, acked)}
                 ops.append(("put", "offsets", offset_key(s.client_id, queue), pos))
-        s.offsets_dirty.clear()
         if ops:
             await self.store.meta_write(ops)
+        s.offsets_dirty.clear()
 
     async def persist_outgoing(self, s: Session, o: Outgoing) -> None:
         if s.persistent and o.queue is not None:
@@ -489,14 +493,20 @@ class Broker:
     async def _offsets_loop(self) -> None:
         while True:
             await trio.sleep(self.config.offsets_flush_interval)
-            for s in list(self.sessions.values()):
-                if s.offsets_dirty:
-                    await self.flush_offsets(s)
-            await self.flush_group_offsets()
+            try:
+                for s in list(self.sessions.values()):
+                    if s.offsets_dirty:
+                        await self.flush_offsets(s)
+                await self.flush_group_offsets()
+            except StoreError as exc:  # kept dirty: flushed once the store is back
+                log.warning("offsets not flushed: %s", exc)
 
     async def _expiry_loop(self) -> None:
         while True:
-            await self.expire_sessions()
+            try:
+                await self.expire_sessions()
+            except StoreError as exc:
+                log.warning("session expiry check failed: %s", exc)
             await trio.sleep(self.config.expiry_check_interval)
 
     async def expire_sessions(self) -> int:

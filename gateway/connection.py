@@ -75,6 +75,7 @@ class Connection:
         self._detached = trio.Event()
         self._taken_over = False
         self._write_failed = False
+        self._store_error = ""
         self._aliases_in: dict[int, str] = {}
         self._aliases_out: dict[str, int] = {}
         self._alias_out_max = 0
@@ -388,7 +389,9 @@ class Connection:
                     continue
             if p.qos:
                 self._inbound_unacked -= 1
-            props = self._reason(rc.REASON_NAMES.get(code, "")) if code else {}
+            text = self._store_error if code in (rc.UNSPECIFIED_ERROR, rc.QUOTA_EXCEEDED) \
+                else rc.REASON_NAMES.get(code, "")
+            props = self._reason(text) if code else {}
             if p.qos == 1:
                 await self.send(mqtt.encode(Puback(p.packet_id, code, props), self.version))
             elif p.qos == 2:
@@ -402,6 +405,7 @@ class Connection:
             [stored] = await await_future(fut)
         except StoreError as exc:
             self.broker.stats.publish_errors += 1
+            self._store_error = f"not stored: {exc}"
             log.warning("publish from %r on %r not stored: %s", s.client_id, p.topic, exc)
             if p.qos == 2:
                 s.incoming_qos2.discard(p.packet_id)
@@ -484,7 +488,12 @@ class Connection:
             opts = mqtt.SubscriptionOptions(granted, opts.no_local, opts.retain_as_published,
                                             opts.retain_handling)
             sub = Subscription(topic_filter, opts, sid, shared)
-            new = await self.broker.subscribe(s, sub)
+            try:
+                new = await self.broker.subscribe(s, sub)
+            except StoreError as exc:
+                log.warning("subscribe of %r to %r failed: %s", s.client_id, topic_filter, exc)
+                codes.append(rc.UNSPECIFIED_ERROR)
+                continue
             codes.append(granted)
             # Retained messages are not sent for shared subscriptions (MQTT 5 §4.8.2).
             if not shared and (opts.retain_handling == 0
@@ -518,7 +527,12 @@ class Connection:
         while True:
             await s.wakeup.wait()
             for queue in s.take_dirty():
-                await self._drain(s, queue)
+                try:
+                    await self._drain(s, queue)
+                except StoreError as exc:  # the store is away: keep the client, retry
+                    log.warning("delivery to %r paused: %s", s.client_id, exc)
+                    await trio.sleep(0.5)
+                    s.notify(queue)
 
     async def _resend_outgoing(self, s: Session) -> None:
         for o in list(s.outgoing.values()):

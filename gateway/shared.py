@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from gateway.session import NUL, Session
+from store.commitlog import StoreError
 from store.record import Message
 
 if TYPE_CHECKING:
@@ -102,37 +103,45 @@ class SharedGroup:
 
     # -- the group's reader -------------------------------------------------------------
     async def run(self) -> None:
-        cache = self.broker.cache
         while True:
             await self.wakeup.wait()
             self.wakeup = trio.Event()
-            while True:
-                if self.retry:
-                    msg = self.retry[0]
-                else:
-                    msgs, start = await cache.pull(self.queue, self.cursor, 64)
-                    if start != self.cursor:
-                        self.cursor, self.dirty = start, True
-                    if not msgs:
-                        break
-                    msg = msgs[0]
-                conn = self._pick()
-                if conn is None:
-                    break  # woken again by an ack, a new member or a connect
-                if self.retry and self.retry[0] is msg:
-                    self.retry.popleft()
-                else:
-                    self.cursor = msg.offset_in(self.queue) + 1
-                self.dirty = True
-                off = msg.offset_in(self.queue)
-                self.pending[off] = msg
-                try:
-                    sent = await conn.push_shared(self, msg)
-                except Exception:
-                    log.exception("shared delivery to %r failed", conn.session.client_id)
-                    sent = False
-                if not sent:  # the member could not take it (closing, QoS 0 dropped...)
-                    if off in self.pending and not conn.alive:
-                        self.take_back(msg)
-                else:
-                    self.delivered += 1
+            try:
+                await self._hand_out()
+            except StoreError as exc:  # the store is away: try again shortly
+                log.warning("shared group %s paused: %s", self.name, exc)
+                await trio.sleep(0.5)
+                self.wake()
+
+    async def _hand_out(self) -> None:
+        cache = self.broker.cache
+        while True:
+            if self.retry:
+                msg = self.retry[0]
+            else:
+                msgs, start = await cache.pull(self.queue, self.cursor, 64)
+                if start != self.cursor:
+                    self.cursor, self.dirty = start, True
+                if not msgs:
+                    break
+                msg = msgs[0]
+            conn = self._pick()
+            if conn is None:
+                break  # woken again by an ack, a new member or a connect
+            if self.retry and self.retry[0] is msg:
+                self.retry.popleft()
+            else:
+                self.cursor = msg.offset_in(self.queue) + 1
+            self.dirty = True
+            off = msg.offset_in(self.queue)
+            self.pending[off] = msg
+            try:
+                sent = await conn.push_shared(self, msg)
+            except Exception:
+                log.exception("shared delivery to %r failed", conn.session.client_id)
+                sent = False
+            if not sent:  # the member could not take it (closing, QoS 0 dropped...)
+                if off in self.pending and not conn.alive:
+                    self.take_back(msg)
+            else:
+                self.delivered += 1

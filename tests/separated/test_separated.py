@@ -1,0 +1,142 @@
+"""Separated mode: one `lightgate store`, two `lightgate gateway`s and a real Redis."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from gateway import mqtt
+from store import protocol as p
+from tests.conftest import RedisServer, Server
+from tests.mqtt.paho_client import Client
+from tests.mqtt.raw import RawClient
+from tests.native.test_protocol import Raw
+
+
+def uid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def cluster(tmp_path, redis_server: RedisServer) -> Iterator[tuple]:
+    store = Server(tmp_path / "store", "--notify", redis_server.url, command="store").start()
+    gateways = [Server(None, "--store", store.native, "--notify", redis_server.url,
+                       command="gateway").start() for _ in range(2)]
+    yield store, gateways, redis_server
+    for srv in (*gateways, store):
+        if srv.proc is not None:
+            assert srv.stop() == 0, srv.logs()[-2000:]
+
+
+def test_device_on_a_reaches_wildcard_subscriber_on_b(cluster) -> None:
+    store, (a, b), _ = cluster
+    base = uid("plant")
+    sub = Client(b.port, uid("sub"))
+    sub.subscribe(f"{base}/+/temp", 1)
+    pub = Client(a.port, uid("pub"))
+    for i in range(20):
+        pub.publish(f"{base}/m{i % 3}/temp", b"%02d" % i, 1)
+    assert [m.payload for m in sub.expect(20)] == [b"%02d" % i for i in range(20)]
+    sub.disconnect()
+    pub.disconnect()
+
+
+def test_persistent_session_moves_from_a_to_b_without_loss(cluster) -> None:
+    store, (a, b), _ = cluster
+    topic = uid("cmd") + "/dev1"
+    cid = uid("dev")
+    dev = Client(a.port, cid, clean=False)
+    dev.subscribe(topic, 1)
+    pub = Client(a.port, uid("pub"))
+    pub.publish(topic, b"on-a", 1)
+    assert dev.expect(1)[0].payload == b"on-a"
+    dev.disconnect()
+    for i in range(5):
+        pub.publish(topic, b"offline-%d" % i, 1)
+    dev = Client(b.port, cid, clean=False)  # the device comes back on the other gateway
+    assert dev.connack[0] is True
+    assert [m.payload for m in dev.expect(5)] == [b"offline-%d" % i for i in range(5)]
+    pub.publish(topic, b"live-on-b", 1)
+    assert dev.expect(1)[0].payload == b"live-on-b"
+    dev.expect_none(0.3)
+    dev.disconnect()
+    pub.disconnect()
+
+
+def test_redis_down_falls_back_to_polling_and_push_resumes(cluster) -> None:
+    store, (a, b), redis = cluster
+    topic = uid("rd") + "/x"
+    sub = Client(b.port, uid("sub"))
+    sub.subscribe(topic, 1)
+    pub = Client(a.port, uid("pub"))
+    sent = 0
+    for _ in range(10):
+        pub.publish(topic, b"%03d" % sent, 1)
+        sent += 1
+    redis.stop()  # mid-stream
+    for _ in range(30):
+        pub.publish(topic, b"%03d" % sent, 1)
+        sent += 1
+        time.sleep(0.02)
+    got = [m.payload for m in sub.expect(sent, timeout=20)]
+    assert got == [b"%03d" % i for i in range(sent)]  # none lost, in order, while polling
+    assert "polling queue ends" in b.logs()
+    redis.start()  # same port
+    deadline = time.monotonic() + 15
+    while "notify is back" not in b.logs() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "notify is back" in b.logs()
+    for _ in range(10):
+        pub.publish(topic, b"%03d" % sent, 1)
+        sent += 1
+    got = [m.payload for m in sub.expect(10, timeout=10)]
+    assert got == [b"%03d" % i for i in range(sent - 10, sent)]
+    sub.disconnect()
+    pub.disconnect()
+
+
+def test_gateways_find_each_other_through_the_store(cluster) -> None:
+    store, gateways, _ = cluster
+    c = Raw(store.native)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        listed = c.call(p.GATEWAY_LIST, {}).header["gateways"]
+        if len(listed) == 2:
+            break
+        time.sleep(0.2)
+    mqtt_addrs = sorted(info["mqtt"] for info in listed.values())
+    assert mqtt_addrs == sorted(g.addrs["mqtt"] for g in gateways)
+
+
+def test_store_restart_is_survived_by_gateways(cluster) -> None:
+    """Devices keep their gateway connections; QoS 1 publishes during the outage get a
+    clear error (v5 PUBACK 0x80), and once the store is back everything flows again."""
+    store, (a, b), _ = cluster
+    topic = uid("sr")
+    sub = Client(b.port, uid("sub"))
+    sub.subscribe(topic, 1)
+    pub = RawClient(a.port, version=5)
+    pub.connect(uid("pub"))
+    pub.send(mqtt.Publish(topic, b"before", qos=1, packet_id=1))
+    assert pub.recv().reason_code == 0
+    assert sub.expect(1)[0].payload == b"before"
+    assert store.stop() == 0
+    pub.send(mqtt.Publish(topic, b"during", qos=1, packet_id=2))
+    refused = pub.recv()
+    assert isinstance(refused, mqtt.Puback) and refused.reason_code == 0x80
+    assert "store" in refused.properties["reason_string"].lower()
+    store.start()  # same port, same data
+    deadline = time.monotonic() + 15
+    pid = 3
+    while time.monotonic() < deadline:
+        pub.send(mqtt.Publish(topic, b"after", qos=1, packet_id=pid))
+        if pub.recv().reason_code == 0:
+            break
+        pid += 1
+        time.sleep(0.3)
+    assert [m.payload for m in sub.expect(1, timeout=15)] == [b"after"]
+    sub.disconnect()
+    pub.close()
