@@ -31,6 +31,7 @@ from store.record import Message
 
 log = logging.getLogger("lightgate.sdk")
 HEARTBEAT_S = 3.0
+COMMIT_INTERVAL_S = 0.2
 
 
 # -- tracing hooks ----------------------------------------------------------------------
@@ -183,6 +184,8 @@ class AsyncConsumer:
         self._stack = contextlib.AsyncExitStack()
         self.client: NativeClient | None = None
         self.rebalances = 0
+        self._uncommitted = False
+        self._last_commit = 0.0
 
     async def __aenter__(self) -> AsyncConsumer:
         self.client = await self._stack.enter_async_context(NativeClient.open(self.addr))
@@ -250,12 +253,13 @@ class AsyncConsumer:
     async def poll(self, timeout: float = 1.0, max_messages: int = 32) -> list[ReceivedMessage]:
         """Messages ready now, waiting up to `timeout` for some; [] when none came."""
         deadline = trio.current_time() + timeout
+        if self.auto_commit and self._uncommitted and \
+                trio.current_time() - self._last_commit >= COMMIT_INTERVAL_S:
+            await self.commit()
         while True:
             out = self._due_retries(max_messages)
-            for q, st in list(self._states.items()):
-                if len(out) >= max_messages:
-                    break
-                out.extend(await self._fetch(q, st, max_messages - len(out), 0))
+            if len(out) < max_messages:
+                out.extend(await self._fetch_all(max_messages - len(out)))
             if out:
                 return out
             left = deadline - trio.current_time()
@@ -270,10 +274,26 @@ class AsyncConsumer:
             else:
                 await trio.sleep(min(left, 0.05))
 
+    async def _fetch_all(self, n: int) -> list[ReceivedMessage]:
+        """One pull per assigned queue, all at once (one round trip, not one per queue)."""
+        results: dict[str, list[ReceivedMessage]] = {}
+
+        async def one(q: str, st: _QueueState) -> None:
+            results[q] = await self._fetch(q, st, n, 0)
+
+        async with trio.open_nursery() as nursery:
+            for q, st in list(self._states.items()):
+                nursery.start_soon(one, q, st)
+        out: list[ReceivedMessage] = []
+        for q in self._states:
+            out.extend(results.get(q, []))
+        return out
+
     async def _fetch(self, q: str, st: _QueueState, n: int, wait_ms: int) -> list:
-        header, body = await self._request(
-            p.PULL, {"queue": q, "offset": st.next_offset, "max": n, "wait_ms": wait_ms},
-            timeout=self.timeout + wait_ms / 1000)
+        with span("lightgate receive", group=self.group, queue=q):
+            header, body = await self._request(
+                p.PULL, {"queue": q, "offset": st.next_offset, "max": n, "wait_ms": wait_ms},
+                timeout=self.timeout + wait_ms / 1000)
         if self._states.get(q) is not st:
             return []  # rebalanced away while we waited
         msgs = p.unpack_messages(header["messages"], body)
@@ -290,8 +310,6 @@ class AsyncConsumer:
                 self._held.append((rm, off))  # a retry whose backoff has not passed
                 continue
             out.append(rm)
-        with span("lightgate receive", group=self.group, queue=q, count=len(out)):
-            pass
         return out
 
     def _due_retries(self, n: int) -> list[ReceivedMessage]:
@@ -309,8 +327,8 @@ class AsyncConsumer:
                 return  # rebalanced away: the new owner will see it again
             st.delivered.discard(msg.offset)
             st.acked.add(msg.offset)
-            if st.advance() and self.auto_commit:
-                await self.commit()
+            if st.advance():
+                self._uncommitted = True  # committed by the next poll (batched), or close
 
     async def nack(self, msg: ReceivedMessage) -> bool:
         """Processing failed: try again later; True if it went to the dead-letter queue."""
@@ -327,7 +345,10 @@ class AsyncConsumer:
         return bool(header["dead"])
 
     async def commit(self) -> None:
+        """Commit what was acknowledged (auto: at most every 0.2 s, on poll and close)."""
         offsets = {q: st.committed for q, st in self._states.items()}
+        self._uncommitted = False
+        self._last_commit = trio.current_time()
         if offsets:
             await self._request(p.COMMIT, {"group": self.group, "offsets": offsets})
 
@@ -401,6 +422,7 @@ class Consumer:
     """Synchronous consumer: `poll()` returns a list ([] on timeout); iterating blocks."""
 
     def __init__(self, addr: str, group: str, topic: str, **kw: Any) -> None:
+        self._acks: list[ReceivedMessage] = []
         self._portal = _Portal(lambda: AsyncConsumer(addr, group, topic, **kw))
 
     @property
@@ -408,15 +430,34 @@ class Consumer:
         return list(self._portal.obj.assigned)
 
     def poll(self, timeout: float = 1.0, max_messages: int = 32) -> list[ReceivedMessage]:
-        return self._portal.call(self._portal.obj.poll, timeout, max_messages)
+        acks, self._acks = self._acks, []
+        return self._portal.call(self._poll, acks, timeout, max_messages)
+
+    async def _poll(self, acks: list[ReceivedMessage], timeout: float,
+                    max_messages: int) -> list[ReceivedMessage]:
+        for msg in acks:  # acks cross into the loop in one go, with the next poll
+            await self._portal.obj.ack(msg)
+        return await self._portal.obj.poll(timeout, max_messages)
 
     def ack(self, msg: ReceivedMessage) -> None:
-        self._portal.call(self._portal.obj.ack, msg)
+        """Mark done; sent with the next poll, commit or close."""
+        self._acks.append(msg)
+
+    def _flush_acks(self) -> None:
+        acks, self._acks = self._acks, []
+        if acks:
+            self._portal.call(self._apply_acks, acks)
+
+    async def _apply_acks(self, acks: list[ReceivedMessage]) -> None:
+        for msg in acks:
+            await self._portal.obj.ack(msg)
 
     def nack(self, msg: ReceivedMessage) -> bool:
+        self._flush_acks()
         return self._portal.call(self._portal.obj.nack, msg)
 
     def commit(self) -> None:
+        self._flush_acks()
         self._portal.call(self._portal.obj.commit)
 
     def __iter__(self) -> Iterator[ReceivedMessage]:
@@ -424,6 +465,7 @@ class Consumer:
             yield from self.poll(timeout=1.0)
 
     def close(self) -> None:
+        self._flush_acks()
         self._portal.close()
 
     def __enter__(self) -> Consumer:
