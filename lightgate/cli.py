@@ -234,7 +234,23 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--start", choices=("earliest", "latest"), default="earliest")
     consume.add_argument("--max", type=int, help="stop after this many messages")
     consume.set_defaults(func=cmd_consume)
+    _add_room_commands(sub)
     return parser
+
+
+def _add_room_commands(sub: Any) -> None:
+    """Commands that live with their room (e.g. `analytics`, `simulate` in spark_streaming):
+    each room may offer `add_commands(subparsers)` in its `cli` module."""
+    import importlib
+
+    for room in ("spark_streaming",):
+        try:
+            module = importlib.import_module(f"{room}.cli")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{room}.cli":
+                raise
+            continue
+        module.add_commands(sub)
 
 
 def main(argv: list[str] | None = None) -> None:
