@@ -83,6 +83,16 @@ class Server:
     def logs(self) -> str:
         return "".join(self.log)
 
+    def wait_log(self, text: str, count: int = 1, timeout: float = 10.0) -> bool:
+        """Whether `text` shows up `count` times in the log within `timeout` (the log is
+        read by a thread, so a line may arrive a moment after the event)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.logs().count(text) >= count:
+                return True
+            time.sleep(0.05)
+        return False
+
 
 class RedisServer:
     """A real redis-server on a free loopback port."""

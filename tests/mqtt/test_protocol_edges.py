@@ -194,7 +194,7 @@ def test_offline_queue_is_bounded_and_keeps_the_newest(tmp_path) -> None:
         dev.expect_none(0.3)
         dev.disconnect()
         pub.disconnect()
-        assert "7 offline messages on 'fleet/+/cmd' dropped (limit 5)" in srv.logs()
+        assert srv.wait_log("7 offline messages on 'fleet/+/cmd' dropped (limit 5)")
     finally:
         assert srv.stop() == 0
 
