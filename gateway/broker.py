@@ -46,6 +46,7 @@ class GatewayConfig:
     expiry_check_interval: float = 30.0
     max_qos: int = 2
     max_keepalive: int = 0  # 0: accept any; else clients get Server Keep Alive (v5)
+    write_timeout: float = 60.0  # a client that reads nothing this long is disconnected
     topic_alias_maximum: int = 64  # per connection, client to server (v5)
 
 
@@ -86,6 +87,7 @@ class Stats:
         self.expired = 0
         self.publish_errors = 0
         self.wills = 0
+        self.stuck_disconnects = 0
 
 
 class Broker:

@@ -171,8 +171,18 @@ class Connection:
             buf = b"".join(chunks) if len(chunks) > 1 else data
             stats.bytes_out += len(buf)
             try:
-                await self.stream.send_all(buf)
+                with trio.move_on_after(self.config.write_timeout) as scope:
+                    await self.stream.send_all(buf)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                self._write_failed = True
+                self._cancel.cancel()
+                return
+            if scope.cancelled_caught:
+                # A client that stops reading: its messages wait in the store (a
+                # persistent session resumes there); the connection must not hold memory.
+                log.warning("client at %s read nothing for %.0fs: disconnecting", self.peer,
+                            self.config.write_timeout)
+                self.broker.stats.stuck_disconnects += 1
                 self._write_failed = True
                 self._cancel.cancel()
                 return

@@ -41,6 +41,7 @@ GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
      "per queue of an offline persistent session; older ones are dropped on reconnect"),
     ("sys-interval", float, 10.0, "seconds between $SYS/broker/... updates"),
     ("max-keepalive", int, 0, "longest keepalive allowed; v5 clients get Server Keep Alive"),
+    ("write-timeout", float, 60.0, "disconnect a client that reads nothing for this long"),
 ]
 
 
@@ -102,6 +103,7 @@ def _gateway_config(values: dict[str, Any]) -> Any:
         max_offline_messages=values["max_offline_messages"],
         sys_interval=values["sys_interval"],
         max_keepalive=values["max_keepalive"],
+        write_timeout=values["write_timeout"],
     )
 
 

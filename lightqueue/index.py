@@ -64,7 +64,7 @@ class ConsumeQueueIndex:
     def _open(path: Path) -> Rdict:
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
-        opts.set_write_buffer_size(64 * 1024 * 1024)
+        opts.set_write_buffer_size(16 * 1024 * 1024)  # bounds memory; flushes are cheap
         return Rdict(str(path), opts)
 
     # -- offset allocation (writer thread only) ---------------------------------------

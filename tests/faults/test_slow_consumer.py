@@ -1,0 +1,76 @@
+"""A subscriber that stops reading while messages flow: broker memory stays bounded,
+other subscribers are unaffected, and the stuck one is disconnected (its persistent
+session keeps its place in the store)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+from gateway import mqtt
+from tests.conftest import Server
+from tests.mqtt.raw import RawClient
+
+MESSAGES = int(os.environ.get("LIGHTGATE_SLOW_CONSUMER_MESSAGES", "30000"))
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def test_stuck_subscriber_is_bounded_and_others_unaffected(tmp_path) -> None:
+    srv = Server(tmp_path / "d", "--write-timeout", "3").start()
+    try:
+        stuck = RawClient(srv.port)
+        stuck.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stuck.connect("stuck", clean=False)
+        stuck.subscribe("flow/#", 0)  # ... and never reads again
+        healthy = RawClient(srv.port, timeout=30)
+        healthy.connect("healthy")
+        healthy.subscribe("flow/#", 0)
+        received = [0]
+
+        def read_all() -> None:
+            while received[0] < MESSAGES:
+                p = healthy.recv()
+                if isinstance(p, mqtt.Publish):
+                    received[0] += 1
+
+        reader = threading.Thread(target=read_all, daemon=True)
+        reader.start()
+        pid = srv.proc.pid
+        time.sleep(1.0)
+        before = rss_kb(pid)
+        samples = []
+        pub = RawClient(srv.port)
+        pub.connect("pub")
+        body = b"p" * 1024
+        for i in range(MESSAGES):
+            pub.send(mqtt.Publish("flow/a", body, qos=0))
+            if i % 5000 == 0:
+                samples.append(rss_kb(pid))
+        reader.join(120)
+        after = rss_kb(pid)
+        print(f"RSS kB before {before}, during {samples}, after {after}; "
+              f"{MESSAGES} x 1 KiB published")
+        assert received[0] == MESSAGES  # the healthy subscriber got everything
+        # Far less than the ~MESSAGES KiB a per-subscriber queue in memory would take.
+        assert max([*samples, after]) - before < 60_000
+        assert srv.wait_log("read nothing for 3s: disconnecting", timeout=15)
+        # Its session kept its place: it resumes from the store, not from memory.
+        stuck.close()
+        again = RawClient(srv.port, timeout=10)
+        assert again.connect("stuck", clean=False).session_present
+        first = again.recv()
+        assert isinstance(first, mqtt.Publish) and first.payload == body
+        again.close()
+        pub.close()
+        healthy.close()
+    finally:
+        assert srv.stop() == 0, srv.logs()[-2000:]
