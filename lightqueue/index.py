@@ -8,6 +8,7 @@ Keys:
     b"q" + queue name + b"\\0" + offset (u64 BE) -> phys offset u64 | size u32 | store_ts u64
     b"k" + message key + b"\\0" + phys offset (u64 BE) -> b""      (lookup by key)
     b"\\0checkpoint" -> end CommitLog offset covered by the index (u64 BE)
+    b"f" + queue name -> offset floor after a repair (u64 BE; written with the WAL on)
 Queue names are MQTT topic names/filters, which never contain U+0000, so prefixes are exact.
 """
 
@@ -24,6 +25,7 @@ from rocksdict import Options, Rdict, ReadOptions, WriteBatch, WriteOptions
 ENTRY = struct.Struct(">QIQ")
 U64 = struct.Struct(">Q")
 CHECKPOINT_KEY = b"\x00checkpoint"
+FLOOR = b"f"  # b"f" + queue name -> lowest offset the queue may hand out next
 _MAX_U64 = b"\xff" * 8
 
 
@@ -71,8 +73,7 @@ class ConsumeQueueIndex:
     def next_offset(self, queue: str) -> int:
         nxt = self._next.get(queue)
         if nxt is None:
-            last = self._last_offset(queue)
-            nxt = 0 if last is None else last + 1
+            nxt = self.max_offset(queue)
             self._next[queue] = nxt
         return nxt
 
@@ -145,9 +146,27 @@ class ConsumeQueueIndex:
         return 0 if last is None else last + 1
 
     def max_offset(self, queue: str) -> int:
-        """One past the last entry (the offset the next message will get)."""
+        """One past the last entry (the offset the next message will get), never below
+        the queue's floor (see `set_floors`)."""
         last = self._last_offset(queue)
-        return 0 if last is None else last + 1
+        end = 0 if last is None else last + 1
+        floor = self._db.get(FLOOR + queue.encode())
+        return max(end, U64.unpack(floor)[0]) if floor else end
+
+    def queue_ends(self) -> dict[str, int]:
+        """The end of every queue (a skip-scan: one seek per queue; for repairs only)."""
+        return {q: self.max_offset(q) for q in self.queues(limit=10**12)}
+
+    def set_floors(self, floors: dict[str, int]) -> None:
+        """Never give offsets below these again. After a repair cut the log, offsets that
+        readers may already have seen are not handed out a second time: the queue has a
+        gap instead, and readers that were past it carry on."""
+        wb = WriteBatch(raw_mode=True)
+        for queue, floor in floors.items():
+            wb.put(FLOOR + queue.encode(), U64.pack(floor))
+        self._db.write(wb)
+        for queue in floors:
+            self._next.pop(queue, None)
 
     def read(self, queue: str, offset: int, max_count: int) -> list[IndexEntry]:
         prefix = queue_prefix(queue)

@@ -509,10 +509,12 @@ class CommitLog:
     def _recover_index(self, index_ckpt: int, report: RecoveryReport) -> None:
         """Re-dispatch what the index lost; rebuild it whole if it points past the end."""
         start = max(index_ckpt, self.min_offset)
+        old_ends: dict[str, int] = {}
         if index_ckpt > self._write_pos:
             log.warning(
                 "index covers %d beyond log end %d: rebuilding", index_ckpt, self._write_pos
             )
+            old_ends = self.index.queue_ends()  # what readers may have seen
             self.index.clear()
             report.index_rebuilt = True
             start = self.min_offset
@@ -528,6 +530,11 @@ class CommitLog:
         self._index_write(batch)
         if report.redispatched:
             self.index.flush()
+        floors = {q: end for q, end in old_ends.items() if end > self.index.max_offset(q)}
+        if floors:
+            self.index.set_floors(floors)
+            log.warning("%d queues keep a gap where the cut records were: their offsets are "
+                        "not given again", len(floors))
 
     # -- retention --------------------------------------------------------------------
     def enforce_retention(

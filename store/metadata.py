@@ -18,7 +18,7 @@ from store.record import loads_json as loads
 COLUMN_FAMILIES = (
     "topics",  # first-level topic -> {"partitions": n}
     "groups",  # consumer group -> {...}
-    "offsets",  # group \0 queue -> committed offset
+    "offsets",  # owner NUL ... NUL queue -> position; the queue is always the last part
     "sessions",  # MQTT client id -> session state
     "subscriptions",  # client id \0 filter -> options
     "retained",  # MQTT topic -> retained message

@@ -297,8 +297,10 @@ class AsyncConsumer:
         if self._states.get(q) is not st:
             return []  # rebalanced away while we waited
         msgs = p.unpack_messages(header["messages"], body)
-        if header["next_offset"] > st.next_offset and not msgs:
-            st.next_offset = header["next_offset"]  # skipped past retention
+        if header["next_offset"] != st.next_offset and not msgs:
+            # Past retention, or back to the end of a log cut by a repair.
+            st.next_offset = header["next_offset"]
+            st.committed = min(st.committed, st.next_offset)
         out = []
         now_ms = time.time() * 1000
         for m in msgs:

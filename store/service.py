@@ -105,6 +105,8 @@ class EmbeddedStore:
         store = await trio.to_thread.run_sync(cls, config, notify)
         try:
             store.recovery = await trio.to_thread.run_sync(store.commitlog.open)
+            if store.recovery.truncated_at is not None:
+                await trio.to_thread.run_sync(store._keep_readers_ahead)
             store._load_routes()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(store._retention_loop)
@@ -121,6 +123,21 @@ class EmbeddedStore:
         self.index.close()
         self.meta.close()
         log.info("store closed cleanly")
+
+    def _keep_readers_ahead(self) -> None:
+        """After a repair cut the log, a reader may be past the new end of a queue: it has
+        seen offsets that would now be given to new messages. Raise each queue's floor to
+        the furthest committed reader, so those offsets are not given again."""
+        floors: dict[str, int] = {}
+        for key, pos in self.meta.items("offsets"):
+            queue = key.rsplit("\x00", 1)[-1]
+            seen = pos.get("next", pos.get("acked", 0)) if isinstance(pos, dict) else int(pos)
+            if seen > self.index.max_offset(queue):
+                floors[queue] = max(floors.get(queue, 0), seen)
+        if floors:
+            self.index.set_floors(floors)
+            log.warning("after the repair, %d queues resume past their readers' positions",
+                        len(floors))
 
     def _load_routes(self) -> None:
         for topic_filter, _ in self.meta.items("wildcards"):
@@ -177,7 +194,9 @@ class EmbeddedStore:
         max_count = max(1, min(max_count, MAX_PULL))
         lo = self.index.min_offset(queue)
         hi = self.index.max_offset(queue)
-        start = max(offset, lo)
+        # Below the minimum: retention took it. Beyond the end: a repaired (cut) log gave
+        # those offsets back; a reader that was past them resumes at the new end.
+        start = min(max(offset, lo), hi)
         messages = []
         next_offset = start
         for entry in self.index.read(queue, start, max_count):
