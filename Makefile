@@ -24,8 +24,11 @@ test: $(STAMP) redis
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 
+# The long forms: 1M fuzz inputs, 1M messages past a stuck subscriber, 30 min soak.
 soak: $(STAMP) redis
-	$(BIN)/pytest -q -m slow -p no:cacheprovider -o addopts=''
+	LIGHTGATE_FUZZ_RUNS=1000000 LIGHTGATE_SLOW_CONSUMER_MESSAGES=1000000 \
+	LIGHTGATE_SOAK_SECONDS=1800 LIGHTGATE_STORM_CLIENTS=10000 \
+	$(BIN)/pytest -q -p no:cacheprovider -o addopts='' tests/fuzz tests/faults tests/soak
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -232,7 +232,8 @@ class Broker:
         qos = value.get("qos", msg.qos)
         data = self.template(msg).for_subscriber(pid, False, version=s.version, qos=qos,
                                                  retain=False)
-        s.outgoing[pid] = Outgoing(pid, queue, offset, data, qos, state)
+        s.outgoing[pid] = Outgoing(pid, queue, offset, data, qos, state, message=msg,
+                                   version=s.version)
         s.restored_upto[queue] = max(offset, s.restored_upto.get(queue, -1))
         s.next_packet_id = pid % 65535 + 1
 

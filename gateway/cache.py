@@ -65,8 +65,8 @@ class QueueCache:
             self.misses += 1
             res = await self.store.pull(queue, offset, max(max_count, 64))
             msgs = res.messages
-            if not msgs:
-                return [], max(offset, res.min_offset)
+            if not msgs:  # next_offset: past what retention removed, or back to a cut end
+                return [], res.next_offset
             start = msgs[0].offset_in(queue)
             if start == w.end and w.messages:  # extends the window: keep it contiguous
                 w.messages.extend(msgs)

@@ -139,8 +139,10 @@ class Connection:
         session is free (spec: the server MUST close the existing connection)."""
         self._taken_over = True
         if self.version == 5:
+            # Through the writer: only one task may write to the socket at a time.
             with trio.move_on_after(0.5):
-                await self._send_now(mqtt.encode(Disconnect(rc.SESSION_TAKEN_OVER), 5))
+                await self.send(mqtt.encode(Disconnect(rc.SESSION_TAKEN_OVER), 5))
+                await self._out_send.send(b"")  # returns once the writer took the first
         self._cancel.cancel()
         await self._detached.wait()
 
@@ -162,6 +164,8 @@ class Connection:
         """Batch everything queued into one write: fewer syscalls under load."""
         stats = self.broker.stats
         async for data in self._out_recv:
+            if not data:
+                continue  # a marker from take_over: everything before it is written
             chunks = [data]
             while True:
                 try:
@@ -548,8 +552,13 @@ class Connection:
         for o in list(s.outgoing.values()):
             if o.state == "pubrel":
                 await self.send(mqtt.encode(Pubrel(o.packet_id), self.version))
-            else:
-                await self.send(_with_dup(o.data))
+                continue
+            if o.version != self.version and o.message is not None:
+                # The session resumed on a connection of another protocol version.
+                o.data = self.broker.template(o.message).for_subscriber(
+                    o.packet_id, False, version=self.version, qos=o.qos, retain=False)
+                o.version = self.version
+            await self.send(_with_dup(o.data))
 
     async def _apply_offline_bound(self, s: Session) -> None:
         limit = self.config.max_offline_messages
@@ -653,7 +662,8 @@ class Connection:
             return False
         if qos:
             assert pid is not None
-            o = Outgoing(pid, queue, offset, data, qos, group=group, message=msg)
+            o = Outgoing(pid, queue, offset, data, qos, group=group, message=msg,
+                         version=self.version)
             s.outgoing[pid] = o
             if group is None:
                 await self.broker.persist_outgoing(s, o)  # persistent sessions only

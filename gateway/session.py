@@ -63,7 +63,8 @@ class Outgoing:
     qos: int
     state: str = "publish"  # "publish": awaiting PUBACK/PUBREC; "pubrel": awaiting PUBCOMP
     group: Any = None  # the SharedGroup it was handed out by, if any
-    message: Any = None  # kept for shared messages, to hand back if unacknowledged
+    message: Any = None  # to re-encode for a new connection, or hand back to a group
+    version: int = 4  # protocol version `data` was encoded for
 
 
 @dataclass(eq=False)  # identity: sessions live in sets

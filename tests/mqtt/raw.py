@@ -49,10 +49,16 @@ class RawClient:
             return False
 
     def subscribe(self, topic_filter: str, qos: int, packet_id: int = 1) -> object:
+        """SUBSCRIBE and wait for its SUBACK; packets that come first (a resumed session
+        resending its in-flight messages) are put back to be received after it."""
         self.send(mqtt.Subscribe(packet_id, [(topic_filter, mqtt.SubscriptionOptions(qos))]))
-        ack = self.recv()
-        assert isinstance(ack, mqtt.Suback), ack
-        return ack
+        earlier = []
+        while True:
+            ack = self.recv()
+            if isinstance(ack, mqtt.Suback):
+                self.pending[:0] = earlier
+                return ack
+            earlier.append(ack)
 
     def close(self) -> None:
         self.sock.close()
