@@ -61,7 +61,7 @@ async def run_serve(opts: ServeOptions) -> None:
         nursery.start_soon(broker.run_notify, bus)
         await nursery.start(broker.run_housekeeping)
         mqtt_addr = await nursery.start(serve_mqtt_tcp, broker, opts.mqtt)
-        app = make_app([*store_routes(node.store), *gateway_routes(broker)])
+        app = make_app([*store_routes(node.store), *gateway_routes(broker, opts.store)])
         http_addr = await nursery.start(serve_http, app, opts.http)
         print(f"ready mqtt={mqtt_addr} native={node.native_addr} http={http_addr}", flush=True)
         await _shutdown_on_signal(nursery)

@@ -74,9 +74,20 @@ class RetainedMessage:
                        store_ts=self.ts, phys_offset=self.phys_offset)
 
 
+APPEND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
 class Stats:
     def __init__(self) -> None:
         self.started = time.time()
+        self.messages_in_qos = [0, 0, 0]
+        self.messages_out_qos = [0, 0, 0]
+        self.notify_events = 0
+        # Store append latency as the gateway sees it (submit -> durable ack), cumulative
+        # bucket counts for a Prometheus histogram.
+        self.append_buckets = [0] * len(APPEND_BUCKETS)
+        self.append_count = 0
+        self.append_sum = 0.0
         self.connections = 0
         self.connects_total = 0
         self.messages_in = 0
@@ -88,6 +99,13 @@ class Stats:
         self.publish_errors = 0
         self.wills = 0
         self.stuck_disconnects = 0
+
+    def observe_append(self, seconds: float) -> None:
+        self.append_count += 1
+        self.append_sum += seconds
+        for i, bound in enumerate(APPEND_BUCKETS):
+            if seconds <= bound:
+                self.append_buckets[i] += 1
 
 
 class Broker:
@@ -111,6 +129,7 @@ class Broker:
     # -- notify -----------------------------------------------------------------------
     def on_queues_changed(self, names: set[str]) -> None:
         """Wake every live session subscribed to a queue that grew."""
+        self.stats.notify_events += len(names)
         for name in names:
             if name == "*":  # notify lost events (e.g. Redis reconnect): look everywhere
                 for s in self.sessions.values():

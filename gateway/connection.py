@@ -65,6 +65,7 @@ class Connection:
         self.client_max_packet = 268_435_455
         self.problem_info = True
         self.alive = True
+        self.connected_at: float | None = None
         self._out_send, self._out_recv = trio.open_memory_channel[bytes](256)
         self._acks_send, self._acks_recv = trio.open_memory_channel[tuple[Any, Any]](
             self.config.max_pending_publishes
@@ -273,6 +274,7 @@ class Connection:
             self.keepalive = server_keepalive = max_ka
         session, present = await self.broker.open_session(client_id, p.clean_start, expiry, v)
         self.session = session
+        self.connected_at = time.time()
         session.connection = self
         session.will = p.will
         self.broker.stats.connections += 1
@@ -351,6 +353,7 @@ class Connection:
         if p.qos > self.config.max_qos:
             raise ProtocolError(rc.QOS_NOT_SUPPORTED, f"QoS {p.qos} not supported")
         self.broker.stats.messages_in += 1
+        self.broker.stats.messages_in_qos[p.qos] += 1
         if p.qos == 2 and p.packet_id in s.incoming_qos2:
             await self._acks_send.send((_NO_STORE_WAIT, p))  # duplicate: PUBREC again
             return
@@ -415,8 +418,10 @@ class Connection:
 
     async def _await_store(self, s: Session, fut: Any, p: Publish) -> int | None:
         """0 when stored; a v5 reason code when not; None when nothing is to be sent."""
+        t0 = time.perf_counter()
         try:
             [stored] = await await_future(fut)
+            self.broker.stats.observe_append(time.perf_counter() - t0)
         except StoreError as exc:
             self.broker.stats.publish_errors += 1
             self._store_error = f"not stored: {exc}"
@@ -669,6 +674,7 @@ class Connection:
                 await self.broker.persist_outgoing(s, o)  # persistent sessions only
         await self.send(data)
         stats.messages_out += 1
+        stats.messages_out_qos[qos] += 1
         return True
 
     def _encode(self, msg: Message, pid: int | None, qos: int, retain: bool,

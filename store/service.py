@@ -332,6 +332,7 @@ class EmbeddedStore:
                 **self.commitlog.stats,
             },
             "index_checkpoint": self.index.checkpoint(),
+            "queues_active": len(self.index._next),  # queues written since start
             "wildcards": len(self.router.wildcards()),
             "uptime_s": round(time.time() - self.started_at, 3),
         }

@@ -1,0 +1,110 @@
+"""`GET /metrics`: Prometheus text, names prefixed `lightgate_`, read from the broker's
+and the store's own counters at scrape time (no second bookkeeping)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.registry import CollectorRegistry
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.broker import APPEND_BUCKETS, Broker
+
+
+class BrokerCollector:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.store_stats: dict[str, Any] = {}
+
+    def collect(self) -> Any:
+        b = self.broker
+        st = b.stats
+        sessions = list(b.sessions.values())
+        yield GaugeMetricFamily("lightgate_connections", "Open MQTT connections",
+                                value=st.connections)
+        yield CounterMetricFamily("lightgate_connects", "MQTT connections accepted",
+                                  value=st.connects_total)
+        yield GaugeMetricFamily("lightgate_sessions", "Sessions held by this gateway",
+                                value=len(sessions))
+        yield GaugeMetricFamily("lightgate_subscriptions", "Subscriptions of those sessions",
+                                value=sum(len(s.subscriptions) for s in sessions))
+        yield GaugeMetricFamily("lightgate_inflight", "QoS 1/2 messages sent, not yet acked",
+                                value=sum(len(s.outgoing) for s in sessions))
+        for name, doc, per_qos in (
+            ("lightgate_messages_received", "PUBLISH packets received", st.messages_in_qos),
+            ("lightgate_messages_sent", "PUBLISH packets delivered", st.messages_out_qos),
+        ):
+            fam = CounterMetricFamily(name, doc, labels=["qos"])
+            for qos, n in enumerate(per_qos):
+                fam.add_metric([str(qos)], n)
+            yield fam
+        for name, doc, value in (
+            ("lightgate_bytes_received", "Bytes read from MQTT clients", st.bytes_in),
+            ("lightgate_bytes_sent", "Bytes written to MQTT clients", st.bytes_out),
+            ("lightgate_messages_dropped", "Messages dropped (offline bound, packet size)",
+             st.dropped),
+            ("lightgate_messages_expired", "Messages not delivered: expired", st.expired),
+            ("lightgate_publish_errors", "Publishes the store refused", st.publish_errors),
+            ("lightgate_wills", "Will messages published", st.wills),
+            ("lightgate_notify_events", "Queue names received from notify", st.notify_events),
+            ("lightgate_stuck_disconnects", "Clients disconnected for not reading",
+             st.stuck_disconnects),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        buckets = [(str(bound), n) for bound, n in zip(APPEND_BUCKETS, st.append_buckets,
+                                                        strict=True)]
+        buckets.append(("+Inf", st.append_count))
+        yield HistogramMetricFamily(
+            "lightgate_store_append_latency_seconds",
+            "Publish submitted to the store until durably acknowledged",
+            buckets=buckets, sum_value=st.append_sum)
+        yield GaugeMetricFamily("lightgate_cache_hit_ratio", "Gateway message cache hits",
+                                value=b.cache.hit_ratio)
+        yield GaugeMetricFamily("lightgate_shared_groups", "Shared subscription groups",
+                                value=len(b.groups))
+        yield from self._store_metrics()
+
+    def _store_metrics(self) -> Any:
+        s = self.store_stats
+        log = s.get("commitlog")
+        if not log:
+            return
+        yield GaugeMetricFamily("lightgate_commitlog_bytes", "CommitLog size on disk",
+                                value=log["bytes"])
+        yield GaugeMetricFamily("lightgate_commitlog_segments", "CommitLog segment files",
+                                value=log["segments"])
+        yield CounterMetricFamily("lightgate_commitlog_messages", "Messages appended",
+                                  value=log["messages"])
+        yield CounterMetricFamily("lightgate_commitlog_fsyncs", "fsync calls",
+                                  value=log["fsyncs"])
+        yield GaugeMetricFamily("lightgate_dispatch_lag_bytes",
+                                "CommitLog bytes not yet in the light-queue index",
+                                value=max(0, log["max_offset"] - s["index_checkpoint"]))
+        yield GaugeMetricFamily("lightgate_light_queues_active",
+                                "Light queues written since the store started",
+                                value=s.get("queues_active", 0))
+        yield GaugeMetricFamily("lightgate_wildcard_queues", "Registered wildcard queues",
+                                value=s.get("wildcards", 0))
+
+
+def metrics_route(broker: Broker) -> Route:
+    registry = CollectorRegistry(auto_describe=False)
+    collector = BrokerCollector(broker)
+    registry.register(collector)
+
+    async def metrics(_: Request) -> Response:
+        try:
+            collector.store_stats = await broker.store.get_stats()
+        except Exception:  # the store is away: gateway metrics still answer
+            collector.store_stats = {}
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Route("/metrics", metrics)
