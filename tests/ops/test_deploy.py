@@ -1,0 +1,107 @@
+"""deploy/ cannot run here (no Docker engine, no cluster): check what can be checked.
+Every file parses, every `lightgate` flag it uses exists in `lightgate CMD --help`, every
+metric the Grafana dashboard queries is one /metrics serves, and ports match
+INTERFACES.md's defaults."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+PORTS = {"mqtt": 1883, "native": 10911, "http": 18083}
+
+
+def help_flags(command: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-m", "lightgate", command, "--help"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return set(re.findall(r"--[a-z][a-z-]*", out))
+
+
+def lightgate_invocations() -> list[tuple[str, list[str]]]:
+    """(file, argv after `lightgate`) for every command line in deploy/."""
+    found = []
+    for path in DEPLOY.rglob("*"):
+        if path.suffix in (".yml", ".yaml"):
+            for doc in yaml.safe_load_all(path.read_text()):
+                found += [(path.name, argv) for argv in _argvs(doc)]
+        elif path.name == "lightgate.service":
+            line = next(ln for ln in path.read_text().splitlines() if ln.startswith("ExecStart"))
+            found.append((path.name, line.split("lightgate ", 1)[1].split()))
+        elif path.name == "Dockerfile":
+            cmd = next(ln for ln in path.read_text().splitlines() if ln.startswith("CMD"))
+            found.append((path.name, json.loads(cmd[3:])))
+    return found
+
+
+def _argvs(node: object) -> list[list[str]]:
+    out = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("command", "args") and isinstance(value, list) and value and \
+                    value[0] in ("serve", "store", "gateway"):
+                out.append([str(v) for v in value])
+            else:
+                out += _argvs(value)
+    elif isinstance(node, list):
+        for item in node:
+            out += _argvs(item)
+    return out
+
+
+def test_every_file_parses() -> None:
+    for path in DEPLOY.rglob("*"):
+        if path.suffix in (".yml", ".yaml"):
+            assert list(yaml.safe_load_all(path.read_text())), path
+        elif path.suffix == ".json":
+            json.loads(path.read_text())
+        elif path.suffix == ".toml":
+            tomllib.loads(path.read_text())
+
+
+def test_every_flag_exists() -> None:
+    invocations = lightgate_invocations()
+    assert {argv[0] for _, argv in invocations} == {"serve", "store", "gateway"}
+    flags = {cmd: help_flags(cmd) for cmd in ("serve", "store", "gateway")}
+    for name, argv in invocations:
+        for arg in argv[1:]:
+            if arg.startswith("--"):
+                assert arg in flags[argv[0]], f"{name}: `lightgate {argv[0]}` has no {arg}"
+
+
+def test_config_keys_are_flags() -> None:
+    for path, cmd in ((DEPLOY / "lightgate.toml", "serve"),):
+        keys = tomllib.loads(path.read_text())
+        for key in keys:
+            assert "--" + key.replace("_", "-") in help_flags(cmd), f"{path.name}: {key}"
+    cm = yaml.safe_load((DEPLOY / "k8s" / "configmap.yaml").read_text())
+    for file, cmd in (("store.toml", "store"), ("gateway.toml", "gateway")):
+        for key in tomllib.loads(cm["data"][file]):
+            assert "--" + key.replace("_", "-") in help_flags(cmd), f"{file}: {key}"
+
+
+def test_ports_match_the_interfaces() -> None:
+    text = "\n".join(p.read_text() for p in DEPLOY.rglob("*") if p.is_file())
+    for port in re.findall(r"(?:--mqtt|--native|--http|containerPort:|port:)\D{0,20}(\d{4,5})",
+                           text):
+        assert int(port) in {*PORTS.values(), 6379, 7077, 8080, 9090, 3000}, port
+    assert "1883" in text and "10911" in text and "18083" in text
+
+
+def test_grafana_queries_only_served_metrics() -> None:
+    from gateway import metrics
+
+    source = Path(metrics.__file__).read_text()
+    dash = json.loads((DEPLOY / "grafana" / "lightgate-dashboard.json").read_text())
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            for name in re.findall(r"lightgate_[a-z_]+", target["expr"]):
+                base = re.sub(r"_(total|bucket|count|sum)$", "", name)
+                assert f'"{base}"' in source, f"dashboard uses unknown metric {name}"
