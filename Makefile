@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: serve test soak lint bench clean redis
+.PHONY: serve test soak lint bench clean redis chromium
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,10 +17,14 @@ $(STAMP): $(BIN)/python pyproject.toml
 serve: $(STAMP)
 	$(BIN)/lightgate serve
 
+# Debian packages the tests drive for real: Redis (notify) and Chromium (the dashboard).
 redis:
 	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null)
 
-test: $(STAMP) redis
+chromium:
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+
+test: $(STAMP) redis chromium
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 

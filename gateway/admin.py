@@ -9,18 +9,23 @@ from __future__ import annotations
 import base64
 import dataclasses
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 import trio
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from gateway.broker import Broker
 from gateway.metrics import metrics_route
 from gateway.session import NUL, Session
 from lightqueue.routing import split_partition_queue
+
+DASHBOARD = Path(__file__).with_name("dashboard")  # served locally: no CDN
 
 
 def _page(request: Request, rows: list[dict[str, Any]], key: str) -> JSONResponse:
@@ -78,7 +83,7 @@ def _config_json(cfg: Any) -> Any:
             for k, v in dataclasses.asdict(cfg).items()}
 
 
-def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route]:
+def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mount]:
     store = broker.store
 
     def session_or_404(request: Request) -> Session:
@@ -203,7 +208,44 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route]:
             "connections": broker.stats.connections,
         })
 
+    async def overview(request: Request) -> JSONResponse:
+        """Counters for the dashboard; it turns them into rates itself."""
+        st = broker.stats
+        try:
+            log = (await store.get_stats())["commitlog"]
+            ckpt = (await store.get_stats())["index_checkpoint"]
+            store_row = {"bytes": log["bytes"], "segments": log["segments"],
+                         "dispatch_lag": max(0, log["max_offset"] - ckpt)}
+        except Exception:  # the store is away: say so, keep the gateway figures
+            store_row = {"bytes": None, "segments": None, "dispatch_lag": None}
+        return JSONResponse({
+            "time": time.time(), "connections": st.connections,
+            "sessions": len(broker.sessions), "messages_in": st.messages_in,
+            "messages_out": st.messages_out, "bytes_in": st.bytes_in,
+            "bytes_out": st.bytes_out, "dropped": st.dropped, "store": store_row,
+        })
+
+    alerts_ready: list[bool] = []
+
+    async def alerts(request: Request) -> JSONResponse:
+        """The latest messages on alerts/# (the wildcard queue, registered on first use)."""
+        if not alerts_ready:
+            await store.add_wildcard("alerts/#")
+            alerts_ready.append(True)
+        end = await store.queue_end("alerts/#")
+        res = await store.pull("alerts/#", max(0, end - 50), 50)
+        rows = [{"topic": m.topic, "store_time": m.store_ts, "client_id": m.client_id,
+                 **_body_json(m.body)} for m in reversed(res.messages)]
+        return JSONResponse({"items": rows})
+
+    async def index(request: Request) -> FileResponse:
+        return FileResponse(DASHBOARD / "index.html")
+
     return [
+        Route("/", index),
+        Mount("/static", StaticFiles(directory=DASHBOARD), name="static"),
+        Route("/api/v1/overview", overview),
+        Route("/api/v1/alerts", alerts),
         metrics_route(broker),
         Route("/api/v1/runtime", runtime),
         Route("/api/v1/config", config),
