@@ -32,7 +32,7 @@ test: $(STAMP) redis chromium
 soak: $(STAMP) redis
 	LIGHTGATE_FUZZ_RUNS=1000000 LIGHTGATE_SLOW_CONSUMER_MESSAGES=1000000 \
 	LIGHTGATE_SOAK_SECONDS=1800 LIGHTGATE_STORM_CLIENTS=10000 \
-	$(BIN)/pytest -q -p no:cacheprovider -o addopts='' tests/fuzz tests/faults tests/soak
+	$(BIN)/pytest -q -p no:cacheprovider -o addopts='' -o timeout=7200 tests/fuzz tests/faults tests/soak
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -40,6 +40,7 @@ from store.service import await_future
 log = logging.getLogger("lightgate.gateway.conn")
 
 _NO_STORE_WAIT = object()  # an acker item that needs no store acknowledgement
+PUBLISH_BATCH = 256  # publishes per store append, at most
 
 
 class Closing(Exception):
@@ -71,6 +72,8 @@ class Connection:
             self.config.max_pending_publishes
         )
         self._inbound_unacked = 0  # QoS 1/2 publishes not yet acknowledged to the client
+        self._batch_msgs: list[Message] = []  # publishes of the current read, not yet sent
+        self._batch_pkts: list[Publish] = []
         self._window = trio.Event()  # set when an in-flight slot frees up
         self._cancel = trio.CancelScope()
         self._detached = trio.Event()
@@ -207,6 +210,7 @@ class Connection:
         while True:
             for packet in packets:
                 await self._dispatch(packet)
+            await self._flush_publishes()
             if self.keepalive:
                 with trio.move_on_after(self.keepalive * 1.5) as scope:
                     packets = await self._receive()
@@ -235,6 +239,7 @@ class Connection:
                 if exc.packets:  # handle what came before the bad bytes, then close
                     for packet in exc.packets:
                         await self._dispatch(packet)
+                    await self._flush_publishes()
                 raise
             if packets:
                 return packets
@@ -309,7 +314,9 @@ class Connection:
     async def _dispatch(self, p: Any) -> None:
         if isinstance(p, Publish):
             await self._on_publish(p)
-        elif isinstance(p, Puback):
+            return
+        await self._flush_publishes()  # keep acks in arrival order
+        if isinstance(p, Puback):
             await self._on_ack(p.packet_id, 1)
         elif isinstance(p, Pubrec):
             await self._on_pubrec(p)
@@ -355,6 +362,7 @@ class Connection:
         self.broker.stats.messages_in += 1
         self.broker.stats.messages_in_qos[p.qos] += 1
         if p.qos == 2 and p.packet_id in s.incoming_qos2:
+            await self._flush_publishes()
             await self._acks_send.send((_NO_STORE_WAIT, p))  # duplicate: PUBREC again
             return
         if p.qos:
@@ -364,18 +372,31 @@ class Connection:
         if p.properties.get("payload_format_indicator") == 1 and not _is_utf8(p.payload):
             if not p.qos:
                 raise ProtocolError(rc.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8")
+            await self._flush_publishes()
             await self._acks_send.send((rc.PAYLOAD_FORMAT_INVALID, p))
             return
-        props = {k: v for k, v in p.properties.items() if k != "topic_alias"}
-        msg = Message(topic, p.payload, p.qos, p.retain, s.client_id, props,
-                      born_ts=time.time_ns() // 1_000_000)
-        try:
-            fut = self.broker.store.publish_start([msg])
-        except ValueError as exc:
-            raise ProtocolError(rc.TOPIC_NAME_INVALID, str(exc)) from exc
+        props = {k: v for k, v in p.properties.items() if k != "topic_alias"} \
+            if p.properties else {}
+        self._batch_msgs.append(Message(topic, p.payload, p.qos, p.retain, s.client_id, props,
+                                        born_ts=time.time_ns() // 1_000_000))
+        self._batch_pkts.append(p)
         if p.qos == 2:
             s.incoming_qos2.add(p.packet_id)
-        await self._acks_send.send((fut, p))
+        if len(self._batch_msgs) >= PUBLISH_BATCH:
+            await self._flush_publishes()
+
+    async def _flush_publishes(self) -> None:
+        """Everything one read brought in goes to the store as one append (one write, one
+        wake-up), in arrival order; acks follow per packet."""
+        if not self._batch_msgs:
+            return
+        msgs, pkts = self._batch_msgs, self._batch_pkts
+        self._batch_msgs, self._batch_pkts = [], []
+        try:
+            fut = self.broker.store.publish_start(msgs)
+        except ValueError as exc:
+            raise ProtocolError(rc.TOPIC_NAME_INVALID, str(exc)) from exc
+        await self._acks_send.send((fut, pkts))
 
     def _resolve_alias(self, p: Publish) -> str:
         alias = p.properties["topic_alias"]
@@ -396,49 +417,51 @@ class Connection:
         async for item, p in self._acks_recv:
             if isinstance(p, Pubrel):
                 await self._on_pubrel(s, p)
-                continue
-            code = 0
-            if isinstance(item, int):  # refused before storing
-                code = item
-            elif item is not _NO_STORE_WAIT:
-                code = await self._await_store(s, item, p)
-                if code is None:
-                    continue
-            if p.qos:
-                self._inbound_unacked -= 1
-            text = self._store_error if code in (rc.UNSPECIFIED_ERROR, rc.QUOTA_EXCEEDED) \
-                else rc.REASON_NAMES.get(code, "")
-            props = self._reason(text) if code else {}
-            if p.qos == 1:
-                await self.send(mqtt.encode(Puback(p.packet_id, code, props), self.version))
-            elif p.qos == 2:
-                if code:
-                    s.incoming_qos2.discard(p.packet_id)
-                await self.send(mqtt.encode(Pubrec(p.packet_id, code, props), self.version))
+            elif isinstance(p, list):  # a batch stored by one append
+                codes = await self._await_store(s, item, p)
+                for pkt, code in zip(p, codes, strict=True):
+                    if code is not None:
+                        await self._ack(s, pkt, code)
+            else:  # refused before storing (a reason code), or a duplicate QoS 2
+                await self._ack(s, p, item if isinstance(item, int) else 0)
 
-    async def _await_store(self, s: Session, fut: Any, p: Publish) -> int | None:
-        """0 when stored; a v5 reason code when not; None when nothing is to be sent."""
+    async def _ack(self, s: Session, p: Publish, code: int) -> None:
+        if p.qos:
+            self._inbound_unacked -= 1
+        text = self._store_error if code in (rc.UNSPECIFIED_ERROR, rc.QUOTA_EXCEEDED) \
+            else rc.REASON_NAMES.get(code, "")
+        props = self._reason(text) if code else {}
+        if p.qos == 1:
+            await self.send(mqtt.encode(Puback(p.packet_id, code, props), self.version))
+        elif p.qos == 2:
+            if code:
+                s.incoming_qos2.discard(p.packet_id)
+            await self.send(mqtt.encode(Pubrec(p.packet_id, code, props), self.version))
+
+    async def _await_store(self, s: Session, fut: Any, pkts: list[Publish]) -> list[int | None]:
+        """Per packet: 0 when stored, a v5 reason code when not, None when nothing is to
+        be sent back (QoS 0)."""
         t0 = time.perf_counter()
         try:
-            [stored] = await await_future(fut)
+            stored = await await_future(fut)
             self.broker.stats.observe_append(time.perf_counter() - t0)
         except StoreError as exc:
-            self.broker.stats.publish_errors += 1
+            self.broker.stats.publish_errors += len(pkts)
             self._store_error = f"not stored: {exc}"
-            log.warning("publish from %r on %r not stored: %s", s.client_id, p.topic, exc)
-            if p.qos == 2:
-                s.incoming_qos2.discard(p.packet_id)
-            if p.qos and self.version == 5:
-                return rc.QUOTA_EXCEEDED if isinstance(exc, StoreFullError) \
-                    else rc.UNSPECIFIED_ERROR
-            if p.qos:  # 3.1.1 has no negative ack: close so the client resends
+            log.warning("%d publishes from %r not stored: %s", len(pkts), s.client_id, exc)
+            if self.version < 5 and any(p.qos for p in pkts):
+                # 3.1.1 has no negative ack: close so the client resends
                 raise Closing(f"store error: {exc}", will=True) from exc
-            return None
-        if p.retain:
-            await self.broker.set_retained(stored)
-        if p.qos == 2:
-            await self.broker.remember_incoming_qos2(s, p.packet_id, done=False)
-        return 0
+            code = rc.QUOTA_EXCEEDED if isinstance(exc, StoreFullError) else rc.UNSPECIFIED_ERROR
+            return [code if p.qos else None for p in pkts]
+        codes: list[int | None] = []
+        for p, msg in zip(pkts, stored, strict=True):
+            if p.retain:
+                await self.broker.set_retained(msg)
+            if p.qos == 2:
+                await self.broker.remember_incoming_qos2(s, p.packet_id, done=False)
+            codes.append(0 if p.qos else None)
+        return codes
 
     async def _on_pubrel(self, s: Session, p: Pubrel) -> None:
         if p.packet_id in s.incoming_qos2:
