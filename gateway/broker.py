@@ -40,7 +40,7 @@ class GatewayConfig:
     max_pending_publishes: int = 64  # inbound publishes in the store pipeline per client
     max_offline_messages: int = 10_000  # per queue of a persistent session; older dropped
     connect_timeout: float = 10.0
-    pull_batch: int = 64
+    pull_batch: int = 256
     offsets_flush_interval: float = 0.5
     sys_interval: float = 10.0
     expiry_check_interval: float = 30.0

@@ -41,6 +41,8 @@ log = logging.getLogger("lightgate.gateway.conn")
 
 _NO_STORE_WAIT = object()  # an acker item that needs no store acknowledgement
 PUBLISH_BATCH = 256  # publishes per store append, at most
+OUT_CHUNK = 64 * 1024
+OUT_QUEUE = 32
 
 
 class Closing(Exception):
@@ -67,13 +69,17 @@ class Connection:
         self.problem_info = True
         self.alive = True
         self.connected_at: float | None = None
-        self._out_send, self._out_recv = trio.open_memory_channel[bytes](256)
+        # Bounded in chunks of at most OUT_CHUNK bytes: a client that stops reading holds
+        # at most OUT_QUEUE x OUT_CHUNK here; the rest waits in the store.
+        self._out_send, self._out_recv = trio.open_memory_channel[bytes](OUT_QUEUE)
         self._acks_send, self._acks_recv = trio.open_memory_channel[tuple[Any, Any]](
             self.config.max_pending_publishes
         )
         self._inbound_unacked = 0  # QoS 1/2 publishes not yet acknowledged to the client
         self._batch_msgs: list[Message] = []  # publishes of the current read, not yet sent
         self._batch_pkts: list[Publish] = []
+        self._outbuf: list[bytes] = []  # deliveries of the current batch, one write
+        self._outbuf_bytes = 0
         self._window = trio.Event()  # set when an in-flight slot frees up
         self._cancel = trio.CancelScope()
         self._detached = trio.Event()
@@ -615,12 +621,15 @@ class Connection:
                 s.offsets_dirty.add(queue)
             if not msgs:
                 return
-            for msg in msgs:
-                if queue not in s.subscriptions:
-                    return
-                await self._deliver(s, queue, msg)
-                s.cursors[queue] = msg.offset_in(queue) + 1
-                s.offsets_dirty.add(queue)
+            try:
+                for msg in msgs:
+                    if queue not in s.subscriptions:
+                        return
+                    await self._deliver(s, queue, msg)
+                    s.cursors[queue] = msg.offset_in(queue) + 1
+                    s.offsets_dirty.add(queue)
+            finally:
+                await self._flush_out()  # the batch goes out as one write
 
     async def _deliver(self, s: Session, queue: str, msg: Message) -> None:
         offset = msg.offset_in(queue)
@@ -643,7 +652,14 @@ class Connection:
         retain = msg.retain and any(x.options.retain_as_published for x in subs)
         sids = [x.subscription_id for x in subs if x.subscription_id] \
             if self.version == 5 else None
-        await self._push(msg, qos, retain, sids, queue, offset)
+        await self._push(msg, qos, retain, sids, queue, offset, buffered=True)
+
+    async def _flush_out(self) -> None:
+        if self._outbuf:
+            data = b"".join(self._outbuf)
+            self._outbuf.clear()
+            self._outbuf_bytes = 0
+            await self.send(data)
 
     def has_window(self) -> bool:
         s = self.session
@@ -677,12 +693,16 @@ class Connection:
         queue: str | None,
         offset: int,
         group: SharedGroup | None = None,
+        buffered: bool = False,
     ) -> bool:
-        """Send one message at `qos`, within the in-flight window; False if dropped."""
+        """Send one message at `qos`, within the in-flight window; False if dropped.
+        `buffered`: collect it for the caller's `_flush_out` (one write per batch)."""
         s = self.session
         assert s is not None
         stats = self.broker.stats
         if qos:
+            if len(s.outgoing) >= self._window_limit():
+                await self._flush_out()  # what is buffered may be what frees the window
             await self._wait_window()
         pid = s.allocate_packet_id() if qos else None
         data = self._encode(msg, pid, qos, retain, sids)
@@ -695,7 +715,13 @@ class Connection:
             s.outgoing[pid] = o
             if group is None:
                 await self.broker.persist_outgoing(s, o)  # persistent sessions only
-        await self.send(data)
+        if buffered:
+            self._outbuf.append(data)
+            self._outbuf_bytes += len(data)
+            if self._outbuf_bytes >= OUT_CHUNK:
+                await self._flush_out()
+        else:
+            await self.send(data)
         stats.messages_out += 1
         stats.messages_out_qos[qos] += 1
         return True
