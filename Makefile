@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: serve test soak lint bench clean redis chromium
+.PHONY: serve test soak lint bench bench-full clean redis chromium
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,8 +37,14 @@ soak: $(STAMP) redis
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-bench: $(STAMP)
-	$(BIN)/python bench/store_bench.py --quick
+# Benchmarks print JSON and write bench/results/ (a PNG per MQTT scenario beside it).
+bench: $(STAMP) redis
+	$(BIN)/python bench/mqtt_bench.py --quick
+
+bench-full: $(STAMP) redis
+	$(BIN)/python bench/mqtt_bench.py
+	$(BIN)/python bench/store_bench.py
+	$(BIN)/python bench/native_bench.py
 
 clean:
 	rm -rf $(VENV) data .pytest_cache

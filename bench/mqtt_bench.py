@@ -432,6 +432,64 @@ def sc_idle(b: Broker, size: dict) -> dict:
             "notes": f"{n} connections, RSS {before} -> {after} kB"}
 
 
+def sc_reconnect_storm(b: Broker, size: dict) -> dict:
+    """K persistent sessions go offline, M messages queue for each, and they all come
+    back at once: time until every one of them has its M messages (QoS 1)."""
+    import selectors
+
+    k, m = size["storm_clients"], size["storm_msgs"]
+    for i in range(k):
+        s = connect(b.port, f"storm-{i}", clean=False)
+        subscribe(s, "storm/+/cmd", 1)
+        s.close()
+    time.sleep(0.5)
+    pub = connect(b.port, "storm-pub")
+    dec = mqtt.Decoder(server=False, version=4)
+    for j in range(m):
+        pub.sendall(publish_packet(f"storm/{j}/cmd", 1, j + 1, b"x" * PAYLOAD))
+        while not any(isinstance(p, mqtt.Puback) for p in dec.feed(pub.recv(4096))):
+            pass
+    pub.close()
+    sel = selectors.DefaultSelector()
+    got: dict[socket.socket, int] = {}
+    decs = {}
+    t0 = time.monotonic()
+    for i in range(k):
+        s = socket.create_connection(("127.0.0.1", b.port), timeout=30)
+        s.sendall(mqtt.encode(mqtt.Connect(client_id=f"storm-{i}", clean_start=False,
+                                           keepalive=0), 4))
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ)
+        got[s], decs[s] = 0, mqtt.Decoder(server=False, version=4)
+    connected = time.monotonic()
+    done = 0
+    deadline = time.monotonic() + size["seconds"] * 3
+    while done < k and time.monotonic() < deadline:
+        for key, _ in sel.select(timeout=0.5):
+            s = key.fileobj
+            try:
+                data = s.recv(65536)
+            except BlockingIOError:
+                continue
+            acks = []
+            for p in decs[s].feed(data):
+                if isinstance(p, mqtt.Publish):
+                    got[s] += 1
+                    acks.append(mqtt.encode(mqtt.Puback(p.packet_id), 4))
+                    if got[s] == m:
+                        done += 1
+            if acks:
+                s.setblocking(True)
+                s.sendall(b"".join(acks))
+                s.setblocking(False)
+    elapsed = time.monotonic() - t0
+    for s in got:
+        s.close()
+    return {"connects_per_s": round(k / max(connected - t0, 1e-6)),
+            "msgs_per_s": round(sum(got.values()) / elapsed), "received": sum(got.values()),
+            "expected": k * m, "notes": f"{k} sessions x {m} queued messages"}
+
+
 SCENARIOS: dict[str, tuple[Callable[[Broker, dict], dict], str, bool]] = {
     # name: (function, main figure, higher is better)
     "qos0_1to1": (sc_qos0, "msgs_per_s", True),
@@ -440,12 +498,18 @@ SCENARIOS: dict[str, tuple[Callable[[Broker, dict], dict], str, bool]] = {
     "fanout_1toN": (sc_fanout, "msgs_per_s", True),
     "idle_conns": (sc_idle, "kb_per_conn", False),
     "latency_fixed_rate": (sc_latency, "p99_ms", False),
+    "reconnect_storm": (sc_reconnect_storm, "msgs_per_s", True),
 }
 SIZES = {
+    "tiny": {"msgs": 2000, "seconds": 10, "fanout_subs": 10, "fanout_msgs": 50,
+             "idle_conns": 100, "latency_rate": 200, "latency_seconds": 1,
+             "storm_clients": 10, "storm_msgs": 3},
     "quick": {"msgs": 100_000, "seconds": 20, "fanout_subs": 200, "fanout_msgs": 500,
-              "idle_conns": 2000, "latency_rate": 2000, "latency_seconds": 5},
+              "idle_conns": 2000, "latency_rate": 2000, "latency_seconds": 5,
+              "storm_clients": 200, "storm_msgs": 10},
     "full": {"msgs": 500_000, "seconds": 60, "fanout_subs": 1000, "fanout_msgs": 2000,
-             "idle_conns": 100_000, "latency_rate": 20_000, "latency_seconds": 10},
+             "idle_conns": 100_000, "latency_rate": 20_000, "latency_seconds": 10,
+             "storm_clients": 2000, "storm_msgs": 20},
 }
 BROKERS = ["mosquitto", "lightgate-async", "lightgate-sync", "lightgate-separated", "amqtt"]
 
@@ -481,10 +545,11 @@ def plot(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="a smoke run for the tests")
     parser.add_argument("--brokers", default=",".join(BROKERS))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = parser.parse_args()
-    size = SIZES["quick" if args.quick else "full"]
+    size = SIZES["tiny" if args.tiny else "quick" if args.quick else "full"]
     brokers = args.brokers.split(",")
     rows: list[dict] = []
     for scenario in args.scenarios.split(","):
