@@ -64,27 +64,25 @@ class LocalBus:
         return await self._cm.__aexit__(*exc)
 
     # -- publishing -------------------------------------------------------------------
-    def publish(self, names: Iterable[str]) -> None:
-        """From the trio thread."""
+    def _merge(self, names: Iterable[str]) -> bool:
+        """Add to the pending set; True if it was empty (the pump must be woken)."""
         with self._lock:
             before = len(self._incoming)
             names = set(names)
             self._incoming |= names
             self.published += len(names)
             self.merged += before + len(names) - len(self._incoming)
+            return before == 0
+
+    def publish(self, names: Iterable[str]) -> None:
+        """From the trio thread."""
+        self._merge(names)
         if self._wake is not None:
             self._wake.set()
 
     def publish_from_thread(self, names: Iterable[str]) -> None:
         """From any other thread (the store's writer thread)."""
-        with self._lock:
-            before = len(self._incoming)
-            names = set(names)
-            self._incoming |= names
-            self.published += len(names)
-            self.merged += before + len(names) - len(self._incoming)
-            first = before == 0
-        if first and self._token is not None:
+        if self._merge(names) and self._token is not None:
             try:
                 self._token.run_sync_soon(self._set_wake)
             except trio.RunFinishedError:

@@ -19,6 +19,7 @@ from store.commitlog import StoreError, StoreFullError
 from store.http import split_hostport
 from store.record import Message
 from store.service import PullResult
+from store.streams import batched_writer
 
 log = logging.getLogger("lightgate.client")
 
@@ -104,7 +105,7 @@ class NativeClient:
         send, recv = trio.open_memory_channel[bytes](math.inf)
         error: Exception | None = None
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._writer, stream, recv, nursery.cancel_scope)
+            nursery.start_soon(batched_writer, stream, recv, nursery.cancel_scope)
             self._send = send
             self._connected.set()
             decoder = p.FrameDecoder()
@@ -123,20 +124,6 @@ class NativeClient:
             nursery.cancel_scope.cancel()
         if error is not None:
             raise error
-
-    async def _writer(self, stream: trio.SocketStream, recv: Any,
-                      scope: trio.CancelScope) -> None:
-        try:
-            async for data in recv:
-                chunks = [data]
-                while True:
-                    try:
-                        chunks.append(recv.receive_nowait())
-                    except trio.WouldBlock:
-                        break
-                await stream.send_all(b"".join(chunks))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            scope.cancel()  # the reader sees the broken connection and reconnects
 
     def _fail_all(self, exc: Exception) -> None:
         waiting, self._waiting = self._waiting, {}

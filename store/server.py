@@ -16,7 +16,6 @@ from typing import Any
 import trio
 
 from lightqueue.routing import validate_first_level
-from lightqueue.topic import validate_topic_name
 from store import protocol as p
 from store.commitlog import StoreError, StoreFullError
 from store.groups import (
@@ -30,6 +29,7 @@ from store.groups import (
 from store.http import split_hostport
 from store.record import Message
 from store.service import EmbeddedStore, await_future
+from store.streams import batched_writer
 
 log = logging.getLogger("lightgate.store.native")
 
@@ -113,7 +113,7 @@ class NativeServer:
         decoder = p.FrameDecoder()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._writer, stream, recv, nursery.cancel_scope)
+                nursery.start_soon(batched_writer, stream, recv, nursery.cancel_scope)
                 try:
                     while True:
                         data = await stream.receive_some(65536)
@@ -135,20 +135,6 @@ class NativeServer:
             with trio.move_on_after(1) as scope:
                 scope.shield = True
                 await stream.aclose()
-
-    async def _writer(self, stream: trio.SocketStream, recv: trio.MemoryReceiveChannel,
-                      scope: trio.CancelScope) -> None:
-        try:
-            async for data in recv:
-                chunks = [data]
-                while True:
-                    try:
-                        chunks.append(recv.receive_nowait())
-                    except trio.WouldBlock:
-                        break
-                await stream.send_all(b"".join(chunks))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            scope.cancel()  # the client went away: end the connection
 
     def _start(self, nursery: trio.Nursery, frame: p.Frame, send: Any, limit: Any) -> None:
         if frame.kind != p.REQUEST:
@@ -198,18 +184,7 @@ class NativeServer:
             raise BadRequest("no messages")
         if frame.code == p.PUBLISH:
             return self.store.publish_start(msgs)
-        topic = validate_first_level(str(frame.header.get("topic", "")))
-        routes = []
-        for m in msgs:
-            if m.topic and m.topic != topic:
-                validate_topic_name(m.topic)
-                if m.topic.split("/", 1)[0] != topic:
-                    raise BadRequest(f"MQTT topic {m.topic!r} is not under {topic!r}")
-                routes.append(self.store.router.route(m.topic))
-            else:
-                m.topic = topic
-                routes.append([self.store.router.partition_for(topic, m.key or m.client_id)])
-        return self.store.commitlog.append(msgs, routes)
+        return self.store.send_start(str(frame.header.get("topic", "")), msgs)
 
     async def _reply_append(self, frame: p.Frame, fut: Any, send: Any, limit: Any) -> None:
         try:

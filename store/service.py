@@ -172,6 +172,11 @@ class EmbeddedStore:
     async def send(self, topic: str, messages: list[Message]) -> list[Message]:
         """Append server-app messages to first-level `topic`; a message whose .topic is an
         MQTT topic under it is also routed to MQTT subscribers (a command to devices)."""
+        async with self._pending:
+            return await await_future(self.send_start(topic, messages))
+
+    def send_start(self, topic: str, messages: list[Message]) -> Future:
+        """`send` without waiting (submitted in call order); raises ValueError at once."""
         validate_first_level(topic)
         routes = []
         for m in messages:
@@ -183,7 +188,7 @@ class EmbeddedStore:
             else:
                 m.topic = topic
                 routes.append([self.router.partition_for(topic, m.key or m.client_id or "")])
-        return await self.append(messages, routes)
+        return self.commitlog.append(messages, routes)
 
     # -- reads ------------------------------------------------------------------------
     async def pull(self, queue: str, offset: int, max_count: int = 32) -> PullResult:
