@@ -514,7 +514,7 @@ SIZES = {
 BROKERS = ["mosquitto", "lightgate-async", "lightgate-sync", "lightgate-separated", "amqtt"]
 
 
-def plot(rows: list[dict]) -> None:
+def plot(rows: list[dict], out: Path) -> None:
     try:
         import matplotlib
 
@@ -538,7 +538,7 @@ def plot(rows: list[dict]) -> None:
         ax.set_title(f"{scenario}: {figure} ({'higher' if higher else 'lower'} is better)")
         ax.tick_params(axis="x", labelsize=8)
         fig.tight_layout()
-        fig.savefig(RESULTS / f"{scenario}.png", dpi=100)
+        fig.savefig(out / f"{scenario}.png", dpi=100)
         plt.close(fig)
 
 
@@ -546,6 +546,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="a smoke run for the tests")
+    parser.add_argument("--out", default=str(RESULTS), help="where latest.json and PNGs go")
     parser.add_argument("--brokers", default=",".join(BROKERS))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = parser.parse_args()
@@ -578,9 +579,10 @@ def main() -> None:
         for r in rows:
             if r["scenario"] == scenario and base and r.get(figure):
                 r["ratio_vs_mosquitto"] = round(r[figure] / base[figure], 3)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(rows, indent=2) + "\n")
-    plot(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "latest.json").write_text(json.dumps(rows, indent=2) + "\n")
+    plot(rows, out)
     print(json.dumps(rows))
 
 

@@ -2,8 +2,8 @@
 connects and disconnects, retained updates) with RSS and open-fd sampling.
 
 The short form runs in `make test`; `make soak` runs 30 minutes (LIGHTGATE_SOAK_SECONDS)
-and checks there is no growth trend over the second half. Samples go to the test output
-and to bench/results/soak_samples.json."""
+and checks there is no growth trend over the second half; its samples are written to
+bench/results/soak_long.json."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def worker(port: int, n: int, stop: threading.Event, errors: list[str]) -> None:
             time.sleep(0.1)
 
 
-def run_soak(tmp_path: Path, seconds: float) -> list[tuple[float, int, int]]:
+def run_soak(tmp_path: Path, seconds: float, out: Path) -> list[tuple[float, int, int]]:
     srv = Server(tmp_path / "d", "--segment-size", str(64 << 20),
                  "--retention-bytes", str(256 << 20)).start()
     stop = threading.Event()
@@ -94,9 +94,8 @@ def run_soak(tmp_path: Path, seconds: float) -> list[tuple[float, int, int]]:
     at = logs.find("Traceback")
     assert at < 0, logs[max(0, at - 500) : at + 4000]
     assert len(errors) < max(5, seconds / 10), errors[:5]  # connection errors are rare
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "soak_samples.json").write_text(json.dumps(
-        {"seconds": seconds, "samples": samples}) + "\n")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"seconds": seconds, "samples": samples}) + "\n")
     print(f"soak {seconds}s: RSS kB first {samples[0][1]} max {max(s[1] for s in samples)} "
           f"last {samples[-1][1]}; fds first {samples[0][2]} last {samples[-1][2]}")
     return samples
@@ -111,7 +110,8 @@ def slope(points: list[tuple[float, int]]) -> float:
 
 
 def test_short_soak(tmp_path: Path) -> None:
-    samples = run_soak(tmp_path, float(os.environ.get("LIGHTGATE_SHORT_SOAK_SECONDS", "20")))
+    samples = run_soak(tmp_path, float(os.environ.get("LIGHTGATE_SHORT_SOAK_SECONDS", "20")),
+                       tmp_path / "soak_samples.json")
     assert max(s[1] for s in samples) < 400_000  # kB: bounded, far from the machine's limit
     assert samples[-1][2] <= samples[0][2] + 40  # fds: only the live connections
 
@@ -123,7 +123,7 @@ LONG_SOAK_SECONDS = float(os.environ.get("LIGHTGATE_SOAK_SECONDS", "1800"))
 @pytest.mark.timeout(int(LONG_SOAK_SECONDS) + 600)
 def test_long_soak_has_no_growth_trend(tmp_path: Path) -> None:
     seconds = LONG_SOAK_SECONDS
-    samples = run_soak(tmp_path, seconds)
+    samples = run_soak(tmp_path, seconds, RESULTS / "soak_long.json")
     half = [(t, rss) for t, rss, _ in samples[len(samples) // 2 :]]
     kb_per_hour = slope(half) * 3600
     print(f"RSS trend over the second half: {kb_per_hour:.0f} kB/hour")
