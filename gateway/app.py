@@ -9,9 +9,9 @@
 from __future__ import annotations
 
 import logging
-import signal
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -19,7 +19,7 @@ from gateway.admin import gateway_routes
 from gateway.broker import Broker, GatewayConfig
 from gateway.listener import serve_mqtt_tcp
 from notify import LocalBus, open_bus
-from store.app import store_node, wait_for_shutdown_signal
+from store.app import shutdown_signals, stop_on_signal, store_node
 from store.client import NativeClient, RemoteStore
 from store.http import make_app, serve_http, store_routes
 from store.service import StoreConfig
@@ -45,13 +45,12 @@ class GatewayOptions:
     http: str = "127.0.0.1:18083"
 
 
-async def _shutdown_on_signal(nursery: trio.Nursery) -> None:
-    signum = await wait_for_shutdown_signal()
-    log.info("signal %s: shutting down", signal.Signals(signum).name)
-    nursery.cancel_scope.cancel()
-
-
 async def run_serve(opts: ServeOptions) -> None:
+    with shutdown_signals() as signals:
+        await _serve(opts, signals)
+
+
+async def _serve(opts: ServeOptions, signals: Any) -> None:
     async with (
         LocalBus() as bus,
         store_node(opts.store, opts.native, bus.publish_from_thread) as node,
@@ -64,7 +63,7 @@ async def run_serve(opts: ServeOptions) -> None:
         app = make_app([*store_routes(node.store), *gateway_routes(broker, opts.store)])
         http_addr = await nursery.start(serve_http, app, opts.http)
         print(f"ready mqtt={mqtt_addr} native={node.native_addr} http={http_addr}", flush=True)
-        await _shutdown_on_signal(nursery)
+        await stop_on_signal(signals, nursery)
 
 
 async def _announce(store: RemoteStore, gateway_id: str, info: dict) -> None:
@@ -79,6 +78,11 @@ async def _announce(store: RemoteStore, gateway_id: str, info: dict) -> None:
 
 
 async def run_gateway(opts: GatewayOptions) -> None:
+    with shutdown_signals() as signals:
+        await _gateway(opts, signals)
+
+
+async def _gateway(opts: GatewayOptions, signals: Any) -> None:
     if not opts.notify:
         log.warning("no --notify: this gateway polls the store for new messages")
     async with (
@@ -97,4 +101,4 @@ async def run_gateway(opts: GatewayOptions) -> None:
         gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         nursery.start_soon(_announce, store, gateway_id, {"mqtt": mqtt_addr, "http": http_addr})
         print(f"ready mqtt={mqtt_addr} http={http_addr} store={opts.store}", flush=True)
-        await _shutdown_on_signal(nursery)
+        await stop_on_signal(signals, nursery)

@@ -10,6 +10,7 @@ import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -27,11 +28,17 @@ class StoreNode:
     native_addr: str
 
 
-async def wait_for_shutdown_signal() -> int:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            return signum
-    return 0
+def shutdown_signals() -> Any:
+    """Catch SIGTERM/SIGINT from the very start, so that one arriving while the server
+    starts (before `ready`) still ends in a clean stop, not a kill."""
+    return trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
+
+
+async def stop_on_signal(signals: Any, nursery: trio.Nursery) -> None:
+    async for signum in signals:
+        log.info("signal %s: shutting down", signal.Signals(signum).name)
+        nursery.cancel_scope.cancel()
+        return
 
 
 @asynccontextmanager
@@ -68,10 +75,9 @@ async def store_node(
 async def run_store(
     cfg: StoreConfig, native: str, http: str, publish: Callable[[set[str]], None] | None
 ) -> None:
-    async with store_node(cfg, native, publish) as node, trio.open_nursery() as nursery:
-        app = make_app(store_routes(node.store))
-        http_addr = await nursery.start(serve_http, app, http)
-        print(f"ready native={node.native_addr} http={http_addr}", flush=True)
-        signum = await wait_for_shutdown_signal()
-        log.info("signal %s: shutting down", signal.Signals(signum).name)
-        nursery.cancel_scope.cancel()
+    with shutdown_signals() as signals:
+        async with store_node(cfg, native, publish) as node, trio.open_nursery() as nursery:
+            app = make_app(store_routes(node.store))
+            http_addr = await nursery.start(serve_http, app, http)
+            print(f"ready native={node.native_addr} http={http_addr}", flush=True)
+            await stop_on_signal(signals, nursery)

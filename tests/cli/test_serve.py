@@ -78,3 +78,12 @@ def test_bad_flag_value_is_a_clear_error(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert res.returncode != 0 and "--flush must be sync or async" in res.stderr
+
+
+def test_sigterm_right_at_ready_still_stops_cleanly(tmp_path: Path) -> None:
+    """The signal handler is in place before `ready` is printed (a SIGTERM in between
+    once killed the process with the default handler)."""
+    for i in range(3):
+        proc, _ = start_serve(tmp_path / f"d{i}")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
