@@ -423,26 +423,28 @@ class Connection:
         async for item, p in self._acks_recv:
             if isinstance(p, Pubrel):
                 await self._on_pubrel(s, p)
-            elif isinstance(p, list):  # a batch stored by one append
+            elif isinstance(p, list):  # a batch stored by one append: its acks in one write
                 codes = await self._await_store(s, item, p)
-                for pkt, code in zip(p, codes, strict=True):
-                    if code is not None:
-                        await self._ack(s, pkt, code)
+                acks = [self._ack(s, pkt, code) for pkt, code in zip(p, codes, strict=True)
+                        if code is not None and pkt.qos]
+                if acks:
+                    await self.send(b"".join(acks))
             else:  # refused before storing (a reason code), or a duplicate QoS 2
-                await self._ack(s, p, item if isinstance(item, int) else 0)
+                await self.send(self._ack(s, p, item if isinstance(item, int) else 0))
 
-    async def _ack(self, s: Session, p: Publish, code: int) -> None:
-        if p.qos:
-            self._inbound_unacked -= 1
+    def _ack(self, s: Session, p: Publish, code: int) -> bytes:
+        """The PUBACK/PUBREC for a QoS 1/2 publish (b"" for QoS 0)."""
+        if not p.qos:
+            return b""
+        self._inbound_unacked -= 1
         text = self._store_error if code in (rc.UNSPECIFIED_ERROR, rc.QUOTA_EXCEEDED) \
             else rc.REASON_NAMES.get(code, "")
         props = self._reason(text) if code else {}
         if p.qos == 1:
-            await self.send(mqtt.encode(Puback(p.packet_id, code, props), self.version))
-        elif p.qos == 2:
-            if code:
-                s.incoming_qos2.discard(p.packet_id)
-            await self.send(mqtt.encode(Pubrec(p.packet_id, code, props), self.version))
+            return mqtt.encode(Puback(p.packet_id, code, props), self.version)
+        if code:
+            s.incoming_qos2.discard(p.packet_id)
+        return mqtt.encode(Pubrec(p.packet_id, code, props), self.version)
 
     async def _await_store(self, s: Session, fut: Any, pkts: list[Publish]) -> list[int | None]:
         """Per packet: 0 when stored, a v5 reason code when not, None when nothing is to
