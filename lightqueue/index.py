@@ -20,7 +20,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rocksdict import Options, Rdict, ReadOptions, WriteBatch, WriteOptions
+from rocksdict import Rdict, ReadOptions, WriteBatch, WriteOptions
+
+from lightqueue.rocks import bounded_options
 
 ENTRY = struct.Struct(">QIQ")
 U64 = struct.Struct(">Q")
@@ -64,10 +66,7 @@ class ConsumeQueueIndex:
 
     @staticmethod
     def _open(path: Path) -> Rdict:
-        opts = Options(raw_mode=True)
-        opts.create_if_missing(True)
-        opts.set_write_buffer_size(16 * 1024 * 1024)  # bounds memory; flushes are cheap
-        return Rdict(str(path), opts)
+        return Rdict(str(path), bounded_options(write_buffer_mb=16))
 
     # -- offset allocation (writer thread only) ---------------------------------------
     def next_offset(self, queue: str) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 from rocksdict import Options, Rdict, ReadOptions, WriteBatch
 
+from lightqueue.rocks import bounded_options
 from store.record import dumps_json as dumps
 from store.record import loads_json as loads
 
@@ -30,7 +31,7 @@ COLUMN_FAMILIES = (
 
 
 def _cf_options() -> Options:
-    return Options(raw_mode=True)
+    return bounded_options(write_buffer_mb=4, cache_mb=8)
 
 
 class Metadata:
@@ -38,8 +39,7 @@ class Metadata:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        opts = Options(raw_mode=True)
-        opts.create_if_missing(True)
+        opts = bounded_options(write_buffer_mb=4, cache_mb=16)
         opts.create_missing_column_families(True)
         self._db = Rdict(
             str(self.path), opts, column_families={cf: _cf_options() for cf in COLUMN_FAMILIES}
