@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rocksdict import Options, Rdict, ReadOptions, WriteBatch
+from rocksdict import Cache, Rdict, ReadOptions, WriteBatch
 
 from lightqueue.rocks import bounded_options
 from store.record import dumps_json as dumps
@@ -30,19 +30,17 @@ COLUMN_FAMILIES = (
 )
 
 
-def _cf_options() -> Options:
-    return bounded_options(write_buffer_mb=4, cache_mb=8)
-
-
 class Metadata:
     """Named column families of JSON values (bytes allowed inside, stored as base64)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        opts = bounded_options(write_buffer_mb=4, cache_mb=16)
+        cache = Cache(16 * 1024 * 1024)  # one cache for every column family
+        opts = bounded_options(write_buffer_mb=2, cache=cache)
         opts.create_missing_column_families(True)
         self._db = Rdict(
-            str(self.path), opts, column_families={cf: _cf_options() for cf in COLUMN_FAMILIES}
+            str(self.path), opts,
+            column_families={cf: bounded_options(2, cache) for cf in COLUMN_FAMILIES},
         )
         self._cfs = {cf: self._db.get_column_family(cf) for cf in COLUMN_FAMILIES}
         self._handles = {cf: self._db.get_column_family_handle(cf) for cf in COLUMN_FAMILIES}
