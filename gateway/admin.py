@@ -1,7 +1,8 @@
-"""The gateway's admin HTTP API (JSON under /api/v1) and `/metrics`.
+"""The gateway's admin HTTP API (JSON under /api/v1), `/metrics` and the dashboard.
 
-Lists take `?limit=` (default 100, at most 1000), `?offset=` and `?q=` (substring
-filter); they answer `{"items": [...], "total": n, "limit", "offset"}`.
+Lists take `?limit=` (default 100, at most 1000), `?offset=` and `?q=` (substring of the
+client id and/or topic); they answer `{"items": [...], "total": n, "limit", "offset"}`.
+Errors are `{"error": "..."}` (store.http.make_app maps every exception to that).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -24,24 +26,13 @@ from gateway.broker import Broker
 from gateway.metrics import metrics_route
 from gateway.session import NUL, Session
 from lightqueue.routing import split_partition_queue
+from store.http import paginate, topic_rows
 
-DASHBOARD = Path(__file__).with_name("dashboard")  # served locally: no CDN
-
-
-def _page(request: Request, rows: list[dict[str, Any]], key: str) -> JSONResponse:
-    """Filter by ?q= on `key`, then paginate."""
-    try:
-        limit = min(int(request.query_params.get("limit", "100")), 1000)
-        offset = int(request.query_params.get("offset", "0"))
-    except ValueError:
-        raise HTTPException(400, "limit and offset must be integers") from None
-    if limit < 0 or offset < 0:
-        raise HTTPException(400, "limit and offset must not be negative")
-    q = request.query_params.get("q")
-    if q:
-        rows = [r for r in rows if q in str(r.get(key, ""))]
-    return JSONResponse({"items": rows[offset : offset + limit], "total": len(rows),
-                         "limit": limit, "offset": offset})
+DASHBOARD = Path(__file__).with_name("dashboard")  # served from the package: no CDN
+MSG_ID = re.compile(r"[0-9A-Fa-f]{16}")
+ALERTS = "alerts/#"
+ALERTS_SHOWN = 50
+PROTOCOLS = {3: "3.1", 4: "3.1.1", 5: "5.0"}
 
 
 def _client_row(s: Session) -> dict[str, Any]:
@@ -51,14 +42,30 @@ def _client_row(s: Session) -> dict[str, Any]:
         "connected": conn is not None,
         "peer": conn.peer if conn is not None else None,
         "protocol": s.version,
+        "protocol_name": PROTOCOLS.get(s.version, str(s.version)),
         "persistent": s.persistent,
+        "expiry": s.expiry,
         "subscriptions": len(s.subscriptions),
         "inflight": len(s.outgoing),
+        "keepalive": getattr(conn, "keepalive", None),
         "connected_since": getattr(conn, "connected_at", None),
+        "disconnected_at": s.disconnected_at,
     }
 
 
+def _client_detail(s: Session) -> dict[str, Any]:
+    row = _client_row(s)
+    row["subscriptions"] = [
+        {"filter": sub.topic_filter, "qos": sub.options.qos, "queue": sub.queue,
+         "shared": sub.shared is not None, "cursor": s.cursors.get(sub.queue)}
+        for sub in s.subscriptions.values()]
+    row["inflight"] = [{"packet_id": o.packet_id, "queue": o.queue, "offset": o.offset,
+                        "qos": o.qos, "state": o.state} for o in s.outgoing.values()]
+    return row
+
+
 def _body_json(body: bytes) -> dict[str, Any]:
+    """UTF-8 bodies as text; anything else as base64, flagged."""
     try:
         return {"body": body.decode("utf-8"), "body_base64": False}
     except UnicodeDecodeError:
@@ -79,8 +86,51 @@ def _count_tasks(task: Any) -> int:
 
 
 def _config_json(cfg: Any) -> Any:
-    return {k: str(v) if not isinstance(v, int | float | str | bool | type(None)) else v
+    return {k: v if isinstance(v, int | float | str | bool | type(None)) else str(v)
             for k, v in dataclasses.asdict(cfg).items()}
+
+
+def _store_summary(stats: dict[str, Any] | None) -> dict[str, Any]:
+    if not stats:  # the store is away: say so, keep the gateway figures
+        return {"up": False, "bytes": None, "segments": None, "dispatch_lag": None,
+                "messages": None}
+    log = stats["commitlog"]
+    return {"up": True, "bytes": log["bytes"], "segments": log["segments"],
+            "messages": log.get("messages"),
+            "dispatch_lag": max(0, log["max_offset"] - stats["index_checkpoint"])}
+
+
+async def _store_stats(store: Any) -> dict[str, Any] | None:
+    try:
+        return await store.get_stats()
+    except Exception:
+        return None
+
+
+async def _readers(broker: Broker) -> list[tuple[str, str, int]]:
+    """(reader, queue, next offset) for every MQTT session, shared group and consumer
+    group: what lag is measured against."""
+    out: list[tuple[str, str, int]] = []
+    for s in broker.sessions.values():
+        for sub in s.subscriptions.values():
+            if sub.shared is None and sub.queue in s.cursors:
+                out.append((f"mqtt:{s.client_id}", sub.queue, s.cursors[sub.queue]))
+    for g in broker.groups.values():
+        out.append((f"share:{g.group}", g.queue, g.cursor))
+    for key, pos in await broker.store.meta_items("offsets", f"group{NUL}"):
+        _, group, queue = key.split(NUL, 2)
+        out.append((f"group:{group}", queue, int(pos)))
+    return out
+
+
+def _queue_kind(queue: str) -> str:
+    """partition, retry, dlq (server apps' groups), wildcard or topic (MQTT)."""
+    if split_partition_queue(queue):
+        return "partition"
+    tail = queue.rpartition("#")[2]
+    if tail in ("retry", "dlq") and "/" not in queue:
+        return tail
+    return "wildcard" if "+" in queue or "#" in queue else "topic"
 
 
 def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mount]:
@@ -94,73 +144,61 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
 
     async def clients(request: Request) -> JSONResponse:
         rows = [_client_row(s) for s in broker.sessions.values() if s.connection is not None]
-        return _page(request, rows, "client_id")
+        return paginate(request, rows, "client_id", "peer")
 
     async def client(request: Request) -> JSONResponse:
-        s = session_or_404(request)
-        row = _client_row(s)
-        row["subscriptions"] = [
-            {"filter": sub.topic_filter, "qos": sub.options.qos, "queue": sub.queue,
-             "shared": sub.shared is not None, "cursor": s.cursors.get(sub.queue)}
-            for sub in s.subscriptions.values()]
-        row["inflight"] = [{"packet_id": o.packet_id, "queue": o.queue, "offset": o.offset,
-                            "qos": o.qos, "state": o.state} for o in s.outgoing.values()]
-        return JSONResponse(row)
+        return JSONResponse(_client_detail(session_or_404(request)))
 
     async def kick(request: Request) -> JSONResponse:
         s = session_or_404(request)
         if s.connection is None:
             raise HTTPException(409, "client is not connected")
-        s.connection.kick()
+        s.connection.kick()  # the session stays (if persistent); the will goes out
         return JSONResponse({"kicked": s.client_id})
 
     async def sessions(request: Request) -> JSONResponse:
+        """Live sessions and offline persistent ones, which only the store knows."""
         rows = []
         for cid, info in await store.meta_items("sessions"):
             live = broker.sessions.get(cid)
             rows.append({"client_id": cid, "connected": bool(live and live.connection),
-                         "expiry": info.get("expiry"),
+                         "persistent": True, "expiry": info.get("expiry"),
+                         "protocol": info.get("version"),
                          "disconnected_at": info.get("disconnected_at")})
         known = {r["client_id"] for r in rows}
         rows += [{"client_id": s.client_id, "connected": s.connection is not None,
-                  "expiry": s.expiry, "disconnected_at": s.disconnected_at}
+                  "persistent": s.persistent, "expiry": s.expiry, "protocol": s.version,
+                  "disconnected_at": s.disconnected_at}
                  for s in broker.sessions.values() if s.client_id not in known]
-        return _page(request, rows, "client_id")
+        return paginate(request, rows, "client_id")
 
     async def subscriptions(request: Request) -> JSONResponse:
         rows = [{"client_id": s.client_id, "filter": sub.topic_filter, "qos": sub.options.qos,
                  "queue": sub.queue, "shared": sub.shared is not None}
                 for s in broker.sessions.values() for sub in s.subscriptions.values()]
-        return _page(request, rows, "filter")
+        return paginate(request, rows, "client_id", "filter")
 
     async def topics(request: Request) -> JSONResponse:
-        rows = [{"topic": t, "partitions": info.get("partitions")}
-                for t, info in await store.meta_items("topics")]
-        return _page(request, rows, "topic")
+        # Separated mode: topics the store's metadata knows. With the store in-process,
+        # store_routes' /api/v1/topics comes first and also finds devices' topics.
+        return paginate(request, await topic_rows(store), "topic")
 
     async def lag(request: Request) -> JSONResponse:
-        """Consumer lag per queue: MQTT sessions (end - cursor) and consumer groups."""
-        readers: list[tuple[str, str, int]] = []
-        for s in broker.sessions.values():
-            for sub in s.subscriptions.values():
-                if sub.shared is None and sub.queue in s.cursors:
-                    readers.append((f"mqtt:{s.client_id}", sub.queue, s.cursors[sub.queue]))
-        for g in broker.groups.values():
-            readers.append((f"share:{g.group}", g.queue, g.cursor))
-        for key, pos in await store.meta_items("offsets", f"group{NUL}"):
-            _, group, queue = key.split(NUL)
-            readers.append((f"group:{group}", queue, int(pos)))
+        """Consumer lag per queue and reader: MQTT sessions (end - cursor), shared
+        subscription groups, and server apps' consumer groups (committed offsets)."""
+        readers = await _readers(broker)
         ends = await store.queue_ends(sorted({q for _, q, _ in readers})) if readers else {}
         rows = [{"reader": who, "queue": q, "offset": off, "end": ends.get(q, off),
                  "lag": max(0, ends.get(q, off) - off),
-                 "kind": "partition" if split_partition_queue(q) else "mqtt"}
+                 "kind": _queue_kind(q)}
                 for who, q, off in readers]
-        return _page(request, rows, "queue")
+        rows.sort(key=lambda r: -r["lag"])  # the ones falling behind first
+        return paginate(request, rows, "queue", "reader")
 
     async def retained(request: Request) -> JSONResponse:
         rows = [{"topic": t, "qos": d["qos"], "ts": d.get("ts"), "client_id": d.get("client_id"),
                  **_body_json(d["body"])} for t, d in await store.meta_items("retained")]
-        return _page(request, rows, "topic")
+        return paginate(request, rows, "topic")
 
     async def retained_delete(request: Request) -> JSONResponse:
         topic = request.path_params["topic"]
@@ -173,18 +211,19 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
         """One message by id, with where it went: stored when, in which queues, and which
         sessions on this gateway have been past it (delivered) or not yet."""
         msg_id = request.path_params["msg_id"]
+        if not MSG_ID.fullmatch(msg_id):
+            raise HTTPException(400, "a message id is 16 hex digits (its CommitLog offset)")
         try:
             msg = await store.get_message(msg_id)
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError) as exc:  # past the log, retained away, not a record
             raise HTTPException(404, f"no message {msg_id}: {exc}") from None
         delivered, pending = [], []
         for s in broker.sessions.values():
             for queue, off in msg.queues:
                 cursor = s.cursors.get(queue)
-                if cursor is None:
-                    continue
-                (delivered if cursor > off else pending).append(
-                    {"client_id": s.client_id, "queue": queue, "offset": off})
+                if cursor is not None:
+                    (delivered if cursor > off else pending).append(
+                        {"client_id": s.client_id, "queue": queue, "offset": off})
         return JSONResponse({
             "msg_id": msg.msg_id, "topic": msg.topic, "qos": msg.qos, "retain": msg.retain,
             "client_id": msg.client_id, "store_time": msg.store_ts, "born_time": msg.born_ts,
@@ -211,32 +250,30 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
     async def overview(request: Request) -> JSONResponse:
         """Counters for the dashboard; it turns them into rates itself."""
         st = broker.stats
-        try:
-            log = (await store.get_stats())["commitlog"]
-            ckpt = (await store.get_stats())["index_checkpoint"]
-            store_row = {"bytes": log["bytes"], "segments": log["segments"],
-                         "dispatch_lag": max(0, log["max_offset"] - ckpt)}
-        except Exception:  # the store is away: say so, keep the gateway figures
-            store_row = {"bytes": None, "segments": None, "dispatch_lag": None}
+        sessions = list(broker.sessions.values())
         return JSONResponse({
-            "time": time.time(), "connections": st.connections,
-            "sessions": len(broker.sessions), "messages_in": st.messages_in,
-            "messages_out": st.messages_out, "bytes_in": st.bytes_in,
-            "bytes_out": st.bytes_out, "dropped": st.dropped, "store": store_row,
+            "time": time.time(), "uptime": time.time() - st.started,
+            "connections": st.connections, "sessions": len(sessions),
+            "subscriptions": sum(len(s.subscriptions) for s in sessions),
+            "inflight": sum(len(s.outgoing) for s in sessions),
+            "messages_in": st.messages_in, "messages_out": st.messages_out,
+            "bytes_in": st.bytes_in, "bytes_out": st.bytes_out, "dropped": st.dropped,
+            "expired": st.expired, "store": _store_summary(await _store_stats(store)),
         })
 
-    alerts_ready: list[bool] = []
+    alerts_registered: list[bool] = []  # routes are built before the loop: register lazily
 
     async def alerts(request: Request) -> JSONResponse:
-        """The latest messages on alerts/# (the wildcard queue, registered on first use)."""
-        if not alerts_ready:
-            await store.add_wildcard("alerts/#")
-            alerts_ready.append(True)
-        end = await store.queue_end("alerts/#")
-        res = await store.pull("alerts/#", max(0, end - 50), 50)
-        rows = [{"topic": m.topic, "store_time": m.store_ts, "client_id": m.client_id,
-                 **_body_json(m.body)} for m in reversed(res.messages)]
-        return JSONResponse({"items": rows})
+        """The latest messages on alerts/# (its wildcard queue), newest first."""
+        if not alerts_registered:
+            await store.add_wildcard(ALERTS)  # idempotent; indexes alerts from now on
+            alerts_registered.append(True)
+        end = await store.queue_end(ALERTS)
+        res = await store.pull(ALERTS, max(0, end - ALERTS_SHOWN), ALERTS_SHOWN)
+        rows = [{"msg_id": m.msg_id, "topic": m.topic, "store_time": m.store_ts,
+                 "client_id": m.client_id, **_body_json(m.body)}
+                for m in reversed(res.messages)]
+        return JSONResponse({"items": rows, "queue": ALERTS, "end": end})
 
     async def index(request: Request) -> FileResponse:
         return FileResponse(DASHBOARD / "index.html")
@@ -244,9 +281,9 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
     return [
         Route("/", index),
         Mount("/static", StaticFiles(directory=DASHBOARD), name="static"),
+        metrics_route(broker),
         Route("/api/v1/overview", overview),
         Route("/api/v1/alerts", alerts),
-        metrics_route(broker),
         Route("/api/v1/runtime", runtime),
         Route("/api/v1/config", config),
         Route("/api/v1/clients", clients),

@@ -3,6 +3,7 @@ and the store's own counters at scrape time (no second bookkeeping)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -66,8 +67,15 @@ class BrokerCollector:
             "lightgate_store_append_latency_seconds",
             "Publish submitted to the store until durably acknowledged",
             buckets=buckets, sum_value=st.append_sum)
-        yield GaugeMetricFamily("lightgate_cache_hit_ratio", "Gateway message cache hits",
+        yield GaugeMetricFamily("lightgate_cache_hit_ratio",
+                                "Share of pulls served from the gateway message cache",
                                 value=b.cache.hit_ratio)
+        yield CounterMetricFamily("lightgate_cache_hits", "Pulls served from the cache",
+                                  value=b.cache.hits)
+        yield CounterMetricFamily("lightgate_cache_misses", "Pulls that read the store",
+                                  value=b.cache.misses)
+        yield GaugeMetricFamily("lightgate_uptime_seconds", "Seconds since the gateway started",
+                                value=time.time() - st.started)
         yield GaugeMetricFamily("lightgate_shared_groups", "Shared subscription groups",
                                 value=len(b.groups))
         yield from self._store_metrics()
@@ -75,6 +83,8 @@ class BrokerCollector:
     def _store_metrics(self) -> Any:
         s = self.store_stats
         log = s.get("commitlog")
+        yield GaugeMetricFamily("lightgate_store_up", "1 if the store answered this scrape",
+                                value=1 if log else 0)
         if not log:
             return
         yield GaugeMetricFamily("lightgate_commitlog_bytes", "CommitLog size on disk",
@@ -88,6 +98,8 @@ class BrokerCollector:
         yield GaugeMetricFamily("lightgate_dispatch_lag_bytes",
                                 "CommitLog bytes not yet in the light-queue index",
                                 value=max(0, log["max_offset"] - s["index_checkpoint"]))
+        # Cheap approximation of live light queues: queues written since the store
+        # started (the index's allocation table) plus registered wildcard queues.
         yield GaugeMetricFamily("lightgate_light_queues_active",
                                 "Light queues written since the store started",
                                 value=s.get("queues_active", 0))

@@ -1,134 +1,153 @@
-"""In-process notify bus: topic-name events merged per short window, broadcast to every
-subscriber (DESIGN.md step 5)."""
+"""In-process notify bus (DESIGN.md step 5): topic-name events merged per short window and
+broadcast to every subscriber of this process.
+
+    async with LocalBus() as bus:
+        bus.publish_from_thread({"home/bath/temp"})   # the store's writer thread
+        async with bus.subscribe() as events:
+            async for names in events: ...            # set[str] batches
+"""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
-from typing import Any
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import trio
 
-RESYNC = "*"  # "events may have been lost: re-check every queue"
+from notify.bus import DEFAULT_BUFFER, DEFAULT_WINDOW, RESYNC, Counters, Subscription, open_bus
+
+__all__ = ["RESYNC", "LocalBus", "open_bus"]
 
 
-class _Subscriber:
-    """Pending names of one subscriber. Names are idempotent hints ("queue X grew"), so
-    a slow subscriber's backlog is a set union: bounded by distinct names, never lost."""
+class LocalBus(Counters):
+    """Publishers add names to one pending set (a lock makes that safe from any thread);
+    a pump task wakes on the first name, sleeps `window` so that the burst merges, then
+    hands the set to every subscription. Memory is bounded by the distinct names."""
 
-    def __init__(self) -> None:
-        self.pending: set[str] = set()
-        self.ready = trio.Event()
-
-    def add(self, names: set[str]) -> None:
-        self.pending |= names
-        self.ready.set()
-
-    async def __aiter__(self) -> AsyncIterator[set[str]]:
-        while True:
-            await self.ready.wait()
-            names, self.pending = self.pending, set()
-            self.ready = trio.Event()
-            if names:
-                yield names
-
-
-class LocalBus:
-    """`async with LocalBus() as bus`: publish from trio or any thread, subscribe in trio."""
-
-    def __init__(self, window: float = 0.002) -> None:
+    def __init__(
+        self,
+        window: float = DEFAULT_WINDOW,
+        buffer: int = DEFAULT_BUFFER,
+        counters: Counters | None = None,
+    ) -> None:
+        """`buffer`: batches a subscriber may have waiting before they merge. `counters`:
+        where subscriptions count deliveries and merges (a transport that wraps this bus
+        for its fan-out passes itself); this bus by default."""
+        super().__init__()
+        self._sub_counters = self if counters is None else counters
         self.window = window
-        self._subs: list[_Subscriber] = []
+        self.buffer = buffer
+        self._subs: list[Subscription] = []
         self._lock = threading.Lock()
         self._incoming: set[str] = set()
-        self._wake: trio.Event | None = None
+        self._wake = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
-        self._nursery: trio.Nursery | None = None
-        self.healthy = True
-        self.published = 0
-        self.delivered = 0
-        self.merged = 0
+        self._trio_thread = threading.get_ident()
+        self._stack: AsyncExitStack | None = None
+        self._running = False
+
+    @property
+    def healthy(self) -> bool:
+        return True  # nothing in-process can be unreachable
 
     async def __aenter__(self) -> LocalBus:
         self._token = trio.lowlevel.current_trio_token()
-        self._wake = trio.Event()
-        self._cm = trio.open_nursery()
-        self._nursery = await self._cm.__aenter__()
-        self._nursery.start_soon(self._pump)
+        self._trio_thread = threading.get_ident()
+        async with AsyncExitStack() as stack:
+            stack.callback(self._close)  # last: after the pump is gone
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            stack.callback(nursery.cancel_scope.cancel)  # first: stop the pump
+            nursery.start_soon(self._pump)
+            self._running = True
+            self._wake.set()  # names published before entering
+            self._stack = stack.pop_all()
         return self
 
     async def __aexit__(self, *exc: object) -> bool | None:
-        assert self._nursery is not None
-        self._nursery.cancel_scope.cancel()
-        return await self._cm.__aexit__(*exc)
+        assert self._stack is not None
+        stack, self._stack = self._stack, None
+        try:
+            return await stack.__aexit__(*exc)
+        except BaseExceptionGroup as group:
+            # The body of `async with bus:` runs inside our nursery, which wraps whatever
+            # it raises; a lone exception of the body's own goes through unwrapped.
+            if len(group.exceptions) == 1 and group.exceptions[0] is exc[1]:
+                return False
+            raise
+
+    def _close(self) -> None:
+        self._running = False
+        self._token = None
+        with self._lock:
+            names, self._incoming = self._incoming, set()
+        if names:  # published just before exit: still tell whoever is listening
+            self.deliver(names)
+        for sub in self._subs:
+            sub.close()
 
     # -- publishing -------------------------------------------------------------------
-    def _merge(self, names: Iterable[str]) -> bool:
-        """Add to the pending set; True if it was empty (the pump must be woken)."""
+    def _add(self, names: Iterable[str]) -> bool:
+        """Merge into the pending set; True if it was empty (the pump must be woken)."""
+        new = set(names)
         with self._lock:
             before = len(self._incoming)
-            names = set(names)
-            self._incoming |= names
-            self.published += len(names)
-            self.merged += before + len(names) - len(self._incoming)
-            return before == 0
+            self._incoming |= new
+            after = len(self._incoming)
+        self.count(published=len(new), merged=before + len(new) - after)
+        return before == 0 and bool(new)
 
     def publish(self, names: Iterable[str]) -> None:
-        """From the trio thread."""
-        self._merge(names)
-        if self._wake is not None:
+        """Non-blocking; meant for the trio thread (from another one it falls back to
+        `publish_from_thread`, as a trio.Event must not be set from outside)."""
+        if threading.get_ident() != self._trio_thread:
+            self.publish_from_thread(names)
+        elif self._add(names):
             self._wake.set()
 
     def publish_from_thread(self, names: Iterable[str]) -> None:
-        """From any other thread (the store's writer thread)."""
-        if self._merge(names) and self._token is not None:
+        """Non-blocking; from any thread (the store's writer thread after each append
+        batch). Only the first name of a window costs a wake-up of the trio loop."""
+        if self._add(names) and self._token is not None:
             try:
-                self._token.run_sync_soon(self._set_wake)
+                self._token.run_sync_soon(self._wake_pump)
             except trio.RunFinishedError:
-                pass
+                pass  # the loop is gone: nobody is left to notify
 
-    def _set_wake(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
+    def _wake_pump(self) -> None:
+        self._wake.set()
 
     async def _pump(self) -> None:
         while True:
-            assert self._wake is not None
             await self._wake.wait()
-            self._wake = trio.Event()
-            await trio.sleep(self.window)  # let events of the same burst merge
+            await trio.sleep(self.window)  # let the rest of the burst arrive
             with self._lock:
                 names, self._incoming = self._incoming, set()
+                # Reset under the lock: a thread that finds the set empty from here on
+                # schedules a wake-up that lands on this new event.
+                self._wake = trio.Event()
             if names:
                 self.deliver(names)
 
-    def deliver(self, names: set[str]) -> None:
+    def deliver(self, names: Iterable[str]) -> None:
+        """Hand a batch to every subscriber now, skipping the window (trio thread only;
+        the Redis transport uses it for batches that were merged before sending)."""
+        batch = names if isinstance(names, set | frozenset) else set(names)
+        if not batch:
+            return
         for sub in self._subs:
-            sub.add(names)
-        self.delivered += len(names)
+            sub.push(batch)
 
     # -- subscribing ------------------------------------------------------------------
     @asynccontextmanager
-    async def subscribe(self) -> AsyncIterator[_Subscriber]:
-        sub = _Subscriber()
+    async def subscribe(self, buffer: int | None = None) -> AsyncIterator[Subscription]:
+        """A subscription receiving every batch from now on (broadcast)."""
+        if not self._running:
+            raise RuntimeError("subscribe inside `async with LocalBus() as bus`")
+        sub = Subscription(self._sub_counters, self.buffer if buffer is None else buffer)
         self._subs.append(sub)
         try:
             yield sub
         finally:
+            sub.close()
             self._subs.remove(sub)
-
-
-@asynccontextmanager
-async def open_bus(url: str | None = None) -> AsyncIterator[Any]:
-    """None or "local": in-process; "redis://host:port": across nodes via Redis."""
-    if url in (None, "", "local"):
-        async with LocalBus() as bus:
-            yield bus
-    elif url.startswith(("redis://", "rediss://", "unix://")):
-        from notify.redis_transport import RedisBus
-
-        async with RedisBus(url) as bus:
-            yield bus
-    else:
-        raise ValueError(f"unknown notify transport {url!r}: use redis://HOST:PORT")

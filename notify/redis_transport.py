@@ -1,155 +1,290 @@
-"""Notify across nodes through Redis pub/sub.
+"""Notify across nodes through Redis pub/sub (separated mode, DESIGN.md step 5).
 
-redis-py's asyncio client does not run on trio, so its sync client runs in two threads:
-a publisher that drains merged names and publishes them pipelined, and a subscriber that
-listens and hands batches to trio. Events published here come back to this node through
-Redis too (simpler than filtering echoes, and it keeps one path for every node).
+redis-py's asyncio client does not run on trio, so its sync client runs in two threads
+the bus owns:
+- a publisher thread: `publish` adds names to one pending set (thread-safe, bounded by
+  the distinct names); the thread waits `window` after the first name so the burst
+  merges, then sends the whole set as one message (an orjson list of names);
+- a subscriber thread: reads the channel, merges whatever messages are already waiting,
+  and hands the batch to trio, where an in-process LocalBus fans it out to subscribers.
 
-Redis going away must not stop delivery: `healthy` turns False (gateways fall back to
-polling queue ends), both threads retry with backoff, and on reconnect subscribers get
-the RESYNC name ("events may have been lost: look at every queue").
+A node receives its own events back through Redis, like every other node: one path for
+all, at the cost of one round trip. While Redis is unreachable that means no events at
+all, which is what `healthy` is for: gateways poll the queue ends meanwhile.
+
+Redis faults never escape the threads: a warning is logged once per outage, both threads
+retry with backoff (0.1 s doubling to 2 s), names published meanwhile stay pending (a
+set, so bounded) and are sent on reconnect, and subscribers then receive a batch holding
+RESYNC ("events may have been lost: re-check every queue").
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from typing import Any
 
+import orjson
 import redis
 import trio
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from notify.local import RESYNC, LocalBus
+from notify.bus import DEFAULT_BUFFER, DEFAULT_WINDOW, RESYNC, Counters, Subscription
+from notify.local import LocalBus
 
 log = logging.getLogger("lightgate.notify.redis")
 
 CHANNEL = "lightgate:notify"
-_STOP = object()
+_READ_POLL = 0.1  # how often the subscriber looks at the stop flag while idle
+_DRAIN_MAX = 1000  # messages merged into one hand-over to trio
+_JOIN_TIMEOUT = 5.0
 
 
-class RedisBus:
-    def __init__(self, url: str, channel: str = CHANNEL, window: float = 0.002) -> None:
+class RedisBus(Counters):
+    """`async with RedisBus("redis://127.0.0.1:6379") as bus`: same API as LocalBus."""
+
+    def __init__(
+        self,
+        url: str,
+        channel: str = CHANNEL,
+        window: float = DEFAULT_WINDOW,
+        buffer: int = DEFAULT_BUFFER,
+        backoff: tuple[float, float] = (0.1, 2.0),
+        connect_timeout: float = 2.0,
+    ) -> None:
+        super().__init__()
         self.url = url
         self.channel = channel
-        self.local = LocalBus(window)
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._stop = threading.Event()
+        self.window = window
+        self.backoff = backoff
+        self.connect_timeout = connect_timeout
+        self.sent = 0  # names sent to Redis
+        self.received = 0  # names received from Redis (this node's own included)
+        self.resyncs = 0  # reconnects after which subscribers were told to resync
+        # Trio-side fan-out only (batches arrive merged: no window); it counts into ours.
+        self._local = LocalBus(window=window, buffer=buffer, counters=self)
+        self._cond = threading.Condition()
+        self._pending: set[str] = set()
+        self._stopping = False
+        self._stopped = threading.Event()  # interrupts backoff sleeps
         self._threads: list[threading.Thread] = []
         self._token: trio.lowlevel.TrioToken | None = None
-        self._pub_ok = True
-        self._sub_ok = True
-        self.published = 0
-        self.errors = 0
+        self._health_lock = threading.Lock()
+        self._pub_ok = True  # no failed send pending
+        self._sub_ok = False  # subscribed to the channel
+        self._outage = False  # a warning was logged and no recovery since
 
+    # -- state ------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
+        """Subscribed, and the last send (if any) went through."""
         return self._pub_ok and self._sub_ok
 
-    @property
-    def delivered(self) -> int:
-        return self.local.delivered
+    def counters(self) -> dict[str, int]:
+        return {**super().counters(), "sent": self.sent, "received": self.received,
+                "resyncs": self.resyncs}
 
+    def _set_health(self, part: str, ok: bool, exc: BaseException | None = None) -> None:
+        """Log once per outage: when the first part fails, and when all are back."""
+        with self._health_lock:
+            if part == "pub":
+                self._pub_ok = ok
+            else:
+                self._sub_ok = ok
+            if not ok:
+                self.count(errors=1)
+                if not self._outage:
+                    self._outage = True
+                    log.warning("notify: Redis unreachable (%s: %s); retrying with backoff, "
+                                "events may be lost meanwhile", type(exc).__name__, exc)
+            elif self._outage and self._pub_ok and self._sub_ok:
+                self._outage = False
+                log.warning("notify: Redis reachable again")
+
+    def _client(self, retries: int) -> redis.Redis:
+        # Our own loop does the backoff; redis-py's default retries would only delay
+        # noticing an outage.
+        return redis.Redis.from_url(
+            self.url, socket_timeout=self.connect_timeout + 3,
+            socket_connect_timeout=self.connect_timeout, socket_keepalive=True,
+            retry=Retry(NoBackoff(), retries))
+
+    # -- lifecycle --------------------------------------------------------------------
     async def __aenter__(self) -> RedisBus:
-        await self.local.__aenter__()
+        await self._local.__aenter__()
         self._token = trio.lowlevel.current_trio_token()
-        ready = threading.Event()
-        for target, args in ((self._publisher, ()), (self._subscriber, (ready,))):
-            t = threading.Thread(target=target, args=args, daemon=True,
-                                 name=f"notify-{target.__name__.strip('_')}")
-            t.start()
-            self._threads.append(t)
-        await trio.to_thread.run_sync(ready.wait, 5.0)  # subscribed (or gave up waiting)
+        first_try = threading.Event()
+        try:
+            for name, target, args in (("publisher", self._publisher, ()),
+                                       ("subscriber", self._subscriber, (first_try,))):
+                t = threading.Thread(target=target, args=args, daemon=True,
+                                     name=f"notify-redis-{name}")
+                t.start()
+                self._threads.append(t)
+            # Subscribed before returning (or gave up on the first try), so that events
+            # published right after entering are not missed when Redis is up.
+            await trio.to_thread.run_sync(first_try.wait, self.connect_timeout + 1)
+        except BaseException as exc:
+            await self._shutdown()
+            await self._local.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> bool | None:
-        self._stop.set()
-        self._outbox.put(_STOP)
-        for t in self._threads:
-            await trio.to_thread.run_sync(t.join, 5.0)
-        return await self.local.__aexit__(*exc)
+        await self._shutdown()
+        return await self._local.__aexit__(*exc)
+
+    async def _shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._stopped.set()
+        # Shielded but bounded: every blocking call in the threads has a timeout, and
+        # the trio loop keeps running so a hand-over in progress completes.
+        with trio.CancelScope(shield=True):
+            for t in self._threads:
+                await trio.to_thread.run_sync(t.join, _JOIN_TIMEOUT)
+        self._threads.clear()
+        self._token = None
 
     # -- publishing -------------------------------------------------------------------
     def publish(self, names: Iterable[str]) -> None:
-        self._outbox.put(set(names))
+        """Non-blocking and thread-safe: from trio or any other thread."""
+        new = set(names)
+        if not new:
+            return
+        with self._cond:
+            before = len(self._pending)
+            self._pending |= new
+            after = len(self._pending)
+            if before == 0:
+                self._cond.notify()
+        self.count(published=len(new), merged=before + len(new) - after)
 
-    publish_from_thread = publish  # a SimpleQueue is thread-safe
+    publish_from_thread = publish
 
     def _publisher(self) -> None:
-        client = redis.Redis.from_url(self.url, socket_timeout=2, socket_connect_timeout=2)
-        delay = 0.1
-        pending: set[str] = set()
-        while not self._stop.is_set():
-            if not pending:
-                item = self._outbox.get()
-                if item is _STOP:
-                    return
-                pending |= item
-            while True:  # merge everything already waiting into one message
+        client = self._client(retries=1)  # one immediate retry: a stale pooled socket
+        delay = self.backoff[0]
+        try:
+            while True:
+                with self._cond:
+                    while not self._pending and not self._stopping:
+                        self._cond.wait()
+                    if not self._pending:
+                        return  # stopping, nothing left to send
+                    stopping = self._stopping
+                if not stopping:
+                    time.sleep(self.window)  # let the rest of the burst arrive
+                with self._cond:
+                    names, self._pending = self._pending, set()
                 try:
-                    item = self._outbox.get_nowait()
-                except queue.Empty:
-                    break
-                if item is _STOP:
-                    return
-                pending |= item
-            try:
-                client.publish(self.channel, "\n".join(sorted(pending)))
-                self.published += len(pending)
-                pending = set()
+                    client.publish(self.channel, self._encode(names))
+                except (redis.RedisError, OSError) as exc:
+                    with self._cond:  # keep them for the next try: nothing is lost
+                        self._pending |= names
+                    self._set_health("pub", False, exc)
+                    if stopping or self._stopped.wait(delay):
+                        return
+                    delay = min(delay * 2, self.backoff[1])
+                    continue
+                self.sent += len(names)
+                delay = self.backoff[0]
                 if not self._pub_ok:
-                    log.warning("notify: Redis reachable again (publisher)")
-                self._pub_ok, delay = True, 0.1
-            except redis.RedisError as exc:
-                self.errors += 1
-                if self._pub_ok:
-                    log.warning("notify: Redis unreachable (%s); gateways poll meanwhile", exc)
-                self._pub_ok = False
-                self._stop.wait(delay)
-                delay = min(delay * 2, 2.0)
+                    self._set_health("pub", True)
+        finally:
+            client.close()
+
+    def _encode(self, names: set[str]) -> bytes:
+        try:
+            return orjson.dumps(sorted(names))
+        except orjson.JSONEncodeError:
+            # A name that is not valid UTF-8 (a lone surrogate) cannot travel: drop it,
+            # and let every node re-check instead, rather than kill this thread.
+            ok = set()
+            for name in names:
+                try:
+                    name.encode()
+                    ok.add(name)
+                except UnicodeEncodeError:
+                    self.count(errors=1)
+            log.warning("notify: dropped %d unencodable queue names; sending RESYNC",
+                        len(names) - len(ok))
+            return orjson.dumps(sorted(ok | {RESYNC}))
 
     # -- subscribing ------------------------------------------------------------------
-    def _subscriber(self, ready: threading.Event) -> None:
-        delay = 0.1
-        first = True
-        while not self._stop.is_set():
+    def _subscriber(self, first_try: threading.Event) -> None:
+        delay = self.backoff[0]
+        lost = False  # events may have been missed since the last subscription
+        while not self._stopped.is_set():
+            client = self._client(retries=0)
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
-                client = redis.Redis.from_url(self.url, socket_timeout=5,
-                                              socket_connect_timeout=2)
-                pubsub = client.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(self.channel)
-                ready.set()
-                if not self._sub_ok or not first:
-                    log.warning("notify: Redis reachable again (subscriber): resync")
-                    self._deliver({RESYNC})
-                self._sub_ok, delay, first = True, 0.1, False
-                while not self._stop.is_set():
-                    msg = pubsub.get_message(timeout=0.5)
-                    if msg and msg.get("type") == "message":
-                        data = msg["data"]
-                        text = data.decode() if isinstance(data, bytes) else str(data)
-                        self._deliver(set(filter(None, text.split("\n"))))
-                pubsub.close()
-            except redis.RedisError as exc:
-                self.errors += 1
-                if self._sub_ok:
-                    log.warning("notify: lost Redis subscription (%s); retrying", exc)
-                self._sub_ok = False
-                ready.set()
-                self._stop.wait(delay)
-                delay = min(delay * 2, 2.0)
+                self._set_health("sub", True)
+                delay = self.backoff[0]
+                first_try.set()
+                if lost:
+                    self.resyncs += 1
+                    self._hand_over({RESYNC})
+                    lost = False
+                while not self._stopped.is_set():
+                    msg = pubsub.get_message(timeout=_READ_POLL)
+                    if msg is None:
+                        continue
+                    names = self._decode(msg)
+                    for _ in range(_DRAIN_MAX):  # merge what is already waiting
+                        more = pubsub.get_message(timeout=0.0)
+                        if more is None:
+                            break
+                        names |= self._decode(more)
+                    self._hand_over(names)
+            except Exception as exc:  # never let the thread die: retry, then resync
+                if not isinstance(exc, redis.RedisError | OSError):
+                    log.exception("notify: unexpected error in the Redis subscriber")
+                lost = True
+                self._set_health("sub", False, exc)
+                first_try.set()
+                self._stopped.wait(delay)
+                delay = min(delay * 2, self.backoff[1])
+            finally:
+                try:
+                    pubsub.close()
+                    client.close()
+                except Exception:  # closing a dead connection: nothing to save
+                    pass
 
-    def _deliver(self, names: set[str]) -> None:
-        if not names or self._token is None:
+    def _decode(self, msg: dict) -> set[str]:
+        if msg.get("type") != "message":
+            return set()
+        try:
+            names = orjson.loads(msg["data"])
+            if isinstance(names, list) and all(isinstance(n, str) for n in names):
+                self.received += len(names)
+                return set(names)
+        except orjson.JSONDecodeError:
+            pass
+        self.count(errors=1)  # someone else writes to our channel: ignore, but count
+        log.debug("notify: ignored a malformed message on %s", self.channel)
+        return set()
+
+    def _hand_over(self, names: set[str]) -> None:
+        """Give a batch to the trio side; blocks until trio took it, so a stalled loop
+        backs pressure up to Redis (which disconnects a too-slow subscriber: we then
+        reconnect and resync) instead of growing a queue here."""
+        token = self._token
+        if not names or token is None:
             return
         try:
-            trio.from_thread.run_sync(self.local.publish, names, trio_token=self._token)
+            trio.from_thread.run_sync(self._local.deliver, names, trio_token=token)
         except trio.RunFinishedError:
             pass
 
     @asynccontextmanager
-    async def subscribe(self) -> AsyncIterator[Any]:
-        async with self.local.subscribe() as sub:
+    async def subscribe(self, buffer: int | None = None) -> AsyncIterator[Subscription]:
+        """A subscription receiving every batch from Redis (broadcast)."""
+        async with self._local.subscribe(buffer) as sub:
             yield sub

@@ -1,17 +1,30 @@
-// The dashboard: polls the admin API every second; rates are computed here from counters.
+// The dashboard: polls the admin API; rates are computed here from the counters, so the
+// server keeps no per-viewer state. window.lgState exposes the series (tests read it).
 "use strict";
-const state = { rin: [], rout: [], mb: [], conns: [], last: null, samples: 0 };
+const state = { rin: [], rout: [], bytes: [], conns: [], lag: [], last: null, samples: 0 };
 window.lgState = state;
 const $ = (id) => document.getElementById(id);
-const get = (path) => fetch(path).then((r) => { if (!r.ok) throw new Error(r.status); return r.json(); });
-const esc = (s) => String(s ?? "").replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[c]));
-const push = (arr, v) => { arr.push(v); if (arr.length > 120) arr.shift(); };
+const get = (path) => fetch(path).then((r) => {
+  if (!r.ok) throw new Error(`${path}: HTTP ${r.status}`);
+  return r.json();
+});
+const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+const push = (arr, v) => { arr.push(v); if (arr.length > MAX_POINTS) arr.shift(); };
+// A topic in a URL path: each level encoded, the slashes kept (the route takes a path).
+const topicPath = (t) => t.split("/").map(encodeURIComponent).join("/");
+const time = (secs) => (secs ? new Date(secs * 1000).toLocaleTimeString() : "–");
 
 function human(bytes) {
   if (bytes == null) return "–";
+  if (bytes < 1024) return `${Math.round(bytes)} B`;
   const u = ["B", "kB", "MB", "GB", "TB"]; let i = 0;
   while (bytes >= 1024 && i < u.length - 1) { bytes /= 1024; i++; }
-  return `${bytes.toFixed(1)} ${u[i]}`;
+  return `${bytes.toFixed(i ? 1 : 0)} ${u[i]}`;
+}
+
+function duration(s) {
+  const d = Math.floor(s / 86400), h = Math.floor(s / 3600) % 24, m = Math.floor(s / 60) % 60;
+  return d ? `${d}d ${h}h` : h ? `${h}h ${m}m` : `${m}m ${Math.floor(s % 60)}s`;
 }
 
 async function tick() {
@@ -19,58 +32,90 @@ async function tick() {
     const o = await get("/api/v1/overview");
     if (state.last) {
       const dt = Math.max(0.001, o.time - state.last.time);
-      push(state.rin, (o.messages_in - state.last.messages_in) / dt);
-      push(state.rout, (o.messages_out - state.last.messages_out) / dt);
+      push(state.rin, Math.max(0, o.messages_in - state.last.messages_in) / dt);
+      push(state.rout, Math.max(0, o.messages_out - state.last.messages_out) / dt);
     }
     state.last = o; state.samples++;
     push(state.conns, o.connections);
-    push(state.mb, (o.store.bytes || 0) / 1048576);
+    push(state.bytes, o.store.bytes || 0);
+    push(state.lag, o.store.dispatch_lag || 0);
     $("connections").textContent = o.connections;
+    $("sessions").textContent = o.sessions;
+    $("subscriptions").textContent = o.subscriptions;
+    $("inflight").textContent = o.inflight;
     $("rate-in").textContent = Math.round(state.rin.at(-1) ?? 0);
     $("rate-out").textContent = Math.round(state.rout.at(-1) ?? 0);
     $("store-bytes").textContent = human(o.store.bytes);
-    $("dispatch-lag").textContent = o.store.dispatch_lag == null ? "store away" : human(o.store.dispatch_lag);
-    drawChart($("chart-rates"), [state.rin, state.rout], ["#2b7de9", "#e9822b"]);
-    drawChart($("chart-store"), [state.mb, state.conns], ["#3aa76d", "#8a5cd1"]);
+    $("dispatch-lag").textContent = o.store.up ? human(o.store.dispatch_lag) : "store away";
+    drawChart($("chart-rates"), [state.rin, state.rout], ["#2b7de9", "#e9822b"], ["in", "out"]);
+    drawChart($("chart-conns"), [state.conns], ["#8a5cd1"], ["connections"]);
+    drawChart($("chart-store"), [state.bytes], ["#3aa76d"], ["size"], human, 1024);
+    drawChart($("chart-lag"), [state.lag], ["#c0392b"], ["lag"], human, 1024);
     $("status").textContent = "live · " + new Date().toLocaleTimeString();
+    $("status").className = "";
+    $("uptime").textContent = "up " + duration(o.uptime);
   } catch (e) {
     $("status").textContent = "API unreachable: " + e.message;
+    $("status").className = "down";
   }
 }
 
 async function clients() {
-  const q = encodeURIComponent($("client-search").value);
+  const q = encodeURIComponent($("client-search").value.trim());
   const page = await get(`/api/v1/clients?limit=200&q=${q}`);
-  $("clients").tBodies[0].innerHTML = page.items.map((c) => `<tr data-client="${esc(c.client_id)}">
-    <td>${esc(c.client_id)}</td><td>${esc(c.peer)}</td><td>${c.protocol === 5 ? "5.0" : c.protocol === 3 ? "3.1" : "3.1.1"}</td>
-    <td>${c.persistent ? "persistent" : "clean"}</td><td>${c.subscriptions}</td><td>${c.inflight}</td>
-    <td><button class="kick" data-client="${esc(c.client_id)}">Kick</button></td></tr>`).join("");
+  $("clients-total").textContent = `${page.total} connected${page.total > page.items.length ? `, first ${page.items.length} shown` : ""}`;
+  $("clients").tBodies[0].innerHTML = rows(page.items, 8, (c) => `<tr data-client="${esc(c.client_id)}">
+    <td>${esc(c.client_id)}</td><td>${esc(c.peer)}</td><td>${esc(c.protocol_name)}</td>
+    <td>${c.persistent ? "persistent" : "clean"}</td><td>${time(c.connected_since)}</td>
+    <td class="num">${c.subscriptions}</td><td class="num">${c.inflight}</td>
+    <td><button class="kick" data-client="${esc(c.client_id)}" title="disconnect this client">Kick</button></td></tr>`, "no client connected");
+}
+
+// Rows, or one muted row saying why the table is empty.
+function rows(items, cols, render, empty) {
+  return items.length ? items.map(render).join("") : `<tr><td class="empty" colspan="${cols}">${empty}</td></tr>`;
+}
+
+function groupsCell(t) {
+  return t.groups.map((g) => `${esc(g.group)} (${g.lag})`).join(", ") || "–";
 }
 
 async function lists() {
-  const lag = await get("/api/v1/lag?limit=50");
-  $("lag").tBodies[0].innerHTML = lag.items.map((r) => `<tr><td>${esc(r.reader)}</td><td>${esc(r.queue)}</td>
-    <td>${r.offset}</td><td>${r.end}</td><td>${r.lag}</td></tr>`).join("");
-  const alerts = await get("/api/v1/alerts");
-  $("alerts").innerHTML = alerts.items.map((a) => `<li><b>${esc(a.topic)}</b> ${esc(a.body)}</li>`).join("");
-  const ret = await get("/api/v1/retained?limit=100");
-  $("retained").tBodies[0].innerHTML = ret.items.map((r) => `<tr><td>${esc(r.topic)}</td><td>${r.qos}</td>
-    <td>${esc(r.body_base64 ? "(binary)" : r.body)}</td>
-    <td><button class="del-retained" data-topic="${esc(r.topic)}">Delete</button></td></tr>`).join("");
+  const [topics, lag, alerts, ret] = await Promise.all([
+    get("/api/v1/topics?limit=100"), get("/api/v1/lag?limit=50"),
+    get("/api/v1/alerts"), get("/api/v1/retained?limit=100")]);
+  $("topics").tBodies[0].innerHTML = rows(topics.items, 4, (t) => `<tr><td>${esc(t.topic)}</td>
+    <td class="num">${t.partitions}</td><td class="num">${t.messages}</td><td>${groupsCell(t)}</td></tr>`, "no topic yet");
+  $("lag").tBodies[0].innerHTML = rows(lag.items, 5, (r) => `<tr><td>${esc(r.reader)}</td><td>${esc(r.queue)}</td>
+    <td class="num">${r.offset}</td><td class="num">${r.end}</td>
+    <td class="num${r.lag > 0 ? " lagging" : ""}">${r.lag}</td></tr>`, "no subscriber or consumer group yet");
+  $("alerts").innerHTML = alerts.items.map((a) => `<li><time>${time(a.store_time / 1000)}</time>
+    <b>${esc(a.topic)}</b> ${esc(a.body_base64 ? "(binary)" : a.body)}</li>`).join("")
+    || '<li class="empty">no alerts yet</li>';
+  $("retained-total").textContent = `${ret.total}`;
+  $("retained").tBodies[0].innerHTML = rows(ret.items, 5, (r) => `<tr data-topic="${esc(r.topic)}"><td>${esc(r.topic)}</td>
+    <td>${r.qos}</td><td>${esc(r.body_base64 ? "(binary)" : r.body)}</td><td>${time(r.ts / 1000)}</td>
+    <td><button class="del-retained" data-topic="${esc(r.topic)}">Delete</button></td></tr>`, "no retained message");
+}
+
+async function safely(fn) {
+  try { await fn(); } catch (e) { console.warn(e); }
 }
 
 document.addEventListener("click", async (ev) => {
   const t = ev.target;
   if (t.classList.contains("kick")) {
+    t.disabled = true;
     await fetch(`/api/v1/clients/${encodeURIComponent(t.dataset.client)}/kick`, { method: "POST" });
-    setTimeout(clients, 300);
+    setTimeout(() => safely(clients), 300);
   } else if (t.classList.contains("del-retained")) {
-    await fetch(`/api/v1/retained/${t.dataset.topic}`, { method: "DELETE" });
-    lists();
+    t.disabled = true;
+    await fetch(`/api/v1/retained/${topicPath(t.dataset.topic)}`, { method: "DELETE" });
+    safely(lists);
   }
 });
-$("client-search").addEventListener("input", clients);
-tick(); clients(); lists();
+$("client-search").addEventListener("input", () => safely(clients));
+tick(); safely(clients); safely(lists);
 setInterval(tick, 1000);
-setInterval(clients, 2000);
-setInterval(lists, 3000);
+setInterval(() => safely(clients), 2000);
+setInterval(() => safely(lists), 3000);

@@ -20,7 +20,8 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
 
 
 def test_dashboard_is_live_and_kicks_clients(server, tmp_path: Path) -> None:
-    sync_api = pytest.importorskip("playwright.sync_api")
+    sync_api = pytest.importorskip("playwright.sync_api",
+                                   reason="playwright (the test extra) is not installed")
     stop = threading.Event()
     devices = [Client(server.port, f"sim-{i}") for i in range(3)]
     victim = Client(server.port, "kick-me")
@@ -39,6 +40,9 @@ def test_dashboard_is_live_and_kicks_clients(server, tmp_path: Path) -> None:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            devices[1].publish("sim/state", b"on", 1, retain=True)
             page.goto(f"http://{server.addrs['http']}/")
             page.wait_for_function("document.getElementById('connections').textContent == '4'",
                                    timeout=10_000)
@@ -50,8 +54,10 @@ def test_dashboard_is_live_and_kicks_clients(server, tmp_path: Path) -> None:
             page.wait_for_function(
                 "document.getElementById('alerts').textContent.includes('overheat')",
                 timeout=15_000)
-            rates = page.evaluate("window.lgState.rin")
-            assert max(rates) > 20  # the chart's series moved with the simulator
+            state = page.evaluate("window.lgState")
+            assert max(state["rin"]) > 20  # the chart's series moved with the simulator
+            assert {4, 5} <= set(state["conns"]) and state["bytes"][-1] > state["bytes"][0]
+            page.wait_for_selector("#topics td:text-is('sim')", timeout=10_000)
             row = page.locator("tr[data-client='kick-me']")
             row.wait_for(timeout=10_000)
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
@@ -60,6 +66,10 @@ def test_dashboard_is_live_and_kicks_clients(server, tmp_path: Path) -> None:
             page.wait_for_selector("tr[data-client='kick-me']", state="detached",
                                    timeout=10_000)
             late.disconnect()
+            page.locator("tr[data-topic='sim/state'] button.del-retained").click()
+            page.wait_for_selector("tr[data-topic='sim/state']", state="detached",
+                                   timeout=10_000)
+            assert errors == [], errors
         finally:
             stop.set()
             browser.close()

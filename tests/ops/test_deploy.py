@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from functools import cache
 from pathlib import Path
 
 import yaml
@@ -19,6 +20,7 @@ DEPLOY = ROOT / "deploy"
 PORTS = {"mqtt": 1883, "native": 10911, "http": 18083}
 
 
+@cache  # one subprocess per command, not per key
 def help_flags(command: str) -> set[str]:
     out = subprocess.run([sys.executable, "-m", "lightgate", command, "--help"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout

@@ -1,0 +1,157 @@
+"""What every notify bus shares: the RESYNC sentinel, subscriptions with a bounded,
+merging buffer, the counters, and `open_bus`.
+
+An event is only a hint, "queue X has new data": delivering a name twice or late costs a
+pull that finds nothing, so batches of names can always be merged by set union. That is
+what keeps memory bounded without ever dropping a name.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Protocol
+
+import trio
+
+# In a batch: "events may have been lost (e.g. Redis reconnected): re-check every queue".
+# '*' may also be a real MQTT topic; treating it as RESYNC then only costs a re-check.
+RESYNC = "*"
+
+DEFAULT_WINDOW = 0.002  # seconds during which published names merge into one batch
+DEFAULT_BUFFER = 16  # batches a subscriber may have pending before they merge
+
+
+class Counters:
+    """Counters for metrics. `published`: names given to publish (after dedup within a
+    call); `delivered`: names handed to subscribers, summed over subscribers; `merged`:
+    names that vanished into a set already holding them (within a window, or in a full
+    subscriber buffer); `errors`: transport failures (lost connections, failed sends,
+    malformed payloads).
+    Updated from several threads, hence `count` under a lock."""
+
+    def __init__(self) -> None:
+        self._counters_lock = threading.Lock()
+        self.published = 0
+        self.delivered = 0
+        self.merged = 0
+        self.errors = 0
+
+    def count(self, published: int = 0, delivered: int = 0, merged: int = 0,
+              errors: int = 0) -> None:
+        with self._counters_lock:
+            self.published += published
+            self.delivered += delivered
+            self.merged += merged
+            self.errors += errors
+
+    def counters(self) -> dict[str, int]:
+        return {"published": self.published, "delivered": self.delivered,
+                "merged": self.merged, "errors": self.errors}
+
+
+class Subscription:
+    """`async for names in subscription`: batches (`set[str]`) in arrival order.
+
+    At most `buffer` batches wait here; when a new batch finds the buffer full it is
+    merged (set union) into the last waiting batch. So a slow subscriber never stalls the
+    bus nor grows without bound: its backlog is at most `buffer - 1` batches plus one set
+    of distinct names. Iteration ends once the subscription or the bus is closed and the
+    waiting batches are consumed. Used from the trio thread only.
+    """
+
+    def __init__(self, counters: Counters, buffer: int = DEFAULT_BUFFER) -> None:
+        if buffer < 1:
+            raise ValueError("a subscription buffers at least one batch")
+        self._counters = counters
+        self._buffer = buffer
+        self._batches: deque[set[str]] = deque()
+        self._wakeup = trio.Event()
+        self.closed = False
+
+    def pending(self) -> int:
+        """Batches waiting to be received."""
+        return len(self._batches)
+
+    def push(self, names: Iterable[str]) -> None:
+        """Queue a batch (copied: batches are shared between subscribers)."""
+        if self.closed:
+            return
+        if len(self._batches) < self._buffer:
+            batch = set(names)
+            if not batch:
+                return
+            self._batches.append(batch)
+        else:
+            last = self._batches[-1]
+            before = len(last)
+            n = 0
+            for name in names:
+                last.add(name)
+                n += 1
+            self._counters.count(merged=before + n - len(last))
+        self._wakeup.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wakeup.set()
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> set[str]:
+        while not self._batches:
+            if self.closed:
+                raise StopAsyncIteration
+            self._wakeup = trio.Event()
+            await self._wakeup.wait()
+        # A checkpoint even when a batch is ready, so that a busy `async for` still lets
+        # other tasks run (and can be cancelled).
+        await trio.lowlevel.checkpoint()
+        if not self._batches:  # closed and drained while we yielded
+            raise StopAsyncIteration
+        batch = self._batches.popleft()
+        self._counters.count(delivered=len(batch))
+        return batch
+
+    async def receive(self) -> set[str]:
+        """The next batch; raises trio.EndOfChannel once closed and drained."""
+        try:
+            return await self.__anext__()
+        except StopAsyncIteration:
+            raise trio.EndOfChannel from None
+
+
+class Bus(Protocol):
+    """What the gateway and the store need from a bus (LocalBus and RedisBus)."""
+
+    @property
+    def healthy(self) -> bool: ...
+
+    def publish(self, names: Iterable[str]) -> None: ...
+
+    def publish_from_thread(self, names: Iterable[str]) -> None: ...
+
+    def subscribe(self) -> AbstractAsyncContextManager[Subscription]: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+
+@asynccontextmanager
+async def open_bus(url: str | None = None, **options: Any) -> AsyncIterator[Bus]:
+    """None, "" or "local": in-process (LocalBus); "redis://HOST:PORT[/DB]" (or rediss://,
+    unix://): across nodes via Redis pub/sub (RedisBus). `options` go to the bus."""
+    if url in (None, "", "local"):
+        from notify.local import LocalBus
+
+        async with LocalBus(**options) as bus:
+            yield bus
+    elif url.startswith(("redis://", "rediss://", "unix://")):
+        from notify.redis_transport import RedisBus
+
+        async with RedisBus(url, **options) as rbus:
+            yield rbus
+    else:
+        raise ValueError(f"unknown notify transport {url!r}: use 'local' or redis://HOST:PORT")
