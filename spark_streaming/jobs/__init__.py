@@ -1,0 +1,3 @@
+"""Device analytics jobs: `aggregates`, `alerts`, `offline` (see spark_streaming/README.md)."""
+
+JOBS = ("aggregates", "alerts", "offline")

@@ -1,0 +1,102 @@
+"""What every job shares: reading device readings from the store, writing to it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F  # noqa: N812
+from pyspark.sql.streaming import StreamingQuery
+
+
+@dataclass
+class JobConfig:
+    server: str
+    checkpoint: str
+    source_topic: str = "devices"
+    device_from: str = "topic:1"
+    starting_offsets: str = "latest"
+    max_offsets_per_trigger: int | None = None
+    trigger: str = "1 second"
+    watermark: str = "30 seconds"
+
+
+def source(spark: SparkSession, cfg: JobConfig) -> DataFrame:
+    reader = (spark.readStream.format("lightgate").option("server", cfg.server)
+              .option("topic", cfg.source_topic)
+              .option("startingOffsets", cfg.starting_offsets))
+    if cfg.max_offsets_per_trigger:
+        reader = reader.option("maxOffsetsPerTrigger", str(cfg.max_offsets_per_trigger))
+    return reader.load()
+
+
+def device_column(spec: str) -> Column:
+    """`topic:N` (N-th level of the MQTT topic, 0-based), `client_id` or `json:FIELD`."""
+    kind, _, arg = spec.partition(":")
+    if kind == "topic":
+        dev = F.element_at(F.split(F.col("mqtt_topic"), "/"), int(arg) + 1)
+    elif kind == "json":
+        dev = F.get_json_object(F.col("payload").cast("string"), f"$.{arg}")
+    else:
+        dev = F.col("client_id")
+    # An id becomes one MQTT topic level: no separators or wildcards in it.
+    return F.regexp_replace(dev, "[/+#]", "_")
+
+
+def field_value(name: str) -> Column:
+    """A JSON number from the payload; a payload that is a bare number counts as it."""
+    text = F.col("payload").cast("string")
+    return F.coalesce(F.get_json_object(text, f"$.{name}"), text).cast("double")
+
+
+def readings(df: DataFrame, device_from: str, fields: list[str]) -> DataFrame:
+    """device, mqtt_topic, ts (ms), event_time (the payload's `ts` in ms, else the store's
+    time), and one double column per field."""
+    text = F.col("payload").cast("string")
+    ts = F.coalesce(F.get_json_object(text, "$.ts").cast("long"),
+                    F.unix_millis(F.col("store_time")))
+    cols = [device_column(device_from).alias("device"), F.col("mqtt_topic"),
+            ts.alias("ts"), F.timestamp_millis(ts).alias("event_time"), F.col("msg_id")]
+    cols += [field_value(f).alias(f) for f in dict.fromkeys(fields)]
+    return df.select(*cols).where(F.col("device").isNotNull() & (F.col("device") != ""))
+
+
+def sink(df: DataFrame, cfg: JobConfig, topic: str, name: str,
+         output_mode: str = "append") -> StreamingQuery:
+    """`df` has mqtt_topic and payload; rows go to the store's first-level `topic`.
+
+    Python streaming sinks take append mode only, so update mode (aggregates) writes
+    each micro-batch with the batch writer of the same data source."""
+    writer = (df.writeStream.queryName(name).outputMode(output_mode)
+              .option("checkpointLocation", f"{cfg.checkpoint.rstrip('/')}/{name}")
+              .trigger(processingTime=cfg.trigger))
+    if output_mode == "append":
+        writer = writer.format("lightgate").option("server", cfg.server).option("topic", topic)
+    else:
+        server = cfg.server
+
+        def write_batch(batch: DataFrame, batch_id: int) -> None:
+            (batch.write.format("lightgate").option("server", server).option("topic", topic)
+             .mode("append").save())
+
+        writer = writer.foreachBatch(write_batch)
+    query = writer.start()
+    wait_started(query)
+    return query
+
+
+def wait_started(query: StreamingQuery, timeout: float = 120.0) -> None:
+    """Until the first trigger ran (or failed). Starting queries one after the other keeps
+    Spark's Python planner processes from starting all at once: each must connect back
+    to the JVM within 10 s, which a small loaded machine may miss."""
+    deadline = time.monotonic() + timeout
+    while query.isActive and query.lastProgress is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not query.isActive and query.exception() is not None:
+        raise RuntimeError(f"query {query.name} failed: {query.exception()}")
+
+
+def json_payload(**cols: Any) -> Column:
+    return F.to_json(F.struct(*[c.alias(k) for k, c in cols.items()])).alias("payload")

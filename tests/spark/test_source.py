@@ -1,0 +1,102 @@
+"""The `lightgate` data source: batch reads by offsets, streaming with a rate limit, the
+batch sink."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pyspark", reason="pyspark not installed: pip install 'lightgate[spark]'")
+pytest.importorskip("pyarrow", reason="pyarrow not installed: pip install 'lightgate[spark]'")
+
+from spark_streaming.native import StoreClient  # noqa: E402
+from spark_streaming.source import cap_offsets, resolve_offsets  # noqa: E402
+from store.sdk import Producer  # noqa: E402
+from tests.conftest import Server  # noqa: E402
+
+
+def test_resolve_offsets() -> None:
+    ranges = {"t#0": (2, 10), "t#1": (0, 5)}
+    assert resolve_offsets("earliest", ranges, "latest") == {"t#0": 2, "t#1": 0}
+    assert resolve_offsets(None, ranges, "latest") == {"t#0": 10, "t#1": 5}
+    assert resolve_offsets('{"t#0": 4}', ranges, "latest") == {"t#0": 4, "t#1": 5}
+    assert resolve_offsets('{"t#0": -2, "t#1": -1}', ranges, "earliest") == {"t#0": 2,
+                                                                            "t#1": 5}
+    with pytest.raises(ValueError, match="no such queues"):
+        resolve_offsets('{"t#9": 1}', ranges, "latest")
+    with pytest.raises(ValueError, match="earliest, latest or JSON"):
+        resolve_offsets("newest", ranges, "latest")
+
+
+def test_cap_offsets() -> None:
+    start = {"a": 0, "b": 10}
+    ends = {"a": 100, "b": 20}
+    capped = cap_offsets(start, ends, 22)
+    assert capped == {"a": 20, "b": 12}
+    assert cap_offsets(start, ends, 1000) == ends
+    assert sum(capped[q] - start[q] for q in capped) <= 22
+
+
+def _publish(addr: str, n: int, devices: int = 3) -> None:
+    with Producer(addr) as p:
+        for i in range(n):
+            d = i % devices
+            p.send("devices", json.dumps({"temperature": i, "ts": 1_700_000_000_000 + i})
+                   .encode(), mqtt_topic=f"devices/d{d}/temp", qos=1)
+
+
+def test_batch_reader_offsets(spark: Any, lg: Server) -> None:
+    _publish(lg.native, 40)
+    with StoreClient(lg.native) as c:
+        queues = {q["queue"]: (q["min_offset"], q["max_offset"]) for q in c.describe("devices")}
+        every = {(q, off): m.body for q, (lo, hi) in queues.items()
+                 for off, m in c.read_range(q, lo, hi)}
+    assert len(every) == 40
+    start = {q: min(1, hi) for q, (lo, hi) in queues.items()}
+    end = {q: max(start[q], hi - 1) for q, (lo, hi) in queues.items()}
+    df = (spark.read.format("lightgate").option("server", lg.native).option("topic", "devices")
+          .option("startingOffsets", json.dumps(start))
+          .option("endingOffsets", json.dumps(end)).load())
+    rows = df.collect()
+    got = {(r.queue, r.offset): bytes(r.payload) for r in rows}
+    want = {k: v for k, v in every.items() if start[k[0]] <= k[1] < end[k[0]]}
+    assert got == want and len(rows) == len(want) > 0
+    r = rows[0]
+    assert r.mqtt_topic.startswith("devices/d") and r.qos == 1 and len(r.msg_id) == 16
+    assert r.store_time is not None and r.born_time is not None
+    # Defaults: earliest to latest, every record once.
+    assert spark.read.format("lightgate").option("server", lg.native) \
+        .option("topic", "devices").load().count() == 40
+
+
+def test_stream_rate_limit_and_batch_sink(spark: Any, lg: Server, tmp_path: Any) -> None:
+    _publish(lg.native, 60)
+    q = (spark.readStream.format("lightgate").option("server", lg.native)
+         .option("topic", "devices").option("startingOffsets", "earliest")
+         .option("maxOffsetsPerTrigger", "25").load()
+         .writeStream.format("memory").queryName("ratelimited")
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    q.awaitTermination(120)
+    assert q.exception() is None
+    sizes = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
+    assert sum(sizes) == 60 and max(sizes) <= 25 and len(sizes) >= 3, sizes
+    assert spark.sql("select count(distinct msg_id) from ratelimited").first()[0] == 60
+
+    # The sink: value as a string, per-row MQTT topic, key and properties.
+    out = spark.createDataFrame(
+        [("cmd/d1/set", "on", "k1", '{"reason": "test"}'), (None, "plain", None, None)],
+        "mqtt_topic string, value string, key string, properties string")
+    (out.withColumn("mqtt_topic", out.mqtt_topic)
+     .selectExpr("case when mqtt_topic is null then null else mqtt_topic end as mqtt_topic",
+                 "value", "key", "properties")
+     .write.format("lightgate").option("server", lg.native).option("topic", "cmd")
+     .mode("append").save())
+    back = (spark.read.format("lightgate").option("server", lg.native).option("topic", "cmd")
+            .load().collect())
+    by_body = {bytes(r.payload): r for r in back}
+    assert set(by_body) == {b"on", b"plain"}
+    assert by_body[b"on"].mqtt_topic == "cmd/d1/set"
+    assert json.loads(by_body[b"on"].properties) == {"reason": "test"}
+    assert by_body[b"plain"].mqtt_topic == "cmd"
