@@ -77,9 +77,6 @@ class Metadata:
             n += 1
             it.next()
 
-    def count(self, cf: str, prefix: str = "") -> int:
-        return sum(1 for _ in self.items(cf, prefix))
-
     def delete_prefix(self, cf: str, prefix: str) -> None:
         raw = prefix.encode()
         wb = WriteBatch(raw_mode=True)
