@@ -218,7 +218,8 @@ def _start(b: Broker) -> None:
     elif name in ("lightgate-async", "lightgate-sync"):
         # Same bounds as the Mosquitto config: 32 in flight, 100,000 queued per session.
         p = _spawn(b, _lightgate_cmd(
-            "serve", "--data-dir", str(b.tmp / "d"), "--mqtt", f"127.0.0.1:{b.port}",
+            "serve", "--data-dir", str(b.tmp / "d"), "--ws", "off",
+            "--mqtt", f"127.0.0.1:{b.port}",
             "--native", "127.0.0.1:0", "--http", "127.0.0.1:0", "--max-inflight", "32",
             "--max-offline-messages", "100000", "--flush", name.split("-")[1]),
             "lightgate", True)

@@ -38,7 +38,7 @@ def progress(text: str) -> None:
 def start_serve(data: Path) -> tuple[subprocess.Popen, dict[str, str]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "lightgate", "--log-level", "WARNING", "serve", "--data-dir",
-         str(data), "--mqtt", "127.0.0.1:0", "--native", "127.0.0.1:0", "--http",
+         str(data), "--ws", "off", "--mqtt", "127.0.0.1:0", "--native", "127.0.0.1:0", "--http",
          "127.0.0.1:0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()

@@ -17,7 +17,7 @@ import trio
 
 from gateway.admin import gateway_routes
 from gateway.broker import Broker, GatewayConfig
-from gateway.listener import serve_mqtt_tcp
+from gateway.listener import ListenerConfig, start_listeners
 from notify import LocalBus, open_bus
 from store.app import shutdown_signals, stop_on_signal, store_node
 from store.client import NativeClient, RemoteStore
@@ -31,7 +31,7 @@ log = logging.getLogger("lightgate.serve")
 class ServeOptions:
     store: StoreConfig = field(default_factory=StoreConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    mqtt: str = "0.0.0.0:1883"
+    listeners: ListenerConfig = field(default_factory=ListenerConfig)
     native: str = "127.0.0.1:10911"
     http: str = "127.0.0.1:18083"
 
@@ -41,7 +41,7 @@ class GatewayOptions:
     store: str = "127.0.0.1:10911"
     notify: str | None = None
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    mqtt: str = "0.0.0.0:1883"
+    listeners: ListenerConfig = field(default_factory=ListenerConfig)
     http: str = "127.0.0.1:18083"
 
 
@@ -59,11 +59,16 @@ async def _serve(opts: ServeOptions, signals: Any) -> None:
         broker = Broker(node.store, opts.gateway)
         nursery.start_soon(broker.run_notify, bus)
         await nursery.start(broker.run_housekeeping)
-        mqtt_addr = await nursery.start(serve_mqtt_tcp, broker, opts.mqtt)
+        bound = await start_listeners(nursery, broker, opts.listeners)
         app = make_app([*store_routes(node.store), *gateway_routes(broker, opts.store)])
-        http_addr = await nursery.start(serve_http, app, opts.http)
-        print(f"ready mqtt={mqtt_addr} native={node.native_addr} http={http_addr}", flush=True)
+        bound["native"] = node.native_addr
+        bound["http"] = await nursery.start(serve_http, app, opts.http)
+        print(_ready_line(bound), flush=True)
         await stop_on_signal(signals, nursery)
+
+
+def _ready_line(bound: dict[str, str]) -> str:
+    return "ready " + " ".join(f"{name}={addr}" for name, addr in bound.items())
 
 
 async def _announce(store: RemoteStore, gateway_id: str, info: dict) -> None:
@@ -96,9 +101,10 @@ async def _gateway(opts: GatewayOptions, signals: Any) -> None:
             nursery.start_soon(broker.run_notify, bus)
         nursery.start_soon(broker.run_poll_fallback, bus if opts.notify else None)
         await nursery.start(broker.run_housekeeping)
-        mqtt_addr = await nursery.start(serve_mqtt_tcp, broker, opts.mqtt)
-        http_addr = await nursery.start(serve_http, make_app(gateway_routes(broker)), opts.http)
+        bound = await start_listeners(nursery, broker, opts.listeners)
+        bound["http"] = await nursery.start(serve_http, make_app(gateway_routes(broker)), opts.http)
         gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
-        nursery.start_soon(_announce, store, gateway_id, {"mqtt": mqtt_addr, "http": http_addr})
-        print(f"ready mqtt={mqtt_addr} http={http_addr} store={opts.store}", flush=True)
+        nursery.start_soon(_announce, store, gateway_id, dict(bound))
+        bound["store"] = opts.store
+        print(_ready_line(bound), flush=True)
         await stop_on_signal(signals, nursery)

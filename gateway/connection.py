@@ -55,10 +55,14 @@ class Closing(Exception):
 
 
 class Connection:
-    def __init__(self, broker: Broker, stream: trio.abc.Stream, peer: str) -> None:
+    def __init__(
+        self, broker: Broker, stream: trio.abc.Stream, peer: str, *,
+        cert_identity: str | None = None,
+    ) -> None:
         self.broker = broker
         self.stream = stream
         self.peer = peer
+        self.cert_identity = cert_identity  # from a verified client certificate
         self.config = broker.config
         self.decoder = mqtt.Decoder(max_packet_size=self.config.max_packet_size)
         self.version = 4

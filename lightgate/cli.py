@@ -32,8 +32,19 @@ HTTP_SETTING = ("http", str, "127.0.0.1:18083", "HTTP (dashboard, admin API, met
 NATIVE_SETTING = ("native", str, "127.0.0.1:10911", "native protocol HOST:PORT")
 NOTIFY_SETTING = ("notify", str, None, "notify between nodes: redis://HOST:PORT")
 STORE_ADDR_SETTING = ("store", str, "127.0.0.1:10911", "the store's native HOST:PORT")
+LISTENER_SETTINGS: list[tuple[str, Any, Any, str]] = [
+    ("mqtt", str, "0.0.0.0:1883", "MQTT over TCP HOST:PORT ('off' to disable)"),
+    ("mqtt-tls", str, "0.0.0.0:8883", "MQTT over TLS HOST:PORT (on when --tls-cert is given)"),
+    ("ws", str, "0.0.0.0:8083", "MQTT over WebSocket HOST:PORT ('off' to disable)"),
+    ("wss", str, "0.0.0.0:8084", "MQTT over secure WebSocket HOST:PORT (on with --tls-cert)"),
+    ("tls-cert", str, None, "PEM certificate chain for TLS and WSS (re-read when it changes)"),
+    ("tls-key", str, None, "PEM private key for --tls-cert"),
+    ("tls-ca", str, None, "CA bundle that signs client certificates (mutual TLS)"),
+    ("tls-client-auth", str, "none", "client certificates: none, optional or required"),
+    ("tls-username-from", str, "none", "use the client certificate's cn or san as username"),
+]
 GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
-    ("mqtt", str, "0.0.0.0:1883", "MQTT over TCP HOST:PORT"),
+    *LISTENER_SETTINGS,
     ("max-inflight", int, 32, "unacknowledged QoS 1/2 messages per client"),
     ("max-packet-size", int, 16 * 1024 * 1024, "largest MQTT packet accepted, in bytes"),
     ("max-pending-publishes", int, 64, "publishes per client in the store pipeline at once"),
@@ -93,6 +104,29 @@ def _store_config(values: dict[str, Any]) -> Any:
     )
 
 
+def _listener_config(values: dict[str, Any]) -> Any:
+    from gateway.listener import ListenerConfig
+
+    def addr(name: str, needs_cert: bool = False) -> str | None:
+        value = values[name]
+        if not value or value == "off" or (needs_cert and not values["tls_cert"]):
+            return None
+        return value
+
+    if values["tls_client_auth"] not in ("none", "optional", "required"):
+        raise SystemExit("--tls-client-auth must be none, optional or required")
+    if values["tls_username_from"] not in ("none", "cn", "san"):
+        raise SystemExit("--tls-username-from must be none, cn or san")
+    if values["tls_cert"] and not values["tls_key"]:
+        raise SystemExit("--tls-cert needs --tls-key")
+    return ListenerConfig(
+        mqtt=addr("mqtt"), mqtt_tls=addr("mqtt_tls", True), ws=addr("ws"),
+        wss=addr("wss", True), tls_cert=values["tls_cert"], tls_key=values["tls_key"],
+        tls_ca=values["tls_ca"], tls_client_auth=values["tls_client_auth"],
+        tls_username_from=values["tls_username_from"],
+    )
+
+
 def _gateway_config(values: dict[str, Any]) -> Any:
     from gateway.broker import GatewayConfig
 
@@ -117,7 +151,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     values = resolve(args, SERVE_SETTINGS)
     opts = ServeOptions(
-        store=_store_config(values), gateway=_gateway_config(values), mqtt=values["mqtt"],
+        store=_store_config(values), gateway=_gateway_config(values),
+        listeners=_listener_config(values),
         native=values["native"], http=values["http"],
     )
     trio.run(run_serve, opts)
@@ -147,7 +182,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     values = resolve(args, GATEWAY_CMD_SETTINGS)
     opts = GatewayOptions(store=values["store"], notify=values["notify"],
-                          gateway=_gateway_config(values), mqtt=values["mqtt"],
+                          gateway=_gateway_config(values), listeners=_listener_config(values),
                           http=values["http"])
     trio.run(run_gateway, opts)
     return 0

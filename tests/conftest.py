@@ -37,7 +37,8 @@ class Server:
         if self.command in ("serve", "store"):
             args += ["--data-dir", str(self.data_dir), "--native", f"127.0.0.1:{self.native_port}"]
         if self.command in ("serve", "gateway"):
-            args += ["--mqtt", f"127.0.0.1:{self.mqtt_port}", "--sys-interval", "1"]
+            args += ["--mqtt", f"127.0.0.1:{self.mqtt_port}", "--ws", "127.0.0.1:0",
+                     "--sys-interval", "1"]
         return [*args, "--http", "127.0.0.1:0", *self.extra]
 
     def start(self) -> Server:

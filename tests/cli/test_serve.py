@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def start_serve(data: Path, *extra: str) -> tuple[subprocess.Popen, dict[str, str]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "lightgate", "serve", "--data-dir", str(data),
-         "--http", "127.0.0.1:0", "--mqtt", "127.0.0.1:0", "--native", "127.0.0.1:0", *extra],
+         "--http", "127.0.0.1:0", "--ws", "off", "--mqtt", "127.0.0.1:0",
+         "--native", "127.0.0.1:0", *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     line = proc.stdout.readline()
