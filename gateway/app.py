@@ -20,7 +20,9 @@ from gateway.broker import Broker, GatewayConfig
 from gateway.listener import ListenerConfig, start_listeners
 from notify import LocalBus, open_bus
 from store.app import shutdown_signals, stop_on_signal, store_node
-from store.client import NativeClient, RemoteStore
+from store.auth import AuthConfig, AuthManager
+from store.auth.audit import to_file as audit_to_file
+from store.client import AuthFailed, NativeClient, RemoteStore
 from store.http import make_app, serve_http, store_routes
 from store.service import StoreConfig
 
@@ -32,6 +34,7 @@ class ServeOptions:
     store: StoreConfig = field(default_factory=StoreConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     native: str = "127.0.0.1:10911"
     http: str = "127.0.0.1:18083"
 
@@ -43,6 +46,9 @@ class GatewayOptions:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
     http: str = "127.0.0.1:18083"
+    store_auth: str | None = None  # NAME:PASSWORD of a user allowed Cluster UPDATE
+    auth_strategy: str = "stateful"
+    audit_log: str | None = None
 
 
 async def run_serve(opts: ServeOptions) -> None:
@@ -53,18 +59,46 @@ async def run_serve(opts: ServeOptions) -> None:
 async def _serve(opts: ServeOptions, signals: Any) -> None:
     async with (
         LocalBus() as bus,
-        store_node(opts.store, opts.native, bus.publish_from_thread) as node,
+        store_node(opts.store, opts.native, bus.publish_from_thread, opts.auth) as node,
         trio.open_nursery() as nursery,
     ):
-        broker = Broker(node.store, opts.gateway)
+        broker = Broker(node.store, opts.gateway, node.auth)
         nursery.start_soon(broker.run_notify, bus)
         await nursery.start(broker.run_housekeeping)
         bound = await start_listeners(nursery, broker, opts.listeners)
-        app = make_app([*store_routes(node.store), *gateway_routes(broker, opts.store)])
+        app = make_app([*store_routes(node.store), *gateway_routes(broker, opts.store)],
+                       auth=node.auth)
         bound["native"] = node.native_addr
         bound["http"] = await nursery.start(serve_http, app, opts.http)
         print(_ready_line(bound), flush=True)
         await stop_on_signal(signals, nursery)
+
+
+def _credentials(spec: str | None) -> tuple[str, str] | None:
+    if not spec:
+        return None
+    name, sep, password = spec.partition(":")
+    if not sep or not name:
+        raise SystemExit("lightgate: --store-auth takes NAME:PASSWORD")
+    return name, password
+
+
+async def _replica_auth(store: RemoteStore, hello: dict, opts: GatewayOptions) -> AuthManager:
+    """The gateway follows the store: auth is on when the store says so, and then this
+    gateway must have joined as a node (an unauthenticated process cannot)."""
+    if hello.get("auth") and not hello.get("node"):
+        raise SystemExit(
+            "lightgate: the store has authentication on and did not accept this gateway as "
+            "a node: give --store-auth NAME:PASSWORD of a Super user or one allowed Cluster "
+            "UPDATE")
+    if opts.audit_log:
+        audit_to_file(opts.audit_log)
+    auth = AuthManager(store, enabled=bool(hello.get("auth")),
+                       allow_anonymous=bool(hello.get("allow_anonymous")),
+                       strategy=opts.auth_strategy)
+    if auth.enabled:
+        await auth.load()
+    return auth
 
 
 def _ready_line(bound: dict[str, str]) -> str:
@@ -84,25 +118,33 @@ async def _announce(store: RemoteStore, gateway_id: str, info: dict) -> None:
 
 async def run_gateway(opts: GatewayOptions) -> None:
     with shutdown_signals() as signals:
-        await _gateway(opts, signals)
+        try:
+            await _gateway(opts, signals)
+        except AuthFailed as exc:
+            raise SystemExit(f"lightgate: the store refused this gateway: {exc.message} "
+                             "(check --store-auth)") from None
 
 
 async def _gateway(opts: GatewayOptions, signals: Any) -> None:
     if not opts.notify:
         log.warning("no --notify: this gateway polls the store for new messages")
     async with (
-        NativeClient.open(opts.store) as client,
+        NativeClient.open(opts.store, credentials=_credentials(opts.store_auth)) as client,
         open_bus(opts.notify) as bus,
         trio.open_nursery() as nursery,
     ):
         store = RemoteStore(client)
-        broker = Broker(store, opts.gateway)
+        auth = await _replica_auth(store, client.hello, opts)
+        broker = Broker(store, opts.gateway, auth)
+        if auth.enabled:
+            nursery.start_soon(broker.run_auth_refresh)
         if opts.notify:
             nursery.start_soon(broker.run_notify, bus)
         nursery.start_soon(broker.run_poll_fallback, bus if opts.notify else None)
         await nursery.start(broker.run_housekeeping)
         bound = await start_listeners(nursery, broker, opts.listeners)
-        bound["http"] = await nursery.start(serve_http, make_app(gateway_routes(broker)), opts.http)
+        app = make_app(gateway_routes(broker), auth=auth, manage_auth=False)
+        bound["http"] = await nursery.start(serve_http, app, opts.http)
         gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         nursery.start_soon(_announce, store, gateway_id, dict(bound))
         bound["store"] = opts.store

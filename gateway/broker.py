@@ -13,6 +13,7 @@ from typing import Any
 import trio
 
 from gateway.cache import QueueCache
+from gateway.limits import SourceRateLimiter
 from gateway.mqtt import PublishTemplate, Will
 from gateway.session import (
     NEVER_EXPIRES,
@@ -27,6 +28,7 @@ from gateway.session import (
 )
 from gateway.shared import SharedGroup, group_key
 from lightqueue.topic import is_wildcard, matches
+from store.auth import AUTH_EVENT, AuthManager
 from store.commitlog import StoreError
 from store.record import Message
 
@@ -48,6 +50,12 @@ class GatewayConfig:
     max_keepalive: int = 0  # 0: accept any; else clients get Server Keep Alive (v5)
     write_timeout: float = 60.0  # a client that reads nothing this long is disconnected
     topic_alias_maximum: int = 64  # per connection, client to server (v5)
+    # Limits; 0 means unlimited.
+    max_connections: int = 0
+    max_connect_rate: float = 0.0  # connects per second per source IP
+    max_publish_rate: float = 0.0  # publishes per second per client
+    max_publish_bytes_rate: float = 0.0  # publish payload bytes per second per client
+    max_subscriptions: int = 0  # per client
 
 
 @dataclass
@@ -99,6 +107,7 @@ class Stats:
         self.publish_errors = 0
         self.wills = 0
         self.stuck_disconnects = 0
+        self.limit_refusals = 0  # connects, publishes, subscribes refused by a limit
 
     def observe_append(self, seconds: float) -> None:
         self.append_count += 1
@@ -109,9 +118,13 @@ class Stats:
 
 
 class Broker:
-    def __init__(self, store: Any, config: GatewayConfig | None = None) -> None:
+    def __init__(self, store: Any, config: GatewayConfig | None = None,
+                 auth: AuthManager | None = None) -> None:
         self.store = store
         self.config = config or GatewayConfig()
+        self.auth = auth or AuthManager(store)  # disabled unless configured
+        self.auth.on_change(self._auth_changed)
+        self.connect_limiter = SourceRateLimiter(self.config.max_connect_rate)
         self.sessions: dict[str, Session] = {}
         self.queue_subs: dict[str, set[Session]] = {}
         self.cache = QueueCache(store)
@@ -126,10 +139,34 @@ class Broker:
         """An id for a client that sent none: unique across restarts and gateways."""
         return f"lg-{uuid.uuid4().hex[:20]}"
 
+    # -- auth -------------------------------------------------------------------------
+    def _auth_changed(self) -> None:
+        """Users or policies changed: end sessions of disabled or deleted users now."""
+        for s in list(self.sessions.values()):
+            conn = s.connection
+            if conn is not None and conn.subject is not None:
+                if not self.auth.still_valid(conn.subject):
+                    conn.kick("user disabled or deleted", not_authorized=True)
+                else:
+                    conn.auth_changed()
+
+    async def _reload_auth(self) -> None:
+        try:
+            await self.auth.load()
+        except Exception as exc:  # the store may be away: the periodic refresh retries
+            log.warning("reloading users and policies failed: %s", exc)
+
+    async def run_auth_refresh(self) -> None:
+        """A gateway on a remote store: reload users and policies on AUTH_EVENT (see
+        on_queues_changed) and every few seconds in case an event was lost."""
+        await self.auth.run_refresh()
+
     # -- notify -----------------------------------------------------------------------
     def on_queues_changed(self, names: set[str]) -> None:
         """Wake every live session subscribed to a queue that grew."""
         self.stats.notify_events += len(names)
+        if AUTH_EVENT in names and self._nursery is not None:
+            self._nursery.start_soon(self._reload_auth)
         for name in names:
             if name == "*":  # notify lost events (e.g. Redis reconnect): look everywhere
                 for s in self.sessions.values():

@@ -11,6 +11,7 @@ import trio
 
 from gateway import mqtt
 from gateway.broker import Broker
+from gateway.limits import PublishLimits
 from gateway.mqtt import (
     Auth,
     Connack,
@@ -33,6 +34,8 @@ from gateway.mqtt import (
 from gateway.mqtt import reason as rc
 from gateway.session import NEVER_EXPIRES, Outgoing, Session, Subscription
 from gateway.shared import SharedGroup, parse_shared
+from store.auth import AuthError, Subject
+from store.auth.manager import DecisionCache
 from store.commitlog import StoreError, StoreFullError
 from store.record import Message
 from store.service import await_future
@@ -63,6 +66,12 @@ class Connection:
         self.stream = stream
         self.peer = peer
         self.cert_identity = cert_identity  # from a verified client certificate
+        self.subject: Subject | None = None  # who authenticated on this connection
+        self._auth_cache = DecisionCache()
+        self._check_delivery = False  # whether each delivery needs a SUB decision
+        self._kicked: Closing | None = None
+        self._limits = PublishLimits(broker.config.max_publish_rate,
+                                     broker.config.max_publish_bytes_rate)
         self.config = broker.config
         self.decoder = mqtt.Decoder(max_packet_size=self.config.max_packet_size)
         self.version = 4
@@ -116,8 +125,10 @@ class Connection:
 
     async def _close(self, closing: Closing | None) -> None:
         self.alive = False
-        if closing is None:  # cancelled: a takeover, a failed write or a server shutdown
-            if self._taken_over:
+        if closing is None:  # cancelled: a takeover, a failed write, a kick or a shutdown
+            if self._kicked is not None:
+                closing = self._kicked
+            elif self._taken_over:
                 closing = Closing("taken over")
             elif self._write_failed:
                 closing = Closing("connection lost while writing")
@@ -160,8 +171,22 @@ class Connection:
         self._cancel.cancel()
         await self._detached.wait()
 
-    def kick(self) -> None:
+    def kick(self, why: str = "kicked by an operator", not_authorized: bool = False) -> None:
+        code = rc.NOT_AUTHORIZED if not_authorized else rc.ADMINISTRATIVE_ACTION
+        self._kicked = Closing(why, True, code)
         self._cancel.cancel()
+
+    def auth_changed(self) -> None:
+        """Policies changed: decisions cached on this connection no longer hold."""
+        auth = self.broker.auth
+        self._check_delivery = bool(
+            auth.enabled and self.subject is not None and not auth.is_super(self.subject))
+
+    def _may(self, action: str, name: str, is_filter: bool = False) -> bool:
+        if self.subject is None:
+            return not self.broker.auth.enabled
+        return self.broker.auth.authorize(self.subject, "Topic", name, action,
+                                          is_filter=is_filter, cache=self._auth_cache)
 
     # -- writing ----------------------------------------------------------------------
     async def send(self, data: bytes) -> None:
@@ -282,6 +307,7 @@ class Connection:
             self.problem_info = bool(props.get("request_problem_information", 1))
         else:
             expiry = 0 if p.clean_start else NEVER_EXPIRES
+        await self._admit(p, v)
         self.keepalive = p.keepalive
         server_keepalive = None
         max_ka = self.config.max_keepalive
@@ -319,6 +345,39 @@ class Connection:
         nursery.start_soon(self._deliver_loop)
         for group in session.groups:
             group.wake()  # a member is back
+
+    async def _refuse(self, v: int, code5: int, code3: int, why: str) -> None:
+        """CONNACK with a failure code, then close (no will: it never connected)."""
+        code = code5 if v == 5 else code3
+        props = self._reason(why) if v == 5 else {}
+        await self._send_now(mqtt.encode(Connack(False, code, props), v))
+        raise Closing(f"connect refused: {why}", will=False)
+
+    async def _admit(self, p: Connect, v: int) -> None:
+        """Connection limits, then authentication and the will's PUB right."""
+        broker, cfg = self.broker, self.config
+        ip = self.peer.rsplit(":", 1)[0]
+        if cfg.max_connections and broker.stats.connections >= cfg.max_connections:
+            broker.stats.limit_refusals += 1
+            log.warning("connect from %s refused: %d connections (--max-connections)",
+                        self.peer, broker.stats.connections)
+            await self._refuse(v, rc.QUOTA_EXCEEDED, 3, "server connection limit reached")
+        if not broker.connect_limiter.allow(ip):
+            broker.stats.limit_refusals += 1
+            log.warning("connect from %s refused: above --max-connect-rate", self.peer)
+            await self._refuse(v, rc.CONNECTION_RATE_EXCEEDED, 3, "connect rate exceeded")
+        password = p.password.decode("utf-8", "surrogateescape") if p.password else None
+        try:
+            self.subject = await broker.auth.authenticate(
+                p.username, password, ip, "mqtt", self.cert_identity)
+        except AuthError as exc:
+            log.info("client %r from %s not authenticated", p.client_id, self.peer)
+            if exc.disabled or (not p.username and not self.cert_identity):
+                await self._refuse(v, rc.NOT_AUTHORIZED, 5, "not authorized")
+            await self._refuse(v, rc.BAD_USER_NAME_OR_PASSWORD, 4, "bad user name or password")
+        if p.will is not None and not self._may("PUB", p.will.topic):
+            await self._refuse(v, rc.NOT_AUTHORIZED, 5, "will topic not authorized")
+        self.auth_changed()
 
     # -- packets after CONNECT --------------------------------------------------------
     async def _dispatch(self, p: Any) -> None:
@@ -369,8 +428,16 @@ class Connection:
             topic = self._resolve_alias(p)
         if p.qos > self.config.max_qos:
             raise ProtocolError(rc.QOS_NOT_SUPPORTED, f"QoS {p.qos} not supported")
+        over = self._limits.exceeded(len(p.payload))
+        if over is not None:
+            self.broker.stats.limit_refusals += 1
+            log.warning("client %r at %s disconnected: %s", s.client_id, self.peer, over)
+            raise Closing(f"publish rate limit: {over}", True, rc.MESSAGE_RATE_TOO_HIGH)
         self.broker.stats.messages_in += 1
         self.broker.stats.messages_in_qos[p.qos] += 1
+        if self.subject is not None and not self._may("PUB", topic):
+            await self._refuse_publish(p, topic)
+            return
         if p.qos == 2 and p.packet_id in s.incoming_qos2:
             await self._flush_publishes()
             await self._acks_send.send((_NO_STORE_WAIT, p))  # duplicate: PUBREC again
@@ -394,6 +461,17 @@ class Connection:
             s.incoming_qos2.add(p.packet_id)
         if len(self._batch_msgs) >= PUBLISH_BATCH:
             await self._flush_publishes()
+
+    async def _refuse_publish(self, p: Publish, topic: str) -> None:
+        """Not stored. v5: PUBACK/PUBREC 0x87; 3.1.1 has no negative ack, so the client
+        gets a plain ack (else it would resend forever) and the log says why."""
+        log.info("publish of %r on %r by %s not authorized: dropped",
+                 self.session.client_id if self.session else "?", topic, self.peer)
+        if not p.qos:
+            return
+        await self._flush_publishes()  # acks stay in arrival order
+        self._inbound_unacked += 1  # _ack releases it
+        await self._acks_send.send((rc.NOT_AUTHORIZED if self.version == 5 else 0, p))
 
     async def _flush_publishes(self) -> None:
         """Everything one read brought in goes to the store as one append (one write, one
@@ -538,6 +616,10 @@ class Connection:
                 continue
             if shared and opts.no_local:
                 raise ProtocolError(rc.PROTOCOL_ERROR, "No Local on a shared subscription")
+            refusal = self._subscribe_refusal(s, topic_filter, shared)
+            if refusal is not None:
+                codes.append(refusal if v == 5 else 0x80)
+                continue
             granted = min(opts.qos, self.config.max_qos)
             opts = mqtt.SubscriptionOptions(granted, opts.no_local, opts.retain_as_published,
                                             opts.retain_handling)
@@ -556,10 +638,27 @@ class Connection:
         await self.send(mqtt.encode(Suback(p.packet_id, codes), v))
         for sub in retained_to_send:
             for r in await self.broker.retained_for(sub.topic_filter):
+                if self._check_delivery and not self._may("SUB", r.topic):
+                    continue
                 msg = r.to_message()
                 qos = min(r.qos, sub.options.qos)
                 sids = [sub.subscription_id] if sub.subscription_id else None
                 await self._push(msg, qos, True, sids, None, -1)
+
+    def _subscribe_refusal(self, s: Session, topic_filter: str,
+                           shared: tuple[str, str] | None) -> int | None:
+        """A SUBACK failure code if this filter is not allowed (ACL or limit), else None."""
+        real = shared[1] if shared else topic_filter
+        if not self._may("SUB", real, is_filter=True):
+            log.info("subscribe of %r to %r not authorized", s.client_id, topic_filter)
+            return rc.NOT_AUTHORIZED
+        limit = self.config.max_subscriptions
+        if limit and topic_filter not in s.subscriptions and len(s.subscriptions) >= limit:
+            self.broker.stats.limit_refusals += 1
+            log.warning("subscribe of %r to %r refused: %d subscriptions (limit)",
+                        s.client_id, topic_filter, len(s.subscriptions))
+            return rc.QUOTA_EXCEEDED
+        return None
 
     async def _on_unsubscribe(self, p: Unsubscribe) -> None:
         s = self.session
@@ -648,6 +747,8 @@ class Connection:
         subs = s.matching(msg.topic)
         if not subs:
             return
+        if self._check_delivery and not self._may("SUB", msg.topic):
+            return  # a wider filter than the policies allow: this topic is not for them
         if len(subs) > 1 and s.seen(msg.phys_offset):
             return  # already sent through an overlapping subscription
         if self.version == 5:
@@ -685,6 +786,9 @@ class Connection:
         qos = min(msg.qos, sub.options.qos)
         sids = [sub.subscription_id] if sub.subscription_id and self.version == 5 else None
         offset = msg.offset_in(group.queue)
+        if self._check_delivery and not self._may("SUB", msg.topic):
+            group.acked(offset)  # not for this member's user: dropped, logged in audit
+            return True
         sent = await self._push(msg, qos, False, sids, None, offset, group)
         if qos == 0 or not sent:
             group.acked(offset)  # at most once: done when written (or dropped)

@@ -53,6 +53,24 @@ GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("sys-interval", float, 10.0, "seconds between $SYS/broker/... updates"),
     ("max-keepalive", int, 0, "longest keepalive allowed; v5 clients get Server Keep Alive"),
     ("write-timeout", float, 60.0, "disconnect a client that reads nothing for this long"),
+    ("max-connections", int, 0, "refuse connects beyond this many clients (0: no limit)"),
+    ("max-connect-rate", float, 0.0, "connects per second per source IP (0: no limit)"),
+    ("max-publish-rate", float, 0.0, "publishes per second per client (0: no limit)"),
+    ("max-publish-bytes-rate", float, 0.0, "publish bytes per second per client (0: no limit)"),
+    ("max-subscriptions", int, 0, "subscriptions per client (0: no limit)"),
+    ("audit-log", str, None, "write the [AUTHENTICATION]/[AUTHORIZATION] audit lines here"),
+]
+AUTH_SETTINGS: list[tuple[str, Any, Any, str]] = [
+    ("auth", bool, False, "authentication and ACL on (users and policies in the store)"),
+    ("init-user", str, None, "NAME:PASSWORD: create this Super user on first start"),
+    ("allow-anonymous", bool, False, "with --auth, let clients without a username in "
+     "(they get the policies of user 'anonymous')"),
+    ("auth-strategy", str, "stateful", "stateful: decide once per connection and resource "
+     "until policies change; stateless: decide every request"),
+]
+GATEWAY_AUTH_SETTINGS: list[tuple[str, Any, Any, str]] = [
+    ("store-auth", str, None, "NAME:PASSWORD this gateway authenticates to the store with"),
+    ("auth-strategy", str, "stateful", "stateful or stateless ACL decisions"),
 ]
 
 
@@ -138,12 +156,31 @@ def _gateway_config(values: dict[str, Any]) -> Any:
         sys_interval=values["sys_interval"],
         max_keepalive=values["max_keepalive"],
         write_timeout=values["write_timeout"],
+        max_connections=values["max_connections"],
+        max_connect_rate=values["max_connect_rate"],
+        max_publish_rate=values["max_publish_rate"],
+        max_publish_bytes_rate=values["max_publish_bytes_rate"],
+        max_subscriptions=values["max_subscriptions"],
     )
 
 
-SERVE_SETTINGS = [*STORE_SETTINGS, *GATEWAY_SETTINGS, NATIVE_SETTING, HTTP_SETTING]
-STORE_CMD_SETTINGS = [*STORE_SETTINGS, NATIVE_SETTING, NOTIFY_SETTING, HTTP_SETTING]
-GATEWAY_CMD_SETTINGS = [STORE_ADDR_SETTING, NOTIFY_SETTING, *GATEWAY_SETTINGS, HTTP_SETTING]
+def _auth_config(values: dict[str, Any]) -> Any:
+    from store.auth import AuthConfig
+
+    if values["auth_strategy"] not in ("stateful", "stateless"):
+        raise SystemExit("--auth-strategy must be stateful or stateless")
+    return AuthConfig(enabled=bool(values["auth"]), allow_anonymous=bool(values["allow_anonymous"]),
+                      strategy=values["auth_strategy"], init_user=values["init_user"],
+                      audit_log=values.get("audit_log"))
+
+
+AUDIT_SETTING = ("audit-log", str, None, "write the audit lines to this file")
+SERVE_SETTINGS = [*STORE_SETTINGS, *GATEWAY_SETTINGS, *AUTH_SETTINGS, NATIVE_SETTING,
+                  HTTP_SETTING]
+STORE_CMD_SETTINGS = [*STORE_SETTINGS, *AUTH_SETTINGS, AUDIT_SETTING, NATIVE_SETTING,
+                      NOTIFY_SETTING, HTTP_SETTING]
+GATEWAY_CMD_SETTINGS = [STORE_ADDR_SETTING, NOTIFY_SETTING, *GATEWAY_SETTINGS,
+                        *GATEWAY_AUTH_SETTINGS, HTTP_SETTING]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -152,28 +189,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     values = resolve(args, SERVE_SETTINGS)
     opts = ServeOptions(
         store=_store_config(values), gateway=_gateway_config(values),
-        listeners=_listener_config(values),
+        listeners=_listener_config(values), auth=_auth_config(values),
         native=values["native"], http=values["http"],
     )
     trio.run(run_serve, opts)
     return 0
 
 
-async def _store_main(cfg: Any, native: str, http: str, notify: str | None) -> None:
+async def _store_main(cfg: Any, native: str, http: str, notify: str | None,
+                      auth: Any) -> None:
     from notify import open_bus
     from store.app import run_store
 
     if notify:
         async with open_bus(notify) as bus:
-            await run_store(cfg, native, http, bus.publish_from_thread)
+            await run_store(cfg, native, http, bus.publish_from_thread, auth)
     else:
-        await run_store(cfg, native, http, None)
+        await run_store(cfg, native, http, None, auth)
 
 
 def cmd_store(args: argparse.Namespace) -> int:
     values = resolve(args, STORE_CMD_SETTINGS)
     trio.run(_store_main, _store_config(values), values["native"], values["http"],
-             values["notify"])
+             values["notify"], _auth_config(values))
     return 0
 
 
@@ -183,7 +221,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     values = resolve(args, GATEWAY_CMD_SETTINGS)
     opts = GatewayOptions(store=values["store"], notify=values["notify"],
                           gateway=_gateway_config(values), listeners=_listener_config(values),
-                          http=values["http"])
+                          http=values["http"], store_auth=values["store_auth"],
+                          auth_strategy=values["auth_strategy"], audit_log=values["audit_log"])
     trio.run(run_gateway, opts)
     return 0
 
@@ -234,6 +273,104 @@ def cmd_consume(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin_request(args: argparse.Namespace, code_name: str, header: dict[str, Any]) -> dict:
+    """One users/ACL request to the store (Super credentials from --as or LIGHTGATE_AUTH)."""
+    from store import protocol as p
+    from store.client import NativeClient
+
+    creds = _credentials(args)
+
+    async def call() -> dict:
+        async with NativeClient.open(
+            args.server, credentials=(creds["username"], creds["password"]) if creds else None
+        ) as client:
+            reply, _ = await client.request(getattr(p, code_name), header)
+            return reply
+
+    try:
+        return trio.run(call)
+    except p.RemoteError as exc:
+        raise SystemExit(f"lightgate: {exc.message} ({exc.status})") from None
+    except OSError as exc:
+        raise SystemExit(f"lightgate: {exc}") from None
+
+
+def cmd_user(args: argparse.Namespace) -> int:
+    import json
+
+    op = args.user_op
+    if op == "add":
+        out = _admin_request(args, "USER_ADD", {"name": args.name, "password": args.password,
+                                                "super": args.super})
+    elif op == "passwd":
+        out = _admin_request(args, "USER_UPDATE", {"name": args.name, "password": args.password})
+    elif op in ("enable", "disable"):
+        out = _admin_request(args, "USER_UPDATE", {"name": args.name, "enabled": op == "enable"})
+    elif op == "del":
+        out = _admin_request(args, "USER_DELETE", {"name": args.name})
+    else:
+        for user in _admin_request(args, "USER_LIST", {})["users"]:
+            print(json.dumps(user))
+        return 0
+    print(json.dumps(out.get("user", out)))
+    return 0
+
+
+def cmd_acl(args: argparse.Namespace) -> int:
+    import json
+
+    if args.acl_op == "add":
+        out = _admin_request(args, "ACL_ADD", {
+            "user": args.user, "resource": args.resource, "match": args.match,
+            "actions": args.actions, "ip": args.ip or "", "deny": args.deny})
+        print(json.dumps(out["policy"]))
+    elif args.acl_op == "del":
+        out = _admin_request(args, "ACL_DELETE", {"user": args.user, "resource": args.resource,
+                                                  "match": args.match})
+        print(json.dumps(out))
+    else:
+        for policy in _admin_request(args, "ACL_LIST", {"user": args.user})["policies"]:
+            print(json.dumps(policy))
+    return 0
+
+
+def _add_auth_commands(sub: Any, client_flags: argparse.ArgumentParser) -> None:
+    user = sub.add_parser("user", help="manage users (needs a Super user: --as NAME:PASSWORD)")
+    user_ops = user.add_subparsers(dest="user_op", required=True)
+    add = user_ops.add_parser("add", parents=[client_flags], help="add a user")
+    add.add_argument("name")
+    add.add_argument("--password", required=True)
+    add.add_argument("--super", action="store_true", help="a Super user (all rights)")
+    passwd = user_ops.add_parser("passwd", parents=[client_flags], help="set a password")
+    passwd.add_argument("name")
+    passwd.add_argument("--password", required=True)
+    for op, text in (("del", "delete a user and its policies"),
+                     ("enable", "enable a user"),
+                     ("disable", "disable a user: its live sessions end at once")):
+        cmd = user_ops.add_parser(op, parents=[client_flags], help=text)
+        cmd.add_argument("name")
+    user_ops.add_parser("list", parents=[client_flags], help="list users")
+    user.set_defaults(func=cmd_user)
+
+    acl = sub.add_parser("acl", help="manage policies (needs a Super user)")
+    acl_ops = acl.add_subparsers(dest="acl_op", required=True)
+    add = acl_ops.add_parser("add", parents=[client_flags], help="add (or replace) a policy")
+    add.add_argument("user", help="user name, 'anonymous', or '*' for everyone")
+    add.add_argument("--resource", required=True, help="Topic:PATTERN, Group:NAME or Cluster")
+    add.add_argument("--match", default="literal", choices=("literal", "prefixed", "any"))
+    add.add_argument("--actions", required=True,
+                     help="comma list of PUB,SUB,CREATE,UPDATE,DELETE,LIST,GET or ALL")
+    add.add_argument("--ip", help="only from this address or CIDR")
+    add.add_argument("--deny", action="store_true", help="a Deny policy (default Allow)")
+    delete = acl_ops.add_parser("del", parents=[client_flags], help="delete policies")
+    delete.add_argument("user")
+    delete.add_argument("--resource", help="only this resource (default: all of the user's)")
+    delete.add_argument("--match", choices=("literal", "prefixed", "any"))
+    listing = acl_ops.add_parser("list", parents=[client_flags], help="list policies")
+    listing.add_argument("user", nargs="?")
+    acl.set_defaults(func=cmd_acl)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightgate", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default=os.environ.get("LIGHTGATE_LOG_LEVEL", "INFO"))
@@ -271,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--start", choices=("earliest", "latest"), default="earliest")
     consume.add_argument("--max", type=int, help="stop after this many messages")
     consume.set_defaults(func=cmd_consume)
+    _add_auth_commands(sub, client_flags)
     _add_room_commands(sub)
     return parser
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from store.auth import AuthConfig, AuthManager
 from store.http import make_app, serve_http, store_routes
 from store.server import NativeServer
 from store.service import EmbeddedStore, StoreConfig
@@ -26,6 +27,7 @@ class StoreNode:
     store: EmbeddedStore
     server: NativeServer
     native_addr: str
+    auth: AuthManager
 
 
 def shutdown_signals() -> Any:
@@ -43,7 +45,8 @@ async def stop_on_signal(signals: Any, nursery: trio.Nursery) -> None:
 
 @asynccontextmanager
 async def store_node(
-    cfg: StoreConfig, native: str, publish: Callable[[set[str]], None] | None = None
+    cfg: StoreConfig, native: str, publish: Callable[[set[str]], None] | None = None,
+    auth_cfg: AuthConfig | None = None,
 ) -> AsyncIterator[StoreNode]:
     """The store and its native server. `publish` (called from the CommitLog writer
     thread) carries the names of grown queues to gateways: an in-process bus or Redis."""
@@ -66,18 +69,24 @@ async def store_node(
             log.info("store at %s: log end %d, %d records verified, %d re-dispatched in %.3fs",
                      cfg.data_dir, rec.end, rec.records_verified, rec.redispatched,
                      rec.seconds)
-        server = NativeServer(store)
+        try:
+            auth = await AuthManager.start(store, auth_cfg or AuthConfig(), publish)
+        except ValueError as exc:
+            raise SystemExit(f"lightgate: {exc}") from None
+        server = NativeServer(store, auth)
         native_addr = await nursery.start(server.serve, native)
-        yield StoreNode(store, server, native_addr)
+        yield StoreNode(store, server, native_addr, auth)
         nursery.cancel_scope.cancel()
 
 
 async def run_store(
-    cfg: StoreConfig, native: str, http: str, publish: Callable[[set[str]], None] | None
+    cfg: StoreConfig, native: str, http: str, publish: Callable[[set[str]], None] | None,
+    auth_cfg: AuthConfig | None = None,
 ) -> None:
     with shutdown_signals() as signals:
-        async with store_node(cfg, native, publish) as node, trio.open_nursery() as nursery:
-            app = make_app(store_routes(node.store))
+        async with store_node(cfg, native, publish, auth_cfg) as node, \
+                trio.open_nursery() as nursery:
+            app = make_app(store_routes(node.store), auth=node.auth)
             http_addr = await nursery.start(serve_http, app, http)
             print(f"ready native={node.native_addr} http={http_addr}", flush=True)
             await stop_on_signal(signals, nursery)

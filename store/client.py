@@ -30,6 +30,10 @@ class StoreUnavailable(StoreError):
     """No connection to the store right now (it is reconnecting)."""
 
 
+class AuthFailed(p.RemoteError):
+    """The store refused these credentials (or their absence): retrying will not help."""
+
+
 def _raise_for(frame: p.Frame) -> None:
     if frame.kind == p.ERROR:
         status = int(frame.header.get("status", 500))
@@ -44,8 +48,13 @@ def _raise_for(frame: p.Frame) -> None:
 class NativeClient:
     """`async with NativeClient.open("host:port") as c: header, body = await c.request(...)`"""
 
-    def __init__(self, addr: str, *, connect_timeout: float = 5.0) -> None:
+    def __init__(self, addr: str, *, credentials: tuple[str, str] | None = None,
+                 connect_timeout: float = 5.0) -> None:
         self.addr = addr
+        self.credentials = credentials
+        self.hello: dict[str, Any] = {}  # the store's answer: version, auth, user, node
+        self.fatal: Exception | None = None
+        self._settled = trio.Event()  # first connection made, or failed for good
         self.host, self.port = split_hostport(addr, "127.0.0.1")
         self.connect_timeout = connect_timeout
         self._ids = itertools.count(1)
@@ -63,10 +72,13 @@ class NativeClient:
             nursery.start_soon(client._run)
             try:
                 with trio.fail_after(client.connect_timeout):
-                    await client._connected.wait()
+                    await client._settled.wait()
             except trio.TooSlowError:
                 nursery.cancel_scope.cancel()
                 raise StoreUnavailable(f"cannot reach the store at {addr}") from None
+            if client.fatal is not None:
+                nursery.cancel_scope.cancel()
+                raise client.fatal
             try:
                 yield client
             finally:
@@ -93,12 +105,21 @@ class NativeClient:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError,
                     p.ProtocolError) as exc:
                 log.warning("connection to store %s lost: %s", self.addr, exc)
+            except AuthFailed as exc:
+                log.error("the store at %s refused our credentials: %s", self.addr, exc)
+                self.fatal = exc
+                self._closed = True
             finally:
-                self._connected = trio.Event()
+                if self._connected.is_set():  # keep an unset one: requests wait on it
+                    self._connected = trio.Event()
                 self._send = None
-                self._fail_all(StoreUnavailable(f"connection to the store {self.addr} lost"))
+                self._fail_all(self.fatal or StoreUnavailable(
+                    f"connection to the store {self.addr} lost"))
                 with trio.CancelScope(shield=True):
                     await stream.aclose()
+                if self.fatal is not None:
+                    self._connected.set()  # wake waiting requests: they raise `fatal`
+                    self._settled.set()
             self.reconnects += 1
 
     async def _session(self, stream: trio.SocketStream) -> None:
@@ -107,7 +128,7 @@ class NativeClient:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(batched_writer, stream, recv, nursery.cancel_scope)
             self._send = send
-            self._connected.set()
+            nursery.start_soon(self._greet, nursery.cancel_scope)
             decoder = p.FrameDecoder()
             try:
                 while True:
@@ -122,8 +143,28 @@ class NativeClient:
                     p.ProtocolError) as exc:
                 error = exc
             nursery.cancel_scope.cancel()
+        if self.fatal is not None:
+            raise self.fatal
         if error is not None:
             raise error
+
+    async def _greet(self, scope: trio.CancelScope) -> None:
+        """HELLO first on every connection (with credentials when given): the store
+        handles it before anything else this connection sends."""
+        from store.service import await_future
+
+        header: dict[str, Any] = {"sdk": "lightgate-python"}
+        if self.credentials:
+            header["username"], header["password"] = self.credentials
+        frame: p.Frame = await await_future(self.submit(p.HELLO, header))
+        if frame.kind == p.ERROR:
+            status = int(frame.header.get("status", 500))
+            self.fatal = AuthFailed(status, str(frame.header.get("error", "error")))
+            scope.cancel()
+            return
+        self.hello = frame.header
+        self._connected.set()
+        self._settled.set()
 
     def _fail_all(self, exc: Exception) -> None:
         waiting, self._waiting = self._waiting, {}
@@ -150,8 +191,12 @@ class NativeClient:
         from store.service import await_future
 
         with trio.fail_after(timeout):
-            while self._send is None:
+            while self._send is None or not self._connected.is_set():
+                if self.fatal is not None:
+                    raise self.fatal
                 await self._connected.wait()
+            if self.fatal is not None:
+                raise self.fatal
             fut = self.submit(code, header, body)
             try:
                 frame: p.Frame = await await_future(fut)

@@ -49,10 +49,20 @@ async def _json_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"error": "internal error"}, status_code=500)
 
 
-def make_app(routes: list[Any]) -> Starlette:
-    """A starlette app with /healthz and JSON errors ({"error": ...}) for every failure."""
+def make_app(routes: list[Any], auth: Any = None, manage_auth: bool = True) -> Starlette:
+    """A starlette app with /healthz and JSON errors ({"error": ...}) for every failure;
+    with an AuthManager, the API checks credentials and serves login and users/ACL."""
+    from starlette.middleware import Middleware
+
+    from store.http_auth import AuthMiddleware, HttpSessions, auth_routes
+
+    middleware = []
+    if auth is not None:
+        sessions = HttpSessions()
+        routes = [*auth_routes(auth, sessions, manage_auth), *routes]
+        middleware.append(Middleware(AuthMiddleware, auth=auth, sessions=sessions))
     return Starlette(
-        routes=[Route("/healthz", healthz), *routes],
+        routes=[Route("/healthz", healthz), *routes], middleware=middleware,
         exception_handlers={HTTPException: _json_error, Exception: _json_error},
     )
 

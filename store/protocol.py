@@ -47,6 +47,13 @@ WILDCARD_ADD = 70
 STATS = 80
 GATEWAY_HEARTBEAT = 90
 GATEWAY_LIST = 91
+USER_ADD = 100  # users and policies: Super users only
+USER_UPDATE = 101
+USER_DELETE = 102
+USER_LIST = 103
+ACL_ADD = 110
+ACL_DELETE = 111
+ACL_LIST = 112
 
 CODE_NAMES = {v: k for k, v in globals().items() if k.isupper() and isinstance(v, int)
               and k not in ("VERSION", "MAX_FRAME", "REQUEST", "RESPONSE", "ERROR")}

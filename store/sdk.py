@@ -99,8 +99,8 @@ class AsyncProducer:
         self.client: NativeClient | None = None
 
     async def __aenter__(self) -> AsyncProducer:
-        self.client = await self._stack.enter_async_context(NativeClient.open(self.addr))
-        await _hello(self.client, self.credentials)
+        self.client = await self._stack.enter_async_context(
+            NativeClient.open(self.addr, credentials=self.credentials))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -129,13 +129,6 @@ class AsyncProducer:
                                                   body, timeout=timeout or self.timeout)
         return [SendResult(r["msg_id"], [(q, o) for q, o in r["queues"]])
                 for r in header["results"]]
-
-
-async def _hello(client: NativeClient, credentials: tuple | None) -> None:
-    header: dict[str, Any] = {"sdk": "lightgate-python"}
-    if credentials:
-        header["username"], header["password"] = credentials
-    await client.request(p.HELLO, header)
 
 
 @dataclass
@@ -188,8 +181,8 @@ class AsyncConsumer:
         self._last_commit = 0.0
 
     async def __aenter__(self) -> AsyncConsumer:
-        self.client = await self._stack.enter_async_context(NativeClient.open(self.addr))
-        await _hello(self.client, self.credentials)
+        self.client = await self._stack.enter_async_context(
+            NativeClient.open(self.addr, credentials=self.credentials))
         await self._heartbeat()
         nursery = await self._stack.enter_async_context(trio.open_nursery())
         nursery.start_soon(self._heartbeat_loop)

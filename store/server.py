@@ -17,6 +17,8 @@ import trio
 
 from lightqueue.routing import validate_first_level
 from store import protocol as p
+from store.auth import AuthError, AuthManager, Policy, Subject
+from store.auth.manager import DecisionCache
 from store.commitlog import StoreError, StoreFullError
 from store.groups import (
     MAX_ATTEMPTS,
@@ -27,6 +29,7 @@ from store.groups import (
     retry_queue,
 )
 from store.http import split_hostport
+from store.native_acl import NODE, SUPER, Need, needs
 from store.record import Message
 from store.service import EmbeddedStore, await_future
 from store.streams import batched_writer
@@ -39,6 +42,23 @@ MAX_PULL_WAIT_MS = 30_000
 
 class BadRequest(Exception):
     status = 400
+
+
+class Unauthenticated(BadRequest):
+    status = 401
+
+
+class Forbidden(BadRequest):
+    status = 403
+
+
+class ConnCtx:
+    """One native connection: who it is (after HELLO) and its decision cache."""
+
+    def __init__(self, peer_ip: str) -> None:
+        self.ip = peer_ip
+        self.subject: Subject | None = None
+        self.cache = DecisionCache()
 
 
 class NotFound(BadRequest):
@@ -65,14 +85,14 @@ class QueueWaiters:
 
 
 class NativeServer:
-    def __init__(self, store: EmbeddedStore) -> None:
+    def __init__(self, store: EmbeddedStore, auth: AuthManager | None = None) -> None:
         self.store = store
+        self.auth = auth or AuthManager(store)  # disabled unless configured
         self.groups = GroupRegistry()
         self.waiters = QueueWaiters()
         self.gateways: dict[str, dict[str, Any]] = {}
         self.connections = 0
         self._handlers: dict[int, Callable[[p.Frame], Awaitable[tuple[dict, bytes]]]] = {
-            p.HELLO: self._hello,
             p.PULL: self._pull,
             p.QUEUE_RANGE: self._queue_range,
             p.QUEUE_ENDS: self._queue_ends,
@@ -94,6 +114,13 @@ class NativeServer:
             p.STATS: self._stats,
             p.GATEWAY_HEARTBEAT: self._gateway_heartbeat,
             p.GATEWAY_LIST: self._gateway_list,
+            p.USER_ADD: self._user_add,
+            p.USER_UPDATE: self._user_update,
+            p.USER_DELETE: self._user_delete,
+            p.USER_LIST: self._user_list,
+            p.ACL_ADD: self._acl_add,
+            p.ACL_DELETE: self._acl_delete,
+            p.ACL_LIST: self._acl_list,
         }
 
     async def serve(
@@ -111,6 +138,7 @@ class NativeServer:
         send, recv = trio.open_memory_channel[bytes](256)
         limit = trio.Semaphore(MAX_INFLIGHT_REQUESTS)
         decoder = p.FrameDecoder()
+        ctx = ConnCtx(_peer_ip(stream))
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(batched_writer, stream, recv, nursery.cancel_scope)
@@ -120,8 +148,12 @@ class NativeServer:
                         if not data:
                             break
                         for frame in decoder.feed(data):
+                            if frame.kind == p.REQUEST and frame.code == p.HELLO:
+                                # Inline: nothing after a HELLO runs before it decides.
+                                await send.send(await self._hello(frame, ctx))
+                                continue
                             await limit.acquire()
-                            self._start(nursery, frame, send, limit)
+                            self._start(nursery, frame, send, limit, ctx)
                 except p.ProtocolError as exc:
                     log.warning("native client broke the protocol: %s", exc)
                     await send.send(p.encode_frame(p.Frame(
@@ -136,19 +168,82 @@ class NativeServer:
                 scope.shield = True
                 await stream.aclose()
 
-    def _start(self, nursery: trio.Nursery, frame: p.Frame, send: Any, limit: Any) -> None:
+    def _start(self, nursery: trio.Nursery, frame: p.Frame, send: Any, limit: Any,
+               ctx: ConnCtx) -> None:
         if frame.kind != p.REQUEST:
             limit.release()
             return
         if frame.code in (p.SEND, p.PUBLISH):
             try:  # submitted now, in frame order; answered when stored
-                pending = self._submit(frame)
+                pending = self._submit(frame, ctx)
             except (BadRequest, ValueError, p.ProtocolError) as exc:
-                nursery.start_soon(self._reply_error, frame, send, limit, 400, str(exc))
+                status = getattr(exc, "status", 400)
+                nursery.start_soon(self._reply_error, frame, send, limit, status, str(exc))
                 return
             nursery.start_soon(self._reply_append, frame, pending, send, limit)
-        else:
-            nursery.start_soon(self._reply, frame, send, limit)
+            return
+        try:
+            self._check(frame, ctx)
+        except BadRequest as exc:
+            nursery.start_soon(self._reply_error, frame, send, limit, exc.status, str(exc))
+            return
+        nursery.start_soon(self._reply, frame, send, limit, ctx)
+
+    # -- authentication and authorisation ---------------------------------------------
+    async def _hello(self, f: p.Frame, ctx: ConnCtx) -> bytes:
+        auth = self.auth
+        username = f.header.get("username")
+        if username is not None or ctx.subject is None:
+            try:
+                ctx.subject = await auth.authenticate(
+                    None if username is None else str(username),
+                    str(f.header.get("password") or ""), ctx.ip, "native")
+            except AuthError:
+                ctx.subject = None
+                return _error(f, 401, "authentication failed")
+        header = {"version": p.VERSION, "server": "lightgate-store", "max_frame": p.MAX_FRAME,
+                  "auth": auth.enabled, "allow_anonymous": auth.allow_anonymous,
+                  "user": ctx.subject.name, "node": self._is_node(ctx)}
+        return p.encode_frame(p.Frame(p.RESPONSE, f.code, f.request_id, header))
+
+    def _is_node(self, ctx: ConnCtx) -> bool:
+        assert ctx.subject is not None
+        return self.auth.is_super(ctx.subject) or self.auth.authorize(
+            ctx.subject, "Cluster", "", "UPDATE", cache=ctx.cache)
+
+    def _check(self, frame: p.Frame, ctx: ConnCtx, mqtt_topics: list[str] | None = None) -> None:
+        """Raise Forbidden unless this connection may make this request."""
+        auth = self.auth
+        if not auth.enabled:
+            return
+        if ctx.subject is None:
+            raise Unauthenticated("authenticate first: HELLO with username and password")
+        if not auth.still_valid(ctx.subject):
+            raise Forbidden(f"user {ctx.subject.name!r} is disabled or deleted")
+        required = needs(frame, mqtt_topics)
+        name = p.CODE_NAMES.get(frame.code, str(frame.code))
+        if required == SUPER:
+            if not auth.is_super(ctx.subject):
+                auth.authorize(ctx.subject, "Cluster", "", "UPDATE")  # audit the refusal
+                raise Forbidden(f"{name} needs a Super user")
+            return
+        if required == NODE:
+            if not self._is_node(ctx):
+                raise Forbidden(f"{name} is for nodes: needs Cluster UPDATE")
+            return
+        assert isinstance(required, list)
+        if required and self._is_node(ctx):
+            return
+        for need in required:
+            if not self._allowed(ctx, need):
+                raise Forbidden(f"{name} denied: {'/'.join(need.actions)} on "
+                                f"{need.rtype}:{need.name}")
+
+    def _allowed(self, ctx: ConnCtx, need: Need) -> bool:
+        assert ctx.subject is not None
+        return any(self.auth.authorize(ctx.subject, need.rtype, need.name, action,
+                                       is_filter=need.is_filter, cache=ctx.cache)
+                   for action in need.actions)
 
     async def _reply_error(self, frame: p.Frame, send: Any, limit: Any, status: int,
                            message: str) -> None:
@@ -157,14 +252,14 @@ class NativeServer:
         finally:
             limit.release()
 
-    async def _reply(self, frame: p.Frame, send: Any, limit: Any) -> None:
+    async def _reply(self, frame: p.Frame, send: Any, limit: Any, ctx: ConnCtx) -> None:
         try:
             handler = self._handlers.get(frame.code)
             if handler is None:
                 out = _error(frame, 400, f"unknown request code {frame.code}")
             else:
                 try:
-                    header, body = await handler(frame)
+                    header, body = await handler(frame, ctx)
                     out = p.encode_frame(p.Frame(p.RESPONSE, frame.code, frame.request_id,
                                                  header, body))
                 except BadRequest as exc:
@@ -178,10 +273,11 @@ class NativeServer:
             limit.release()
 
     # -- appends ----------------------------------------------------------------------
-    def _submit(self, frame: p.Frame) -> Any:
+    def _submit(self, frame: p.Frame, ctx: ConnCtx) -> Any:
         msgs = p.unpack_messages(frame.header.get("messages", []), frame.body)
         if not msgs:
             raise BadRequest("no messages")
+        self._check(frame, ctx, [m.topic for m in msgs])
         if frame.code == p.PUBLISH:
             return self.store.publish_start(msgs)
         return self.store.send_start(str(frame.header.get("topic", "")), msgs)
@@ -204,11 +300,8 @@ class NativeServer:
             limit.release()
 
     # -- handlers ---------------------------------------------------------------------
-    async def _hello(self, f: p.Frame) -> tuple[dict, bytes]:
-        return {"version": p.VERSION, "server": "lightgate-store",
-                "max_frame": p.MAX_FRAME}, b""
 
-    async def _pull(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _pull(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         queue = str(f.header["queue"])
         offset = int(f.header.get("offset", 0))
         max_count = int(f.header.get("max", 32))
@@ -226,15 +319,15 @@ class NativeServer:
         return {"messages": metas, "next_offset": res.next_offset,
                 "min_offset": res.min_offset, "max_offset": res.max_offset}, body
 
-    async def _queue_range(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _queue_range(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         lo, hi = self.store.queue_range(str(f.header["queue"]))
         return {"min_offset": lo, "max_offset": hi}, b""
 
-    async def _queue_ends(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _queue_ends(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         queues = [str(q) for q in f.header["queues"]]
         return {"ends": await self.store.queue_ends(queues)}, b""
 
-    async def _heartbeat(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _heartbeat(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         group, topic = str(f.header["group"]), str(f.header["topic"])
         member = str(f.header["member"])
         if f.header.get("leave"):
@@ -244,14 +337,14 @@ class NativeServer:
         return self.groups.heartbeat(group, topic, member,
                                      str(f.header.get("strategy", "average")), queues), b""
 
-    async def _commit(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _commit(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         group = str(f.header["group"])
         ops = [("put", "offsets", offset_key(group, str(q)), int(off))
                for q, off in dict(f.header["offsets"]).items()]
         await self.store.meta_write(ops)
         return {"committed": len(ops)}, b""
 
-    async def _fetch_offsets(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _fetch_offsets(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         group = str(f.header["group"])
         out = {}
         for q in f.header["queues"]:
@@ -259,7 +352,7 @@ class NativeServer:
             out[str(q)] = off
         return {"offsets": out}, b""
 
-    async def _nack(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _nack(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         """Give a failed message another try later, or dead-letter it."""
         group = str(f.header["group"])
         [msg] = p.unpack_messages([f.header["message"]], f.body)
@@ -275,7 +368,7 @@ class NativeServer:
         [stored] = await self.store.append([copy], [[target]])
         return {"queue": target, "attempt": attempt, "dead": dead, "msg_id": stored.msg_id}, b""
 
-    async def _get_message(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _get_message(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         try:
             msg = await self.store.get_message(str(f.header["msg_id"]))
         except (KeyError, ValueError) as exc:
@@ -283,21 +376,28 @@ class NativeServer:
         metas, body = p.pack_messages([msg])
         return {"messages": metas}, body
 
-    async def _find_key(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _find_key(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         msgs = await self.store.find_by_key(str(f.header["key"]), int(f.header.get("max", 100)))
         metas, body = p.pack_messages(msgs)
         return {"messages": metas}, body
 
-    async def _topic_create(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _topic_create(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         topic = str(f.header["topic"])
         self.store.create_topic(topic, int(f.header.get("partitions", 4)))
         return {"topic": topic, "queues": self.store.topic_queues(topic)}, b""
 
-    async def _topic_list(self, f: p.Frame) -> tuple[dict, bytes]:
-        topics = {t: info for t, info in await self.store.meta_items("topics")}
+    async def _topic_list(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        topics = {t: info for t, info in await self.store.meta_items("topics")
+                  if self._may_list(ctx, t)}
         return {"topics": topics}, b""
 
-    async def _topic_describe(self, f: p.Frame) -> tuple[dict, bytes]:
+    def _may_list(self, ctx: ConnCtx, topic: str) -> bool:
+        if not self.auth.enabled:
+            return True
+        return self._is_node(ctx) or self._allowed(
+            ctx, Need("Topic", topic, ("LIST", "GET", "SUB")))
+
+    async def _topic_describe(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         topic = validate_first_level(str(f.header["topic"]))
         queues = []
         for q in self.store.topic_queues(topic):
@@ -305,51 +405,103 @@ class NativeServer:
             queues.append({"queue": q, "min_offset": lo, "max_offset": hi})
         return {"topic": topic, "partitions": len(queues), "queues": queues}, b""
 
-    async def _meta_get(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _meta_get(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         return {"value": await self.store.meta_get(str(f.header["cf"]), str(f.header["key"]))}, b""
 
-    async def _meta_put(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _meta_put(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         await self.store.meta_put(str(f.header["cf"]), str(f.header["key"]), f.header["value"])
         return {}, b""
 
-    async def _meta_delete(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _meta_delete(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         await self.store.meta_delete(str(f.header["cf"]), str(f.header["key"]))
         return {}, b""
 
-    async def _meta_items(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _meta_items(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         limit = f.header.get("limit")
         items = await self.store.meta_items(str(f.header["cf"]), str(f.header.get("prefix", "")),
                                             int(limit) if limit is not None else None)
         return {"items": items}, b""
 
-    async def _meta_write(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _meta_write(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         ops = [(str(op), str(cf), str(key), value) for op, cf, key, value in f.header["ops"]]
         await self.store.meta_write(ops)
         return {}, b""
 
-    async def _wildcard_add(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _wildcard_add(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         await self.store.add_wildcard(str(f.header["filter"]))
         return {}, b""
 
-    async def _stats(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _stats(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         stats = await self.store.get_stats()
         stats["native_connections"] = self.connections
         return stats, b""
 
-    async def _gateway_heartbeat(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _gateway_heartbeat(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         """Gateways announce themselves; nobody needs a static node list."""
         gid = str(f.header["id"])
         self.gateways[gid] = {**dict(f.header.get("info", {})), "last_seen": time.time()}
         return {"gateways": self._live_gateways()}, b""
 
-    async def _gateway_list(self, f: p.Frame) -> tuple[dict, bytes]:
+    async def _gateway_list(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         return {"gateways": self._live_gateways()}, b""
+
+    # -- users and policies (Super only; checked in _check) ---------------------------
+    async def _user_add(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        user = await self.auth.add_user(str(f.header["name"]), str(f.header["password"]),
+                                        super_user=bool(f.header.get("super")))
+        return {"user": user.public()}, b""
+
+    async def _user_update(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        h = f.header
+        try:
+            user = await self.auth.update_user(
+                str(h["name"]), password=h.get("password"), enabled=h.get("enabled"),
+                super_user=h.get("super"))
+        except KeyError as exc:
+            raise NotFound(str(exc.args[0])) from None
+        return {"user": user.public()}, b""
+
+    async def _user_delete(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        try:
+            await self.auth.delete_user(str(f.header["name"]))
+        except KeyError as exc:
+            raise NotFound(str(exc.args[0])) from None
+        return {}, b""
+
+    async def _user_list(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        return {"users": [u.public() for u in self.auth.users.values()]}, b""
+
+    async def _acl_add(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        h = f.header
+        policy = Policy.create(str(h["user"]), str(h["resource"]), h["actions"],
+                               match=str(h.get("match", "literal")), ip=str(h.get("ip", "")),
+                               deny=bool(h.get("deny")))
+        try:
+            await self.auth.add_policy(policy)
+        except KeyError as exc:
+            raise NotFound(str(exc.args[0])) from None
+        return {"policy": policy.to_dict()}, b""
+
+    async def _acl_delete(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        h = f.header
+        n = await self.auth.delete_policies(str(h["user"]), h.get("resource"), h.get("match"))
+        return {"deleted": n}, b""
+
+    async def _acl_list(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        return {"policies": self.auth.list_policies(f.header.get("user"))}, b""
 
     def _live_gateways(self) -> dict[str, Any]:
         now = time.time()
         for gid in [g for g, info in self.gateways.items() if now - info["last_seen"] > 15]:
             del self.gateways[gid]
         return self.gateways
+
+
+def _peer_ip(stream: trio.SocketStream) -> str:
+    try:
+        return str(stream.socket.getpeername()[0])
+    except (OSError, AttributeError):
+        return "?"
 
 
 def _error(frame: p.Frame, status: int, message: str) -> bytes:

@@ -37,6 +37,8 @@ class Client:
         auto_reconnect: bool = False,
         properties: object = None,
         clean_start: bool | None = None,
+        username: str | None = None,
+        password: str | None = None,
     ) -> None:
         proto = {3: paho.MQTTv31, 4: paho.MQTTv311, 5: paho.MQTTv5}[version]
         kwargs = {} if version == 5 else {"clean_session": clean}
@@ -55,6 +57,9 @@ class Client:
         self.c.on_publish = self._on_publish
         self.c.on_subscribe = self._on_subscribe
         self.c.on_unsubscribe = self._on_unsubscribe
+        self.pub_codes: dict[int, object] = {}
+        if username is not None:
+            self.c.username_pw_set(username, password)
         if will:
             self.c.will_set(*will)
         self.c.connect("127.0.0.1", port, keepalive, clean_start=(
@@ -83,6 +88,7 @@ class Client:
             return self._acks.setdefault(mid, threading.Event())
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        self.pub_codes[mid] = reason_code
         self._ack_event(mid).set()
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:

@@ -1,0 +1,320 @@
+"""Users, policies and the decisions over them, kept in memory and stored in metadata.
+
+One `AuthManager` per process. On a storage node it owns the data (changes write the
+`users` and `acl` column families, then tell other nodes with `AUTH_EVENT`); on a
+gateway node it is a replica, reloaded on that event and every few seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import trio
+
+from store.auth import audit
+from store.auth.backoff import FailureBackoff
+from store.auth.passwords import PasswordChecker, hash_password
+from store.auth.policy import EVERYONE, Policy, decide
+
+log = logging.getLogger("lightgate.auth")
+
+AUTH_EVENT = "\x00auth"  # a notify name no topic can have (MQTT forbids U+0000)
+ANONYMOUS = "anonymous"  # the policy subject of clients without a username
+RESERVED_NAMES = (EVERYONE, ANONYMOUS, "")
+_DUMMY_HASH = hash_password("not a password")  # equal work for unknown users
+
+
+@dataclass
+class AuthConfig:
+    enabled: bool = False  # --auth
+    allow_anonymous: bool = False  # clients without a username get ANONYMOUS's policies
+    strategy: str = "stateful"  # stateless: decide every request afresh
+    init_user: str | None = None  # NAME:PASSWORD, a Super user created on first start
+    audit_log: str | None = None  # a file for the audit lines alone
+
+
+class AuthError(Exception):
+    """Authentication failed; `reason` goes to the audit log, never to the client."""
+
+    def __init__(self, reason: str, disabled: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.disabled = disabled
+
+
+@dataclass
+class User:
+    name: str
+    password: str  # scrypt hash
+    super: bool = False
+    enabled: bool = True
+    created: float = field(default_factory=time.time)
+
+    def public(self) -> dict[str, Any]:
+        return {"name": self.name, "super": self.super, "enabled": self.enabled,
+                "created": self.created}
+
+
+@dataclass(frozen=True)
+class Subject:
+    """Who is on the other end of one connection; `name` is "" for anonymous."""
+
+    name: str
+    ip: str
+    via: str  # mqtt | native | http
+
+
+class DecisionCache:
+    """Stateful strategy: one decision per connection, resource and action, until the
+    users or policies change."""
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.entries: dict[tuple, bool] = {}
+
+
+class AuthManager:
+    def __init__(self, store: Any, *, enabled: bool = False, allow_anonymous: bool = False,
+                 strategy: str = "stateful",
+                 notify: Callable[[set[str]], None] | None = None) -> None:
+        if strategy not in ("stateful", "stateless"):
+            raise ValueError("auth strategy must be stateful or stateless")
+        self.store = store
+        self.enabled = enabled
+        self.allow_anonymous = allow_anonymous
+        self.stateful = strategy == "stateful"
+        self.notify = notify
+        self.users: dict[str, User] = {}
+        self.policies: list[Policy] = []
+        self.version = 0
+        self.backoff = FailureBackoff()
+        self.auth_failures = 0
+        self.denials = 0
+        self._checker = PasswordChecker()
+        self._listeners: list[Callable[[], None]] = []
+
+    @classmethod
+    async def start(cls, store: Any, cfg: AuthConfig,
+                    notify: Callable[[set[str]], None] | None = None) -> AuthManager:
+        """The storage node's manager: loaded, with the initial user, checked usable."""
+        if cfg.audit_log:
+            audit.to_file(cfg.audit_log)
+        auth = cls(store, enabled=cfg.enabled, allow_anonymous=cfg.allow_anonymous,
+                   strategy=cfg.strategy, notify=notify)
+        await auth.load()
+        if cfg.init_user:
+            await auth.ensure_super_user(cfg.init_user)
+        if cfg.enabled and not any(u.super and u.enabled for u in auth.users.values()):
+            raise ValueError("--auth needs a Super user: start once with "
+                             "--init-user NAME:PASSWORD")
+        if cfg.enabled:
+            log.info("authentication on: %d users, %d policies, %s, anonymous %s",
+                     len(auth.users), len(auth.policies), cfg.strategy,
+                     "allowed" if cfg.allow_anonymous else "refused")
+        return auth
+
+    # -- loading and change -----------------------------------------------------------
+    async def load(self) -> None:
+        users = {k: User(**v) for k, v in await self.store.meta_items("users")}
+        policies = []
+        for key, value in await self.store.meta_items("acl"):
+            try:
+                policies.append(Policy.from_dict(value))
+            except (KeyError, ValueError) as exc:
+                log.error("ignoring a bad policy %r: %s", key, exc)
+        changed = users != self.users or policies != self.policies
+        self.users, self.policies = users, policies
+        if changed:
+            self.version += 1
+            for listener in self._listeners:
+                listener()
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (in the trio thread) after users or policies changed."""
+        self._listeners.append(listener)
+
+    async def _changed(self) -> None:
+        await self.load()
+        if self.notify is not None:
+            self.notify({AUTH_EVENT})
+
+    async def run_refresh(self, interval: float = 5.0) -> None:
+        """Replicas: reload now and then, in case a change event was missed."""
+        while True:
+            await trio.sleep(interval)
+            try:
+                await self.load()
+            except Exception as exc:  # the store may be away; keep the last copy
+                log.debug("auth reload failed: %s", exc)
+
+    # -- users ------------------------------------------------------------------------
+    async def add_user(self, name: str, password: str, *, super_user: bool = False) -> User:
+        _check_name(name)
+        if not password:
+            raise ValueError("a password is needed")
+        if name in self.users:
+            raise ValueError(f"user {name!r} exists")
+        hashed = await trio.to_thread.run_sync(hash_password, password)
+        user = User(name, hashed, super_user)
+        await self.store.meta_put("users", name, asdict(user))
+        await self._changed()
+        log.info("user %r added (%s)", name, "super" if super_user else "normal")
+        return user
+
+    async def update_user(self, name: str, *, password: str | None = None,
+                          enabled: bool | None = None, super_user: bool | None = None) -> User:
+        user = replace(self._user(name))  # a copy: `load` sees the change
+        if password:
+            user.password = await trio.to_thread.run_sync(hash_password, password)
+        if enabled is not None:
+            user.enabled = enabled
+        if super_user is not None:
+            user.super = super_user
+        await self.store.meta_put("users", name, asdict(user))
+        await self._changed()
+        return user
+
+    async def delete_user(self, name: str) -> None:
+        self._user(name)
+        ops: list[tuple[str, str, str, Any]] = [("delete", "users", name, None)]
+        ops += [("delete", "acl", p.key, None) for p in self.policies if p.user == name]
+        await self.store.meta_write(ops)
+        await self._changed()
+
+    def _user(self, name: str) -> User:
+        user = self.users.get(name)
+        if user is None:
+            raise KeyError(f"no user {name!r}")
+        return user
+
+    async def ensure_super_user(self, spec: str) -> None:
+        """`--init-user NAME:PASSWORD`: create this Super user unless it exists."""
+        name, sep, password = spec.partition(":")
+        if not sep or not name or not password:
+            raise ValueError("--init-user takes NAME:PASSWORD")
+        if name not in self.users:
+            await self.add_user(name, password, super_user=True)
+
+    # -- policies ---------------------------------------------------------------------
+    async def add_policy(self, policy: Policy) -> Policy:
+        if policy.user not in (EVERYONE, ANONYMOUS) and policy.user not in self.users:
+            raise KeyError(f"no user {policy.user!r}")
+        await self.store.meta_put("acl", policy.key, policy.to_dict())
+        await self._changed()
+        return policy
+
+    async def delete_policies(self, user: str, resource: str | None = None,
+                              match: str | None = None) -> int:
+        doomed = [p for p in self.policies if p.user == user
+                  and (resource is None or p.resource == _canonical(resource, match))
+                  and (match is None or p.match == match.lower())]
+        if doomed:
+            await self.store.meta_write([("delete", "acl", p.key, None) for p in doomed])
+            await self._changed()
+        return len(doomed)
+
+    def list_policies(self, user: str | None = None) -> list[dict[str, Any]]:
+        return [p.to_dict() for p in self.policies if user is None or p.user == user]
+
+    # -- decisions --------------------------------------------------------------------
+    async def authenticate(self, username: str | None, password: str | None, ip: str,
+                           via: str, cert_identity: str | None = None) -> Subject:
+        """The subject for these credentials, or AuthError (after the brute-force delay)."""
+        if not self.enabled:
+            return Subject(username or "", ip, via)
+        delay = self.backoff.delay(ip)
+        if delay:
+            await trio.sleep(delay)
+        try:
+            subject = await self._authenticate(username, password, ip, via, cert_identity)
+        except AuthError as exc:
+            self.backoff.failed(ip)
+            self.auth_failures += 1
+            audit.authentication(username or cert_identity or "", ip, via, False, exc.reason)
+            raise
+        self.backoff.succeeded(ip)
+        audit.authentication(subject.name, ip, via, True)
+        return subject
+
+    async def _authenticate(self, username: str | None, password: str | None, ip: str,
+                            via: str, cert_identity: str | None) -> Subject:
+        if cert_identity:  # a client certificate the TLS layer verified
+            user = self.users.get(cert_identity)
+            if user is None or not user.enabled:
+                raise AuthError(f"certificate user {cert_identity!r} unknown or disabled",
+                                disabled=user is not None)
+            return Subject(cert_identity, ip, via)
+        if not username:
+            if self.allow_anonymous:
+                return Subject("", ip, via)
+            raise AuthError("anonymous access is off")
+        user = self.users.get(username)
+        encoded = user.password if user is not None else _DUMMY_HASH
+        ok = self._checker.cached(password or "", encoded) or await trio.to_thread.run_sync(
+            self._checker.verify, password or "", encoded)
+        if user is None or not ok:
+            raise AuthError("bad username or password")
+        if not user.enabled:
+            raise AuthError("user disabled", disabled=True)
+        return Subject(username, ip, via)
+
+    def is_super(self, subject: Subject) -> bool:
+        if not self.enabled:
+            return True
+        user = self.users.get(subject.name) if subject.name else None
+        return user is not None and user.enabled and user.super
+
+    def still_valid(self, subject: Subject) -> bool:
+        """False once the subject's user is deleted or disabled: its sessions must end."""
+        if not self.enabled or not subject.name:
+            return True
+        user = self.users.get(subject.name)
+        return user is not None and user.enabled
+
+    def authorize(self, subject: Subject, rtype: str, name: str, action: str, *,
+                  is_filter: bool = False, cache: DecisionCache | None = None) -> bool:
+        if not self.enabled:
+            return True
+        if cache is not None and self.stateful:
+            if cache.version != self.version:
+                cache.version, cache.entries = self.version, {}
+            key = (rtype, name, action, is_filter)
+            hit = cache.entries.get(key)
+            if hit is not None:
+                return hit
+        ok, reason = self._decide(subject, rtype, name, action, is_filter)
+        if not ok:
+            self.denials += 1
+        resource = rtype if rtype == "Cluster" else f"{rtype}:{name}"
+        audit.authorization(subject.name, subject.ip, action, resource, ok, reason)
+        if cache is not None and self.stateful:
+            cache.entries[key] = ok
+        return ok
+
+    def _decide(self, subject: Subject, rtype: str, name: str, action: str,
+                is_filter: bool) -> tuple[bool, str]:
+        if subject.name:
+            user = self.users.get(subject.name)
+            if user is None or not user.enabled:
+                return False, "user unknown or disabled"
+            if user.super:
+                return True, "super user"
+        who = subject.name or ANONYMOUS
+        ok, policy = decide(self.policies, who, rtype, name, action, subject.ip, is_filter)
+        if policy is None:
+            return False, "no matching policy (default deny)"
+        return ok, f"policy {policy.resource} {policy.match} {','.join(policy.actions)}" + (
+            f" from {policy.ip}" if policy.ip else "") + (" deny" if policy.deny else " allow")
+
+
+def _check_name(name: str) -> None:
+    if name in RESERVED_NAMES or any(c in name for c in "\0:") or len(name) > 128:
+        raise ValueError(f"invalid user name {name!r} (reserved, empty, or has ':' or NUL)")
+
+
+def _canonical(resource: str, match: str | None) -> str:
+    return Policy.create("x", resource, "GET", match=match or "literal").resource

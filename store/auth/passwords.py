@@ -1,0 +1,66 @@
+"""Salted password hashes with scrypt (hashlib, OpenSSL): memory-hard, never plain text.
+
+A verified password is remembered as an HMAC under a per-process key, so a fleet that
+reconnects at once pays the scrypt cost once per device, not once per connect.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+from collections import OrderedDict
+
+N, R, P = 1 << 14, 8, 1  # ~16 MiB and tens of ms per hash: costly to brute-force
+MAX_VERIFIED = 10_000
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def hash_password(password: str) -> str:
+    salt = os.urandom(16)
+    digest = hashlib.scrypt(password.encode(), salt=salt, n=N, r=R, p=P, dklen=32)
+    return f"scrypt${N}${R}${P}${_b64(salt)}${_b64(digest)}"
+
+
+def _check(password: str, encoded: str) -> bool:
+    try:
+        scheme, n, r, p, salt, digest = encoded.split("$")
+        if scheme != "scrypt":
+            return False
+        got = hashlib.scrypt(password.encode(), salt=base64.b64decode(salt), n=int(n),
+                             r=int(r), p=int(p), dklen=len(base64.b64decode(digest)),
+                             maxmem=256 * 1024 * 1024)
+    except (ValueError, TypeError):
+        return False
+    return hmac.compare_digest(got, base64.b64decode(digest))
+
+
+class PasswordChecker:
+    """`verify(password, encoded)`, remembering recent successes (bounded, LRU)."""
+
+    def __init__(self) -> None:
+        self._key = os.urandom(32)
+        self._verified: OrderedDict[str, bytes] = OrderedDict()
+
+    def _tag(self, password: str, encoded: str) -> bytes:
+        return hmac.new(self._key, f"{encoded}\0{password}".encode(), "sha256").digest()
+
+    def cached(self, password: str, encoded: str) -> bool:
+        tag = self._verified.get(encoded)
+        return tag is not None and hmac.compare_digest(tag, self._tag(password, encoded))
+
+    def verify(self, password: str, encoded: str) -> bool:
+        """Blocking (scrypt) unless cached: call from a worker thread."""
+        if self.cached(password, encoded):
+            return True
+        if not _check(password, encoded):
+            return False
+        self._verified[encoded] = self._tag(password, encoded)
+        self._verified.move_to_end(encoded)
+        while len(self._verified) > MAX_VERIFIED:
+            self._verified.popitem(last=False)
+        return True

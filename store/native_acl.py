@@ -1,0 +1,84 @@
+"""What each native-protocol request needs to be allowed (ACL 2.0 covers every API).
+
+- Server apps: SEND needs PUB on the first-level topic and on any MQTT topic it
+  addresses; PULL/QUEUE_* need SUB (or GET) on the queue's topic; consumer groups need
+  SUB on the group; TOPIC_CREATE needs CREATE; STATS, message lookup, gateway lists
+  need Cluster GET.
+- Nodes: a gateway authenticates as a user allowed Cluster UPDATE; that right covers
+  the requests only nodes make (PUBLISH routed on behalf of devices, whose own rights
+  the gateway checked; metadata; wildcard registration; gateway heartbeats).
+- Users and policies (USER_*, ACL_*, metadata writes to `users`/`acl`): Super only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightqueue.routing import split_partition_queue
+from lightqueue.topic import is_wildcard
+from store import protocol as p
+
+
+@dataclass(frozen=True)
+class Need:
+    rtype: str
+    name: str
+    actions: tuple[str, ...]  # any one of them is enough
+    is_filter: bool = False
+
+
+NODE = "node"  # marker: only a node (Cluster UPDATE) or a Super user
+SUPER = "super"  # marker: only a Super user
+
+AUTH_CFS = ("users", "acl")
+_NODE_CODES = {p.PUBLISH, p.WILDCARD_ADD, p.GATEWAY_HEARTBEAT, p.META_GET, p.META_ITEMS}
+_SUPER_CODES = {p.USER_ADD, p.USER_UPDATE, p.USER_DELETE, p.USER_LIST, p.ACL_ADD,
+                p.ACL_DELETE, p.ACL_LIST}
+_CLUSTER_GET = {p.STATS, p.GATEWAY_LIST, p.GET_MESSAGE, p.FIND_KEY}
+_GROUP_CODES = {p.COMMIT, p.FETCH_OFFSETS, p.NACK}
+
+
+def queue_need(queue: str, actions: tuple[str, ...] = ("SUB", "GET")) -> Need:
+    """The resource behind a light queue name."""
+    for suffix in ("#retry", "#dlq"):
+        if queue.endswith(suffix):
+            return Need("Group", queue[: -len(suffix)], ("SUB",))
+    part = split_partition_queue(queue)
+    if part is not None:
+        return Need("Topic", part[0], actions)
+    return Need("Topic", queue, actions, is_wildcard(queue))
+
+
+def needs(frame: p.Frame, mqtt_topics: list[str] | None = None) -> list[Need] | str:
+    """The rights `frame` needs: a list of Need (all required), NODE or SUPER."""
+    code, h = frame.code, frame.header
+    if code in _SUPER_CODES:
+        return SUPER
+    if code in (p.META_PUT, p.META_DELETE, p.META_WRITE):
+        cfs = [str(op[1]) for op in h.get("ops", [])] if code == p.META_WRITE else [h.get("cf")]
+        return SUPER if any(cf in AUTH_CFS for cf in cfs) else NODE
+    if code in _NODE_CODES:
+        return NODE
+    if code in _CLUSTER_GET:
+        return [Need("Cluster", "", ("GET",))]
+    if code == p.SEND:
+        topic = str(h.get("topic", ""))
+        out = [Need("Topic", topic, ("PUB",))]
+        out += [Need("Topic", t, ("PUB",)) for t in set(mqtt_topics or ()) if t != topic]
+        return out
+    if code == p.PULL or code == p.QUEUE_RANGE:
+        return [queue_need(str(h.get("queue", "")))]
+    if code == p.QUEUE_ENDS:
+        return [queue_need(str(q)) for q in h.get("queues", [])]
+    if code == p.HEARTBEAT:
+        return [Need("Group", str(h.get("group", "")), ("SUB",)),
+                Need("Topic", str(h.get("topic", "")), ("SUB",))]
+    if code in _GROUP_CODES:
+        return [Need("Group", str(h.get("group", "")), ("SUB",))]
+    if code == p.TOPIC_CREATE:
+        return [Need("Topic", str(h.get("topic", "")), ("CREATE",))]
+    if code == p.TOPIC_DESCRIBE:
+        return [Need("Topic", str(h.get("topic", "")), ("SUB", "GET"))]
+    if code == p.TOPIC_LIST:
+        return []  # filtered per topic by the handler
+    return NODE  # anything new is closed until someone decides otherwise

@@ -1,0 +1,39 @@
+"""Shared by the security tests: a server with auth on, and admin calls to it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from store import protocol as p
+from store.client import NativeClient
+from tests.conftest import Server
+
+ADMIN = ("admin", "admin-secret")
+
+
+def auth_server(tmp_path: Path, *extra: str) -> Server:
+    return Server(tmp_path / "data", "--auth", "--init-user", f"{ADMIN[0]}:{ADMIN[1]}",
+                  *extra).start()
+
+
+def native(server: Server, code: str, header: dict[str, Any] | None = None,
+           creds: tuple[str, str] | None = ADMIN) -> dict[str, Any]:
+    """One native request as `creds`; raises p.RemoteError on refusal."""
+
+    async def call() -> dict[str, Any]:
+        async with NativeClient.open(server.native, credentials=creds) as client:
+            reply, _ = await client.request(getattr(p, code), header or {})
+            return reply
+
+    return trio.run(call)
+
+
+def add_user(server: Server, name: str, password: str, *, super_user: bool = False) -> None:
+    native(server, "USER_ADD", {"name": name, "password": password, "super": super_user})
+
+
+def allow(server: Server, user: str, resource: str, actions: str, **kw: Any) -> None:
+    native(server, "ACL_ADD", {"user": user, "resource": resource, "actions": actions, **kw})
