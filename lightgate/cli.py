@@ -284,11 +284,17 @@ def _admin_request(args: argparse.Namespace, code_name: str, header: dict[str, A
         async with NativeClient.open(
             args.server, credentials=(creds["username"], creds["password"]) if creds else None
         ) as client:
-            reply, _ = await client.request(getattr(p, code_name), header)
+            try:  # returned, not raised: the client's nursery would wrap it in a group
+                reply, _ = await client.request(getattr(p, code_name), header)
+            except p.RemoteError as exc:
+                return {"__error__": exc}
             return reply
 
     try:
-        return trio.run(call)
+        out = trio.run(call)
+        if "__error__" in out:
+            raise out["__error__"]
+        return out
     except p.RemoteError as exc:
         raise SystemExit(f"lightgate: {exc.message} ({exc.status})") from None
     except OSError as exc:

@@ -68,22 +68,23 @@ class NativeClient:
     @asynccontextmanager
     async def open(cls, addr: str, **kw: Any) -> AsyncIterator[NativeClient]:
         client = cls(addr, **kw)
+        failure: Exception | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client._run)
-            try:
-                with trio.fail_after(client.connect_timeout):
-                    await client._settled.wait()
-            except trio.TooSlowError:
+            with trio.move_on_after(client.connect_timeout):
+                await client._settled.wait()
+            if client.fatal is not None or not client._settled.is_set():
+                # Raised outside the nursery: callers see the error itself, not a group.
+                failure = client.fatal or StoreUnavailable(f"cannot reach the store at {addr}")
                 nursery.cancel_scope.cancel()
-                raise StoreUnavailable(f"cannot reach the store at {addr}") from None
-            if client.fatal is not None:
-                nursery.cancel_scope.cancel()
-                raise client.fatal
-            try:
-                yield client
-            finally:
-                client._closed = True
-                nursery.cancel_scope.cancel()
+            else:
+                try:
+                    yield client
+                finally:
+                    client._closed = True
+                    nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
 
     @property
     def connected(self) -> bool:

@@ -183,7 +183,11 @@ class AsyncConsumer:
     async def __aenter__(self) -> AsyncConsumer:
         self.client = await self._stack.enter_async_context(
             NativeClient.open(self.addr, credentials=self.credentials))
-        await self._heartbeat()
+        try:
+            await self._heartbeat()  # e.g. refused: no right on the group
+        except BaseException:
+            await self._stack.aclose()  # never leave the client's nursery behind
+            raise
         nursery = await self._stack.enter_async_context(trio.open_nursery())
         nursery.start_soon(self._heartbeat_loop)
         self._stack.callback(nursery.cancel_scope.cancel)

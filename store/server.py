@@ -275,9 +275,9 @@ class NativeServer:
     # -- appends ----------------------------------------------------------------------
     def _submit(self, frame: p.Frame, ctx: ConnCtx) -> Any:
         msgs = p.unpack_messages(frame.header.get("messages", []), frame.body)
+        self._check(frame, ctx, [m.topic for m in msgs])
         if not msgs:
             raise BadRequest("no messages")
-        self._check(frame, ctx, [m.topic for m in msgs])
         if frame.code == p.PUBLISH:
             return self.store.publish_start(msgs)
         return self.store.send_start(str(frame.header.get("topic", "")), msgs)

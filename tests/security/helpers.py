@@ -23,12 +23,18 @@ def native(server: Server, code: str, header: dict[str, Any] | None = None,
            creds: tuple[str, str] | None = ADMIN) -> dict[str, Any]:
     """One native request as `creds`; raises p.RemoteError on refusal."""
 
-    async def call() -> dict[str, Any]:
+    async def call() -> dict[str, Any] | Exception:
         async with NativeClient.open(server.native, credentials=creds) as client:
-            reply, _ = await client.request(getattr(p, code), header or {})
+            try:  # returned, not raised: the client's nursery would wrap it in a group
+                reply, _ = await client.request(getattr(p, code), header or {})
+            except p.RemoteError as exc:
+                return exc
             return reply
 
-    return trio.run(call)
+    out = trio.run(call)
+    if isinstance(out, Exception):
+        raise out
+    return out
 
 
 def add_user(server: Server, name: str, password: str, *, super_user: bool = False) -> None:
