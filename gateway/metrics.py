@@ -58,6 +58,12 @@ class BrokerCollector:
             ("lightgate_notify_events", "Queue names received from notify", st.notify_events),
             ("lightgate_stuck_disconnects", "Clients disconnected for not reading",
              st.stuck_disconnects),
+            ("lightgate_auth_failures", "Failed authentications (MQTT, native, HTTP)",
+             b.auth.auth_failures),
+            ("lightgate_authorization_denials", "Requests an ACL policy denied",
+             b.auth.denials),
+            ("lightgate_limit_refusals", "Connects, publishes or subscribes over a limit",
+             st.limit_refusals),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         buckets = [(str(bound), n) for bound, n in zip(APPEND_BUCKETS, st.append_buckets,

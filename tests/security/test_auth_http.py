@@ -88,3 +88,28 @@ def test_users_and_acl_endpoints(srv: Server) -> None:
         assert api.delete("/api/v1/users/frank").status_code == 404
         names = [u["name"] for u in api.get("/api/v1/users").json()["items"]]
         assert "frank" not in names and "admin" in names
+
+
+def test_auth_failures_are_counted_in_metrics(srv: Server) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    httpx.get(url(srv, "/api/v1/clients"), auth=("viewer", "wrong"))
+    text = httpx.get(url(srv, "/metrics")).text
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values["lightgate_auth_failures_total"] >= 1
+    assert "lightgate_authorization_denials_total" in values
+
+
+def test_audit_lines_go_to_their_own_file(tmp_path) -> None:
+    audit = tmp_path / "audit.log"
+    s = auth_server(tmp_path, "--audit-log", str(audit))
+    try:
+        assert httpx.get(url(s, "/api/v1/clients"), auth=ADMIN).status_code == 200
+        assert httpx.get(url(s, "/api/v1/clients"), auth=("admin", "no")).status_code == 401
+        lines = audit.read_text().splitlines()
+        assert any("[AUTHENTICATION] user=admin" in x and "via=http result=success" in x
+                   for x in lines)
+        assert any("result=failure" in x for x in lines)
+        assert "[AUTHENTICATION]" not in s.logs()
+    finally:
+        assert s.stop() == 0
