@@ -137,6 +137,9 @@ def _listener_config(values: dict[str, Any]) -> Any:
         raise SystemExit("--tls-username-from must be none, cn or san")
     if values["tls_cert"] and not values["tls_key"]:
         raise SystemExit("--tls-cert needs --tls-key")
+    if values["tls_client_auth"] != "none" and not values["tls_ca"]:
+        raise SystemExit("--tls-client-auth optional|required needs --tls-ca (the CA that "
+                         "signs client certificates)")
     return ListenerConfig(
         mqtt=addr("mqtt"), mqtt_tls=addr("mqtt_tls", True), ws=addr("ws"),
         wss=addr("wss", True), tls_cert=values["tls_cert"], tls_key=values["tls_key"],

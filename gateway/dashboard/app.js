@@ -5,9 +5,19 @@ const state = { rin: [], rout: [], bytes: [], conns: [], lag: [], last: null, sa
 window.lgState = state;
 const $ = (id) => document.getElementById(id);
 const get = (path) => fetch(path).then((r) => {
+  if (r.status === 401) showLogin();
   if (!r.ok) throw new Error(`${path}: HTTP ${r.status}`);
   return r.json();
 });
+// A change (POST/PATCH/DELETE) with a JSON body; throws the server's {"error"} text.
+async function send(method, path, body) {
+  const r = await fetch(path, { method, headers: { "Content-Type": "application/json" },
+    body: body === undefined ? undefined : JSON.stringify(body) });
+  if (r.status === 401) showLogin();
+  const out = await r.json().catch(() => ({}));
+  if (!r.ok) throw new Error(out.error || `HTTP ${r.status}`);
+  return out;
+}
 const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
 const push = (arr, v) => { arr.push(v); if (arr.length > MAX_POINTS) arr.shift(); };
 // A topic in a URL path: each level encoded, the slashes kept (the route takes a path).
@@ -102,9 +112,81 @@ async function safely(fn) {
   try { await fn(); } catch (e) { console.warn(e); }
 }
 
+// -- sign-in, users and policies (only when the server runs with --auth) ---------------
+let polling = false;
+function showLogin() {
+  $("login").hidden = false;
+  $("login-user").focus();
+}
+
+async function session() {
+  const me = await get("/api/v1/whoami");
+  $("whoami").textContent = me.auth && me.user ? `${me.user}${me.super ? " (super)" : ""}` : "";
+  $("logout").hidden = !(me.auth && me.user);
+  if (me.auth && !me.user) { showLogin(); return; }
+  $("login").hidden = true;
+  $("admin").hidden = !(me.auth && me.super);
+  if (me.auth && me.super) safely(admin);
+  if (!polling) {
+    polling = true;
+    tick(); safely(clients); safely(lists);
+    setInterval(tick, 1000);
+    setInterval(() => safely(clients), 2000);
+    setInterval(() => safely(lists), 3000);
+  }
+}
+
+async function admin() {
+  const [users, policies] = await Promise.all([get("/api/v1/users"), get("/api/v1/acl")]);
+  $("users").tBodies[0].innerHTML = rows(users.items, 5, (u) => `<tr data-user="${esc(u.name)}">
+    <td>${esc(u.name)}</td><td>${u.super ? "Super" : "Normal"}</td>
+    <td class="${u.enabled ? "" : "lagging"}">${u.enabled ? "enabled" : "disabled"}</td><td>${time(u.created)}</td>
+    <td><button class="toggle-user" data-user="${esc(u.name)}" data-enabled="${u.enabled}">${u.enabled ? "Disable" : "Enable"}</button>
+    <button class="del-user" data-user="${esc(u.name)}">Delete</button></td></tr>`, "no user");
+  $("policies").tBodies[0].innerHTML = rows(policies.items, 7, (p) => `<tr data-policy="${esc(p.user)} ${esc(p.resource)}">
+    <td>${esc(p.user)}</td><td>${esc(p.resource)}</td><td>${p.match}</td><td>${p.actions.join(",")}</td>
+    <td>${esc(p.ip || "any")}</td><td class="${p.decision === "deny" ? "lagging" : ""}">${p.decision}</td>
+    <td><button class="del-policy" data-user="${esc(p.user)}" data-resource="${esc(p.resource)}" data-match="${p.match}">Delete</button></td></tr>`, "no policy: Normal users may do nothing");
+}
+
+async function adminAction(fn) {
+  $("admin-error").textContent = "";
+  try { await fn(); await admin(); } catch (e) { $("admin-error").textContent = e.message; }
+}
+
+$("login-form").addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  try {
+    await send("POST", "/api/v1/login", { username: $("login-user").value, password: $("login-pass").value });
+    $("login-pass").value = ""; $("login-error").textContent = "";
+    await session();
+  } catch (e) { $("login-error").textContent = e.message; }
+});
+$("logout").addEventListener("click", async () => { await send("POST", "/api/v1/logout"); location.reload(); });
+$("user-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  adminAction(async () => {
+    await send("POST", "/api/v1/users", { name: $("new-user").value, password: $("new-pass").value, super: $("new-super").checked });
+    $("new-user").value = ""; $("new-pass").value = "";
+  });
+});
+$("acl-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  adminAction(() => send("POST", "/api/v1/acl", { user: $("acl-user").value, resource: $("acl-resource").value,
+    match: $("acl-match").value, actions: $("acl-actions").value.split(","), ip: $("acl-ip").value,
+    decision: $("acl-deny").checked ? "deny" : "allow" }));
+});
+
 document.addEventListener("click", async (ev) => {
   const t = ev.target;
-  if (t.classList.contains("kick")) {
+  if (t.classList.contains("toggle-user")) {
+    adminAction(() => send("PATCH", `/api/v1/users/${encodeURIComponent(t.dataset.user)}`, { enabled: t.dataset.enabled !== "true" }));
+  } else if (t.classList.contains("del-user")) {
+    adminAction(() => send("DELETE", `/api/v1/users/${encodeURIComponent(t.dataset.user)}`));
+  } else if (t.classList.contains("del-policy")) {
+    const q = new URLSearchParams({ user: t.dataset.user, resource: t.dataset.resource, match: t.dataset.match });
+    adminAction(() => send("DELETE", `/api/v1/acl?${q}`));
+  } else if (t.classList.contains("kick")) {
     t.disabled = true;
     await fetch(`/api/v1/clients/${encodeURIComponent(t.dataset.client)}/kick`, { method: "POST" });
     setTimeout(() => safely(clients), 300);
@@ -115,7 +197,4 @@ document.addEventListener("click", async (ev) => {
   }
 });
 $("client-search").addEventListener("input", () => safely(clients));
-tick(); safely(clients); safely(lists);
-setInterval(tick, 1000);
-setInterval(() => safely(clients), 2000);
-setInterval(() => safely(lists), 3000);
+session().catch((e) => { $("status").textContent = "API unreachable: " + e.message; $("status").className = "down"; });
