@@ -17,7 +17,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-PORTS = {"mqtt": 1883, "native": 10911, "http": 18083}
+PORTS = {"mqtt": 1883, "native": 10911, "http": 18083, "ws": 8083, "wss": 8084, "mqtt_tls": 8883}
 
 
 @cache  # one subprocess per command, not per key
