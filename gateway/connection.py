@@ -45,7 +45,7 @@ log = logging.getLogger("lightgate.gateway.conn")
 _NO_STORE_WAIT = object()  # an acker item that needs no store acknowledgement
 PUBLISH_BATCH = 256  # publishes per store append, at most
 OUT_CHUNK = 64 * 1024
-OUT_QUEUE = 32
+OUT_LIMIT = 32 * OUT_CHUNK  # bytes queued for a client before senders wait
 
 
 class Closing(Exception):
@@ -58,6 +58,18 @@ class Closing(Exception):
 
 
 class Connection:
+    # Slots: 100k idle devices means 100k of these; a __dict__ each would double them.
+    __slots__ = (
+        "broker", "stream", "peer", "cert_identity", "subject", "_auth_cache",
+        "_check_delivery", "_kicked", "_limits", "config", "decoder", "version", "session",
+        "keepalive", "receive_maximum", "client_max_packet", "problem_info", "alive",
+        "connected_at", "_pending", "_pending_bytes", "_writing", "_drained", "_acks",
+        "_delivering", "_nursery",
+        "_inbound_unacked", "_batch_msgs", "_batch_pkts", "_outbuf", "_outbuf_bytes",
+        "_window", "_cancel", "_detached", "_taken_over", "_write_failed", "_store_error",
+        "_aliases_in", "_aliases_out", "_alias_out_max",
+    )
+
     def __init__(
         self, broker: Broker, stream: trio.abc.Stream, peer: str, *,
         cert_identity: str | None = None,
@@ -67,11 +79,12 @@ class Connection:
         self.peer = peer
         self.cert_identity = cert_identity  # from a verified client certificate
         self.subject: Subject | None = None  # who authenticated on this connection
-        self._auth_cache = DecisionCache()
+        self._auth_cache: DecisionCache | None = None  # made once auth is known to be on
         self._check_delivery = False  # whether each delivery needs a SUB decision
         self._kicked: Closing | None = None
-        self._limits = PublishLimits(broker.config.max_publish_rate,
-                                     broker.config.max_publish_bytes_rate)
+        cfg = broker.config
+        self._limits = PublishLimits(cfg.max_publish_rate, cfg.max_publish_bytes_rate) \
+            if cfg.max_publish_rate > 0 or cfg.max_publish_bytes_rate > 0 else None
         self.config = broker.config
         self.decoder = mqtt.Decoder(max_packet_size=self.config.max_packet_size)
         self.version = 4
@@ -82,12 +95,16 @@ class Connection:
         self.problem_info = True
         self.alive = True
         self.connected_at: float | None = None
-        # Bounded in chunks of at most OUT_CHUNK bytes: a client that stops reading holds
-        # at most OUT_QUEUE x OUT_CHUNK here; the rest waits in the store.
-        self._out_send, self._out_recv = trio.open_memory_channel[bytes](OUT_QUEUE)
-        self._acks_send, self._acks_recv = trio.open_memory_channel[tuple[Any, Any]](
-            self.config.max_pending_publishes
-        )
+        # Bytes waiting for the socket while another task writes: bounded by OUT_LIMIT (a
+        # client that stops reading holds at most that here; the rest waits in the store).
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._writing = False
+        self._drained: trio.Event | None = None  # set when the queued bytes went out
+        # Started on first use: an idle device costs no acker or delivery task.
+        self._acks: trio.MemorySendChannel[tuple[Any, Any]] | None = None
+        self._delivering = False
+        self._nursery: trio.Nursery | None = None
         self._inbound_unacked = 0  # QoS 1/2 publishes not yet acknowledged to the client
         self._batch_msgs: list[Message] = []  # publishes of the current read, not yet sent
         self._batch_pkts: list[Publish] = []
@@ -99,8 +116,8 @@ class Connection:
         self._taken_over = False
         self._write_failed = False
         self._store_error = ""
-        self._aliases_in: dict[int, str] = {}
-        self._aliases_out: dict[str, int] = {}
+        self._aliases_in: dict[int, str] | None = None  # made on first use
+        self._aliases_out: dict[str, int] | None = None
         self._alias_out_max = 0
 
     # -- lifecycle --------------------------------------------------------------------
@@ -109,7 +126,6 @@ class Connection:
         try:
             with self._cancel:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._writer)
                     try:
                         await self._read_loop(nursery)
                     except Closing as exc:
@@ -164,10 +180,10 @@ class Connection:
         session is free (spec: the server MUST close the existing connection)."""
         self._taken_over = True
         if self.version == 5:
-            # Through the writer: only one task may write to the socket at a time.
+            # Through send(): only one task may write to the socket at a time.
             with trio.move_on_after(0.5):
                 await self.send(mqtt.encode(Disconnect(rc.SESSION_TAKEN_OVER), 5))
-                await self._out_send.send(b"")  # returns once the writer took the first
+                await self._flush_writes()
         self._cancel.cancel()
         await self._detached.wait()
 
@@ -185,12 +201,71 @@ class Connection:
     def _may(self, action: str, name: str, is_filter: bool = False) -> bool:
         if self.subject is None:
             return not self.broker.auth.enabled
+        if self._auth_cache is None:
+            self._auth_cache = DecisionCache()
         return self.broker.auth.authorize(self.subject, "Topic", name, action,
                                           is_filter=is_filter, cache=self._auth_cache)
 
     # -- writing ----------------------------------------------------------------------
     async def send(self, data: bytes) -> None:
-        await self._out_send.send(data)
+        """Write now, from the calling task; if another task is writing, queue for it (and
+        wait while more than OUT_LIMIT is queued). No writer task: an idle client costs
+        none, and a busy one saves a task switch per write."""
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        if not self._writing:
+            await self._write_pending()
+            return
+        while self._writing and self._pending_bytes > OUT_LIMIT:
+            await self._drained_event().wait()
+
+    async def _flush_writes(self) -> None:
+        """Return once everything queued so far has been written."""
+        while self._writing:
+            await self._drained_event().wait()
+
+    def _drained_event(self) -> trio.Event:
+        if self._drained is None:
+            self._drained = trio.Event()
+        return self._drained
+
+    def _wake_senders(self) -> None:
+        if self._drained is not None:
+            self._drained.set()
+            self._drained = None
+
+    async def _write_pending(self) -> None:
+        """Write everything queued, in as few writes as possible: fewer syscalls under
+        load. A client that reads nothing for write_timeout is disconnected."""
+        self._writing = True
+        stats = self.broker.stats
+        try:
+            while self._pending:
+                pending = self._pending
+                buf = b"".join(pending) if len(pending) > 1 else pending[0]
+                self._pending = []
+                self._pending_bytes = 0
+                self._wake_senders()
+                stats.bytes_out += len(buf)
+                try:
+                    with trio.move_on_after(self.config.write_timeout) as scope:
+                        await self.stream.send_all(buf)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    self._write_failed = True
+                    self._cancel.cancel()
+                    return
+                if scope.cancelled_caught:
+                    # A client that stops reading: its messages wait in the store (a
+                    # persistent session resumes there); the connection must not hold memory.
+                    log.warning("client at %s read nothing for %.0fs: disconnecting",
+                                self.peer, self.config.write_timeout)
+                    stats.stuck_disconnects += 1
+                    self._write_failed = True
+                    self._cancel.cancel()
+                    return
+        finally:
+            self._writing = False
+            self._wake_senders()
 
     async def _send_now(self, data: bytes) -> None:
         try:
@@ -198,37 +273,6 @@ class Connection:
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError,
                 OSError):
             pass
-
-    async def _writer(self) -> None:
-        """Batch everything queued into one write: fewer syscalls under load."""
-        stats = self.broker.stats
-        async for data in self._out_recv:
-            if not data:
-                continue  # a marker from take_over: everything before it is written
-            chunks = [data]
-            while True:
-                try:
-                    chunks.append(self._out_recv.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            buf = b"".join(chunks) if len(chunks) > 1 else data
-            stats.bytes_out += len(buf)
-            try:
-                with trio.move_on_after(self.config.write_timeout) as scope:
-                    await self.stream.send_all(buf)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                self._write_failed = True
-                self._cancel.cancel()
-                return
-            if scope.cancelled_caught:
-                # A client that stops reading: its messages wait in the store (a
-                # persistent session resumes there); the connection must not hold memory.
-                log.warning("client at %s read nothing for %.0fs: disconnecting", self.peer,
-                            self.config.write_timeout)
-                self.broker.stats.stuck_disconnects += 1
-                self._write_failed = True
-                self._cancel.cancel()
-                return
 
     def _reason(self, text: str) -> dict[str, Any]:
         """A reason string, unless the client asked for no problem information."""
@@ -341,8 +385,9 @@ class Connection:
         log.info("client %r connected from %s (v%d, %s session%s)", client_id, self.peer, v,
                  "persistent" if session.persistent else "clean",
                  ", resumed" if present else "")
-        nursery.start_soon(self._acker)
-        nursery.start_soon(self._deliver_loop)
+        self._nursery = nursery
+        if session.subscriptions or session.outgoing or session.groups:
+            self._start_delivery(resume=True)
         for group in session.groups:
             group.wake()  # a member is back
 
@@ -392,7 +437,7 @@ class Connection:
         elif isinstance(p, Pubcomp):
             await self._on_ack(p.packet_id, 2)
         elif isinstance(p, Pubrel):
-            await self._acks_send.send((_NO_STORE_WAIT, p))  # after pending PUBRECs
+            await self._acks_channel().send((_NO_STORE_WAIT, p))  # after pending PUBRECs
         elif isinstance(p, Subscribe):
             await self._on_subscribe(p)
         elif isinstance(p, Unsubscribe):
@@ -428,7 +473,7 @@ class Connection:
             topic = self._resolve_alias(p)
         if p.qos > self.config.max_qos:
             raise ProtocolError(rc.QOS_NOT_SUPPORTED, f"QoS {p.qos} not supported")
-        over = self._limits.exceeded(len(p.payload))
+        over = self._limits.exceeded(len(p.payload)) if self._limits is not None else None
         if over is not None:
             self.broker.stats.limit_refusals += 1
             log.warning("client %r at %s disconnected: %s", s.client_id, self.peer, over)
@@ -440,7 +485,7 @@ class Connection:
             return
         if p.qos == 2 and p.packet_id in s.incoming_qos2:
             await self._flush_publishes()
-            await self._acks_send.send((_NO_STORE_WAIT, p))  # duplicate: PUBREC again
+            await self._acks_channel().send((_NO_STORE_WAIT, p))  # duplicate: PUBREC again
             return
         if p.qos:
             self._inbound_unacked += 1
@@ -450,7 +495,7 @@ class Connection:
             if not p.qos:
                 raise ProtocolError(rc.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8")
             await self._flush_publishes()
-            await self._acks_send.send((rc.PAYLOAD_FORMAT_INVALID, p))
+            await self._acks_channel().send((rc.PAYLOAD_FORMAT_INVALID, p))
             return
         props = {k: v for k, v in p.properties.items() if k != "topic_alias"} \
             if p.properties else {}
@@ -471,7 +516,7 @@ class Connection:
             return
         await self._flush_publishes()  # acks stay in arrival order
         self._inbound_unacked += 1  # _ack releases it
-        await self._acks_send.send((rc.NOT_AUTHORIZED if self.version == 5 else 0, p))
+        await self._acks_channel().send((rc.NOT_AUTHORIZED if self.version == 5 else 0, p))
 
     async def _flush_publishes(self) -> None:
         """Everything one read brought in goes to the store as one append (one write, one
@@ -484,12 +529,14 @@ class Connection:
             fut = self.broker.store.publish_start(msgs)
         except ValueError as exc:
             raise ProtocolError(rc.TOPIC_NAME_INVALID, str(exc)) from exc
-        await self._acks_send.send((fut, pkts))
+        await self._acks_channel().send((fut, pkts))
 
     def _resolve_alias(self, p: Publish) -> str:
         alias = p.properties["topic_alias"]
         if alias > self.config.topic_alias_maximum:
             raise ProtocolError(rc.TOPIC_ALIAS_INVALID, f"topic alias {alias} above maximum")
+        if self._aliases_in is None:
+            self._aliases_in = {}
         if p.topic:
             self._aliases_in[alias] = p.topic
             return p.topic
@@ -498,11 +545,25 @@ class Connection:
             raise ProtocolError(rc.PROTOCOL_ERROR, f"unknown topic alias {alias}")
         return topic
 
-    async def _acker(self) -> None:
+    def _acks_channel(self) -> trio.MemorySendChannel[tuple[Any, Any]]:
+        if self._acks is None:
+            assert self._nursery is not None
+            self._acks, recv = trio.open_memory_channel[tuple[Any, Any]](
+                self.config.max_pending_publishes)
+            self._nursery.start_soon(self._acker, recv)
+        return self._acks
+
+    def _start_delivery(self, resume: bool = False) -> None:
+        """`resume`: at CONNECT, for a session with state; it resends what is in flight."""
+        if not self._delivering and self._nursery is not None:
+            self._delivering = True
+            self._nursery.start_soon(self._deliver_loop, resume)
+
+    async def _acker(self, acks: trio.MemoryReceiveChannel[tuple[Any, Any]]) -> None:
         """Acknowledge publishes in arrival order, each only once the store has it."""
         s = self.session
         assert s is not None
-        async for item, p in self._acks_recv:
+        async for item, p in acks:
             if isinstance(p, Pubrel):
                 await self._on_pubrel(s, p)
             elif isinstance(p, list):  # a batch stored by one append: its acks in one write
@@ -631,6 +692,7 @@ class Connection:
                 codes.append(rc.UNSPECIFIED_ERROR)
                 continue
             codes.append(granted)
+            self._start_delivery()
             # Retained messages are not sent for shared subscriptions (MQTT 5 §4.8.2).
             if not shared and (opts.retain_handling == 0
                                or (opts.retain_handling == 1 and new)):
@@ -670,10 +732,11 @@ class Connection:
         await self.send(mqtt.encode(Unsuback(p.packet_id, codes), self.version))
 
     # -- delivery ---------------------------------------------------------------------
-    async def _deliver_loop(self) -> None:
+    async def _deliver_loop(self, resume: bool) -> None:
         s = self.session
         assert s is not None
-        await self._resend_outgoing(s)
+        if resume:
+            await self._resend_outgoing(s)
         await self._apply_offline_bound(s)
         for queue in s.reading():
             s.notify(queue)  # catch up with whatever arrived while offline
@@ -859,6 +922,8 @@ class Connection:
             topic = msg.topic
         else:
             topic = msg.topic
+            if self._aliases_out is None:
+                self._aliases_out = {}
             alias = self._aliases_out.get(topic)
             if alias is None and self._alias_out_max and \
                     len(self._aliases_out) < self._alias_out_max:
