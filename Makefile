@@ -3,8 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# `make test` also installs the spark extra (pyspark, pyarrow, pandas: ~700 MB) so that CI
+# runs the Spark end-to-end tests; the other targets do not need it.
+SPARK_STAMP := $(STAMP)-spark
 
-.PHONY: serve test soak lint bench bench-full clean redis chromium
+.PHONY: serve test soak lint bench bench-full clean redis chromium java
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -13,6 +16,10 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $(STAMP)
+
+$(SPARK_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[test,bench,spark]'
+	touch $(SPARK_STAMP)
 
 serve: $(STAMP)
 	$(BIN)/lightgate serve
@@ -24,9 +31,14 @@ redis:
 chromium:
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
-test: $(STAMP) redis chromium
+# Java 17+ for Spark (local[2] in tests/spark), unless JAVA_HOME or PATH has one.
+java:
+	@[ -x "$$JAVA_HOME/bin/java" ] || command -v java >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null)
+
+# LIGHTGATE_REQUIRE_SPARK: the Spark tests fail, not skip, if pyspark or Java is missing.
+test: $(SPARK_STAMP) redis chromium java
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q
+	LIGHTGATE_REQUIRE_SPARK=1 $(BIN)/pytest -q
 
 # The long forms: 1M fuzz inputs, 1M messages past a stuck subscriber, 30 min soak.
 soak: $(STAMP) redis

@@ -5,11 +5,14 @@ A processing-time timeout of T seconds fires in a micro-batch even when no data 
 (Spark runs no-data batches for timeouts), sending {"rule": "offline", ...}; the next
 message from that device sends {"rule": "online", ...}. Both go to the first-level topic
 `alerts`, MQTT topic `alerts/{device}` (value = seconds since last seen, threshold = T).
+
+"Seen" and "now" are the micro-batch's processing time, the clock Spark times out on:
+a timeout fires in the first batch at least T after the batch that saw the device, so
+`value` is never below T (the wall clock inside a long batch would say less).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +35,7 @@ def offline_events(data: DataFrame, after_s: float) -> DataFrame:
         import pandas as pd
 
         (device,) = key
-        now = int(time.time() * 1000)
+        now = state.getCurrentProcessingTimeMs()
         out = []
         if state.hasTimedOut:
             last_seen, last_ts, topic, msg_id, _ = state.get
@@ -41,8 +44,10 @@ def offline_events(data: DataFrame, after_s: float) -> DataFrame:
             state.update((last_seen, last_ts, topic, msg_id, True))
             # No timeout while offline: the next message brings it back.
         else:
-            rows = pd.concat(list(pdfs))
-            latest = rows.sort_values(["ts", "msg_id"]).iloc[-1]
+            frames = [f for f in pdfs if len(f)]
+            if not frames:
+                return
+            latest = pd.concat(frames).sort_values(["ts", "msg_id"]).iloc[-1]
             was_offline = state.exists and bool(state.get[4])
             if was_offline:
                 out.append(("online", device, (now - state.get[0]) / 1000, after_s, "<", "",

@@ -11,18 +11,26 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("pyspark", reason="pyspark not installed: pip install 'lightgate[spark]'")
-pytest.importorskip("pyarrow", reason="pyarrow not installed: pip install 'lightgate[spark]'")
-# Minutes on a 2-core machine (JVM start, query start-up): tests/spark as a whole
-# takes over 4 minutes, so these run with `make soak` / `pytest -m slow`.
-pytestmark = pytest.mark.slow
+from tests.spark.conftest import require_spark
+
+require_spark()
+# Tens of seconds of micro-batches on a 2-core machine: marked slow, and e2e so that
+# `make test` (CI) runs it anyway.
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 from spark_streaming.jobs import aggregates  # noqa: E402
 from spark_streaming.jobs.common import JobConfig  # noqa: E402
 from store.sdk import Producer  # noqa: E402
 from tests.conftest import Server  # noqa: E402
+from tests.spark.conftest import (  # noqa: E402
+    processed_offsets,
+    progress_summary,
+    wait_caught_up,
+    wait_until,
+)
 
 DEVICES = 3
+LIMIT = 10  # maxOffsetsPerTrigger: the second lot takes several batches
 
 
 def _publish(p: Producer, start: int, n: int, ts: int) -> Counter:
@@ -54,21 +62,40 @@ def _final_counts(spark: Any, addr: str) -> Counter:
 def test_aggregates_restart_no_loss_no_duplicates(spark: Any, lg: Server,
                                                   tmp_path: Path) -> None:
     cfg = JobConfig(server=lg.native, checkpoint=str(tmp_path / "ck"),
-                    starting_offsets="earliest", trigger="0.5 seconds", watermark="1 hour")
+                    starting_offsets="earliest", trigger="0.5 seconds", watermark="1 hour",
+                    max_offsets_per_trigger=LIMIT)
     ts = int(time.time() * 1000)
     with Producer(lg.native) as p:
         sent = _publish(p, 0, 30, ts)
         [q] = aggregates.start(spark, cfg, window="10 seconds")
-        q.processAllAvailable()
-        sent += _publish(p, 30, 45, ts)
-        time.sleep(0.7)  # let a trigger start on part of it, then stop mid-stream
-        q.stop()
-        sent += _publish(p, 75, 30, ts)
-        [q] = aggregates.start(spark, cfg, window="10 seconds")
         try:
-            q.processAllAvailable()
+            wait_caught_up(q, lg.native, "devices")
+            before = sum(processed_offsets(q).values())
+            assert before == 30, progress_summary(q)
+            sent += _publish(p, 30, 45, ts)
+            # Stop mid-stream: after a batch took some of the new readings (at most LIMIT
+            # of 45 per batch, so most are still unread), while the next batch runs if one
+            # starts within a second (trigger 0.5 s): its rows are then replayed from the
+            # offset log on restart.
+            wait_until(lambda: sum(processed_offsets(q).values()) > before, 120,
+                       "a batch of the second lot", lambda: progress_summary(q))
+            deadline = time.monotonic() + 1.0
+            while not q.status["isTriggerActive"] and time.monotonic() < deadline:
+                time.sleep(0.01)
         finally:
             q.stop()
-    assert q.exception() is None
+        assert q.exception() is None, progress_summary(q)
+        taken = sum(processed_offsets(q).values())
+        assert before < taken < 75, f"not stopped mid-stream: {progress_summary(q)}"
+        sent += _publish(p, 75, 30, ts)
+    # The restart replays the interrupted batch from the offset log (its range is logged,
+    # whatever the limit), then reads the rest without a limit.
+    cfg.max_offsets_per_trigger = None
+    [q] = aggregates.start(spark, cfg, window="10 seconds")
+    try:
+        wait_caught_up(q, lg.native, "devices", timeout=240)
+    finally:
+        q.stop()
+    assert q.exception() is None, progress_summary(q)
     counts = _final_counts(spark, lg.native)
     assert counts == sent and sum(counts.values()) == 105

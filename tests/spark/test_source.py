@@ -8,13 +8,15 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("pyspark", reason="pyspark not installed: pip install 'lightgate[spark]'")
-pytest.importorskip("pyarrow", reason="pyarrow not installed: pip install 'lightgate[spark]'")
+from tests.spark.conftest import require_spark
+
+require_spark()
 
 from spark_streaming.native import StoreClient  # noqa: E402
 from spark_streaming.source import cap_offsets, resolve_offsets  # noqa: E402
 from store.sdk import Producer  # noqa: E402
 from tests.conftest import Server  # noqa: E402
+from tests.spark.conftest import progress_summary  # noqa: E402
 
 
 def test_resolve_offsets() -> None:
@@ -78,8 +80,8 @@ def test_stream_rate_limit_and_batch_sink(spark: Any, lg: Server, tmp_path: Any)
          .option("maxOffsetsPerTrigger", "25").load()
          .writeStream.format("memory").queryName("ratelimited")
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
-    q.awaitTermination(120)
-    assert q.exception() is None
+    assert q.awaitTermination(120), progress_summary(q)
+    assert q.exception() is None, progress_summary(q)
     sizes = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
     assert sum(sizes) == 60 and max(sizes) <= 25 and len(sizes) >= 3, sizes
     assert spark.sql("select count(distinct msg_id) from ratelimited").first()[0] == 60
