@@ -95,6 +95,22 @@ def rss_kb(pid: int) -> int:
     return total
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes and their children so far. Unlike a
+    rate, CPU per message hardly moves when other work shares the machine."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        for p in [pid, *_children(pid)]:
+            try:
+                with open(f"/proc/{p}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick
+            except (OSError, IndexError, ValueError):
+                pass
+    return total
+
+
 def listen_overflows() -> int:
     """Kernel count of SYNs dropped on a full accept queue (each costs the client a 1 s
     SYN retransmit); system-wide, so only meaningful on an otherwise idle machine."""
@@ -993,14 +1009,17 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'scenario':<20} {'broker':<20} {'main figure':>22} {'vs mosquitto':>12}"]
+    lines = [f"{'scenario':<20} {'broker':<20} {'main figure':>22} {'vs mosquitto':>12} "
+             f"{'CPU us/msg':>10}"]
     for r in rows:
         figure = SCENARIOS[r["scenario"]][1]
         value = r.get(figure)
         ratio = r.get("ratio_vs_mosquitto")
         shown = f"{figure}={value}" if value is not None else f"error: {r.get('error', '?')}"
+        cpu = r.get("cpu_us_per_msg")
         lines.append(f"{r['scenario']:<20} {r['broker']:<20} {shown[:60]:>22} "
-                     f"{(f'{ratio:.3f}x' if ratio is not None else '-'):>12}")
+                     f"{(f'{ratio:.3f}x' if ratio is not None else '-'):>12} "
+                     f"{(f'{cpu:.1f}' if cpu is not None else '-'):>10}")
     return "\n".join(lines)
 
 
@@ -1018,7 +1037,11 @@ def run_one(scenario: str, name: str, size: dict[str, Any],
         broker = start_broker(name)
         if profile_dir and name.startswith("lightgate"):
             prof = profile_start(broker, profile_dir, f"{scenario}-{name}")
+        cpu0 = cpu_seconds([p.pid for p in broker.procs])
         row.update(fn(broker, size))
+        cpu = cpu_seconds([p.pid for p in broker.procs]) - cpu0
+        if row.get("received"):
+            row["cpu_us_per_msg"] = round(cpu * 1e6 / row["received"], 2)
         if err := broker.died():
             row["error"] = err
     except Exception as exc:  # record it; the other brokers and scenarios still run
