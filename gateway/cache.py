@@ -51,6 +51,22 @@ class QueueCache:
             self._queues.move_to_end(queue)
         return w
 
+    def offer(self, stored: list[Message]) -> None:
+        """Messages this gateway just stored: append them to the windows of queues being
+        read, where they continue the window, so that caught-up subscribers are served
+        from memory instead of reading back what was just written. Anything out of order
+        (another gateway or publisher got in between) is left to `pull`."""
+        queues = self._queues
+        for msg in stored:
+            for queue, offset in msg.queues:
+                w = queues.get(queue)
+                if w is not None and w.messages and offset == w.end:
+                    w.messages.append(msg)
+                    if len(w.messages) > self.window * 2:  # trim in steps, not per message
+                        drop = len(w.messages) - self.window
+                        del w.messages[:drop]
+                        w.base += drop
+
     async def pull(self, queue: str, offset: int, max_count: int = 64) -> tuple[list[Message], int]:
         """Messages from `offset` on and the offset to continue from (which may jump
         forward when retention removed the messages at `offset`)."""

@@ -596,6 +596,7 @@ class Connection:
         try:
             stored = await await_future(fut)
             self.broker.stats.observe_append(time.perf_counter() - t0)
+            self.broker.cache.offer(stored)
         except StoreError as exc:
             self.broker.stats.publish_errors += len(pkts)
             self._store_error = f"not stored: {exc}"
@@ -807,7 +808,7 @@ class Connection:
                 if offset <= upto:
                     return  # sent before a restart: acknowledged, or resent with DUP
                 del s.restored_upto[queue]
-        subs = s.matching(msg.topic)
+        subs = _only_reader(s, queue) or s.matching(msg.topic)
         if not subs:
             return
         if self._check_delivery and not self._may("SUB", msg.topic):
@@ -949,6 +950,15 @@ class Connection:
         while len(s.outgoing) >= self._window_limit():
             self._window = trio.Event()
             await self._window.wait()
+
+
+def _only_reader(s: Session, queue: str) -> list[Subscription] | None:
+    """The common case, one subscription: a message of its queue matches it by
+    construction, no trie walk needed."""
+    if len(s.subscriptions) != 1:
+        return None
+    sub = next(iter(s.subscriptions.values()))
+    return [sub] if sub.shared is None and sub.topic_filter == queue else None
 
 
 def _with_dup(data: bytes) -> bytes:
