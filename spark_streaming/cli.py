@@ -40,6 +40,8 @@ def add_commands(sub: Any) -> None:
                      help="earliest, latest or JSON {\"topic#0\": n} (new checkpoint only)")
     run.add_argument("--max-offsets-per-trigger", type=int)
     run.add_argument("--duration", type=float, help="stop after this many seconds")
+    run.add_argument("--as", dest="as_user", metavar="NAME:PASSWORD",
+                     help="credentials when the store runs with --auth (or env LIGHTGATE_AUTH)")
     run.set_defaults(func=cmd_analytics_run)
 
     sim = sub.add_parser("simulate", help="simulated MQTT devices publishing temperatures",
@@ -55,16 +57,30 @@ def add_commands(sub: Any) -> None:
                      help="the first N devices run hot (around --hot-temp)")
     sim.add_argument("--hot-temp", type=float, default=95.0)
     sim.add_argument("--seed", type=int)
+    sim.add_argument("--as", dest="as_user", metavar="NAME:PASSWORD",
+                     help="MQTT user name and password (or env LIGHTGATE_AUTH)")
     sim.set_defaults(func=cmd_simulate)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from spark_streaming.simulate import SimConfig, run
 
+    username, password = _credentials(args)
     run(SimConfig(mqtt=args.mqtt, devices=args.devices, rate=args.rate, seconds=args.seconds,
                   topic_prefix=args.topic_prefix, qos=args.qos, base=args.base, hot=args.hot,
-                  hot_temp=args.hot_temp, seed=args.seed))
+                  hot_temp=args.hot_temp, seed=args.seed, username=username,
+                  password=password))
     return 0
+
+
+def _credentials(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    import os
+
+    spec = getattr(args, "as_user", None) or os.environ.get("LIGHTGATE_AUTH")
+    if not spec:
+        return None, None
+    name, _, password = spec.partition(":")
+    return name, password
 
 
 def cmd_analytics_run(args: argparse.Namespace) -> int:
@@ -97,7 +113,8 @@ def _run(args: argparse.Namespace, rules: Any) -> int:
                     source_topic=args.topic, device_from=args.device_from,
                     starting_offsets=args.starting_offsets,
                     max_offsets_per_trigger=args.max_offsets_per_trigger,
-                    trigger=args.trigger, watermark=args.watermark)
+                    trigger=args.trigger, watermark=args.watermark,
+                    username=_credentials(args)[0], password=_credentials(args)[1])
     logging.getLogger("py4j").setLevel(logging.WARNING)  # one line per call otherwise
     spark = get_spark(args.master, f"lightgate-{args.job}")
     stopping = False

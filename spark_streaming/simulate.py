@@ -27,6 +27,8 @@ class SimConfig:
     hot: int = 0
     hot_temp: float = 95.0
     seed: int | None = None
+    username: str | None = None  # when the broker runs with --auth
+    password: str | None = None
 
 
 def run(cfg: SimConfig, progress: bool = True) -> int:
@@ -39,6 +41,8 @@ def run(cfg: SimConfig, progress: bool = True) -> int:
     clients = []
     for i in range(1, cfg.devices + 1):
         c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"sim-dev-{i}")
+        if cfg.username:
+            c.username_pw_set(cfg.username, cfg.password)
         c.max_queued_messages_set(10_000)
         c.connect(host or "127.0.0.1", int(port))
         c.loop_start()

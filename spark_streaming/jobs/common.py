@@ -21,12 +21,19 @@ class JobConfig:
     max_offsets_per_trigger: int | None = None
     trigger: str = "1 second"
     watermark: str = "30 seconds"
+    username: str | None = None  # when the store runs with --auth
+    password: str | None = None
+
+    def auth_options(self) -> dict[str, str]:
+        return {"username": self.username, "password": self.password or ""} \
+            if self.username else {}
 
 
 def source(spark: SparkSession, cfg: JobConfig) -> DataFrame:
     reader = (spark.readStream.format("lightgate").option("server", cfg.server)
               .option("topic", cfg.source_topic)
-              .option("startingOffsets", cfg.starting_offsets))
+              .option("startingOffsets", cfg.starting_offsets)
+              .options(**cfg.auth_options()))
     if cfg.max_offsets_per_trigger:
         reader = reader.option("maxOffsetsPerTrigger", str(cfg.max_offsets_per_trigger))
     return reader.load()
@@ -73,13 +80,14 @@ def sink(df: DataFrame, cfg: JobConfig, topic: str, name: str,
               .option("checkpointLocation", f"{cfg.checkpoint.rstrip('/')}/{name}")
               .trigger(processingTime=cfg.trigger))
     if output_mode == "append":
-        writer = writer.format("lightgate").option("server", cfg.server).option("topic", topic)
+        writer = (writer.format("lightgate").option("server", cfg.server)
+                  .option("topic", topic).options(**cfg.auth_options()))
     else:
-        server = cfg.server
+        server, auth = cfg.server, cfg.auth_options()
 
         def write_batch(batch: DataFrame, batch_id: int) -> None:
             (batch.write.format("lightgate").option("server", server).option("topic", topic)
-             .mode("append").save())
+             .options(**auth).mode("append").save())
 
         writer = writer.foreachBatch(write_batch)
     query = writer.start()

@@ -102,3 +102,33 @@ def test_stream_rate_limit_and_batch_sink(spark: Any, lg: Server, tmp_path: Any)
     assert by_body[b"on"].mqtt_topic == "cmd/d1/set"
     assert json.loads(by_body[b"on"].properties) == {"reason": "test"}
     assert by_body[b"plain"].mqtt_topic == "cmd"
+
+
+def test_reader_and_writer_with_auth(spark: Any, tmp_path: Any) -> None:
+    """A store with --auth: the source reads and the sink writes with a user's rights."""
+    from tests.security.helpers import add_user, allow, auth_server
+
+    srv = auth_server(tmp_path)
+    try:
+        add_user(srv, "spark", "spark-pw")
+        allow(srv, "spark", "Topic:devices", "SUB")
+        allow(srv, "spark", "Topic:results", "PUB,SUB")
+        with Producer(srv.native, username="admin", password="admin-secret") as p:
+            p.send_batch("devices", [b"%d" % i for i in range(5)], mqtt_topic="devices/d1")
+        creds = {"username": "spark", "password": "spark-pw"}
+        df = (spark.read.format("lightgate").option("server", srv.native)
+              .option("topic", "devices").options(**creds).load())
+        assert sorted(bytes(r.payload) for r in df.collect()) == [b"%d" % i for i in range(5)]
+        df.select("payload").write.format("lightgate").option("server", srv.native) \
+            .option("topic", "results").options(**creds).mode("append").save()
+        back = spark.read.format("lightgate").option("server", srv.native) \
+            .option("topic", "results").options(**creds).load().count()
+        assert back == 5
+        with pytest.raises(Exception, match="authentication failed|401"):
+            spark.read.format("lightgate").option("server", srv.native) \
+                .option("topic", "devices").load().count()
+        with pytest.raises(Exception, match="403|denied"):  # no SUB on this topic
+            spark.read.format("lightgate").option("server", srv.native) \
+                .option("topic", "payroll").options(**creds).load().count()
+    finally:
+        assert srv.stop() == 0
