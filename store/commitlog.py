@@ -86,7 +86,7 @@ class CommitLog:
         flush: str = "async",
         flush_interval_ms: int = 500,
         flush_bytes: int = 16 << 20,
-        on_dispatched: Callable[[set[str]], None] | None = None,
+        on_dispatched: Callable[[list[Message]], None] | None = None,
         full_verify: bool = False,
     ) -> None:
         if flush not in ("sync", "async"):
@@ -279,7 +279,7 @@ class CommitLog:
         self.stats["messages"] += len(msgs)
         if self.on_dispatched:  # before the acks: readers hear of it as early as possible
             try:
-                self.on_dispatched({name for m in msgs for name, _ in m.queues})
+                self.on_dispatched(msgs)
             except Exception:
                 log.exception("on_dispatched callback failed")
         for req in accepted:

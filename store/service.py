@@ -23,6 +23,7 @@ from lightqueue.routing import Router, split_partition_queue, validate_first_lev
 from lightqueue.topic import validate_topic_filter, validate_topic_name
 from store.commitlog import CommitLog, RecoveryReport
 from store.metadata import Metadata
+from store.recent import RecentMessages
 from store.record import Message, parse_msg_id
 
 log = logging.getLogger("lightgate.store")
@@ -81,6 +82,7 @@ class EmbeddedStore:
         self.meta = Metadata(root / "meta")
         self.router = Router(config.default_partitions)
         self._notify = notify
+        self.recent = RecentMessages()
         self.commitlog = CommitLog(
             root / "commitlog",
             self.index,
@@ -145,9 +147,12 @@ class EmbeddedStore:
         for topic, info in self.meta.items("topics"):
             self.router.set_partitions(topic, int(info.get("partitions", 1)))
 
-    def _on_dispatched(self, names: set[str]) -> None:
+    def _on_dispatched(self, messages: list[Message]) -> None:
+        """The writer thread, before the acks: keep the newest messages of queues being
+        read, then tell readers which queues grew."""
+        self.recent.add(messages)
         if self._notify is not None:
-            self._notify(names)
+            self._notify({name for m in messages for name, _ in m.queues})
 
     # -- writes -----------------------------------------------------------------------
     async def append(
@@ -192,7 +197,14 @@ class EmbeddedStore:
 
     # -- reads ------------------------------------------------------------------------
     async def pull(self, queue: str, offset: int, max_count: int = 32) -> PullResult:
-        """Messages of `queue` from `offset` (clamped to the queue's minimum)."""
+        """Messages of `queue` from `offset` (clamped to the queue's minimum). A reader at
+        the head of its queue is served from memory, in this thread (see store.recent);
+        then `min_offset` is only the lowest offset held there."""
+        max_count = max(1, min(max_count, MAX_PULL))
+        recent = self.recent.get(queue, offset, max_count)
+        if recent is not None:
+            messages, end = recent
+            return PullResult(messages, offset + len(messages), offset, end)
         return await trio.to_thread.run_sync(self.pull_sync, queue, offset, max_count)
 
     def pull_sync(self, queue: str, offset: int, max_count: int = 32) -> PullResult:
@@ -339,5 +351,6 @@ class EmbeddedStore:
             "index_checkpoint": self.index.checkpoint(),
             "queues_active": len(self.index._next),  # queues written since start
             "wildcards": len(self.router.wildcards()),
+            "recent": self.recent.stats(),  # reads served from memory, see store.recent
             "uptime_s": round(time.time() - self.started_at, 3),
         }

@@ -1,0 +1,65 @@
+"""The newest messages of queues being read: served from memory, and only when exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from store.recent import RecentMessages
+from store.record import Message
+from store.service import EmbeddedStore, StoreConfig
+
+
+def msg(queue: str, offset: int, body: bytes = b"x") -> Message:
+    m = Message(queue, body)
+    m.queues = [(queue, offset)]
+    return m
+
+
+def test_a_ring_starts_at_a_dispatched_message_after_a_read() -> None:
+    r = RecentMessages()
+    r.add([msg("q", 0)])
+    assert r.get("q", 0, 10) is None  # nobody read q before: no ring, read the store
+    r.add([msg("q", 1)])  # q is wanted now: its ring starts here
+    assert r.get("q", 0, 10) is None  # below the ring
+    got, end = r.get("q", 1, 10)
+    assert [m.queues[0][1] for m in got] == [1] and end == 2
+    assert r.get("q", 2, 10) == ([], 2)  # at the end: nothing new, known without a read
+    assert r.get("q", 3, 10) is None  # past the end (a repaired log): the store decides
+
+
+def test_a_gap_restarts_the_ring() -> None:
+    r = RecentMessages()
+    r.get("q", 0, 1)
+    r.add([msg("q", 5), msg("q", 6)])
+    r.add([msg("q", 9)])  # offsets jumped (floors after a repair)
+    assert r.get("q", 5, 10) is None
+    assert [m.queues[0][1] for m in r.get("q", 9, 10)[0]] == [9]
+
+
+def test_memory_is_bounded() -> None:
+    r = RecentMessages(per_queue=10, max_bytes=50_000)
+    for q in range(20):
+        r.get(f"q{q}", 0, 1)
+    for i in range(100):
+        r.add([msg(f"q{q}", i, b"x" * 1000) for q in range(20)])
+    s = r.stats()
+    assert s["bytes"] <= 50_000
+    got = r.get("q19", 95, 100)
+    assert got is None or len(got[0]) <= 20
+
+
+async def test_pull_at_the_head_is_served_from_memory(tmp_path: Path) -> None:
+    async with EmbeddedStore.open(StoreConfig(data_dir=tmp_path)) as store:
+        await store.publish([Message("a/b", b"%d" % i) for i in range(3)])
+        first = await store.pull("a/b", 0, 10)  # from the log; the queue is now wanted
+        await store.publish([Message("a/b", b"%d" % i) for i in range(3, 6)])
+        hits = store.recent.hits
+        res = await store.pull("a/b", 3, 10)
+        assert store.recent.hits == hits + 1
+        assert [m.body for m in first.messages + res.messages] == [b"%d" % i for i in range(6)]
+        assert (res.next_offset, res.max_offset) == (6, 6)
+        # the same answer as the log gives
+        logged = store.pull_sync("a/b", 3, 10)
+        assert [(m.msg_id, m.body, m.topic) for m in logged.messages] == \
+            [(m.msg_id, m.body, m.topic) for m in res.messages]
+        assert (await store.pull("a/b", 6, 10)).messages == []
