@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import socket
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from store.record import Message
 DEFAULT_TIMEOUT = 30.0
 PULL_BATCH = 1024  # the store's MAX_PULL
 SEND_BATCH = 500  # rows per SEND request (one CommitLog write each)
+PIPELINE_DEPTH = 2  # PULL requests in flight per connection (pull_ranges)
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -45,6 +47,7 @@ class StoreClient:
         self._decoder = p.FrameDecoder()
         self._ids = itertools.count(1)
         self._frames: list[p.Frame] = []
+        self._generation = 0  # connections made so far (pull_ranges checks it)
 
     def __enter__(self) -> StoreClient:
         return self
@@ -61,15 +64,23 @@ class StoreClient:
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock, self._decoder, self._frames = sock, p.FrameDecoder(), []
+        self._generation += 1
         header: dict[str, Any] = {"sdk": "lightgate-spark"}
         if self.credentials:
             header["username"], header["password"] = self.credentials
         self._roundtrip(p.HELLO, header, b"")
 
     def _roundtrip(self, code: int, header: dict[str, Any], body: bytes) -> p.Frame:
+        return self._receive(self._send(code, header, body))
+
+    def _send(self, code: int, header: dict[str, Any], body: bytes = b"") -> int:
         assert self._sock is not None
         rid = next(self._ids)
         self._sock.sendall(p.encode_frame(p.Frame(p.REQUEST, code, rid, header, body)))
+        return rid
+
+    def _receive(self, rid: int) -> p.Frame:
+        assert self._sock is not None
         while True:
             for i, frame in enumerate(self._frames):
                 if frame.request_id == rid:
@@ -134,6 +145,68 @@ class StoreClient:
             if nxt <= offset:
                 return  # nothing more below `end` (the log was cut by a repair)
             offset = nxt
+
+    def pull_ranges(self, queue: str, start: int, end: int, depth: int = PIPELINE_DEPTH,
+                    chunk: int = PULL_BATCH) -> Iterator[tuple[int, int, dict[str, Any], bytes]]:
+        """The raw PULL responses covering [start, end) of `queue`, in order, as
+        (chunk_start, chunk_end, header, body). The caller keeps the messages whose offset
+        lies in [chunk_start, chunk_end): a chunk below the queue's minimum (retention) is
+        answered from the minimum.
+
+        Up to `depth` requests are in flight on the connection, so the store reads the next
+        chunk while the caller converts this one. A chunk the store answers only in part (a
+        smaller MAX_PULL) is completed by follow-up pulls before the next chunk is yielded.
+        When the connection fails, the chunks not yet yielded are pulled again one at a
+        time, with `request()`'s reconnects."""
+        chunks = [(lo, min(lo + chunk, end)) for lo in range(start, end, chunk)]
+        # (request id, chunk index, connection) of the requests in flight
+        pending: deque[tuple[int, int, int]] = deque()
+        sent = 0  # chunks[:sent] were requested
+        done = 0  # chunks[:done] were yielded
+        pipelined = depth > 1
+        while done < len(chunks):
+            lo, hi = chunks[done]
+            if pipelined:
+                try:
+                    if self._sock is None:
+                        self._connect()
+                    while sent < len(chunks) and len(pending) < depth:
+                        c_lo, c_hi = chunks[sent]
+                        pending.append((self._send(p.PULL, {"queue": queue, "offset": c_lo,
+                                                            "max": c_hi - c_lo,
+                                                            "wait_ms": 0}),
+                                        sent, self._generation))
+                        sent += 1
+                    rid, index, generation = pending[0]
+                    assert index == done
+                    if generation != self._generation:  # a follow-up pull reconnected
+                        raise ConnectionError("reconnected while requests were in flight")
+                    frame = self._receive(rid)
+                    pending.popleft()
+                except (OSError, p.ProtocolError):
+                    self.close()
+                    pipelined = False  # the rest one at a time, with retries
+                    pending.clear()
+                    sent = done
+                    continue
+                if frame.kind == p.ERROR:
+                    raise p.RemoteError(int(frame.header.get("status", 500)),
+                                        str(frame.header.get("error", "error")))
+                header, body = frame.header, frame.body
+            else:
+                header, body = self.request(p.PULL, {"queue": queue, "offset": lo,
+                                                     "max": hi - lo, "wait_ms": 0})
+            done += 1
+            yield lo, hi, header, body
+            nxt = int(header["next_offset"])
+            while lo < nxt < hi and header["messages"]:
+                # Answered in part: the rest of this chunk before the next one (on the
+                # same connection, the pipelined answers wait in self._frames).
+                header, body = self.request(p.PULL, {"queue": queue, "offset": nxt,
+                                                     "max": hi - nxt, "wait_ms": 0})
+                lo = nxt
+                yield lo, hi, header, body
+                nxt = int(header["next_offset"])
 
     # -- writes -----------------------------------------------------------------------
     def send(self, topic: str, messages: Sequence[Message]) -> list[dict[str, Any]]:

@@ -18,8 +18,10 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from itertools import accumulate
 from typing import Any
 
+import pyarrow as pa
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
@@ -32,6 +34,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from spark_streaming.native import SEND_BATCH, StoreClient
+from store.protocol import ProtocolError
 from store.record import Message, format_msg_id
 
 try:  # admission control (maxOffsetsPerTrigger) is Spark 4.2+
@@ -125,9 +128,83 @@ def message_row(m: Message, queue: str, offset: int) -> tuple:
 
 
 def read_queue(options: dict[str, str], part: QueueRange) -> Iterator[tuple]:
+    """[start, end) of one queue as row tuples: the reference for `read_queue_arrow`."""
     with _client(options) as c:
         for off, m in c.read_range(part.queue, part.start, part.end):
             yield message_row(m, part.queue, off)
+
+
+def arrow_schema() -> pa.Schema:
+    """SCHEMA as Arrow, exactly as Spark expects a Python data source's batches
+    (`to_arrow_schema(schema, timezone="UTC")`; a test checks they are equal)."""
+    ts = pa.timestamp("us", tz="UTC")
+    return pa.schema([("mqtt_topic", pa.string()), ("client_id", pa.string()),
+                      ("qos", pa.int32()), ("properties", pa.string()),
+                      ("payload", pa.binary()), ("store_time", ts), ("born_time", ts),
+                      ("queue", pa.string()), ("offset", pa.int64()),
+                      ("msg_id", pa.string())])
+
+
+ARROW_SCHEMA = arrow_schema()
+_US = pa.timestamp("us", tz="UTC")
+
+
+def _offsets_in(metas: list[dict[str, Any]], queue: str) -> list[int]:
+    out = []
+    for meta in metas:
+        for name, off in meta.get("queues", ()):
+            if name == queue:
+                out.append(off)
+                break
+        else:
+            raise ProtocolError(f"a message pulled from {queue} is not in it: {meta}")
+    return out
+
+
+def arrow_batch(queue: str, lo: int, hi: int, metas: list[dict[str, Any]],
+                body: bytes) -> pa.RecordBatch | None:
+    """One PULL response (message descriptions and the bodies concatenated, as
+    store/protocol.py packs them) as a RecordBatch of SCHEMA, keeping the messages whose
+    offset in `queue` is in [lo, hi). The same values as `message_row`, built a column at
+    a time; payloads are one buffer, not a bytes object per row."""
+    if not metas:
+        return None
+    offsets = _offsets_in(metas, queue)
+    sizes = [meta["size"] for meta in metas]
+    ends = list(accumulate(sizes, initial=0))
+    if ends[-1] != len(body) or min(sizes) < 0:
+        raise ProtocolError("message sizes do not match the body")
+    n = len(metas)
+    payload = pa.Array.from_buffers(pa.binary(), n, [
+        None, pa.array(ends, pa.int32()).buffers()[1], pa.py_buffer(body)])
+    get = dict.get
+    batch = pa.RecordBatch.from_arrays([
+        pa.array([meta["topic"] for meta in metas], pa.string()),
+        pa.array([get(meta, "client_id", "") for meta in metas], pa.string()),
+        pa.array([get(meta, "qos", 0) for meta in metas], pa.int32()),
+        pa.array([json.dumps(meta["props"], default=str) if get(meta, "props") else None
+                  for meta in metas], pa.string()),
+        payload,
+        pa.array([get(meta, "store_ts", 0) * 1000 or None for meta in metas], _US),
+        pa.array([get(meta, "born_ts", 0) * 1000 or None for meta in metas], _US),
+        pa.array([queue] * n, pa.string()),
+        pa.array(offsets, pa.int64()),
+        pa.array([format_msg_id(get(meta, "phys", -1)) for meta in metas], pa.string()),
+    ], schema=ARROW_SCHEMA)
+    if min(offsets) >= lo and max(offsets) < hi:
+        return batch
+    kept = batch.filter(pa.array([lo <= off < hi for off in offsets]))
+    return kept if kept.num_rows else None
+
+
+def read_queue_arrow(options: dict[str, str], part: QueueRange) -> Iterator[pa.RecordBatch]:
+    """[start, end) of one queue as Arrow RecordBatches, pulled with requests in flight:
+    the same rows as `read_queue`, without a Python tuple per row."""
+    with _client(options) as c:
+        for lo, hi, header, body in c.pull_ranges(part.queue, part.start, part.end):
+            batch = arrow_batch(part.queue, lo, hi, header["messages"], body)
+            if batch is not None:
+                yield batch
 
 
 def plan(start: Offsets, end: Offsets) -> list[QueueRange]:
@@ -175,9 +252,9 @@ class LightgateBatchReader(DataSourceReader):
         end = resolve_offsets(self.options.get("endingoffsets"), ranges, "latest")
         return plan(start, end)
 
-    def read(self, partition: InputPartition) -> Iterator[tuple]:
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, QueueRange)
-        return read_queue(self.options, partition)
+        return read_queue_arrow(self.options, partition)
 
 
 class LightgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -187,9 +264,20 @@ class LightgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         limit = options.get("maxoffsetspertrigger")
         self.max_per_trigger = int(limit) if limit else None
         self._target: Offsets | None = None  # Trigger.AvailableNow stops here
+        # The driver side asks for the queue ends every trigger: one connection, kept.
+        self._store: StoreClient | None = None
+        self._seen: tuple[float, Offsets] | None = None  # (when, ends) of the last ask
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Spark pickles the reader to run read() on executors: no socket in it.
+        return {**self.__dict__, "_store": None}
 
     def _ends(self) -> Offsets:
-        return {q: hi for q, (_, hi) in _ranges(self.options, self.topic).items()}
+        if self._store is None:
+            self._store = _client(self.options)
+        ends = {q["queue"]: int(q["max_offset"]) for q in self._store.describe(self.topic)}
+        self._seen = (time.monotonic(), ends)
+        return ends
 
     def initialOffset(self) -> dict:
         ranges = _ranges(self.options, self.topic)
@@ -215,17 +303,25 @@ class LightgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         return cap_offsets(start, ends, int(max_rows))
 
     def reportLatestOffset(self) -> dict | None:
+        # Spark asks right after latestOffset, for the progress report: what that saw.
+        if self._seen is not None and time.monotonic() - self._seen[0] < 1.0:
+            return dict(self._seen[1])
         return self._ends()
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         return plan(start, end)
 
-    def read(self, partition: InputPartition) -> Iterator[tuple]:
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, QueueRange)
-        return read_queue(self.options, partition)
+        return read_queue_arrow(self.options, partition)
 
     def commit(self, end: dict) -> None:
         pass  # the store keeps everything until retention; nothing to release
+
+    def stop(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
 
 def cap_offsets(start: Offsets, ends: Offsets, max_rows: int) -> Offsets:

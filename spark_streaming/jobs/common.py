@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,34 +41,66 @@ def source(spark: SparkSession, cfg: JobConfig) -> DataFrame:
     return reader.load()
 
 
-def device_column(spec: str) -> Column:
+def device_column(spec: str, json_field: Callable[[str], Column] | None = None) -> Column:
     """`topic:N` (N-th level of the MQTT topic, 0-based), `client_id` or `json:FIELD`."""
     kind, _, arg = spec.partition(":")
     if kind == "topic":
-        dev = F.element_at(F.split(F.col("mqtt_topic"), "/"), int(arg) + 1)
+        # try_: a topic with fewer levels has no device (element_at fails the query
+        # under ANSI mode, Spark 4's default).
+        dev = F.try_element_at(F.split(F.col("mqtt_topic"), "/"), F.lit(int(arg) + 1))
     elif kind == "json":
-        dev = F.get_json_object(F.col("payload").cast("string"), f"$.{arg}")
+        dev = (json_field or _json_path)(arg)
     else:
         dev = F.col("client_id")
     # An id becomes one MQTT topic level: no separators or wildcards in it.
     return F.regexp_replace(dev, "[/+#]", "_")
 
 
+def _json_path(name: str) -> Column:
+    return F.get_json_object(F.col("payload").cast("string"), f"$.{name}")
+
+
 def field_value(name: str) -> Column:
-    """A JSON number from the payload; a payload that is a bare number counts as it."""
+    """A JSON number from the payload; a payload that is a bare number counts as it.
+    Anything else is null (try_cast: under ANSI mode, Spark 4's default, a cast of
+    "hello" fails the query)."""
     text = F.col("payload").cast("string")
-    return F.coalesce(F.get_json_object(text, f"$.{name}"), text).cast("double")
+    return F.coalesce(F.get_json_object(text, f"$.{name}"), text).try_cast("double")
+
+
+# A key that `$.key` names as itself (no path syntax in it): json_tuple can fetch it.
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def readings(df: DataFrame, device_from: str, fields: list[str]) -> DataFrame:
     """device, mqtt_topic, ts (ms), event_time (the payload's `ts` in ms, else the store's
-    time), and one double column per field."""
+    time), and one double column per field (a payload that is a bare number counts as
+    each field; a value that is not a number is null, as is a `ts` that is not one: the
+    store time is used then).
+
+    The payload is parsed once per row: one json_tuple for `ts`, the fields and a
+    `json:` device id, rather than a get_json_object (a JSON parser and a UTF-8 decoder)
+    per key, which was most of the job's CPU time. For such keys json_tuple returns what
+    `get_json_object(payload, "$.key")` does (the value's text, strings unquoted; null for
+    a payload that is not an object or not JSON), except that when a key appears twice in
+    one object json_tuple takes the last and get_json_object the first. Keys with path
+    syntax (`a.b`, `a[0]`) still go through get_json_object."""
     text = F.col("payload").cast("string")
-    ts = F.coalesce(F.get_json_object(text, "$.ts").cast("long"),
-                    F.unix_millis(F.col("store_time")))
-    cols = [device_column(device_from).alias("device"), F.col("mqtt_topic"),
+    kind, _, arg = device_from.partition(":")
+    wanted = ["ts", *fields, *([arg] if kind == "json" else [])]
+    keys = [k for k in dict.fromkeys(wanted) if _PLAIN_KEY.fullmatch(k)]
+    if keys:
+        df = df.select("*", F.json_tuple(text, *keys).alias(*[f"__lg_json_{i}"
+                                                               for i in range(len(keys))]))
+
+    def json_field(name: str) -> Column:
+        return F.col(f"__lg_json_{keys.index(name)}") if name in keys else _json_path(name)
+
+    ts = F.coalesce(json_field("ts").try_cast("long"), F.unix_millis(F.col("store_time")))
+    cols = [device_column(device_from, json_field).alias("device"), F.col("mqtt_topic"),
             ts.alias("ts"), F.timestamp_millis(ts).alias("event_time"), F.col("msg_id")]
-    cols += [field_value(f).alias(f) for f in dict.fromkeys(fields)]
+    cols += [F.coalesce(json_field(f), text).try_cast("double").alias(f)
+             for f in dict.fromkeys(fields)]
     return df.select(*cols).where(F.col("device").isNotNull() & (F.col("device") != ""))
 
 
