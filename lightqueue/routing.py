@@ -16,6 +16,7 @@ from lightqueue.topic import first_level, validate_topic_filter
 from lightqueue.trie import TopicTrie
 
 DEFAULT_PARTITIONS = 4
+ROUTE_CACHE = 20_000  # topics whose routes are remembered (a few MB at most)
 PARTITION_SEP = "#"
 
 
@@ -50,14 +51,23 @@ class Router:
         self.default_partitions = default_partitions
         self._wildcards: TopicTrie[str] = TopicTrie()
         self._partitions: dict[str, int] = {}
+        # Devices publish on the same topics again and again: remember their routes
+        # until a wildcard or a partition count changes.
+        self._routes: dict[str, tuple[str, ...]] = {}
 
     # wildcard queues ------------------------------------------------------------------
     def register_wildcard(self, topic_filter: str) -> bool:
         validate_topic_filter(topic_filter)
-        return self._wildcards.add(topic_filter, topic_filter)
+        added = self._wildcards.add(topic_filter, topic_filter)
+        if added:
+            self._routes.clear()
+        return added
 
     def unregister_wildcard(self, topic_filter: str) -> bool:
-        return self._wildcards.remove(topic_filter, topic_filter)
+        removed = self._wildcards.remove(topic_filter, topic_filter)
+        if removed:
+            self._routes.clear()
+        return removed
 
     def wildcards(self) -> list[str]:
         return sorted(self._wildcards.filters())
@@ -67,6 +77,7 @@ class Router:
         if partitions < 1:
             raise ValueError("a topic has at least one partition")
         self._partitions[validate_first_level(topic)] = partitions
+        self._routes.clear()
 
     def partitions(self, topic: str) -> int:
         return self._partitions.get(topic, self.default_partitions)
@@ -77,7 +88,12 @@ class Router:
     # routing --------------------------------------------------------------------------
     def route(self, mqtt_topic: str) -> list[str]:
         """Exact queue, matching registered wildcard queues, one first-level partition."""
-        queues = [mqtt_topic]
-        queues.extend(sorted(self._wildcards.match_filters(mqtt_topic)))
-        queues.append(self.partition_for(first_level(mqtt_topic), mqtt_topic))
-        return queues
+        cached = self._routes.get(mqtt_topic)
+        if cached is None:
+            queues = [mqtt_topic]
+            queues.extend(sorted(self._wildcards.match_filters(mqtt_topic)))
+            queues.append(self.partition_for(first_level(mqtt_topic), mqtt_topic))
+            if len(self._routes) >= ROUTE_CACHE:
+                self._routes.clear()  # many distinct topics: start over, stay bounded
+            cached = self._routes[mqtt_topic] = tuple(queues)
+        return list(cached)

@@ -50,3 +50,17 @@ def test_register_and_unregister() -> None:
     for bad in ("a/#/b", "a+", ""):
         with pytest.raises(TopicError):
             r.register_wildcard(bad)
+
+
+def test_remembered_routes_follow_wildcard_and_partition_changes() -> None:
+    r = Router(default_partitions=1)
+    assert r.route("a/b") == ["a/b", "a#0"]
+    r.register_wildcard("a/#")
+    assert r.route("a/b") == ["a/b", "a/#", "a#0"]
+    r.set_partitions("a", 1000)
+    assert r.route("a/b")[-1] == r.partition_for("a", "a/b")
+    r.unregister_wildcard("a/#")
+    assert r.route("a/b")[:1] == ["a/b"] and "a/#" not in r.route("a/b")
+    routed = r.route("a/b")
+    routed.append("mutated")  # callers get their own list
+    assert "mutated" not in r.route("a/b")
