@@ -79,6 +79,13 @@ def get_spark(master: str = DEFAULT_MASTER, app_name: str = "lightgate",
         # Loopback only: works without a resolvable host name and exposes nothing.
         builder = (builder.config("spark.driver.bindAddress", "127.0.0.1")
                    .config("spark.driver.host", "127.0.0.1"))
+        # Every micro-batch writes its offsets and commit files to the checkpoint; the
+        # default local file system writes a .crc file beside each (another create and
+        # rename): without it a small batch takes ~50 ms less. Local files only.
+        builder = (builder.config("spark.hadoop.fs.file.impl",
+                                  "org.apache.hadoop.fs.RawLocalFileSystem")
+                   .config("spark.hadoop.fs.AbstractFileSystem.file.impl",
+                           "org.apache.hadoop.fs.local.RawLocalFs"))
     for key, value in (conf or {}).items():
         builder = builder.config(key, str(value))
     spark = builder.getOrCreate()

@@ -132,3 +132,26 @@ def test_reader_and_writer_with_auth(spark: Any, tmp_path: Any) -> None:
                 .option("topic", "payroll").options(**creds).load().count()
     finally:
         assert srv.stop() == 0
+
+
+def test_stream_reader_keeps_one_connection_and_pickles_without_it(lg: Server) -> None:
+    import pickle
+
+    from spark_streaming.source import LightgateStreamReader
+
+    _publish(lg.native, 8)
+    reader = LightgateStreamReader({"server": lg.native, "topic": "devices",
+                                    "startingoffsets": "earliest"})
+    start = reader.initialOffset()
+    ends = reader.latestOffset(start, None)
+    assert sum(ends.values()) - sum(start.values()) == 8
+    store = reader._store
+    assert store is not None
+    assert reader.reportLatestOffset() == ends  # what latestOffset just saw
+    _publish(lg.native, 2)
+    assert sum(reader.latestOffset(ends, None).values()) == sum(ends.values()) + 2
+    assert reader._store is store  # the same connection, trigger after trigger
+    copy = pickle.loads(pickle.dumps(reader))  # as Spark ships it to executors
+    assert copy._store is None and copy.topic == "devices"
+    reader.stop()
+    assert reader._store is None
