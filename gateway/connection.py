@@ -299,6 +299,8 @@ class Connection:
                 packets = await self._receive()
 
     async def _receive(self) -> list[Any]:
+        if self.decoder.error is not None:  # after the packets that came before it
+            raise self.decoder.error
         while True:
             data = await self.stream.receive_some(65536)
             if not data:
@@ -312,13 +314,13 @@ class Connection:
                 await self._send_now(mqtt.encode(Connack(False, code), 5 if code > 5 else 4))
                 raise Closing(str(exc), will=False) from exc
             except ProtocolError as exc:
+                if exc.packets:  # handled first (a CONNECT too); the next call raises
+                    return exc.packets
                 if self.session is None and self.decoder.version == 5:
+                    code = exc.reason_code if exc.reason_code in rc.CONNACK_REASONS \
+                        else rc.MALFORMED_PACKET  # e.g. 0x8F has no place in a CONNACK
                     await self._send_now(mqtt.encode(
-                        Connack(False, exc.reason_code, self._reason(exc.message)), 5))
-                if exc.packets:  # handle what came before the bad bytes, then close
-                    for packet in exc.packets:
-                        await self._dispatch(packet)
-                    await self._flush_publishes()
+                        Connack(False, code, self._reason(exc.message)), 5))
                 raise
             if packets:
                 return packets
@@ -699,7 +701,13 @@ class Connection:
                                or (opts.retain_handling == 1 and new)):
                 retained_to_send.append(sub)
         await self.send(mqtt.encode(Suback(p.packet_id, codes), v))
-        for sub in retained_to_send:
+        if retained_to_send and self._nursery is not None:
+            # Not from this (the reading) task: a QoS 1/2 retained message may wait for
+            # an in-flight slot, which only a PUBACK this task must read can free.
+            self._nursery.start_soon(self._send_retained, retained_to_send)
+
+    async def _send_retained(self, subs: list[Subscription]) -> None:
+        for sub in subs:
             for r in await self.broker.retained_for(sub.topic_filter):
                 if self._check_delivery and not self._may("SUB", r.topic):
                     continue
@@ -948,7 +956,8 @@ class Connection:
         s = self.session
         assert s is not None
         while len(s.outgoing) >= self._window_limit():
-            self._window = trio.Event()
+            if self._window.is_set():  # one event for every waiter (delivery, retained)
+                self._window = trio.Event()
             await self._window.wait()
 
 

@@ -205,6 +205,11 @@ class Decoder:
         self._need = 0  # total buffered bytes needed before parsing is worth retrying
         self._error: ProtocolError | None = None
 
+    @property
+    def error(self) -> ProtocolError | None:
+        """The violation that stopped this decoder, if one did (feed raises it again)."""
+        return self._error
+
     def feed(self, data: bytes | bytearray | memoryview) -> list[Packet]:
         if self._error is not None:
             raise self._error

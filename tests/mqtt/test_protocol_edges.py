@@ -114,6 +114,47 @@ def test_inflight_window_bounds_unacked_messages(shared_server) -> None:
     pub.disconnect()
 
 
+def test_subscribe_with_a_full_window_still_reads_the_acks(shared_server) -> None:
+    """Found by tests/fuzz/fuzz_connection.py: a SUBSCRIBE whose retained message had to
+    wait for an in-flight slot blocked the reading task, so the PUBACKs that would free
+    the slot were never read (nor PINGREQ, nor DISCONNECT)."""
+    topic = uid("win")
+    pub = Client(shared_server.port, uid("p"))
+    pub.publish(topic + "/kept", b"retained", 1, retain=True)
+    dev = RawClient(shared_server.port)
+    dev.connect(uid("dev"))
+    dev.subscribe(topic + "/flow", 1)
+    for i in range(32):  # fill the default window with unacked messages
+        pub.publish(topic + "/flow", b"%d" % i, 1)
+    got = [dev.recv() for _ in range(32)]
+    dev.subscribe(topic + "/kept", 1, packet_id=2)
+    dev.send(mqtt.Pingreq())
+    assert isinstance(dev.recv(), mqtt.Pingresp)  # the server still reads
+    for p in got:
+        dev.send(mqtt.Puback(p.packet_id))
+    retained = dev.recv()
+    assert isinstance(retained, mqtt.Publish) and retained.payload == b"retained"
+    assert retained.retain
+    dev.close()
+    pub.disconnect()
+
+
+def test_connect_and_a_bad_packet_in_one_read(shared_server) -> None:
+    """Found by the connection fuzzer: a CONNECT followed, in the same segment, by a
+    SUBSCRIBE with an invalid filter crashed the connection (a CONNACK with reason 0x8F,
+    which CONNACK has not). Now the CONNECT is answered, then DISCONNECT 0x8F."""
+    dev = RawClient(shared_server.port, version=5)
+    bad = mqtt.encode(mqtt.Subscribe(1, [("ok/#", mqtt.SubscriptionOptions(0))]), 5)
+    bad = bad.replace(b"ok/#", b"ok.#")  # '#' not a whole level: TOPIC_FILTER_INVALID
+    dev.send_raw(mqtt.encode(mqtt.Connect(client_id=uid("c"), protocol_level=5), 5) + bad)
+    connack = dev.recv()
+    assert isinstance(connack, mqtt.Connack) and connack.reason_code == 0
+    disconnect = dev.recv()
+    assert isinstance(disconnect, mqtt.Disconnect) and disconnect.reason_code == 0x8F
+    assert dev.closed_by_server()
+    dev.close()
+
+
 def test_malformed_bytes_close_only_that_connection(shared_server) -> None:
     bystander = Client(shared_server.port, uid("b"))
     topic = uid("mal")
