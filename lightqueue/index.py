@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rocksdict import Rdict, ReadOptions, WriteBatch, WriteOptions
 
-from lightqueue.rocks import bounded_options
+from lightqueue.rocks import bounded_options, uncache_obsolete_files
 
 ENTRY = struct.Struct(">QIQ")
 U64 = struct.Struct(">Q")
@@ -66,7 +66,9 @@ class ConsumeQueueIndex:
 
     @staticmethod
     def _open(path: Path) -> Rdict:
-        return Rdict(str(path), bounded_options(write_buffer_mb=16))
+        db = Rdict(str(path), bounded_options(write_buffer_mb=16))
+        uncache_obsolete_files(db)
+        return db
 
     # -- offset allocation (writer thread only) ---------------------------------------
     def next_offset(self, queue: str) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 import trio
 
 from lightqueue.index import ConsumeQueueIndex
+from lightqueue.rocks import HEAP_TRIM_INTERVAL_S, trim_heap
 from lightqueue.routing import Router, split_partition_queue, validate_first_level
 from lightqueue.topic import validate_topic_filter, validate_topic_name
 from store.commitlog import CommitLog, RecoveryReport
@@ -112,6 +113,7 @@ class EmbeddedStore:
             store._load_routes()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(store._retention_loop)
+                nursery.start_soon(store._heap_trim_loop)
                 try:
                     yield store
                 finally:
@@ -328,6 +330,14 @@ class EmbeddedStore:
         while True:
             await trio.sleep(cfg.retention_check_s)
             await self.enforce_retention()
+
+    async def _heap_trim_loop(self) -> None:
+        """RocksDB's blocks and Python's buffers share the heap: see lightqueue.rocks."""
+        if not trim_heap():
+            return  # not glibc
+        while True:
+            await trio.sleep(HEAP_TRIM_INTERVAL_S)
+            await trio.to_thread.run_sync(trim_heap)
 
     async def enforce_retention(self) -> list[int]:
         return await trio.to_thread.run_sync(

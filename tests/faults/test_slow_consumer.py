@@ -1,6 +1,11 @@
 """A subscriber that stops reading while messages flow: broker memory stays bounded,
 other subscribers are unaffected, and the stuck one is disconnected (its persistent
-session keeps its place in the store)."""
+session keeps its place in the store).
+
+What may grow is what the store keeps by design, whatever flows: the newest messages of
+each queue in memory (store.recent, 32 MB), the index memtables (two of 16 MiB) and the
+index's block cache (32 MiB). With 1M x 1 KiB messages (`make soak`) RSS rises by ~60 MB
+in the first 200k and stays there: a plateau, checked in that long form."""
 
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from gateway import mqtt
 from tests.conftest import Server
 from tests.mqtt.raw import RawClient
 
-MESSAGES = int(os.environ.get("LIGHTGATE_SLOW_CONSUMER_MESSAGES", "30000"))
+MESSAGES = int(os.environ.get("LIGHTGATE_SLOW_CONSUMER_MESSAGES", "150000"))
+BY_DESIGN_KB = (32 + 2 * 16 + 32) * 1024  # recent messages, index memtables, block cache
 
 
 def rss_kb(pid: int) -> int:
@@ -60,8 +66,12 @@ def test_stuck_subscriber_is_bounded_and_others_unaffected(tmp_path) -> None:
         print(f"RSS kB before {before}, during {samples}, after {after}; "
               f"{MESSAGES} x 1 KiB published")
         assert received[0] == MESSAGES  # the healthy subscriber got everything
-        # Far less than the ~MESSAGES KiB a per-subscriber queue in memory would take.
-        assert max([*samples, after]) - before < 60_000
+        # Within what the store keeps by design, not the MESSAGES KiB a queue per
+        # subscriber in memory would take.
+        assert max([*samples, after]) - before < BY_DESIGN_KB
+        if MESSAGES >= 500_000:  # long enough for a plateau: the second half does not climb
+            half = len(samples) // 2
+            assert max(samples[half:]) < max(samples[:half]) + 10_000, samples
         assert srv.wait_log("read nothing for 3s: disconnecting", timeout=15)
         # Its session kept its place: it resumes from the store, not from memory.
         stuck.close()
