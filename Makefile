@@ -40,11 +40,12 @@ test: $(SPARK_STAMP) redis chromium java
 	$(BIN)/ruff check .
 	LIGHTGATE_REQUIRE_SPARK=1 $(BIN)/pytest -q
 
-# The long forms: 1M fuzz inputs, 1M messages past a stuck subscriber, 30 min soak.
+# The long forms: 1M inputs to each fuzzer (codec, connection), 1M messages past a stuck
+# subscriber, a 10k-connection storm and a 30 min soak: about 90 minutes.
 soak: $(STAMP) redis
 	LIGHTGATE_FUZZ_RUNS=1000000 LIGHTGATE_SLOW_CONSUMER_MESSAGES=1000000 \
 	LIGHTGATE_SOAK_SECONDS=1800 LIGHTGATE_STORM_CLIENTS=10000 \
-	$(BIN)/pytest -q -p no:cacheprovider -o addopts='' -o timeout=7200 tests/fuzz tests/faults tests/soak
+	$(BIN)/pytest -q -s -p no:cacheprovider -o addopts='' -o timeout=7200 tests/fuzz tests/faults tests/soak
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
