@@ -9,6 +9,7 @@ import time
 
 from gateway import mqtt
 from tests.conftest import Server
+from tests.faults.persistent import assert_each_in_order, drain
 from tests.mqtt.raw import RawClient
 
 PUBLISHERS = 4
@@ -58,28 +59,11 @@ def test_kill_9_under_load_loses_no_acknowledged_message(tmp_path) -> None:
             t.join(10)
         srv.start()
         assert srv.wait_log("clean_shutdown=False", count=r + 1)
-    # Drain the persistent subscriber.
-    sub = RawClient(srv.port)
-    assert sub.connect("crash-sub", clean=False).session_present
-    found: list[bytes] = []
-    sub.sock.settimeout(5)
-    try:
-        while True:
-            p = sub.recv()
-            if isinstance(p, mqtt.Publish):
-                found.append(p.payload)
-                sub.send(mqtt.Puback(p.packet_id))
-    except TimeoutError:
-        pass
-    sub.close()
+    found = drain(srv.port, "crash-sub")
     missing = set(acked) - set(found)
     print(f"acked {len(acked)}, found {len(found)} ({len(set(found))} distinct), "
           f"missing {len(missing)}")
     assert len(acked) > 100
     assert not missing, sorted(missing)[:10]
-    # QoS 1 may duplicate, but each publisher's messages stay in order.
-    for n in {a.rsplit(b"-", 1)[0] for a in acked}:
-        mine = [int(f.rsplit(b"-", 1)[1]) for f in found if f.rsplit(b"-", 1)[0] == n]
-        firsts = list(dict.fromkeys(mine))
-        assert firsts == sorted(firsts)
+    assert_each_in_order(found, {a.rsplit(b"-", 1)[0] for a in acked})
     assert srv.stop() == 0

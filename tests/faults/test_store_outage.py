@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from gateway import mqtt
 from tests.conftest import RedisServer, Server
+from tests.faults.persistent import assert_each_in_order, drain
 from tests.mqtt.raw import RawClient
 
 PUBLISHERS = 3
@@ -68,23 +69,6 @@ def publish(port: int, dev: Device, stop: threading.Event) -> None:
         dev.dropped = repr(exc)
 
 
-def drain(port: int, client_id: str) -> list[bytes]:
-    sub = RawClient(port)
-    assert sub.connect(client_id, clean=False).session_present
-    found: list[bytes] = []
-    sub.sock.settimeout(5)
-    try:
-        while True:
-            p = sub.recv()
-            if isinstance(p, mqtt.Publish):
-                found.append(p.payload)
-                sub.send(mqtt.Puback(p.packet_id))
-    except TimeoutError:
-        pass
-    sub.close()
-    return found
-
-
 def test_store_kill_9_under_load_loses_nothing_acked(tmp_path, redis_server: RedisServer) -> None:
     store = Server(tmp_path / "store", "--flush", "sync", "--notify", redis_server.url,
                    command="store").start()
@@ -134,11 +118,7 @@ def test_store_kill_9_under_load_loses_nothing_acked(tmp_path, redis_server: Red
         missing = set(acked) - set(found)
         print(f"found {len(found)} ({len(set(found))} distinct), missing {len(missing)}")
         assert not missing, sorted(missing)[:10]
-        for d in devices:  # QoS 1 may duplicate, but each device's messages stay in order
-            prefix = d.name.encode() + b"-"
-            mine = [int(f.rsplit(b"-", 1)[1]) for f in found if f.startswith(prefix)]
-            firsts = list(dict.fromkeys(mine))
-            assert firsts == sorted(firsts)
+        assert_each_in_order(found, {d.name.encode() for d in devices})
     finally:
         for srv in (gw_a, gw_b, store):
             if srv.proc is not None:

@@ -8,11 +8,11 @@ test's tmp dir: `python tests/fuzz/fuzz_connection.py CRASH_FILE` replays it."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.fuzz.runner import run_fuzzer
 
 pytest.importorskip("atheris", reason="atheris is not installed (test extra)")
 
@@ -21,14 +21,6 @@ RUNS = int(os.environ.get("LIGHTGATE_FUZZ_RUNS", "20000"))
 
 
 def test_connection_survives_coverage_guided_fuzzing(tmp_path: Path) -> None:
-    res = subprocess.run(
-        [sys.executable, str(FUZZER), f"-runs={RUNS}", "-max_len=2048", "-seed=1",
-         f"-artifact_prefix={tmp_path}/", "-print_final_stats=1", str(tmp_path / "corpus")],
-        capture_output=True, text=True, timeout=7200,
-    )
-    tail = res.stderr[-6000:]
-    assert res.returncode == 0, tail
-    assert f"Done {RUNS} runs" in res.stderr, tail
-    stats = [ln for ln in res.stderr.splitlines() if ln.startswith("stat::")]
-    print("\n".join(stats))
-    assert len(list((tmp_path / "corpus").iterdir())) > 20  # it went past the seeds
+    corpus = tmp_path / "corpus"
+    run_fuzzer(FUZZER, RUNS, tmp_path, "-max_len=2048", "-seed=1", str(corpus))
+    assert len(list(corpus.iterdir())) > 20  # it went past the seeds

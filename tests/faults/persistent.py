@@ -1,0 +1,34 @@
+"""What the crash tests share: drain a persistent subscriber, check each publisher's order."""
+
+from __future__ import annotations
+
+from gateway import mqtt
+from tests.mqtt.raw import RawClient
+
+
+def drain(port: int, client_id: str, idle_s: float = 5.0) -> list[bytes]:
+    """Resume `client_id`'s session and take every message (acked) until `idle_s` of quiet."""
+    sub = RawClient(port)
+    assert sub.connect(client_id, clean=False).session_present
+    found: list[bytes] = []
+    sub.sock.settimeout(idle_s)
+    try:
+        while True:
+            p = sub.recv()
+            if isinstance(p, mqtt.Publish):
+                found.append(p.payload)
+                sub.send(mqtt.Puback(p.packet_id))
+    except TimeoutError:
+        pass
+    sub.close()
+    return found
+
+
+def assert_each_in_order(found: list[bytes], publishers: set[bytes]) -> None:
+    """Payloads are b"NAME-SEQ": QoS 1 may duplicate, but each publisher's first copies
+    arrive in the order it sent them."""
+    for name in publishers:
+        prefix = name + b"-"
+        mine = [int(f[len(prefix):]) for f in found if f.startswith(prefix)]
+        firsts = list(dict.fromkeys(mine))
+        assert firsts == sorted(firsts), name
