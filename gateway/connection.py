@@ -701,20 +701,33 @@ class Connection:
                                or (opts.retain_handling == 1 and new)):
                 retained_to_send.append(sub)
         await self.send(mqtt.encode(Suback(p.packet_id, codes), v))
-        if retained_to_send and self._nursery is not None:
-            # Not from this (the reading) task: a QoS 1/2 retained message may wait for
-            # an in-flight slot, which only a PUBACK this task must read can free.
-            self._nursery.start_soon(self._send_retained, retained_to_send)
+        if retained_to_send:
+            await self._send_retained(retained_to_send)
 
     async def _send_retained(self, subs: list[Subscription]) -> None:
+        """Retained messages for new subscriptions, sent by this (the reading) task while
+        the in-flight window has room, so they go before anything published after the
+        SUBSCRIBE. The rest goes from a task of its own: waiting here for a slot would
+        wait for a PUBACK that only this task could read."""
+        s = self.session
+        assert s is not None
+        todo = []
         for sub in subs:
             for r in await self.broker.retained_for(sub.topic_filter):
                 if self._check_delivery and not self._may("SUB", r.topic):
                     continue
-                msg = r.to_message()
                 qos = min(r.qos, sub.options.qos)
                 sids = [sub.subscription_id] if sub.subscription_id else None
-                await self._push(msg, qos, True, sids, None, -1)
+                todo.append((r.to_message(), qos, sids))
+        while todo and (not todo[0][1] or len(s.outgoing) < self._window_limit()):
+            msg, qos, sids = todo.pop(0)
+            await self._push(msg, qos, True, sids, None, -1)
+        if todo and self._nursery is not None:
+            self._nursery.start_soon(self._push_retained, todo)
+
+    async def _push_retained(self, todo: list[tuple[Message, int, list[int] | None]]) -> None:
+        for msg, qos, sids in todo:
+            await self._push(msg, qos, True, sids, None, -1)
 
     def _subscribe_refusal(self, s: Session, topic_filter: str,
                            shared: tuple[str, str] | None) -> int | None:
