@@ -13,7 +13,7 @@ def run_fuzzer(script: Path, runs: int, tmp_path: Path, *args: str) -> list[str]
     """Fuzz `runs` inputs; a crash's input is left in `tmp_path`. The final stat lines.
 
     libFuzzer's pulse lines (at each power of two of inputs run) are passed on to stderr
-    as progress: a million inputs take half an hour for the connection fuzzer."""
+    as progress: a million inputs take most of an hour for the connection fuzzer."""
     with subprocess.Popen(
         [sys.executable, str(script), f"-runs={runs}", f"-artifact_prefix={tmp_path}/",
          "-print_final_stats=1", *args],
