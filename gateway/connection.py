@@ -719,11 +719,14 @@ class Connection:
                 qos = min(r.qos, sub.options.qos)
                 sids = [sub.subscription_id] if sub.subscription_id else None
                 todo.append((r.to_message(), qos, sids))
-        while todo and (not todo[0][1] or len(s.outgoing) < self._window_limit()):
-            msg, qos, sids = todo.pop(0)
+        sent = 0  # an index, not pop(0): a '#' subscription may match thousands
+        while sent < len(todo) and (not todo[sent][1]
+                                    or len(s.outgoing) < self._window_limit()):
+            msg, qos, sids = todo[sent]
             await self._push(msg, qos, True, sids, None, -1)
-        if todo and self._nursery is not None:
-            self._nursery.start_soon(self._push_retained, todo)
+            sent += 1
+        if sent < len(todo) and self._nursery is not None:
+            self._nursery.start_soon(self._push_retained, todo[sent:])
 
     async def _push_retained(self, todo: list[tuple[Message, int, list[int] | None]]) -> None:
         for msg, qos, sids in todo:
