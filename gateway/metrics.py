@@ -111,6 +111,30 @@ class BrokerCollector:
                                 value=s.get("queues_active", 0))
         yield GaugeMetricFamily("lightgate_wildcard_queues", "Registered wildcard queues",
                                 value=s.get("wildcards", 0))
+        yield from _memory_metrics(s)
+
+
+def _memory_metrics(s: dict[str, Any]) -> Any:
+    """Where the store's memory goes, by the parts that are bounded by configuration: a
+    rise of RSS these account for is a cache filling up to its capacity, not a leak."""
+    memory = s.get("memory")
+    if not memory:
+        return  # a store older than these figures
+    used = GaugeMetricFamily("lightgate_store_memory_bytes",
+                             "Memory held by the store's RocksDB databases and its ring of "
+                             "recent messages", labels=["part"])
+    limit = GaugeMetricFamily("lightgate_store_memory_limit_bytes",
+                              "Capacity of the store's caches: each RocksDB database's block "
+                              "cache and the ring of recent messages", labels=["part"])
+    for db, m in memory.items():
+        for part in ("block_cache", "memtables", "table_readers"):
+            used.add_metric([f"{db}_{part}"], m[part])
+        limit.add_metric([f"{db}_block_cache"], m["block_cache_capacity"])
+    recent = s.get("recent", {})
+    used.add_metric(["recent_messages"], recent.get("bytes", 0))
+    limit.add_metric(["recent_messages"], recent.get("max_bytes", 0))
+    yield used
+    yield limit
 
 
 def metrics_route(broker: Broker) -> Route:

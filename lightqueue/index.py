@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rocksdict import Rdict, ReadOptions, WriteBatch, WriteOptions
 
-from lightqueue.rocks import bounded_options, uncache_obsolete_files
+from lightqueue.rocks import bounded_options, memory_usage, uncache_obsolete_files
 
 ENTRY = struct.Struct(">QIQ")
 U64 = struct.Struct(">Q")
@@ -125,6 +125,10 @@ class ConsumeQueueIndex:
     def checkpoint(self) -> int:
         raw = self._db.get(CHECKPOINT_KEY)
         return U64.unpack(raw)[0] if raw else 0
+
+    def memory(self) -> dict[str, int]:
+        """What RocksDB holds in memory for the index (see rocks.memory_usage)."""
+        return memory_usage(self._db)
 
     # -- reads ------------------------------------------------------------------------
     def _last_offset(self, queue: str) -> int | None:

@@ -105,3 +105,21 @@ def uncache_obsolete_files(db: Rdict) -> None:
         db.set_options({"uncache_aggressiveness": "300"})
     except Exception as exc:  # a RocksDB older than 9.x: the LRU alone bounds the cache
         log.debug("uncache_aggressiveness not set: %s", exc)
+
+
+# What `memory_usage` reads, by the name it reports each under.
+_MEMORY_PROPERTIES = {
+    "block_cache": "rocksdb.block-cache-usage",
+    "block_cache_capacity": "rocksdb.block-cache-capacity",
+    "memtables": "rocksdb.size-all-mem-tables",
+    "table_readers": "rocksdb.estimate-table-readers-mem",
+}
+
+
+def memory_usage(db: Rdict) -> dict[str, int]:
+    """What RocksDB holds in memory for `db` (one column family), in bytes: its block
+    cache's usage and capacity (a cache shared by column families reports the same
+    figures through each), its memtables, and index and filter blocks held outside the
+    cache. A property this RocksDB does not know reads 0."""
+    return {name: db.property_int_value(prop) or 0  # None: a property it does not know
+            for name, prop in _MEMORY_PROPERTIES.items()}

@@ -12,7 +12,7 @@ from typing import Any
 
 from rocksdict import Cache, Rdict, ReadOptions, WriteBatch, WriteBufferManager
 
-from lightqueue.rocks import bounded_options, uncache_obsolete_files
+from lightqueue.rocks import bounded_options, memory_usage, uncache_obsolete_files
 from store.record import dumps_json as dumps
 from store.record import loads_json as loads
 
@@ -90,6 +90,14 @@ class Metadata:
         wb = WriteBatch(raw_mode=True)
         wb.delete_range(raw, _prefix_end(raw), self._handles[cf])
         self._db.write(wb)
+
+    def memory(self) -> dict[str, int]:
+        """What RocksDB holds in memory over all column families (see
+        rocks.memory_usage); they share one block cache, so that is counted once."""
+        parts = [memory_usage(db) for db in (self._db, *self._cfs.values())]
+        total = {k: sum(p[k] for p in parts) for k in ("memtables", "table_readers")}
+        return {**total, "block_cache": parts[0]["block_cache"],
+                "block_cache_capacity": parts[0]["block_cache_capacity"]}
 
     def batch(self) -> MetaBatch:
         return MetaBatch(self)

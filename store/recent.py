@@ -106,5 +106,5 @@ class RecentMessages:
             self._bytes -= ring.bytes
 
     def stats(self) -> dict[str, int]:
-        return {"queues": len(self._rings), "bytes": self._bytes, "hits": self.hits,
-                "misses": self.misses}
+        return {"queues": len(self._rings), "bytes": self._bytes, "max_bytes": self.max_bytes,
+                "hits": self.hits, "misses": self.misses}

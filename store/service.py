@@ -362,5 +362,6 @@ class EmbeddedStore:
             "queues_active": len(self.index._next),  # queues written since start
             "wildcards": len(self.router.wildcards()),
             "recent": self.recent.stats(),  # reads served from memory, see store.recent
+            "memory": {"index": self.index.memory(), "metadata": self.meta.memory()},
             "uptime_s": round(time.time() - self.started_at, 3),
         }

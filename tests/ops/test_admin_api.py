@@ -249,3 +249,10 @@ def test_metrics_parse_with_prometheus_client(busy) -> None:
     assert value[("lightgate_commitlog_bytes", ())] > 0
     assert value[("lightgate_wildcard_queues", ())] >= 1  # ops/+/t
     assert value[("lightgate_store_up", ())] == 1
+    # Where the store's memory goes: the index has memtable data, each cache its bound.
+    assert value[("lightgate_store_memory_bytes", (("part", "index_memtables"),))] > 0
+    for part, mib in (("index_block_cache", 32), ("metadata_block_cache", 16),
+                      ("recent_messages", 32)):
+        used = value[("lightgate_store_memory_bytes", (("part", part),))]
+        limit = value[("lightgate_store_memory_limit_bytes", (("part", part),))]
+        assert limit == mib << 20 and 0 <= used <= limit, part
