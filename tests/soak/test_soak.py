@@ -65,36 +65,58 @@ def proc_stats(pid: int) -> tuple[int, int, int, int]:
     return status["VmRSS"], status["RssAnon"], status["RssFile"], fds
 
 
+def answer(c: RawClient, unacked: dict[int, int], seconds: float) -> None:
+    """Read for up to `seconds` and answer what arrived: acknowledge the server's
+    publishes, carry our QoS 2 exchanges on, and drop our publishes once acknowledged."""
+    c.sock.settimeout(seconds)
+    try:
+        while True:
+            p = c.recv()
+            if isinstance(p, mqtt.Publish) and p.qos == 1:
+                c.send(mqtt.Puback(p.packet_id))
+            elif isinstance(p, mqtt.Publish) and p.qos == 2:
+                c.send(mqtt.Pubrec(p.packet_id))
+            elif isinstance(p, mqtt.Pubrel):
+                c.send(mqtt.Pubcomp(p.packet_id))
+            elif isinstance(p, mqtt.Pubrec) and p.reason_code < 0x80:
+                c.send(mqtt.Pubrel(p.packet_id))  # still unacknowledged until PUBCOMP
+            elif isinstance(p, (mqtt.Puback, mqtt.Pubrec, mqtt.Pubcomp)):
+                unacked.pop(p.packet_id, None)
+    except (TimeoutError, BlockingIOError):
+        pass
+    finally:
+        c.sock.settimeout(5)
+
+
 def worker(port: int, n: int, stop: threading.Event, errors: list[str]) -> None:
+    """Connect, subscribe, publish 50-300 messages at random QoS, reading what arrives in
+    between, and leave (cleanly or abruptly); again until `stop`. Like any MQTT 5 client,
+    it keeps its unacknowledged QoS 1/2 publishes within the server's Receive Maximum
+    (the server disconnects one that does not, with 0x93)."""
     rng = random.Random(n)
     while not stop.is_set():
         try:
             c = RawClient(port, version=rng.choice([4, 5]), timeout=5)
-            c.connect(f"soak-{n}-{rng.randrange(4)}", clean=rng.random() < 0.5)
+            ack = c.connect(f"soak-{n}-{rng.randrange(4)}", clean=rng.random() < 0.5)
+            quota = ack.properties.get("receive_maximum", 65535) if c.version == 5 else None
             c.subscribe(rng.choice(["soak/+/t", "soak/#", "$share/g/soak/+/t"]),
                         rng.randrange(3))
             pid = 1
+            unacked: dict[int, int] = {}  # our QoS 1/2 publishes: packet id -> QoS
             for _ in range(rng.randrange(50, 300)):
                 if stop.is_set():
                     break
+                deadline = time.monotonic() + 10
+                while quota is not None and len(unacked) >= quota:
+                    assert time.monotonic() < deadline, f"no acks for 10 s: {len(unacked)}"
+                    answer(c, unacked, 0.05)
                 qos = rng.randrange(3)
                 c.send(mqtt.Publish(f"soak/{rng.randrange(20)}/t", os.urandom(64), qos,
                                     rng.random() < 0.05, False, pid if qos else None))
+                if qos:
+                    unacked[pid] = qos
                 pid = pid % 60000 + 1
-                c.sock.settimeout(0.001)
-                try:  # read (and acknowledge) whatever arrived, without blocking long
-                    while True:
-                        p = c.recv()
-                        if isinstance(p, mqtt.Publish) and p.qos == 1:
-                            c.send(mqtt.Puback(p.packet_id))
-                        elif isinstance(p, mqtt.Publish) and p.qos == 2:
-                            c.send(mqtt.Pubrec(p.packet_id))
-                        elif isinstance(p, mqtt.Pubrec):
-                            c.send(mqtt.Pubrel(p.packet_id))
-                        elif isinstance(p, mqtt.Pubrel):
-                            c.send(mqtt.Pubcomp(p.packet_id))
-                except (TimeoutError, BlockingIOError):
-                    pass
+                answer(c, unacked, 0.001)  # whatever arrived, without blocking long
                 time.sleep(0.002)
             if rng.random() < 0.5:
                 c.send(mqtt.Disconnect())
