@@ -65,7 +65,7 @@ def proc_stats(pid: int) -> tuple[int, int, int, int]:
     return status["VmRSS"], status["RssAnon"], status["RssFile"], fds
 
 
-def answer(c: RawClient, unacked: dict[int, int], seconds: float) -> None:
+def answer(c: RawClient, unacked: set[int], seconds: float) -> None:
     """Read for up to `seconds` and answer what arrived: acknowledge the server's
     publishes, carry our QoS 2 exchanges on, and drop our publishes once acknowledged."""
     c.sock.settimeout(seconds)
@@ -81,7 +81,7 @@ def answer(c: RawClient, unacked: dict[int, int], seconds: float) -> None:
             elif isinstance(p, mqtt.Pubrec) and p.reason_code < 0x80:
                 c.send(mqtt.Pubrel(p.packet_id))  # still unacknowledged until PUBCOMP
             elif isinstance(p, (mqtt.Puback, mqtt.Pubrec, mqtt.Pubcomp)):
-                unacked.pop(p.packet_id, None)
+                unacked.discard(p.packet_id)
     except (TimeoutError, BlockingIOError):
         pass
     finally:
@@ -102,7 +102,7 @@ def worker(port: int, n: int, stop: threading.Event, errors: list[str]) -> None:
             c.subscribe(rng.choice(["soak/+/t", "soak/#", "$share/g/soak/+/t"]),
                         rng.randrange(3))
             pid = 1
-            unacked: dict[int, int] = {}  # our QoS 1/2 publishes: packet id -> QoS
+            unacked: set[int] = set()  # packet ids of our QoS 1/2 publishes
             for _ in range(rng.randrange(50, 300)):
                 if stop.is_set():
                     break
@@ -114,7 +114,7 @@ def worker(port: int, n: int, stop: threading.Event, errors: list[str]) -> None:
                 c.send(mqtt.Publish(f"soak/{rng.randrange(20)}/t", os.urandom(64), qos,
                                     rng.random() < 0.05, False, pid if qos else None))
                 if qos:
-                    unacked[pid] = qos
+                    unacked.add(pid)
                 pid = pid % 60000 + 1
                 answer(c, unacked, 0.001)  # whatever arrived, without blocking long
                 time.sleep(0.002)
