@@ -46,6 +46,7 @@ _NO_STORE_WAIT = object()  # an acker item that needs no store acknowledgement
 PUBLISH_BATCH = 256  # publishes per store append, at most
 OUT_CHUNK = 64 * 1024
 OUT_LIMIT = 32 * OUT_CHUNK  # bytes queued for a client before senders wait
+STORE_DRAIN_S = 10.0  # at close, how long publishes already submitted may take to finish
 
 
 class Closing(Exception):
@@ -55,6 +56,7 @@ class Closing(Exception):
         super().__init__(why)
         self.will = will
         self.reason_code = reason_code
+        self.internal = False  # a server bug, not anything the client did
 
 
 class Connection:
@@ -64,8 +66,9 @@ class Connection:
         "_check_delivery", "_kicked", "_limits", "config", "decoder", "version", "session",
         "keepalive", "receive_maximum", "client_max_packet", "problem_info", "alive",
         "connected_at", "_pending", "_pending_bytes", "_writing", "_drained", "_acks",
-        "_delivering", "_nursery",
-        "_inbound_unacked", "_batch_msgs", "_batch_pkts", "_outbuf", "_outbuf_bytes",
+        "_delivering", "_nursery", "_acks_recv", "_storing",
+        "_inbound_unacked", "_inbound_qos2", "_batch_msgs", "_batch_pkts", "_outbuf",
+        "_outbuf_bytes",
         "_window", "_cancel", "_detached", "_taken_over", "_write_failed", "_store_error",
         "_aliases_in", "_aliases_out", "_alias_out_max",
     )
@@ -103,9 +106,14 @@ class Connection:
         self._drained: trio.Event | None = None  # set when the queued bytes went out
         # Started on first use: an idle device costs no acker or delivery task.
         self._acks: trio.MemorySendChannel[tuple[Any, Any]] | None = None
+        self._acks_recv: trio.MemoryReceiveChannel[tuple[Any, Any]] | None = None
+        self._storing: tuple[Any, list[Publish]] | None = None  # the batch the acker awaits
         self._delivering = False
         self._nursery: trio.Nursery | None = None
-        self._inbound_unacked = 0  # QoS 1/2 publishes not yet acknowledged to the client
+        # Inbound QoS 1/2 publishes counted against our Receive Maximum (MQTT 5 §4.9): a
+        # QoS 1 until its PUBACK, a QoS 2 until its PUBCOMP (ids in _inbound_qos2).
+        self._inbound_unacked = 0
+        self._inbound_qos2: set[int] | None = None  # made on first use
         self._batch_msgs: list[Message] = []  # publishes of the current read, not yet sent
         self._batch_pkts: list[Publish] = []
         self._outbuf: list[bytes] = []  # deliveries of the current batch, one write
@@ -125,19 +133,35 @@ class Connection:
         closing: Closing | None = None
         try:
             with self._cancel:
-                async with trio.open_nursery() as nursery:
-                    try:
-                        await self._read_loop(nursery)
-                    except Closing as exc:
-                        closing = exc
-                    except ProtocolError as exc:
-                        closing = Closing(f"protocol error: {exc}", True, exc.reason_code)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                        closing = Closing(f"connection lost: {exc!r}")
-                    nursery.cancel_scope.cancel()
+                try:
+                    async with trio.open_nursery() as nursery:
+                        try:
+                            await self._read_loop(nursery)
+                        except Exception as exc:  # noqa: BLE001 - each becomes a Closing
+                            closing = self._closing_for(exc)
+                        nursery.cancel_scope.cancel()
+                except Exception as exc:  # noqa: BLE001 - from the acker or delivery task
+                    closing = self._closing_for(exc)
         finally:
             with trio.CancelScope(shield=True):
                 await self._close(closing)
+
+    def _closing_for(self, exc: BaseException) -> Closing:
+        """Why this connection ends, from what ended it. An error that is no client's
+        doing is logged with its traceback and told as 0x80, not as a shutdown."""
+        if isinstance(exc, BaseExceptionGroup):
+            found = [self._closing_for(e) for e in exc.exceptions]
+            return next((c for c in found if not c.internal), found[0])
+        if isinstance(exc, Closing):
+            return exc
+        if isinstance(exc, ProtocolError):
+            return Closing(f"protocol error: {exc}", True, exc.reason_code)
+        if isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError | OSError):
+            return Closing(f"connection lost: {exc!r}")
+        log.error("connection from %s failed", self.peer, exc_info=exc)
+        closing = Closing("internal error", True, rc.UNSPECIFIED_ERROR)
+        closing.internal = True
+        return closing
 
     async def _close(self, closing: Closing | None) -> None:
         self.alive = False
@@ -151,6 +175,8 @@ class Connection:
             else:
                 closing = Closing("server shutting down", True, rc.SERVER_SHUTTING_DOWN)
         s = self.session
+        if s is not None:
+            await self._finish_stored(s)
         if s is not None and closing.reason_code and self.version == 5 and not self._taken_over:
             with trio.move_on_after(0.5):
                 await self._send_now(mqtt.encode(
@@ -167,6 +193,30 @@ class Connection:
         with trio.move_on_after(1):
             await self.stream.aclose()
         self._detached.set()
+
+    async def _finish_stored(self, s: Session) -> None:
+        """Publishes handed to the store before the connection ended still get their
+        effects (the retained store, QoS 2 packet ids), and PUBRELs theirs, although
+        their acks have no one to go to: `mosquitto_pub -r` sends CONNECT, PUBLISH and
+        DISCONNECT in one write, and the acker was cancelled with the connection."""
+        pending = [self._storing] if self._storing is not None else []
+        self._storing = None
+        while self._acks_recv is not None:
+            try:
+                pending.append(self._acks_recv.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+        with trio.move_on_after(STORE_DRAIN_S):
+            for item, p in pending:
+                if isinstance(p, Pubrel) and p.packet_id in s.incoming_qos2:
+                    s.incoming_qos2.discard(p.packet_id)
+                    await self.broker.remember_incoming_qos2(s, p.packet_id, done=True)
+                elif isinstance(p, list):
+                    try:
+                        stored = await await_future(item)
+                    except StoreError:
+                        continue  # not stored: nothing to finish
+                    await self._store_effects(s, p, stored)
 
     def _give_back_shared(self, s: Session) -> None:
         """Shared-subscription messages this client did not acknowledge go to others."""
@@ -422,7 +472,8 @@ class Connection:
             if exc.disabled or (not p.username and not self.cert_identity):
                 await self._refuse(v, rc.NOT_AUTHORIZED, 5, "not authorized")
             await self._refuse(v, rc.BAD_USER_NAME_OR_PASSWORD, 4, "bad user name or password")
-        if p.will is not None and not self._may("PUB", p.will.topic):
+        if p.will is not None and (p.will.topic.startswith("$")  # the server's, as below
+                                   or not self._may("PUB", p.will.topic)):
             await self._refuse(v, rc.NOT_AUTHORIZED, 5, "will topic not authorized")
         self.auth_changed()
 
@@ -482,17 +533,20 @@ class Connection:
             raise Closing(f"publish rate limit: {over}", True, rc.MESSAGE_RATE_TOO_HIGH)
         self.broker.stats.messages_in += 1
         self.broker.stats.messages_in_qos[p.qos] += 1
+        if topic.startswith("$"):
+            # MQTT §4.7.2: $-topics are the server's ($SYS statistics); a client must not
+            # be able to overwrite them or pass them off to other clients.
+            await self._refuse_publish(p, topic, "reserved for the server")
+            return
         if self.subject is not None and not self._may("PUB", topic):
-            await self._refuse_publish(p, topic)
+            await self._refuse_publish(p, topic, "not authorized")
             return
         if p.qos == 2 and p.packet_id in s.incoming_qos2:
             await self._flush_publishes()
             await self._acks_channel().send((_NO_STORE_WAIT, p))  # duplicate: PUBREC again
             return
         if p.qos:
-            self._inbound_unacked += 1
-            if self.version == 5 and self._inbound_unacked > self.config.max_pending_publishes:
-                raise ProtocolError(rc.RECEIVE_MAXIMUM_EXCEEDED, "Receive Maximum exceeded")
+            self._count_inbound(p)
         if p.properties.get("payload_format_indicator") == 1 and not _is_utf8(p.payload):
             if not p.qos:
                 raise ProtocolError(rc.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8")
@@ -509,15 +563,15 @@ class Connection:
         if len(self._batch_msgs) >= PUBLISH_BATCH:
             await self._flush_publishes()
 
-    async def _refuse_publish(self, p: Publish, topic: str) -> None:
+    async def _refuse_publish(self, p: Publish, topic: str, why: str) -> None:
         """Not stored. v5: PUBACK/PUBREC 0x87; 3.1.1 has no negative ack, so the client
         gets a plain ack (else it would resend forever) and the log says why."""
-        log.info("publish of %r on %r by %s not authorized: dropped",
-                 self.session.client_id if self.session else "?", topic, self.peer)
+        log.info("publish of %r on %r by %s %s: dropped",
+                 self.session.client_id if self.session else "?", topic, self.peer, why)
         if not p.qos:
             return
         await self._flush_publishes()  # acks stay in arrival order
-        self._inbound_unacked += 1  # _ack releases it
+        self._count_inbound(p)
         await self._acks_channel().send((rc.NOT_AUTHORIZED if self.version == 5 else 0, p))
 
     async def _flush_publishes(self) -> None:
@@ -532,6 +586,23 @@ class Connection:
         except ValueError as exc:
             raise ProtocolError(rc.TOPIC_NAME_INVALID, str(exc)) from exc
         await self._acks_channel().send((fut, pkts))
+
+    def _count_inbound(self, p: Publish) -> None:
+        """One more QoS 1/2 publish unacknowledged; past our Receive Maximum, 0x93."""
+        self._inbound_unacked += 1
+        if p.qos == 2:
+            if self._inbound_qos2 is None:
+                self._inbound_qos2 = set()
+            self._inbound_qos2.add(p.packet_id)
+        if self.version == 5 and self._inbound_unacked > self.config.max_pending_publishes:
+            raise ProtocolError(rc.RECEIVE_MAXIMUM_EXCEEDED, "Receive Maximum exceeded")
+
+    def _release_qos2(self, pid: int) -> None:
+        """A QoS 2 exchange counted by _count_inbound has ended (PUBCOMP, or a failed
+        PUBREC); a duplicate or a resumed exchange was never counted."""
+        if self._inbound_qos2 is not None and pid in self._inbound_qos2:
+            self._inbound_qos2.discard(pid)
+            self._inbound_unacked -= 1
 
     def _resolve_alias(self, p: Publish) -> str:
         alias = p.properties["topic_alias"]
@@ -552,6 +623,7 @@ class Connection:
             assert self._nursery is not None
             self._acks, recv = trio.open_memory_channel[tuple[Any, Any]](
                 self.config.max_pending_publishes)
+            self._acks_recv = recv
             self._nursery.start_soon(self._acker, recv)
         return self._acks
 
@@ -569,7 +641,9 @@ class Connection:
             if isinstance(p, Pubrel):
                 await self._on_pubrel(s, p)
             elif isinstance(p, list):  # a batch stored by one append: its acks in one write
+                self._storing = (item, p)
                 codes = await self._await_store(s, item, p)
+                self._storing = None
                 acks = [self._ack(s, pkt, code) for pkt, code in zip(p, codes, strict=True)
                         if code is not None and pkt.qos]
                 if acks:
@@ -581,7 +655,10 @@ class Connection:
         """The PUBACK/PUBREC for a QoS 1/2 publish (b"" for QoS 0)."""
         if not p.qos:
             return b""
-        self._inbound_unacked -= 1
+        if p.qos == 1:
+            self._inbound_unacked -= 1
+        elif code or p.packet_id not in s.incoming_qos2:
+            self._release_qos2(p.packet_id)  # no PUBREL will follow: the exchange ends
         text = self._store_error if code in (rc.UNSPECIFIED_ERROR, rc.QUOTA_EXCEEDED) \
             else rc.REASON_NAMES.get(code, "")
         props = self._reason(text) if code else {}
@@ -608,19 +685,23 @@ class Connection:
                 raise Closing(f"store error: {exc}", will=True) from exc
             code = rc.QUOTA_EXCEEDED if isinstance(exc, StoreFullError) else rc.UNSPECIFIED_ERROR
             return [code if p.qos else None for p in pkts]
-        codes: list[int | None] = []
+        await self._store_effects(s, pkts, stored)
+        return [0 if p.qos else None for p in pkts]
+
+    async def _store_effects(self, s: Session, pkts: list[Publish],
+                             stored: list[Message]) -> None:
+        """What follows a stored publish before its ack: retained, QoS 2 packet ids.
+        Idempotent, so a batch interrupted by the connection's end may be run again."""
         for p, msg in zip(pkts, stored, strict=True):
             if p.retain:
                 await self.broker.set_retained(msg)
             if p.qos == 2:
                 await self.broker.remember_incoming_qos2(s, p.packet_id, done=False)
-            codes.append(0 if p.qos else None)
-        return codes
 
     async def _on_pubrel(self, s: Session, p: Pubrel) -> None:
         if p.packet_id in s.incoming_qos2:
             s.incoming_qos2.discard(p.packet_id)
-            self._inbound_unacked -= 1
+            self._release_qos2(p.packet_id)
             await self.broker.remember_incoming_qos2(s, p.packet_id, done=True)
             await self.send(mqtt.encode(Pubcomp(p.packet_id), self.version))
         else:
@@ -776,9 +857,19 @@ class Connection:
                     s.notify(queue)
 
     async def _resend_outgoing(self, s: Session) -> None:
-        for o in list(s.outgoing.values()):
-            if o.state == "pubrel":
+        """Resend what the session had in flight, in order, within this connection's
+        Receive Maximum (MQTT 5 §4.9: it may be smaller than the last connection's)."""
+        held = [o for o in s.outgoing.values() if o.state != "pubrel"]
+        for o in s.outgoing.values():
+            if o.state == "pubrel":  # counts against the window, but is always sent
                 await self.send(mqtt.encode(Pubrel(o.packet_id), self.version))
+        for i, o in enumerate(held):
+            # In flight on this connection: everything outgoing but what is still held
+            # (a client may acknowledge a held one it received before the reconnect).
+            while s.outgoing.get(o.packet_id) is o and len(s.outgoing) - sum(
+                    s.outgoing.get(x.packet_id) is x for x in held[i:]) >= self._window_limit():
+                await self._window_wait()
+            if s.outgoing.get(o.packet_id) is not o:
                 continue
             if o.version != self.version and o.message is not None:
                 # The session resumed on a connection of another protocol version.
@@ -926,7 +1017,19 @@ class Connection:
 
     def _encode(self, msg: Message, pid: int | None, qos: int, retain: bool,
                 sids: list[int] | None) -> bytes | None:
-        """The PUBLISH bytes for this client, or None when the message must be dropped."""
+        """The PUBLISH bytes for this client, or None when the message must be dropped.
+        A message that cannot be encoded (stored by an older version or a bug) is
+        dropped and logged: one bad message must not end every delivery loop."""
+        try:
+            return self._encode_for_client(msg, pid, qos, retain, sids)
+        except (ValueError, TypeError, KeyError, OverflowError) as exc:
+            self.broker.stats.dropped += 1
+            log.error("message %s on %r cannot be sent to %s and is dropped: %s",
+                      msg.msg_id, msg.topic, self.peer, exc)
+            return None
+
+    def _encode_for_client(self, msg: Message, pid: int | None, qos: int, retain: bool,
+                           sids: list[int] | None) -> bytes | None:
         v = self.version
         props = None
         if v == 5:
@@ -937,29 +1040,36 @@ class Connection:
                     self.broker.stats.expired += 1
                     return None  # expired messages are not delivered
                 props = dict(msg.properties, message_expiry_interval=left)
-            if self._alias_out_max and not qos:
-                # Aliases only on QoS 0: a QoS 1/2 packet may be resent on a new
-                # connection, where this connection's aliases mean nothing.
-                props = dict(props if props is not None else msg.properties)
+            elif self._alias_out_max and not qos:
+                props = dict(msg.properties)
         if props is None:
-            data = self.broker.template(msg).for_subscriber(
-                pid, False, version=v, qos=qos, retain=retain, subscription_ids=sids)
-            topic = msg.topic
-        else:
-            topic = msg.topic
+            return self._fits(msg, self.broker.template(msg).for_subscriber(
+                pid, False, version=v, qos=qos, retain=retain, subscription_ids=sids))
+        topic, new_alias = msg.topic, False
+        if self._alias_out_max and not qos:
+            # Aliases only on QoS 0: a QoS 1/2 packet may be resent on a new connection,
+            # where this connection's aliases mean nothing.
             if self._aliases_out is None:
                 self._aliases_out = {}
             alias = self._aliases_out.get(topic)
-            if alias is None and self._alias_out_max and \
-                    len(self._aliases_out) < self._alias_out_max:
+            if alias is None and len(self._aliases_out) < self._alias_out_max:
                 alias = self._aliases_out[topic] = len(self._aliases_out) + 1
                 props["topic_alias"] = alias  # first use: topic and alias together
+                new_alias = True
             elif alias is not None:
                 props["topic_alias"] = alias
                 topic = ""  # later uses: the alias alone
-            if sids:
-                props["subscription_identifier"] = sids
-            data = mqtt.encode_publish(topic, msg.body, qos, retain, False, pid, v, props)
+        if sids:
+            props["subscription_identifier"] = sids
+        data = self._fits(msg, mqtt.encode_publish(topic, msg.body, qos, retain, False, pid,
+                                                   v, props))
+        if data is None and new_alias:
+            # The client never sees the packet that would have told it this alias.
+            assert self._aliases_out is not None
+            del self._aliases_out[msg.topic]
+        return data
+
+    def _fits(self, msg: Message, data: bytes) -> bytes | None:
         if len(data) > self.client_max_packet:
             # MQTT 5 §3.1.2.11.4: discard as if sent; the client asked for nothing larger.
             self.broker.stats.dropped += 1
@@ -972,9 +1082,13 @@ class Connection:
         s = self.session
         assert s is not None
         while len(s.outgoing) >= self._window_limit():
-            if self._window.is_set():  # one event for every waiter (delivery, retained)
-                self._window = trio.Event()
-            await self._window.wait()
+            await self._window_wait()
+
+    async def _window_wait(self) -> None:
+        """Until an in-flight slot frees up."""
+        if self._window.is_set():  # one event for every waiter (delivery, retained)
+            self._window = trio.Event()
+        await self._window.wait()
 
 
 def _only_reader(s: Session, queue: str) -> list[Subscription] | None:
