@@ -182,7 +182,12 @@ class CommitLog:
         try:
             pos = phys_offset - seg.base
             if size is None:
-                _, size = record.frame_length(seg.pread(record.FRAME.size, pos))
+                # Any id may come from a client: an offset inside a record reads a
+                # garbage length, which must not become a 4 GiB pread.
+                magic, size = record.frame_length(seg.pread(record.FRAME.size, pos))
+                if magic not in (record.MAGIC, record.MAGIC_WIDE) or not (
+                        record.HEADER_SIZE <= size <= min(record.MAX_RECORD, seg.size() - pos)):
+                    raise CorruptRecord(f"no record starts at offset {phys_offset}")
             return record.decode(seg.pread(size, pos), 0, phys_offset)
         finally:
             seg.release()

@@ -118,7 +118,7 @@ class FrameDecoder:
             hstart = pos + HEAD.size
             try:
                 header = loads_json(bytes(buf[hstart : hstart + hlen])) if hlen else {}
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:  # TypeError: defence in depth
                 raise ProtocolError(f"bad header JSON: {exc}") from exc
             if not isinstance(header, dict):
                 raise ProtocolError("header must be a JSON object")
@@ -165,7 +165,7 @@ def unpack_messages(metas: list[dict[str, Any]], body: bytes) -> list[Message]:
                 raise ProtocolError("message sizes do not match the body")
             out.append(Message(
                 topic=str(meta["topic"]), body=body[pos : pos + size],
-                qos=int(meta.get("qos", 0)), retain=bool(meta.get("retain", False)),
+                qos=meta.get("qos", 0), retain=meta.get("retain", False),  # checked later
                 client_id=str(meta.get("client_id", "")), properties=meta.get("props") or {},
                 born_ts=int(meta.get("born_ts", 0)), key=str(meta.get("key", "")),
                 store_ts=int(meta.get("store_ts", 0)), phys_offset=int(meta.get("phys", -1)),

@@ -7,6 +7,9 @@ Layout (big-endian):
     key_len u16 | props_len u32 | body_len u32 | nqueues u16          <- 34-byte fixed part
     client_id | topic | key | properties (JSON) | body | nqueues x (name_len u16, name, offset u64)
 
+Magic "LGM1"; "LGM2" is the same with nqueues u32 (36 bytes), for the rare message that
+more than 65,535 queues take.
+
 The light-queue offsets assigned inside the append are part of the record, so the index
 is derived data: re-dispatching a record writes exactly the entries it had before.
 """
@@ -22,13 +25,18 @@ from typing import Any
 import orjson
 
 MAGIC = 0x4C47_4D31  # "LGM1"
+# The same record with a u32 queue count, written only for a message that more than
+# 65,535 queues take (that many registered wildcard filters match its topic).
+MAGIC_WIDE = 0x4C47_4D32  # "LGM2"
 BLANK_MAGIC = 0x4C47_4245  # "LGBE": the rest of this segment is empty, go to the next
 FRAME = struct.Struct(">III")
 FIXED = struct.Struct(">QQBBHHHIIH")
+FIXED_WIDE = struct.Struct(">QQBBHHHIII")
 QNAME_LEN = struct.Struct(">H")
 QOFFSET = struct.Struct(">Q")
 HEADER_SIZE = FRAME.size + FIXED.size
 MAX_RECORD = 512 * 1024 * 1024
+MAX_QUEUES = 0xFFFF  # nqueues is a u16 in an LGM1 record
 FLAG_RETAIN = 0x01
 
 
@@ -86,7 +94,10 @@ def _json_default(obj: Any) -> Any:
 def _restore_bytes(obj: Any) -> Any:
     if isinstance(obj, dict):
         if len(obj) == 1 and "$b64" in obj:
-            return base64.b64decode(obj["$b64"])
+            raw = obj["$b64"]
+            if not isinstance(raw, str):  # JSON from a peer: anything may be there
+                raise ValueError(f"$b64 value must be a base64 string, not {type(raw).__name__}")
+            return base64.b64decode(raw, validate=True)  # binascii.Error is a ValueError
         return {k: _restore_bytes(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_restore_bytes(v) for v in obj]
@@ -99,9 +110,11 @@ def dumps_json(value: Any) -> bytes:
 
 
 def loads_json(raw: bytes) -> Any:
+    """Raises ValueError (only) for anything that is not such JSON."""
     value = orjson.loads(raw)
-    # Binary values (e.g. MQTT 5 correlation data) were wrapped; only walk when present.
-    return _restore_bytes(value) if b'"$b64"' in raw else value
+    # Binary values (e.g. MQTT 5 correlation data) were wrapped; only walk when present
+    # (or when escapes could spell the key another way: "\u0024b64").
+    return _restore_bytes(value) if b"b64" in raw or b"\\u" in raw else value
 
 
 def encode_properties(props: dict[str, Any]) -> bytes:
@@ -109,7 +122,10 @@ def encode_properties(props: dict[str, Any]) -> bytes:
 
 
 def decode_properties(raw: bytes) -> dict[str, Any]:
-    return loads_json(raw) if raw else {}
+    props = loads_json(raw) if raw else {}
+    if not isinstance(props, dict):
+        raise ValueError("properties must be a JSON object")
+    return props
 
 
 def encode(msg: Message) -> bytes:
@@ -118,9 +134,14 @@ def encode(msg: Message) -> bytes:
     topic = msg.topic.encode()
     key = msg.key.encode()
     props = encode_properties(msg.properties)
+    if b'"$b64"' in props:
+        # A property shaped like our bytes wrapper must come back as it went in: a record
+        # that does not decode would stop every later start in recovery.
+        decode_properties(props)
+    wide = len(msg.queues) > MAX_QUEUES
     parts = [
         b"",  # frame placeholder
-        FIXED.pack(
+        (FIXED_WIDE if wide else FIXED).pack(
             msg.store_ts, msg.born_ts, msg.qos, FLAG_RETAIN if msg.retain else 0,
             len(client), len(topic), len(key), len(props), len(msg.body), len(msg.queues),
         ),
@@ -135,7 +156,7 @@ def encode(msg: Message) -> bytes:
     total = FRAME.size + len(rest)
     if total > MAX_RECORD:
         raise ValueError(f"record of {total} bytes exceeds the {MAX_RECORD}-byte limit")
-    return FRAME.pack(MAGIC, total, zlib.crc32(rest)) + rest
+    return FRAME.pack(MAGIC_WIDE if wide else MAGIC, total, zlib.crc32(rest)) + rest
 
 
 def frame_length(buf: bytes | memoryview, pos: int = 0) -> tuple[int, int]:
@@ -151,16 +172,22 @@ def decode(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1) -> Mess
     if len(buf) - pos < HEADER_SIZE:
         raise CorruptRecord("truncated header")
     magic, total, crc = FRAME.unpack_from(buf, pos)
-    if magic != MAGIC:
+    if magic == MAGIC:
+        fixed = FIXED
+    elif magic == MAGIC_WIDE:
+        fixed = FIXED_WIDE
+    else:
         raise CorruptRecord(f"bad magic {magic:#x}")
     if total < HEADER_SIZE or total > MAX_RECORD or pos + total > len(buf):
         raise CorruptRecord(f"bad length {total}")
     body_start = pos + FRAME.size
     end = pos + total
+    if total < FRAME.size + fixed.size:
+        raise CorruptRecord(f"bad length {total}")
     if zlib.crc32(memoryview(buf)[body_start:end]) != crc:
         raise CorruptRecord("CRC mismatch")
-    (store_ts, born_ts, qos, flags, lc, lt, lk, lp, lb, nq) = FIXED.unpack_from(buf, body_start)
-    p = body_start + FIXED.size
+    (store_ts, born_ts, qos, flags, lc, lt, lk, lp, lb, nq) = fixed.unpack_from(buf, body_start)
+    p = body_start + fixed.size
     try:
         client = bytes(buf[p : p + lc]).decode()
         p += lc
@@ -181,7 +208,7 @@ def decode(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1) -> Mess
             (offset,) = QOFFSET.unpack_from(buf, p)
             p += 8
             queues.append((name, offset))
-    except (UnicodeDecodeError, struct.error, orjson.JSONDecodeError) as exc:
+    except (ValueError, TypeError, struct.error) as exc:  # JSON, UTF-8, $b64 included
         raise CorruptRecord(f"undecodable fields: {exc}") from exc
     if p != end:
         raise CorruptRecord("field lengths disagree with the record length")

@@ -9,8 +9,10 @@ responses follow when the store acknowledges them.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import trio
@@ -33,11 +35,16 @@ from store.native_acl import NODE, SUPER, Need, needs
 from store.record import Message
 from store.service import EmbeddedStore, await_future
 from store.streams import batched_writer
+from store.validate import validate_message
 
 log = logging.getLogger("lightgate.store.native")
 
 MAX_INFLIGHT_REQUESTS = 64
 MAX_PULL_WAIT_MS = 30_000
+# With --auth, until a HELLO has authenticated: frames are small (a HELLO is tiny) and the
+# connection must authenticate in time, so unauthenticated peers cannot hold memory.
+PRE_AUTH_MAX_FRAME = 64 * 1024
+HELLO_TIMEOUT_S = 10.0
 
 
 class BadRequest(Exception):
@@ -66,22 +73,37 @@ class NotFound(BadRequest):
 
 
 class QueueWaiters:
-    """Long-polling pulls wait here for their queue to grow."""
+    """Long-polling pulls wait here for their queue to grow. An entry lives while someone
+    waits: queue names come from clients, so a table that only a queue's growth empties
+    would grow with every name ever polled."""
 
     def __init__(self) -> None:
-        self._events: dict[str, trio.Event] = {}
+        self._events: dict[str, tuple[trio.Event, int]] = {}  # queue -> (event, waiters)
 
-    def event(self, queue: str) -> trio.Event:
-        ev = self._events.get(queue)
+    @contextmanager
+    def waiting(self, queue: str) -> Iterator[trio.Event]:
+        ev, n = self._events.get(queue, (None, 0))
         if ev is None:
-            ev = self._events[queue] = trio.Event()
-        return ev
+            ev = trio.Event()
+        self._events[queue] = (ev, n + 1)
+        try:
+            yield ev
+        finally:
+            cur = self._events.get(queue)
+            if cur is not None and cur[0] is ev:
+                if cur[1] <= 1:
+                    del self._events[queue]
+                else:
+                    self._events[queue] = (ev, cur[1] - 1)
 
     def wake(self, names: set[str]) -> None:
         for name in names:
-            ev = self._events.pop(name, None)
-            if ev is not None:
-                ev.set()
+            entry = self._events.pop(name, None)
+            if entry is not None:
+                entry[0].set()
+
+    def __len__(self) -> int:
+        return len(self._events)
 
 
 class NativeServer:
@@ -137,20 +159,29 @@ class NativeServer:
         self.connections += 1
         send, recv = trio.open_memory_channel[bytes](256)
         limit = trio.Semaphore(MAX_INFLIGHT_REQUESTS)
-        decoder = p.FrameDecoder()
         ctx = ConnCtx(_peer_ip(stream))
+        must_auth = self.auth.enabled
+        decoder = p.FrameDecoder(PRE_AUTH_MAX_FRAME if must_auth else p.MAX_FRAME)
+        hello_by = trio.current_time() + HELLO_TIMEOUT_S
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(batched_writer, stream, recv, nursery.cancel_scope)
                 try:
                     while True:
-                        data = await stream.receive_some(65536)
+                        with trio.move_on_at(hello_by if must_auth else math.inf):
+                            data = await stream.receive_some(65536)
+                        if must_auth and trio.current_time() >= hello_by:
+                            raise p.ProtocolError(
+                                f"not authenticated within {HELLO_TIMEOUT_S:.0f} s")
                         if not data:
                             break
                         for frame in decoder.feed(data):
                             if frame.kind == p.REQUEST and frame.code == p.HELLO:
                                 # Inline: nothing after a HELLO runs before it decides.
                                 await send.send(await self._hello(frame, ctx))
+                                if must_auth and ctx.subject is not None:
+                                    must_auth = False
+                                    decoder.max_frame = p.MAX_FRAME
                                 continue
                             await limit.acquire()
                             self._start(nursery, frame, send, limit, ctx)
@@ -161,7 +192,14 @@ class NativeServer:
                     await trio.sleep(0.05)  # let the writer flush the error frame
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     pass
+                except Exception:  # a bug: end this connection only, never the server
+                    log.exception("native connection from %s failed", ctx.ip)
+                    await send.send(p.encode_frame(p.Frame(
+                        p.ERROR, 0, 0, {"status": 500, "error": "internal error"})))
+                    await trio.sleep(0.05)
                 nursery.cancel_scope.cancel()
+        except Exception:  # a request task's bug ends this connection, never the server
+            log.exception("native connection from %s failed", ctx.ip)
         finally:
             self.connections -= 1
             with trio.move_on_after(1) as scope:
@@ -278,9 +316,12 @@ class NativeServer:
         self._check(frame, ctx, [m.topic for m in msgs])
         if not msgs:
             raise BadRequest("no messages")
+        topic = str(frame.header.get("topic", ""))
+        for m in msgs:  # ValueError: a 400, nothing of the frame stored
+            validate_message(m, mqtt=frame.code == p.PUBLISH or bool(m.topic and m.topic != topic))
         if frame.code == p.PUBLISH:
             return self.store.publish_start(msgs)
-        return self.store.send_start(str(frame.header.get("topic", "")), msgs)
+        return self.store.send_start(topic, msgs)
 
     async def _reply_append(self, frame: p.Frame, fut: Any, send: Any, limit: Any) -> None:
         try:
@@ -290,6 +331,8 @@ class NativeServer:
                 out = _error(frame, 507, str(exc))
             except StoreError as exc:
                 out = _error(frame, 503, str(exc))
+            except ValueError as exc:  # refused by the writer (e.g. a record too large)
+                out = _error(frame, 400, str(exc))
             else:
                 results = [{"msg_id": m.msg_id, "queues": m.queues, "store_ts": m.store_ts,
                             "phys": m.phys_offset, "rsize": m.size} for m in stored]
@@ -308,12 +351,13 @@ class NativeServer:
         wait_ms = min(int(f.header.get("wait_ms", 0)), MAX_PULL_WAIT_MS)
         res = await self.store.pull(queue, offset, max_count)
         if not res.messages and wait_ms > 0:
-            ev = self.waiters.event(queue)
-            # Re-check after registering the waiter: a message may have just landed.
-            res = await self.store.pull(queue, offset, max_count)
+            with self.waiters.waiting(queue) as ev:
+                # Re-check after registering the waiter: a message may have just landed.
+                res = await self.store.pull(queue, offset, max_count)
+                if not res.messages:
+                    with trio.move_on_after(wait_ms / 1000):
+                        await ev.wait()
             if not res.messages:
-                with trio.move_on_after(wait_ms / 1000):
-                    await ev.wait()
                 res = await self.store.pull(queue, offset, max_count)
         metas, body = p.pack_messages(res.messages)
         return {"messages": metas, "next_offset": res.next_offset,
@@ -356,6 +400,7 @@ class NativeServer:
         """Give a failed message another try later, or dead-letter it."""
         group = str(f.header["group"])
         [msg] = p.unpack_messages([f.header["message"]], f.body)
+        validate_message(msg, mqtt=False)  # its copy is stored
         attempt = int(msg.properties.get("lg_attempt", 0)) + 1
         props = dict(msg.properties, lg_attempt=attempt,
                      lg_origin=msg.properties.get("lg_origin") or msg.msg_id)
@@ -434,6 +479,7 @@ class NativeServer:
     async def _stats(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         stats = await self.store.get_stats()
         stats["native_connections"] = self.connections
+        stats["pull_waiters"] = len(self.waiters)  # queues with a long-poll waiting
         return stats, b""
 
     async def _gateway_heartbeat(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
