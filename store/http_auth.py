@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import orjson
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -25,6 +26,7 @@ from store.auth import AuthError, AuthManager, Policy, Subject
 COOKIE = "lg_session"
 SESSION_TTL = 12 * 3600.0
 MAX_SESSIONS = 10_000
+MAX_JSON_BODY = 64 * 1024  # login, users and policies are all small
 OPEN_PATHS = ("/api/v1/login", "/api/v1/logout", "/api/v1/whoami")
 SUPER_PREFIXES = ("/api/v1/users", "/api/v1/acl")
 
@@ -117,8 +119,21 @@ async def _deny(scope: Any, receive: Any, send: Any, status: int, message: str) 
 
 
 async def _json(request: Request) -> dict[str, Any]:
+    """The JSON object in the body, read only up to MAX_JSON_BODY: login is open to
+    anyone, so an unbounded body would let anyone fill the memory."""
+    too_big = HTTPException(413, f"body larger than {MAX_JSON_BODY} bytes")
     try:
-        body = await request.json()
+        if int(request.headers.get("content-length") or 0) > MAX_JSON_BODY:
+            raise too_big
+    except ValueError:
+        raise HTTPException(400, "bad Content-Length") from None
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_JSON_BODY:
+            raise too_big
+    try:
+        body = orjson.loads(raw)
     except ValueError:
         raise HTTPException(400, "body must be JSON") from None
     if not isinstance(body, dict):

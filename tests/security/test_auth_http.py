@@ -61,6 +61,25 @@ def test_login_cookie_session(srv: Server) -> None:
         assert web.get("/api/v1/overview").status_code == 401
 
 
+def test_login_body_is_bounded(srv: Server) -> None:
+    """Login is open to anyone: a huge body is refused as it arrives, not buffered."""
+    big = b'{"username":"' + b"x" * (8 << 20) + b'"}'
+    r = httpx.post(url(srv, "/api/v1/login"), content=big,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "larger than" in r.json()["error"]
+
+    def chunks():  # no Content-Length: the limit must hold while streaming too
+        yield b'{"username":"'
+        for _ in range(128):
+            yield b"y" * 65536
+
+    r = httpx.post(url(srv, "/api/v1/login"), content=chunks())
+    assert r.status_code == 413
+    ok = httpx.post(url(srv, "/api/v1/login"), json={"username": "viewer",
+                                                       "password": "viewer-pw"})
+    assert ok.status_code == 200
+
+
 def test_users_and_acl_endpoints(srv: Server) -> None:
     with httpx.Client(base_url=f"http://{srv.addrs['http']}", auth=ADMIN) as api:
         r = api.post("/api/v1/users", json={"name": "frank", "password": "frank-pw"})
