@@ -7,6 +7,8 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +128,8 @@ class Broker:
         self.auth.on_change(self._auth_changed)
         self.connect_limiter = SourceRateLimiter(self.config.max_connect_rate)
         self.sessions: dict[str, Session] = {}
+        # One CONNECT per client id at a time (takeover, load, attach): [lock, users].
+        self._connect_locks: dict[str, list[Any]] = {}
         self.queue_subs: dict[str, set[Session]] = {}
         self.cache = QueueCache(store)
         self.stats = Stats()
@@ -216,9 +220,36 @@ class Broker:
 
     # -- sessions ---------------------------------------------------------------------
     async def open_session(
+        self, client_id: str, clean_start: bool, expiry: int, version: int,
+        connection: Any = None,
+    ) -> tuple[Session, bool]:
+        """The session for a new connection, attached to `connection`, and whether one was
+        present. CONNECTs with the same client id are taken one at a time, in order, so
+        the last one wins: two at once both stayed connected, holding one session."""
+        async with self._connect_lock(client_id):
+            session, present = await self._open_session(client_id, clean_start, expiry,
+                                                        version)
+            if connection is not None:
+                session.connection = connection
+            return session, present
+
+    @asynccontextmanager
+    async def _connect_lock(self, client_id: str) -> AsyncIterator[None]:
+        entry = self._connect_locks.get(client_id)
+        if entry is None:
+            entry = self._connect_locks[client_id] = [trio.Lock(), 0]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:  # nobody holds or waits: no entry per client id ever seen
+                del self._connect_locks[client_id]
+
+    async def _open_session(
         self, client_id: str, clean_start: bool, expiry: int, version: int
     ) -> tuple[Session, bool]:
-        """The session for a new connection, and whether one was present."""
         session = self.sessions.get(client_id)
         if session is not None and session.connection is not None:
             await session.connection.take_over()  # closed, will sent, session detached

@@ -409,10 +409,10 @@ class Connection:
         max_ka = self.config.max_keepalive
         if max_ka and (self.keepalive == 0 or self.keepalive > max_ka) and v == 5:
             self.keepalive = server_keepalive = max_ka
-        session, present = await self.broker.open_session(client_id, p.clean_start, expiry, v)
+        session, present = await self.broker.open_session(client_id, p.clean_start, expiry, v,
+                                                          connection=self)
         self.session = session
         self.connected_at = time.time()
-        session.connection = self
         session.will = p.will
         self.broker.stats.connections += 1
         self.broker.stats.connects_total += 1

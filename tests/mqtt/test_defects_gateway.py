@@ -301,3 +301,55 @@ async def test_internal_error_is_not_answered_as_server_shutting_down(tmp_path: 
         assert isinstance(got[-1], mqtt.Disconnect), got
         assert got[-1].reason_code == rc.UNSPECIFIED_ERROR, got[-1]
         n.cancel_scope.cancel()
+
+
+# -- 7: simultaneous CONNECTs with one client id: only the last survives ------------------
+
+
+def test_simultaneous_connects_with_one_client_id_leave_exactly_one(server) -> None:
+    import httpx
+
+    for round_ in range(5):
+        cid = f"twin-{round_}"
+        socks = []
+        for i in range(6):
+            version = 5 if i % 2 else 4
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=3)
+            socks.append((s, version))
+        # All CONNECTs as close together as the sockets allow.
+        for s, version in socks:
+            s.sendall(mqtt.encode(mqtt.Connect(cid, protocol_level=version,
+                                               clean_start=round_ % 2 == 0), version))
+        time.sleep(1.0)
+        alive = []
+        for s, version in socks:
+            s.settimeout(0.3)
+            dec = mqtt.Decoder(server=False, version=version)
+            got: list[object] = []
+            closed = False
+            try:
+                while True:
+                    data = s.recv(65536)
+                    if not data:
+                        closed = True
+                        break
+                    got.extend(dec.feed(data))
+            except TimeoutError:
+                pass
+            except ConnectionResetError:
+                closed = True
+            if not closed:
+                s.sendall(mqtt.encode(mqtt.Pingreq(), version))
+                try:
+                    data = s.recv(65536)
+                    closed = not data
+                except (TimeoutError, ConnectionResetError):
+                    closed = True
+            if not closed:
+                alive.append(s)
+        assert len(alive) == 1, f"round {round_}: {len(alive)} connections stayed"
+        clients = httpx.get(f"http://{server.addrs['http']}/api/v1/clients",
+                            params={"q": cid}).json()
+        assert [c["client_id"] for c in clients["items"]] == [cid], clients
+        for s, _ in socks:
+            s.close()
