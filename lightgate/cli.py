@@ -25,6 +25,7 @@ STORE_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("segment-size", int, 1 << 30, "CommitLog segment size in bytes"),
     ("retention-hours", float, 72.0, "delete whole segments older than this"),
     ("retention-bytes", int, None, "delete the oldest segments beyond this total size"),
+    ("retention-check-s", float, 60.0, "how often retention looks for segments to delete"),
     ("partitions", int, 4, "default partitions of a first-level topic"),
     ("full-verify", bool, False, "verify every CommitLog record on start, not just the tail"),
 ]
@@ -117,6 +118,7 @@ def _store_config(values: dict[str, Any]) -> Any:
         segment_size=values["segment_size"],
         retention_hours=values["retention_hours"],
         retention_bytes=values["retention_bytes"],
+        retention_check_s=values["retention_check_s"],
         default_partitions=values["partitions"],
         full_verify=bool(values["full_verify"]),
     )

@@ -147,8 +147,7 @@ class ConsumeQueueIndex:
         it.seek(prefix)
         if it.valid() and it.key().startswith(prefix):
             return U64.unpack_from(it.key(), len(prefix))[0]
-        last = self._last_offset(queue)
-        return 0 if last is None else last + 1
+        return self.max_offset(queue)  # empty: where the next one goes (floor included)
 
     def max_offset(self, queue: str) -> int:
         """One past the last entry (the offset the next message will get), never below
@@ -218,11 +217,18 @@ class ConsumeQueueIndex:
 
     # -- retention --------------------------------------------------------------------
     def delete_below(self, queue_ends: dict[str, int], keys: Iterable[tuple[str, int]]) -> None:
-        """Drop entries below `end` of each queue and the given key refs, in one batch."""
+        """Drop entries below `end` of each queue and the given key refs, in one batch.
+        Each queue keeps `end` as its floor: once all its entries are gone, the next
+        offset must still follow them (after a restart it was 0 again, and a persistent
+        session past the old offsets never saw the new messages)."""
         wb = WriteBatch(raw_mode=True)
         for queue, end in queue_ends.items():
             prefix = queue_prefix(queue)
             wb.delete_range(prefix, prefix + U64.pack(end))
+            floor_key = FLOOR + queue.encode()
+            old = self._db.get(floor_key)  # a repair may have set a higher one
+            if old is None or U64.unpack(old)[0] < end:
+                wb.put(floor_key, U64.pack(end))
         for key, phys in keys:
             wb.delete(key_prefix(key) + U64.pack(phys))
         self._db.write(wb, self._no_wal)

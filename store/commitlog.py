@@ -26,7 +26,7 @@ import orjson
 from lightqueue.index import ConsumeQueueIndex
 from store import record
 from store.record import CorruptRecord, Message
-from store.segment import Segment, is_segment_name, segment_name
+from store.segment import Segment, fsync_dir, is_segment_name, segment_name
 
 log = logging.getLogger("lightgate.store.commitlog")
 
@@ -100,6 +100,7 @@ class CommitLog:
         self.on_dispatched = on_dispatched
         self.full_verify = full_verify
         self._segments: tuple[Segment, ...] = ()
+        self._segments_lock = threading.Lock()
         self._bases: tuple[int, ...] = ()
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -318,7 +319,7 @@ class CommitLog:
         try:
             while len(self._segments) > start_segments:
                 seg = self._segments[-1]
-                self._set_segments(self._segments[:-1])
+                self._update_segments(lambda segs: segs[:-1])
                 seg.doom()
             active = self._segments[-1]
             os.close(self._wfd)
@@ -335,7 +336,10 @@ class CommitLog:
         os.close(self._wfd)
         self._flushed = self._write_pos
         seg = Segment(self.dir / segment_name(self._write_pos), self._write_pos)
-        self._set_segments((*self._segments, seg))
+        # The new file's directory entry must be durable before anything in it is acked:
+        # fdatasync of the file alone does not persist its name (power loss, --flush sync).
+        fsync_dir(self.dir)
+        self._update_segments(lambda segs: (*segs, seg))
         self._wfd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
 
     def _fsync_tail(self) -> None:
@@ -387,6 +391,14 @@ class CommitLog:
         self._segments = segs
         self._bases = tuple(s.base for s in segs)
 
+    def _update_segments(self, change: Callable[[tuple[Segment, ...]], tuple[Segment, ...]]
+                         ) -> None:
+        """Read, change and set the segment list as one step: the writer (roll, undo) and
+        retention (a worker thread) both change it, and one's change must not undo the
+        other's."""
+        with self._segments_lock:
+            self._set_segments(change(self._segments))
+
     def _segment_for(self, phys_offset: int) -> Segment | None:
         segs, bases = self._segments, self._bases
         i = bisect.bisect_right(bases, phys_offset) - 1
@@ -417,6 +429,7 @@ class CommitLog:
         ]
         if not segs:
             segs = [Segment(self.dir / segment_name(0), 0)]
+            fsync_dir(self.dir)
         self._set_segments(tuple(segs))
 
     def _read_checkpoint(self) -> int | None:
@@ -569,7 +582,8 @@ class CommitLog:
                 ends[name] = off + 1
             if msg.key:
                 keys.append((msg.key, msg.phys_offset))
-        self._set_segments(self._segments[1:])  # no new reader finds it from here on
+        self._update_segments(lambda segs: tuple(s for s in segs if s is not seg))
+        # (no new reader finds it from here on)
         self.index.delete_below(ends, keys)
         gone = seg.doom()
         log.info(

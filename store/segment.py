@@ -82,3 +82,12 @@ class Segment:
                 os.close(self._fd)
                 self._fd = -1
             self.doomed = True
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the directory's entries (a file just created or renamed) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

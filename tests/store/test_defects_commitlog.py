@@ -1,0 +1,162 @@
+"""Regressions for issue 23's CommitLog and queue defects: offsets after retention and a
+restart (store level and end to end over MQTT), the segment list shared by the writer
+and retention, and the directory fsync after a segment roll."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from gateway import mqtt
+from lightqueue.index import ConsumeQueueIndex
+from store.commitlog import CommitLog
+from store.record import Message
+from tests.conftest import Server
+from tests.mqtt.raw import RawClient
+
+
+def _open(root: Path, **kw: object) -> tuple[CommitLog, ConsumeQueueIndex]:
+    index = ConsumeQueueIndex(root / "index")
+    log = CommitLog(root / "log", index, **kw)
+    log.open()
+    return log, index
+
+
+def _close(log: CommitLog, index: ConsumeQueueIndex) -> None:
+    log.close()
+    index.close()
+
+
+def _append(log: CommitLog, topic: str, body: bytes = b"x" * 1000) -> Message:
+    [m] = log.append([Message(topic, body)], [[topic]]).result(10)
+    return m
+
+
+# -- 3: offsets keep rising across retention and restarts ------------------------------
+
+
+def test_queue_offsets_are_not_reused_after_retention_and_restart(tmp_path: Path) -> None:
+    log, index = _open(tmp_path, segment_size=16 * 1024)
+    assert [_append(log, "idle/t").offset_in("idle/t") for _ in range(3)] == [0, 1, 2]
+    for _ in range(100):  # filler: many segments past the idle queue's
+        _append(log, "busy/t")
+    log.enforce_retention(retention_bytes=32 * 1024)
+    assert index.min_offset("idle/t") == index.max_offset("idle/t") == 3  # entries gone
+    _close(log, index)
+    log, index = _open(tmp_path, segment_size=16 * 1024)
+    try:
+        assert [_append(log, "idle/t").offset_in("idle/t") for _ in range(2)] == [3, 4]
+    finally:
+        _close(log, index)
+
+
+def test_persistent_subscriber_gets_messages_after_retention_and_restart(
+        tmp_path: Path) -> None:
+    """The issue's reproduction: a persistent subscriber acks 0-2 of idle/t and leaves,
+    retention removes every entry of idle/t, the server restarts, two messages follow."""
+    srv = Server(tmp_path / "data", "--segment-size", "65536", "--retention-bytes",
+                 "131072", "--retention-check-s", "0.2").start()
+    try:
+        sub = RawClient(srv.port)
+        sub.connect("idle-sub", clean=False)
+        sub.subscribe("idle/t", 1)
+        pub = RawClient(srv.port)
+        pub.connect("idle-pub")
+        for i in range(3):
+            pub.send(mqtt.Publish("idle/t", b"old%d" % i, 1, False, False, i + 1))
+            assert isinstance(pub.recv(), mqtt.Puback)
+        for _ in range(3):
+            p = sub.recv()
+            sub.send(mqtt.Puback(p.packet_id))
+        sub.send(mqtt.Disconnect())
+        sub.close()
+        for i in range(400):  # ~400 kB of filler: retention must remove idle/t's segment
+            pub.send(mqtt.Publish("filler/t", b"f" * 1000, 1, False, False, i % 60000 + 10))
+            assert isinstance(pub.recv(), mqtt.Puback)
+        time.sleep(1.0)  # a retention round
+        pub.close()
+        assert srv.stop() == 0
+        srv.start()
+        pub = RawClient(srv.port)
+        pub.connect("idle-pub-2")
+        for i in range(2):
+            pub.send(mqtt.Publish("idle/t", b"new%d" % i, 1, False, False, i + 1))
+            assert isinstance(pub.recv(), mqtt.Puback)
+        back = RawClient(srv.port)
+        assert back.connect("idle-sub", clean=False).session_present
+        got = [back.recv() for _ in range(2)]
+        assert [p.payload for p in got] == [b"new0", b"new1"]
+        back.close()
+        pub.close()
+    finally:
+        if srv.proc is not None:
+            assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+# -- suspicion: the segment list, changed by the writer's roll and by retention ---------
+
+
+def test_a_roll_during_retention_keeps_the_new_segment(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention (a worker thread) removes the oldest segment while the writer rolls to
+    a new one. Each read-modify-writes the segment tuple; widen the window between read
+    and write in retention and the roll must still be kept."""
+    log, index = _open(tmp_path, segment_size=8 * 1024)
+    try:
+        for _ in range(20):
+            _append(log, "a/t")
+        original = CommitLog._set_segments
+        in_retention = threading.Event()
+
+        def slow_set(self: CommitLog, segs: tuple) -> None:
+            if threading.current_thread().name == "retention":
+                in_retention.set()
+                time.sleep(0.3)  # the writer rolls meanwhile
+            original(self, segs)
+
+        monkeypatch.setattr(CommitLog, "_set_segments", slow_set)
+        total = sum(size for _, size in log.segments())
+        t = threading.Thread(target=log.enforce_retention, name="retention",
+                             kwargs={"retention_bytes": total - 1})  # the oldest goes
+        t.start()
+        assert in_retention.wait(5)
+        last = [_append(log, "a/t") for _ in range(12)]  # rolls at least once
+        t.join()
+        files = sorted(int(p.name) for p in (tmp_path / "log").iterdir() if p.name.isdigit())
+        listed = [base for base, _ in log.segments()]
+        assert listed == files, (listed, files)
+        for m in last:
+            assert log.read(m.phys_offset).body == m.body
+    finally:
+        _close(log, index)
+
+
+# -- suspicion: the directory entry of a new segment is durable before an ack -----------
+
+
+def test_sync_flush_fsyncs_the_directory_after_a_roll(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    log, index = _open(tmp_path, segment_size=8 * 1024, flush="sync")
+    try:
+        logdir = str((tmp_path / "log").resolve())
+        first = len(log.segments())
+        while len(log.segments()) == first:
+            synced.clear()
+            m = _append(log, "a/t")
+        # The append that rolled has been acknowledged: the new file's name is durable.
+        assert m.phys_offset >= log.segments()[-1][0]
+        assert logdir in synced, synced
+    finally:
+        _close(log, index)
