@@ -112,6 +112,10 @@ class SharedGroup:
                 log.warning("shared group %s paused: %s", self.name, exc)
                 await trio.sleep(0.5)
                 self.wake()
+            except Exception:  # a bug: this group pauses, the broker must not end with it
+                log.exception("shared group %s failed; retrying in 1 s", self.name)
+                await trio.sleep(1.0)
+                self.wake()
 
     async def _hand_out(self) -> None:
         cache = self.broker.cache
@@ -138,10 +142,15 @@ class SharedGroup:
             try:
                 sent = await conn.push_shared(self, msg)
             except Exception:
-                log.exception("shared delivery to %r failed", conn.session.client_id)
+                log.exception("shared delivery of %s to %s failed", msg.msg_id, conn.peer)
                 sent = False
-            if not sent:  # the member could not take it (closing, QoS 0 dropped...)
-                if off in self.pending and not conn.alive:
-                    self.take_back(msg)
-            else:
+            if sent:
                 self.delivered += 1
+            elif off in self.pending:
+                # Not taken (the member is closing, has left the group, or failed): it
+                # goes first to the next member, never stays pending with no one on it.
+                del self.pending[off]
+                self.retry.appendleft(msg)
+                self.redelivered += 1
+                if conn.alive:
+                    break  # this member refused it: retry on the next wake-up, no spin

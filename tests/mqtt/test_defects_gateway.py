@@ -353,3 +353,113 @@ def test_simultaneous_connects_with_one_client_id_leave_exactly_one(server) -> N
         assert [c["client_id"] for c in clients["items"]] == [cid], clients
         for s, _ in socks:
             s.close()
+
+
+# -- suspicion: a shared group's loop and its failed pushes --------------------------------
+
+
+async def _member(broker: Broker, nursery: trio.Nursery, cid: str, name: str
+                  ) -> tuple[trio.abc.Stream, mqtt.Decoder, Connection]:
+    client, server = trio.testing.memory_stream_pair()
+    conn = Connection(broker, server, f"test:{cid}")
+    nursery.start_soon(conn.run)
+    dec = mqtt.Decoder(server=False, version=5)
+    await client.send_all(mqtt.encode(mqtt.Connect(cid, protocol_level=5), 5))
+    await client.send_all(mqtt.encode(
+        mqtt.Subscribe(1, [(f"$share/{name}/sh/t", mqtt.SubscriptionOptions(1))]), 5))
+    got = await _read_packets(client, dec, 2)
+    assert isinstance(got[-1], mqtt.Suback), got
+    return client, dec, conn
+
+
+async def _payloads(members: list[tuple[trio.abc.Stream, mqtt.Decoder, Connection]],
+                    want: int, timeout: float = 6.0) -> list[bytes]:
+    """Publishes received by any member (each acknowledged), until `want` or timeout."""
+    out: list[bytes] = []
+    with trio.move_on_after(timeout):
+        while len(out) < want:
+            for client, dec, _ in members:
+                with trio.move_on_after(0.05):
+                    data = await client.receive_some(65536)
+                    for pk in dec.feed(data):
+                        if isinstance(pk, mqtt.Publish):
+                            out.append(pk.payload)
+                            await client.send_all(mqtt.encode(mqtt.Puback(pk.packet_id), 5))
+    return out
+
+
+async def _store_and_broker(tmp_path: Path, nursery: trio.Nursery) -> tuple[Broker, object]:
+    token = trio.lowlevel.current_trio_token()
+    holder: list[Broker] = []
+
+    def notify(names: set[str]) -> None:
+        if holder:
+            token.run_sync_soon(holder[0].on_queues_changed, names)
+
+    store = await nursery.start(_run_store, tmp_path, notify)
+    broker = Broker(store, GatewayConfig())
+    holder.append(broker)
+    await nursery.start(broker.run_housekeeping)
+    return broker, store
+
+
+async def _run_store(tmp_path: Path, notify: object, task_status=trio.TASK_STATUS_IGNORED
+                     ) -> None:
+    async with EmbeddedStore.open(StoreConfig(data_dir=tmp_path / "data"),
+                                  notify=notify) as store:
+        task_status.started(store)
+        await trio.sleep_forever()
+
+
+async def _publish(store: object, body: bytes) -> None:
+    await trio.to_thread.run_sync(
+        store.publish_start([Message("sh/t", body, qos=1)]).result)
+
+
+async def test_shared_message_refused_by_a_live_member_is_not_left_pending(
+        tmp_path: Path, monkeypatch) -> None:
+    async with trio.open_nursery() as n:
+        broker, store = await _store_and_broker(tmp_path, n)
+        a = await _member(broker, n, "sh-a", "g1")
+        b = await _member(broker, n, "sh-b", "g1")
+        original = Connection.push_shared
+        failures = []
+
+        async def flaky(self: Connection, group, msg) -> bool:
+            if self is a[2] and not failures:
+                failures.append(msg.body)
+                raise RuntimeError("push failed")
+            return await original(self, group, msg)
+
+        monkeypatch.setattr(Connection, "push_shared", flaky)
+        await _publish(store, b"m1")
+        await trio.sleep(0.2)
+        await _publish(store, b"m2")  # a wake-up: the refused one goes out first
+        got = await _payloads([a, b], 2)
+        assert failures and sorted(got) == [b"m1", b"m2"], (failures, got)
+        group = next(iter(broker.groups.values()))
+        with trio.fail_after(3):
+            while group.pending:
+                await trio.sleep(0.05)
+        n.cancel_scope.cancel()
+
+
+async def test_an_unexpected_error_in_a_shared_group_does_not_end_the_broker(
+        tmp_path: Path, monkeypatch) -> None:
+    async with trio.open_nursery() as n:
+        broker, store = await _store_and_broker(tmp_path, n)
+        a = await _member(broker, n, "sh-c", "g2")
+        original = type(broker.cache).pull
+        calls = []
+
+        async def broken_once(self, queue, offset, count):
+            if queue == "sh/t" and not calls:
+                calls.append(1)
+                raise RuntimeError("a bug in the cache")
+            return await original(self, queue, offset, count)
+
+        monkeypatch.setattr(type(broker.cache), "pull", broken_once)
+        await _publish(store, b"after-bug")
+        got = await _payloads([a], 1, timeout=5)
+        assert calls and got == [b"after-bug"], (calls, got)
+        n.cancel_scope.cancel()
