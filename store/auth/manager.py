@@ -70,11 +70,20 @@ class Subject:
 
 class DecisionCache:
     """Stateful strategy: one decision per connection, resource and action, until the
-    users or policies change."""
+    users or policies change. At most MAX_ENTRIES, oldest out first: topic names come
+    from the client, so one publishing to ever new topics must not grow it without end."""
+
+    MAX_ENTRIES = 1024
 
     def __init__(self) -> None:
         self.version = -1
         self.entries: dict[tuple, bool] = {}
+
+    def put(self, key: tuple, ok: bool) -> None:
+        entries = self.entries
+        if len(entries) >= self.MAX_ENTRIES:
+            del entries[next(iter(entries))]
+        entries[key] = ok
 
 
 class AuthManager:
@@ -292,7 +301,7 @@ class AuthManager:
         resource = rtype if rtype == "Cluster" else f"{rtype}:{name}"
         audit.authorization(subject.name, subject.ip, action, resource, ok, reason)
         if cache is not None and self.stateful:
-            cache.entries[key] = ok
+            cache.put(key, ok)
         return ok
 
     def _decide(self, subject: Subject, rtype: str, name: str, action: str,
