@@ -230,6 +230,26 @@ def seeds() -> list[bytes]:
             mqtt.Unsubscribe(4, ["fz/#"]), mqtt.Pingreq(), mqtt.Disconnect(),
         ]
         out.append(b"\xff" + b"".join(mqtt.encode(p, v) for p in pkts))
+    # The shapes of issue 23's gateway defects: mosquitto_pub -r (PUBLISH then DISCONNECT
+    # in one write), QoS 2 exchanges around a burst (Receive Maximum), a v5 subscriber with
+    # topic aliases and a small maximum packet size receiving expiring QoS 1 messages, a
+    # client publishing to $SYS.
+    v5 = [
+        mqtt.Connect(client_id="seed-alias", protocol_level=5, clean_start=False,
+                     properties={"topic_alias_maximum": 4, "maximum_packet_size": 128,
+                                 "receive_maximum": 2, "session_expiry_interval": 60}),
+        mqtt.Subscribe(1, [("fz/#", mqtt.SubscriptionOptions(1))]),
+        *(mqtt.Publish("fz/e", b"e" * (i * 40), qos=1, packet_id=10 + i,
+                       properties={"message_expiry_interval": 30}) for i in range(4)),
+        mqtt.Publish("fz/q2", b"q", qos=2, packet_id=20), mqtt.Pubrel(20),
+        mqtt.Publish("fz/q2", b"q", qos=2, packet_id=20, dup=True),
+        mqtt.Publish("$SYS/broker/uptime", b"x", qos=1, packet_id=21, retain=True),
+        mqtt.Disconnect(),
+    ]
+    out.append(b"\xff" + b"".join(mqtt.encode(p, 5) for p in v5))
+    retained = [mqtt.Connect(client_id="seed-r", protocol_level=4),
+                mqtt.Publish("fz/r", b"r", qos=0, retain=True), mqtt.Disconnect()]
+    out.append(b"\xff" + b"".join(mqtt.encode(p, 4) for p in retained))
     return out
 
 
