@@ -90,6 +90,9 @@ class Host:
                     self.broker = broker
                     self.ready.set()
                     await self._next_generation.wait()
+                    # No input may pick this broker up while the next one is made: its
+                    # nursery is closing (a session detached then could not spawn).
+                    self.broker = None
                     nursery.cancel_scope.cancel()  # delayed wills, expiry timers
                 for client_id in list(broker.sessions):
                     await broker.discard_session(client_id)
