@@ -17,6 +17,7 @@ import trio
 from gateway.cache import QueueCache
 from gateway.limits import SourceRateLimiter
 from gateway.mqtt import PublishTemplate, Will
+from gateway.mqtt.properties import publish_properties
 from gateway.session import (
     NEVER_EXPIRES,
     NUL,
@@ -514,11 +515,11 @@ class Broker:
     # -- messages ---------------------------------------------------------------------
     def template(self, msg: Message) -> PublishTemplate:
         """Encode once per message, stamp per subscriber (cached across subscribers)."""
+        props = publish_properties(msg.properties)  # app properties as user properties
         if msg.phys_offset < 0:  # not from the log (no identity to cache it by)
-            return PublishTemplate(msg.topic, msg.body, msg.qos, msg.retain, msg.properties)
+            return PublishTemplate(msg.topic, msg.body, msg.qos, msg.retain, props)
         t = self._templates.get(msg.phys_offset)
         if t is None:
-            props = {k: v for k, v in msg.properties.items() if k != "topic_alias"}
             t = PublishTemplate(msg.topic, msg.body, msg.qos, msg.retain, props)
             self._templates[msg.phys_offset] = t
             if len(self._templates) > 4096:

@@ -32,6 +32,7 @@ from gateway.mqtt import (
     UnsupportedProtocolError,
 )
 from gateway.mqtt import reason as rc
+from gateway.mqtt.properties import publish_properties
 from gateway.session import NEVER_EXPIRES, Outgoing, Session, Subscription
 from gateway.shared import SharedGroup, parse_shared
 from store.auth import AuthError, Subject
@@ -859,8 +860,9 @@ class Connection:
     async def _resend_outgoing(self, s: Session) -> None:
         """Resend what the session had in flight, in order, within this connection's
         Receive Maximum (MQTT 5 §4.9: it may be smaller than the last connection's)."""
-        held = [o for o in s.outgoing.values() if o.state != "pubrel"]
-        for o in s.outgoing.values():
+        inflight = list(s.outgoing.values())  # acks change it while this task sends
+        held = [o for o in inflight if o.state != "pubrel"]
+        for o in inflight:
             if o.state == "pubrel":  # counts against the window, but is always sent
                 await self.send(mqtt.encode(Pubrel(o.packet_id), self.version))
         for i, o in enumerate(held):
@@ -1022,7 +1024,7 @@ class Connection:
         dropped and logged: one bad message must not end every delivery loop."""
         try:
             return self._encode_for_client(msg, pid, qos, retain, sids)
-        except (ValueError, TypeError, KeyError, OverflowError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the message, not the loop
             self.broker.stats.dropped += 1
             log.error("message %s on %r cannot be sent to %s and is dropped: %s",
                       msg.msg_id, msg.topic, self.peer, exc)
@@ -1039,9 +1041,9 @@ class Connection:
                 if left <= 0:
                     self.broker.stats.expired += 1
                     return None  # expired messages are not delivered
-                props = dict(msg.properties, message_expiry_interval=left)
+                props = dict(publish_properties(msg.properties), message_expiry_interval=left)
             elif self._alias_out_max and not qos:
-                props = dict(msg.properties)
+                props = dict(publish_properties(msg.properties))
         if props is None:
             return self._fits(msg, self.broker.template(msg).for_subscriber(
                 pid, False, version=v, qos=qos, retain=retain, subscription_ids=sids))

@@ -21,11 +21,22 @@ PUBLISH_PROPERTIES = {
     "payload_format_indicator", "message_expiry_interval", "content_type",
     "response_topic", "correlation_data", "user_property",
 }
+# Every other MQTT 5 property name (§2.2.2.2): none of them belongs on a message.
+OTHER_MQTT_PROPERTIES = {
+    "topic_alias", "subscription_identifier", "session_expiry_interval",
+    "assigned_client_identifier", "server_keep_alive", "authentication_method",
+    "authentication_data", "request_problem_information", "will_delay_interval",
+    "request_response_information", "response_information", "server_reference",
+    "reason_string", "receive_maximum", "topic_alias_maximum", "maximum_qos",
+    "retain_available", "maximum_packet_size", "wildcard_subscription_available",
+    "subscription_identifier_available", "shared_subscription_available",
+}
 
 
 def validate_message(m: Message, mqtt: bool) -> None:
     """Raise ValueError unless `m` can be stored; `mqtt`: it goes to MQTT subscribers, so
-    its properties must be ones a PUBLISH carries."""
+    the MQTT properties it names must be PUBLISH properties with valid values. Any other
+    name is the application's own; MQTT 5 subscribers get those as user properties."""
     if type(m.qos) is not int or m.qos not in (0, 1, 2):
         raise ValueError(f"qos must be 0, 1 or 2, not {m.qos!r}")
     if not isinstance(m.retain, bool):
@@ -38,8 +49,10 @@ def validate_message(m: Message, mqtt: bool) -> None:
 
 
 def _check_property(name: str, value: Any) -> None:
-    if name not in PUBLISH_PROPERTIES:
+    if name in OTHER_MQTT_PROPERTIES:
         raise ValueError(f"property {name!r} cannot be carried by an MQTT PUBLISH")
+    if name not in PUBLISH_PROPERTIES:
+        return  # the application's own
     ok = True
     if name == "payload_format_indicator":
         ok = type(value) is int and value in (0, 1)

@@ -46,6 +46,8 @@ a forbidden value (e.g. Receive Maximum 0) is a Protocol Error (0x82).
 
 from __future__ import annotations
 
+import base64
+import json
 import struct
 from typing import Any
 
@@ -116,6 +118,36 @@ _NONZERO = frozenset(
     {"receive_maximum", "maximum_packet_size", "topic_alias", "subscription_identifier"}
 )
 _LISTS = frozenset({"user_property", "subscription_identifier"})
+_PER_CONNECTION = frozenset({"topic_alias", "subscription_identifier"})
+
+
+def publish_properties(props: Properties) -> Properties:
+    """A stored message's properties as a PUBLISH carries them. Server apps may attach
+    their own (native SEND, the Spark sink): those reach MQTT 5 subscribers as user
+    properties after the message's own (the value as is if a string, else as JSON). Topic
+    alias and subscription identifiers belong to one connection and one subscriber."""
+    allowed = ALLOWED[PUBLISH]
+    if all(k in allowed and k not in _PER_CONNECTION for k in props):
+        return props  # the common case: as an MQTT client sent it
+    out: Properties = {}
+    extra: list[tuple[str, str]] = []
+    for name, value in props.items():
+        if name in _PER_CONNECTION:
+            continue
+        if name in allowed:
+            out[name] = value
+        else:
+            extra.append((name, value if isinstance(value, str)
+                          else json.dumps(value, default=_json_bytes)))
+    if extra:
+        out["user_property"] = [*out.get("user_property", ()), *extra]
+    return out
+
+
+def _json_bytes(value: Any) -> str:
+    if isinstance(value, bytes | bytearray):
+        return base64.b64encode(value).decode()
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 # Per packet type: id -> (name, kind), a flat 256-slot list so decoding is one index.
 _BY_TYPE: dict[int, list[tuple[str, int] | None]] = {}

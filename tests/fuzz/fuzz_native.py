@@ -31,6 +31,7 @@ with atheris.instrument_imports():
     from store.validate import validate_message
 
 from gateway.mqtt import PublishTemplate  # noqa: E402 - the judge, not fuzzed
+from gateway.mqtt.properties import publish_properties  # noqa: E402
 
 
 def one_input(data: bytes) -> None:
@@ -77,7 +78,8 @@ def _check_stored(m: record.Message, mqtt: bool) -> None:
     except ValueError:
         return
     try:
-        PublishTemplate(back.topic, back.body, back.qos, back.retain, back.properties)
+        PublishTemplate(back.topic, back.body, back.qos, back.retain,
+                        publish_properties(back.properties))
     except ValueError as exc:
         raise AssertionError(f"validated for MQTT but not publishable: {exc}") from exc
 

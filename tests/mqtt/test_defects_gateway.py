@@ -266,7 +266,7 @@ async def test_delivery_survives_a_message_it_cannot_encode(tmp_path: Path) -> N
         # Messages the store's own validation would refuse today, written below it: an
         # invalid QoS and a property no PUBLISH can carry.
         bad = [Message("bad/t", b"q3", qos=3),
-               Message("bad/t", b"props", qos=1, properties={"no_such_property": 1})]
+               Message("bad/t", b"props", qos=1, properties={"payload_format_indicator": 9})]
         for m in bad:
             await trio.to_thread.run_sync(store.publish_start([m]).result)
         await trio.to_thread.run_sync(
