@@ -8,7 +8,10 @@ Keys:
     b"q" + queue name + b"\\0" + offset (u64 BE) -> phys offset u64 | size u32 | store_ts u64
     b"k" + message key + b"\\0" + phys offset (u64 BE) -> b""      (lookup by key)
     b"\\0checkpoint" -> end CommitLog offset covered by the index (u64 BE)
-    b"f" + queue name -> offset floor after a repair (u64 BE; written with the WAL on)
+    b"f" + queue name -> the queue's lowest next offset: its end when retention removed
+        its entries, or past what readers saw after a repair cut the log (u64 BE)
+    b"\\0floor" -> the lowest next offset of a queue with neither entries nor a floor of
+        its own, set when the index was rebuilt without them (see `set_default_floor`)
 Queue names are MQTT topic names/filters, which never contain U+0000, so prefixes are exact.
 """
 
@@ -27,6 +30,7 @@ from lightqueue.rocks import bounded_options, memory_usage, uncache_obsolete_fil
 ENTRY = struct.Struct(">QIQ")
 U64 = struct.Struct(">Q")
 CHECKPOINT_KEY = b"\x00checkpoint"
+DEFAULT_FLOOR_KEY = b"\x00floor"
 FLOOR = b"f"  # b"f" + queue name -> lowest offset the queue may hand out next
 _MAX_U64 = b"\xff" * 8
 
@@ -63,6 +67,7 @@ class ConsumeQueueIndex:
         # thread; filled lazily from RocksDB (one seek, never a scan).
         self._next: dict[str, int] = {}
         self._prefixes: dict[str, bytes] = {}  # encoded key prefix per queue (writer only)
+        self._default_floor = self._read_default_floor()
 
     @staticmethod
     def _open(path: Path) -> Rdict:
@@ -155,7 +160,35 @@ class ConsumeQueueIndex:
         last = self._last_offset(queue)
         end = 0 if last is None else last + 1
         floor = self._db.get(FLOOR + queue.encode())
-        return max(end, U64.unpack(floor)[0]) if floor else end
+        if floor:
+            return max(end, U64.unpack(floor)[0])
+        return self._default_floor if last is None else end
+
+    def _read_default_floor(self) -> int:
+        raw = self._db.get(DEFAULT_FLOOR_KEY)
+        return U64.unpack(raw)[0] if raw else 0
+
+    def set_default_floor(self, floor: int) -> None:
+        """A queue with no entries and no floor of its own starts at `floor`, not 0. For
+        an index rebuilt from a log that retention has trimmed: queues whose every record
+        is gone left no trace to rebuild from, and `floor` must be at least any end they
+        had (their readers may be that far)."""
+        if floor > self._default_floor:
+            self._db.put(DEFAULT_FLOOR_KEY, U64.pack(floor))  # WAL on: not derived data
+            self._default_floor = floor
+            self._next.clear()
+
+    def floors(self) -> dict[str, int]:
+        """Every queue's own floor (see `max_offset`)."""
+        ro = ReadOptions()
+        ro.set_iterate_upper_bound(b"g")
+        it = self._db.iter(ro)
+        it.seek(FLOOR)
+        out = {}
+        while it.valid():
+            out[it.key()[1:].decode()] = U64.unpack(it.value())[0]
+            it.next()
+        return out
 
     def queue_ends(self) -> dict[str, int]:
         """The end of every queue (a skip-scan: one seek per queue; for repairs only)."""
@@ -239,11 +272,18 @@ class ConsumeQueueIndex:
         self._db.flush()
 
     def clear(self) -> None:
-        """Drop every entry (for a rebuild from the CommitLog)."""
+        """Drop every entry (for a rebuild from the CommitLog). The floors stay: they are
+        not derived from the log, and a queue whose records retention removed has no
+        other trace of where its offsets had got to."""
+        floors, default = self.floors(), self._default_floor
         self._db.close()
         shutil.rmtree(self.path, ignore_errors=True)
         self._db = self._open(self.path)
+        self._default_floor = 0
         self.forget_allocations()
+        if floors:
+            self.set_floors(floors)
+        self.set_default_floor(default)
 
     def close(self) -> None:
         try:

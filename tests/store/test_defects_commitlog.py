@@ -5,6 +5,7 @@ and retention, and the directory fsync after a segment roll."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -158,5 +159,62 @@ def test_sync_flush_fsyncs_the_directory_after_a_roll(tmp_path: Path,
         # The append that rolled has been acknowledged: the new file's name is durable.
         assert m.phys_offset >= log.segments()[-1][0]
         assert logdir in synced, synced
+    finally:
+        _close(log, index)
+
+
+# -- 3, continued: an index rebuilt from the log keeps what retention left behind --------
+
+
+def _trim_idle_queue(root: Path) -> None:
+    """idle/t gets offsets 0-2, then retention removes every record (and entry) of it."""
+    log, index = _open(root, segment_size=16 * 1024)
+    assert [_append(log, "idle/t").offset_in("idle/t") for _ in range(3)] == [0, 1, 2]
+    for _ in range(100):
+        _append(log, "busy/t")
+    assert log.enforce_retention(retention_bytes=32 * 1024)
+    assert index.max_offset("idle/t") == 3 and not index.read("idle/t", 0, 10)
+    _close(log, index)
+
+
+def test_an_index_rebuilt_after_a_cut_keeps_the_floors_of_trimmed_queues(
+        tmp_path: Path) -> None:
+    """A torn tail puts the index past the end of the log, so it is rebuilt from the log;
+    the rebuild wiped the floor retention had left for idle/t, and it started at 0."""
+    _trim_idle_queue(tmp_path)
+    last = sorted(p for p in (tmp_path / "log").iterdir() if p.name.isdigit())[-1]
+    os.truncate(last, last.stat().st_size - 100)
+    index = ConsumeQueueIndex(tmp_path / "index")
+    log = CommitLog(tmp_path / "log", index, segment_size=16 * 1024)
+    assert log.open().index_rebuilt
+    try:
+        assert index.max_offset("idle/t") == 3
+        assert [_append(log, "idle/t").offset_in("idle/t") for _ in range(2)] == [3, 4]
+    finally:
+        _close(log, index)
+
+
+def test_a_lost_index_rebuilt_from_a_trimmed_log_gives_no_trimmed_offset_again(
+        tmp_path: Path) -> None:
+    """The index is derived data and may be lost (it is rebuilt from the log), but the
+    log no longer holds any record of idle/t: its next offset was 0 again, below where a
+    persistent reader of it stands (3). Any offset at or past 3 is right (a gap is)."""
+    _trim_idle_queue(tmp_path)
+    shutil.rmtree(tmp_path / "index")
+    log, index = _open(tmp_path, segment_size=16 * 1024)
+    try:
+        busy = index.read("busy/t", 0, 1000)
+        assert busy and busy[-1].offset == 99  # queues with records are rebuilt exactly
+        assert index.max_offset("busy/t") == 100
+        first = _append(log, "idle/t").offset_in("idle/t")
+        assert first >= 3
+        assert _append(log, "idle/t").offset_in("idle/t") == first + 1
+        assert index.min_offset("idle/t") == first
+        assert _append(log, "busy/t").offset_in("busy/t") == 100
+    finally:
+        _close(log, index)
+    log, index = _open(tmp_path, segment_size=16 * 1024)  # and it stays so
+    try:
+        assert _append(log, "idle/t").offset_in("idle/t") == first + 2
     finally:
         _close(log, index)
