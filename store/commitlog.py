@@ -101,6 +101,9 @@ class CommitLog:
         self.full_verify = full_verify
         self._segments: tuple[Segment, ...] = ()
         self._segments_lock = threading.Lock()
+        # Held by the writer over a batch's writes, rolls and their undo, and by retention
+        # to remove a segment: a roll undone must find the segment before it still there.
+        self._tail_lock = threading.Lock()
         self._bases: tuple[int, ...] = ()
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -293,26 +296,28 @@ class CommitLog:
 
     def _write_chunks(self, chunks: list[list[bytes]]) -> None:
         """Write each chunk to its segment (a new chunk = a roll); undo everything on error."""
-        start_pos = self._write_pos
-        start_segments = len(self._segments)
-        try:
-            for i, parts in enumerate(chunks):
-                if i > 0:
-                    self._roll()
-                data = b"".join(parts)
-                view = memoryview(data)
-                while view:
-                    n = os.write(self._wfd, view)
-                    view = view[n:]
-                self._write_pos += len(data)
-                self.stats["bytes_written"] += len(data)
-            if self.flush_mode == "sync" or self._write_pos - self._flushed >= self.flush_bytes:
-                self._fsync_tail()
-            elif self._flushed == start_pos:
-                self._dirty_since = time.monotonic()
-        except OSError:
-            self._undo_write(start_pos, start_segments)
-            raise
+        with self._tail_lock:
+            start_pos = self._write_pos
+            start_segments = len(self._segments)
+            try:
+                for i, parts in enumerate(chunks):
+                    if i > 0:
+                        self._roll()
+                    data = b"".join(parts)
+                    view = memoryview(data)
+                    while view:
+                        n = os.write(self._wfd, view)
+                        view = view[n:]
+                    self._write_pos += len(data)
+                    self.stats["bytes_written"] += len(data)
+                if (self.flush_mode == "sync"
+                        or self._write_pos - self._flushed >= self.flush_bytes):
+                    self._fsync_tail()
+                elif self._flushed == start_pos:
+                    self._dirty_since = time.monotonic()
+            except OSError:
+                self._undo_write(start_pos, start_segments)
+                raise
 
     def _undo_write(self, start_pos: int, start_segments: int) -> None:
         """Cut the log back to `start_pos` after a failed write (e.g. disk full)."""
@@ -580,11 +585,14 @@ class CommitLog:
             too_old = retention_hours is not None and age_h > retention_hours
             if not (too_big or too_old):
                 break
-            self._delete_segment(oldest)
+            if not self._delete_segment(oldest):
+                break
             deleted.append(oldest.base)
         return deleted
 
-    def _delete_segment(self, seg: Segment) -> None:
+    def _delete_segment(self, seg: Segment) -> bool:
+        """Remove `seg` with its index entries, unless it is the active segment by now
+        (the writer's undo of a failed roll makes the one before it active again)."""
         ends: dict[str, int] = {}
         keys: list[tuple[str, int]] = []
         for msg in self._scan_segment(seg, seg.base, seg.end):
@@ -592,8 +600,19 @@ class CommitLog:
                 ends[name] = off + 1
             if msg.key:
                 keys.append((msg.key, msg.phys_offset))
-        self._update_segments(lambda segs: tuple(s for s in segs if s is not seg))
-        # (no new reader finds it from here on)
+        removed = False
+
+        def drop(segs: tuple[Segment, ...]) -> tuple[Segment, ...]:
+            nonlocal removed
+            if len(segs) < 2 or segs[-1] is seg or seg not in segs:
+                return segs
+            removed = True
+            return tuple(s for s in segs if s is not seg)
+
+        with self._tail_lock:  # not amid a batch that may roll back into this segment
+            self._update_segments(drop)  # no new reader finds it from here on
+        if not removed:
+            return False
         self.index.delete_below(ends, keys)
         gone = seg.doom()
         log.info(
@@ -602,3 +621,4 @@ class CommitLog:
             "" if gone else " once its readers finish",
             len(ends),
         )
+        return True

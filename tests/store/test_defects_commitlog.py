@@ -14,8 +14,9 @@ import pytest
 
 from gateway import mqtt
 from lightqueue.index import ConsumeQueueIndex
+from store import record
 from store.commitlog import CommitLog
-from store.record import Message
+from store.record import CorruptRecord, Message
 from tests.conftest import Server
 from tests.mqtt.raw import RawClient
 
@@ -216,5 +217,148 @@ def test_a_lost_index_rebuilt_from_a_trimmed_log_gives_no_trimmed_offset_again(
     log, index = _open(tmp_path, segment_size=16 * 1024)  # and it stays so
     try:
         assert _append(log, "idle/t").offset_in("idle/t") == first + 2
+    finally:
+        _close(log, index)
+
+
+# -- suspicion a, continued: retention against a roll the writer undoes ------------------
+
+
+@pytest.mark.parametrize("retention_finishes", [False, True])
+def test_retention_and_a_failed_roll_keep_the_log_writable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, retention_finishes: bool) -> None:
+    """A batch wrote its first record to segment A, rolled to B, and failed on the next
+    write (disk full); its undo cuts back into A. Retention ran meanwhile:
+    - it had seen [A, B] and chosen A, then removed it after the undo made A active
+      again: the list was empty, and the writer thread died at the next append;
+    - or it removed A before the undo, which then cut B to a negative size: the log
+      stopped taking writes."""
+    log, index = _open(tmp_path, segment_size=8 * 1024)
+    try:
+        while len(log.segments()) == 1:
+            m = _append(log, "a/t")
+        _close(log, index)  # back to one nearly full segment: start over from it
+        for p in (tmp_path / "log").iterdir():
+            if p.name.isdigit() and int(p.name) >= m.phys_offset:
+                p.unlink()
+        os.truncate(tmp_path / "log" / "00000000000000000000", m.phys_offset)
+        log, index = _open(tmp_path, segment_size=8 * 1024)
+        assert log.segments() == [(0, m.phys_offset)]
+        room = 8 * 1024 - m.phys_offset
+        reached, go = threading.Event(), threading.Event()
+        original_update = CommitLog._update_segments
+        original_roll = CommitLog._roll
+
+        def update(self: CommitLog, change) -> None:  # noqa: ANN001
+            if threading.current_thread().name == "retention":
+                reached.set()
+                if not retention_finishes:
+                    assert go.wait(10)
+            original_update(self, change)
+
+        retention = threading.Thread(target=log.enforce_retention, name="retention",
+                                     kwargs={"retention_bytes": 1})
+
+        def roll(self: CommitLog) -> None:
+            original_roll(self)
+            retention.start()  # sees [A, B]: A is to go
+            if retention_finishes:
+                retention.join(1.0)
+            else:
+                reached.wait(1.0)
+            raise OSError(28, "No space left on device")  # the write after the roll
+
+        monkeypatch.setattr(CommitLog, "_update_segments", update)
+        monkeypatch.setattr(CommitLog, "_roll", roll)
+        batch = [Message("a/t", b"y" * (room - 200)), Message("a/t", b"z" * 1000)]
+        with pytest.raises(Exception, match="no space"):
+            log.append(batch, [["a/t"], ["a/t"]]).result(10)
+        monkeypatch.setattr(CommitLog, "_roll", original_roll)
+        go.set()
+        retention.join(10)
+        files = sorted(int(p.name) for p in (tmp_path / "log").iterdir() if p.name.isdigit())
+        assert [base for base, _ in log.segments()] == files and files
+        after = _append(log, "a/t")  # the writer is alive and writes to a listed file
+        assert log.read(after.phys_offset).body == after.body
+        assert after.phys_offset == m.phys_offset  # the failed batch left nothing
+    finally:
+        _close(log, index)
+
+
+# -- retention and recovery meet a record that does not decode ---------------------------
+
+
+def _flip(path: Path, pos: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(pos)
+        b = fh.read(1)
+        fh.seek(pos)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_retention_survives_a_corrupt_record_in_the_segment_it_deletes(
+        tmp_path: Path) -> None:
+    """Old segments are not verified at start-up; retention decodes the oldest to learn
+    which index entries go. A flipped byte there raised out of the retention thread,
+    which ended the server at every retention check from then on."""
+    log, index = _open(tmp_path, segment_size=16 * 1024)
+    try:
+        idle = [_append(log, "idle/t") for _ in range(3)]
+        for _ in range(100):
+            _append(log, "busy/t")
+        _flip(tmp_path / "log" / "00000000000000000000", idle[1].phys_offset + 60)
+        deleted = log.enforce_retention(retention_bytes=32 * 1024)
+        assert deleted and deleted[0] == 0
+        assert not (tmp_path / "log" / "00000000000000000000").exists()
+        assert index.max_offset("idle/t") == 3
+        assert _append(log, "idle/t").offset_in("idle/t") == 3
+    finally:
+        _close(log, index)
+
+
+def test_recovery_cuts_at_a_record_whose_decode_raises_anything(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """record.decode is meant to raise only CorruptRecord; should anything else escape
+    it, recovery treats it as corruption at that position instead of never starting."""
+    log, index = _open(tmp_path)
+    sent = [_append(log, "a/t") for _ in range(5)]
+    _close(log, index)
+    real = record.decode
+
+    def decode(buf, pos=0, phys_offset=-1):  # noqa: ANN001, ANN202
+        if phys_offset == sent[3].phys_offset:
+            raise IndexError("a decoder bug")
+        return real(buf, pos, phys_offset)
+
+    monkeypatch.setattr(record, "decode", decode)
+    index = ConsumeQueueIndex(tmp_path / "index")
+    log = CommitLog(tmp_path / "log", index)
+    report = log.open()
+    try:
+        assert report.truncated_at == sent[3].phys_offset
+        assert [m.body for m in log.scan(0)] == [m.body for m in sent[:3]]
+        assert _append(log, "a/t").offset_in("a/t") >= 3
+    finally:
+        _close(log, index)
+
+
+# -- suspicion c, continued: an id inside a record that holds a whole record -------------
+
+
+def test_read_by_id_refuses_a_record_carried_in_a_body(tmp_path: Path) -> None:
+    """Magic, length and CRC all check out for a record that a client sent as its message
+    body: reading by an id inside the real record returned the forged one."""
+    log, index = _open(tmp_path)
+    try:
+        forged = record.encode(Message("secret/t", b"forged", client_id="admin", store_ts=1,
+                                       queues=[("secret/t", 0)]))
+        m = _append(log, "a/t", b"pad" + forged)
+        inner = m.phys_offset + record.encode(Message(
+            "a/t", b"pad" + forged, store_ts=m.store_ts, queues=m.queues)).index(forged)
+        with pytest.raises((CorruptRecord, KeyError)):
+            log.read(inner)
+        assert log.read(m.phys_offset).body == b"pad" + forged
+        with_key = log.append([Message("k/t", b"x", key="k1")], [["k/t"]]).result(10)[0]
+        assert log.read(with_key.phys_offset).key == "k1"
     finally:
         _close(log, index)
