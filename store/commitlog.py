@@ -483,7 +483,10 @@ class CommitLog:
                 while rel < size:
                     try:
                         msg = record.decode(mm, rel, seg.base + rel)
-                    except CorruptRecord as exc:
+                    except Exception as exc:  # noqa: BLE001 - whatever a decoder bug raises
+                        if not isinstance(exc, CorruptRecord):
+                            log.error("record at offset %d does not decode (%r): treated "
+                                      "as corrupt", seg.base + rel, exc)
                         self._truncate(seg, rel, segs[i + 1 :], exc, report)
                         return seg.base + rel
                     rel += msg.size
@@ -595,11 +598,21 @@ class CommitLog:
         (the writer's undo of a failed roll makes the one before it active again)."""
         ends: dict[str, int] = {}
         keys: list[tuple[str, int]] = []
-        for msg in self._scan_segment(seg, seg.base, seg.end):
-            for name, off in msg.queues:
-                ends[name] = off + 1
-            if msg.key:
-                keys.append((msg.key, msg.phys_offset))
+        pos = seg.base
+        try:
+            for msg in self._scan_segment(seg, seg.base, seg.end):
+                for name, off in msg.queues:
+                    ends[name] = off + 1
+                if msg.key:
+                    keys.append((msg.key, msg.phys_offset))
+                pos = msg.phys_offset + msg.size
+        except Exception as exc:  # noqa: BLE001 - old segments are not verified at start
+            # The segment goes anyway (it is past retention). Entries of the records from
+            # here on stay in the index; readers skip them (their offset is below the log's
+            # minimum), and they keep those queues' ends where they were.
+            log.warning("retention: segment %s does not decode from offset %d (%s); it is "
+                        "removed with the entries of the records before", seg.path.name,
+                        pos, exc)
         removed = False
 
         def drop(segs: tuple[Segment, ...]) -> tuple[Segment, ...]:
