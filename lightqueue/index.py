@@ -220,6 +220,15 @@ class ConsumeQueueIndex:
             it.next()
         return out
 
+    def holds(self, phys_offset: int, queues: list[tuple[str, int]], key: str) -> bool:
+        """Whether the index has the message at `phys_offset` (whose queues and key are
+        these) under its first queue or, with no queue, under its key."""
+        if queues:
+            queue, offset = queues[0]
+            raw = self._db.get(entry_key(queue, offset))
+            return raw is not None and ENTRY.unpack(raw)[0] == phys_offset
+        return bool(key) and self._db.get(key_prefix(key) + U64.pack(phys_offset)) is not None
+
     def find_key(self, key: str, limit: int = 100) -> list[int]:
         """Physical offsets of the messages stored with this key, oldest first."""
         prefix = key_prefix(key)

@@ -185,16 +185,22 @@ class CommitLog:
             raise KeyError(f"offset {phys_offset} is not in the log (min {self.min_offset})")
         try:
             pos = phys_offset - seg.base
-            if size is None:
-                # Any id may come from a client: an offset inside a record reads a
-                # garbage length, which must not become a 4 GiB pread.
-                magic, size = record.frame_length(seg.pread(record.FRAME.size, pos))
-                if magic not in (record.MAGIC, record.MAGIC_WIDE) or not (
-                        record.HEADER_SIZE <= size <= min(record.MAX_RECORD, seg.size() - pos)):
-                    raise CorruptRecord(f"no record starts at offset {phys_offset}")
-            return record.decode(seg.pread(size, pos), 0, phys_offset)
+            if size is not None:  # from the index: a record starts there
+                return record.decode(seg.pread(size, pos), 0, phys_offset)
+            # Any id may come from a client: an offset inside a record reads a garbage
+            # length, which must not become a 4 GiB pread.
+            magic, size = record.frame_length(seg.pread(record.FRAME.size, pos))
+            if magic not in (record.MAGIC, record.MAGIC_WIDE) or not (
+                    record.HEADER_SIZE <= size <= min(record.MAX_RECORD, seg.size() - pos)):
+                raise CorruptRecord(f"no message at offset {phys_offset}")
+            msg = record.decode(seg.pread(size, pos), 0, phys_offset)
         finally:
             seg.release()
+        # Magic, length and CRC also hold for a record a client sent as a message body:
+        # only the index knows where records start.
+        if not self.index.holds(phys_offset, msg.queues, msg.key):
+            raise CorruptRecord(f"no message at offset {phys_offset}")
+        return msg
 
     def scan(self, start: int, end: int | None = None) -> Iterator[Message]:
         """Every record from `start` (a record boundary) to `end`, verified."""
