@@ -584,7 +584,7 @@ class CommitLog:
     ) -> list[int]:
         """Delete the oldest whole segments past the age or size limit, with their index
         entries. The active segment is never deleted. Returns the deleted bases."""
-        deleted: list[int] = []
+        removed: list[tuple[Segment, int]] = []
         now = time.time()
         while len(self._segments) > 1:
             oldest = self._segments[0]
@@ -594,14 +594,37 @@ class CommitLog:
             too_old = retention_hours is not None and age_h > retention_hours
             if not (too_big or too_old):
                 break
-            if not self._delete_segment(oldest):
+            trimmed = self._remove_segment(oldest)
+            if trimmed is None:
                 break
-            deleted.append(oldest.base)
-        return deleted
+            removed.append((oldest, trimmed))
+        if not removed:
+            return []
+        # The index is written without a WAL, and re-dispatch from the log is what brings
+        # back what it had not flushed when the process died: these segments are the log
+        # of their records. Make the index durable (their entries gone, their queues'
+        # floors, the entries of any record not yet flushed) before they go.
+        try:
+            self.index.flush()
+        except Exception:
+            log.exception("retention: index flush failed; %d segments stay on disk until "
+                          "the next start", len(removed))
+            return []
+        for seg, trimmed in removed:
+            gone = seg.doom()
+            log.info(
+                "retention: segment %s removed%s (%d queues trimmed)",
+                seg.path.name,
+                "" if gone else " once its readers finish",
+                trimmed,
+            )
+        return [seg.base for seg, _ in removed]
 
-    def _delete_segment(self, seg: Segment) -> bool:
-        """Remove `seg` with its index entries, unless it is the active segment by now
-        (the writer's undo of a failed roll makes the one before it active again)."""
+    def _remove_segment(self, seg: Segment) -> int | None:
+        """Take `seg` out of the list and its entries out of the index (the file is for
+        the caller to delete); the number of queues trimmed, or None if it is the active
+        segment by now (the writer's undo of a failed roll makes the one before it active
+        again)."""
         ends: dict[str, int] = {}
         keys: list[tuple[str, int]] = []
         pos = seg.base
@@ -631,13 +654,6 @@ class CommitLog:
         with self._tail_lock:  # not amid a batch that may roll back into this segment
             self._update_segments(drop)  # no new reader finds it from here on
         if not removed:
-            return False
+            return None
         self.index.delete_below(ends, keys)
-        gone = seg.doom()
-        log.info(
-            "retention: segment %s removed%s (%d queues trimmed)",
-            seg.path.name,
-            "" if gone else " once its readers finish",
-            len(ends),
-        )
-        return True
+        return len(ends)

@@ -362,3 +362,48 @@ def test_read_by_id_refuses_a_record_carried_in_a_body(tmp_path: Path) -> None:
         assert log.read(with_key.phys_offset).key == "k1"
     finally:
         _close(log, index)
+
+
+# -- 3, continued: retention and a kill -9 -----------------------------------------------
+
+_KILLED_AFTER_RETENTION = """
+import os, signal, sys
+from pathlib import Path
+from lightqueue.index import ConsumeQueueIndex
+from store.commitlog import CommitLog
+from store.record import Message
+root = Path(sys.argv[1])
+index = ConsumeQueueIndex(root / "index")
+log = CommitLog(root / "log", index, segment_size=16 * 1024)
+log.open()
+def append(topic):
+    return log.append([Message(topic, b"x" * 1000)], [[topic]]).result(10)[0]
+for _ in range(10):
+    append("q/t")
+index.flush()  # the index is durable up to here (as after any memtable flush)
+assert [append("q/t").offset_in("q/t") for _ in range(3)] == [10, 11, 12]
+assert [append("idle/t").offset_in("idle/t") for _ in range(3)] == [0, 1, 2]
+for _ in range(100):
+    append("busy/t")
+assert log.enforce_retention(retention_bytes=32 * 1024)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_offsets_keep_rising_after_retention_and_a_kill(tmp_path: Path) -> None:
+    """The index is written without a WAL: after a kill, what it had not flushed is
+    re-dispatched from the log. Retention had removed the records the index was missing
+    (q/t 10-12, idle/t 0-2) and the floors it left were lost with the memtable, so those
+    offsets were given again."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _KILLED_AFTER_RETENTION, str(tmp_path)],
+                          cwd=Path(__file__).parents[2], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    log, index = _open(tmp_path, segment_size=16 * 1024)
+    try:
+        assert _append(log, "q/t").offset_in("q/t") >= 13
+        assert _append(log, "idle/t").offset_in("idle/t") >= 3
+    finally:
+        _close(log, index)
