@@ -550,12 +550,14 @@ class CommitLog:
             self.index.clear()
             report.index_rebuilt = True
             start = self.min_offset
-        if index_ckpt == 0 and self.min_offset > 0:
-            # A lost index (it is derived data) rebuilt from a log that retention trimmed:
-            # a queue whose every record is gone left nothing to rebuild its end from, and
-            # its readers may stand anywhere up to that end. Each offset was given to one
-            # record of at least HEADER_SIZE bytes before min_offset, which bounds every
-            # such end; queues with no entry and no floor start there, not at 0.
+        if index_ckpt < self.min_offset:
+            # An index that was lost (it is derived data), or is older than the log's
+            # start, rebuilt from a log that retention trimmed: a queue whose every record
+            # is gone left nothing to rebuild its end from, and its readers may stand
+            # anywhere up to that end. Each offset was given to one record of at least
+            # HEADER_SIZE bytes before min_offset, which bounds every such end; queues with
+            # no entry and no floor start there, not at 0. (Retention flushes the index
+            # before it deletes a segment, so a lost index is what leads here.)
             floor = -(-self.min_offset // record.HEADER_SIZE)
             self.index.set_default_floor(floor)
             log.warning("index rebuilt from a trimmed log: queues with no record left "
