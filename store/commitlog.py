@@ -530,6 +530,10 @@ class CommitLog:
             os.replace(other.path, qdir / other.path.name)
             report.quarantined.append(other.path.name)
         self._set_segments(tuple(s for s in self._segments if s not in later))
+        # Segments moved out must not come back after a power loss, where new records
+        # may follow the cut: make the moves durable before anything is appended.
+        fsync_dir(qdir)
+        fsync_dir(self.dir)
         log.warning(
             "commitlog cut at offset %d (%s): %d bytes moved to %s",
             seg.base + rel,

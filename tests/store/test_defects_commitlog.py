@@ -407,3 +407,30 @@ def test_offsets_keep_rising_after_retention_and_a_kill(tmp_path: Path) -> None:
         assert _append(log, "idle/t").offset_in("idle/t") >= 3
     finally:
         _close(log, index)
+
+
+def test_a_recovery_cut_is_durable_before_anything_is_appended(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cut moves the later segments to quarantine; unless the directory is fsync'd, a
+    power loss after new (acknowledged) records can bring them back behind those."""
+    log, index = _open(tmp_path, segment_size=8 * 1024)
+    sent = [_append(log, "a/t") for _ in range(30)]
+    _close(log, index)
+    _flip(tmp_path / "log" / "00000000000000000000", sent[2].phys_offset + 60)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    index = ConsumeQueueIndex(tmp_path / "index")
+    log = CommitLog(tmp_path / "log", index, segment_size=8 * 1024, full_verify=True)
+    report = log.open()
+    try:
+        assert report.truncated_at == sent[2].phys_offset and report.quarantined
+        logdir = (tmp_path / "log").resolve()
+        assert str(logdir) in synced and str(logdir / "quarantine") in synced, synced
+    finally:
+        _close(log, index)
