@@ -111,6 +111,53 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def thread_times(pids: list[int]) -> dict[str, list[float]]:
+    """Per thread name (comm) of these processes: [CPU seconds, voluntary and involuntary
+    context switches]. Shows which thread burns the CPU, and whether threads hand the GIL
+    back and forth (involuntary switches)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, list[float]] = {}
+    for pid in pids:
+        for p in [pid, *_children(pid)]:
+            try:
+                tids = os.listdir(f"/proc/{p}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{p}/task/{tid}/stat") as fh:
+                        head, _, rest = fh.read().rpartition(")")
+                    status = Path(f"/proc/{p}/task/{tid}/status").read_text()
+                except OSError:
+                    continue
+                fields = rest.split()
+                name = head.split("(", 1)[1]
+                sw = {k: int(v) for k, v in (ln.split(":\t") for ln in status.splitlines()
+                                             if ln.endswith(tuple("0123456789"))
+                                             and "ctxt_switches" in ln)}
+                row = out.setdefault(name, [0.0, 0, 0])
+                row[0] += (int(fields[11]) + int(fields[12])) / tick
+                row[1] += sw.get("voluntary_ctxt_switches", 0)
+                row[2] += sw.get("nonvoluntary_ctxt_switches", 0)
+    return out
+
+
+def thread_report(before: dict[str, list[float]], after: dict[str, list[float]],
+                  messages: int, seconds: float) -> dict[str, dict[str, float]]:
+    """CPU µs per message and context switches per second, per thread name (a name
+    shared by several threads, e.g. a pool, is their sum)."""
+    rep = {}
+    for name, (cpu, vol, invol) in after.items():
+        b = before.get(name, [0.0, 0, 0])
+        used = cpu - b[0]
+        if used <= 0 and vol - b[1] <= 0:
+            continue
+        rep[name] = {"cpu_us_per_msg": round(used * 1e6 / messages, 2) if messages else None,
+                     "voluntary_switches_per_s": round((vol - b[1]) / seconds),
+                     "involuntary_switches_per_s": round((invol - b[2]) / seconds)}
+    return rep
+
+
 def listen_overflows() -> int:
     """Kernel count of SYNs dropped on a full accept queue (each costs the client a 1 s
     SYN retransmit); system-wide, so only meaningful on an otherwise idle machine."""
@@ -610,15 +657,19 @@ def sc_fanout(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
 
 
 def w_latency_pub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, rate: int,
-                  total: int) -> dict[str, Any]:
-    """Publish `total` messages at `rate`/s, each stamped with its send time."""
+                  total: int, qos: int = 0) -> dict[str, Any]:
+    """Publish `total` messages at `rate`/s, each stamped with its send time. QoS 1:
+    packet ids cycle, PUBACKs are read (and counted) as they come."""
     s = connect(port, f"lat-pub-{os.getpid()}")
     pad = b" " * (PAYLOAD - STAMP.size)
     ready()
     t0 = _await_go(go_evt)
-    sent = 0
+    sent = acked = 0
+    rest = b""
     hard_stop = t0 + total / rate * 2 + 5  # a broker that stops reading must not hang us
     while sent < total and time.monotonic() < hard_stop:
+        if qos:
+            acked, rest = _read_acks(s, acked, rest)
         now = time.monotonic()
         due = t0 + sent / rate
         if now < due:
@@ -627,19 +678,42 @@ def w_latency_pub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, 
         batch = []
         stamp = time.perf_counter_ns()  # send time of everything due now
         while sent < total and t0 + sent / rate <= now:
-            batch.append(mqtt.encode_publish("lat/t", STAMP.pack(stamp, sent) + pad, 0,
-                                             False, False, None, 4))
+            batch.append(mqtt.encode_publish("lat/t", STAMP.pack(stamp, sent) + pad, qos,
+                                             False, False, sent % 65535 + 1 if qos else None,
+                                             4))
             sent += 1
+        s.setblocking(True)
         s.sendall(b"".join(batch))
+    while qos and acked < sent and time.monotonic() < hard_stop:
+        acked, rest = _read_acks(s, acked, rest)
+        time.sleep(0.001)
     globals()["_held"] = s  # connected until the subscriber is done (see w_publishers)
-    return {"sent": sent}
+    return {"sent": sent, "acked": acked}
+
+
+def _read_acks(s: socket.socket, acked: int, rest: bytes) -> tuple[int, bytes]:
+    """PUBACKs waiting on a publisher's socket, without blocking."""
+    s.setblocking(False)
+    try:
+        while True:
+            data = s.recv(65536)
+            if not data:
+                raise ConnectionError("broker closed the publisher")
+            buf = rest + data
+            _, frames, used = split_frames(buf, True)
+            rest = buf[used:]
+            acked += sum(1 for b0, _ in frames if b0 >> 4 == 4)
+    except BlockingIOError:
+        pass
+    return acked, rest
 
 
 def w_latency_sub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, total: int,
-                  warmup: int, seconds: float) -> dict[str, Any]:
-    """A blocking reader on its own core, so the receive time is taken as data lands."""
+                  warmup: int, seconds: float, qos: int = 0) -> dict[str, Any]:
+    """A blocking reader on its own core, so the receive time is taken as data lands;
+    QoS 1 deliveries are PUBACKed after each read."""
     s = connect(port, f"lat-sub-{os.getpid()}")
-    subscribe(s, "lat/t", 0)
+    subscribe(s, "lat/t", qos)
     s.settimeout(0.2)
     lat: list[int] = []
     got = 0
@@ -657,12 +731,18 @@ def w_latency_sub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, 
         buf = rest + data
         _, frames, used = split_frames(buf, True)
         rest = buf[used:]
+        acks = []
         for b0, body in frames:
             if b0 >> 4 == 3:
                 got += 1
-                stamp, seq = STAMP.unpack_from(publish_fields(b0, body)[1])
+                pid, payload = publish_fields(b0, body)
+                stamp, seq = STAMP.unpack_from(payload)
                 if seq >= warmup:
                     lat.append(now - stamp)
+                if pid:
+                    acks.append(puback(pid))
+        if acks:
+            s.sendall(b"".join(acks))
     s.close()
     lat.sort()
     pick = (lambda q: round(lat[min(len(lat) - 1, int(len(lat) * q))] / 1e6, 3)) if lat else None
@@ -670,16 +750,15 @@ def w_latency_sub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, 
             "p99_ms": pick(0.99) if pick else None, "max_ms": pick(1.0) if pick else None}
 
 
-def sc_latency(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
-    """Fixed offered rate, QoS 0, one publisher and one subscriber in separate processes;
+def _fixed_rate(b: Broker, rate: int, seconds: float, qos: int) -> dict[str, Any]:
+    """Fixed offered rate, one publisher and one subscriber in separate processes;
     latency = receive time - send time stamped in the payload (same monotonic clock)."""
-    rate, seconds = size["latency_rate"], size["latency_seconds"]
     total = int(rate * seconds)
     warmup = min(rate // 2, total // 10)  # the first half second warms caches and queues
     crew = Crew()
     try:
-        crew.add(w_latency_sub, b.port, total, warmup, seconds)
-        crew.add(w_latency_pub, b.port, rate, total)
+        crew.add(w_latency_sub, b.port, total, warmup, seconds, qos)
+        crew.add(w_latency_pub, b.port, rate, total, qos)
         crew.start(setup_timeout=60)
         time.sleep(0.3)
         crew.go()
@@ -690,8 +769,23 @@ def sc_latency(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
         return {"error": "nothing delivered"}
     return {"p50_ms": sub["p50_ms"], "p99_ms": sub["p99_ms"], "max_ms": sub["max_ms"],
             "msgs_per_s": round(sub["got"] / seconds), "received": sub["got"],
-            "expected": total, "sent": pub["sent"],
-            "notes": f"offered {rate} msg/s for {seconds} s; first {warmup} not timed"}
+            "expected": total, "sent": pub["sent"], "acked": pub["acked"] if qos else None,
+            "notes": f"QoS {qos}, offered {rate} msg/s for {seconds} s; "
+                     f"first {warmup} not timed"}
+
+
+def sc_latency(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    return _fixed_rate(b, size["latency_rate"], size["latency_seconds"], 0)
+
+
+def sc_cpu_at_rate(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    """What a realistic fleet costs: broker CPU per message at 2,000 msg/s, where nothing
+    batches and each message is its own wake-up (the main figure is cpu_us_per_msg)."""
+    return _fixed_rate(b, size["cpu_rate"], size["cpu_seconds"], 0)
+
+
+def sc_cpu_at_rate_qos1(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    return _fixed_rate(b, size["cpu_rate"], size["cpu_seconds"], 1)
 
 
 def w_idle(wid: int, ready: Callable[..., None], go_evt: Any, port: int, n: int,
@@ -919,21 +1013,24 @@ SCENARIOS: dict[str, tuple[Callable[[Broker, dict[str, Any]], dict[str, Any]], s
     "fanout_1to1000": (sc_fanout, "msgs_per_s", True),
     "idle_conns": (sc_idle, "kb_per_conn", False),
     "latency_fixed_rate": (sc_latency, "p99_ms", False),
+    "cpu_at_rate": (sc_cpu_at_rate, "cpu_us_per_msg", False),
+    "cpu_at_rate_qos1": (sc_cpu_at_rate_qos1, "cpu_us_per_msg", False),
     "reconnect_storm": (sc_reconnect_storm, "msgs_per_s", True),
 }
 QUICK_SCENARIOS = [s for s in SCENARIOS if s != "reconnect_storm"]
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"msgs": 2000, "qos1_msgs": 1000, "seconds": 8, "fanout_subs": 10,
              "fanout_msgs": 50, "idle_conns": 100, "idle_seconds": 10, "latency_rate": 200,
-             "latency_seconds": 1, "storm_clients": 10, "storm_msgs": 4},
+             "latency_seconds": 1, "storm_clients": 10, "storm_msgs": 4, "cpu_rate": 200,
+             "cpu_seconds": 1},
     "quick": {"msgs": 100_000, "qos1_msgs": 25_000, "seconds": 15, "fanout_subs": 200,
               "fanout_msgs": 500, "idle_conns": 2000, "idle_seconds": 30,
               "latency_rate": 2000, "latency_seconds": 5, "storm_clients": 500,
-              "storm_msgs": 10},
+              "storm_msgs": 10, "cpu_rate": 2000, "cpu_seconds": 5},
     "full": {"msgs": 500_000, "qos1_msgs": 100_000, "seconds": 45, "fanout_subs": 1000,
              "fanout_msgs": 1000, "idle_conns": 100_000, "idle_seconds": 120,
              "latency_rate": 20_000, "latency_seconds": 10, "storm_clients": 5000,
-             "storm_msgs": 20},
+             "storm_msgs": 20, "cpu_rate": 2000, "cpu_seconds": 10},
 }
 BROKERS = ["mosquitto", "lightgate-async", "lightgate-sync", "lightgate-separated", "amqtt"]
 
@@ -1037,11 +1134,14 @@ def run_one(scenario: str, name: str, size: dict[str, Any],
         broker = start_broker(name)
         if profile_dir and name.startswith("lightgate"):
             prof = profile_start(broker, profile_dir, f"{scenario}-{name}")
-        cpu0 = cpu_seconds([p.pid for p in broker.procs])
+        pids = [p.pid for p in broker.procs]
+        cpu0, threads0, t1 = cpu_seconds(pids), thread_times(pids), time.monotonic()
         row.update(fn(broker, size))
-        cpu = cpu_seconds([p.pid for p in broker.procs]) - cpu0
+        cpu = cpu_seconds(pids) - cpu0
         if row.get("received"):
             row["cpu_us_per_msg"] = round(cpu * 1e6 / row["received"], 2)
+            row["threads"] = thread_report(threads0, thread_times(pids), row["received"],
+                                           time.monotonic() - t1)
         if err := broker.died():
             row["error"] = err
     except Exception as exc:  # record it; the other brokers and scenarios still run

@@ -47,13 +47,13 @@ def test_split_frames_counts_publishes_across_chunk_boundaries() -> None:
 def test_tiny_run_prints_rows_in_the_documented_shape(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "bench/mqtt_bench.py", "--tiny", "--brokers", "lightgate-async",
-         "--scenarios", "qos0_1to1,qos1_1to1,latency_fixed_rate,idle_conns",
+         "--scenarios", "qos0_1to1,qos1_1to1,latency_fixed_rate,idle_conns,cpu_at_rate_qos1",
          "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(res.stdout)  # stdout is exactly one JSON list
     assert [r["scenario"] for r in rows] == ["qos0_1to1", "qos1_1to1", "latency_fixed_rate",
-                                             "idle_conns"]
+                                             "idle_conns", "cpu_at_rate_qos1"]
     for r in rows:
         assert set(r) >= FIELDS, r
         assert "error" not in r, r
@@ -66,5 +66,13 @@ def test_tiny_run_prints_rows_in_the_documented_shape(tmp_path: Path) -> None:
     assert 0 < by["latency_fixed_rate"]["p50_ms"] <= by["latency_fixed_rate"]["p99_ms"]
     assert by["idle_conns"]["kb_per_conn"] is not None
     assert by["idle_conns"]["connects_per_s"] > 0
+    at_rate = by["cpu_at_rate_qos1"]
+    assert at_rate["received"] == at_rate["expected"] and at_rate["acked"] == at_rate["sent"]
+    assert at_rate["cpu_us_per_msg"] > 0
+    # Per thread (by name): CPU and context switches; the event loop's thread is busiest.
+    busiest = max(at_rate["threads"].values(), key=lambda t: t["cpu_us_per_msg"] or 0)
+    assert busiest["cpu_us_per_msg"] > 0
+    assert busiest["voluntary_switches_per_s"] > 0
+    assert "involuntary_switches_per_s" in busiest
     assert json.loads((tmp_path / "latest.json").read_text()) == rows
     assert (tmp_path / "qos0_1to1.png").stat().st_size > 1000
