@@ -441,9 +441,6 @@ def _add_room_commands(sub: Any) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    # The CommitLog writer thread hands acks back to the event loop: with Python's default
-    # 5 ms GIL switch interval every append round trip can wait that long.
-    sys.setswitchinterval(0.0005)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -8,6 +8,7 @@ index, the metadata and the router, and bridges the writer thread to trio.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
@@ -105,6 +106,11 @@ class EmbeddedStore:
     ) -> AsyncIterator[EmbeddedStore]:
         """`notify` is called from the writer thread with the names of queues that grew."""
         Path(config.data_dir).mkdir(parents=True, exist_ok=True)
+        if config.flush == "sync":
+            # The writer thread hands each group commit back to the event loop: with
+            # Python's default 5 ms GIL switch interval every round trip could wait that
+            # long. (flush async appends inline: no thread to hand over to.)
+            sys.setswitchinterval(0.0005)
         store = await trio.to_thread.run_sync(cls, config, notify)
         try:
             store.recovery = await trio.to_thread.run_sync(store.commitlog.open)
@@ -216,16 +222,11 @@ class EmbeddedStore:
         # Below the minimum: retention took it. Beyond the end: a repaired (cut) log gave
         # those offsets back; a reader that was past them resumes at the new end.
         start = min(max(offset, lo), hi)
-        messages = []
-        next_offset = start
-        for entry in self.index.read(queue, start, max_count):
-            try:
-                msg = self.commitlog.read(entry.phys_offset, entry.size)
-            except KeyError:  # removed by retention after the index read: skip past it
-                next_offset = entry.offset + 1
-                continue
-            messages.append(msg)
-            next_offset = entry.offset + 1
+        entries = self.index.read(queue, start, max_count)
+        read = self.commitlog.read_run([(e.phys_offset, e.size) for e in entries])
+        # None: removed by retention after the index read; skipped past.
+        messages = [m for m in read if m is not None]
+        next_offset = entries[-1].offset + 1 if entries else start
         return PullResult(messages, next_offset, lo, hi)
 
     def queue_range(self, queue: str) -> tuple[int, int]:
