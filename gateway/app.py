@@ -58,7 +58,7 @@ async def run_serve(opts: ServeOptions) -> None:
 
 async def _serve(opts: ServeOptions, signals: Any) -> None:
     async with (
-        LocalBus() as bus,
+        LocalBus(window=0) as bus,  # the store appends in batches: nothing to wait for
         store_node(opts.store, opts.native, bus.publish_from_thread, opts.auth) as node,
         trio.open_nursery() as nursery,
     ):

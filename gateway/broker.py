@@ -186,6 +186,9 @@ class Broker:
                 group.wake()
 
     async def run_notify(self, bus: Any) -> None:
+        if getattr(bus, "window", None) == 0 and hasattr(bus, "listen"):
+            with bus.listen(self.on_queues_changed):  # in-process: no task in between
+                await trio.sleep_forever()
         async with bus.subscribe() as events:
             async for names in events:
                 self.on_queues_changed(names)
@@ -515,12 +518,14 @@ class Broker:
     # -- messages ---------------------------------------------------------------------
     def template(self, msg: Message) -> PublishTemplate:
         """Encode once per message, stamp per subscriber (cached across subscribers)."""
-        props = publish_properties(msg.properties)  # app properties as user properties
         if msg.phys_offset < 0:  # not from the log (no identity to cache it by)
-            return PublishTemplate(msg.topic, msg.body, msg.qos, msg.retain, props)
+            return PublishTemplate(msg.topic, msg.body, msg.qos, msg.retain,
+                                   publish_properties(msg.properties))
         t = self._templates.get(msg.phys_offset)
         if t is None:
-            t = PublishTemplate(msg.topic, msg.body, msg.qos, msg.retain, props)
+            # App properties become user properties: worked out once per message.
+            t = PublishTemplate(msg.topic, msg.body, msg.qos, msg.retain,
+                                publish_properties(msg.properties))
             self._templates[msg.phys_offset] = t
             if len(self._templates) > 4096:
                 self._templates.popitem(last=False)

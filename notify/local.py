@@ -9,9 +9,10 @@ broadcast to every subscriber of this process.
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import AsyncIterator, Iterable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 
 import trio
 
@@ -19,11 +20,19 @@ from notify.bus import DEFAULT_BUFFER, DEFAULT_WINDOW, RESYNC, Counters, Subscri
 
 __all__ = ["RESYNC", "LocalBus", "open_bus"]
 
+log = logging.getLogger("lightgate.notify")
+
 
 class LocalBus(Counters):
     """Publishers add names to one pending set (a lock makes that safe from any thread);
     a pump task wakes on the first name, sleeps `window` so that the burst merges, then
-    hands the set to every subscription. Memory is bounded by the distinct names."""
+    hands the set to every subscription. Memory is bounded by the distinct names.
+
+    With `window=0` nothing waits: a publish from the trio thread is delivered at once
+    (the store appends a whole read's worth of messages at a time, so there is little
+    left to merge, and at low rates the window was pure latency and two wake-ups per
+    message). Listeners (`listen`) are called synchronously on delivery, with no task
+    between the store and the sessions it wakes."""
 
     def __init__(
         self,
@@ -39,6 +48,7 @@ class LocalBus(Counters):
         self.window = window
         self.buffer = buffer
         self._subs: list[Subscription] = []
+        self._listeners: list[Callable[[set[str]], None]] = []
         self._lock = threading.Lock()
         self._incoming: set[str] = set()
         self._wake = trio.Event()
@@ -101,13 +111,24 @@ class LocalBus(Counters):
         """Non-blocking; meant for the trio thread (from another one it falls back to
         `publish_from_thread`, as a trio.Event must not be set from outside)."""
         if threading.get_ident() != self._trio_thread:
-            self.publish_from_thread(names)
+            self._publish_from_other_thread(names)
+        elif self.window <= 0 and self._running:
+            batch = names if isinstance(names, set | frozenset) else set(names)
+            self.count(published=len(batch))
+            self.deliver(batch)
         elif self._add(names):
             self._wake.set()
 
     def publish_from_thread(self, names: Iterable[str]) -> None:
         """Non-blocking; from any thread (the store's writer thread after each append
-        batch). Only the first name of a window costs a wake-up of the trio loop."""
+        batch, or the trio thread itself when the store appends inline). Only the first
+        name of a window costs a wake-up of the trio loop."""
+        if threading.get_ident() == self._trio_thread:
+            self.publish(names)
+        else:
+            self._publish_from_other_thread(names)
+
+    def _publish_from_other_thread(self, names: Iterable[str]) -> None:
         if self._add(names) and self._token is not None:
             try:
                 self._token.run_sync_soon(self._wake_pump)
@@ -120,7 +141,8 @@ class LocalBus(Counters):
     async def _pump(self) -> None:
         while True:
             await self._wake.wait()
-            await trio.sleep(self.window)  # let the rest of the burst arrive
+            if self.window > 0:
+                await trio.sleep(self.window)  # let the rest of the burst arrive
             with self._lock:
                 names, self._incoming = self._incoming, set()
                 # Reset under the lock: a thread that finds the set empty from here on
@@ -137,6 +159,25 @@ class LocalBus(Counters):
             return
         for sub in self._subs:
             sub.push(batch)
+        for fn in self._listeners:
+            try:
+                fn(batch)
+            except Exception:  # one listener's bug must not stop the store's append
+                log.exception("notify listener failed")
+
+    @contextmanager
+    def listen(self, fn: Callable[[set[str]], None]) -> Iterator[None]:
+        """Call `fn(names)` in the trio thread on every delivery, synchronously: it must
+        not block (e.g. set events). Counted as a delivery like a subscription's."""
+        def counted(batch: set[str]) -> None:
+            self.count(delivered=len(batch))
+            fn(batch)
+
+        self._listeners.append(counted)
+        try:
+            yield
+        finally:
+            self._listeners.remove(counted)
 
     # -- subscribing ------------------------------------------------------------------
     @asynccontextmanager

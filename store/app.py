@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -48,17 +49,22 @@ async def store_node(
     cfg: StoreConfig, native: str, publish: Callable[[set[str]], None] | None = None,
     auth_cfg: AuthConfig | None = None,
 ) -> AsyncIterator[StoreNode]:
-    """The store and its native server. `publish` (called from the CommitLog writer
-    thread) carries the names of grown queues to gateways: an in-process bus or Redis."""
+    """The store and its native server. `publish` (called from whichever thread appended:
+    the CommitLog writer thread, or this one) carries the names of grown queues to
+    gateways: an in-process bus or Redis."""
     token = trio.lowlevel.current_trio_token()
+    trio_thread = threading.get_ident()
     server: NativeServer | None = None
 
     def on_dispatched(names: set[str]) -> None:
         if server is not None:  # wake long-polling pulls in this process
-            try:
-                token.run_sync_soon(server.waiters.wake, names)
-            except trio.RunFinishedError:
-                pass
+            if threading.get_ident() == trio_thread:  # an inline append: no hop
+                server.waiters.wake(names)
+            else:
+                try:
+                    token.run_sync_soon(server.waiters.wake, names)
+                except trio.RunFinishedError:
+                    pass
         if publish is not None:
             publish(names)
 

@@ -120,6 +120,42 @@ async def test_publish_from_a_plain_thread() -> None:
         assert bus.published == 3000
 
 
+async def test_window_zero_delivers_at_once_to_listeners_and_subscriptions() -> None:
+    """What `lightgate serve` uses: the store appends inline in the trio thread, and the
+    sessions it wakes hear of it synchronously, with no pump or timer in between."""
+    heard: list[set[str]] = []
+    async with LocalBus(window=0) as bus, bus.subscribe() as events:
+        with bus.listen(heard.append):
+            bus.publish_from_thread({"a/b"})  # called in the trio thread: no hop
+            assert heard == [{"a/b"}]
+            bus.publish(["c/d", "c/d"])
+            assert heard == [{"a/b"}, {"c/d"}]
+            assert events.pending() == 2
+            # From another thread it still arrives, through the loop.
+            t = threading.Thread(target=bus.publish_from_thread, args=({"x/y"},))
+            t.start()
+            t.join()
+            with trio.fail_after(5):
+                while len(heard) < 3:
+                    await trio.sleep(0.001)
+            assert heard[2] == {"x/y"}
+        bus.publish({"after"})  # the listener is gone
+        assert len(heard) == 3
+        # Listeners count on delivery; a subscription when its batches are received.
+        assert bus.published == 4 and bus.delivered == 3
+
+
+async def test_a_failing_listener_does_not_stop_delivery(caplog) -> None:
+    async with LocalBus(window=0) as bus, bus.subscribe() as events:
+        def bad(names: set[str]) -> None:
+            raise RuntimeError("listener bug")
+
+        with caplog.at_level(logging.ERROR), bus.listen(bad):
+            bus.publish({"q"})
+        assert events.pending() == 1
+        assert "notify listener failed" in caplog.text
+
+
 async def test_closing_the_bus_flushes_and_ends_subscriptions() -> None:
     got: list[set[str]] = []
     # The bus closes first (a window that never elapses here), then the nursery waits
