@@ -4,7 +4,9 @@ acker for stored publishes and, once connected, a delivery task. Errors stay ins
 from __future__ import annotations
 
 import logging
+import os
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import trio
@@ -67,11 +69,11 @@ class Connection:
         "_check_delivery", "_kicked", "_limits", "config", "decoder", "version", "session",
         "keepalive", "receive_maximum", "client_max_packet", "problem_info", "alive",
         "connected_at", "_pending", "_pending_bytes", "_writing", "_drained", "_acks",
-        "_delivering", "_nursery", "_acks_recv", "_storing",
+        "_delivering", "_nursery", "_acks_recv", "_storing", "_ack_backlog",
         "_inbound_unacked", "_inbound_qos2", "_batch_msgs", "_batch_pkts", "_outbuf",
         "_outbuf_bytes",
         "_window", "_cancel", "_detached", "_taken_over", "_write_failed", "_store_error",
-        "_aliases_in", "_aliases_out", "_alias_out_max",
+        "_aliases_in", "_aliases_out", "_alias_out_max", "_fd",
     )
 
     def __init__(
@@ -80,6 +82,10 @@ class Connection:
     ) -> None:
         self.broker = broker
         self.stream = stream
+        # Plain TCP: read and write the socket's fd directly, waiting for readiness only
+        # when it has nothing (or no room). trio's stream calls cost two scheduler passes
+        # each even when data is there; TLS and WebSocket streams keep their own.
+        self._fd = stream.socket.fileno() if type(stream) is trio.SocketStream else -1
         self.peer = peer
         self.cert_identity = cert_identity  # from a verified client certificate
         self.subject: Subject | None = None  # who authenticated on this connection
@@ -109,6 +115,7 @@ class Connection:
         self._acks: trio.MemorySendChannel[tuple[Any, Any]] | None = None
         self._acks_recv: trio.MemoryReceiveChannel[tuple[Any, Any]] | None = None
         self._storing: tuple[Any, list[Publish]] | None = None  # the batch the acker awaits
+        self._ack_backlog = 0  # items sent to the acker and not yet handled by it
         self._delivering = False
         self._nursery: trio.Nursery | None = None
         # Inbound QoS 1/2 publishes counted against our Receive Maximum (MQTT 5 §4.9): a
@@ -299,6 +306,14 @@ class Connection:
                 self._wake_senders()
                 stats.bytes_out += len(buf)
                 try:
+                    if self._fd >= 0:  # most writes fit the socket's buffer: no wait
+                        try:
+                            sent = os.write(self._fd, buf)
+                        except BlockingIOError:
+                            sent = 0
+                        if sent == len(buf):
+                            continue
+                        buf = memoryview(buf)[sent:]
                     with trio.move_on_after(self.config.write_timeout) as scope:
                         await self.stream.send_all(buf)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -349,11 +364,28 @@ class Connection:
             else:
                 packets = await self._receive()
 
+    async def _read(self) -> bytes:
+        if self._fd < 0:
+            return await self.stream.receive_some(65536)
+        try:
+            data = os.read(self._fd, 65536)
+        except BlockingIOError:
+            while True:
+                await trio.lowlevel.wait_readable(self._fd)
+                try:
+                    return os.read(self._fd, 65536)
+                except BlockingIOError:  # a spurious wake-up
+                    continue
+        # Data was waiting: yield once anyway, so that a client that always has more
+        # cannot starve the other tasks (nor escape a cancellation).
+        await trio.lowlevel.checkpoint()
+        return data
+
     async def _receive(self) -> list[Any]:
         if self.decoder.error is not None:  # after the packets that came before it
             raise self.decoder.error
         while True:
-            data = await self.stream.receive_some(65536)
+            data = await self._read()
             if not data:
                 raise Closing("connection closed by the client")
             self.broker.stats.bytes_in += len(data)
@@ -491,7 +523,7 @@ class Connection:
         elif isinstance(p, Pubcomp):
             await self._on_ack(p.packet_id, 2)
         elif isinstance(p, Pubrel):
-            await self._acks_channel().send((_NO_STORE_WAIT, p))  # after pending PUBRECs
+            await self._to_acker(_NO_STORE_WAIT, p)  # after pending PUBRECs
         elif isinstance(p, Subscribe):
             await self._on_subscribe(p)
         elif isinstance(p, Unsubscribe):
@@ -544,7 +576,7 @@ class Connection:
             return
         if p.qos == 2 and p.packet_id in s.incoming_qos2:
             await self._flush_publishes()
-            await self._acks_channel().send((_NO_STORE_WAIT, p))  # duplicate: PUBREC again
+            await self._to_acker(_NO_STORE_WAIT, p)  # duplicate: PUBREC again
             return
         if p.qos:
             self._count_inbound(p)
@@ -552,7 +584,7 @@ class Connection:
             if not p.qos:
                 raise ProtocolError(rc.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8")
             await self._flush_publishes()
-            await self._acks_channel().send((rc.PAYLOAD_FORMAT_INVALID, p))
+            await self._to_acker(rc.PAYLOAD_FORMAT_INVALID, p)
             return
         props = {k: v for k, v in p.properties.items() if k != "topic_alias"} \
             if p.properties else {}
@@ -573,7 +605,7 @@ class Connection:
             return
         await self._flush_publishes()  # acks stay in arrival order
         self._count_inbound(p)
-        await self._acks_channel().send((rc.NOT_AUTHORIZED if self.version == 5 else 0, p))
+        await self._to_acker(rc.NOT_AUTHORIZED if self.version == 5 else 0, p)
 
     async def _flush_publishes(self) -> None:
         """Everything one read brought in goes to the store as one append (one write, one
@@ -586,7 +618,7 @@ class Connection:
             fut = self.broker.store.publish_start(msgs)
         except ValueError as exc:
             raise ProtocolError(rc.TOPIC_NAME_INVALID, str(exc)) from exc
-        await self._acks_channel().send((fut, pkts))
+        await self._to_acker(fut, pkts)
 
     def _count_inbound(self, p: Publish) -> None:
         """One more QoS 1/2 publish unacknowledged; past our Receive Maximum, 0x93."""
@@ -634,23 +666,39 @@ class Connection:
             self._delivering = True
             self._nursery.start_soon(self._deliver_loop, resume)
 
+    async def _to_acker(self, item: Any, p: Any) -> None:
+        """Acknowledge `p` in arrival order. When nothing is waiting for the acker and
+        the store already has it (an inline append: flush async), right here: a task
+        hop per publish was most of the cost of a lone message."""
+        if not self._ack_backlog and not (isinstance(item, Future) and not item.done()):
+            s = self.session
+            assert s is not None
+            await self._handle_ack(s, item, p)
+            return
+        self._ack_backlog += 1
+        await self._acks_channel().send((item, p))
+
     async def _acker(self, acks: trio.MemoryReceiveChannel[tuple[Any, Any]]) -> None:
         """Acknowledge publishes in arrival order, each only once the store has it."""
         s = self.session
         assert s is not None
         async for item, p in acks:
-            if isinstance(p, Pubrel):
-                await self._on_pubrel(s, p)
-            elif isinstance(p, list):  # a batch stored by one append: its acks in one write
-                self._storing = (item, p)
-                codes = await self._await_store(s, item, p)
-                self._storing = None
-                acks = [self._ack(s, pkt, code) for pkt, code in zip(p, codes, strict=True)
-                        if code is not None and pkt.qos]
-                if acks:
-                    await self.send(b"".join(acks))
-            else:  # refused before storing (a reason code), or a duplicate QoS 2
-                await self.send(self._ack(s, p, item if isinstance(item, int) else 0))
+            await self._handle_ack(s, item, p)
+            self._ack_backlog -= 1
+
+    async def _handle_ack(self, s: Session, item: Any, p: Any) -> None:
+        if isinstance(p, Pubrel):
+            await self._on_pubrel(s, p)
+        elif isinstance(p, list):  # a batch stored by one append: its acks in one write
+            self._storing = (item, p)
+            codes = await self._await_store(s, item, p)
+            self._storing = None
+            acks = [self._ack(s, pkt, code) for pkt, code in zip(p, codes, strict=True)
+                    if code is not None and pkt.qos]
+            if acks:
+                await self.send(b"".join(acks))
+        else:  # refused before storing (a reason code), or a duplicate QoS 2
+            await self.send(self._ack(s, p, item if isinstance(item, int) else 0))
 
     def _ack(self, s: Session, p: Publish, code: int) -> bytes:
         """The PUBACK/PUBREC for a QoS 1/2 publish (b"" for QoS 0)."""
