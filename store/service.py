@@ -23,7 +23,7 @@ from lightqueue.index import ConsumeQueueIndex
 from lightqueue.rocks import HEAP_TRIM_INTERVAL_S, trim_heap
 from lightqueue.routing import Router, split_partition_queue, validate_first_level
 from lightqueue.topic import validate_topic_filter, validate_topic_name
-from store.commitlog import CommitLog, RecoveryReport
+from store.commitlog import CommitLog, InlineFuture, RecoveryReport
 from store.metadata import Metadata
 from store.recent import RecentMessages
 from store.record import Message, parse_msg_id
@@ -64,7 +64,7 @@ class QueueStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-async def await_future(fut: Future) -> Any:
+async def await_future(fut: Future | InlineFuture) -> Any:
     """Wait for a concurrent future without blocking trio (no thread per call)."""
     if not fut.done():
         token = trio.lowlevel.current_trio_token()
@@ -175,7 +175,7 @@ class EmbeddedStore:
         async with self._pending:
             return await await_future(self.publish_start(messages))
 
-    def publish_start(self, messages: list[Message]) -> Future:
+    def publish_start(self, messages: list[Message]) -> Future | InlineFuture:
         """Submit without waiting: requests are appended in submission order, so a
         connection can pipeline its publishes and still keep them in order."""
         for m in messages:
@@ -188,7 +188,8 @@ class EmbeddedStore:
         async with self._pending:
             return await await_future(self.send_start(topic, messages))
 
-    def send_start(self, topic: str, messages: list[Message]) -> Future:
+    def send_start(self, topic: str, messages: list[Message]
+                   ) -> Future | InlineFuture:
         """`send` without waiting (submitted in call order); raises ValueError at once."""
         validate_first_level(topic)
         routes = []
