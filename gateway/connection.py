@@ -615,7 +615,7 @@ class Connection:
         msgs, pkts = self._batch_msgs, self._batch_pkts
         self._batch_msgs, self._batch_pkts = [], []
         try:
-            fut = self.broker.store.publish_start(msgs)
+            fut = self.broker.store.publish_start(msgs, validated=True)  # by the codec
         except ValueError as exc:
             raise ProtocolError(rc.TOPIC_NAME_INVALID, str(exc)) from exc
         await self._to_acker(fut, pkts)

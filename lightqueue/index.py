@@ -86,9 +86,12 @@ class ConsumeQueueIndex:
     def assign(self, queues: Iterable[str]) -> list[tuple[str, int]]:
         """Give each queue its next offset; the caller rolls back with `unassign` on failure."""
         out = []
-        for q in queues:
-            off = self.next_offset(q)
-            self._next[q] = off + 1
+        nxt = self._next
+        for q in queues:  # once per message and queue: next_offset inlined
+            off = nxt.get(q)
+            if off is None:
+                off = self.next_offset(q)
+            nxt[q] = off + 1
             out.append((q, off))
         return out
 

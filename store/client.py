@@ -221,7 +221,8 @@ class RemoteStore:
     def __init__(self, client: NativeClient) -> None:
         self.client = client
 
-    def publish_start(self, messages: list[Message]) -> Future:
+    def publish_start(self, messages: list[Message], *, validated: bool = False) -> Future:
+        """As EmbeddedStore.publish_start; the store validates topic names again."""
         metas, body = p.pack_messages(messages)
         inner = self.client.submit(p.PUBLISH, {"messages": metas}, body)
         outer: Future = Future()

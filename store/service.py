@@ -175,11 +175,14 @@ class EmbeddedStore:
         async with self._pending:
             return await await_future(self.publish_start(messages))
 
-    def publish_start(self, messages: list[Message]) -> Future | InlineFuture:
+    def publish_start(self, messages: list[Message], *, validated: bool = False
+                      ) -> Future | InlineFuture:
         """Submit without waiting: requests are appended in submission order, so a
-        connection can pipeline its publishes and still keep them in order."""
-        for m in messages:
-            validate_topic_name(m.topic)
+        connection can pipeline its publishes and still keep them in order. `validated`:
+        the caller checked every topic name already (the MQTT codec does)."""
+        if not validated:
+            for m in messages:
+                validate_topic_name(m.topic)
         return self.commitlog.append(messages, [self.router.route(m.topic) for m in messages])
 
     async def send(self, topic: str, messages: list[Message]) -> list[Message]:
