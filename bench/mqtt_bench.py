@@ -1157,7 +1157,8 @@ def run_one(scenario: str, name: str, size: dict[str, Any],
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="scenarios 1-6, small (~5 min)")
+    parser.add_argument("--quick", action="store_true",
+                        help="every scenario but reconnect_storm, small (~6 min)")
     parser.add_argument("--tiny", action="store_true", help="a smoke run for the tests")
     parser.add_argument("--brokers", default=",".join(BROKERS),
                         help=f"comma-separated subset of {','.join(BROKERS)}")
