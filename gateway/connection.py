@@ -1045,7 +1045,7 @@ class Connection:
                 await self._flush_out()  # what is buffered may be what frees the window
             await self._wait_window()
         pid = s.allocate_packet_id() if qos else None
-        data = self._encode(msg, pid, qos, retain, sids)
+        data = self._encode(msg, pid, qos, retain, sids, queue)
         if data is None:
             return False
         if qos:
@@ -1067,12 +1067,12 @@ class Connection:
         return True
 
     def _encode(self, msg: Message, pid: int | None, qos: int, retain: bool,
-                sids: list[int] | None) -> bytes | None:
+                sids: list[int] | None, queue: str | None = None) -> bytes | None:
         """The PUBLISH bytes for this client, or None when the message must be dropped.
         A message that cannot be encoded (stored by an older version or a bug) is
         dropped and logged: one bad message must not end every delivery loop."""
         try:
-            return self._encode_for_client(msg, pid, qos, retain, sids)
+            return self._encode_for_client(msg, pid, qos, retain, sids, queue)
         except Exception as exc:  # noqa: BLE001 - whatever the message, not the loop
             self.broker.stats.dropped += 1
             log.error("message %s on %r cannot be sent to %s and is dropped: %s",
@@ -1080,7 +1080,7 @@ class Connection:
             return None
 
     def _encode_for_client(self, msg: Message, pid: int | None, qos: int, retain: bool,
-                           sids: list[int] | None) -> bytes | None:
+                           sids: list[int] | None, queue: str | None) -> bytes | None:
         v = self.version
         props = None
         if v == 5:
@@ -1094,6 +1094,14 @@ class Connection:
             elif self._alias_out_max and not qos:
                 props = dict(publish_properties(msg.properties))
         if props is None:
+            if queue is not None and len(self.broker.queue_subs.get(queue, ())) == 1:
+                # This session is the queue's only reader here: a template (encoded once,
+                # stamped per subscriber) would be made for one use and cost 5x as much.
+                if msg.qos not in (0, 1, 2):  # as the template checks: a bad record
+                    raise ValueError(f"stored message has QoS {msg.qos}")
+                return self._fits(msg, mqtt.encode_publish(
+                    msg.topic, msg.body, qos, retain, False, pid, v,
+                    _publish_props(msg, sids) if v == 5 else None))
             return self._fits(msg, self.broker.template(msg).for_subscriber(
                 pid, False, version=v, qos=qos, retain=retain, subscription_ids=sids))
         topic, new_alias = msg.topic, False
@@ -1149,6 +1157,14 @@ def _only_reader(s: Session, queue: str) -> list[Subscription] | None:
         return None
     sub = next(iter(s.subscriptions.values()))
     return [sub] if sub.shared is None and sub.topic_filter == queue else None
+
+
+def _publish_props(msg: Message, sids: list[int] | None) -> dict[str, Any] | None:
+    """A stored message's properties for a v5 PUBLISH, with this subscriber's ids."""
+    props = publish_properties(msg.properties)
+    if sids:
+        props = dict(props, subscription_identifier=sids)
+    return props or None
 
 
 def _with_dup(data: bytes) -> bytes:
