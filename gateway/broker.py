@@ -59,6 +59,9 @@ class GatewayConfig:
     max_publish_rate: float = 0.0  # publishes per second per client
     max_publish_bytes_rate: float = 0.0  # publish payload bytes per second per client
     max_subscriptions: int = 0  # per client
+    # How often the wildcard filters this gateway's sessions read are touched in the
+    # store, which unregisters those nobody touched for its --wildcard-idle-s.
+    wildcard_touch_s: float = 60.0
 
 
 @dataclass
@@ -585,6 +588,23 @@ class Broker:
             nursery.start_soon(self._offsets_loop)
             nursery.start_soon(self._expiry_loop)
             nursery.start_soon(self._sys_loop)
+            nursery.start_soon(self._wildcard_touch_loop)
+
+    async def _wildcard_touch_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.wildcard_touch_s)
+            await self.touch_wildcards()
+
+    async def touch_wildcards(self) -> None:
+        """Tell the store which wildcard queues this gateway's sessions and shared groups
+        read, so that it keeps indexing into them (and only them)."""
+        filters = [q for q in {*self.queue_subs, *self.queue_groups} if is_wildcard(q)]
+        if not filters:
+            return
+        try:
+            await self.store.add_wildcards(filters)
+        except StoreError as exc:  # the next round tries again
+            log.warning("could not touch %d wildcard queues: %s", len(filters), exc)
 
     async def _offsets_loop(self) -> None:
         while True:

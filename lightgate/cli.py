@@ -28,6 +28,8 @@ STORE_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("retention-check-s", float, 60.0, "how often retention looks for segments to delete"),
     ("partitions", int, 4, "default partitions of a first-level topic"),
     ("full-verify", bool, False, "verify every CommitLog record on start, not just the tail"),
+    ("wildcard-idle-s", float, 600.0, "unregister a wildcard queue no session has used for "
+     "this long, so messages stop being indexed into it (0: never)"),
 ]
 HTTP_SETTING = ("http", str, "127.0.0.1:18083", "HTTP (dashboard, admin API, metrics) HOST:PORT")
 NATIVE_SETTING = ("native", str, "127.0.0.1:10911", "native protocol HOST:PORT")
@@ -59,6 +61,8 @@ GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("max-publish-rate", float, 0.0, "publishes per second per client (0: no limit)"),
     ("max-publish-bytes-rate", float, 0.0, "publish bytes per second per client (0: no limit)"),
     ("max-subscriptions", int, 0, "subscriptions per client (0: no limit)"),
+    ("wildcard-touch-s", float, 60.0, "how often the wildcard filters in use here are "
+     "reported to the store (keep it well under the store's --wildcard-idle-s)"),
     ("audit-log", str, None, "write the [AUTHENTICATION]/[AUTHORIZATION] audit lines here"),
 ]
 AUTH_SETTINGS: list[tuple[str, Any, Any, str]] = [
@@ -121,6 +125,7 @@ def _store_config(values: dict[str, Any]) -> Any:
         retention_check_s=values["retention_check_s"],
         default_partitions=values["partitions"],
         full_verify=bool(values["full_verify"]),
+        wildcard_idle_s=values["wildcard_idle_s"],
     )
 
 
@@ -166,6 +171,7 @@ def _gateway_config(values: dict[str, Any]) -> Any:
         max_publish_rate=values["max_publish_rate"],
         max_publish_bytes_rate=values["max_publish_bytes_rate"],
         max_subscriptions=values["max_subscriptions"],
+        wildcard_touch_s=values["wildcard_touch_s"],
     )
 
 

@@ -264,6 +264,9 @@ class RemoteStore:
     async def add_wildcard(self, topic_filter: str) -> None:
         await self.client.request(p.WILDCARD_ADD, {"filter": topic_filter})
 
+    async def add_wildcards(self, filters: Sequence[str]) -> None:
+        await self.client.request(p.WILDCARD_ADD, {"filters": list(filters)})
+
     async def meta_get(self, cf: str, key: str) -> Any:
         header, _ = await self.client.request(p.META_GET, {"cf": cf, "key": key})
         return header.get("value")

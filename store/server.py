@@ -473,7 +473,13 @@ class NativeServer:
         return {}, b""
 
     async def _wildcard_add(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
-        await self.store.add_wildcard(str(f.header["filter"]))
+        """One filter (`filter`) or many (`filters`: a gateway's periodic touch)."""
+        filters = f.header.get("filters")
+        if filters is None:
+            filters = [f.header["filter"]]
+        if not isinstance(filters, list) or len(filters) > 100_000:
+            raise ValueError("filters must be a list (at most 100,000)")
+        await self.store.add_wildcards([str(x) for x in filters])
         return {}, b""
 
     async def _stats(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:

@@ -32,6 +32,8 @@ log = logging.getLogger("lightgate.store")
 
 MAX_PULL = 1024
 
+WILDCARD_GC_S = 60.0  # how often idle wildcard queues are looked for
+
 
 @dataclass
 class StoreConfig:
@@ -46,6 +48,10 @@ class StoreConfig:
     default_partitions: int = 4
     max_pending_appends: int = 10_000
     full_verify: bool = False
+    # A registered wildcard queue that no gateway has touched for this long and that no
+    # stored reader position names (persistent sessions, shared groups) is unregistered:
+    # every message was indexed into every wildcard filter ever used. 0: never.
+    wildcard_idle_s: float = 600.0
 
 
 @dataclass
@@ -96,6 +102,8 @@ class EmbeddedStore:
             full_verify=config.full_verify,
         )
         self._pending = trio.Semaphore(config.max_pending_appends)
+        self._wildcard_seen: dict[str, float] = {}  # filter -> monotonic time last used
+        self.wildcards_dropped = 0
         self.recovery: RecoveryReport | None = None
         self.started_at = time.time()
 
@@ -120,6 +128,7 @@ class EmbeddedStore:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(store._retention_loop)
                 nursery.start_soon(store._heap_trim_loop)
+                nursery.start_soon(store._wildcard_gc_loop)
                 try:
                     yield store
                 finally:
@@ -150,8 +159,10 @@ class EmbeddedStore:
                         len(floors))
 
     def _load_routes(self) -> None:
+        now = time.monotonic()  # a gateway's touch comes well within the idle time
         for topic_filter, _ in self.meta.items("wildcards"):
             self.router.register_wildcard(topic_filter)
+            self._wildcard_seen[topic_filter] = now
         for topic, info in self.meta.items("topics"):
             self.router.set_partitions(topic, int(info.get("partitions", 1)))
 
@@ -282,6 +293,12 @@ class EmbeddedStore:
     async def add_wildcard(self, topic_filter: str) -> None:
         self.register_wildcard(topic_filter)
 
+    async def add_wildcards(self, filters: Sequence[str]) -> None:
+        """Register (or keep registered: a touch) every filter; gateways call this for
+        the wildcard filters their sessions use, periodically."""
+        for topic_filter in filters:
+            self.register_wildcard(topic_filter)
+
     async def get_stats(self) -> dict[str, Any]:
         return self.stats()
 
@@ -297,12 +314,14 @@ class EmbeddedStore:
     def register_wildcard(self, topic_filter: str) -> bool:
         """Index future messages matching `topic_filter` into its wildcard queue."""
         validate_topic_filter(topic_filter)
+        self._wildcard_seen[topic_filter] = time.monotonic()
         if not self.router.register_wildcard(topic_filter):
             return False
         self.meta.put("wildcards", topic_filter, {"since": int(time.time() * 1000)})
         return True
 
     def unregister_wildcard(self, topic_filter: str) -> bool:
+        self._wildcard_seen.pop(topic_filter, None)
         if not self.router.unregister_wildcard(topic_filter):
             return False
         self.meta.delete("wildcards", topic_filter)
@@ -336,6 +355,48 @@ class EmbeddedStore:
             await trio.sleep(cfg.retention_check_s)
             await self.enforce_retention()
 
+    async def _wildcard_gc_loop(self) -> None:
+        idle = self.config.wildcard_idle_s
+        if idle <= 0:
+            return
+        while True:
+            await trio.sleep(min(WILDCARD_GC_S, idle / 2))
+            try:
+                await self.drop_idle_wildcards()
+            except Exception:  # the next round tries again; appends are unaffected
+                log.exception("wildcard clean-up failed")
+
+    async def drop_idle_wildcards(self, idle: float | None = None) -> list[str]:
+        """Unregister wildcard queues unused for `wildcard_idle_s`: not touched by any
+        gateway (they touch what their sessions read) and named by no stored reader
+        position (an offline persistent session, a shared group). Messages stop being
+        indexed into them; what is there stays until retention, and a later SUBSCRIBE
+        registers the filter again, its offsets going on where they were. `idle`: the
+        configured wildcard_idle_s unless given."""
+        idle = self.config.wildcard_idle_s if idle is None else idle
+        now = time.monotonic()
+        stale = {f for f, seen in self._wildcard_seen.items() if now - seen > idle}
+        if not stale:
+            return []
+        held = await trio.to_thread.run_sync(self._queues_with_positions, stale)
+        dropped = []
+        for topic_filter in sorted(stale - held):
+            # Touched while the positions were read (a SUBSCRIBE): keep it.
+            if time.monotonic() - self._wildcard_seen.get(topic_filter, 0.0) <= idle:
+                continue
+            if self.unregister_wildcard(topic_filter):
+                dropped.append(topic_filter)
+        if dropped:
+            self.wildcards_dropped += len(dropped)
+            log.info("unregistered %d wildcard queues nobody used for %.0f s: %s",
+                     len(dropped), idle, ", ".join(dropped[:10]))
+        return dropped
+
+    def _queues_with_positions(self, queues: set[str]) -> set[str]:
+        """Which of `queues` a stored reader position names (the queue is the last part
+        of every key in the offsets family)."""
+        return {key.rsplit("\x00", 1)[-1] for key, _ in self.meta.items("offsets")} & queues
+
     async def _heap_trim_loop(self) -> None:
         """RocksDB's blocks and Python's buffers share the heap: see lightqueue.rocks."""
         if not trim_heap():
@@ -366,6 +427,7 @@ class EmbeddedStore:
             "index_checkpoint": self.index.checkpoint(),
             "queues_active": len(self.index._next),  # queues written since start
             "wildcards": len(self.router.wildcards()),
+            "wildcards_dropped": self.wildcards_dropped,
             "recent": self.recent.stats(),  # reads served from memory, see store.recent
             "memory": {"index": self.index.memory(), "metadata": self.meta.memory()},
             "uptime_s": round(time.time() - self.started_at, 3),

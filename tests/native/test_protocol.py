@@ -109,3 +109,17 @@ def test_long_poll_returns_when_data_arrives(shared_server) -> None:
     t0 = time.monotonic()
     empty = c.call(p.PULL, {"queue": queue, "offset": 1, "max": 10, "wait_ms": 300})
     assert empty.header["messages"] == [] and time.monotonic() - t0 >= 0.25
+
+
+def test_wildcard_add_takes_one_filter_or_many(shared_server) -> None:
+    """A gateway touches every wildcard filter its sessions read in one frame."""
+    c = Raw(shared_server.native)
+    assert c.call(p.WILDCARD_ADD, {"filter": "wa/one/+"}).kind == p.RESPONSE
+    ok = c.call(p.WILDCARD_ADD, {"filters": ["wa/+/x", "wa/#"]})
+    assert ok.kind == p.RESPONSE
+    stats = c.call(p.STATS, {}).header
+    assert stats["wildcards"] >= 3
+    for bad in ({"filters": "wa/+"}, {"filters": ["wa/a#"]}):
+        err = c.call(p.WILDCARD_ADD, bad)
+        assert err.kind == p.ERROR and err.header["status"] == 400, err.header
+    assert c.call(p.HELLO, {}).kind == p.RESPONSE
