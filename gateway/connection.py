@@ -991,6 +991,11 @@ class Connection:
             if self.version == 5 else None
         await self._push(msg, qos, retain, sids, queue, offset, buffered=True)
 
+    async def flush_out(self) -> None:
+        """Write what buffered pushes collected (a shared group's batch)."""
+        if self.alive:
+            await self._flush_out()
+
     async def _flush_out(self) -> None:
         if self._outbuf:
             data = b"".join(self._outbuf)
@@ -1005,8 +1010,10 @@ class Connection:
     def _window_limit(self) -> int:
         return min(self.receive_maximum, self.config.max_inflight)
 
-    async def push_shared(self, group: SharedGroup, msg: Message) -> bool:
-        """Deliver a message of a shared subscription this client is a member of."""
+    async def push_shared(self, group: SharedGroup, msg: Message, buffered: bool = False
+                          ) -> bool:
+        """Deliver a message of a shared subscription this client is a member of.
+        `buffered`: collected for one write; the group calls `flush_out` after its batch."""
         s = self.session
         if s is None or not self.alive:
             return False
@@ -1019,7 +1026,7 @@ class Connection:
         if self._check_delivery and not self._may("SUB", msg.topic):
             group.acked(offset)  # not for this member's user: dropped, logged in audit
             return True
-        sent = await self._push(msg, qos, False, sids, None, offset, group)
+        sent = await self._push(msg, qos, False, sids, None, offset, group, buffered)
         if qos == 0 or not sent:
             group.acked(offset)  # at most once: done when written (or dropped)
         return True

@@ -118,39 +118,56 @@ class SharedGroup:
                 self.wake()
 
     async def _hand_out(self) -> None:
+        """Hand out what the queue has, a pulled batch at a time, round-robin; each
+        member's share goes out as one write at the end (or as its window fills)."""
+        touched: dict[int, Any] = {}
+        try:
+            await self._hand_out_batches(touched)
+        finally:
+            with trio.CancelScope(shield=True):
+                for conn in touched.values():
+                    await conn.flush_out()
+
+    async def _hand_out_batches(self, touched: dict[int, Any]) -> None:
         cache = self.broker.cache
         while True:
-            if self.retry:
-                msg = self.retry[0]
+            from_retry = bool(self.retry)
+            if from_retry:
+                batch = [self.retry[0]]
             else:
-                msgs, start = await cache.pull(self.queue, self.cursor, 64)
+                batch, start = await cache.pull(self.queue, self.cursor, 64)
                 if start != self.cursor:
                     self.cursor, self.dirty = start, True
-                if not msgs:
+                if not batch:
+                    return
+            for msg in batch:
+                if self.retry and not from_retry:
+                    break  # a member left with messages: those go first
+                conn = self._pick()
+                if conn is None:
+                    return  # woken again by an ack, a new member or a connect
+                if from_retry:
+                    self.retry.popleft()
+                else:
+                    self.cursor = msg.offset_in(self.queue) + 1
+                self.dirty = True
+                off = msg.offset_in(self.queue)
+                self.pending[off] = msg
+                touched[id(conn)] = conn
+                try:
+                    sent = await conn.push_shared(self, msg, buffered=True)
+                except Exception:
+                    log.exception("shared delivery of %s to %s failed", msg.msg_id, conn.peer)
+                    sent = False
+                if sent:
+                    self.delivered += 1
+                elif off in self.pending:
+                    # Not taken (the member is closing, has left the group, or failed): it
+                    # goes first to the next member, never stays pending with no one on
+                    # it; the rest of the batch is pulled again after it.
+                    del self.pending[off]
+                    self.retry.appendleft(msg)
+                    self.redelivered += 1
+                    if conn.alive:
+                        return  # this member refused it: retry on the next wake-up, no spin
                     break
-                msg = msgs[0]
-            conn = self._pick()
-            if conn is None:
-                break  # woken again by an ack, a new member or a connect
-            if self.retry and self.retry[0] is msg:
-                self.retry.popleft()
-            else:
-                self.cursor = msg.offset_in(self.queue) + 1
-            self.dirty = True
-            off = msg.offset_in(self.queue)
-            self.pending[off] = msg
-            try:
-                sent = await conn.push_shared(self, msg)
-            except Exception:
-                log.exception("shared delivery of %s to %s failed", msg.msg_id, conn.peer)
-                sent = False
-            if sent:
-                self.delivered += 1
-            elif off in self.pending:
-                # Not taken (the member is closing, has left the group, or failed): it
-                # goes first to the next member, never stays pending with no one on it.
-                del self.pending[off]
-                self.retry.appendleft(msg)
-                self.redelivered += 1
-                if conn.alive:
-                    break  # this member refused it: retry on the next wake-up, no spin

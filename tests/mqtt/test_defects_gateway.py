@@ -425,11 +425,11 @@ async def test_shared_message_refused_by_a_live_member_is_not_left_pending(
         original = Connection.push_shared
         failures = []
 
-        async def flaky(self: Connection, group, msg) -> bool:
+        async def flaky(self: Connection, group, msg, buffered: bool = False) -> bool:
             if self is a[2] and not failures:
                 failures.append(msg.body)
                 raise RuntimeError("push failed")
-            return await original(self, group, msg)
+            return await original(self, group, msg, buffered)
 
         monkeypatch.setattr(Connection, "push_shared", flaky)
         await _publish(store, b"m1")
