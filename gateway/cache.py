@@ -35,6 +35,7 @@ class _Window:
 class QueueCache:
     def __init__(self, store: Any, *, window: int = 512, max_queues: int = 10_000) -> None:
         self.store = store
+        self._peek = getattr(store, "pull_recent", None)  # the embedded store's ring
         self.window = window
         self.max_queues = max_queues
         self._queues: OrderedDict[str, _Window] = OrderedDict()
@@ -74,25 +75,36 @@ class QueueCache:
         if w.base <= offset < w.end:
             self.hits += 1
             return w.slice(offset, max_count), offset
+        # The embedded store answers a reader at the head of its queue from memory: ask
+        # it without the lock, which costs a scheduler pass. This is every subscriber's
+        # "anything more?" after it caught up, once per message at low rates.
+        recent = self._peek(queue, offset, max(max_count, 64)) if self._peek else None
+        if recent is not None:
+            self.hits += 1
+            return self._fill(w, queue, recent.messages, recent.next_offset, max_count)
         async with w.lock:
             if w.base <= offset < w.end:  # someone else fetched it while we waited
                 self.hits += 1
                 return w.slice(offset, max_count), offset
             self.misses += 1
             res = await self.store.pull(queue, offset, max(max_count, 64))
-            msgs = res.messages
-            if not msgs:  # next_offset: past what retention removed, or back to a cut end
-                return [], res.next_offset
-            start = msgs[0].offset_in(queue)
-            if start == w.end and w.messages:  # extends the window: keep it contiguous
-                w.messages.extend(msgs)
-            else:
-                w.base, w.messages = start, list(msgs)
-            if len(w.messages) > self.window:
-                drop = len(w.messages) - self.window
-                w.messages = w.messages[drop:]
-                w.base += drop
-            return w.slice(start, max_count), start
+            return self._fill(w, queue, res.messages, res.next_offset, max_count)
+
+    def _fill(self, w: _Window, queue: str, msgs: list[Message], next_offset: int,
+              max_count: int) -> tuple[list[Message], int]:
+        """Put what the store returned in the window; the caller's share of it."""
+        if not msgs:  # next_offset: past what retention removed, or back to a cut end
+            return [], next_offset
+        start = msgs[0].offset_in(queue)
+        if start == w.end and w.messages:  # extends the window: keep it contiguous
+            w.messages.extend(msgs)
+        else:
+            w.base, w.messages = start, list(msgs)
+        if len(w.messages) > self.window:
+            drop = len(w.messages) - self.window
+            w.messages = w.messages[drop:]
+            w.base += drop
+        return w.slice(start, max_count), start
 
     @property
     def hit_ratio(self) -> float:

@@ -223,12 +223,20 @@ class EmbeddedStore:
         """Messages of `queue` from `offset` (clamped to the queue's minimum). A reader at
         the head of its queue is served from memory, in this thread (see store.recent);
         then `min_offset` is only the lowest offset held there."""
+        recent = self.pull_recent(queue, offset, max_count)
+        if recent is not None:
+            return recent
+        return await trio.to_thread.run_sync(self.pull_sync, queue, offset, max_count)
+
+    def pull_recent(self, queue: str, offset: int, max_count: int = 32) -> PullResult | None:
+        """`pull` when the ring of recent messages can answer (no I/O, no waiting: safe
+        to call from the event loop), else None."""
         max_count = max(1, min(max_count, MAX_PULL))
         recent = self.recent.get(queue, offset, max_count)
-        if recent is not None:
-            messages, end = recent
-            return PullResult(messages, offset + len(messages), offset, end)
-        return await trio.to_thread.run_sync(self.pull_sync, queue, offset, max_count)
+        if recent is None:
+            return None
+        messages, end = recent
+        return PullResult(messages, offset + len(messages), offset, end)
 
     def pull_sync(self, queue: str, offset: int, max_count: int = 32) -> PullResult:
         max_count = max(1, min(max_count, MAX_PULL))
