@@ -131,6 +131,10 @@ def test_subscriptions_and_lag(busy) -> None:
     row = next(r for r in page["items"] if r["reader"] == "mqtt:ops-sub")
     assert row["kind"] == "wildcard" and row["lag"] == 0 and row["end"] == row["offset"] == 1
     sub.disconnect()  # offline: what arrives now is lag
+    # Only once the server has seen the DISCONNECT: published earlier, a message could
+    # still be delivered to it (the two clients' packets race).
+    assert wait_for(lambda: [r for r in call(srv, "/api/v1/sessions?q=ops-sub")[1]["items"]
+                             if not r["connected"]])
     for i in range(3):
         pub.publish("ops/b/t", b"%d" % i, 1)
     rows = wait_for(lambda: [r for r in call(srv, "/api/v1/lag?q=mqtt:ops-sub")[1]["items"]
