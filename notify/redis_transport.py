@@ -25,12 +25,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import orjson
 import redis
 import trio
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from setproctitle import setthreadtitle
 
 from notify.bus import DEFAULT_BUFFER, DEFAULT_WINDOW, RESYNC, Counters, Subscription
 from notify.local import LocalBus
@@ -120,8 +122,8 @@ class RedisBus(Counters):
         try:
             for name, target, args in (("publisher", self._publisher, ()),
                                        ("subscriber", self._subscriber, (first_try,))):
-                t = threading.Thread(target=target, args=args, daemon=True,
-                                     name=f"notify-redis-{name}")
+                t = threading.Thread(target=_named, args=(f"redis-{name}", target, *args),
+                                     daemon=True, name=f"notify-redis-{name}")
                 t.start()
                 self._threads.append(t)
             # Subscribed before returning (or gave up on the first try), so that events
@@ -288,3 +290,9 @@ class RedisBus(Counters):
         """A subscription receiving every batch from Redis (broadcast)."""
         async with self._local.subscribe(buffer) as sub:
             yield sub
+
+
+def _named(name: str, target: Any, *args: Any) -> None:
+    """Run `target` in a thread the OS knows by `name` (for /proc and top -H)."""
+    setthreadtitle(name)
+    target(*args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
@@ -71,11 +72,22 @@ class QueueStats:
 
 
 async def await_future(fut: Future | InlineFuture) -> Any:
-    """Wait for a concurrent future without blocking trio (no thread per call)."""
+    """Wait for a concurrent future without blocking trio (no thread per call). Settled
+    from another thread (the CommitLog writer), it wakes the loop through its token; from
+    this one (the native client's reader task), it sets the event directly: no wake-up
+    through the loop's socket pair and no extra pass of the loop."""
     if not fut.done():
         token = trio.lowlevel.current_trio_token()
+        loop_thread = threading.get_ident()
         done = trio.Event()
-        fut.add_done_callback(lambda _: token.run_sync_soon(done.set))
+
+        def wake(_: object) -> None:
+            if threading.get_ident() == loop_thread:
+                done.set()
+            else:
+                token.run_sync_soon(done.set)
+
+        fut.add_done_callback(wake)
         await done.wait()
     return fut.result()
 
