@@ -691,18 +691,23 @@ def w_latency_pub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, 
     return {"sent": sent, "acked": acked}
 
 
+def _acks_in(rest: bytes, data: bytes) -> tuple[int, bytes]:
+    """PUBACKs in what a publisher received (after `rest`, a partial packet from the last
+    read), and the new partial rest."""
+    if not data:
+        raise ConnectionError("broker closed the publisher")
+    buf = rest + data
+    _, frames, used = split_frames(buf, True)
+    return sum(1 for b0, _ in frames if b0 >> 4 == 4), buf[used:]
+
+
 def _read_acks(s: socket.socket, acked: int, rest: bytes) -> tuple[int, bytes]:
     """PUBACKs waiting on a publisher's socket, without blocking."""
     s.setblocking(False)
     try:
         while True:
-            data = s.recv(65536)
-            if not data:
-                raise ConnectionError("broker closed the publisher")
-            buf = rest + data
-            _, frames, used = split_frames(buf, True)
-            rest = buf[used:]
-            acked += sum(1 for b0, _ in frames if b0 >> 4 == 4)
+            n, rest = _acks_in(rest, s.recv(65536))
+            acked += n
     except BlockingIOError:
         pass
     return acked, rest
@@ -972,13 +977,8 @@ def sc_reconnect_storm(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
         pub.sendall(b"".join(pkts))
         acked, rest, deadline = 0, b"", time.monotonic() + 30
         while acked < m and time.monotonic() < deadline:
-            data = pub.recv(65536)
-            if not data:
-                raise ConnectionError("broker closed the publisher")
-            buf = rest + data
-            _, frames, used = split_frames(buf, True)
-            rest = buf[used:]
-            acked += sum(1 for b0, _ in frames if b0 >> 4 == 4)
+            n, rest = _acks_in(rest, pub.recv(65536))
+            acked += n
         pub.close()
         time.sleep(0.5)  # queued for every offline session
         overflows = listen_overflows()
