@@ -35,7 +35,7 @@ class _Window:
 class QueueCache:
     def __init__(self, store: Any, *, window: int = 512, max_queues: int = 10_000) -> None:
         self.store = store
-        self._peek = getattr(store, "pull_recent", None)  # the embedded store's ring
+        self._peek = getattr(store, "pull_now", None)  # the embedded store, no waiting
         self.window = window
         self.max_queues = max_queues
         self._queues: OrderedDict[str, _Window] = OrderedDict()
@@ -75,9 +75,11 @@ class QueueCache:
         if w.base <= offset < w.end:
             self.hits += 1
             return w.slice(offset, max_count), offset
-        # The embedded store answers a reader at the head of its queue from memory: ask
-        # it without the lock, which costs a scheduler pass. This is every subscriber's
-        # "anything more?" after it caught up, once per message at low rates.
+        # The embedded store answers from memory (a reader at the head of its queue) or,
+        # with inline appends, from the index in this thread: ask it without the lock,
+        # which costs a scheduler pass. This is every subscriber's "anything more?" after
+        # it caught up, once per message at low rates; and a reader far behind catches
+        # up in its own step instead of one pull per pass of the loop.
         recent = self._peek(queue, offset, max(max_count, 64)) if self._peek else None
         if recent is not None:
             self.hits += 1

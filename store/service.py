@@ -240,6 +240,19 @@ class EmbeddedStore:
             return recent
         return await trio.to_thread.run_sync(self.pull_sync, queue, offset, max_count)
 
+    def pull_now(self, queue: str, offset: int, max_count: int = 32) -> PullResult | None:
+        """`pull` without waiting, when it can be answered in this thread: from the ring
+        of recent messages, or, when appends are inline (flush async, where the event
+        loop writes the index itself), from the index and the page cache. None: use
+        `pull`. A reader that fell behind under a flood from many publishers must catch
+        up within its own scheduler step; a worker-thread round trip per pull gave it one
+        pull per pass of the loop while each publisher appended a whole read, and it
+        starved for seconds (fan-in 100->1, 500k messages)."""
+        recent = self.pull_recent(queue, offset, max_count)
+        if recent is not None or not self.commitlog.inline:
+            return recent
+        return self.pull_sync(queue, offset, max_count)
+
     def pull_recent(self, queue: str, offset: int, max_count: int = 32) -> PullResult | None:
         """`pull` when the ring of recent messages can answer (no I/O, no waiting: safe
         to call from the event loop), else None."""
