@@ -36,6 +36,8 @@ class QueueCache:
     def __init__(self, store: Any, *, window: int = 512, max_queues: int = 10_000) -> None:
         self.store = store
         self._peek = getattr(store, "pull_now", None)  # the embedded store, no waiting
+        # After the peek said no, the embedded store's ring need not be asked again.
+        self._fetch = store.pull_stored if self._peek else store.pull
         self.window = window
         self.max_queues = max_queues
         self._queues: OrderedDict[str, _Window] = OrderedDict()
@@ -89,7 +91,7 @@ class QueueCache:
                 self.hits += 1
                 return w.slice(offset, max_count), offset
             self.misses += 1
-            res = await self.store.pull(queue, offset, max(max_count, 64))
+            res = await self._fetch(queue, offset, max(max_count, 64))
             return self._fill(w, queue, res.messages, res.next_offset, max_count)
 
     def _fill(self, w: _Window, queue: str, msgs: list[Message], next_offset: int,

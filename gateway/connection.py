@@ -39,7 +39,7 @@ from gateway.session import NEVER_EXPIRES, Outgoing, Session, Subscription
 from gateway.shared import SharedGroup, parse_shared
 from store.auth import AuthError, Subject
 from store.auth.manager import DecisionCache
-from store.commitlog import InlineFuture, StoreError, StoreFullError
+from store.commitlog import StoreError, StoreFullError
 from store.record import Message
 from store.service import await_future
 
@@ -670,8 +670,7 @@ class Connection:
         """Acknowledge `p` in arrival order. When nothing is waiting for the acker and
         the store already has it (an inline append: flush async), right here: a task
         hop per publish was most of the cost of a lone message."""
-        if not self._ack_backlog and not (isinstance(item, Future | InlineFuture)
-                                              and not item.done()):
+        if not self._ack_backlog and not (isinstance(item, Future) and not item.done()):
             s = self.session
             assert s is not None
             await self._handle_ack(s, item, p)

@@ -120,15 +120,15 @@ class SharedGroup:
     async def _hand_out(self) -> None:
         """Hand out what the queue has, a pulled batch at a time, round-robin; each
         member's share goes out as one write at the end (or as its window fills)."""
-        touched: dict[int, Any] = {}
+        touched: set[Any] = set()  # connections with buffered pushes
         try:
             await self._hand_out_batches(touched)
         finally:
             with trio.CancelScope(shield=True):
-                for conn in touched.values():
+                for conn in touched:
                     await conn.flush_out()
 
-    async def _hand_out_batches(self, touched: dict[int, Any]) -> None:
+    async def _hand_out_batches(self, touched: set[Any]) -> None:
         cache = self.broker.cache
         while True:
             from_retry = bool(self.retry)
@@ -153,7 +153,7 @@ class SharedGroup:
                 self.dirty = True
                 off = msg.offset_in(self.queue)
                 self.pending[off] = msg
-                touched[id(conn)] = conn
+                touched.add(conn)
                 try:
                     sent = await conn.push_shared(self, msg, buffered=True)
                 except Exception:

@@ -238,6 +238,11 @@ class EmbeddedStore:
         recent = self.pull_recent(queue, offset, max_count)
         if recent is not None:
             return recent
+        return await self.pull_stored(queue, offset, max_count)
+
+    async def pull_stored(self, queue: str, offset: int, max_count: int = 32) -> PullResult:
+        """`pull` from the index and the log (a worker thread), for a caller that already
+        asked the ring (`pull_now`) and was told no."""
         return await trio.to_thread.run_sync(self.pull_sync, queue, offset, max_count)
 
     def pull_now(self, queue: str, offset: int, max_count: int = 32) -> PullResult | None:
@@ -428,7 +433,12 @@ class EmbeddedStore:
     def _queues_with_positions(self, queues: set[str]) -> set[str]:
         """Which of `queues` a stored reader position names (the queue is the last part
         of every key in the offsets family)."""
-        return {key.rsplit("\x00", 1)[-1] for key, _ in self.meta.items("offsets")} & queues
+        held = set()
+        for key, _ in self.meta.items("offsets"):
+            queue = key.rsplit("\x00", 1)[-1]
+            if queue in queues:
+                held.add(queue)
+        return held
 
     async def _heap_trim_loop(self) -> None:
         """RocksDB's blocks and Python's buffers share the heap: see lightqueue.rocks."""

@@ -72,30 +72,6 @@ def test_past_flush_bytes_the_flusher_does_not_wait_for_the_interval(logs) -> No
     assert wait_flushed(log, timeout=5.0) < 5.0
 
 
-def test_concurrent_inline_appenders_get_unique_gap_free_offsets(logs) -> None:
-    log = logs.open(flush="async", segment_size=64 * 1024)
-    results: list[Message] = []
-    lock = threading.Lock()
-
-    def worker(n: int) -> None:
-        for i in range(300):
-            got = log.append([Message("s/x", b"%d-%d" % (n, i))], [["s/x", f"w/{n}"]]).result()
-            with lock:
-                results.extend(got)
-
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(m.offset_in("s/x") for m in results) == list(range(1800))
-    entries = log.index.read("s/x", 0, 10_000)
-    assert [e.offset for e in entries] == list(range(1800))
-    assert all(a.phys_offset < b.phys_offset for a, b in zip(entries, entries[1:], strict=False))
-    for m in results[::97]:
-        assert log.read(m.phys_offset, m.size).body == m.body
-
-
 def test_read_run_reads_adjacent_records_once_and_skips_what_is_gone(logs) -> None:
     log = logs.open(flush="async", segment_size=4096)
     sent = log.append([Message("r", os.urandom(500) + bytes([i])) for i in range(20)],
