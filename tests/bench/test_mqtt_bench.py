@@ -3,13 +3,12 @@ frame splitter its receive path counts with."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
+from bench.mqtt.wire import publish_fields, split_frames
 from gateway import mqtt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,31 +16,21 @@ FIELDS = {"scenario", "broker", "msgs_per_s", "p50_ms", "p99_ms", "kb_per_conn",
           "connects_per_s", "ratio_vs_mosquitto"}
 
 
-def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("mqtt_bench", ROOT / "bench" / "mqtt_bench.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["mqtt_bench"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_split_frames_counts_publishes_across_chunk_boundaries() -> None:
-    bench = _bench()
     stream = b"".join([mqtt.encode_publish("a/b", b"p" * 200, 1, False, False, 7, 4),
                        mqtt.encode(mqtt.Puback(3), 4),
                        mqtt.encode_publish("a", b"q" * 20, 0, False, False, None, 4)] * 50)
     publishes, bodies, rest = 0, [], b""
     for i in range(0, len(stream), 33):  # arbitrary cuts, even inside a length varint
         buf = rest + stream[i:i + 33]
-        n, frames, used = bench.split_frames(buf, True)
+        n, frames, used = split_frames(buf, True)
         publishes += n
         bodies += frames
         rest = buf[used:]
     assert rest == b"" and publishes == 100 and len(bodies) == 150
-    pid, payload = bench.publish_fields(*bodies[0])
+    pid, payload = publish_fields(*bodies[0])
     assert pid == b"\x00\x07" and payload == b"p" * 200
-    assert bench.publish_fields(*bodies[2]) == (b"", b"q" * 20)
+    assert publish_fields(*bodies[2]) == (b"", b"q" * 20)
 
 
 def test_tiny_run_prints_rows_in_the_documented_shape(tmp_path: Path) -> None:

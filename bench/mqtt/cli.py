@@ -1,0 +1,84 @@
+"""MQTT benchmarks side by side: Lightgate (embedded, flush async and sync; separated)
+against Debian's Mosquitto and the amqtt broker, each started here on loopback, one at
+a time, every broker in turn for each scenario.
+
+The load generator is meant not to be the bottleneck: packets are encoded once with our
+sans-IO codec and written in large chunks from raw sockets; publishers and subscribers
+run in separate worker processes (as many as the machine has cores), each holding many
+connections on plain non-blocking sockets and a selector; the hot receive path splits
+frames by their fixed header instead of decoding them. Every loop is bounded in
+messages and in seconds.
+
+    python bench/mqtt_bench.py --quick          # ~5 minutes: make bench
+    python bench/mqtt_bench.py                  # the full set: make bench-full
+    python bench/mqtt_bench.py --brokers lightgate-async,mosquitto --scenarios qos0_1to1
+    python bench/mqtt_bench.py --quick --scenarios qos0_1to1 --profile /tmp/prof
+    python -m bench.mqtt --quick                # the same, from the repository root
+
+Prints one JSON list of rows (INTERFACES.md, Benchmarks; bench/README.md explains them)
+and writes bench/results/latest.json plus a PNG per scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from . import CORES, ROOT, progress, report
+from .brokers import BROKERS
+from .procfs import raise_nofile
+from .runner import run_one
+from .scenarios import QUICK_SCENARIOS, SCENARIOS, SIZES
+
+RESULTS = ROOT / "bench" / "results"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="every scenario but reconnect_storm, small (~6 min)")
+    parser.add_argument("--tiny", action="store_true", help="a smoke run for the tests")
+    parser.add_argument("--brokers", default=",".join(BROKERS),
+                        help=f"comma-separated subset of {','.join(BROKERS)}")
+    parser.add_argument("--scenarios", default=None,
+                        help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    parser.add_argument("--out", default=str(RESULTS), help="where latest.json and PNGs go")
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help="py-spy record each Lightgate broker; top self time per row")
+    args = parser.parse_args()
+    size = SIZES["tiny" if args.tiny else "quick" if args.quick else "full"]
+    scenarios = (args.scenarios.split(",") if args.scenarios else
+                 QUICK_SCENARIOS if args.quick or args.tiny else list(SCENARIOS))
+    brokers = args.brokers.split(",")
+    if bad := [s for s in scenarios if s not in SCENARIOS] + [b for b in brokers
+                                                             if b not in BROKERS]:
+        parser.error(f"unknown scenario or broker: {', '.join(bad)}")
+    nofile = raise_nofile(2 * size["idle_conns"] + 10_000)
+    profile_dir = Path(args.profile) if args.profile else None
+    if profile_dir:
+        profile_dir.mkdir(parents=True, exist_ok=True)
+    progress(f"{len(scenarios)} scenarios x {len(brokers)} brokers, {CORES} cores, "
+             f"RLIMIT_NOFILE {nofile}, load {os.getloadavg()[0]:.2f}")
+    rows: list[dict[str, Any]] = []
+    started = time.monotonic()
+    for scenario in scenarios:
+        figure = SCENARIOS[scenario][1]
+        mine = []
+        for name in brokers:
+            progress(f"{scenario} on {name}")
+            row = run_one(scenario, name, size, profile_dir)
+            mine.append(row)
+            progress(f"  -> {figure}={row.get(figure)} in {row['duration_s']} s "
+                     f"{row.get('error', '')}")
+        base = next((r for r in mine if r["broker"] == "mosquitto" and r.get(figure)), None)
+        for r in mine:
+            if base and r.get(figure) is not None:
+                r["ratio_vs_mosquitto"] = round(r[figure] / base[figure], 3)
+        rows.extend(mine)
+    report.write(rows, Path(args.out))
+    progress(f"done in {time.monotonic() - started:.0f} s\n{report.table(rows)}")
+    print(json.dumps(rows))

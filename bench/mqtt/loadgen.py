@@ -1,0 +1,422 @@
+"""The load generator: worker processes (a Crew) with a common start signal, each holding
+many client connections on non-blocking sockets and a selector: subscribers, bulk and
+fixed-rate publishers (counting their PUBACKs), a latency sampler, idle connections and
+a reconnect storm. Every loop is bounded in messages and in seconds."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import selectors
+import signal
+import socket
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gateway import mqtt
+
+from . import PAYLOAD, progress
+from .wire import (
+    connect,
+    connect_packet,
+    nb_connect,
+    puback,
+    publish_fields,
+    read_acks,
+    split_frames,
+    subscribe,
+)
+
+STAMP = struct.Struct(">qI")  # send time (perf_counter_ns, system-wide monotonic), seq
+
+
+class Crew:
+    """Worker processes with a common start signal, results over one queue, and a bound
+    on everything: setup, run, and the kill of whatever is left at the end."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("fork")
+        self.q: Any = self.ctx.Queue()
+        self.go_evt = self.ctx.Event()
+        self.release = self.ctx.Event()
+        self.procs: list[Any] = []
+
+    def add(self, fn: Callable[..., dict[str, Any]], *args: Any) -> None:
+        wid = len(self.procs)
+        self.procs.append(self.ctx.Process(target=_worker_main, daemon=True,
+                                           args=(fn, wid, self.q, self.go_evt, self.release,
+                                                 args)))
+
+    def _get(self, kind: str, n: int, timeout: float) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        got: dict[int, dict[str, Any]] = {}
+        while len(got) < n:
+            try:
+                msg = self.q.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{n - len(got)} workers not {kind} in {timeout:.0f} s") from None
+                if dead := [p for p in self.procs if p.exitcode not in (None, 0)]:
+                    raise RuntimeError(f"worker died with {dead[0].exitcode}") from None
+                continue
+            if msg[0] == "error":
+                raise RuntimeError(f"worker {msg[1]}: {msg[2]}")
+            if msg[0] == kind:
+                got[msg[1]] = msg[2]
+        return [got[w] for w in sorted(got)]  # in the order the workers were added
+
+    def start(self, setup_timeout: float) -> list[dict[str, Any]]:
+        for p in self.procs:
+            p.start()
+        return self._get("ready", len(self.procs), setup_timeout)
+
+    def go(self) -> float:
+        t0 = time.monotonic()
+        self.go_evt.set()
+        return t0
+
+    def results(self, timeout: float) -> list[dict[str, Any]]:
+        return self._get("result", len(self.procs), timeout)
+
+    def close(self) -> None:
+        self.release.set()
+        self.go_evt.set()
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _worker_main(fn: Callable[..., dict[str, Any]], wid: int, q: Any, go_evt: Any,
+                 release: Any, args: tuple[Any, ...]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    try:
+        res = fn(wid, lambda info=None: q.put(("ready", wid, info or {})), go_evt, *args)
+        q.put(("result", wid, res))
+        release.wait(600)  # e.g. idle connections stay open until RSS was measured
+    except BaseException as exc:
+        q.put(("error", wid, f"{type(exc).__name__}: {exc}"))
+
+
+def _await_go(go_evt: Any) -> float:
+    if not go_evt.wait(300):
+        raise TimeoutError("no start signal")
+    return time.monotonic()
+
+
+def w_subscribers(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
+                  topic_filter: str, n_subs: int, qos: int, expect_each: int,
+                  seconds: float) -> dict[str, Any]:
+    """n_subs subscribers; QoS 1 deliveries are PUBACKed. Reports count, first, last."""
+    socks = []
+    for i in range(n_subs):
+        s = connect(port, f"sub-{wid}-{i}-{os.getpid()}")
+        subscribe(s, topic_filter, qos)
+        s.setblocking(False)
+        socks.append(s)
+    sel = selectors.DefaultSelector()
+    rest: dict[socket.socket, bytes] = {}
+    for s in socks:
+        sel.register(s, selectors.EVENT_READ)
+        rest[s] = b""
+    ready()
+    t0 = _await_go(go_evt)
+    deadline = t0 + seconds
+    total = expect_each * n_subs
+    count = 0
+    first = last = 0.0
+    report = t0 + 2
+    while count < total:
+        now = time.monotonic()
+        if now > deadline or (last and now - last > 5):  # stop on a quiet broker too
+            break
+        if now > report:
+            progress(f"  subscribers w{wid}: {count}/{total}")
+            report = now + 2
+        for key, _ in sel.select(timeout=0.2):
+            s = key.fileobj
+            try:
+                data = s.recv(1 << 20)  # type: ignore[union-attr]
+            except BlockingIOError:
+                continue
+            if not data:
+                sel.unregister(s)
+                continue
+            last = time.monotonic()
+            first = first or last
+            buf = rest[s] + data if rest[s] else data
+            n, frames, used = split_frames(buf, qos > 0)
+            rest[s] = buf[used:]
+            count += n
+            if frames:
+                acks = b"".join(puback(publish_fields(b0, body)[0]) for b0, body in frames
+                                if b0 >> 4 == 3)
+                s.setblocking(True)  # acks are small; the broker reads them promptly
+                s.sendall(acks)  # type: ignore[union-attr]
+                s.setblocking(False)
+    for s in socks:
+        s.close()
+    return {"count": count, "first": first, "last": last}
+
+
+def w_publishers(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
+                 topics: list[str], qos: int, per_topic: int, seconds: float,
+                 window: int = 64) -> dict[str, Any]:
+    """One connection per topic. QoS 0: pre-encoded chunks of 100 packets written in turn
+    on each connection. QoS 1: keep `window` PUBLISHes unacknowledged per connection."""
+    socks = [connect(port, f"pub-{wid}-{i}-{os.getpid()}") for i in range(len(topics))]
+    payload = b"x" * PAYLOAD
+    ready()
+    deadline = _await_go(go_evt) + seconds
+    sent = 0
+    if qos == 0:
+        pkts = [mqtt.encode_publish(t, payload, 0, False, False, None, 4) for t in topics]
+        rounds = [100] * (per_topic // 100) + ([per_topic % 100] if per_topic % 100 else [])
+        for n in rounds:
+            for s, pkt in zip(socks, pkts, strict=True):
+                s.sendall(pkt * n)
+            sent += n * len(topics)
+            if time.monotonic() > deadline:
+                break
+    else:
+        # Packet ids cycle through 1..window*2: an id is only reused once acknowledged.
+        for s, t in zip(socks, topics, strict=True):
+            pkts = [mqtt.encode_publish(t, payload, qos, False, False, pid, 4)
+                    for pid in range(1, 2 * window + 1)]
+            inflight = done = i = 0
+            rest = b""
+            s.settimeout(1.0)
+            while done < per_topic and time.monotonic() < deadline:
+                burst = []
+                while inflight < window and i < per_topic:
+                    burst.append(pkts[i % len(pkts)])
+                    i += 1
+                    inflight += 1
+                if burst:
+                    s.sendall(b"".join(burst))
+                try:
+                    data = s.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    raise ConnectionError("broker closed the publisher")
+                buf = rest + data
+                _, frames, used = split_frames(buf, True)
+                rest = buf[used:]
+                acked = sum(1 for b0, _ in frames if b0 >> 4 == 4)
+                inflight -= acked
+                done += acked
+            sent += done
+    # Stay connected until the subscribers are done: a broker may drop what it has not
+    # processed yet when the publisher goes away.
+    globals()["_held"] = socks
+    return {"sent": sent}
+
+
+def w_latency_pub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, rate: int,
+                  total: int, qos: int = 0) -> dict[str, Any]:
+    """Publish `total` messages at `rate`/s, each stamped with its send time. QoS 1:
+    packet ids cycle, PUBACKs are read (and counted) as they come."""
+    s = connect(port, f"lat-pub-{os.getpid()}")
+    pad = b" " * (PAYLOAD - STAMP.size)
+    ready()
+    t0 = _await_go(go_evt)
+    sent = acked = 0
+    rest = b""
+    hard_stop = t0 + total / rate * 2 + 5  # a broker that stops reading must not hang us
+    while sent < total and time.monotonic() < hard_stop:
+        if qos:
+            acked, rest = read_acks(s, acked, rest)
+        now = time.monotonic()
+        due = t0 + sent / rate
+        if now < due:
+            time.sleep(min(due - now, 0.0005))
+            continue
+        batch = []
+        stamp = time.perf_counter_ns()  # send time of everything due now
+        while sent < total and t0 + sent / rate <= now:
+            batch.append(mqtt.encode_publish("lat/t", STAMP.pack(stamp, sent) + pad, qos,
+                                             False, False, sent % 65535 + 1 if qos else None,
+                                             4))
+            sent += 1
+        s.setblocking(True)
+        s.sendall(b"".join(batch))
+    while qos and acked < sent and time.monotonic() < hard_stop:
+        acked, rest = read_acks(s, acked, rest)
+        time.sleep(0.001)
+    globals()["_held"] = s  # connected until the subscriber is done (see w_publishers)
+    return {"sent": sent, "acked": acked}
+
+
+def w_latency_sub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, total: int,
+                  warmup: int, seconds: float, qos: int = 0) -> dict[str, Any]:
+    """A blocking reader on its own core, so the receive time is taken as data lands;
+    QoS 1 deliveries are PUBACKed after each read."""
+    s = connect(port, f"lat-sub-{os.getpid()}")
+    subscribe(s, "lat/t", qos)
+    s.settimeout(0.2)
+    lat: list[int] = []
+    got = 0
+    rest = b""
+    ready()
+    deadline = _await_go(go_evt) + seconds + 5
+    while got < total and time.monotonic() < deadline:
+        try:
+            data = s.recv(1 << 20)
+        except TimeoutError:
+            continue
+        now = time.perf_counter_ns()
+        if not data:
+            break
+        buf = rest + data
+        _, frames, used = split_frames(buf, True)
+        rest = buf[used:]
+        acks = []
+        for b0, body in frames:
+            if b0 >> 4 == 3:
+                got += 1
+                pid, payload = publish_fields(b0, body)
+                stamp, seq = STAMP.unpack_from(payload)
+                if seq >= warmup:
+                    lat.append(now - stamp)
+                if pid:
+                    acks.append(puback(pid))
+        if acks:
+            s.sendall(b"".join(acks))
+    s.close()
+    lat.sort()
+    pick = (lambda q: round(lat[min(len(lat) - 1, int(len(lat) * q))] / 1e6, 3)) if lat else None
+    return {"got": got, "p50_ms": pick(0.5) if pick else None,
+            "p99_ms": pick(0.99) if pick else None, "max_ms": pick(1.0) if pick else None}
+
+
+def w_idle(wid: int, ready: Callable[..., None], go_evt: Any, port: int, n: int,
+           seconds: float, spread: bool) -> dict[str, Any]:
+    """Open n connections (CONNECT/CONNACK each) with up to 512 handshakes in flight,
+    from source addresses 127.(wid+1).x.y when `spread`; keep them open until released."""
+    ready()
+    t0 = _await_go(go_evt)
+    deadline = t0 + seconds
+    sel = selectors.DefaultSelector()
+    pkt = {i: connect_packet(f"idle-{wid}-{i}") for i in range(n)}
+    done: list[socket.socket] = []
+    failed = 0
+    first_error = ""
+    started = 0
+    pending = 0
+    last_report = t0
+    t_last = t0
+    while (started < n or pending) and time.monotonic() < deadline:
+        while started < n and pending < 512:
+            src = f"127.{wid + 1}.{started // 250 % 250}.{started % 250 + 1}" if spread else None
+            try:
+                s = nb_connect(port, src)
+            except OSError as exc:
+                failed += 1
+                first_error = first_error or str(exc)
+                started += 1
+                continue
+            sel.register(s, selectors.EVENT_WRITE, started)
+            started += 1
+            pending += 1
+        for key, ev in sel.select(timeout=0.2):
+            s = key.fileobj  # type: ignore[assignment]
+            try:
+                if ev & selectors.EVENT_WRITE:
+                    err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if err:
+                        raise OSError(err, os.strerror(err))
+                    s.send(pkt.pop(key.data))
+                    sel.modify(s, selectors.EVENT_READ, key.data)
+                    continue
+                data = s.recv(16)
+                if data[:2] != b"\x20\x02" or data[3:4] != b"\x00":
+                    raise OSError(f"no CONNACK: {data!r}")
+                sel.unregister(s)
+                done.append(s)
+                t_last = time.monotonic()
+            except OSError as exc:
+                failed += 1
+                first_error = first_error or str(exc)
+                sel.unregister(s)
+                s.close()
+            pending -= 1
+        if time.monotonic() - last_report > 2:
+            progress(f"  idle w{wid}: {len(done)}/{n} connected")
+            last_report = time.monotonic()
+    # Each worker holds its sockets in this process until the parent releases it.
+    globals()["_held"] = done
+    return {"connected": len(done), "failed": failed, "error": first_error,
+            "t_start": t0, "t_last": t_last}
+
+
+def w_storm(wid: int, ready: Callable[..., None], go_evt: Any, port: int, ids: list[str],
+            m: int, seconds: float) -> dict[str, Any]:
+    """Persistent sessions: subscribe and leave; on go, all reconnect at once and PUBACK
+    their queued messages until each has m of them."""
+    setup_deadline = time.monotonic() + 120
+    for cid in ids:
+        s = connect(port, cid, clean=False)
+        subscribe(s, "storm/+/cmd", 1)
+        s.sendall(mqtt.encode(mqtt.Disconnect(), 4))
+        s.close()
+        if time.monotonic() > setup_deadline:
+            raise TimeoutError("session set-up too slow")
+    ready()
+    t0 = _await_go(go_evt)
+    deadline = t0 + seconds
+    sel = selectors.DefaultSelector()
+    got: dict[socket.socket, int] = {}
+    rest: dict[socket.socket, bytes] = {}
+    pkt: dict[socket.socket, bytes] = {}
+    for i, cid in enumerate(ids):
+        s = nb_connect(port, f"127.{wid + 1}.{i // 250 % 250}.{i % 250 + 1}")
+        sel.register(s, selectors.EVENT_WRITE)
+        got[s], rest[s], pkt[s] = 0, b"", connect_packet(cid, clean=False)
+    connacks = complete = 0
+    t_connacks = t_done = t0
+    errors = 0
+    while complete < len(ids) and time.monotonic() < deadline:
+        for key, ev in sel.select(timeout=0.2):
+            s = key.fileobj  # type: ignore[assignment]
+            try:
+                if ev & selectors.EVENT_WRITE:
+                    s.send(pkt[s])
+                    sel.modify(s, selectors.EVENT_READ)
+                    continue
+                data = s.recv(1 << 16)
+                if not data:
+                    raise ConnectionError("closed")
+            except OSError:
+                errors += 1
+                sel.unregister(s)
+                continue
+            buf = rest[s] + data
+            _, frames, used = split_frames(buf, True)
+            rest[s] = buf[used:]
+            acks = []
+            for b0, body in frames:
+                if b0 >> 4 == 2:
+                    connacks += 1
+                    t_connacks = time.monotonic()
+                elif b0 >> 4 == 3:
+                    got[s] += 1
+                    if got[s] == m:
+                        complete += 1
+                        t_done = time.monotonic()
+                    pid = publish_fields(b0, body)[0]
+                    if pid:
+                        acks.append(puback(pid))
+            if acks:
+                s.setblocking(True)
+                s.sendall(b"".join(acks))
+                s.setblocking(False)
+    for s in got:
+        s.close()
+    return {"connacks": connacks, "complete": complete, "received": sum(got.values()),
+            "t0": t0, "t_connacks": t_connacks, "t_done": t_done, "errors": errors}

@@ -1,0 +1,118 @@
+"""What the kernel says about the brokers under test (/proc): CPU and RSS per process with
+its children, CPU and context switches per thread, the accept-queue overflows, and the
+file-descriptor limit the brokers inherit. Linux only."""
+
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+
+
+def raise_nofile(want: int) -> int:
+    """Raise RLIMIT_NOFILE as far as allowed; brokers started afterwards inherit it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < want:
+        try:  # root may raise the hard limit up to fs.nr_open
+            nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, nr_open),) * 2)
+            return min(want, nr_open)
+        except (OSError, ValueError):
+            pass
+    new = min(max(soft, want), hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    return new
+
+
+def rss_kb(pid: int) -> int:
+    """Resident memory of a process and its children (kB)."""
+    total = 0
+    for p in [pid, *_children(pid)]:
+        try:
+            with open(f"/proc/{p}/status") as fh:
+                total += next(int(ln.split()[1]) for ln in fh if ln.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes and their children so far. Unlike a
+    rate, CPU per message hardly moves when other work shares the machine."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        for p in [pid, *_children(pid)]:
+            try:
+                with open(f"/proc/{p}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick
+            except (OSError, IndexError, ValueError):
+                pass
+    return total
+
+
+def thread_times(pids: list[int]) -> dict[str, list[float]]:
+    """Per thread name (comm) of these processes: [CPU seconds, voluntary and involuntary
+    context switches]. Shows which thread burns the CPU, and whether threads hand the GIL
+    back and forth (involuntary switches)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, list[float]] = {}
+    for pid in pids:
+        for p in [pid, *_children(pid)]:
+            try:
+                tids = os.listdir(f"/proc/{p}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{p}/task/{tid}/stat") as fh:
+                        head, _, rest = fh.read().rpartition(")")
+                    status = Path(f"/proc/{p}/task/{tid}/status").read_text()
+                except OSError:
+                    continue
+                fields = rest.split()
+                name = head.split("(", 1)[1]
+                sw = {k: int(v) for k, v in (ln.split(":\t") for ln in status.splitlines()
+                                             if ln.endswith(tuple("0123456789"))
+                                             and "ctxt_switches" in ln)}
+                row = out.setdefault(name, [0.0, 0, 0])
+                row[0] += (int(fields[11]) + int(fields[12])) / tick
+                row[1] += sw.get("voluntary_ctxt_switches", 0)
+                row[2] += sw.get("nonvoluntary_ctxt_switches", 0)
+    return out
+
+
+def thread_report(before: dict[str, list[float]], after: dict[str, list[float]],
+                  messages: int, seconds: float) -> dict[str, dict[str, float]]:
+    """CPU µs per message and context switches per second, per thread name (a name
+    shared by several threads, e.g. a pool, is their sum)."""
+    rep = {}
+    for name, (cpu, vol, invol) in after.items():
+        b = before.get(name, [0.0, 0, 0])
+        used = cpu - b[0]
+        if used <= 0 and vol - b[1] <= 0:
+            continue
+        rep[name] = {"cpu_us_per_msg": round(used * 1e6 / messages, 2) if messages else None,
+                     "voluntary_switches_per_s": round((vol - b[1]) / seconds),
+                     "involuntary_switches_per_s": round((invol - b[2]) / seconds)}
+    return rep
+
+
+def listen_overflows() -> int:
+    """Kernel count of SYNs dropped on a full accept queue (each costs the client a 1 s
+    SYN retransmit); system-wide, so only meaningful on an otherwise idle machine."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+        names, values = (ln.split() for ln in lines if ln.startswith("TcpExt:"))
+        return int(dict(zip(names, values, strict=True))["ListenOverflows"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(x) for x in fh.read().split()]
+    except OSError:
+        return []

@@ -1,0 +1,236 @@
+"""The scenarios: each one a function of a started broker and the sizes, returning the
+row's figures; the registry (name -> function, main figure, which way is better) and the
+tiny / quick / full sizes."""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gateway import mqtt
+
+from . import CORES, PAYLOAD
+from .brokers import Broker
+from .loadgen import (
+    Crew,
+    w_idle,
+    w_latency_pub,
+    w_latency_sub,
+    w_publishers,
+    w_storm,
+    w_subscribers,
+)
+from .procfs import listen_overflows, rss_kb
+from .wire import acks_in, connect
+
+
+def run_flow(port: int, pub_topics: list[str], sub_filter: str, n_subs: int, qos: int,
+             count: int, seconds: float) -> dict[str, Any]:
+    """Subscribers first (spread over the cores), then one publisher process; the rate
+    is deliveries over the span from first to last delivery seen by any subscriber."""
+    crew = Crew()
+    sub_procs = min(CORES, n_subs)
+    per_topic = count // len(pub_topics)
+    expect = per_topic * len(pub_topics)
+    try:
+        for w in range(sub_procs):
+            n = n_subs // sub_procs + (1 if w < n_subs % sub_procs else 0)
+            crew.add(w_subscribers, port, sub_filter, n, qos, expect, seconds)
+        crew.add(w_publishers, port, pub_topics, qos, per_topic, seconds)
+        crew.start(setup_timeout=120)
+        time.sleep(0.3)  # subscriptions registered everywhere before the first message
+        crew.go()
+        res = crew.results(seconds + 60)
+    finally:
+        crew.close()
+    subs = res[:sub_procs]
+    received = sum(r["count"] for r in subs)
+    firsts = [r["first"] for r in subs if r["first"]]
+    lasts = [r["last"] for r in subs if r["last"]]
+    span = max(lasts) - min(firsts) if firsts else 0.0
+    out: dict[str, Any] = {"received": received, "expected": expect * n_subs,
+                           "sent": res[-1]["sent"],
+                           "msgs_per_s": round(received / span) if span > 0 else None}
+    if received < expect * n_subs:
+        out["notes"] = f"{expect * n_subs - received} not delivered within the deadline"
+    if not received:
+        out["error"] = "nothing delivered"
+    return out
+
+
+def sc_qos0(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    return run_flow(b.port, ["bench/a"], "bench/a", 1, 0, size["msgs"], size["seconds"])
+
+
+def sc_qos1(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    res = run_flow(b.port, ["bench/a"], "bench/a", 1, 1, size["qos1_msgs"], size["seconds"])
+    res["notes"] = (res.get("notes", "") + "; publisher window 64 unacked").lstrip("; ")
+    return res
+
+
+def sc_fanin(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    topics = [f"fanin/{i}/t" for i in range(100)]
+    return run_flow(b.port, topics, "fanin/+/t", 1, 0, size["msgs"], size["seconds"])
+
+
+def sc_fanout(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    n = size["fanout_subs"]
+    res = run_flow(b.port, ["fanout/x/t"], "fanout/+/t", n, 0, size["fanout_msgs"],
+                   size["seconds"])
+    res["notes"] = (f"{n} subscribers x {size['fanout_msgs']} messages; msgs_per_s counts "
+                    f"deliveries; " + res.get("notes", "")).rstrip("; ")
+    return res
+
+
+def _fixed_rate(b: Broker, rate: int, seconds: float, qos: int) -> dict[str, Any]:
+    """Fixed offered rate, one publisher and one subscriber in separate processes;
+    latency = receive time - send time stamped in the payload (same monotonic clock)."""
+    total = int(rate * seconds)
+    warmup = min(rate // 2, total // 10)  # the first half second warms caches and queues
+    crew = Crew()
+    try:
+        crew.add(w_latency_sub, b.port, total, warmup, seconds, qos)
+        crew.add(w_latency_pub, b.port, rate, total, qos)
+        crew.start(setup_timeout=60)
+        time.sleep(0.3)
+        crew.go()
+        sub, pub = crew.results(seconds * 2 + 30)
+    finally:
+        crew.close()
+    if not sub["p99_ms"]:
+        return {"error": "nothing delivered"}
+    return {"p50_ms": sub["p50_ms"], "p99_ms": sub["p99_ms"], "max_ms": sub["max_ms"],
+            "msgs_per_s": round(sub["got"] / seconds), "received": sub["got"],
+            "expected": total, "sent": pub["sent"], "acked": pub["acked"] if qos else None,
+            "notes": f"QoS {qos}, offered {rate} msg/s for {seconds} s; "
+                     f"first {warmup} not timed"}
+
+
+def sc_latency(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    return _fixed_rate(b, size["latency_rate"], size["latency_seconds"], 0)
+
+
+def sc_cpu_at_rate(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    """What a realistic fleet costs: broker CPU per message at 2,000 msg/s, where nothing
+    batches and each message is its own wake-up (the main figure is cpu_us_per_msg)."""
+    return _fixed_rate(b, size["cpu_rate"], size["cpu_seconds"], 0)
+
+
+def sc_cpu_at_rate_qos1(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    return _fixed_rate(b, size["cpu_rate"], size["cpu_seconds"], 1)
+
+
+def sc_idle(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    """Idle connections: broker RSS growth per connection and the connect rate."""
+    n = wanted = size["idle_conns"]
+    # The broker inherits our RLIMIT_NOFILE: beyond it, connections fail on its side.
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    n = min(n, limit - 1000)
+    workers = CORES
+    crew = Crew()
+    try:
+        for w in range(workers):
+            crew.add(w_idle, b.port, n // workers + (1 if w < n % workers else 0),
+                     size["idle_seconds"], n > 5000)
+        crew.start(setup_timeout=30)
+        time.sleep(1.0)  # a freshly started broker settles first
+        before = rss_kb(b.pid)
+        overflows = listen_overflows()
+        crew.go()
+        res = crew.results(size["idle_seconds"] + 30)
+        time.sleep(2.0)  # let lazily allocated per-connection state land
+        after = rss_kb(b.pid)
+    finally:
+        crew.close()
+    connected = sum(r["connected"] for r in res)
+    span = max(r["t_last"] for r in res) - min(r["t_start"] for r in res)
+    out: dict[str, Any] = {
+        "connected": connected, "expected": n,
+        "listen_overflows": listen_overflows() - overflows,
+        "kb_per_conn": round((after - before) / connected, 2) if connected else None,
+        "connects_per_s": round(connected / span) if connected and span > 0 else None,
+        "notes": f"{connected}/{n} connections, RSS {before} -> {after} kB"}
+    if n < wanted:
+        out["notes"] += (f"; capped from {wanted} by RLIMIT_NOFILE {limit} (raising the hard "
+                         "limit needs CAP_SYS_RESOURCE)")
+    if errors := [r["error"] for r in res if r["error"]]:
+        out["notes"] += f"; {sum(r['failed'] for r in res)} failed: {errors[0]}"
+    if not connected:
+        out["error"] = "no connection succeeded"
+    return out
+
+
+def sc_reconnect_storm(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    """K persistent sessions (QoS 1 on storm/+/cmd) go offline; M messages are published
+    (the first half retained), so each session has M queued; then all K reconnect at
+    once: connects/s until the last CONNACK, msgs/s until every session has its M."""
+    k, m = size["storm_clients"], size["storm_msgs"]
+    crew = Crew()
+    ids = [f"storm-{i}" for i in range(k)]
+    try:
+        for w in range(CORES):
+            crew.add(w_storm, b.port, ids[w::CORES], m, size["seconds"])
+        crew.start(setup_timeout=150)
+        pub = connect(b.port, "storm-pub")
+        pkts = [mqtt.encode_publish(f"storm/{j}/cmd", b"x" * PAYLOAD, 1, j < m // 2, False,
+                                    j + 1, 4) for j in range(m)]
+        pub.sendall(b"".join(pkts))
+        acked, rest, deadline = 0, b"", time.monotonic() + 30
+        while acked < m and time.monotonic() < deadline:
+            n, rest = acks_in(rest, pub.recv(65536))
+            acked += n
+        pub.close()
+        time.sleep(0.5)  # queued for every offline session
+        overflows = listen_overflows()
+        crew.go()
+        res = crew.results(size["seconds"] + 30)
+    finally:
+        crew.close()
+    t0 = min(r["t0"] for r in res)
+    connacks = sum(r["connacks"] for r in res)
+    received = sum(r["received"] for r in res)
+    complete = sum(r["complete"] for r in res)
+    t_conn = max(r["t_connacks"] for r in res) - t0
+    t_done = max(r["t_done"] for r in res) - t0
+    out: dict[str, Any] = {
+        "connects_per_s": round(connacks / t_conn) if connacks and t_conn > 0 else None,
+        "msgs_per_s": round(received / t_done) if received and t_done > 0 else None,
+        "received": received, "expected": k * m, "sessions_complete": complete,
+        "listen_overflows": listen_overflows() - overflows,
+        "notes": f"{k} sessions x {m} queued messages ({m // 2} of them retained); "
+                 f"all CONNACKed after {t_conn:.2f} s, {complete}/{k} complete after "
+                 f"{t_done:.2f} s"}
+    if not received:
+        out["error"] = f"nothing delivered ({connacks}/{k} CONNACKs)"
+    return out
+
+
+# name: (function, main figure, higher is better)
+SCENARIOS: dict[str, tuple[Callable[[Broker, dict[str, Any]], dict[str, Any]], str, bool]] = {
+    "qos0_1to1": (sc_qos0, "msgs_per_s", True),
+    "qos1_1to1": (sc_qos1, "msgs_per_s", True),
+    "fanin_100to1": (sc_fanin, "msgs_per_s", True),
+    "fanout_1to1000": (sc_fanout, "msgs_per_s", True),
+    "idle_conns": (sc_idle, "kb_per_conn", False),
+    "latency_fixed_rate": (sc_latency, "p99_ms", False),
+    "cpu_at_rate": (sc_cpu_at_rate, "cpu_us_per_msg", False),
+    "cpu_at_rate_qos1": (sc_cpu_at_rate_qos1, "cpu_us_per_msg", False),
+    "reconnect_storm": (sc_reconnect_storm, "msgs_per_s", True),
+}
+QUICK_SCENARIOS = [s for s in SCENARIOS if s != "reconnect_storm"]
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"msgs": 2000, "qos1_msgs": 1000, "seconds": 8, "fanout_subs": 10,
+             "fanout_msgs": 50, "idle_conns": 100, "idle_seconds": 10, "latency_rate": 200,
+             "latency_seconds": 1, "storm_clients": 10, "storm_msgs": 4, "cpu_rate": 200,
+             "cpu_seconds": 1},
+    "quick": {"msgs": 100_000, "qos1_msgs": 25_000, "seconds": 15, "fanout_subs": 200,
+              "fanout_msgs": 500, "idle_conns": 2000, "idle_seconds": 30,
+              "latency_rate": 2000, "latency_seconds": 5, "storm_clients": 500,
+              "storm_msgs": 10, "cpu_rate": 2000, "cpu_seconds": 5},
+    "full": {"msgs": 500_000, "qos1_msgs": 100_000, "seconds": 45, "fanout_subs": 1000,
+             "fanout_msgs": 1000, "idle_conns": 100_000, "idle_seconds": 120,
+             "latency_rate": 20_000, "latency_seconds": 10, "storm_clients": 5000,
+             "storm_msgs": 20, "cpu_rate": 2000, "cpu_seconds": 10},
+}
