@@ -20,6 +20,7 @@ from gateway import mqtt
 
 from . import PAYLOAD, progress
 from .wire import (
+    acks_in,
     connect,
     connect_packet,
     nb_connect,
@@ -203,12 +204,7 @@ def w_publishers(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
                     data = s.recv(65536)
                 except TimeoutError:
                     continue
-                if not data:
-                    raise ConnectionError("broker closed the publisher")
-                buf = rest + data
-                _, frames, used = split_frames(buf, True)
-                rest = buf[used:]
-                acked = sum(1 for b0, _ in frames if b0 >> 4 == 4)
+                acked, rest = acks_in(rest, data)
                 inflight -= acked
                 done += acked
             sent += done
