@@ -204,7 +204,7 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
         topic = request.path_params["topic"]
         if await store.meta_get("retained", topic) is None:
             raise HTTPException(404, "no retained message on that topic")
-        await store.meta_delete("retained", topic)
+        await broker.delete_retained(topic)
         return JSONResponse({"deleted": topic})
 
     async def message(request: Request) -> JSONResponse:

@@ -4,6 +4,7 @@ messages, wills, and the notify loop that wakes sessions (DESIGN.md steps 5-7)."
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import uuid
 from collections import OrderedDict
@@ -18,6 +19,8 @@ from gateway.cache import QueueCache
 from gateway.limits import SourceRateLimiter
 from gateway.mqtt import PublishTemplate, Will
 from gateway.mqtt.properties import publish_properties
+from gateway.read_budget import ReadBudget
+from gateway.retained import RetainedBudget, RetainedLimits
 from gateway.session import (
     NEVER_EXPIRES,
     NUL,
@@ -41,7 +44,13 @@ log = logging.getLogger("lightgate.gateway")
 @dataclass
 class GatewayConfig:
     max_inflight: int = 32  # QoS 1/2 messages unacknowledged per client (server side)
-    max_packet_size: int = 16 * 1024 * 1024
+    max_packet_size: int = 1024 * 1024  # as EMQX; a larger payload belongs in object storage
+    # Before CONNECT nobody is authenticated: the first packet may not be larger.
+    max_connect_packet: int = 64 * 1024
+    # Bytes of partially received packets the whole node holds before the connections
+    # holding the most stop reading; closed if still over after partial_timeout.
+    max_partial_bytes: int = 64 * 1024 * 1024
+    partial_timeout_s: float = 10.0
     max_pending_publishes: int = 64  # inbound publishes in the store pipeline per client
     max_offline_messages: int = 10_000  # per queue of a persistent session; older dropped
     connect_timeout: float = 10.0
@@ -58,10 +67,26 @@ class GatewayConfig:
     max_connect_rate: float = 0.0  # connects per second per source IP
     max_publish_rate: float = 0.0  # publishes per second per client
     max_publish_bytes_rate: float = 0.0  # publish payload bytes per second per client
-    max_subscriptions: int = 0  # per client
+    max_subscriptions: int = 1000  # per client (0: no limit)
+    max_topic_levels: int = 128  # of a topic name or filter
+    max_topic_length: int = 4096  # characters of a topic name or filter
+    # Retained messages, in total and per publishing client (0: no limit).
+    max_retained: int = 100_000
+    max_retained_bytes: int = 256 * 1024 * 1024
+    max_retained_per_client: int = 1000
+    max_retained_bytes_per_client: int = 16 * 1024 * 1024
+    # Persistent sessions: 3.1.1 has no session expiry, so without one an abandoned
+    # client id is kept forever. New persistent sessions past max_sessions are refused.
+    v3_session_expiry_s: float = 7200.0  # as EMQX; 0: never (3.1.1's own rule)
+    max_sessions: int = 100_000
+    max_offline_bytes: int = 64 * 1024 * 1024  # per queue of an offline session
     # How often the wildcard filters this gateway's sessions read are touched in the
     # store, which unregisters those nobody touched for its --wildcard-idle-s.
     wildcard_touch_s: float = 60.0
+
+
+class SessionLimitReached(Exception):
+    """No new persistent session: the node holds --max-sessions already."""
 
 
 @dataclass
@@ -114,6 +139,10 @@ class Stats:
         self.wills = 0
         self.stuck_disconnects = 0
         self.limit_refusals = 0  # connects, publishes, subscribes refused by a limit
+        self.sessions_refused = 0  # new persistent sessions past --max-sessions
+        self.sessions_expired = 0
+        self.offline_dropped = 0  # skipped past --max-offline-messages / -bytes
+        self.topic_refusals = 0  # topics past --max-topic-levels / --max-topic-length
 
     def observe_append(self, seconds: float) -> None:
         self.append_count += 1
@@ -131,6 +160,17 @@ class Broker:
         self.auth = auth or AuthManager(store)  # disabled unless configured
         self.auth.on_change(self._auth_changed)
         self.connect_limiter = SourceRateLimiter(self.config.max_connect_rate)
+        self.read_budget = ReadBudget(self.config.max_partial_bytes, self.config.partial_timeout_s)
+        cfg = self.config
+        # 0 in the config means no limit.
+        self.max_topic_levels = cfg.max_topic_levels or sys.maxsize
+        self.max_topic_length = cfg.max_topic_length or sys.maxsize
+        self.retained = RetainedBudget(RetainedLimits(
+            cfg.max_retained, cfg.max_retained_bytes, cfg.max_retained_per_client,
+            cfg.max_retained_bytes_per_client))
+        # Persistent sessions in the store: counted by each expiry sweep, plus those
+        # made and discarded here since.
+        self.persistent_sessions = 0
         self.sessions: dict[str, Session] = {}
         # One CONNECT per client id at a time (takeover, load, attach): [lock, users].
         self._connect_locks: dict[str, list[Any]] = {}
@@ -271,8 +311,16 @@ class Broker:
             session = await self._load_session(client_id)
             present = session is not None
         if session is None:
+            if expiry > 0 and self.config.max_sessions \
+                    and self.persistent_sessions >= self.config.max_sessions:
+                self.stats.limit_refusals += 1
+                self.stats.sessions_refused += 1
+                raise SessionLimitReached(
+                    f"{self.persistent_sessions} persistent sessions held (--max-sessions)")
             session = Session(client_id, persistent=expiry > 0, version=version, expiry=expiry)
             self.sessions[client_id] = session
+            if expiry > 0:
+                self.persistent_sessions += 1
         session.persistent = expiry > 0
         session.expiry = expiry
         session.version = version
@@ -333,6 +381,8 @@ class Broker:
 
     async def discard_session(self, client_id: str) -> None:
         s = self.sessions.pop(client_id, None)
+        if s is None or s.persistent:
+            self.persistent_sessions = max(0, self.persistent_sessions - 1)
         if s is not None:
             for sub in list(s.subscriptions.values()):
                 if sub.shared:
@@ -543,7 +593,14 @@ class Broker:
 
     async def publish_will(self, s: Session, will: Will) -> None:
         props = {k: v for k, v in will.properties.items() if k != "will_delay_interval"}
-        msg = Message(will.topic, will.payload, will.qos, will.retain, s.client_id,
+        retain = will.retain
+        if retain and will.payload:
+            why = self.retained.admit(will.topic, s.client_id, len(will.payload))
+            if why is not None:  # still published, not retained
+                self.stats.limit_refusals += 1
+                log.warning("will of %r on %r not retained: %s", s.client_id, will.topic, why)
+                retain = False
+        msg = Message(will.topic, will.payload, will.qos, retain, s.client_id,
                       props, born_ts=int(time.time() * 1000))
         try:
             await self.publish_message(msg)
@@ -557,8 +614,23 @@ class Broker:
             r = RetainedMessage(msg.topic, msg.body, msg.qos, msg.properties, msg.client_id,
                                 msg.store_ts, msg.phys_offset)
             await self.store.meta_put("retained", msg.topic, r.to_meta())
+            self.retained.set(msg.topic, msg.client_id, len(msg.body))
         else:  # an empty retained payload clears the topic's retained message
             await self.store.meta_delete("retained", msg.topic)
+            self.retained.remove(msg.topic)
+
+    async def delete_retained(self, topic: str) -> None:
+        await self.store.meta_delete("retained", topic)
+        self.retained.remove(topic)
+
+    async def load_budgets(self) -> None:
+        """What the store already holds counts against the budgets from the start."""
+        try:
+            for topic, d in await self.store.meta_items("retained"):
+                self.retained.set(topic, d.get("client_id", ""), len(d["body"]))
+            self.persistent_sessions = len(await self.store.meta_items("sessions"))
+        except StoreError as exc:  # separated mode, store away: counted as it comes back
+            log.warning("retained messages and sessions not counted yet: %s", exc)
 
     async def retained_for(self, topic_filter: str) -> list[RetainedMessage]:
         if not is_wildcard(topic_filter):
@@ -582,6 +654,7 @@ class Broker:
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Background work: offsets, expiry, $SYS, shared groups, delayed wills."""
+        await self.load_budgets()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
@@ -628,7 +701,8 @@ class Broker:
     async def expire_sessions(self) -> int:
         now = time.time()
         gone = 0
-        for client_id, info in await self.store.meta_items("sessions"):
+        items = await self.store.meta_items("sessions")
+        for client_id, info in items:
             s = self.sessions.get(client_id)
             if s is not None:
                 if s.expired(now):
@@ -639,6 +713,8 @@ class Broker:
             if at is not None and expiry != NEVER_EXPIRES and now - at >= expiry:
                 await self.discard_session(client_id)
                 gone += 1
+        self.persistent_sessions = len(items) - gone
+        self.stats.sessions_expired += gone
         return gone
 
     async def _sys_loop(self) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import trio
 
 from gateway import mqtt
-from gateway.broker import Broker
+from gateway.broker import Broker, SessionLimitReached
 from gateway.limits import PublishLimits
 from gateway.mqtt import (
     Auth,
@@ -52,6 +52,9 @@ OUT_LIMIT = 32 * OUT_CHUNK  # bytes queued for a client before senders wait
 STORE_DRAIN_S = 10.0  # at close, how long publishes already submitted may take to finish
 
 
+READ_SIZE = 65536  # one socket read
+
+
 class Closing(Exception):
     """End this connection; `will` says whether the will message goes out."""
 
@@ -74,6 +77,7 @@ class Connection:
         "_outbuf_bytes",
         "_window", "_cancel", "_detached", "_taken_over", "_write_failed", "_store_error",
         "_aliases_in", "_aliases_out", "_alias_out_max", "_fd",
+        "_held",
     )
 
     def __init__(
@@ -96,7 +100,9 @@ class Connection:
         self._limits = PublishLimits(cfg.max_publish_rate, cfg.max_publish_bytes_rate) \
             if cfg.max_publish_rate > 0 or cfg.max_publish_bytes_rate > 0 else None
         self.config = broker.config
-        self.decoder = mqtt.Decoder(max_packet_size=self.config.max_packet_size)
+        self.decoder = mqtt.Decoder(max_packet_size=self.config.max_packet_size,
+                                    first_packet_max=self.config.max_connect_packet)
+        self._held = 0  # partial-packet bytes counted in the node's read budget
         self.version = 4
         self.session: Session | None = None
         self.keepalive = 0
@@ -173,6 +179,7 @@ class Connection:
 
     async def _close(self, closing: Closing | None) -> None:
         self.alive = False
+        self.broker.read_budget.update(self._held, 0)
         if closing is None:  # cancelled: a takeover, a failed write, a kick or a shutdown
             if self._kicked is not None:
                 closing = self._kicked
@@ -364,16 +371,16 @@ class Connection:
             else:
                 packets = await self._receive()
 
-    async def _read(self) -> bytes:
+    async def _read(self, size: int = READ_SIZE) -> bytes:
         if self._fd < 0:
-            return await self.stream.receive_some(65536)
+            return await self.stream.receive_some(size)
         try:
-            data = os.read(self._fd, 65536)
+            data = os.read(self._fd, size)
         except BlockingIOError:
             while True:
                 await trio.lowlevel.wait_readable(self._fd)
                 try:
-                    return os.read(self._fd, 65536)
+                    return os.read(self._fd, size)
                 except BlockingIOError:  # a spurious wake-up
                     continue
         # Data was waiting: yield once anyway, so that a client that always has more
@@ -384,13 +391,27 @@ class Connection:
     async def _receive(self) -> list[Any]:
         if self.decoder.error is not None:  # after the packets that came before it
             raise self.decoder.error
+        budget = self.broker.read_budget
         while True:
-            data = await self._read()
+            held = self._held
+            if not held:
+                data = await self._read()
+            else:  # part of a packet: the node-wide budget decides how much more
+                if budget.must_wait(held) and not await budget.wait(held):
+                    self.broker.stats.limit_refusals += 1
+                    log.warning("%s closed: held %d bytes of a partial packet while the "
+                                "node's read budget was exhausted (--max-partial-bytes)",
+                                self.peer, held)
+                    raise Closing("read budget exhausted", True, rc.QUOTA_EXCEEDED)
+                data = await self._read(budget.read_size(held, READ_SIZE))
             if not data:
                 raise Closing("connection closed by the client")
             self.broker.stats.bytes_in += len(data)
             try:
                 packets = self.decoder.feed(data)
+                if held or self.decoder.buffered:
+                    self._held = self.decoder.buffered
+                    budget.update(held, self._held)
             except UnsupportedProtocolError as exc:
                 code = rc.UNSUPPORTED_PROTOCOL_VERSION if exc.protocol_level == 5 \
                     else exc.v3_return_code
@@ -435,15 +456,21 @@ class Connection:
             self._alias_out_max = int(props.get("topic_alias_maximum", 0))
             self.problem_info = bool(props.get("request_problem_information", 1))
         else:
-            expiry = 0 if p.clean_start else NEVER_EXPIRES
+            # 3.1.1 sessions never end by themselves; ours do, after --v3-session-expiry-s.
+            v3_expiry = int(self.config.v3_session_expiry_s) or NEVER_EXPIRES
+            expiry = 0 if p.clean_start else v3_expiry
         await self._admit(p, v)
         self.keepalive = p.keepalive
         server_keepalive = None
         max_ka = self.config.max_keepalive
         if max_ka and (self.keepalive == 0 or self.keepalive > max_ka) and v == 5:
             self.keepalive = server_keepalive = max_ka
-        session, present = await self.broker.open_session(client_id, p.clean_start, expiry, v,
-                                                          connection=self)
+        try:
+            session, present = await self.broker.open_session(
+                client_id, p.clean_start, expiry, v, connection=self)
+        except SessionLimitReached as exc:
+            log.warning("connect of %r from %s refused: %s", client_id, self.peer, exc)
+            await self._refuse(v, rc.QUOTA_EXCEEDED, 3, "no room for a new persistent session")
         self.session = session
         self.connected_at = time.time()
         session.will = p.will
@@ -574,6 +601,18 @@ class Connection:
         if self.subject is not None and not self._may("PUB", topic):
             await self._refuse_publish(p, topic, "not authorized")
             return
+        b = self.broker
+        if len(topic) > b.max_topic_length or topic.count("/") >= b.max_topic_levels:
+            self.broker.stats.topic_refusals += 1
+            await self._refuse_publish(p, topic[:100], "past --max-topic-levels or "
+                                       "--max-topic-length", rc.TOPIC_NAME_INVALID)
+            return
+        if p.retain and p.payload:
+            why = self.broker.retained.admit(topic, s.client_id, len(p.payload))
+            if why is not None:
+                self.broker.stats.limit_refusals += 1
+                await self._refuse_publish(p, topic, why, rc.QUOTA_EXCEEDED)
+                return
         if p.qos == 2 and p.packet_id in s.incoming_qos2:
             await self._flush_publishes()
             await self._to_acker(_NO_STORE_WAIT, p)  # duplicate: PUBREC again
@@ -596,16 +635,17 @@ class Connection:
         if len(self._batch_msgs) >= PUBLISH_BATCH:
             await self._flush_publishes()
 
-    async def _refuse_publish(self, p: Publish, topic: str, why: str) -> None:
-        """Not stored. v5: PUBACK/PUBREC 0x87; 3.1.1 has no negative ack, so the client
-        gets a plain ack (else it would resend forever) and the log says why."""
+    async def _refuse_publish(self, p: Publish, topic: str, why: str,
+                              code: int = rc.NOT_AUTHORIZED) -> None:
+        """Not stored. v5: PUBACK/PUBREC with `code`; 3.1.1 has no negative ack, so the
+        client gets a plain ack (else it would resend forever) and the log says why."""
         log.info("publish of %r on %r by %s %s: dropped",
                  self.session.client_id if self.session else "?", topic, self.peer, why)
         if not p.qos:
             return
         await self._flush_publishes()  # acks stay in arrival order
         self._count_inbound(p)
-        await self._to_acker(rc.NOT_AUTHORIZED if self.version == 5 else 0, p)
+        await self._to_acker(code if self.version == 5 else 0, p)
 
     async def _flush_publishes(self) -> None:
         """Everything one read brought in goes to the store as one append (one write, one
@@ -869,6 +909,12 @@ class Connection:
         if not self._may("SUB", real, is_filter=True):
             log.info("subscribe of %r to %r not authorized", s.client_id, topic_filter)
             return rc.NOT_AUTHORIZED
+        b = self.broker
+        if len(real) > b.max_topic_length or real.count("/") >= b.max_topic_levels:
+            b.stats.topic_refusals += 1
+            log.info("subscribe of %r to %r refused: past --max-topic-levels or "
+                     "--max-topic-length", s.client_id, topic_filter[:100])
+            return rc.TOPIC_FILTER_INVALID
         limit = self.config.max_subscriptions
         if limit and topic_filter not in s.subscriptions and len(s.subscriptions) >= limit:
             self.broker.stats.limit_refusals += 1
@@ -929,19 +975,27 @@ class Connection:
             await self.send(_with_dup(o.data))
 
     async def _apply_offline_bound(self, s: Session) -> None:
-        limit = self.config.max_offline_messages
+        """A session back from offline resumes at most --max-offline-messages and
+        --max-offline-bytes behind each queue's end; what is older is skipped."""
+        limit, max_bytes = self.config.max_offline_messages, self.config.max_offline_bytes
+        store = self.broker.store
         for queue in s.reading():
             cursor = s.cursors.get(queue)
             if cursor is None:
                 continue
-            end = await self.broker.store.queue_end(queue)
-            if end - cursor > limit:
-                dropped = end - cursor - limit
-                s.cursors[queue] = end - limit
+            end = await store.queue_end(queue)
+            start = max(cursor, end - limit) if limit else cursor
+            if max_bytes and start < end:
+                start = await store.queue_tail_start(queue, start, max_bytes)
+            if start > cursor:
+                dropped = start - cursor
+                s.cursors[queue] = start
                 s.offsets_dirty.add(queue)
                 self.broker.stats.dropped += dropped
-                log.warning("client %r: %d offline messages on %r dropped (limit %d)",
-                            s.client_id, dropped, queue, limit)
+                self.broker.stats.offline_dropped += dropped
+                log.warning("client %r: %d offline messages on %r dropped (limit %d "
+                            "messages, %d bytes)", s.client_id, dropped, queue, limit,
+                            max_bytes)
 
     async def _drain(self, s: Session, queue: str) -> None:
         cache = self.broker.cache

@@ -66,6 +66,7 @@ class BrokerCollector:
              st.limit_refusals),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _budget_metrics(b)
         buckets = [(str(bound), n) for bound, n in zip(APPEND_BUCKETS, st.append_buckets,
                                                         strict=True)]
         buckets.append(("+Inf", st.append_count))
@@ -112,6 +113,42 @@ class BrokerCollector:
         yield GaugeMetricFamily("lightgate_wildcard_queues", "Registered wildcard queues",
                                 value=s.get("wildcards", 0))
         yield from _memory_metrics(s)
+
+
+def _budget_metrics(b: Broker) -> Any:
+    """Each budget: what it holds now, its limit (0: none) and how often it said no."""
+    st, rb, ret, cfg = b.stats, b.read_budget, b.retained, b.config
+    used = GaugeMetricFamily("lightgate_budget_used", "What a budget holds now",
+                             labels=["budget"])
+    limit = GaugeMetricFamily("lightgate_budget_limit", "A budget's limit (0: no limit)",
+                              labels=["budget"])
+    for name, now, cap in (
+        ("partial_packet_bytes", rb.held, rb.limit),
+        ("retained_messages", ret.count, cfg.max_retained),
+        ("retained_bytes", ret.bytes, cfg.max_retained_bytes),
+        ("persistent_sessions", b.persistent_sessions, cfg.max_sessions),
+    ):
+        used.add_metric([name], now)
+        limit.add_metric([name], cap)
+    yield used
+    yield limit
+    yield GaugeMetricFamily("lightgate_partial_packet_bytes_peak",
+                            "Most bytes of partial packets held at once", value=rb.peak)
+    hits = CounterMetricFamily("lightgate_budget_refusals",
+                               "Requests refused or connections closed by a budget",
+                               labels=["budget"])
+    for name, n in (
+        ("partial_packet_paused", rb.paused),
+        ("partial_packet_closed", rb.closed),
+        ("retained", ret.refused),
+        ("persistent_sessions", st.sessions_refused),
+        ("topic_levels_or_length", st.topic_refusals),
+        ("offline_messages_dropped", st.offline_dropped),
+    ):
+        hits.add_metric([name], n)
+    yield hits
+    yield CounterMetricFamily("lightgate_sessions_expired", "Persistent sessions expired",
+                              value=st.sessions_expired)
 
 
 def _memory_metrics(s: dict[str, Any]) -> Any:

@@ -8,6 +8,7 @@ Every setting comes, in order of precedence, from a flag, an environment variabl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -49,7 +50,13 @@ LISTENER_SETTINGS: list[tuple[str, Any, Any, str]] = [
 GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
     *LISTENER_SETTINGS,
     ("max-inflight", int, 32, "unacknowledged QoS 1/2 messages per client"),
-    ("max-packet-size", int, 16 * 1024 * 1024, "largest MQTT packet accepted, in bytes"),
+    ("max-packet-size", int, 1024 * 1024, "largest MQTT packet accepted, in bytes"),
+    ("max-connect-packet", int, 64 * 1024, "largest first packet (CONNECT, will included) "
+     "before the client is authenticated"),
+    ("max-partial-bytes", int, 64 * 1024 * 1024, "bytes of partly received packets the node "
+     "holds; past it the clients holding the most stop being read (0: no budget)"),
+    ("partial-timeout-s", float, 10.0, "close a client held back by --max-partial-bytes "
+     "for this long"),
     ("max-pending-publishes", int, 64, "publishes per client in the store pipeline at once"),
     ("max-offline-messages", int, 10_000,
      "per queue of an offline persistent session; older ones are dropped on reconnect"),
@@ -60,7 +67,20 @@ GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("max-connect-rate", float, 0.0, "connects per second per source IP (0: no limit)"),
     ("max-publish-rate", float, 0.0, "publishes per second per client (0: no limit)"),
     ("max-publish-bytes-rate", float, 0.0, "publish bytes per second per client (0: no limit)"),
-    ("max-subscriptions", int, 0, "subscriptions per client (0: no limit)"),
+    ("max-subscriptions", int, 1000, "subscriptions per client (0: no limit)"),
+    ("max-topic-levels", int, 128, "levels of a topic name or filter (0: no limit)"),
+    ("max-topic-length", int, 4096, "characters of a topic name or filter (0: no limit)"),
+    ("max-retained", int, 100_000, "retained messages held (0: no limit)"),
+    ("max-retained-bytes", int, 256 * 1024 * 1024, "bytes of retained messages held"),
+    ("max-retained-per-client", int, 1000, "retained messages one client id may set"),
+    ("max-retained-bytes-per-client", int, 16 * 1024 * 1024,
+     "bytes of retained messages one client id may set"),
+    ("v3-session-expiry-s", float, 7200.0, "MQTT 3.1.1 persistent sessions end this long "
+     "after the client left (0: never)"),
+    ("max-sessions", int, 100_000, "persistent sessions held; new ones past it are refused "
+     "(0: no limit)"),
+    ("max-offline-bytes", int, 64 * 1024 * 1024, "per queue of an offline persistent "
+     "session, in message bytes; older ones are dropped on reconnect (0: no limit)"),
     ("wildcard-touch-s", float, 60.0, "how often the wildcard filters in use here are "
      "reported to the store (keep it well under the store's --wildcard-idle-s)"),
     ("audit-log", str, None, "write the [AUTHENTICATION]/[AUTHORIZATION] audit lines here"),
@@ -158,21 +178,9 @@ def _listener_config(values: dict[str, Any]) -> Any:
 def _gateway_config(values: dict[str, Any]) -> Any:
     from gateway.broker import GatewayConfig
 
-    return GatewayConfig(
-        max_inflight=values["max_inflight"],
-        max_packet_size=values["max_packet_size"],
-        max_pending_publishes=values["max_pending_publishes"],
-        max_offline_messages=values["max_offline_messages"],
-        sys_interval=values["sys_interval"],
-        max_keepalive=values["max_keepalive"],
-        write_timeout=values["write_timeout"],
-        max_connections=values["max_connections"],
-        max_connect_rate=values["max_connect_rate"],
-        max_publish_rate=values["max_publish_rate"],
-        max_publish_bytes_rate=values["max_publish_bytes_rate"],
-        max_subscriptions=values["max_subscriptions"],
-        wildcard_touch_s=values["wildcard_touch_s"],
-    )
+    # Each gateway setting is the GatewayConfig field of the same name.
+    names = {f.name for f in dataclasses.fields(GatewayConfig)}
+    return GatewayConfig(**{k: v for k, v in values.items() if k in names})
 
 
 def _auth_config(values: dict[str, Any]) -> Any:

@@ -223,6 +223,27 @@ class ConsumeQueueIndex:
             it.next()
         return out
 
+    def tail_start(self, queue: str, start: int, max_bytes: int) -> int:
+        """The lowest offset >= `start` from which the entries to the queue's end hold
+        at most `max_bytes` message bytes: where a reader that may fall at most that far
+        behind resumes. Walks back from the end, so it costs what it keeps."""
+        prefix = queue_prefix(queue)
+        lowest = prefix + U64.pack(max(start, 0))
+        it = self._db.iter(ReadOptions())  # (rocksdict's lower bound misleads seek_for_prev)
+        it.seek_for_prev(prefix + _MAX_U64)
+        plen = len(prefix)
+        total = 0
+        keep = None
+        while it.valid() and it.key() >= lowest:
+            total += ENTRY.unpack(it.value())[1]
+            if total > max_bytes:
+                break
+            keep = U64.unpack_from(it.key(), plen)[0]
+            it.prev()
+        else:
+            return start  # all of it fits
+        return keep if keep is not None else self.max_offset(queue)
+
     def holds(self, phys_offset: int, queues: list[tuple[str, int]], key: str) -> bool:
         """Whether the index has the message at `phys_offset` (whose queues and key are
         these) under its first queue or, with no queue, under its key."""

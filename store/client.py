@@ -261,6 +261,11 @@ class RemoteStore:
         header, _ = await self.client.request(p.QUEUE_ENDS, {"queues": list(queues)})
         return {q: int(v) for q, v in header["ends"].items()}
 
+    async def queue_tail_start(self, queue: str, start: int, max_bytes: int) -> int:
+        header, _ = await self.client.request(
+            p.QUEUE_TAIL, {"queue": queue, "start": start, "max_bytes": max_bytes})
+        return int(header["start"])
+
     async def add_wildcard(self, topic_filter: str) -> None:
         await self.client.request(p.WILDCARD_ADD, {"filter": topic_filter})
 

@@ -66,7 +66,7 @@ def needs(frame: p.Frame, mqtt_topics: list[str] | None = None) -> list[Need] | 
         out = [Need("Topic", topic, ("PUB",))]
         out += [Need("Topic", t, ("PUB",)) for t in set(mqtt_topics or ()) if t != topic]
         return out
-    if code == p.PULL or code == p.QUEUE_RANGE:
+    if code == p.PULL or code == p.QUEUE_RANGE or code == p.QUEUE_TAIL:
         return [queue_need(str(h.get("queue", "")))]
     if code == p.QUEUE_ENDS:
         return [queue_need(str(q)) for q in h.get("queues", [])]

@@ -29,6 +29,7 @@ PUBLISH = 11  # MQTT publish, routed by topic (the gateway)
 PULL = 20
 QUEUE_RANGE = 21
 QUEUE_ENDS = 22
+QUEUE_TAIL = 23  # where a reader resumes that may lag a number of bytes
 HEARTBEAT = 30  # consumer group membership -> assignment
 COMMIT = 31
 FETCH_OFFSETS = 32

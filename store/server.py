@@ -118,6 +118,7 @@ class NativeServer:
             p.PULL: self._pull,
             p.QUEUE_RANGE: self._queue_range,
             p.QUEUE_ENDS: self._queue_ends,
+            p.QUEUE_TAIL: self._queue_tail,
             p.HEARTBEAT: self._heartbeat,
             p.COMMIT: self._commit,
             p.FETCH_OFFSETS: self._fetch_offsets,
@@ -370,6 +371,12 @@ class NativeServer:
     async def _queue_ends(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         queues = [str(q) for q in f.header["queues"]]
         return {"ends": await self.store.queue_ends(queues)}, b""
+
+    async def _queue_tail(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        h = f.header
+        start = await self.store.queue_tail_start(str(h["queue"]), int(h["start"]),
+                                                  int(h["max_bytes"]))
+        return {"start": start}, b""
 
     async def _heartbeat(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         group, topic = str(f.header["group"]), str(f.header["topic"])

@@ -348,6 +348,10 @@ class EmbeddedStore:
         """One past the last entry of `queue`: where a new subscription starts."""
         return self.index.max_offset(queue)
 
+    async def queue_tail_start(self, queue: str, start: int, max_bytes: int) -> int:
+        """Where a reader at `start` resumes if it may be at most `max_bytes` behind."""
+        return self.index.tail_start(queue, start, max_bytes)
+
     # -- routing metadata -------------------------------------------------------------
     def register_wildcard(self, topic_filter: str) -> bool:
         """Index future messages matching `topic_filter` into its wildcard queue."""

@@ -184,19 +184,24 @@ class Decoder:
     After a ProtocolError the decoder is dead: every later `feed` re-raises it.
     """
 
-    __slots__ = ("max_packet_size", "server", "version", "_buf", "_need", "_error")
+    __slots__ = ("max_packet_size", "first_packet_max", "server", "version", "_buf", "_need",
+                 "_error")
 
     def __init__(
         self,
         max_packet_size: int = MAX_PACKET_SIZE,
         server: bool = True,
         version: int | None = None,
+        first_packet_max: int | None = None,
     ) -> None:
         if version is not None and version not in VERSIONS:
             raise ValueError(f"unsupported protocol version {version}")
         if not server and version is None:
             raise ValueError("a client-side decoder needs the protocol version")
         self.max_packet_size = max_packet_size
+        # A server's limit until CONNECT is decoded: before it, nobody is authenticated,
+        # so a stranger may not make the server buffer a full-size packet.
+        self.first_packet_max = min(first_packet_max or max_packet_size, max_packet_size)
         self.server = server
         # None until CONNECT is decoded (server side). Giving it to a server decoder means
         # the CONNECT was handled elsewhere.
@@ -209,6 +214,11 @@ class Decoder:
     def error(self) -> ProtocolError | None:
         """The violation that stopped this decoder, if one did (feed raises it again)."""
         return self._error
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of an incomplete packet held until the rest arrives."""
+        return len(self._buf)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Packet]:
         if self._error is not None:
@@ -237,7 +247,7 @@ class Decoder:
         server = self.server
         version = self.version
         mask = _accept_mask(server, version)
-        max_size = self.max_packet_size
+        max_size = self.max_packet_size if version is not None else self.first_packet_max
         decoders = _DECODERS
         while pos < n:
             b0 = data[pos]
@@ -274,6 +284,7 @@ class Decoder:
             if ptype == CONNECT:
                 version = self.version
                 mask = _accept_mask(server, version)
+                max_size = self.max_packet_size
             pos = end
 
     def _stash(self, data: bytes, pos: int, need: int) -> None:

@@ -235,7 +235,7 @@ def test_offline_queue_is_bounded_and_keeps_the_newest(tmp_path) -> None:
         dev.expect_none(0.3)
         dev.disconnect()
         pub.disconnect()
-        assert srv.wait_log("7 offline messages on 'fleet/+/cmd' dropped (limit 5)")
+        assert srv.wait_log("7 offline messages on 'fleet/+/cmd' dropped (limit 5 messages")
     finally:
         assert srv.stop() == 0
 

@@ -1,0 +1,73 @@
+"""A node-wide budget for the bytes of MQTT packets received only in part.
+
+A client that announces a large packet and sends its body slowly makes the server hold
+what has come so far. One such client is harmless; a thousand are gigabytes. Every
+connection reports how much it holds after each read. While the node holds more than
+the budget, a connection that holds at least its fair share (the budget divided among
+the connections holding anything) stops reading until bytes are freed, and is closed
+if that takes longer than the timeout. Connections that hold little, which is every
+client sending packets smaller than a socket read, keep reading meanwhile: a stalled
+attacker cannot stop them.
+"""
+
+from __future__ import annotations
+
+import trio
+
+READ_WHILE_OVER = 4096
+
+
+class ReadBudget:
+    def __init__(self, limit: int, timeout: float) -> None:
+        self.limit = limit  # 0: no budget
+        self.timeout = timeout
+        self.held = 0  # bytes of partial packets held by all connections
+        self.holders = 0  # connections holding any
+        self.peak = 0
+        self.paused = 0  # reads held back, over the node's life
+        self.closed = 0  # connections closed for holding their share too long
+        self._freed = trio.Event()
+
+    def update(self, before: int, after: int) -> None:
+        """One connection went from holding `before` bytes to `after`."""
+        if before == after:
+            return
+        self.held += after - before
+        if not before:
+            self.holders += 1
+        elif not after:
+            self.holders -= 1
+        if self.held > self.peak:
+            self.peak = self.held
+        if after < before:
+            self._freed.set()
+            self._freed = trio.Event()
+
+    def must_wait(self, holding: int) -> bool:
+        """Whether a connection holding `holding` bytes should not read now."""
+        if not self.limit or self.held <= self.limit or not holding:
+            return False
+        return holding * max(self.holders, 1) >= self.limit
+
+    def over(self) -> bool:
+        return bool(self.limit) and self.held > self.limit
+
+    def read_size(self, holding: int, default: int) -> int:
+        """How much a connection holding `holding` bytes may read: while the node is over
+        budget, no more than what is left of its share (at least a small read, so that it
+        can complete a packet), so that the overshoot stays a few KiB per connection."""
+        if not holding or not self.over():
+            return default
+        share = self.limit // max(self.holders, 1)
+        return max(READ_WHILE_OVER, min(default, share - holding))
+
+    async def wait(self, holding: int) -> bool:
+        """Wait until a connection holding `holding` bytes may read again; False if the
+        timeout passed first (the caller closes the connection)."""
+        self.paused += 1
+        with trio.move_on_after(self.timeout):
+            while self.must_wait(holding):
+                await self._freed.wait()
+            return True
+        self.closed += 1
+        return False
