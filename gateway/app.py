@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
@@ -69,7 +70,8 @@ async def _serve(opts: ServeOptions, signals: Any) -> None:
         app = make_app([*store_routes(node.store), *gateway_routes(broker, opts.store)],
                        auth=node.auth)
         bound["native"] = node.native_addr
-        bound["http"] = await nursery.start(serve_http, app, opts.http)
+        bound["http"] = await nursery.start(
+            partial(serve_http, max_body=opts.gateway.http_max_body), app, opts.http)
         print(_ready_line(bound), flush=True)
         await stop_on_signal(signals, nursery)
 
@@ -144,7 +146,8 @@ async def _gateway(opts: GatewayOptions, signals: Any) -> None:
         await nursery.start(broker.run_housekeeping)
         bound = await start_listeners(nursery, broker, opts.listeners)
         app = make_app(gateway_routes(broker), auth=auth, manage_auth=False)
-        bound["http"] = await nursery.start(serve_http, app, opts.http)
+        bound["http"] = await nursery.start(
+            partial(serve_http, max_body=opts.gateway.http_max_body), app, opts.http)
         gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         nursery.start_soon(_announce, store, gateway_id, dict(bound))
         bound["store"] = opts.store

@@ -19,7 +19,6 @@ from gateway.cache import QueueCache
 from gateway.limits import SourceRateLimiter
 from gateway.mqtt import PublishTemplate, Will
 from gateway.mqtt.properties import publish_properties
-from gateway.read_budget import ReadBudget
 from gateway.retained import RetainedBudget, RetainedLimits
 from gateway.session import (
     NEVER_EXPIRES,
@@ -36,6 +35,7 @@ from gateway.shared import SharedGroup, group_key
 from lightqueue.topic import is_wildcard, matches
 from store.auth import AUTH_EVENT, AuthManager
 from store.commitlog import StoreError
+from store.read_budget import ReadBudget
 from store.record import Message
 
 log = logging.getLogger("lightgate.gateway")
@@ -80,6 +80,7 @@ class GatewayConfig:
     v3_session_expiry_s: float = 7200.0  # as EMQX; 0: never (3.1.1's own rule)
     max_sessions: int = 100_000
     max_offline_bytes: int = 64 * 1024 * 1024  # per queue of an offline session
+    http_max_body: int = 1024 * 1024  # admin API and dashboard (413 past it)
     # How often the wildcard filters this gateway's sessions read are touched in the
     # store, which unregisters those nobody touched for its --wildcard-idle-s.
     wildcard_touch_s: float = 60.0

@@ -66,7 +66,7 @@ class BrokerCollector:
              st.limit_refusals),
         ):
             yield CounterMetricFamily(name, doc, value=value)
-        yield from _budget_metrics(b)
+        yield from _budget_metrics(b, self.store_stats)
         buckets = [(str(bound), n) for bound, n in zip(APPEND_BUCKETS, st.append_buckets,
                                                         strict=True)]
         buckets.append(("+Inf", st.append_count))
@@ -115,7 +115,7 @@ class BrokerCollector:
         yield from _memory_metrics(s)
 
 
-def _budget_metrics(b: Broker) -> Any:
+def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
     """Each budget: what it holds now, its limit (0: none) and how often it said no."""
     st, rb, ret, cfg = b.stats, b.read_budget, b.retained, b.config
     used = GaugeMetricFamily("lightgate_budget_used", "What a budget holds now",
@@ -130,6 +130,10 @@ def _budget_metrics(b: Broker) -> Any:
     ):
         used.add_metric([name], now)
         limit.add_metric([name], cap)
+    native = store_stats.get("native_read_budget")
+    if native:  # the store's, for its native connections
+        used.add_metric(["native_partial_frame_bytes"], native["held"])
+        limit.add_metric(["native_partial_frame_bytes"], native["limit"])
     yield used
     yield limit
     yield GaugeMetricFamily("lightgate_partial_packet_bytes_peak",
@@ -144,6 +148,8 @@ def _budget_metrics(b: Broker) -> Any:
         ("persistent_sessions", st.sessions_refused),
         ("topic_levels_or_length", st.topic_refusals),
         ("offline_messages_dropped", st.offline_dropped),
+        ("native_partial_frame_paused", (native or {}).get("paused", 0)),
+        ("native_partial_frame_closed", (native or {}).get("closed", 0)),
     ):
         hits.add_metric([name], n)
     yield hits

@@ -28,11 +28,14 @@ STORE_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("retention-bytes", int, None, "delete the oldest segments beyond this total size"),
     ("retention-check-s", float, 60.0, "how often retention looks for segments to delete"),
     ("partitions", int, 4, "default partitions of a first-level topic"),
+    ("native-max-partial-bytes", int, 256 * 1024 * 1024, "bytes of partly received native "
+     "frames the store holds; past it the connections holding the most wait (0: no budget)"),
     ("full-verify", bool, False, "verify every CommitLog record on start, not just the tail"),
     ("wildcard-idle-s", float, 600.0, "unregister a wildcard queue no session has used for "
      "this long, so messages stop being indexed into it (0: never)"),
 ]
 HTTP_SETTING = ("http", str, "127.0.0.1:18083", "HTTP (dashboard, admin API, metrics) HOST:PORT")
+HTTP_BODY_SETTING = ("http-max-body", int, 1024 * 1024, "largest HTTP request body (413 past it)")
 NATIVE_SETTING = ("native", str, "127.0.0.1:10911", "native protocol HOST:PORT")
 NOTIFY_SETTING = ("notify", str, None, "notify between nodes: redis://HOST:PORT")
 STORE_ADDR_SETTING = ("store", str, "127.0.0.1:10911", "the store's native HOST:PORT")
@@ -140,6 +143,8 @@ def _store_config(values: dict[str, Any]) -> Any:
         flush=values["flush"],
         flush_interval_ms=values["flush_interval_ms"],
         segment_size=values["segment_size"],
+        native_max_partial_bytes=values["native_max_partial_bytes"],
+        http_max_body=values["http_max_body"],
         retention_hours=values["retention_hours"],
         retention_bytes=values["retention_bytes"],
         retention_check_s=values["retention_check_s"],
@@ -195,11 +200,11 @@ def _auth_config(values: dict[str, Any]) -> Any:
 
 AUDIT_SETTING = ("audit-log", str, None, "write the audit lines to this file")
 SERVE_SETTINGS = [*STORE_SETTINGS, *GATEWAY_SETTINGS, *AUTH_SETTINGS, NATIVE_SETTING,
-                  HTTP_SETTING]
+                  HTTP_SETTING, HTTP_BODY_SETTING]
 STORE_CMD_SETTINGS = [*STORE_SETTINGS, *AUTH_SETTINGS, AUDIT_SETTING, NATIVE_SETTING,
-                      NOTIFY_SETTING, HTTP_SETTING]
+                      NOTIFY_SETTING, HTTP_SETTING, HTTP_BODY_SETTING]
 GATEWAY_CMD_SETTINGS = [STORE_ADDR_SETTING, NOTIFY_SETTING, *GATEWAY_SETTINGS,
-                        *GATEWAY_AUTH_SETTINGS, HTTP_SETTING]
+                        *GATEWAY_AUTH_SETTINGS, HTTP_SETTING, HTTP_BODY_SETTING]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

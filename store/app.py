@@ -11,6 +11,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
@@ -93,6 +94,7 @@ async def run_store(
         async with store_node(cfg, native, publish, auth_cfg) as node, \
                 trio.open_nursery() as nursery:
             app = make_app(store_routes(node.store), auth=node.auth)
-            http_addr = await nursery.start(serve_http, app, http)
+            http_addr = await nursery.start(
+                partial(serve_http, max_body=cfg.http_max_body), app, http)
             print(f"ready native={node.native_addr} http={http_addr}", flush=True)
             await stop_on_signal(signals, nursery)

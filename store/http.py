@@ -23,6 +23,10 @@ from lightqueue.routing import partition_queue, split_partition_queue
 log = logging.getLogger("lightgate.http")
 
 
+HTTP_MAX_BODY = 1024 * 1024  # a policy, a user, a Spark rule file: all far smaller
+HTTP_READ_TIMEOUT_S = 30.0
+
+
 def split_hostport(addr: str, default_host: str = "0.0.0.0") -> tuple[str, int]:
     """'127.0.0.1:1883' -> ('127.0.0.1', 1883); ':1883' and '1883' use `default_host`."""
     host, sep, port = addr.rpartition(":")
@@ -175,8 +179,55 @@ def store_routes(store: Any) -> list[Route]:
             Route("/api/v1/topics", topics)]
 
 
+class BodyLimit:
+    """ASGI middleware: a request body larger than `max_body` gets 413, whether it says
+    its length up front or streams it (chunked), before a handler buffers it."""
+
+    def __init__(self, app: Any, max_body: int) -> None:
+        self.app = app
+        self.max_body = max_body
+        self.refused = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.max_body:
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
+                await self._refuse(send)
+                return
+        seen = 0
+
+        async def limited() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._refuse(send)  # (a handler that already answered cannot be here)
+
+    async def _refuse(self, send: Any) -> None:
+        self.refused += 1
+        body = b'{"error": "request body too large (--http-max-body)"}'
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
 async def serve_http(
-    app: Starlette, addr: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+    app: Starlette, addr: str, *, max_body: int = HTTP_MAX_BODY,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Serve `app` on `addr` until cancelled; `task_status.started` gets 'host:port'."""
     host, port = split_hostport(addr, "127.0.0.1")
@@ -184,6 +235,11 @@ async def serve_http(
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = logging.getLogger("lightgate.http.server")
+    # Bounds for slow or greedy HTTP clients: headers (h11's 16 KiB), bodies (above), a
+    # request that does not arrive in time, and concurrent streams of one HTTP/2 client.
+    config.read_timeout = HTTP_READ_TIMEOUT_S
+    config.h2_max_concurrent_streams = 16
+    app = BodyLimit(app, max_body)  # type: ignore[assignment]
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(serve, app, config))  # type: ignore[arg-type]

@@ -100,6 +100,11 @@ class FrameDecoder:
         self.max_frame = max_frame
         self._buf = bytearray()
 
+    @property
+    def buffered(self) -> int:
+        """Bytes of an incomplete frame held until the rest arrives."""
+        return len(self._buf)
+
     def feed(self, data: bytes) -> list[Frame]:
         self._buf += data
         out = []

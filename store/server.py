@@ -164,19 +164,27 @@ class NativeServer:
         must_auth = self.auth.enabled
         decoder = p.FrameDecoder(PRE_AUTH_MAX_FRAME if must_auth else p.MAX_FRAME)
         hello_by = trio.current_time() + HELLO_TIMEOUT_S
+        budget, held = self.store.native_budget, 0
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(batched_writer, stream, recv, nursery.cancel_scope)
                 try:
                     while True:
+                        if held and budget.must_wait(held) and not await budget.wait(held):
+                            raise p.ProtocolError(
+                                "a partial frame held while the store's read budget was "
+                                "exhausted (--native-max-partial-bytes)")
                         with trio.move_on_at(hello_by if must_auth else math.inf):
-                            data = await stream.receive_some(65536)
+                            data = await stream.receive_some(budget.read_size(held, 65536))
                         if must_auth and trio.current_time() >= hello_by:
                             raise p.ProtocolError(
                                 f"not authenticated within {HELLO_TIMEOUT_S:.0f} s")
                         if not data:
                             break
-                        for frame in decoder.feed(data):
+                        frames = decoder.feed(data)
+                        budget.update(held, decoder.buffered)
+                        held = decoder.buffered
+                        for frame in frames:
                             if frame.kind == p.REQUEST and frame.code == p.HELLO:
                                 # Inline: nothing after a HELLO runs before it decides.
                                 await send.send(await self._hello(frame, ctx))
@@ -202,6 +210,7 @@ class NativeServer:
         except Exception:  # a request task's bug ends this connection, never the server
             log.exception("native connection from %s failed", ctx.ip)
         finally:
+            budget.update(held, 0)
             self.connections -= 1
             with trio.move_on_after(1) as scope:
                 scope.shield = True

@@ -26,6 +26,7 @@ from lightqueue.routing import Router, split_partition_queue, validate_first_lev
 from lightqueue.topic import validate_topic_filter, validate_topic_name
 from store.commitlog import CommitLog, InlineFuture, RecoveryReport
 from store.metadata import Metadata
+from store.read_budget import ReadBudget
 from store.recent import RecentMessages
 from store.record import Message, parse_msg_id
 
@@ -34,6 +35,9 @@ log = logging.getLogger("lightgate.store")
 MAX_PULL = 1024
 
 WILDCARD_GC_S = 60.0  # how often idle wildcard queues are looked for
+
+
+NATIVE_PARTIAL_TIMEOUT_S = 10.0  # a native connection held back this long is closed
 
 
 @dataclass
@@ -48,6 +52,10 @@ class StoreConfig:
     retention_check_s: float = 60.0
     default_partitions: int = 4
     max_pending_appends: int = 10_000
+    # Bytes of partly received native frames the store holds over all its connections
+    # (see store/read_budget.py). 0: no budget.
+    native_max_partial_bytes: int = 256 * 1024 * 1024
+    http_max_body: int = 1024 * 1024  # the store's HTTP API (413 past it)
     full_verify: bool = False
     # A registered wildcard queue that no gateway has touched for this long and that no
     # stored reader position names (persistent sessions, shared groups) is unregistered:
@@ -97,6 +105,8 @@ class EmbeddedStore:
 
     def __init__(self, config: StoreConfig, notify: Callable[[set[str]], None] | None) -> None:
         self.config = config
+        # Partly received native frames, over all the native server's connections.
+        self.native_budget = ReadBudget(config.native_max_partial_bytes, NATIVE_PARTIAL_TIMEOUT_S)
         root = Path(config.data_dir)
         self.index = ConsumeQueueIndex(root / "index")
         self.meta = Metadata(root / "meta")
@@ -477,5 +487,6 @@ class EmbeddedStore:
             "wildcards_dropped": self.wildcards_dropped,
             "recent": self.recent.stats(),  # reads served from memory, see store.recent
             "memory": {"index": self.index.memory(), "metadata": self.meta.memory()},
+            "native_read_budget": self.native_budget.stats(),
             "uptime_s": round(time.time() - self.started_at, 3),
         }

@@ -1,4 +1,4 @@
-"""A node-wide budget for the bytes of MQTT packets received only in part.
+"""A node-wide budget for the bytes of packets (MQTT, native frames) received only in part.
 
 A client that announces a large packet and sends its body slowly makes the server hold
 what has come so far. One such client is harmless; a thousand are gigabytes. Every
@@ -60,6 +60,10 @@ class ReadBudget:
             return default
         share = self.limit // max(self.holders, 1)
         return max(READ_WHILE_OVER, min(default, share - holding))
+
+    def stats(self) -> dict[str, int]:
+        return {"held": self.held, "limit": self.limit, "peak": self.peak,
+                "paused": self.paused, "closed": self.closed}
 
     async def wait(self, holding: int) -> bool:
         """Wait until a connection holding `holding` bytes may read again; False if the
