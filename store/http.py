@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from lightqueue.routing import partition_queue, split_partition_queue
+from store.startup import listening
 
 log = logging.getLogger("lightgate.http")
 
@@ -179,12 +180,14 @@ async def serve_http(
     app: Starlette, addr: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Serve `app` on `addr` until cancelled; `task_status.started` gets 'host:port'."""
-    host, port = split_hostport(addr, "127.0.0.1")
+    with listening("HTTP (dashboard, admin API, metrics)", "--http", addr):
+        host, port = split_hostport(addr, "127.0.0.1")
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = logging.getLogger("lightgate.http.server")
 
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, app, config))  # type: ignore[arg-type]
+        with listening("HTTP (dashboard, admin API, metrics)", "--http", addr):
+            binds = await nursery.start(partial(serve, app, config))  # type: ignore[arg-type]
         task_status.started(binds[0].split("://", 1)[1])

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import trio
 
@@ -28,6 +28,7 @@ from store.commitlog import CommitLog, InlineFuture, RecoveryReport
 from store.metadata import Metadata
 from store.recent import RecentMessages
 from store.record import Message, parse_msg_id
+from store.startup import lock_data_dir
 
 log = logging.getLogger("lightgate.store")
 
@@ -117,6 +118,7 @@ class EmbeddedStore:
         self._wildcard_seen: dict[str, float] = {}  # filter -> monotonic time last used
         self.wildcards_dropped = 0
         self.recovery: RecoveryReport | None = None
+        self._lock: IO[str] | None = None  # the data directory's lock (store.startup)
         self.started_at = time.time()
 
     @classmethod
@@ -125,13 +127,18 @@ class EmbeddedStore:
         cls, config: StoreConfig, notify: Callable[[set[str]], None] | None = None
     ) -> AsyncIterator[EmbeddedStore]:
         """`notify` is called from the writer thread with the names of queues that grew."""
-        Path(config.data_dir).mkdir(parents=True, exist_ok=True)
+        lock = lock_data_dir(Path(config.data_dir))
         if config.flush == "sync":
             # The writer thread hands each group commit back to the event loop: with
             # Python's default 5 ms GIL switch interval every round trip could wait that
             # long. (flush async appends inline: no thread to hand over to.)
             sys.setswitchinterval(0.0005)
-        store = await trio.to_thread.run_sync(cls, config, notify)
+        try:
+            store = await trio.to_thread.run_sync(cls, config, notify)
+        except BaseException:
+            lock.close()
+            raise
+        store._lock = lock
         try:
             store.recovery = await trio.to_thread.run_sync(store.commitlog.open)
             if store.recovery.truncated_at is not None:
@@ -153,6 +160,8 @@ class EmbeddedStore:
         self.commitlog.close()
         self.index.close()
         self.meta.close()
+        if self._lock is not None:
+            self._lock.close()  # only now may another store open this directory
         log.info("store closed cleanly")
 
     def _keep_readers_ahead(self) -> None:
