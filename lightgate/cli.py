@@ -33,6 +33,16 @@ STORE_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("full-verify", bool, False, "verify every CommitLog record on start, not just the tail"),
     ("wildcard-idle-s", float, 600.0, "unregister a wildcard queue no session has used for "
      "this long, so messages stop being indexed into it (0: never)"),
+    # Memory (README, "Sizing"): a small device may halve them all, a big node raise them.
+    ("index-cache-mb", int, 32, "the light-queue index's RocksDB block cache, MiB"),
+    ("index-memtable-mb", int, 16, "the index's write buffer (two at most), MiB"),
+    ("metadata-cache-mb", int, 16, "the metadata's RocksDB block cache (sessions, offsets, "
+     "retained ...), MiB"),
+    ("metadata-memtable-mb", int, 4, "the metadata's write buffers over all its column "
+     "families, MiB"),
+    ("recent-cache-mb", int, 32, "recent messages kept in memory for readers at the head "
+     "of their queue, MiB"),
+    ("recent-per-queue", int, 65536, "recent messages kept per queue being read"),
 ]
 HTTP_SETTING = ("http", str, "127.0.0.1:18083", "HTTP (dashboard, admin API, metrics) HOST:PORT")
 NATIVE_SETTING = ("native", str, "127.0.0.1:10911", "native protocol HOST:PORT")
@@ -161,6 +171,11 @@ def _store_config(values: dict[str, Any]) -> Any:
 
     if values["flush"] not in ("sync", "async"):
         raise StartupError(f"--flush must be sync or async, not {values['flush']!r}")
+    for size in ("index_cache_mb", "index_memtable_mb", "metadata_cache_mb",
+                 "metadata_memtable_mb", "recent_cache_mb", "recent_per_queue"):
+        if values[size] < 1:
+            raise StartupError(f"--{size.replace('_', '-')} must be at least 1, not "
+                               f"{values[size]}")
     return StoreConfig(
         data_dir=Path(values["data_dir"]),
         flush=values["flush"],
@@ -172,6 +187,12 @@ def _store_config(values: dict[str, Any]) -> Any:
         default_partitions=values["partitions"],
         full_verify=bool(values["full_verify"]),
         wildcard_idle_s=values["wildcard_idle_s"],
+        index_cache_mb=values["index_cache_mb"],
+        index_memtable_mb=values["index_memtable_mb"],
+        metadata_cache_mb=values["metadata_cache_mb"],
+        metadata_memtable_mb=values["metadata_memtable_mb"],
+        recent_cache_mb=values["recent_cache_mb"],
+        recent_per_queue=values["recent_per_queue"],
     )
 
 

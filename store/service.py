@@ -20,10 +20,13 @@ from typing import IO, Any
 
 import trio
 
+from lightqueue import index as index_sizes
 from lightqueue.index import ConsumeQueueIndex
 from lightqueue.rocks import HEAP_TRIM_INTERVAL_S, trim_heap
 from lightqueue.routing import Router, split_partition_queue, validate_first_level
 from lightqueue.topic import validate_topic_filter, validate_topic_name
+from store import metadata as meta_sizes
+from store import recent as recent_sizes
 from store.commitlog import CommitLog, InlineFuture, RecoveryReport
 from store.metadata import Metadata
 from store.recent import RecentMessages
@@ -54,6 +57,14 @@ class StoreConfig:
     # stored reader position names (persistent sessions, shared groups) is unregistered:
     # every message was indexed into every wildcard filter ever used. 0: never.
     wildcard_idle_s: float = 600.0
+    # Memory: RocksDB block caches and memtables, and the ring of recent messages that
+    # readers at the head of a queue are served from (store.recent).
+    index_cache_mb: int = index_sizes.CACHE_MB
+    index_memtable_mb: int = index_sizes.MEMTABLE_MB
+    metadata_cache_mb: int = meta_sizes.CACHE_MB
+    metadata_memtable_mb: int = meta_sizes.MEMTABLE_MB
+    recent_cache_mb: int = recent_sizes.MAX_BYTES >> 20
+    recent_per_queue: int = recent_sizes.PER_QUEUE
 
 
 @dataclass
@@ -99,11 +110,12 @@ class EmbeddedStore:
     def __init__(self, config: StoreConfig, notify: Callable[[set[str]], None] | None) -> None:
         self.config = config
         root = Path(config.data_dir)
-        self.index = ConsumeQueueIndex(root / "index")
-        self.meta = Metadata(root / "meta")
+        self.index = ConsumeQueueIndex(root / "index", config.index_cache_mb,
+                                       config.index_memtable_mb)
+        self.meta = Metadata(root / "meta", config.metadata_cache_mb, config.metadata_memtable_mb)
         self.router = Router(config.default_partitions)
         self._notify = notify
-        self.recent = RecentMessages()
+        self.recent = RecentMessages(config.recent_per_queue, config.recent_cache_mb << 20)
         self.commitlog = CommitLog(
             root / "commitlog",
             self.index,
