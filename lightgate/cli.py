@@ -305,6 +305,13 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    from lightgate.config_example import example
+
+    print(example(), end="")
+    return 0
+
+
 def _credentials(args: argparse.Namespace) -> dict[str, str]:
     auth = getattr(args, "as_user", None) or os.environ.get("LIGHTGATE_AUTH")
     if not auth:
@@ -493,6 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--max", type=int, help="stop after this many messages")
     consume.set_defaults(func=cmd_consume)
     _add_auth_commands(sub, client_flags)
+    config = sub.add_parser("config", help="print a config file with every setting")
+    config.add_argument("--example", action="store_true", required=True,
+                        help="every key with its default, as TOML")
+    config.set_defaults(func=cmd_config)
     _add_room_commands(sub)
     return parser
 
