@@ -2,10 +2,15 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+SUM := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# One stamp per set of extras, so `make serve` installs the runtime dependencies alone
+# and `make test` after it still adds the test tools (a larger set marks the smaller ones
+# done too: `make serve` after `make test` installs nothing).
+RUN_STAMP := $(VENV)/.installed-$(SUM)-run
+STAMP := $(VENV)/.installed-$(SUM)-test
 # `make test` also installs the spark extra (pyspark, pyarrow, pandas: ~700 MB) so that CI
 # runs the Spark end-to-end tests; the other targets do not need it.
-SPARK_STAMP := $(STAMP)-spark
+SPARK_STAMP := $(VENV)/.installed-$(SUM)-spark
 
 .PHONY: serve test soak lint bench bench-full clean redis chromium java
 
@@ -13,15 +18,19 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+$(RUN_STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e .
+	touch $(RUN_STAMP)
+
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
 
 $(SPARK_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[test,bench,spark]'
 	touch $(SPARK_STAMP)
 
-serve: $(STAMP)
+serve: $(RUN_STAMP)
 	$(BIN)/lightgate serve
 
 # Debian packages the tests drive for real: Redis (notify) and Chromium (the dashboard).

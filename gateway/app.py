@@ -23,9 +23,10 @@ from notify import LocalBus, open_bus
 from store.app import shutdown_signals, stop_on_signal, store_node
 from store.auth import AuthConfig, AuthManager
 from store.auth.audit import to_file as audit_to_file
-from store.client import AuthFailed, NativeClient, RemoteStore
+from store.client import AuthFailed, NativeClient, RemoteStore, StoreUnavailable
 from store.http import make_app, serve_http, store_routes
 from store.service import StoreConfig
+from store.startup import StartupError
 
 log = logging.getLogger("lightgate.serve")
 
@@ -81,7 +82,7 @@ def _credentials(spec: str | None) -> tuple[str, str] | None:
         return None
     name, sep, password = spec.partition(":")
     if not sep or not name:
-        raise SystemExit("lightgate: --store-auth takes NAME:PASSWORD")
+        raise StartupError("--store-auth takes NAME:PASSWORD")
     return name, password
 
 
@@ -89,8 +90,8 @@ async def _replica_auth(store: RemoteStore, hello: dict, opts: GatewayOptions) -
     """The gateway follows the store: auth is on when the store says so, and then this
     gateway must have joined as a node (an unauthenticated process cannot)."""
     if hello.get("auth") and not hello.get("node"):
-        raise SystemExit(
-            "lightgate: the store has authentication on and did not accept this gateway as "
+        raise StartupError(
+            "the store has authentication on and did not accept this gateway as "
             "a node: give --store-auth NAME:PASSWORD of a Super user or one allowed Cluster "
             "UPDATE")
     if opts.audit_log:
@@ -123,8 +124,11 @@ async def run_gateway(opts: GatewayOptions) -> None:
         try:
             await _gateway(opts, signals)
         except AuthFailed as exc:
-            raise SystemExit(f"lightgate: the store refused this gateway: {exc.message} "
-                             "(check --store-auth)") from None
+            raise StartupError(f"the store refused this gateway: {exc.message} "
+                               "(check --store-auth)") from None
+        except StoreUnavailable as exc:  # from NativeClient.open: nothing answered in time
+            raise StartupError(f"{exc}: start `lightgate store` there or point --store at "
+                               "it") from None
 
 
 async def _gateway(opts: GatewayOptions, signals: Any) -> None:

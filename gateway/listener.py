@@ -9,7 +9,9 @@ timeout, so a slow or hostile client never holds up the accept loop.
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import ssl
 from dataclasses import dataclass
 
 import trio
@@ -19,6 +21,7 @@ from gateway.broker import Broker
 from gateway.connection import Connection
 from gateway.transports import ServerTLS, WatchedStream, WebSocketStream
 from store.http import split_hostport
+from store.startup import StartupError, listening
 
 log = logging.getLogger("lightgate.gateway.listener")
 # trio-websocket logs every socket read and frame at DEBUG; our own lines say what matters.
@@ -60,10 +63,17 @@ def _nodelay(stream: trio.SocketStream) -> None:
         pass  # the peer already left; the first read will say so
 
 
-async def _open(addr: str) -> tuple[list[trio.SocketListener], str]:
-    """Listening sockets for `addr` and the bound host:port (port 0 picks one)."""
-    host, port = split_hostport(addr)
-    listeners = await trio.open_tcp_listeners(port, host=host, backlog=BACKLOG)
+# Listener name (as in `ready`) -> what it is and the flag that sets its address.
+LISTENERS = {"mqtt": ("MQTT over TCP", "--mqtt"), "mqtt_tls": ("MQTT over TLS", "--mqtt-tls"),
+             "ws": ("MQTT over WebSocket", "--ws"), "wss": ("MQTT over secure WebSocket", "--wss")}
+
+
+async def _open(addr: str, name: str = "mqtt") -> tuple[list[trio.SocketListener], str]:
+    """Listening sockets for `addr` and the bound host:port (port 0 picks one); a bind
+    that fails is a StartupError naming listener `name` and its flag."""
+    with listening(*LISTENERS[name], addr):
+        host, port = split_hostport(addr)
+        listeners = await trio.open_tcp_listeners(port, host=host, backlog=BACKLOG)
     bound = listeners[0].socket.getsockname()
     return listeners, f"{bound[0]}:{bound[1]}"
 
@@ -89,7 +99,7 @@ async def serve_mqtt_tcp(
         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         await handle_connection(broker, stream, peer_of(stream))
 
-    listeners, bound = await _open(addr)
+    listeners, bound = await _open(addr, "mqtt")
     task_status.started(bound)
     await trio.serve_listeners(handle, listeners)
 
@@ -107,7 +117,7 @@ async def serve_mqtt_tls(
         if secured is not None:
             await handle_connection(broker, secured[0], peer, secured[1])
 
-    listeners, bound = await _open(addr)
+    listeners, bound = await _open(addr, "mqtt_tls")
     task_status.started(bound)
     await trio.serve_listeners(handle, listeners)
 
@@ -139,7 +149,7 @@ async def serve_mqtt_ws(
         finally:
             await trio.aclose_forcefully(transport)
 
-    listeners, bound = await _open(addr)
+    listeners, bound = await _open(addr, "ws" if tls is None else "wss")
     task_status.started(bound)
     await trio.serve_listeners(handle, listeners)
 
@@ -230,9 +240,20 @@ def _server_tls(cfg: ListenerConfig) -> ServerTLS | None:
     if not (cfg.mqtt_tls or cfg.wss):
         return None
     if not (cfg.tls_cert and cfg.tls_key):
-        raise ValueError("the TLS listeners (mqtt_tls, wss) need --tls-cert and --tls-key")
-    return ServerTLS(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.tls_client_auth,
-                     cfg.tls_username_from)
+        raise StartupError("the TLS listeners (--mqtt-tls, --wss) need --tls-cert and --tls-key")
+    files = [("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key)]
+    if cfg.tls_client_auth != "none":
+        files.append(("--tls-ca", cfg.tls_ca))
+    for flag, path in files:
+        if path and not os.access(path, os.R_OK):  # one line now, not an SSLError later
+            why = "cannot be read" if os.path.exists(path) else "does not exist"
+            raise StartupError(f"{flag} {path}: the file {why}")
+    try:
+        return ServerTLS(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.tls_client_auth,
+                         cfg.tls_username_from)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise StartupError(f"--tls-cert {cfg.tls_cert} with --tls-key {cfg.tls_key} does not "
+                           f"load: {exc}") from exc
 
 
 async def start_listeners(

@@ -13,10 +13,13 @@ import logging
 import os
 import sys
 import tomllib
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import trio
+
+from store.startup import StartupError, first_of
 
 # (flag, type, default, help) for the settings of `serve`/`store`.
 STORE_SETTINGS: list[tuple[str, Any, Any, str]] = [
@@ -33,6 +36,16 @@ STORE_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("full-verify", bool, False, "verify every CommitLog record on start, not just the tail"),
     ("wildcard-idle-s", float, 600.0, "unregister a wildcard queue no session has used for "
      "this long, so messages stop being indexed into it (0: never)"),
+    # Memory (README, "Sizing"): a small device may halve them all, a big node raise them.
+    ("index-cache-mb", int, 32, "the light-queue index's RocksDB block cache, MiB"),
+    ("index-memtable-mb", int, 16, "the index's write buffer (two at most), MiB"),
+    ("metadata-cache-mb", int, 16, "the metadata's RocksDB block cache (sessions, offsets, "
+     "retained ...), MiB"),
+    ("metadata-memtable-mb", int, 4, "the metadata's write buffers over all its column "
+     "families, MiB"),
+    ("recent-cache-mb", int, 32, "recent messages kept in memory for readers at the head "
+     "of their queue, MiB"),
+    ("recent-per-queue", int, 65536, "recent messages kept per queue being read"),
 ]
 HTTP_SETTING = ("http", str, "127.0.0.1:18083", "HTTP (dashboard, admin API, metrics) HOST:PORT")
 HTTP_BODY_SETTING = ("http-max-body", int, 1024 * 1024, "largest HTTP request body (413 past it)")
@@ -115,29 +128,77 @@ def _add_settings(
 
 
 def resolve(args: argparse.Namespace, settings: list[tuple[str, Any, Any, str]]) -> dict[str, Any]:
-    """Flag > environment > config file > default, for each setting."""
-    file_values: dict[str, Any] = {}
-    if getattr(args, "config", None):
-        with open(args.config, "rb") as fh:
-            file_values = {k.replace("-", "_"): v for k, v in tomllib.load(fh).items()}
+    """Flag > environment > config file > default, for each setting. A value that is not
+    of the setting's type is a StartupError naming the variable or key."""
+    file_values = load_config(args.config) if getattr(args, "config", None) else {}
     out: dict[str, Any] = {}
     for flag, typ, default, _ in settings:
         name = flag.replace("-", "_")
         value = getattr(args, name, None)
         env = os.environ.get(f"LIGHTGATE_{name.upper()}")
         if value is None and env is not None:
-            value = env.lower() in ("1", "true", "yes") if typ is bool else typ(env)
-        if value is None:
-            value = file_values.get(name, default)
-        out[name] = value
+            try:
+                value = env.lower() in ("1", "true", "yes") if typ is bool else typ(env)
+            except ValueError:
+                raise StartupError(f"LIGHTGATE_{name.upper()}={env!r} is not {_a(typ)} "
+                                   f"(--{flag})") from None
+        if value is None and name in file_values:
+            value = _config_value(args.config, name, typ, file_values[name])
+        out[name] = default if value is None else value
     return out
+
+
+def _a(typ: Any) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false"}.get(typ, "a string")
+
+
+def _config_value(path: str, name: str, typ: Any, value: Any) -> Any:
+    """`value` of key `name` from the TOML file, checked against the setting's type."""
+    if typ is bool or isinstance(value, bool):  # TOML true is no number, 1 no boolean
+        ok = typ is bool and isinstance(value, bool)
+    else:
+        ok = isinstance(value, int | float if typ is float else typ)
+    if not ok:
+        raise StartupError(f"--config {path}: {name} = {value!r} is not {_a(typ)}")
+    return typ(value)
+
+
+def all_settings() -> dict[str, tuple[str, Any, Any, str]]:
+    """Every setting of the server commands by config key (the first definition wins)."""
+    out: dict[str, tuple[str, Any, Any, str]] = {}
+    for setting in (*SERVE_SETTINGS, *STORE_CMD_SETTINGS, *GATEWAY_CMD_SETTINGS):
+        out.setdefault(setting[0].replace("-", "_"), setting)
+    return out
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """The TOML file's settings by key. One file may serve every command (a store ignores
+    the gateway's keys), but a key no command knows is a typo, and an error."""
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except OSError as exc:
+        raise StartupError(f"--config {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise StartupError(f"--config {path} is not valid TOML: {exc}") from None
+    values = {k.replace("-", "_"): v for k, v in raw.items()}
+    unknown = sorted(set(values) - set(all_settings()))
+    if unknown:
+        raise StartupError(f"--config {path}: unknown key {unknown[0]!r} (every key: "
+                           "`lightgate config --example`)")
+    return values
 
 
 def _store_config(values: dict[str, Any]) -> Any:
     from store.service import StoreConfig
 
     if values["flush"] not in ("sync", "async"):
-        raise SystemExit("--flush must be sync or async")
+        raise StartupError(f"--flush must be sync or async, not {values['flush']!r}")
+    for size in ("index_cache_mb", "index_memtable_mb", "metadata_cache_mb",
+                 "metadata_memtable_mb", "recent_cache_mb", "recent_per_queue"):
+        if values[size] < 1:
+            raise StartupError(f"--{size.replace('_', '-')} must be at least 1, not "
+                               f"{values[size]}")
     return StoreConfig(
         data_dir=Path(values["data_dir"]),
         flush=values["flush"],
@@ -151,6 +212,12 @@ def _store_config(values: dict[str, Any]) -> Any:
         default_partitions=values["partitions"],
         full_verify=bool(values["full_verify"]),
         wildcard_idle_s=values["wildcard_idle_s"],
+        index_cache_mb=values["index_cache_mb"],
+        index_memtable_mb=values["index_memtable_mb"],
+        metadata_cache_mb=values["metadata_cache_mb"],
+        metadata_memtable_mb=values["metadata_memtable_mb"],
+        recent_cache_mb=values["recent_cache_mb"],
+        recent_per_queue=values["recent_per_queue"],
     )
 
 
@@ -164,14 +231,14 @@ def _listener_config(values: dict[str, Any]) -> Any:
         return value
 
     if values["tls_client_auth"] not in ("none", "optional", "required"):
-        raise SystemExit("--tls-client-auth must be none, optional or required")
+        raise StartupError("--tls-client-auth must be none, optional or required")
     if values["tls_username_from"] not in ("none", "cn", "san"):
-        raise SystemExit("--tls-username-from must be none, cn or san")
+        raise StartupError("--tls-username-from must be none, cn or san")
     if values["tls_cert"] and not values["tls_key"]:
-        raise SystemExit("--tls-cert needs --tls-key")
+        raise StartupError("--tls-cert needs --tls-key")
     if values["tls_client_auth"] != "none" and not values["tls_ca"]:
-        raise SystemExit("--tls-client-auth optional|required needs --tls-ca (the CA that "
-                         "signs client certificates)")
+        raise StartupError("--tls-client-auth optional|required needs --tls-ca (the CA that "
+                           "signs client certificates)")
     return ListenerConfig(
         mqtt=addr("mqtt"), mqtt_tls=addr("mqtt_tls", True), ws=addr("ws"),
         wss=addr("wss", True), tls_cert=values["tls_cert"], tls_key=values["tls_key"],
@@ -192,7 +259,7 @@ def _auth_config(values: dict[str, Any]) -> Any:
     from store.auth import AuthConfig
 
     if values["auth_strategy"] not in ("stateful", "stateless"):
-        raise SystemExit("--auth-strategy must be stateful or stateless")
+        raise StartupError("--auth-strategy must be stateful or stateless")
     return AuthConfig(enabled=bool(values["auth"]), allow_anonymous=bool(values["allow_anonymous"]),
                       strategy=values["auth_strategy"], init_user=values["init_user"],
                       audit_log=values.get("audit_log"))
@@ -248,6 +315,13 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                           http=values["http"], store_auth=values["store_auth"],
                           auth_strategy=values["auth_strategy"], audit_log=values["audit_log"])
     trio.run(run_gateway, opts)
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from lightgate.config_example import example
+
+    print(example(), end="")
     return 0
 
 
@@ -402,7 +476,7 @@ def _add_auth_commands(sub: Any, client_flags: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightgate", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="lightgate", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default=os.environ.get("LIGHTGATE_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -439,6 +513,10 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--max", type=int, help="stop after this many messages")
     consume.set_defaults(func=cmd_consume)
     _add_auth_commands(sub, client_flags)
+    config = sub.add_parser("config", help="print a config file with every setting")
+    config.add_argument("--example", action="store_true", required=True,
+                        help="every key with its default, as TOML")
+    config.set_defaults(func=cmd_config)
     _add_room_commands(sub)
     return parser
 
@@ -458,14 +536,37 @@ def _add_room_commands(sub: Any) -> None:
         module.add_commands(sub)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (the full usage of `serve` is forty), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    debug = args.log_level.upper() == "DEBUG"
+    try:
+        logging.basicConfig(
+            level=args.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+    except ValueError:
+        print(f"lightgate: --log-level {args.log_level!r} is not one of debug, info, "
+              "warning, error", file=sys.stderr)
+        sys.exit(2)
     try:
         sys.exit(args.func(args))
     except KeyboardInterrupt:
         sys.exit(0)
+    except BaseException as exc:
+        # The one place a start-up failure becomes a line and status 2; trio hands it
+        # over inside exception groups, from whichever nursery it crossed.
+        failure = first_of(exc, StartupError)
+        if failure is None or isinstance(exc, SystemExit):
+            raise
+        if debug:
+            traceback.print_exception(exc)
+        print(f"lightgate: {failure}", file=sys.stderr)
+        sys.exit(2)

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rocksdict import Rdict, ReadOptions, WriteBatch, WriteOptions
+from rocksdict import Cache, Rdict, ReadOptions, WriteBatch, WriteOptions
 
 from lightqueue.rocks import bounded_options, memory_usage, uncache_obsolete_files
 
@@ -33,6 +33,10 @@ CHECKPOINT_KEY = b"\x00checkpoint"
 DEFAULT_FLOOR_KEY = b"\x00floor"
 FLOOR = b"f"  # b"f" + queue name -> lowest offset the queue may hand out next
 _MAX_U64 = b"\xff" * 8
+# Memory bounds by default (the store's --index-cache-mb and --index-memtable-mb): block
+# cache, index and filter blocks included, and each of the (at most two) memtables.
+CACHE_MB = 32
+MEMTABLE_MB = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +62,11 @@ def key_prefix(key: str) -> bytes:
 class ConsumeQueueIndex:
     """Light-queue entries and per-queue offset allocation on one node."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, cache_mb: int = CACHE_MB,
+                 memtable_mb: int = MEMTABLE_MB) -> None:
         self.path = Path(path)
-        self._db = self._open(self.path)
+        self._sizes = (cache_mb, memtable_mb)
+        self._db = self._open(self.path, *self._sizes)
         self._no_wal = WriteOptions()
         self._no_wal.disable_wal = True
         # Next offset of every queue touched since start. Owned by the single writer
@@ -70,8 +76,9 @@ class ConsumeQueueIndex:
         self._default_floor = self._read_default_floor()
 
     @staticmethod
-    def _open(path: Path) -> Rdict:
-        db = Rdict(str(path), bounded_options(write_buffer_mb=16))
+    def _open(path: Path, cache_mb: int, memtable_mb: int) -> Rdict:
+        db = Rdict(str(path), bounded_options(write_buffer_mb=memtable_mb,
+                                              cache=Cache(cache_mb * 1024 * 1024)))
         uncache_obsolete_files(db)
         return db
 
@@ -311,7 +318,7 @@ class ConsumeQueueIndex:
         floors, default = self.floors(), self._default_floor
         self._db.close()
         shutil.rmtree(self.path, ignore_errors=True)
-        self._db = self._open(self.path)
+        self._db = self._open(self.path, *self._sizes)
         self._default_floor = 0
         self.forget_allocations()
         if floors:

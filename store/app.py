@@ -20,6 +20,7 @@ from store.auth import AuthConfig, AuthManager
 from store.http import make_app, serve_http, store_routes
 from store.server import NativeServer
 from store.service import EmbeddedStore, StoreConfig
+from store.startup import StartupError
 
 log = logging.getLogger("lightgate.store.app")
 
@@ -79,7 +80,7 @@ async def store_node(
         try:
             auth = await AuthManager.start(store, auth_cfg or AuthConfig(), publish)
         except ValueError as exc:
-            raise SystemExit(f"lightgate: {exc}") from None
+            raise StartupError(str(exc)) from None
         server = NativeServer(store, auth)
         native_addr = await nursery.start(server.serve, native)
         yield StoreNode(store, server, native_addr, auth)

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from lightqueue.routing import partition_queue, split_partition_queue
+from store.startup import listening
 
 log = logging.getLogger("lightgate.http")
 
@@ -230,7 +231,8 @@ async def serve_http(
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Serve `app` on `addr` until cancelled; `task_status.started` gets 'host:port'."""
-    host, port = split_hostport(addr, "127.0.0.1")
+    with listening("HTTP (dashboard, admin API, metrics)", "--http", addr):
+        host, port = split_hostport(addr, "127.0.0.1")
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
@@ -242,5 +244,6 @@ async def serve_http(
     app = BodyLimit(app, max_body)  # type: ignore[assignment]
 
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, app, config))  # type: ignore[arg-type]
+        with listening("HTTP (dashboard, admin API, metrics)", "--http", addr):
+            binds = await nursery.start(partial(serve, app, config))  # type: ignore[arg-type]
         task_status.started(binds[0].split("://", 1)[1])

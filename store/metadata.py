@@ -28,25 +28,32 @@ COLUMN_FAMILIES = (
     "users",
     "acl",
 )
+# Memory bounds by default (the store's --metadata-cache-mb and --metadata-memtable-mb):
+# one block cache and the memtables of every column family together.
+CACHE_MB = 16
+MEMTABLE_MB = 4
 
 
 class Metadata:
     """Named column families of JSON values (bytes allowed inside, stored as base64)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, cache_mb: int = CACHE_MB,
+                 memtable_mb: int = MEMTABLE_MB) -> None:
         self.path = Path(path)
-        cache = Cache(16 * 1024 * 1024)  # one cache for every column family
-        opts = bounded_options(write_buffer_mb=2, cache=cache)
+        cache = Cache(cache_mb * 1024 * 1024)  # one cache for every column family
+        cf_memtable_mb = max(1, memtable_mb // 2)
+        opts = bounded_options(write_buffer_mb=cf_memtable_mb, cache=cache)
         opts.create_missing_column_families(True)
-        # 4 MiB of memtables over all column families, not 2 MiB each: past it RocksDB
+        # `memtable_mb` over all column families, not 2 MiB each: past it RocksDB
         # flushes the one holding the oldest data. Otherwise a column family written
         # slowly (offsets, sessions, subscriptions) fills its memtable for most of an
         # hour, a slow rise of RSS the soak test cannot tell from a leak (and its WAL
         # files stay until it is flushed).
-        opts.set_write_buffer_manager(WriteBufferManager(4 * 1024 * 1024, False))
+        opts.set_write_buffer_manager(WriteBufferManager(memtable_mb * 1024 * 1024, False))
         self._db = Rdict(
             str(self.path), opts,
-            column_families={cf: bounded_options(2, cache) for cf in COLUMN_FAMILIES},
+            column_families={cf: bounded_options(cf_memtable_mb, cache)
+                             for cf in COLUMN_FAMILIES},
         )
         self._cfs = {cf: self._db.get_column_family(cf) for cf in COLUMN_FAMILIES}
         self._handles = {cf: self._db.get_column_family_handle(cf) for cf in COLUMN_FAMILIES}

@@ -113,4 +113,4 @@ class RecentMessages:
 
     def stats(self) -> dict[str, int]:
         return {"queues": len(self._rings), "bytes": self._bytes, "max_bytes": self.max_bytes,
-                "hits": self.hits, "misses": self.misses}
+                "per_queue": self.per_queue, "hits": self.hits, "misses": self.misses}

@@ -34,6 +34,7 @@ from store.http import split_hostport
 from store.native_acl import NODE, SUPER, Need, needs
 from store.record import Message
 from store.service import EmbeddedStore, await_future
+from store.startup import listening
 from store.streams import batched_writer
 from store.validate import validate_message
 
@@ -149,8 +150,9 @@ class NativeServer:
     async def serve(
         self, addr: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        host, port = split_hostport(addr, "127.0.0.1")
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        with listening("the native protocol", "--native", addr):
+            host, port = split_hostport(addr, "127.0.0.1")
+            listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()
         task_status.started(f"{bound[0]}:{bound[1]}")
         await trio.serve_listeners(self._handle, listeners)

@@ -16,19 +16,23 @@ from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import trio
 
+from lightqueue import index as index_sizes
 from lightqueue.index import ConsumeQueueIndex
 from lightqueue.rocks import HEAP_TRIM_INTERVAL_S, trim_heap
 from lightqueue.routing import Router, split_partition_queue, validate_first_level
 from lightqueue.topic import validate_topic_filter, validate_topic_name
+from store import metadata as meta_sizes
+from store import recent as recent_sizes
 from store.commitlog import CommitLog, InlineFuture, RecoveryReport
 from store.metadata import Metadata
 from store.read_budget import ReadBudget
 from store.recent import RecentMessages
 from store.record import Message, parse_msg_id
+from store.startup import lock_data_dir
 
 log = logging.getLogger("lightgate.store")
 
@@ -61,6 +65,14 @@ class StoreConfig:
     # stored reader position names (persistent sessions, shared groups) is unregistered:
     # every message was indexed into every wildcard filter ever used. 0: never.
     wildcard_idle_s: float = 600.0
+    # Memory: RocksDB block caches and memtables, and the ring of recent messages that
+    # readers at the head of a queue are served from (store.recent).
+    index_cache_mb: int = index_sizes.CACHE_MB
+    index_memtable_mb: int = index_sizes.MEMTABLE_MB
+    metadata_cache_mb: int = meta_sizes.CACHE_MB
+    metadata_memtable_mb: int = meta_sizes.MEMTABLE_MB
+    recent_cache_mb: int = recent_sizes.MAX_BYTES >> 20
+    recent_per_queue: int = recent_sizes.PER_QUEUE
 
 
 @dataclass
@@ -108,11 +120,12 @@ class EmbeddedStore:
         # Partly received native frames, over all the native server's connections.
         self.native_budget = ReadBudget(config.native_max_partial_bytes, NATIVE_PARTIAL_TIMEOUT_S)
         root = Path(config.data_dir)
-        self.index = ConsumeQueueIndex(root / "index")
-        self.meta = Metadata(root / "meta")
+        self.index = ConsumeQueueIndex(root / "index", config.index_cache_mb,
+                                       config.index_memtable_mb)
+        self.meta = Metadata(root / "meta", config.metadata_cache_mb, config.metadata_memtable_mb)
         self.router = Router(config.default_partitions)
         self._notify = notify
-        self.recent = RecentMessages()
+        self.recent = RecentMessages(config.recent_per_queue, config.recent_cache_mb << 20)
         self.commitlog = CommitLog(
             root / "commitlog",
             self.index,
@@ -127,6 +140,7 @@ class EmbeddedStore:
         self._wildcard_seen: dict[str, float] = {}  # filter -> monotonic time last used
         self.wildcards_dropped = 0
         self.recovery: RecoveryReport | None = None
+        self._lock: IO[str] | None = None  # the data directory's lock (store.startup)
         self.started_at = time.time()
 
     @classmethod
@@ -135,13 +149,18 @@ class EmbeddedStore:
         cls, config: StoreConfig, notify: Callable[[set[str]], None] | None = None
     ) -> AsyncIterator[EmbeddedStore]:
         """`notify` is called from the writer thread with the names of queues that grew."""
-        Path(config.data_dir).mkdir(parents=True, exist_ok=True)
+        lock = lock_data_dir(Path(config.data_dir))
         if config.flush == "sync":
             # The writer thread hands each group commit back to the event loop: with
             # Python's default 5 ms GIL switch interval every round trip could wait that
             # long. (flush async appends inline: no thread to hand over to.)
             sys.setswitchinterval(0.0005)
-        store = await trio.to_thread.run_sync(cls, config, notify)
+        try:
+            store = await trio.to_thread.run_sync(cls, config, notify)
+        except BaseException:
+            lock.close()
+            raise
+        store._lock = lock
         try:
             store.recovery = await trio.to_thread.run_sync(store.commitlog.open)
             if store.recovery.truncated_at is not None:
@@ -163,6 +182,8 @@ class EmbeddedStore:
         self.commitlog.close()
         self.index.close()
         self.meta.close()
+        if self._lock is not None:
+            self._lock.close()  # only now may another store open this directory
         log.info("store closed cleanly")
 
     def _keep_readers_ahead(self) -> None:
