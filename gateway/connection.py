@@ -379,6 +379,9 @@ class Connection:
         except BlockingIOError:
             while True:
                 await trio.lowlevel.wait_readable(self._fd)
+                budget = self.broker.read_budget
+                if budget.exceeded:  # exhausted while this connection waited
+                    size = budget.read_size(self._held, size)
                 try:
                     return os.read(self._fd, size)
                 except BlockingIOError:  # a spurious wake-up
@@ -394,9 +397,9 @@ class Connection:
         budget = self.broker.read_budget
         while True:
             held = self._held
-            if not held:
+            if not held and not budget.exceeded:
                 data = await self._read()
-            else:  # part of a packet: the node-wide budget decides how much more
+            else:  # the node-wide budget decides whether and how much to read
                 if budget.must_wait(held) and not await budget.wait(held):
                     self.broker.stats.limit_refusals += 1
                     log.warning("%s closed: held %d bytes of a partial packet while the "

@@ -215,7 +215,7 @@ class BodyLimit:
 
     async def _refuse(self, send: Any) -> None:
         self.refused += 1
-        body = b'{"error": "request body too large (--http-max-body)"}'
+        body = b'{"error": "request body too large: larger than --http-max-body"}'
         await send({"type": "http.response.start", "status": 413, "headers": [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})

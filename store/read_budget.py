@@ -24,6 +24,7 @@ class ReadBudget:
         self.held = 0  # bytes of partial packets held by all connections
         self.holders = 0  # connections holding any
         self.peak = 0
+        self.exceeded = False  # held > limit (an attribute: read before every socket read)
         self.paused = 0  # reads held back, over the node's life
         self.closed = 0  # connections closed for holding their share too long
         self._freed = trio.Event()
@@ -39,24 +40,23 @@ class ReadBudget:
             self.holders -= 1
         if self.held > self.peak:
             self.peak = self.held
+        self.exceeded = bool(self.limit) and self.held > self.limit
         if after < before:
             self._freed.set()
             self._freed = trio.Event()
 
     def must_wait(self, holding: int) -> bool:
         """Whether a connection holding `holding` bytes should not read now."""
-        if not self.limit or self.held <= self.limit or not holding:
+        if not self.exceeded or not holding:
             return False
         return holding * max(self.holders, 1) >= self.limit
 
-    def over(self) -> bool:
-        return bool(self.limit) and self.held > self.limit
-
     def read_size(self, holding: int, default: int) -> int:
         """How much a connection holding `holding` bytes may read: while the node is over
-        budget, no more than what is left of its share (at least a small read, so that it
-        can complete a packet), so that the overshoot stays a few KiB per connection."""
-        if not holding or not self.over():
+        budget, no more than what is left of its share and at least a small read (enough
+        for a CONNECT or a typical PUBLISH), so that the node holds at most the budget
+        plus READ_WHILE_OVER per connection."""
+        if not self.exceeded:
             return default
         share = self.limit // max(self.holders, 1)
         return max(READ_WHILE_OVER, min(default, share - holding))
