@@ -8,9 +8,12 @@ the AuthManager (`build_backends`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("lightgate.auth")
 
 BACKENDS = ("builtin", "jwt", "http")
 HMAC_ALGORITHMS = ("HS256", "HS384", "HS512")
@@ -114,6 +117,10 @@ class BackendConfig:
                         from None
                 except ValueError as exc:
                     raise ValueError(f"--auth-jwt-jwks {self.jwt_jwks}: {exc}") from None
+        secret = self.secret_bytes()
+        if secret is not None and len(secret) < 32:  # after the errors: they print alone
+            # RFC 7518 §3.2: an HS256 key at least as long as the hash
+            log.warning("--auth-jwt-secret is %d bytes: HS256 wants at least 32", len(secret))
 
     def _check_http(self) -> None:
         from store.auth.http_hook import ON_ERROR

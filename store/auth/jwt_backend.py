@@ -56,7 +56,7 @@ def parse_jwks(data: str | bytes) -> list[Jwk]:
         raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("keys"), list):
         raise ValueError('not a JWKS: no "keys" list')
-    keys = []
+    keys, unusable = [], []
     for item in doc["keys"]:
         if not isinstance(item, dict) or item.get("kty") in (None, "oct"):
             continue
@@ -65,11 +65,14 @@ def parse_jwks(data: str | bytes) -> list[Jwk]:
         try:
             key = jwt.PyJWK(item).key
         except (jwt.PyJWKError, jwt.InvalidKeyError, ValueError, TypeError) as exc:
-            log.warning("JWKS key %s left out: %s", item.get("kid"), exc)
+            unusable.append(f"{item.get('kid')}: {exc}")
             continue
         keys.append(Jwk(item.get("kid"), item["kty"], item.get("alg"), key))
     if not keys:
-        raise ValueError("the JWKS holds no usable public keys")
+        raise ValueError("the JWKS holds no usable public keys" + (
+            f" ({'; '.join(unusable)})" if unusable else ""))
+    for why in unusable:
+        log.warning("JWKS key left out: %s", why)
     return keys
 
 
