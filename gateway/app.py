@@ -104,6 +104,7 @@ async def _replica_auth(store: RemoteStore, hello: dict, opts: GatewayOptions) -
                        strategy=opts.auth_strategy, backends=opts.auth_backends)
     if auth.enabled:
         await auth.load()
+        log.info("MQTT authentication backends %s", ",".join(opts.auth_backends.chain))
     return auth
 
 

@@ -257,3 +257,28 @@ def test_a_bad_jwt_setting_stops_start_up_with_one_line(tmp_path: Path, args: li
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_a_separated_gateway_takes_jwt_settings_of_its_own(tmp_path: Path) -> None:
+    """The store keeps to its built-in users; the gateway asks its own JWT backend."""
+    store = Server(tmp_path / "store", "--auth", "--init-user", f"{ADMIN[0]}:{ADMIN[1]}",
+                   command="store").start()
+    gw = None
+    try:
+        gw = Server(None, "--store", store.native, "--store-auth", f"{ADMIN[0]}:{ADMIN[1]}",
+                    "--auth-jwt-secret", SECRET, command="gateway").start()
+        dev = Client(gw.port, "gw-dev", version=5, username="gw-dev",
+                     password=token(SECRET, acl={"pub": ["devices/%c/#"]}))
+        ok = dev.publish("devices/gw-dev/up", b"x", qos=1)
+        no = dev.publish("devices/other/up", b"x", qos=1)
+        assert dev.pub_codes[ok] == 0 and dev.pub_codes[no] == 0x87
+        dev.disconnect()
+        admin = Client(gw.port, "gw-admin", username=ADMIN[0], password=ADMIN[1])
+        admin.disconnect()
+        assert gw.wait_log("MQTT authentication backends builtin,jwt")
+        assert gw.wait_log("[AUTHENTICATION] user=gw-dev ip=127.0.0.1 via=mqtt result=success "
+                           "reason=jwt token")
+    finally:
+        if gw is not None:
+            assert gw.stop() == 0, gw.logs()[-3000:]
+        assert store.stop() == 0, store.logs()[-3000:]
