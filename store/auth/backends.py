@@ -34,8 +34,9 @@ class Decision:
     disabled: bool = False  # a known user that is switched off (CONNACK Not authorized)
 
     @classmethod
-    def allow(cls, reason: str, **kw: object) -> Decision:
-        return cls(ALLOW, reason, **kw)  # type: ignore[arg-type]
+    def allow(cls, reason: str, *, name: str | None = None, acl: TopicAcl | None = None,
+              super_user: bool = False) -> Decision:
+        return cls(ALLOW, reason, name, acl, super_user)
 
     @classmethod
     def deny(cls, reason: str, disabled: bool = False) -> Decision:

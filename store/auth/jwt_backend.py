@@ -163,8 +163,10 @@ class JwtBackend:
         if key is None:
             return Decision.deny(f"jwt: no key for {alg} kid={header.get('kid')}")
         try:
-            # aud is not checked: nothing here names an audience to expect.
-            claims = jwt.decode(token, key, algorithms=[alg], options={"verify_aud": False})
+            # Not aud: nothing here names an audience to expect. Not iat: it only says
+            # when the token was made, and an issuer's clock a second ahead would fail it.
+            claims = jwt.decode(token, key, algorithms=[alg],
+                                options={"verify_aud": False, "verify_iat": False})
         except jwt.ExpiredSignatureError:
             return Decision.deny("jwt: token expired")
         except jwt.ImmatureSignatureError:

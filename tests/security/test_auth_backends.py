@@ -3,6 +3,7 @@ and JWT backends driven directly under trio (a real HTTP service, real tokens)."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import jwt
@@ -86,5 +87,10 @@ async def test_jwt_backend_answers() -> None:
     assert await outcome(jwt.encode({"sub": "x"}, secret, "HS256")) == ALLOW
     assert await outcome(jwt.encode({"sub": "x"}, b"t" * 64, "HS256")) == DENY
     assert await outcome(jwt.encode({"sub": "x"}, secret, "HS384")) == DENY  # not accepted
+    now = int(time.time())
+    assert await outcome(jwt.encode({"exp": now - 1}, secret, "HS256")) == DENY
+    assert await outcome(jwt.encode({"nbf": now + 60}, secret, "HS256")) == DENY
+    # iat only says when it was made: an issuer's clock running ahead must not fail it
+    assert await outcome(jwt.encode({"iat": now + 60}, secret, "HS256")) == ALLOW
     bad_acl = jwt.encode({"acl": {"pub": "a/#/b"}}, secret, "HS256")
     assert await outcome(bad_acl) == DENY
