@@ -248,10 +248,13 @@ def test_a_jwt_backend_alone_turns_auth_on_with_a_jwks_file(tmp_path: Path, keys
     (["--auth-jwt-secret", "s", "--auth-jwt-algorithms", "RS256"],
      "--auth-jwt-algorithms RS256 needs --auth-jwt-jwks"),
     (["--auth-order", "builtin,ldap"], "--auth-order takes a comma list"),
+    # valid settings, but a backend turns auth on and nobody could run the store's side
+    (["--auth-jwt-secret", SECRET], "needs a Super user"),
 ])
 def test_a_bad_jwt_setting_stops_start_up_with_one_line(tmp_path: Path, args: list[str],
                                                         message: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "lightgate", "serve", "--data-dir",
+    r = subprocess.run([sys.executable, "-m", "lightgate", "--log-level", "WARNING", "serve",
+                        "--data-dir",
                         str(tmp_path / "d"), "--mqtt", "127.0.0.1:0", "--ws", "off",
                         "--native", "127.0.0.1:0", "--http", "127.0.0.1:0", *args],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
