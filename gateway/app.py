@@ -23,6 +23,7 @@ from notify import LocalBus, open_bus
 from store.app import shutdown_signals, stop_on_signal, store_node
 from store.auth import AuthConfig, AuthManager
 from store.auth.audit import to_file as audit_to_file
+from store.auth.chain import BackendConfig
 from store.client import AuthFailed, NativeClient, RemoteStore, StoreUnavailable
 from store.http import make_app, serve_http, store_routes
 from store.service import StoreConfig
@@ -51,6 +52,7 @@ class GatewayOptions:
     store_auth: str | None = None  # NAME:PASSWORD of a user allowed Cluster UPDATE
     auth_strategy: str = "stateful"
     audit_log: str | None = None
+    auth_backends: BackendConfig = field(default_factory=BackendConfig)  # jwt, http hook
 
 
 async def run_serve(opts: ServeOptions) -> None:
@@ -88,7 +90,8 @@ def _credentials(spec: str | None) -> tuple[str, str] | None:
 
 async def _replica_auth(store: RemoteStore, hello: dict, opts: GatewayOptions) -> AuthManager:
     """The gateway follows the store: auth is on when the store says so, and then this
-    gateway must have joined as a node (an unauthenticated process cannot)."""
+    gateway must have joined as a node (an unauthenticated process cannot). Its own
+    MQTT backends (jwt, http) turn it on for its MQTT clients as well."""
     if hello.get("auth") and not hello.get("node"):
         raise StartupError(
             "the store has authentication on and did not accept this gateway as "
@@ -96,11 +99,12 @@ async def _replica_auth(store: RemoteStore, hello: dict, opts: GatewayOptions) -
             "UPDATE")
     if opts.audit_log:
         audit_to_file(opts.audit_log)
-    auth = AuthManager(store, enabled=bool(hello.get("auth")),
+    auth = AuthManager(store, enabled=bool(hello.get("auth")) or opts.auth_backends.external,
                        allow_anonymous=bool(hello.get("allow_anonymous")),
-                       strategy=opts.auth_strategy)
+                       strategy=opts.auth_strategy, backends=opts.auth_backends)
     if auth.enabled:
         await auth.load()
+        log.info("MQTT authentication backends %s", ",".join(opts.auth_backends.chain))
     return auth
 
 

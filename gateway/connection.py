@@ -68,7 +68,7 @@ class Closing(Exception):
 class Connection:
     # Slots: 100k idle devices means 100k of these; a __dict__ each would double them.
     __slots__ = (
-        "broker", "stream", "peer", "cert_identity", "subject", "_auth_cache",
+        "broker", "stream", "peer", "cert_identity", "subject", "_auth_cache", "_ask_hook",
         "_check_delivery", "_kicked", "_limits", "config", "decoder", "version", "session",
         "keepalive", "receive_maximum", "client_max_packet", "problem_info", "alive",
         "connected_at", "_pending", "_pending_bytes", "_writing", "_drained", "_acks",
@@ -94,6 +94,7 @@ class Connection:
         self.cert_identity = cert_identity  # from a verified client certificate
         self.subject: Subject | None = None  # who authenticated on this connection
         self._auth_cache: DecisionCache | None = None  # made once auth is known to be on
+        self._ask_hook = False  # PUB/SUB decided by the HTTP hook (--auth-http-acl)
         self._check_delivery = False  # whether each delivery needs a SUB decision
         self._kicked: Closing | None = None
         cfg = broker.config
@@ -260,8 +261,11 @@ class Connection:
     def auth_changed(self) -> None:
         """Policies changed: decisions cached on this connection no longer hold."""
         auth = self.broker.auth
+        # A hook-decided client is not checked per delivery: the hook allowed the filter,
+        # and an HTTP call per message pushed would stall delivery.
         self._check_delivery = bool(
-            auth.enabled and self.subject is not None and not auth.is_super(self.subject))
+            auth.enabled and self.subject is not None and not auth.is_super(self.subject)
+            and not self._ask_hook)
 
     def _may(self, action: str, name: str, is_filter: bool = False) -> bool:
         if self.subject is None:
@@ -270,6 +274,13 @@ class Connection:
             self._auth_cache = DecisionCache()
         return self.broker.auth.authorize(self.subject, "Topic", name, action,
                                           is_filter=is_filter, cache=self._auth_cache)
+
+    async def _may_ask(self, action: str, name: str, is_filter: bool = False) -> bool:
+        """`_may`, or the HTTP hook's answer for a client it decides for."""
+        if self._ask_hook and self.subject is not None:
+            return await self.broker.auth.authorize_by_hook(self.subject, name, action,
+                                                            is_filter=is_filter)
+        return self._may(action, name, is_filter)
 
     # -- writing ----------------------------------------------------------------------
     async def send(self, data: bytes) -> None:
@@ -462,7 +473,7 @@ class Connection:
             # 3.1.1 sessions never end by themselves; ours do, after --v3-session-expiry-s.
             v3_expiry = int(self.config.v3_session_expiry_s) or NEVER_EXPIRES
             expiry = 0 if p.clean_start else v3_expiry
-        await self._admit(p, v)
+        await self._admit(p, v, client_id)
         self.keepalive = p.keepalive
         server_keepalive = None
         max_ka = self.config.max_keepalive
@@ -513,7 +524,7 @@ class Connection:
         await self._send_now(mqtt.encode(Connack(False, code, props), v))
         raise Closing(f"connect refused: {why}", will=False)
 
-    async def _admit(self, p: Connect, v: int) -> None:
+    async def _admit(self, p: Connect, v: int, client_id: str) -> None:
         """Connection limits, then authentication and the will's PUB right."""
         broker, cfg = self.broker, self.config
         ip = self.peer.rsplit(":", 1)[0]
@@ -529,14 +540,15 @@ class Connection:
         password = p.password.decode("utf-8", "surrogateescape") if p.password else None
         try:
             self.subject = await broker.auth.authenticate(
-                p.username, password, ip, "mqtt", self.cert_identity)
+                p.username, password, ip, "mqtt", self.cert_identity, client_id)
         except AuthError as exc:
             log.info("client %r from %s not authenticated", p.client_id, self.peer)
             if exc.disabled or (not p.username and not self.cert_identity):
                 await self._refuse(v, rc.NOT_AUTHORIZED, 5, "not authorized")
             await self._refuse(v, rc.BAD_USER_NAME_OR_PASSWORD, 4, "bad user name or password")
+        self._ask_hook = broker.auth.asks_hook(self.subject)
         if p.will is not None and (p.will.topic.startswith("$")  # the server's, as below
-                                   or not self._may("PUB", p.will.topic)):
+                                   or not await self._may_ask("PUB", p.will.topic)):
             await self._refuse(v, rc.NOT_AUTHORIZED, 5, "will topic not authorized")
         self.auth_changed()
 
@@ -601,7 +613,8 @@ class Connection:
             # be able to overwrite them or pass them off to other clients.
             await self._refuse_publish(p, topic, "reserved for the server")
             return
-        if self.subject is not None and not self._may("PUB", topic):
+        if self.subject is not None and not (
+                await self._may_ask("PUB", topic) if self._ask_hook else self._may("PUB", topic)):
             await self._refuse_publish(p, topic, "not authorized")
             return
         b = self.broker
@@ -853,7 +866,7 @@ class Connection:
                 continue
             if shared and opts.no_local:
                 raise ProtocolError(rc.PROTOCOL_ERROR, "No Local on a shared subscription")
-            refusal = self._subscribe_refusal(s, topic_filter, shared)
+            refusal = await self._subscribe_refusal(s, topic_filter, shared)
             if refusal is not None:
                 codes.append(refusal if v == 5 else 0x80)
                 continue
@@ -905,11 +918,11 @@ class Connection:
         for msg, qos, sids in todo:
             await self._push(msg, qos, True, sids, None, -1)
 
-    def _subscribe_refusal(self, s: Session, topic_filter: str,
-                           shared: tuple[str, str] | None) -> int | None:
+    async def _subscribe_refusal(self, s: Session, topic_filter: str,
+                                 shared: tuple[str, str] | None) -> int | None:
         """A SUBACK failure code if this filter is not allowed (ACL or limit), else None."""
         real = shared[1] if shared else topic_filter
-        if not self._may("SUB", real, is_filter=True):
+        if not await self._may_ask("SUB", real, is_filter=True):
             log.info("subscribe of %r to %r not authorized", s.client_id, topic_filter)
             return rc.NOT_AUTHORIZED
         b = self.broker

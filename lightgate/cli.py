@@ -109,6 +109,26 @@ AUTH_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("auth-strategy", str, "stateful", "stateful: decide once per connection and resource "
      "until policies change; stateless: decide every request"),
 ]
+# Backends MQTT clients may authenticate with beside the built-in users (serve, gateway).
+AUTH_BACKEND_SETTINGS: list[tuple[str, Any, Any, str]] = [
+    ("auth-order", str, None, "MQTT authentication backends in order, first definite answer "
+     "wins: builtin,jwt,http (default: builtin, then each one configured); any but builtin "
+     "turns authentication on"),
+    ("auth-jwt-secret", str, None, "JWT in the password, HS256 with this secret (VALUE or "
+     "@FILE)"),
+    ("auth-jwt-jwks", str, None, "JWT in the password, RS256/ES256 with the keys of this "
+     "JWKS file or http(s) URL"),
+    ("auth-jwt-jwks-refresh-s", float, 300.0, "re-read the JWKS this often"),
+    ("auth-jwt-algorithms", str, None, "accepted JWT algorithms, comma list (default: HS256 "
+     "with a secret, RS256,ES256 with a JWKS)"),
+    ("auth-http-url", str, None, "POST CONNECTs (JSON) to this auth hook URL"),
+    ("auth-http-timeout-s", float, 5.0, "how long to wait for the auth hook"),
+    ("auth-http-cache-s", float, 30.0, "remember the hook's answers this long (0: never)"),
+    ("auth-http-on-error", str, "deny", "when the hook fails or times out: deny, allow or "
+     "next (ask the next backend)"),
+    ("auth-http-acl", bool, False, "also ask the hook for each PUBLISH/SUBSCRIBE of the "
+     "clients it let in"),
+]
 GATEWAY_AUTH_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("store-auth", str, None, "NAME:PASSWORD this gateway authenticates to the store with"),
     ("auth-strategy", str, "stateful", "stateful or stateless ACL decisions"),
@@ -255,6 +275,27 @@ def _gateway_config(values: dict[str, Any]) -> Any:
     return GatewayConfig(**{k: v for k, v in values.items() if k in names})
 
 
+def _backend_config(values: dict[str, Any]) -> Any:
+    from store.auth.chain import BackendConfig, split_list
+
+    if "auth_order" not in values:  # `lightgate store`: its clients are not MQTT devices
+        return BackendConfig()
+    cfg = BackendConfig(
+        order=split_list(values["auth_order"]),
+        jwt_secret=values["auth_jwt_secret"], jwt_jwks=values["auth_jwt_jwks"],
+        jwt_jwks_refresh_s=values["auth_jwt_jwks_refresh_s"],
+        jwt_algorithms=split_list(values["auth_jwt_algorithms"]),
+        http_url=values["auth_http_url"], http_timeout_s=values["auth_http_timeout_s"],
+        http_cache_s=values["auth_http_cache_s"], http_on_error=values["auth_http_on_error"],
+        http_acl=bool(values["auth_http_acl"]),
+    )
+    try:
+        cfg.check()
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    return cfg
+
+
 def _auth_config(values: dict[str, Any]) -> Any:
     from store.auth import AuthConfig
 
@@ -262,16 +303,17 @@ def _auth_config(values: dict[str, Any]) -> Any:
         raise StartupError("--auth-strategy must be stateful or stateless")
     return AuthConfig(enabled=bool(values["auth"]), allow_anonymous=bool(values["allow_anonymous"]),
                       strategy=values["auth_strategy"], init_user=values["init_user"],
-                      audit_log=values.get("audit_log"))
+                      audit_log=values.get("audit_log"), backends=_backend_config(values))
 
 
 AUDIT_SETTING = ("audit-log", str, None, "write the audit lines to this file")
-SERVE_SETTINGS = [*STORE_SETTINGS, *GATEWAY_SETTINGS, *AUTH_SETTINGS, NATIVE_SETTING,
-                  HTTP_SETTING, HTTP_BODY_SETTING]
+SERVE_SETTINGS = [*STORE_SETTINGS, *GATEWAY_SETTINGS, *AUTH_SETTINGS, *AUTH_BACKEND_SETTINGS,
+                  NATIVE_SETTING, HTTP_SETTING, HTTP_BODY_SETTING]
 STORE_CMD_SETTINGS = [*STORE_SETTINGS, *AUTH_SETTINGS, AUDIT_SETTING, NATIVE_SETTING,
                       NOTIFY_SETTING, HTTP_SETTING, HTTP_BODY_SETTING]
 GATEWAY_CMD_SETTINGS = [STORE_ADDR_SETTING, NOTIFY_SETTING, *GATEWAY_SETTINGS,
-                        *GATEWAY_AUTH_SETTINGS, HTTP_SETTING, HTTP_BODY_SETTING]
+                        *GATEWAY_AUTH_SETTINGS, *AUTH_BACKEND_SETTINGS, HTTP_SETTING,
+                        HTTP_BODY_SETTING]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -313,7 +355,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     opts = GatewayOptions(store=values["store"], notify=values["notify"],
                           gateway=_gateway_config(values), listeners=_listener_config(values),
                           http=values["http"], store_auth=values["store_auth"],
-                          auth_strategy=values["auth_strategy"], audit_log=values["audit_log"])
+                          auth_strategy=values["auth_strategy"], audit_log=values["audit_log"],
+                          auth_backends=_backend_config(values))
     trio.run(run_gateway, opts)
     return 0
 

@@ -16,15 +16,21 @@ from typing import Any
 import trio
 
 from store.auth import audit
+from store.auth.backends import ALLOW, IGNORE, Credentials, Decision
 from store.auth.backoff import FailureBackoff
+from store.auth.chain import BackendConfig, build_backends
 from store.auth.passwords import PasswordChecker, hash_password
 from store.auth.policy import EVERYONE, Policy, decide
+from store.auth.topic_acl import TopicAcl
 
 log = logging.getLogger("lightgate.auth")
 
 AUTH_EVENT = "\x00auth"  # a notify name no topic can have (MQTT forbids U+0000)
 ANONYMOUS = "anonymous"  # the policy subject of clients without a username
 RESERVED_NAMES = (EVERYONE, ANONYMOUS, "")
+# The policy subject an outside identity is decided as when it brings no ACL of its own:
+# a name no user can have, so only the "*" policies match it.
+OUTSIDER = "\0outsider"
 _DUMMY_HASH = hash_password("not a password")  # equal work for unknown users
 
 
@@ -35,6 +41,7 @@ class AuthConfig:
     strategy: str = "stateful"  # stateless: decide every request afresh
     init_user: str | None = None  # NAME:PASSWORD, a Super user created on first start
     audit_log: str | None = None  # a file for the audit lines alone
+    backends: BackendConfig = field(default_factory=BackendConfig)  # --auth-order, jwt, http
 
 
 class AuthError(Exception):
@@ -66,6 +73,16 @@ class Subject:
     name: str
     ip: str
     via: str  # mqtt | native | http
+    backend: str = "builtin"  # who let it in: builtin | jwt | http
+    client_id: str = ""
+    acl: TopicAcl | None = None  # its own ACL (token claim, hook answer) instead of policies
+    super_user: bool = False  # the hook said is_superuser
+
+    @property
+    def outsider(self) -> bool:
+        """Vouched for by a JWT or the HTTP hook: not one of the built-in users, even if
+        a built-in user has the same name."""
+        return self.backend != "builtin"
 
 
 class DecisionCache:
@@ -86,10 +103,46 @@ class DecisionCache:
         entries[key] = ok
 
 
+class BuiltinUsers:
+    """The built-in users as a backend. An unknown name is no definite answer (a JWT or
+    the hook may know it); a wrong password or a disabled user is."""
+
+    name = "builtin"
+
+    def __init__(self, manager: AuthManager) -> None:
+        self._m = manager
+
+    async def authenticate(self, creds: Credentials) -> Decision:
+        users = self._m.users
+        cert = creds.cert_cn
+        if cert:  # a client certificate the TLS layer verified
+            user = users.get(cert)
+            if user is not None and user.enabled:
+                return Decision.allow("", name=cert)
+            reason = f"certificate user {cert!r} unknown or disabled"
+            return Decision.deny(reason, disabled=True) if user else Decision.ignore(reason)
+        if not creds.username:
+            return Decision.ignore("anonymous access is off")
+        user = users.get(creds.username)
+        encoded = user.password if user is not None else _DUMMY_HASH
+        password = creds.password or ""
+        checker = self._m._checker
+        ok = checker.cached(password, encoded) or await trio.to_thread.run_sync(
+            checker.verify, password, encoded)
+        if user is None:
+            return Decision.ignore("bad username or password")
+        if not ok:
+            return Decision.deny("bad username or password")
+        if not user.enabled:
+            return Decision.deny("user disabled", disabled=True)
+        return Decision.allow("")
+
+
 class AuthManager:
     def __init__(self, store: Any, *, enabled: bool = False, allow_anonymous: bool = False,
                  strategy: str = "stateful",
-                 notify: Callable[[set[str]], None] | None = None) -> None:
+                 notify: Callable[[set[str]], None] | None = None,
+                 backends: BackendConfig | None = None) -> None:
         if strategy not in ("stateful", "stateless"):
             raise ValueError("auth strategy must be stateful or stateless")
         self.store = store
@@ -105,6 +158,12 @@ class AuthManager:
         self.denials = 0
         self._checker = PasswordChecker()
         self._listeners: list[Callable[[], None]] = []
+        self.builtin = BuiltinUsers(self)
+        # MQTT clients meet this chain; the native protocol and the HTTP API, only the
+        # built-in users (server apps and operators are not devices).
+        self.chain: list[Any] = build_backends(backends or BackendConfig(), self.builtin)
+        hooks = [b for b in self.chain if b.name == "http" and b.acl]
+        self.acl_hook: Any = hooks[0] if hooks else None  # --auth-http-acl
 
     @classmethod
     async def start(cls, store: Any, cfg: AuthConfig,
@@ -112,18 +171,23 @@ class AuthManager:
         """The storage node's manager: loaded, with the initial user, checked usable."""
         if cfg.audit_log:
             audit.to_file(cfg.audit_log)
-        auth = cls(store, enabled=cfg.enabled, allow_anonymous=cfg.allow_anonymous,
-                   strategy=cfg.strategy, notify=notify)
+        enabled = cfg.enabled or cfg.backends.external  # a backend implies auth on
+        auth = cls(store, enabled=enabled, allow_anonymous=cfg.allow_anonymous,
+                   strategy=cfg.strategy, notify=notify, backends=cfg.backends)
         await auth.load()
         if cfg.init_user:
             await auth.ensure_super_user(cfg.init_user)
-        if cfg.enabled and not any(u.super and u.enabled for u in auth.users.values()):
-            raise ValueError("--auth needs a Super user: start once with "
+        if enabled and not any(u.super and u.enabled for u in auth.users.values()):
+            why = "--auth" if cfg.enabled else (
+                f"--auth-order {','.join(cfg.backends.chain)} turns authentication on and")
+            raise ValueError(f"{why} needs a Super user (the native port and the dashboard "
+                             "know only built-in users): start once with "
                              "--init-user NAME:PASSWORD")
-        if cfg.enabled:
-            log.info("authentication on: %d users, %d policies, %s, anonymous %s",
-                     len(auth.users), len(auth.policies), cfg.strategy,
-                     "allowed" if cfg.allow_anonymous else "refused")
+        if enabled:
+            log.info("authentication on: %d users, %d policies, %s, anonymous %s, MQTT "
+                     "backends %s", len(auth.users), len(auth.policies), cfg.strategy,
+                     "allowed" if cfg.allow_anonymous else "refused",
+                     ",".join(cfg.backends.chain))
         return auth
 
     # -- loading and change -----------------------------------------------------------
@@ -231,7 +295,8 @@ class AuthManager:
 
     # -- decisions --------------------------------------------------------------------
     async def authenticate(self, username: str | None, password: str | None, ip: str,
-                           via: str, cert_identity: str | None = None) -> Subject:
+                           via: str, cert_identity: str | None = None,
+                           client_id: str = "") -> Subject:
         """The subject for these credentials, or AuthError (after the brute-force delay)."""
         if not self.enabled:
             return Subject(username or "", ip, via)
@@ -239,47 +304,47 @@ class AuthManager:
         if delay:
             await trio.sleep(delay)
         try:
-            subject = await self._authenticate(username, password, ip, via, cert_identity)
+            subject, reason = await self._authenticate(
+                Credentials(client_id, username, password, ip, cert_identity), via)
         except AuthError as exc:
             self.backoff.failed(ip)
             self.auth_failures += 1
             audit.authentication(username or cert_identity or "", ip, via, False, exc.reason)
             raise
         self.backoff.succeeded(ip)
-        audit.authentication(subject.name, ip, via, True)
+        audit.authentication(subject.name, ip, via, True, reason)
         return subject
 
-    async def _authenticate(self, username: str | None, password: str | None, ip: str,
-                            via: str, cert_identity: str | None) -> Subject:
-        if cert_identity:  # a client certificate the TLS layer verified
-            user = self.users.get(cert_identity)
-            if user is None or not user.enabled:
-                raise AuthError(f"certificate user {cert_identity!r} unknown or disabled",
-                                disabled=user is not None)
-            return Subject(cert_identity, ip, via)
-        if not username:
-            if self.allow_anonymous:
-                return Subject("", ip, via)
-            raise AuthError("anonymous access is off")
-        user = self.users.get(username)
-        encoded = user.password if user is not None else _DUMMY_HASH
-        ok = self._checker.cached(password or "", encoded) or await trio.to_thread.run_sync(
-            self._checker.verify, password or "", encoded)
-        if user is None or not ok:
-            raise AuthError("bad username or password")
-        if not user.enabled:
-            raise AuthError("user disabled", disabled=True)
-        return Subject(username, ip, via)
+    async def _authenticate(self, creds: Credentials, via: str) -> tuple[Subject, str]:
+        """Ask the backends in order; the first allow or deny decides."""
+        ignored = []
+        for backend in self.chain if via == "mqtt" else (self.builtin,):
+            d = await backend.authenticate(creds)
+            if d.outcome == IGNORE:
+                ignored.append(d.reason)
+                continue
+            if d.outcome != ALLOW:
+                raise AuthError(d.reason, disabled=d.disabled)
+            name = d.name if d.name is not None else creds.username or ""
+            return Subject(name, creds.ip, via, backend.name, creds.client_id, d.acl,
+                           d.super_user), d.reason
+        if not creds.username and not creds.cert_cn and self.allow_anonymous:
+            return Subject("", creds.ip, via, client_id=creds.client_id), ""
+        # No definite answer: what the first backend saw ("bad username or password", or
+        # "anonymous access is off"), then the others'.
+        raise AuthError("; ".join(dict.fromkeys(ignored)) or "no backend knows this client")
 
     def is_super(self, subject: Subject) -> bool:
         if not self.enabled:
             return True
+        if subject.outsider:
+            return subject.super_user
         user = self.users.get(subject.name) if subject.name else None
         return user is not None and user.enabled and user.super
 
     def still_valid(self, subject: Subject) -> bool:
         """False once the subject's user is deleted or disabled: its sessions must end."""
-        if not self.enabled or not subject.name:
+        if not self.enabled or not subject.name or subject.outsider:
             return True
         user = self.users.get(subject.name)
         return user is not None and user.enabled
@@ -304,8 +369,34 @@ class AuthManager:
             cache.put(key, ok)
         return ok
 
+    def asks_hook(self, subject: Subject) -> bool:
+        """Whether the HTTP hook decides this subject's PUB/SUB (--auth-http-acl): then
+        `authorize_by_hook`, which awaits, instead of `authorize`."""
+        return self.acl_hook is not None and subject.backend == "http"
+
+    async def authorize_by_hook(self, subject: Subject, name: str, action: str, *,
+                                is_filter: bool = False) -> bool:
+        """PUB or SUB on a topic, asked of the HTTP hook. Its answers are cached for
+        --auth-http-cache-s (by the hook), not per connection: the operator's service
+        may change its mind, whatever --auth-strategy says."""
+        if not self.enabled or subject.super_user:
+            return True
+        d = await self.acl_hook.authorize(subject.client_id, subject.name, subject.ip,
+                                          action, name)
+        if d.outcome == IGNORE:  # as if there were no hook: the subject's ACL, or "*"
+            ok, reason = self._decide(subject, "Topic", name, action, is_filter)
+            reason = f"{d.reason}, then {reason}"
+        else:
+            ok, reason = d.outcome == ALLOW, d.reason
+        if not ok:
+            self.denials += 1
+        audit.authorization(subject.name, subject.ip, action, f"Topic:{name}", ok, reason)
+        return ok
+
     def _decide(self, subject: Subject, rtype: str, name: str, action: str,
                 is_filter: bool) -> tuple[bool, str]:
+        if subject.outsider:
+            return self._decide_outsider(subject, rtype, name, action, is_filter)
         if subject.name:
             user = self.users.get(subject.name)
             if user is None or not user.enabled:
@@ -316,8 +407,28 @@ class AuthManager:
         ok, policy = decide(self.policies, who, rtype, name, action, subject.ip, is_filter)
         if policy is None:
             return False, "no matching policy (default deny)"
-        return ok, f"policy {policy.resource} {policy.match} {','.join(policy.actions)}" + (
-            f" from {policy.ip}" if policy.ip else "") + (" deny" if policy.deny else " allow")
+        return ok, _describe(policy)
+
+    def _decide_outsider(self, subject: Subject, rtype: str, name: str, action: str,
+                         is_filter: bool) -> tuple[bool, str]:
+        """A JWT's or the hook's client: its own ACL if it brought one, else the policies
+        for "*" (never those of a built-in user it shares a name with)."""
+        if subject.super_user:
+            return True, f"{subject.backend} superuser"
+        if subject.acl is not None:
+            if rtype != "Topic":
+                return False, f"{subject.backend} acl covers topics only"
+            ok, reason = subject.acl.decide(action, name, is_filter)
+            return ok, f"{subject.backend} {reason}"
+        ok, policy = decide(self.policies, OUTSIDER, rtype, name, action, subject.ip, is_filter)
+        if policy is None:
+            return False, f"{subject.backend} client without acl, no '*' policy (default deny)"
+        return ok, _describe(policy)
+
+
+def _describe(policy: Policy) -> str:
+    return f"policy {policy.resource} {policy.match} {','.join(policy.actions)}" + (
+        f" from {policy.ip}" if policy.ip else "") + (" deny" if policy.deny else " allow")
 
 
 def _check_name(name: str) -> None:

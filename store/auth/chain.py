@@ -1,0 +1,167 @@
+"""Which authentication backends MQTT clients meet, in which order, and their settings.
+
+`--auth-order builtin,jwt,http` (default: builtin, then each backend that has settings).
+Settings are checked once at start-up (`BackendConfig.check`, ValueError naming the flag)
+so a bad one stops the process before it serves; the backends themselves are built by
+the AuthManager (`build_backends`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("lightgate.auth")
+
+BACKENDS = ("builtin", "jwt", "http")
+HMAC_ALGORITHMS = ("HS256", "HS384", "HS512")
+PUBLIC_KEY_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256",
+                         "ES384", "ES512", "EdDSA")
+
+
+@dataclass
+class BackendConfig:
+    order: tuple[str, ...] | None = None  # None: builtin, then whatever is configured
+    jwt_secret: str | None = None  # VALUE or @FILE
+    jwt_jwks: str | None = None  # a file or an http(s) URL
+    jwt_jwks_refresh_s: float = 300.0
+    jwt_algorithms: tuple[str, ...] | None = None  # None: HS256 and/or RS256,ES256
+    http_url: str | None = None
+    http_timeout_s: float = 5.0
+    http_cache_s: float = 30.0
+    http_on_error: str = "deny"
+    http_acl: bool = False
+
+    @property
+    def chain(self) -> tuple[str, ...]:
+        if self.order is not None:
+            return self.order
+        return ("builtin",) + (("jwt",) if self.jwt_secret or self.jwt_jwks else ()) + (
+            ("http",) if self.http_url else ())
+
+    @property
+    def external(self) -> bool:
+        """Whether a backend beyond the built-in users is on (which turns auth on)."""
+        return any(name != "builtin" for name in self.chain)
+
+    @property
+    def algorithms(self) -> tuple[str, ...]:
+        if self.jwt_algorithms:
+            return self.jwt_algorithms
+        return (("HS256",) if self.jwt_secret else ()) + (
+            ("RS256", "ES256") if self.jwt_jwks else ())
+
+    def secret_bytes(self) -> bytes | None:
+        """The HMAC secret: the value itself, or the contents of @FILE (one trailing
+        newline dropped, as editors add one)."""
+        if not self.jwt_secret:
+            return None
+        if self.jwt_secret.startswith("@"):
+            data = Path(self.jwt_secret[1:]).read_bytes()
+            return data[:-1] if data.endswith(b"\n") else data
+        return self.jwt_secret.encode()
+
+    def check(self) -> None:
+        """ValueError with the flag to fix, for any setting that cannot work."""
+        chain = self.chain
+        bad = [n for n in chain if n not in BACKENDS]
+        if bad or not chain or len(set(chain)) != len(chain):
+            raise ValueError(f"--auth-order takes a comma list of {', '.join(BACKENDS)}, each "
+                             f"once (got {','.join(chain) or 'nothing'})")
+        jwt_set = bool(self.jwt_secret or self.jwt_jwks)
+        if "jwt" in chain and not jwt_set:
+            raise ValueError("the jwt backend needs --auth-jwt-secret VALUE|@FILE or "
+                             "--auth-jwt-jwks FILE|URL")
+        if jwt_set and "jwt" not in chain:
+            raise ValueError("--auth-jwt-secret/--auth-jwt-jwks given but --auth-order leaves "
+                             "jwt out")
+        if "http" in chain and not self.http_url:
+            raise ValueError("the http backend needs --auth-http-url URL")
+        if self.http_url and "http" not in chain:
+            raise ValueError("--auth-http-url given but --auth-order leaves http out")
+        if "jwt" in chain:
+            self._check_jwt()
+        if "http" in chain:
+            self._check_http()
+
+    def _check_jwt(self) -> None:
+        if self.jwt_secret:
+            try:
+                secret = self.secret_bytes()
+            except OSError as exc:
+                raise ValueError(f"--auth-jwt-secret {self.jwt_secret}: {exc.strerror}") from None
+            if not secret:
+                raise ValueError("--auth-jwt-secret is empty")
+        for alg in self.algorithms:
+            if alg in HMAC_ALGORITHMS:
+                if not self.jwt_secret:
+                    raise ValueError(f"--auth-jwt-algorithms {alg} needs --auth-jwt-secret")
+            elif alg in PUBLIC_KEY_ALGORITHMS:
+                if not self.jwt_jwks:
+                    raise ValueError(f"--auth-jwt-algorithms {alg} needs --auth-jwt-jwks")
+            else:
+                raise ValueError(f"--auth-jwt-algorithms: unknown algorithm {alg!r} (use "
+                                 f"{', '.join(HMAC_ALGORITHMS + PUBLIC_KEY_ALGORITHMS)})")
+        if self.jwt_jwks_refresh_s <= 0:
+            raise ValueError("--auth-jwt-jwks-refresh-s must be above 0")
+        if self.jwt_jwks:
+            from store.auth.jwt_backend import is_url, parse_jwks
+
+            if not is_url(self.jwt_jwks):  # a URL may be down at start: it is retried
+                try:
+                    parse_jwks(Path(self.jwt_jwks).read_bytes())
+                except OSError as exc:
+                    raise ValueError(f"--auth-jwt-jwks {self.jwt_jwks}: {exc.strerror}") \
+                        from None
+                except ValueError as exc:
+                    raise ValueError(f"--auth-jwt-jwks {self.jwt_jwks}: {exc}") from None
+        secret = self.secret_bytes()
+        if secret is not None and len(secret) < 32:  # after the errors: they print alone
+            # RFC 7518 §3.2: an HS256 key at least as long as the hash
+            log.warning("--auth-jwt-secret is %d bytes: HS256 wants at least 32", len(secret))
+
+    def _check_http(self) -> None:
+        from store.auth.http_hook import ON_ERROR
+
+        assert self.http_url is not None
+        if not self.http_url.startswith(("http://", "https://")):
+            raise ValueError(f"--auth-http-url must be an http:// or https:// URL, not "
+                             f"{self.http_url!r}")
+        if self.http_timeout_s <= 0:
+            raise ValueError("--auth-http-timeout-s must be above 0")
+        if self.http_cache_s < 0:
+            raise ValueError("--auth-http-cache-s must be 0 (no cache) or more")
+        if self.http_on_error not in ON_ERROR:
+            raise ValueError(f"--auth-http-on-error must be one of {', '.join(ON_ERROR)}")
+
+
+def split_list(value: Any) -> tuple[str, ...] | None:
+    """A comma list from a flag or env, or a TOML list; None when not set."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
+    return tuple(i.strip() for i in items if i.strip())
+
+
+def build_backends(cfg: BackendConfig, builtin: Any) -> list[Any]:
+    """The backends in `cfg.chain` order; `builtin` is the manager's own. Imported here,
+    not at the top: PyJWT and httpx load only when a deployment uses them."""
+    out: list[Any] = []
+    for name in cfg.chain:
+        if name == "builtin":
+            out.append(builtin)
+        elif name == "jwt":
+            from store.auth.jwt_backend import JwksSource, JwtBackend
+
+            jwks = JwksSource(cfg.jwt_jwks, cfg.jwt_jwks_refresh_s) if cfg.jwt_jwks else None
+            out.append(JwtBackend(cfg.secret_bytes(), jwks, cfg.algorithms))
+        elif name == "http":
+            from store.auth.http_hook import HttpHook
+
+            assert cfg.http_url is not None
+            out.append(HttpHook(cfg.http_url, timeout_s=cfg.http_timeout_s,
+                                cache_s=cfg.http_cache_s, on_error=cfg.http_on_error,
+                                acl=cfg.http_acl))
+    return out

@@ -1,0 +1,208 @@
+"""The HTTP auth hook, against a real `lightgate serve`, paho clients and a real HTTP
+service on loopback that plays the operator's auth service."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, Server
+from tests.mqtt.paho_client import Client
+from tests.mqtt.raw import RawClient
+from tests.security.helpers import ADMIN, auth_server
+from tests.security.http_service import Answer, HttpService, closed_port_url
+
+BAD_CREDENTIALS_V5 = 0x86
+SLOW_S = 2.0  # the "slow" user's answer; the server waits 0.5 s
+
+
+def operator_service(method: str, path: str, body: Any) -> Answer:
+    """What the operator's service says, by username (and action)."""
+    user, action = body.get("username"), body.get("action")
+    if action == "connect":
+        if user == "good":
+            return 200, {"result": "allow" if body["password"] == "pw" else "deny"}, 0
+        if user == "plain":
+            return 204, None, 0
+        if user == "forbidden":
+            return 403, None, 0
+        if user == "slow":
+            return 200, {"result": "allow"}, SLOW_S
+        if user == "broken":
+            return 500, b"oops", 0
+        if user == "claims":
+            return 200, {"result": "allow", "acl": {"pub": ["devices/%c/up"]}}, 0
+        if user == "boss":
+            return 200, {"result": "allow", "is_superuser": True}, 0
+        if user in ("acl-dev", "anyone"):
+            return 200, {"result": "allow"}, 0
+        return 200, {"result": "ignore"}, 0
+    if user == "acl-dev":  # publish / subscribe: only under devices/<client id>/
+        mine = body["topic"].startswith(f"devices/{body['clientid']}/")
+        return 200, {"result": "allow" if mine else "deny"}, 0
+    if user == "claims":
+        return 200, {"result": "ignore"}, 0  # the ACL given on connect decides
+    return 403, None, 0
+
+
+@pytest.fixture(scope="module")
+def hook() -> Iterator[HttpService]:
+    svc = HttpService(operator_service).start()
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory, hook: HttpService) -> Iterator[Server]:
+    s = auth_server(tmp_path_factory.mktemp("hook"), "--auth-http-url", f"{hook.url}/auth",
+                    "--auth-http-timeout-s", "0.5", "--auth-http-acl")
+    yield s
+    assert s.stop() == 0, s.logs()[-3000:]
+
+
+def connack(port: int, client_id: str, username: str | None = None,
+            password: str | None = None) -> int:
+    raw = RawClient(port, 5, timeout=15)  # failed logins slow down (up to 5 s)
+    try:
+        kw: dict[str, Any] = {"username": username} if username is not None else {}
+        if password is not None:
+            kw["password"] = password.encode()
+        return raw.connect(client_id, **kw).reason_code
+    finally:
+        raw.close()
+
+
+def test_the_hook_allows_a_connect_and_gets_its_fields(srv: Server, hook: HttpService) -> None:
+    c = Client(srv.port, "dev-good", version=5, username="good", password="pw")
+    assert c.connack[1] == 0
+    c.disconnect()
+    [body] = hook.bodies(action="connect", clientid="dev-good")
+    assert body == {"action": "connect", "clientid": "dev-good", "username": "good",
+                    "password": "pw", "peerhost": "127.0.0.1", "cert_common_name": "",
+                    "protocol": "mqtt"}
+    assert srv.wait_log("[AUTHENTICATION] user=good ip=127.0.0.1 via=mqtt result=success "
+                        "reason=http: allow")
+    assert connack(srv.port, "dev-plain", "plain", "x") == 0  # 204: allow
+
+
+def test_definite_answers_are_cached(srv: Server, hook: HttpService) -> None:
+    for _ in range(3):
+        assert connack(srv.port, "dev-cached", "good", "pw") == 0
+    assert len(hook.bodies(action="connect", clientid="dev-cached")) == 1
+
+
+def test_the_hook_denies(srv: Server) -> None:
+    assert connack(srv.port, "dev-bad", "good", "wrong") == BAD_CREDENTIALS_V5
+    assert srv.wait_log("user=good ip=127.0.0.1 via=mqtt result=failure reason=http: deny")
+    assert connack(srv.port, "dev-403", "forbidden", "x") == BAD_CREDENTIALS_V5
+    assert srv.wait_log("user=forbidden ip=127.0.0.1 via=mqtt result=failure reason=http: 403")
+    assert connack(srv.port, "reset", "plain", "x") == 0  # a success resets the login delay
+
+
+def test_a_slow_or_broken_hook_means_deny(srv: Server) -> None:
+    start = time.monotonic()
+    assert connack(srv.port, "dev-slow", "slow", "x") == BAD_CREDENTIALS_V5
+    assert time.monotonic() - start < SLOW_S  # the server gave up after 0.5 s
+    assert srv.wait_log("user=slow ip=127.0.0.1 via=mqtt result=failure reason=http: no "
+                        "answer within 0.5 s (--auth-http-on-error deny)")
+    assert connack(srv.port, "dev-500", "broken", "x") == BAD_CREDENTIALS_V5
+    assert srv.wait_log("reason=http: answered 500 (--auth-http-on-error deny)")
+    assert connack(srv.port, "reset", "plain", "x") == 0
+
+
+def test_ignore_asks_the_next_backend_and_builtin_users_never_reach_the_hook(
+        srv: Server, hook: HttpService) -> None:
+    admin = Client(srv.port, "adm", version=5, username=ADMIN[0], password=ADMIN[1])
+    admin.disconnect()
+    assert not hook.bodies(username=ADMIN[0])  # builtin comes first and knows admin
+    assert connack(srv.port, "dev-who", "stranger", "x") == BAD_CREDENTIALS_V5
+    assert hook.bodies(username="stranger")
+    assert srv.wait_log("user=stranger ip=127.0.0.1 via=mqtt result=failure reason=bad "
+                        "username or password; http: ignore")
+    assert connack(srv.port, "reset", "plain", "x") == 0
+
+
+def test_the_hook_decides_each_publish_and_subscribe(srv: Server, hook: HttpService) -> None:
+    dev = Client(srv.port, "d1", version=5, username="acl-dev", password="x")
+    watcher = Client(srv.port, "watch-hook", username=ADMIN[0], password=ADMIN[1])
+    watcher.subscribe("devices/#", 1)
+    own = dev.publish("devices/d1/up", b"mine", qos=1)
+    other = dev.publish("devices/d2/up", b"sneaky", qos=1)
+    assert dev.pub_codes[own] == 0 and dev.pub_codes[other] == 0x87
+    [got] = watcher.expect(1)
+    assert (got.topic, got.payload) == ("devices/d1/up", b"mine")
+    codes = dev.subscribe([("devices/d1/#", 1), ("devices/#", 1)])
+    assert [c.value for c in codes] == [1, 0x87]
+    watcher.publish("devices/d1/cmd", b"go", qos=1)
+    [got] = dev.expect(1)
+    assert got.topic == "devices/d1/cmd"
+    assert hook.bodies(action="publish", clientid="d1", topic="devices/d2/up") == [
+        {"action": "publish", "clientid": "d1", "username": "acl-dev",
+         "peerhost": "127.0.0.1", "topic": "devices/d2/up"}]
+    assert hook.bodies(action="subscribe", clientid="d1", topic="devices/#")
+    assert srv.wait_log("[AUTHORIZATION] user=acl-dev ip=127.0.0.1 action=PUB "
+                        "resource=Topic:devices/d2/up result=deny reason=http: deny")
+    for c in (dev, watcher):
+        c.disconnect()
+
+
+def test_an_acl_in_the_connect_answer_and_a_superuser(srv: Server) -> None:
+    dev = Client(srv.port, "d7", version=5, username="claims", password="x")
+    ok = dev.publish("devices/d7/up", b"x", qos=1)
+    no = dev.publish("devices/d8/up", b"x", qos=1)
+    assert dev.pub_codes[ok] == 0 and dev.pub_codes[no] == 0x87
+    assert srv.wait_log("reason=http: ignore, then http acl pub devices/d7/up")
+    boss = Client(srv.port, "b1", version=5, username="boss", password="x")
+    mid = boss.publish("anywhere/at/all", b"x", qos=1)
+    assert boss.pub_codes[mid] == 0
+    for c in (dev, boss):
+        c.disconnect()
+
+
+@pytest.mark.parametrize("on_error", [None, "next", "allow"])
+def test_when_the_service_is_down(tmp_path: Path, on_error: str | None) -> None:
+    """Down: deny by default (even a built-in user, the hook being asked first); `next`
+    asks the built-in users instead; `allow` lets everyone in."""
+    extra = ["--auth-http-on-error", on_error] if on_error else []
+    s = auth_server(tmp_path, "--auth-http-url", closed_port_url(), "--auth-order",
+                    "http,builtin", *extra)
+    try:
+        admin = connack(s.port, "adm", *ADMIN)
+        stranger = connack(s.port, "who", "stranger", "x")
+        if on_error is None:
+            assert (admin, stranger) == (BAD_CREDENTIALS_V5, BAD_CREDENTIALS_V5)
+            assert s.wait_log("result=failure reason=http: ConnectError")
+            assert "(--auth-http-on-error deny)" in s.logs()
+        elif on_error == "next":
+            assert (admin, stranger) == (0, BAD_CREDENTIALS_V5)
+            assert s.wait_log("user=stranger ip=127.0.0.1 via=mqtt result=failure reason=http:"
+                              " ConnectError")
+        else:
+            assert (admin, stranger) == (0, 0)
+            assert s.wait_log("user=stranger ip=127.0.0.1 via=mqtt result=success reason=http:"
+                              " ConnectError")
+        assert s.wait_log("auth hook http://127.0.0.1")  # the outage is logged (once)
+    finally:
+        assert s.stop() == 0, s.logs()[-3000:]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--auth-order", "builtin,http"], "the http backend needs --auth-http-url"),
+    (["--auth-http-url", "ftp://x"], "--auth-http-url must be an http:// or https:// URL"),
+    (["--auth-http-url", "http://x", "--auth-http-on-error", "maybe"],
+     "--auth-http-on-error must be one of deny, allow, next"),
+])
+def test_a_bad_hook_setting_stops_start_up_with_one_line(tmp_path: Path, args: list[str],
+                                                         message: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "lightgate", "serve", "--data-dir",
+                        str(tmp_path / "d"), "--mqtt", "127.0.0.1:0", "--ws", "off",
+                        "--native", "127.0.0.1:0", "--http", "127.0.0.1:0", *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
