@@ -534,6 +534,7 @@ class Broker:
             log.info("session %r expired after %ds offline", s.client_id, s.expiry)
             try:
                 await self.discard_session(s.client_id)
+                self.stats.sessions_expired += 1
             except StoreError as exc:  # the periodic expiry check will try again
                 log.warning("expired session %r not removed yet: %s", s.client_id, exc)
 

@@ -60,6 +60,8 @@ class RetainedBudget:
 
     def set(self, topic: str, client_id: str, size: int) -> None:
         """`topic` now retains `size` bytes set by `client_id` (whatever the budget)."""
+        if topic.startswith("$"):
+            return  # the server's own ($SYS): a fixed set, not the clients' budget
         self.remove(topic)
         self.topics[topic] = (client_id, size)
         self.count += 1

@@ -4,8 +4,8 @@ A client that announces a large packet and sends its body slowly makes the serve
 what has come so far. One such client is harmless; a thousand are gigabytes. Every
 connection reports how much it holds after each read. While the node holds more than
 the budget, a connection that holds at least its fair share (the budget divided among
-the connections holding anything) stops reading until bytes are freed, and is closed
-if that takes longer than the timeout. Connections that hold little, which is every
+the connections holding anything) stops reading until the node is back within the budget,
+and is closed if that takes longer than the timeout. Connections that hold little, which is every
 client sending packets smaller than a socket read, keep reading meanwhile: a stalled
 attacker cannot stop them.
 """
@@ -40,8 +40,11 @@ class ReadBudget:
             self.holders -= 1
         if self.held > self.peak:
             self.peak = self.held
+        was = self.exceeded
         self.exceeded = bool(self.limit) and self.held > self.limit
-        if after < before:
+        if was and not self.exceeded:
+            # Waiters wake only when the budget has room again: waking all of them on
+            # every freed byte would cost N wake-ups for each of N closing connections.
             self._freed.set()
             self._freed = trio.Event()
 

@@ -6,6 +6,7 @@ are chosen so that without the budget the growth would be several times the boun
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 import resource
@@ -13,9 +14,10 @@ import socket
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import paho.mqtt.client as paho
 import pytest
 
 from tests.conftest import Server
@@ -76,8 +78,8 @@ def _varint(n: int) -> bytes:
 def _connect_packet(client_id: str, clean: bool = True, version: int = 4) -> bytes:
     cid = client_id.encode()
     body = b"\x00\x04MQTT" + bytes([version, 0x02 if clean else 0x00]) + b"\x00\x3c"
-    if version == 5:
-        body += b"\x00"  # no properties
+    if version == 5:  # a persistent session is one with a Session Expiry Interval
+        body += b"\x00" if clean else b"\x05\x11" + (3600).to_bytes(4, "big")
     body += len(cid).to_bytes(2, "big") + cid
     return b"\x10" + _varint(len(body)) + body
 
@@ -87,25 +89,30 @@ def _raise_nofile() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
 
 
-def _open(port: int, n: int) -> list[socket.socket]:
+def _attacker(port: int, n: int, connect: bool, header: bytes, ready: Any,
+              done: Any, release: Any) -> None:
+    """In its own process (paho's select() cannot watch an fd past 1,024, and the test
+    would hold 1,000 more): open `n` sockets, announce a large packet on each, then send
+    7 chunks of 8 KiB to each, 0.2 s apart; a socket the server stopped reading is
+    skipped. The sockets stay open until `release` is set."""
+    _raise_nofile()
     socks = []
-    for _ in range(n):
+    for i in range(n):
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
         s.setblocking(False)
+        s.send((_connect_packet(f"atk-{i}") if connect else b"") + header)
         socks.append(s)
-    return socks
-
-
-def _trickle(socks: list[socket.socket], chunk: bytes, rounds: int, pause: float) -> None:
-    """Send `chunk` on every socket, `rounds` times, `pause` apart; a socket the server
-    stopped reading (its buffers full) or closed is skipped."""
-    for _ in range(rounds):
+    ready.set()
+    body = b"\x00" * 8192
+    for _ in range(7):
         for s in socks:
             try:
-                s.send(chunk)
-            except (BlockingIOError, OSError):
+                s.send(body)
+            except OSError:  # full (not being read) or closed by the server
                 pass
-        time.sleep(pause)
+        time.sleep(0.2)
+    done.set()
+    release.wait(120)
 
 
 def _legit_round_trip(port: int, n: int = 20) -> None:
@@ -119,45 +126,55 @@ def _legit_round_trip(port: int, n: int = 20) -> None:
     c.disconnect()
 
 
-def _attack(srv: Server, header: bytes, budget: int, connect: bool = False
-            ) -> tuple[int, int]:
+def _attack(srv: Server, header: bytes, budget: int, connect: bool = False,
+            then: Callable[[], None] | None = None) -> tuple[int, int]:
     """ATTACKERS sockets send a CONNECT if `connect`, then `header` announcing a
     large packet, then trickle its body; legitimate clients run meanwhile. The server's
     RSS growth and the read budget's peak, in bytes."""
-    _raise_nofile()
     _legit_round_trip(srv.port)  # warm: what any client costs is in the base
     base = _rss(srv.proc.pid)
     peak = RssPeak(srv.proc.pid)
-    socks = _open(srv.port, ATTACKERS)
+    ctx = multiprocessing.get_context("fork")
+    ready, done, release = ctx.Event(), ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_attacker, args=(srv.port, ATTACKERS, connect, header, ready,
+                                               done, release), daemon=True)
+    proc.start()
     try:
-        for i, s in enumerate(socks):
-            s.send((_connect_packet(f"atk-{i}") if connect else b"") + header)
-        body = b"\x00" * 8192
-        stop = threading.Event()
-        trickler = threading.Thread(
-            target=lambda: _trickle(socks, body, 7, 0.2) or stop.set(), daemon=True)
-        trickler.start()
+        assert ready.wait(60), "the attacker did not open its sockets"
         legit = 0
-        while not stop.is_set() or legit < 3:
-            try:
-                _legit_round_trip(srv.port)
-            except Exception:
-                print("".join(line for line in srv.log[-4000:] if "ok-" in line))
-                raise
+        while not done.is_set() or legit < 3:
+            _legit_round_trip(srv.port)
             legit += 1
-        trickler.join(30)
         time.sleep(0.5)
         text = _metrics(srv)
         assert _metric(text, "lightgate_budget_refusals_total", "partial_packet_paused") > 0
         grown = peak.stop() - base
         held_peak = int(_metric(text, "lightgate_partial_packet_bytes_peak"))
+        if then is not None:
+            then()  # with the attackers' sockets still open
     finally:
-        for s in socks:
-            s.close()
+        peak.stop()
+        release.set()
+        proc.join(10)
     print(f"attack: {ATTACKERS} sockets, {legit} legit round trips meanwhile; RSS +"
           f"{grown / MiB:.1f} MiB (base {base / MiB:.0f} MiB), partial bytes peak "
           f"{held_peak / MiB:.1f} MiB, budget {budget / MiB:.0f} MiB")
     return grown, held_peak
+
+
+def _offenders_closed(srv: Server, budget: int) -> None:
+    """Held back past --partial-timeout-s, the offenders are closed and their bytes given
+    back, while their sockets are still open; the node serves as before."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = _metrics(srv)
+        if _metric(text, "lightgate_budget_refusals_total", "partial_packet_closed") > 0 \
+                and _metric(text, "lightgate_budget_used", "partial_packet_bytes") < budget:
+            break
+        time.sleep(0.5)
+    assert _metric(text, "lightgate_budget_refusals_total", "partial_packet_closed") > 0
+    assert _metric(text, "lightgate_budget_used", "partial_packet_bytes") < budget
+    _legit_round_trip(srv.port)
 
 
 # While over budget a connection reads at most 4 KiB at a time (READ_WHILE_OVER), so the
@@ -186,11 +203,13 @@ def test_partial_connects_stay_within_the_read_budget(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_partial_publishes_stay_within_the_read_budget(tmp_path: Path) -> None:
     budget = 8 * MiB
-    srv = Server(tmp_path, "--max-partial-bytes", str(budget)).start()
+    srv = Server(tmp_path, "--max-partial-bytes", str(budget), "--partial-timeout-s", "3"
+                 ).start()
     try:
         # Connected clients each announce a 1 MiB PUBLISH (the default maximum).
         header = b"\x30" + _varint(MiB - 8) + b"\x00\x01t"
-        grown, held_peak = _attack(srv, header, budget, connect=True)
+        grown, held_peak = _attack(srv, header, budget, connect=True,
+                                   then=lambda: _offenders_closed(srv, budget))
         assert held_peak <= budget + ATTACKERS * OVERSHOOT_PER_CONNECTION
         assert grown < budget + FIXED_BASE
     finally:
@@ -204,3 +223,159 @@ def test_a_connect_larger_than_the_pre_connect_limit_is_refused_at_once(
     assert s.recv(16) == b""  # closed without reading 15 MiB
     s.close()
     _legit_round_trip(shared_server.port)
+
+
+def _flood(port: int, n: int, version: int, out: Any) -> None:
+    """`n` CONNECTs with new random client ids and persistent sessions, 500 sockets at a
+    time; puts the count of each CONNACK code (or 'none') on `out`."""
+    _raise_nofile()
+    codes: dict[str, int] = {}
+    sent = 0
+    while sent < n:
+        batch = []
+        for _ in range(min(500, n - sent)):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(_connect_packet(os.urandom(8).hex(), clean=False, version=version))
+            batch.append(s)
+        sent += len(batch)
+        for s in batch:
+            try:
+                head = s.recv(4)
+                code = str(head[3]) if len(head) >= 4 else "none"
+            except OSError:
+                code = "none"
+            codes[code] = codes.get(code, 0) + 1
+            s.close()
+    out.put(codes)
+
+
+def _run_flood(port: int, n: int, version: int) -> dict[str, int]:
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_flood, args=(port, n, version, out), daemon=True)
+    proc.start()
+    codes = out.get(timeout=600)
+    proc.join(10)
+    return codes
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.mark.timeout(600)
+def test_anonymous_persistent_sessions_are_capped(tmp_path: Path) -> None:
+    cap = 1000
+    srv = Server(tmp_path, "--max-sessions", str(cap), "--v3-session-expiry-s", "3600").start()
+    try:
+        # A well-behaved device: a persistent v5 session (1 h) made before the flood.
+        dev = Client(srv.port, "device-1", version=5, clean_start=False,
+                     properties=_expiry_props(3600))
+        dev.subscribe("fleet/device-1/cmd", 1)
+        dev.disconnect()
+        pub = Client(srv.port, "app", version=5)
+        started = time.monotonic()
+        v3 = _run_flood(srv.port, SESSIONS * 9 // 10, 4)
+        v5 = _run_flood(srv.port, SESSIONS - SESSIONS * 9 // 10, 5)
+        took = time.monotonic() - started
+        text = _metrics(srv)
+        held = _metric(text, "lightgate_budget_used", "persistent_sessions")
+        size = _dir_bytes(tmp_path)
+        print(f"flood: {SESSIONS} CONNECTs in {took:.1f} s; v3 codes {v3}, v5 codes {v5}; "
+              f"{held:.0f} sessions held; data dir {size / MiB:.1f} MiB")
+        # The newest are refused: the cap counts the device's session too.
+        assert v3.get("0", 0) + v5.get("0", 0) == cap - 1
+        assert v3.get("3", 0) == SESSIONS * 9 // 10 - v3.get("0", 0)  # server unavailable
+        assert v5.get(str(0x97), 0) == SESSIONS - SESSIONS * 9 // 10 - v5.get("0", 0)
+        assert held == cap
+        assert _metric(text, "lightgate_budget_refusals_total", "persistent_sessions") \
+            == SESSIONS - (cap - 1)
+        assert size < 64 * MiB
+        # The device's session works throughout: it gets what was sent while it was away.
+        pub.publish("fleet/device-1/cmd", b"reboot", 1)
+        dev = Client(srv.port, "device-1", version=5, clean_start=False,
+                     properties=_expiry_props(3600))
+        assert dev.connack[0] is True
+        assert [m.payload for m in dev.expect(1)] == [b"reboot"]
+        dev.disconnect()
+        pub.disconnect()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.timeout(120)
+def test_v3_sessions_expire_and_make_room(tmp_path: Path) -> None:
+    cap = 50
+    srv = Server(tmp_path, "--max-sessions", str(cap), "--v3-session-expiry-s", "3").start()
+    try:
+        assert _run_flood(srv.port, 80, 4) == {"0": cap, "3": 80 - cap}
+        # 3.1.1 sessions end after --v3-session-expiry-s; then there is room again.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            text = _metrics(srv)
+            if _metric(text, "lightgate_budget_used", "persistent_sessions") == 0:
+                break
+            time.sleep(0.5)
+        assert _metric(text, "lightgate_sessions_expired_total") >= cap
+        assert _run_flood(srv.port, 10, 4) == {"0": 10}
+    finally:
+        srv.stop()
+
+
+def _expiry_props(seconds: int) -> Any:
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    props = Properties(PacketTypes.CONNECT)
+    props.SessionExpiryInterval = seconds
+    return props
+
+
+def _retain_all(c: Client, topics: list[str], payload: bytes) -> list[int]:
+    """Publish `payload` retained (QoS 1) to each topic; the PUBACK reason codes."""
+    mids = [c.publish(t, payload, 1, retain=True) for t in topics]
+    return [int(getattr(c.pub_codes[m], "value", c.pub_codes[m])) for m in mids]
+
+
+@pytest.mark.timeout(120)
+def test_retained_flood_is_capped_by_count_and_bytes(tmp_path: Path) -> None:
+    srv = Server(tmp_path, "--max-retained", "150", "--max-retained-per-client", "100",
+                 "--max-retained-bytes", "400000", "--max-retained-bytes-per-client",
+                 "250000").start()
+    big = b"x" * 100_000
+    try:
+        c = Client(srv.port, "c", version=5)
+        # Per client bytes: the third 100 kB message would make 300 kB of 250 kB.
+        assert _retain_all(c, ["big/c/0", "big/c/1", "big/c/2"], big) == [0, 0, 0x97]
+        d = Client(srv.port, "d", version=5)
+        # In total: 200 + 200 kB is the budget, a fifth 100 kB is past it.
+        assert _retain_all(d, ["big/d/0", "big/d/1", "big/d/2"], big) == [0, 0, 0x97]
+        # Clearing gives the room back (an empty retained message deletes).
+        _retain_all(c, ["big/c/0", "big/c/1"], b"")
+        a = Client(srv.port, "a", version=5)
+        codes = _retain_all(a, [f"many/a/{i}" for i in range(150)], b"0123456789")
+        assert codes == [0] * 100 + [0x97] * 50  # per client count
+        b = Client(srv.port, "b", version=4)  # 3.1.1: acked, dropped, logged
+        _retain_all(b, [f"many/b/{i}" for i in range(60)], b"0123456789")
+        assert srv.wait_log("retained message limit of 150 reached (--max-retained)", 12)
+        assert _retain_all(a, ["many/a/0"], b"replaced") == [0]  # its own: no new room
+        text = _metrics(srv)
+        assert _metric(text, "lightgate_budget_used", "retained_messages") == 150
+        assert _metric(text, "lightgate_budget_used", "retained_bytes") <= 400_000
+        assert _metric(text, "lightgate_budget_refusals_total", "retained") == 64
+        sub = Client(srv.port, "s", version=5)
+        sub.subscribe("#", 0)
+        got = sub.expect(150)
+        sub.expect_none(0.5)
+        assert len({m.topic for m in got}) == 150
+        assert [m.payload for m in got if m.topic == "many/a/0"] == [b"replaced"]
+        for cl in (a, b, c, d, sub):
+            cl.disconnect()
+        # The budget survives a restart: it is counted from the store on start.
+        srv.stop()
+        srv.start()
+        a = Client(srv.port, "a2", version=5)
+        assert _retain_all(a, ["many/a2/0"], b"1") == [0x97]
+        a.disconnect()
+    finally:
+        srv.stop()
