@@ -379,3 +379,31 @@ def test_retained_flood_is_capped_by_count_and_bytes(tmp_path: Path) -> None:
         a.disconnect()
     finally:
         srv.stop()
+
+
+@pytest.mark.timeout(120)
+def test_topic_depth_and_length_and_offline_bytes(tmp_path: Path) -> None:
+    srv = Server(tmp_path, "--max-topic-levels", "8", "--max-topic-length", "100",
+                 "--max-offline-bytes", "3500").start()
+    try:
+        c = Client(srv.port, "t", version=5)
+        deep, long = "/".join("a" * 9), "t/" + "x" * 120
+        assert [int(getattr(g, "value", g)) for g in c.subscribe([(deep, 0), (long, 0)])] \
+            == [0x8F, 0x8F]
+        assert _retain_all(c, [deep, long], b"x") == [0x90, 0x90]
+        assert _metric(_metrics(srv), "lightgate_budget_refusals_total",
+                       "topic_levels_or_length") == 4
+        # Offline: ten 1,000-byte messages, at most 3,500 bytes kept: the newest three.
+        dev = Client(srv.port, "dev", clean=False)
+        dev.subscribe("off/dev", 1)
+        dev.disconnect()
+        for i in range(10):
+            c.publish("off/dev", b"%d" % i + b"." * 999, 1)
+        dev = Client(srv.port, "dev", clean=False)
+        assert [m.payload[:1] for m in dev.expect(3)] == [b"7", b"8", b"9"]
+        dev.expect_none(0.3)
+        assert srv.wait_log("7 offline messages on 'off/dev' dropped")
+        dev.disconnect()
+        c.disconnect()
+    finally:
+        srv.stop()
