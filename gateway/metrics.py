@@ -136,8 +136,12 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
         limit.add_metric(["native_partial_frame_bytes"], native["limit"])
     yield used
     yield limit
-    yield GaugeMetricFamily("lightgate_partial_packet_bytes_peak",
-                            "Most bytes of partial packets held at once", value=rb.peak)
+    peak = GaugeMetricFamily("lightgate_budget_peak", "The most a budget has held at once",
+                             labels=["budget"])
+    peak.add_metric(["partial_packet_bytes"], rb.peak)
+    if native:
+        peak.add_metric(["native_partial_frame_bytes"], native["peak"])
+    yield peak
     hits = CounterMetricFamily("lightgate_budget_refusals",
                                "Requests refused or connections closed by a budget",
                                labels=["budget"])

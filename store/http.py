@@ -197,21 +197,36 @@ class BodyLimit:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
                 await self._refuse(send)
                 return
-        seen = 0
+        seen, too_large, started = 0, False, False
 
         async def limited() -> Any:
-            nonlocal seen
+            # Past the limit the app is told the client went away, and whatever it
+            # answers to that is dropped for our 413.
+            nonlocal seen, too_large
+            if too_large:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body:
-                    raise _TooLarge
+                    too_large = True
+                    return {"type": "http.disconnect"}
             return message
 
+        async def guarded(message: Any) -> None:
+            nonlocal started
+            if too_large:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._refuse(send)  # (a handler that already answered cannot be here)
+            await self.app(scope, limited, guarded)
+        except Exception:
+            if not too_large:
+                raise
+        if too_large and not started:
+            await self._refuse(send)
 
     async def _refuse(self, send: Any) -> None:
         self.refused += 1
@@ -220,10 +235,6 @@ class BodyLimit:
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 async def serve_http(

@@ -11,6 +11,7 @@ import os
 import re
 import resource
 import socket
+import struct
 import threading
 import time
 import urllib.request
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.conftest import Server
@@ -127,7 +129,7 @@ def _legit_round_trip(port: int, n: int = 20) -> None:
 
 
 def _attack(srv: Server, header: bytes, budget: int, connect: bool = False,
-            then: Callable[[], None] | None = None) -> tuple[int, int]:
+            then: Callable[[], None] | None = None, native: bool = False) -> tuple[int, int]:
     """ATTACKERS sockets send a CONNECT if `connect`, then `header` announcing a
     large packet, then trickle its body; legitimate clients run meanwhile. The server's
     RSS growth and the read budget's peak, in bytes."""
@@ -136,7 +138,8 @@ def _attack(srv: Server, header: bytes, budget: int, connect: bool = False,
     peak = RssPeak(srv.proc.pid)
     ctx = multiprocessing.get_context("fork")
     ready, done, release = ctx.Event(), ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_attacker, args=(srv.port, ATTACKERS, connect, header, ready,
+    port = srv.native_port if native else srv.port
+    proc = ctx.Process(target=_attacker, args=(port, ATTACKERS, connect, header, ready,
                                                done, release), daemon=True)
     proc.start()
     try:
@@ -147,9 +150,12 @@ def _attack(srv: Server, header: bytes, budget: int, connect: bool = False,
             legit += 1
         time.sleep(0.5)
         text = _metrics(srv)
-        assert _metric(text, "lightgate_budget_refusals_total", "partial_packet_paused") > 0
+        which = "native_partial_frame" if native else "partial_packet"
+        assert _metric(text, "lightgate_budget_refusals_total", f"{which}_paused") > 0
         grown = peak.stop() - base
-        held_peak = int(_metric(text, "lightgate_partial_packet_bytes_peak"))
+        held_peak = int(_metric(text, "lightgate_budget_peak",
+                                "native_partial_frame_bytes" if native else
+                                "partial_packet_bytes"))
         if then is not None:
             then()  # with the attackers' sockets still open
     finally:
@@ -405,5 +411,33 @@ def test_topic_depth_and_length_and_offline_bytes(tmp_path: Path) -> None:
         assert srv.wait_log("7 offline messages on 'off/dev' dropped")
         dev.disconnect()
         c.disconnect()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.timeout(180)
+def test_partial_native_frames_stay_within_the_stores_read_budget(tmp_path: Path) -> None:
+    budget = 8 * MiB
+    srv = Server(tmp_path, "--native-max-partial-bytes", str(budget)).start()
+    try:
+        # Native frames announcing 1 MiB each (the port is open without --auth).
+        head = struct.pack(">IBBHII", MiB, 1, 0, 10, 1, 0)  # SEND, no header yet
+        grown, held_peak = _attack(srv, head, budget, native=True)
+        assert held_peak <= budget + ATTACKERS * OVERSHOOT_PER_CONNECTION
+        assert grown < budget + FIXED_BASE
+    finally:
+        srv.stop()
+
+
+def test_http_bodies_past_the_limit_get_413(tmp_path: Path) -> None:
+    srv = Server(tmp_path, "--http-max-body", "4096").start()
+    try:
+        base = f"http://{srv.addrs['http']}"
+        for body in (b"x" * 5000, iter([b"x" * 3000, b"x" * 3000])):  # declared, chunked
+            r = httpx.post(f"{base}/api/v1/login", content=body, timeout=10)
+            assert r.status_code == 413 and "--http-max-body" in r.json()["error"]
+        r = httpx.post(f"{base}/api/v1/login", json={"username": "u", "password": "p"},
+                       timeout=10)
+        assert r.status_code != 413  # small ones are served as before
     finally:
         srv.stop()
