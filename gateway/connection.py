@@ -434,7 +434,10 @@ class Connection:
             except ProtocolError as exc:
                 if exc.packets:  # handled first (a CONNECT too); the next call raises
                     return exc.packets
-                if self.session is None and self.decoder.version == 5:
+                if self.session is None and (self.decoder.version
+                                             or self.decoder.connect_level) == 5:
+                    # MQTT 5 §3.2.2.2, §4.13.1: a bad CONNECT gets a CONNACK with the
+                    # reason code before the close (3.1.1 has no code for these).
                     code = exc.reason_code if exc.reason_code in rc.CONNACK_REASONS \
                         else rc.MALFORMED_PACKET  # e.g. 0x8F has no place in a CONNACK
                     await self._send_now(mqtt.encode(
@@ -517,12 +520,31 @@ class Connection:
         for group in session.groups:
             group.wake()  # a member is back
 
-    async def _refuse(self, v: int, code5: int, code3: int, why: str) -> None:
-        """CONNACK with a failure code, then close (no will: it never connected)."""
+    async def _refuse(self, v: int, code5: int, code3: int | None, why: str) -> None:
+        """CONNACK with a failure code, then close (no will: it never connected).
+        `code3` None: 3.1.1 has no return code for it, the connection just closes."""
         code = code5 if v == 5 else code3
-        props = self._reason(why) if v == 5 else {}
-        await self._send_now(mqtt.encode(Connack(False, code, props), v))
+        if code is not None:
+            props = self._reason(why) if v == 5 else {}
+            await self._send_now(mqtt.encode(Connack(False, code, props), v))
         raise Closing(f"connect refused: {why}", will=False)
+
+    async def _check_will(self, will: mqtt.Will, v: int) -> None:
+        """What the codec cannot know about a will: this server's limits (MQTT 5
+        §3.2.2.2: CONNACK 0x90, 0x9B, 0x99 before the close)."""
+        b = self.broker
+        topic = will.topic
+        if len(topic) > b.max_topic_length or topic.count("/") >= b.max_topic_levels:
+            b.stats.topic_refusals += 1
+            await self._refuse(v, rc.TOPIC_NAME_INVALID, None, "will topic past "
+                               "--max-topic-levels or --max-topic-length")
+        if v == 5 and will.qos > self.config.max_qos:  # [MQTT-3.2.2-12]
+            await self._refuse(v, rc.QOS_NOT_SUPPORTED, None, f"will QoS {will.qos} is "
+                               f"above the maximum QoS {self.config.max_qos}")
+        if will.properties.get("payload_format_indicator") == 1 \
+                and not _is_utf8(will.payload):  # §3.1.3.2.3
+            await self._refuse(v, rc.PAYLOAD_FORMAT_INVALID, None,
+                               "will payload is not UTF-8 as its format indicator says")
 
     async def _admit(self, p: Connect, v: int, client_id: str) -> None:
         """Connection limits, then authentication and the will's PUB right."""
@@ -547,6 +569,8 @@ class Connection:
                 await self._refuse(v, rc.NOT_AUTHORIZED, 5, "not authorized")
             await self._refuse(v, rc.BAD_USER_NAME_OR_PASSWORD, 4, "bad user name or password")
         self._ask_hook = broker.auth.asks_hook(self.subject)
+        if p.will is not None:
+            await self._check_will(p.will, v)
         if p.will is not None and (p.will.topic.startswith("$")  # the server's, as below
                                    or not await self._may_ask("PUB", p.will.topic)):
             await self._refuse(v, rc.NOT_AUTHORIZED, 5, "will topic not authorized")

@@ -184,8 +184,8 @@ class Decoder:
     After a ProtocolError the decoder is dead: every later `feed` re-raises it.
     """
 
-    __slots__ = ("max_packet_size", "first_packet_max", "server", "version", "_buf", "_need",
-                 "_error")
+    __slots__ = ("max_packet_size", "first_packet_max", "server", "version", "connect_level",
+                 "_buf", "_need", "_error")
 
     def __init__(
         self,
@@ -206,6 +206,9 @@ class Decoder:
         # None until CONNECT is decoded (server side). Giving it to a server decoder means
         # the CONNECT was handled elsewhere.
         self.version = version
+        # The protocol level of a CONNECT that failed to decode, once read: the server's
+        # CONNACK with the reason code must be in that version (MQTT 5 §3.2.2.2).
+        self.connect_level: int | None = None
         self._buf = bytearray()
         self._need = 0  # total buffered bytes needed before parsing is worth retrying
         self._error: ProtocolError | None = None
@@ -274,6 +277,8 @@ class Decoder:
                 raise _protocol("the first packet must be CONNECT")
             end = p + rl
             if end - pos > max_size:
+                if version is None and server:
+                    self.connect_level = _peek_level(data, p, n)
                 raise ProtocolError(
                     PACKET_TOO_LARGE, f"packet of {end - pos} bytes exceeds {max_size}"
                 )
@@ -304,6 +309,7 @@ class Decoder:
         level = data[p]
         if PROTOCOL_NAMES.get(level) != name:
             raise UnsupportedProtocolError(name, level)
+        self.connect_level = level
         if p + 4 > end:
             raise _malformed("truncated CONNECT")
         cflags = data[p + 1]
@@ -333,7 +339,13 @@ class Decoder:
             will_props: Properties = {}
             if level == 5:
                 will_props, p = decode_properties(data, p, end, WILL)
-            will_topic, p = read_str(data, p, end)
+            try:
+                will_topic, p = read_str(data, p, end)
+            except ProtocolError as exc:
+                if "truncated" in exc.message:
+                    raise
+                # Not UTF-8 (or U+0000): a will topic the server cannot accept, 0x90.
+                raise ProtocolError(TOPIC_NAME_INVALID, f"will topic: {exc.message}") from None
             try:
                 validate_topic_name(will_topic)
             except TopicError as exc:
@@ -558,6 +570,16 @@ class Decoder:
 
 
 _QOS_OPTIONS = (SubscriptionOptions(0), SubscriptionOptions(1), SubscriptionOptions(2))
+
+
+def _peek_level(data: bytes, p: int, n: int) -> int | None:
+    """The protocol level of a CONNECT body at `p`, if its start is there and valid."""
+    try:
+        name, q = read_str(data, p, n)
+    except ProtocolError:
+        return None
+    level = data[q] if q < n else None
+    return level if level is not None and PROTOCOL_NAMES.get(level) == name else None
 
 
 def _packet_id(data: bytes, p: int, end: int) -> tuple[int, int]:

@@ -96,6 +96,14 @@ def test_3_2_2_2_bad_connect_gets_connack_reason_code(shared_server, what, data,
     assert closed, what
 
 
+def test_3_2_2_2_connect_too_large(shared_server) -> None:
+    # Past --max-connect-packet (64 KiB): 0x95 Packet too large, read before the body.
+    data = mqtt.encode(mqtt.Connect("big", 5, "MQTT", True, 60, username="u" * 2000,
+                                     password=b"x" * 65_000), 5)
+    ack, closed = _connack(shared_server.port, data, 5)
+    assert ack is not None and ack.reason_code == rc.PACKET_TOO_LARGE and closed
+
+
 def test_3_2_2_2_unsupported_protocol_level(shared_server) -> None:
     # MQTT 5 §3.1.2.2 [MQTT-3.1.2-2]: 0x84 in a v5 CONNACK for a version 5 client.
     ack, closed = _connack(shared_server.port, _connect(name=b"MQIsdp", level=5), 5)
