@@ -53,7 +53,7 @@ from typing import Any
 
 from lightqueue.topic import TopicError, validate_topic_name
 
-from .reason import MALFORMED_PACKET, PROTOCOL_ERROR, ProtocolError
+from .reason import MALFORMED_PACKET, PROTOCOL_ERROR, TOPIC_ALIAS_INVALID, ProtocolError
 
 Properties = dict[str, Any]
 
@@ -280,7 +280,9 @@ def decode_properties(data: bytes, pos: int, end: int, ptype: int) -> tuple[Prop
                 raise ProtocolError(PROTOCOL_ERROR, f"{name} must be 0 or 1")
         elif name in _NONZERO:
             if value == 0:
-                raise ProtocolError(PROTOCOL_ERROR, f"{name} must not be 0")
+                # MQTT 5 §3.3.2.3.4: a Topic Alias of 0 is 0x94 Topic Alias invalid.
+                code = TOPIC_ALIAS_INVALID if name == "topic_alias" else PROTOCOL_ERROR
+                raise ProtocolError(code, f"{name} must not be 0")
         elif name == "response_topic":
             try:
                 validate_topic_name(value)

@@ -382,7 +382,7 @@ def F(first: int, *parts: str | bytes) -> bytes:  # noqa: N802
         (5, F(0x30, s("a"), "0a", "0200000001", "0200000002"), P),  # duplicate property
         (5, F(0x30, s("a"), "02", "0b01"), P),  # subscription id from a client
         (5, F(0x30, s("a"), "02", "0102"), P),  # payload format indicator 2
-        (5, F(0x30, s("a"), "03", "230000"), P),  # topic alias 0
+        (5, F(0x30, s("a"), "03", "230000"), rc.TOPIC_ALIAS_INVALID),  # topic alias 0
         (5, F(0x30, s("a"), "0a", "2300"), M),  # property length beyond packet
         (5, F(0x30, s("a"), "01", "23"), M),  # truncated property value
         (5, F(0x30, s("a"), "84808080", "00"), M),  # 5-byte property length
