@@ -201,6 +201,8 @@ class Connection:
             log.info("client %r (%s) disconnected: %s", s.client_id, self.peer, closing)
             self.broker.stats.connections -= 1
             self._give_back_shared(s)
+            if self._aliases_out:
+                _unalias_outgoing(s)
             will, s.will = s.will, None
             if will is not None and closing.will:
                 self.broker.schedule_will(s, will)
@@ -1191,7 +1193,7 @@ class Connection:
                     self.broker.stats.expired += 1
                     return None  # expired messages are not delivered
                 props = dict(publish_properties(msg.properties), message_expiry_interval=left)
-            elif self._alias_out_max and not qos:
+            elif self._alias_out_max:
                 props = dict(publish_properties(msg.properties))
         if props is None:
             if queue is not None and len(self.broker.queue_subs.get(queue, ())) == 1:
@@ -1205,9 +1207,9 @@ class Connection:
             return self._fits(msg, self.broker.template(msg).for_subscriber(
                 pid, False, version=v, qos=qos, retain=retain, subscription_ids=sids))
         topic, new_alias = msg.topic, False
-        if self._alias_out_max and not qos:
-            # Aliases only on QoS 0: a QoS 1/2 packet may be resent on a new connection,
-            # where this connection's aliases mean nothing.
+        if self._alias_out_max:
+            # On QoS 1/2 too: what is in flight when this connection ends loses its alias
+            # (_close), as a resend on another connection must carry the topic name.
             if self._aliases_out is None:
                 self._aliases_out = {}
             alias = self._aliases_out.get(topic)
@@ -1265,6 +1267,18 @@ def _publish_props(msg: Message, sids: list[int] | None) -> dict[str, Any] | Non
     if sids:
         props = dict(props, subscription_identifier=sids)
     return props or None
+
+
+def _unalias_outgoing(s: Session) -> None:
+    """The Topic Alias mapping belongs to one network connection (MQTT 5 §3.3.2.3.4):
+    what this one sent and may be resent on the next carries its topic name instead."""
+    for o in s.outgoing.values():
+        if o.version == 5 and o.message is not None and o.state == "publish":
+            [p] = mqtt.Decoder(server=False, version=5).feed(o.data)
+            if "topic_alias" in p.properties:
+                props = {k: v for k, v in p.properties.items() if k != "topic_alias"}
+                o.data = mqtt.encode(Publish(o.message.topic, p.payload, p.qos, p.retain,
+                                             False, p.packet_id, props), 5)
 
 
 def _with_dup(data: bytes) -> bytes:
