@@ -1084,6 +1084,8 @@ class Connection:
         retain = msg.retain and any(x.options.retain_as_published for x in subs)
         sids = [x.subscription_id for x in subs if x.subscription_id] \
             if self.version == 5 else None
+        if sids and len(sids) > 1:  # one copy: each distinct identifier once (§3.3.4)
+            sids = list(dict.fromkeys(sids))
         await self._push(msg, qos, retain, sids, queue, offset, buffered=True)
 
     async def flush_out(self) -> None:
