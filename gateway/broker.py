@@ -183,6 +183,9 @@ class Broker:
         self._group_scopes: dict[tuple[str, str], trio.CancelScope] = {}
         self.queue_groups: dict[str, set[SharedGroup]] = {}
         self._nursery: trio.Nursery | None = None
+        # Wills waiting out their Will Delay Interval, by client id: (will, due as epoch
+        # seconds, the scope that cancels the wait). Kept in the session's record too.
+        self._pending_wills: dict[str, tuple[Will, float, trio.CancelScope]] = {}
 
     def assign_client_id(self) -> str:
         """An id for a client that sent none: unique across restarts and gateways."""
@@ -302,6 +305,13 @@ class Broker:
         if session is not None and session.connection is not None:
             await session.connection.take_over()  # closed, will sent, session detached
             session = self.sessions.get(client_id)
+        pending = self._pending_wills.pop(client_id, None)
+        if pending is not None:
+            pending[2].cancel()
+            if clean_start:  # the session ends: its will goes now [MQTT-3.1.2-8]
+                self._spawn(self.publish_will, client_id, pending[0])
+            else:  # back within the delay: no will [MQTT-3.1.3-9]
+                await self._drop_stored_will(client_id, pending[1])
         if clean_start:
             if session is not None or await self.store.meta_get("sessions", client_id):
                 await self.discard_session(client_id)
@@ -406,10 +416,14 @@ class Broker:
                 await self.discard_session(session.client_id)
             return
         await self.flush_offsets(session)
-        await self.store.meta_put("sessions", session.client_id, {
-            "version": session.version, "expiry": session.expiry,
-            "disconnected_at": session.disconnected_at,
-        })
+        info: dict[str, Any] = {"version": session.version, "expiry": session.expiry,
+                                "disconnected_at": session.disconnected_at}
+        pending = self._pending_wills.get(session.client_id)
+        if pending is not None:  # kept with the session: published after a restart too
+            will, due, _ = pending
+            info["will"] = {"topic": will.topic, "payload": will.payload, "qos": will.qos,
+                            "retain": will.retain, "props": will.properties, "due": due}
+        await self.store.meta_put("sessions", session.client_id, info)
         if session.expiry != NEVER_EXPIRES:
             self._spawn(self._expire_later, session)
 
@@ -513,16 +527,56 @@ class Broker:
         elif not s.persistent:
             delay = 0
         if delay <= 0 or self._nursery is None:
-            self._spawn(self.publish_will, s, will)
+            self._spawn(self.publish_will, s.client_id, will)
         else:
-            self._spawn(self._delayed_will, s, will, delay)
+            self._hold_will(s.client_id, will, time.time() + delay, restored=False)
 
-    async def _delayed_will(self, s: Session, will: Will, delay: float) -> None:
-        await trio.sleep(delay)
-        current = self.sessions.get(s.client_id)
-        if current is s and s.connection is not None:
-            return  # reconnected in time: no will
-        await self.publish_will(s, will)
+    def _hold_will(self, client_id: str, will: Will, due: float, restored: bool) -> None:
+        """Publish `will` at `due` unless a connection to its session comes first
+        (open_session cancels it) [MQTT-3.1.3-9]."""
+        scope = trio.CancelScope()
+        self._pending_wills[client_id] = (will, due, scope)
+        self._spawn(self._delayed_will, client_id, will, due, scope, restored)
+
+    async def _delayed_will(self, client_id: str, will: Will, due: float,
+                            scope: trio.CancelScope, restored: bool) -> None:
+        with scope:
+            await trio.sleep(max(0.0, due - time.time()))
+        pending = self._pending_wills.get(client_id)
+        if scope.cancelled_caught or pending is None or pending[2] is not scope:
+            return  # the client is back (or a newer will took its place)
+        del self._pending_wills[client_id]
+        if restored:
+            # Read from the store at start: the client may have come back through
+            # another gateway, which rewrote the record without the will.
+            info = await self.store.meta_get("sessions", client_id)
+            if info is not None and "will" not in info:
+                return
+        await self.publish_will(client_id, will)
+        async with self._connect_lock(client_id):
+            await self._drop_stored_will(client_id, due)
+
+    async def _drop_stored_will(self, client_id: str, due: float) -> None:
+        """Remove the will due at `due` from the session's record (it went, or the
+        client is back); a record written since is left alone."""
+        info = await self.store.meta_get("sessions", client_id)
+        if info is not None and (info.get("will") or {}).get("due") == due:
+            del info["will"]
+            await self.store.meta_put("sessions", client_id, info)
+
+    async def _restore_wills(self) -> None:
+        """Wills whose delay was running when the gateway stopped: published when due,
+        or at once if overdue (the record holds when)."""
+        try:
+            items = await self.store.meta_items("sessions")
+        except StoreError as exc:
+            log.warning("pending wills not restored: %s", exc)
+            return
+        for client_id, info in items:
+            w = info.get("will")
+            if w and client_id not in self._pending_wills:
+                will = Will(w["topic"], w["payload"], w["qos"], w["retain"], w["props"] or {})
+                self._hold_will(client_id, will, w["due"], restored=True)
 
     def _spawn(self, fn: Any, *args: Any) -> None:
         if self._nursery is not None:
@@ -593,23 +647,23 @@ class Broker:
             await self.set_retained(stored)
         return stored
 
-    async def publish_will(self, s: Session, will: Will) -> None:
+    async def publish_will(self, client_id: str, will: Will) -> None:
         props = {k: v for k, v in will.properties.items() if k != "will_delay_interval"}
         retain = will.retain
         if retain and will.payload:
-            why = self.retained.admit(will.topic, s.client_id, len(will.payload))
+            why = self.retained.admit(will.topic, client_id, len(will.payload))
             if why is not None:  # still published, not retained
                 self.stats.limit_refusals += 1
-                log.warning("will of %r on %r not retained: %s", s.client_id, will.topic, why)
+                log.warning("will of %r on %r not retained: %s", client_id, will.topic, why)
                 retain = False
-        msg = Message(will.topic, will.payload, will.qos, retain, s.client_id,
+        msg = Message(will.topic, will.payload, will.qos, retain, client_id,
                       props, born_ts=int(time.time() * 1000))
         try:
             await self.publish_message(msg)
             self.stats.wills += 1
-            log.info("will of %r published on %r", s.client_id, will.topic)
+            log.info("will of %r published on %r", client_id, will.topic)
         except Exception:
-            log.exception("will of %r could not be published", s.client_id)
+            log.exception("will of %r could not be published", client_id)
 
     async def set_retained(self, msg: Message) -> None:
         if msg.body:
@@ -659,6 +713,7 @@ class Broker:
         await self.load_budgets()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            await self._restore_wills()  # before the expiry check may end their sessions
             task_status.started()
             nursery.start_soon(self._offsets_loop)
             nursery.start_soon(self._expiry_loop)
