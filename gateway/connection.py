@@ -201,7 +201,7 @@ class Connection:
             log.info("client %r (%s) disconnected: %s", s.client_id, self.peer, closing)
             self.broker.stats.connections -= 1
             self._give_back_shared(s)
-            if self._aliases_out:
+            if self._aliases_out and s.persistent:  # else nothing is resent
                 _unalias_outgoing(s)
             will, s.will = s.will, None
             if will is not None and closing.will:
