@@ -1,0 +1,239 @@
+"""A raw-socket MQTT peer for the conformance tests: packets out as bytes (built by hand
+where they must be wrong), packets in through the project's codec (client side)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+import uuid
+from typing import Any
+
+from gateway import mqtt
+
+TIMEOUT = 3.0
+
+
+def uid(prefix: str = "c") -> str:
+    return f"{prefix}{uuid.uuid4().hex[:10]}"
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        n, b = divmod(n, 128)
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def s(text: str | bytes) -> bytes:
+    """A length-prefixed string (bytes are sent as given, valid UTF-8 or not)."""
+    data = text.encode() if isinstance(text, str) else text
+    return struct.pack("!H", len(data)) + data
+
+
+def frame(b0: int, body: bytes) -> bytes:
+    return bytes([b0]) + varint(len(body)) + body
+
+
+def props(*items: bytes) -> bytes:
+    """A property block from already-encoded (id + value) items."""
+    body = b"".join(items)
+    return varint(len(body)) + body
+
+
+def connect_bytes(client_id: bytes | str = b"", flags: int = 0x02, level: int = 5,
+                  name: bytes = b"MQTT", keepalive: int = 60, cprops: bytes = b"\x00",
+                  payload_tail: bytes = b"") -> bytes:
+    """A CONNECT built by hand: `flags` and `payload_tail` (will, user name, password)
+    are taken as they are, consistent or not."""
+    cid = client_id if isinstance(client_id, bytes) else client_id.encode()
+    var = s(name) + bytes([level, flags]) + struct.pack("!H", keepalive)
+    if level == 5:
+        var += cprops
+    return frame(0x10, var + s(cid) + payload_tail)
+
+
+def publish_bytes(topic: bytes | str, payload: bytes = b"", qos: int = 0, pid: int = 1,
+                  pprops: bytes = b"\x00", b0: int | None = None, version: int = 5) -> bytes:
+    head = 0x30 | (qos << 1) if b0 is None else b0
+    body = s(topic) + (struct.pack("!H", pid) if (head >> 1) & 3 else b"")
+    if version == 5:
+        body += pprops
+    return frame(head, body + payload)
+
+
+class Peer:
+    """One client connection."""
+
+    def __init__(self, port: int, version: int = 5, timeout: float = TIMEOUT) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.version = version
+        self.decoder = mqtt.Decoder(server=False, version=version)
+        self.pending: list[Any] = []
+        self.raw_in = bytearray()
+        self.garbled = False
+
+    # -- sending --------------------------------------------------------------------
+    def send(self, packet: Any) -> None:
+        self.sock.sendall(mqtt.encode(packet, self.version))
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def connect(self, client_id: str = "", clean: bool = True, keepalive: int = 60,
+                will: mqtt.Will | None = None, check: bool = True, **properties: Any) -> Any:
+        self.send(mqtt.Connect(client_id=client_id, protocol_level=self.version,
+                               clean_start=clean, keepalive=keepalive, will=will,
+                               properties=properties))
+        ack = self.recv()
+        assert isinstance(ack, mqtt.Connack), ack
+        if check:
+            assert ack.reason_code == 0, ack
+        return ack
+
+    def subscribe(self, topic_filter: str, qos: int = 0, pid: int = 1, sid: int | None = None,
+                  **opts: Any) -> Any:
+        p = {"subscription_identifier": sid} if sid else {}
+        self.send(mqtt.Subscribe(pid, [(topic_filter, mqtt.SubscriptionOptions(qos, **opts))],
+                                 p))
+        return self.expect(mqtt.Suback)
+
+    def publish(self, topic: str, payload: bytes = b"", qos: int = 0, pid: int | None = None,
+                retain: bool = False, **properties: Any) -> Any:
+        """Publish; for QoS 1/2 wait for the PUBACK/PUBREC (and complete QoS 2)."""
+        pid = pid or (1 if qos else None)
+        self.send(mqtt.Publish(topic, payload, qos, retain, False, pid, properties))
+        if qos == 1:
+            return self.expect(mqtt.Puback)
+        if qos == 2:
+            rec = self.expect(mqtt.Pubrec)
+            if rec.reason_code < 0x80:
+                self.send(mqtt.Pubrel(pid))
+                self.expect(mqtt.Pubcomp)
+            return rec
+        return None
+
+    def disconnect(self, code: int = 0, **properties: Any) -> None:
+        try:
+            self.send(mqtt.Disconnect(code, properties))
+        except OSError:
+            pass
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    # -- receiving ------------------------------------------------------------------
+    def _fill(self, timeout: float) -> bool:
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(65536)
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            raise ConnectionError("closed by the server")
+        self.raw_in += data
+        if not self.garbled:
+            try:
+                self.pending.extend(self.decoder.feed(data))
+            except mqtt.ProtocolError:
+                self.garbled = True  # not 5.0 (a 3.1.1 CONNACK to an unknown version)
+                raise
+        return True
+
+    def recv(self, timeout: float = TIMEOUT) -> Any:
+        deadline = time.monotonic() + timeout
+        while not self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no packet")
+            self._fill(left)
+        return self.pending.pop(0)
+
+    def expect(self, cls: type, timeout: float = TIMEOUT) -> Any:
+        """The next packet of this type; others before it are kept for later."""
+        skipped: list[Any] = []
+        try:
+            while True:
+                p = self.recv(timeout)
+                if isinstance(p, cls):
+                    return p
+                skipped.append(p)
+        finally:
+            self.pending[:0] = skipped
+
+    def messages(self, n: int, timeout: float = TIMEOUT, ack: bool = True) -> list[Any]:
+        """The next `n` PUBLISH packets (acknowledged unless `ack` is False)."""
+        out = []
+        for _ in range(n):
+            p = self.expect(mqtt.Publish, timeout)
+            out.append(p)
+            if ack:
+                self.ack(p)
+        return out
+
+    def ack(self, p: Any) -> None:
+        if p.qos == 1:
+            self.send(mqtt.Puback(p.packet_id))
+        elif p.qos == 2:
+            self.send(mqtt.Pubrec(p.packet_id))
+            self.expect(mqtt.Pubrel)
+            self.send(mqtt.Pubcomp(p.packet_id))
+
+    def quiet(self, seconds: float = 0.6, cls: type = mqtt.Publish) -> bool:
+        """True if no packet of type `cls` arrives within `seconds`."""
+        try:
+            p = self.expect(cls, seconds)
+        except TimeoutError:
+            return True
+        self.pending.insert(0, p)
+        return False
+
+    def closed(self, timeout: float = TIMEOUT) -> bool:
+        """True if the server closes the connection within `timeout`; the packets that
+        came first stay in `pending` (a CONNACK or DISCONNECT with a reason code)."""
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._fill(left)
+        except ConnectionError:
+            return True
+        except TimeoutError:
+            return False
+        except mqtt.ProtocolError:  # bytes our decoder does not take: read on, raw
+            return self.closed(max(0.0, deadline - time.monotonic()))
+
+    def refused(self, timeout: float = TIMEOUT) -> list[Any]:
+        """Assert the server closes the connection; any CONNACK/DISCONNECT it sends
+        first must carry a failure code. Returns those packets."""
+        assert self.closed(timeout), f"connection left open; got {self.pending}"
+        for p in self.pending:
+            if isinstance(p, (mqtt.Connack, mqtt.Disconnect)):
+                assert p.reason_code >= 0x80, p
+        return list(self.pending)
+
+
+def connected(port: int, client_id: str | None = None, version: int = 5, **kw: Any) -> Peer:
+    peer = Peer(port, version)
+    peer.connect(client_id if client_id is not None else uid(), **kw)
+    return peer
+
+
+def subscribe_bytes(pid: int, filters: list[tuple[bytes | str, int]], sprops: bytes = b"\x00",
+                    b0: int = 0x82, version: int = 5) -> bytes:
+    """SUBSCRIBE by hand: (filter, options byte) pairs, taken as they are."""
+    body = struct.pack("!H", pid) + (sprops if version == 5 else b"")
+    for f, opts in filters:
+        body += s(f) + bytes([opts])
+    return frame(b0, body)
+
+
+def unsubscribe_bytes(pid: int, filters: list[bytes | str], b0: int = 0xA2,
+                      version: int = 5) -> bytes:
+    body = struct.pack("!H", pid) + (b"\x00" if version == 5 else b"")
+    return frame(b0, body + b"".join(s(f) for f in filters))
