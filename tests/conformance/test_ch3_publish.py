@@ -214,8 +214,6 @@ def test_mqtt_3_3_2_7(port: int) -> None:
     c.refused()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19 item 2: Topic Alias 0 must be refused "
-                   "with 0x94")
 def test_mqtt_3_3_2_8(port: int) -> None:
     """[MQTT-3.3.2-8] Topic Alias 0: DISCONNECT 0x94 and closed."""
     got = refused_publish(port, publish_bytes("p/x", b"x", pprops=props(b"\x23\x00\x00")))
