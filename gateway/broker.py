@@ -395,6 +395,10 @@ class Broker:
         if s is None or s.persistent:
             self.persistent_sessions = max(0, self.persistent_sessions - 1)
         if s is not None:
+            for o in s.outgoing.values():
+                if o.group is not None:  # a QoS 2 kept for it: nobody else gets it
+                    o.group.acked(o.offset)
+        if s is not None:
             for sub in list(s.subscriptions.values()):
                 if sub.shared:
                     await self._leave_group(s, sub.shared)

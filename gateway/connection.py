@@ -53,6 +53,7 @@ STORE_DRAIN_S = 10.0  # at close, how long publishes already submitted may take 
 
 
 READ_SIZE = 65536  # one socket read
+REASON_OVERHEAD = 16  # fixed header, packet id, reason code, property lengths
 
 
 class Closing(Exception):
@@ -237,11 +238,20 @@ class Connection:
                     await self._store_effects(s, p, stored)
 
     def _give_back_shared(self, s: Session) -> None:
-        """Shared-subscription messages this client did not acknowledge go to others."""
+        """Shared-subscription messages this client did not acknowledge: a QoS 1 one goes
+        to another member. A QoS 2 one stays with this session, to be completed when it
+        reconnects [MQTT-4.8.2-4], and if the session ends here, no other member gets it
+        [MQTT-4.8.2-5] (it may have been delivered already: exactly once comes first)."""
         for pid, o in list(s.outgoing.items()):
-            if o.group is not None:
-                del s.outgoing[pid]
-                o.group.take_back(o.message)
+            if o.group is None:
+                continue
+            if o.qos == 2:
+                if not s.persistent:
+                    del s.outgoing[pid]
+                    o.group.acked(o.offset)
+                continue
+            del s.outgoing[pid]
+            o.group.take_back(o.message)
 
     async def take_over(self) -> None:
         """A new connection claims this client id: close this one and wait until the
@@ -361,8 +371,16 @@ class Connection:
             pass
 
     def _reason(self, text: str) -> dict[str, Any]:
-        """A reason string, unless the client asked for no problem information."""
-        return {"reason_string": text[:200]} if self.problem_info else {}
+        """A reason string, unless the client asked for no problem information, cut to
+        what keeps the packet within the client's Maximum Packet Size, and left out if
+        nothing useful fits [MQTT-3.2.2-19, 3.4.2-2, 3.5.2-2, 3.14.2-3]."""
+        if not self.problem_info:
+            return {}
+        # An ack, CONNACK or DISCONNECT with a reason code and this one property is at
+        # most REASON_OVERHEAD bytes besides the string itself.
+        room = max(0, min(200, self.client_max_packet - REASON_OVERHEAD))
+        data = text.encode()[:room].decode("utf-8", "ignore")
+        return {"reason_string": data} if len(data) >= 8 else {}
 
     # -- reading ----------------------------------------------------------------------
     async def _read_loop(self, nursery: trio.Nursery) -> None:

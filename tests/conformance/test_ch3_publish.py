@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from gateway import mqtt
 from tests.conformance.wire import Peer, connected, props, publish_bytes, s, uid
 
@@ -395,8 +393,6 @@ def test_mqtt_3_4_2_1(port: int) -> None:
     assert set(codes) <= PUBACK_CODES and codes[1] >= 0x80
 
 
-@pytest.mark.xfail(strict=True, reason="defect: a refusing PUBACK keeps its Reason String "
-                   "past the client's Maximum Packet Size")
 def test_mqtt_3_4_2_2(port: int) -> None:
     """[MQTT-3.4.2-2] A refusing PUBACK fits the client's Maximum Packet Size (8)."""
     c = connected(port, maximum_packet_size=8)
@@ -413,8 +409,6 @@ def test_mqtt_3_5_2_1(port: int) -> None:
     assert set(codes) <= PUBACK_CODES and codes[1] >= 0x80
 
 
-@pytest.mark.xfail(strict=True, reason="defect: a refusing PUBREC keeps its Reason String "
-                   "past the client's Maximum Packet Size")
 def test_mqtt_3_5_2_2(port: int) -> None:
     """[MQTT-3.5.2-2] A refusing PUBREC fits the client's Maximum Packet Size (8)."""
     c = connected(port, maximum_packet_size=8)

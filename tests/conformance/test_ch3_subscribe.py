@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from gateway import mqtt
 from tests.conformance.wire import (
     Peer,
@@ -301,8 +299,6 @@ def test_mqtt_3_14_2_2(port: int) -> None:
         assert "session_expiry_interval" not in p.properties
 
 
-@pytest.mark.xfail(strict=True, reason="defect: the Server's DISCONNECT keeps its Reason "
-                   "String past the client's Maximum Packet Size")
 def test_mqtt_3_14_2_3(port: int) -> None:
     """[MQTT-3.14.2-3] The Server's DISCONNECT fits the client's Maximum Packet Size (8)."""
     got = refused_after_connect(port, b"\x20\x02\x00\x00", maximum_packet_size=8)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from gateway import mqtt
 from tests.conformance.wire import Peer, connected, publish_bytes, subscribe_bytes, uid
 
@@ -392,8 +390,6 @@ def test_mqtt_4_8_2_3(port: int) -> None:
     assert c.messages(1)[0].qos == 0
 
 
-@pytest.mark.xfail(strict=True, reason="defect: the shared-subscription QoS 2 message is "
-                   "resent on reconnect under a new Packet Identifier, not its original one")
 def test_mqtt_4_8_2_4(port: int) -> None:
     """[MQTT-4.8.2-4] A QoS 2 message in flight to a member whose link breaks is completed
     to that member when it comes back."""
@@ -406,8 +402,6 @@ def test_mqtt_4_8_2_4(port: int) -> None:
     assert (again.payload, again.packet_id) == (b"x", m.packet_id)
 
 
-@pytest.mark.xfail(strict=True, reason="defect: a QoS 2 message unacknowledged by a shared "
-                   "member whose Session ended is sent to another member")
 def test_mqtt_4_8_2_5(port: int) -> None:
     """[MQTT-4.8.2-5] If that member's Session ends first, no other member gets it."""
     topic, group = uid("o/"), uid("g")
