@@ -482,7 +482,7 @@ class Broker:
             return g
         pos = await self.store.meta_get("offsets", group_key(group, topic_filter))
         cursor = pos["acked"] if pos else await self.store.queue_end(topic_filter)
-        g = self.groups[key] = SharedGroup(self, group, topic_filter, cursor)
+        g = self.groups[key] = SharedGroup(self.cache, group, topic_filter, cursor)
         self.queue_groups.setdefault(topic_filter, set()).add(g)
         assert self._nursery is not None, "housekeeping must run before clients connect"
         scope = self._group_scopes[key] = trio.CancelScope()
