@@ -33,10 +33,8 @@ from gateway.session import (
 )
 from gateway.shared import SharedGroup, group_key
 from lightqueue.topic import is_wildcard, matches
-from store.auth import AUTH_EVENT, AuthManager
-from store.commitlog import StoreError
-from store.read_budget import ReadBudget
-from store.record import Message
+from serving.read_budget import ReadBudget
+from store.api import AUTH_EVENT, AuthManager, Message, Store, StoreError
 
 log = logging.getLogger("lightgate.gateway")
 
@@ -154,7 +152,7 @@ class Stats:
 
 
 class Broker:
-    def __init__(self, store: Any, config: GatewayConfig | None = None,
+    def __init__(self, store: Store, config: GatewayConfig | None = None,
                  auth: AuthManager | None = None) -> None:
         self.store = store
         self.config = config or GatewayConfig()

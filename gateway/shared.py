@@ -16,8 +16,7 @@ from typing import Protocol
 import trio
 
 from gateway.session import NUL, Session
-from store.commitlog import StoreError
-from store.record import Message
+from store.api import Message, StoreError
 
 log = logging.getLogger("lightgate.gateway.shared")
 

@@ -25,7 +25,7 @@ from lightgate.settings import (
     STORE_CMD_SETTINGS,
     all_settings,
 )
-from store.startup import StartupError, first_of
+from serving.startup import StartupError, first_of
 
 
 def _add_settings(
