@@ -2,7 +2,7 @@
 
 Lists take `?limit=` (default 100, at most 1000), `?offset=` and `?q=` (substring of the
 client id and/or topic); they answer `{"items": [...], "total": n, "limit", "offset"}`.
-Errors are `{"error": "..."}` (store.http.make_app maps every exception to that).
+Errors are `{"error": "..."}` (serving.http.make_app maps every exception to that).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from gateway.broker import Broker
 from gateway.metrics import metrics_route
 from gateway.session import NUL, Session
 from lightqueue.routing import split_partition_queue
-from store.http import paginate, topic_rows
+from serving.http import paginate
+from store.api import Store, topic_rows
 
 DASHBOARD = Path(__file__).with_name("dashboard")  # served from the package: no CDN
 MSG_ID = re.compile(r"[0-9A-Fa-f]{16}")
@@ -100,7 +101,7 @@ def _store_summary(stats: dict[str, Any] | None) -> dict[str, Any]:
             "dispatch_lag": max(0, log["max_offset"] - stats["index_checkpoint"])}
 
 
-async def _store_stats(store: Any) -> dict[str, Any] | None:
+async def _store_stats(store: Store) -> dict[str, Any] | None:
     try:
         return await store.get_stats()
     except Exception:

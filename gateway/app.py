@@ -20,14 +20,22 @@ from gateway.admin import gateway_routes
 from gateway.broker import Broker, GatewayConfig
 from gateway.listener import ListenerConfig, start_listeners
 from notify import LocalBus, open_bus
-from store.app import shutdown_signals, stop_on_signal, store_node
-from store.auth import AuthConfig, AuthManager
-from store.auth.audit import to_file as audit_to_file
-from store.auth.chain import BackendConfig
-from store.client import AuthFailed, NativeClient, RemoteStore, StoreUnavailable
-from store.http import make_app, serve_http, store_routes
-from store.service import StoreConfig
-from store.startup import StartupError
+from serving.http import serve_http
+from serving.startup import StartupError, shutdown_signals, stop_on_signal
+from store.api import (
+    AuthConfig,
+    AuthFailed,
+    AuthManager,
+    BackendConfig,
+    NativeClient,
+    RemoteStore,
+    StoreConfig,
+    StoreUnavailable,
+    audit_to_file,
+    auth_app,
+    store_node,
+    store_routes,
+)
 
 log = logging.getLogger("lightgate.serve")
 
@@ -70,8 +78,8 @@ async def _serve(opts: ServeOptions, signals: Any) -> None:
         nursery.start_soon(broker.run_notify, bus)
         await nursery.start(broker.run_housekeeping)
         bound = await start_listeners(nursery, broker, opts.listeners)
-        app = make_app([*store_routes(node.store), *gateway_routes(broker, opts.store)],
-                       auth=node.auth)
+        app = auth_app([*store_routes(node.store), *gateway_routes(broker, opts.store)],
+                       node.auth)
         bound["native"] = node.native_addr
         bound["http"] = await nursery.start(
             partial(serve_http, max_body=opts.gateway.http_max_body), app, opts.http)
@@ -153,7 +161,7 @@ async def _gateway(opts: GatewayOptions, signals: Any) -> None:
         nursery.start_soon(broker.run_poll_fallback, bus if opts.notify else None)
         await nursery.start(broker.run_housekeeping)
         bound = await start_listeners(nursery, broker, opts.listeners)
-        app = make_app(gateway_routes(broker), auth=auth, manage_auth=False)
+        app = auth_app(gateway_routes(broker), auth, manage_auth=False)
         bound["http"] = await nursery.start(
             partial(serve_http, max_body=opts.gateway.http_max_body), app, opts.http)
         gateway_id = f"gw-{uuid.uuid4().hex[:12]}"

@@ -33,10 +33,8 @@ from gateway.session import (
 )
 from gateway.shared import SharedGroup, group_key
 from lightqueue.topic import is_wildcard, matches
-from store.auth import AUTH_EVENT, AuthManager
-from store.commitlog import StoreError
-from store.read_budget import ReadBudget
-from store.record import Message
+from serving.read_budget import ReadBudget
+from store.api import AUTH_EVENT, AuthManager, Message, Store, StoreError
 
 log = logging.getLogger("lightgate.gateway")
 
@@ -154,7 +152,7 @@ class Stats:
 
 
 class Broker:
-    def __init__(self, store: Any, config: GatewayConfig | None = None,
+    def __init__(self, store: Store, config: GatewayConfig | None = None,
                  auth: AuthManager | None = None) -> None:
         self.store = store
         self.config = config or GatewayConfig()
@@ -486,7 +484,7 @@ class Broker:
             return g
         pos = await self.store.meta_get("offsets", group_key(group, topic_filter))
         cursor = pos["acked"] if pos else await self.store.queue_end(topic_filter)
-        g = self.groups[key] = SharedGroup(self, group, topic_filter, cursor)
+        g = self.groups[key] = SharedGroup(self.cache, group, topic_filter, cursor)
         self.queue_groups.setdefault(topic_filter, set()).add(g)
         assert self._nursery is not None, "housekeeping must run before clients connect"
         scope = self._group_scopes[key] = trio.CancelScope()

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
 import trio
 
-from store.record import Message
+from store.api import Message, Store
 
 
 @dataclass
@@ -33,7 +32,7 @@ class _Window:
 
 
 class QueueCache:
-    def __init__(self, store: Any, *, window: int = 512, max_queues: int = 10_000) -> None:
+    def __init__(self, store: Store, *, window: int = 512, max_queues: int = 10_000) -> None:
         self.store = store
         self._peek = getattr(store, "pull_now", None)  # the embedded store, no waiting
         # After the peek said no, the embedded store's ring need not be asked again.

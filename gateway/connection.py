@@ -35,13 +35,17 @@ from gateway.mqtt import (
 )
 from gateway.mqtt import reason as rc
 from gateway.mqtt.properties import publish_properties
-from gateway.session import NEVER_EXPIRES, Outgoing, Session, Subscription
-from gateway.shared import SharedGroup, parse_shared
-from store.auth import AuthError, Subject
-from store.auth.manager import DecisionCache
-from store.commitlog import StoreError, StoreFullError
-from store.record import Message
-from store.service import await_future
+from gateway.session import NEVER_EXPIRES, Outgoing, Session, Subscription, parse_shared
+from gateway.shared import SharedGroup
+from store.api import (
+    AuthError,
+    DecisionCache,
+    Message,
+    StoreError,
+    StoreFullError,
+    Subject,
+    await_future,
+)
 
 log = logging.getLogger("lightgate.gateway.conn")
 

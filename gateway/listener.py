@@ -20,8 +20,7 @@ from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_strea
 from gateway.broker import Broker
 from gateway.connection import Connection
 from gateway.transports import ServerTLS, WatchedStream, WebSocketStream
-from store.http import split_hostport
-from store.startup import StartupError, listening
+from serving.startup import StartupError, listening, split_hostport
 
 log = logging.getLogger("lightgate.gateway.listener")
 # trio-websocket logs every socket read and frame at DEBUG; our own lines say what matters.

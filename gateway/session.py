@@ -23,6 +23,20 @@ from lightqueue.trie import TopicTrie
 
 NUL = "\x00"
 NEVER_EXPIRES = 0xFFFFFFFF
+SHARE_PREFIX = "$share/"
+
+
+def parse_shared(topic_filter: str) -> tuple[str, str] | None:
+    """('group', 'a/+') for '$share/group/a/+'; None for an ordinary filter.
+
+    Here, not in shared.py: a Subscription needs it to restore itself, and shared.py
+    builds on Session, so the parsing lives with the lower of the two."""
+    if not topic_filter.startswith(SHARE_PREFIX):
+        return None
+    group, sep, real = topic_filter[len(SHARE_PREFIX):].partition("/")
+    if not group or not sep or not real or "+" in group or "#" in group:
+        raise ValueError(f"invalid shared subscription {topic_filter!r}")
+    return group, real
 
 
 @dataclass(slots=True)
@@ -45,8 +59,6 @@ class Subscription:
 
     @classmethod
     def from_meta(cls, topic_filter: str, d: dict[str, Any]) -> Subscription:
-        from gateway.shared import parse_shared
-
         opts = SubscriptionOptions(d["qos"], d.get("nl", False), d.get("rap", False),
                                    d.get("rh", 0))
         return cls(topic_filter, opts, d.get("sid"), parse_shared(topic_filter))

@@ -11,39 +11,45 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 import trio
 
 from gateway.session import NUL, Session
-from store.commitlog import StoreError
-from store.record import Message
-
-if TYPE_CHECKING:
-    from gateway.broker import Broker
+from store.api import Message, StoreError
 
 log = logging.getLogger("lightgate.gateway.shared")
-
-SHARE_PREFIX = "$share/"
-
-
-def parse_shared(topic_filter: str) -> tuple[str, str] | None:
-    """('group', 'a/+') for '$share/group/a/+'; None for an ordinary filter."""
-    if not topic_filter.startswith(SHARE_PREFIX):
-        return None
-    group, sep, real = topic_filter[len(SHARE_PREFIX):].partition("/")
-    if not group or not sep or not real or "+" in group or "#" in group:
-        raise ValueError(f"invalid shared subscription {topic_filter!r}")
-    return group, real
-
 
 def group_key(group: str, topic_filter: str) -> str:
     return f"share{NUL}{group}{NUL}{topic_filter}"
 
 
+# What a group needs from the outside, as protocols defined here so that this module
+# imports neither the broker (which owns the groups) nor the connection (the members).
+class GroupCache(Protocol):
+    """The gateway's message cache (gateway.cache.QueueCache)."""
+
+    async def pull(self, queue: str, offset: int, max_count: int = 64
+                   ) -> tuple[list[Message], int]: ...
+
+
+class Member(Protocol):
+    """A member session's live connection (gateway.connection.Connection)."""
+
+    alive: bool
+    peer: str
+
+    def has_window(self) -> bool: ...
+
+    async def push_shared(self, group: SharedGroup, msg: Message, buffered: bool = False
+                          ) -> bool: ...
+
+    async def flush_out(self) -> None: ...
+
+
 class SharedGroup:
-    def __init__(self, broker: Broker, group: str, topic_filter: str, cursor: int) -> None:
-        self.broker = broker
+    def __init__(self, cache: GroupCache, group: str, topic_filter: str, cursor: int) -> None:
+        self.cache = cache
         self.group = group
         self.filter = topic_filter
         self.queue = topic_filter
@@ -90,7 +96,7 @@ class SharedGroup:
         if self.pending.pop(offset, None) is not None:
             self.dirty = True
 
-    def _pick(self) -> Any:
+    def _pick(self) -> Member | None:
         """A live member with room in its in-flight window, round-robin."""
         n = len(self.members)
         for i in range(n):
@@ -120,7 +126,7 @@ class SharedGroup:
     async def _hand_out(self) -> None:
         """Hand out what the queue has, a pulled batch at a time, round-robin; each
         member's share goes out as one write at the end (or as its window fills)."""
-        touched: set[Any] = set()  # connections with buffered pushes
+        touched: set[Member] = set()  # connections with buffered pushes
         try:
             await self._hand_out_batches(touched)
         finally:
@@ -128,8 +134,8 @@ class SharedGroup:
                 for conn in touched:
                     await conn.flush_out()
 
-    async def _hand_out_batches(self, touched: set[Any]) -> None:
-        cache = self.broker.cache
+    async def _hand_out_batches(self, touched: set[Member]) -> None:
+        cache = self.cache
         while True:
             from_retry = bool(self.retry)
             if from_retry:

@@ -1,6 +1,6 @@
 """`lightgate config --example`: a TOML file with every setting of the server commands,
-made from cli.py's settings tables, so the example (and the README's copy, which a test
-compares with them) cannot miss a key."""
+made from the settings tables (settings.py), so the example (and the README's copy, which
+a test compares with them) cannot miss a key."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ import json
 import textwrap
 from typing import Any
 
-from lightgate import cli
+from lightgate.settings import (
+    GATEWAY_CMD_SETTINGS,
+    SERVE_SETTINGS,
+    STORE_CMD_SETTINGS,
+    all_settings,
+)
 
 HEADER = """\
 # lightgate.toml: every setting of `lightgate serve`, `store` and `gateway`, with its
@@ -29,8 +34,8 @@ def _toml(value: Any) -> str:
 def _commands() -> dict[str, list[str]]:
     """Config key -> the server commands that read it, in their order."""
     readers: dict[str, list[str]] = {}
-    for command, settings in (("serve", cli.SERVE_SETTINGS), ("store", cli.STORE_CMD_SETTINGS),
-                              ("gateway", cli.GATEWAY_CMD_SETTINGS)):
+    for command, settings in (("serve", SERVE_SETTINGS), ("store", STORE_CMD_SETTINGS),
+                              ("gateway", GATEWAY_CMD_SETTINGS)):
         for setting in settings:
             key = setting[0].replace("-", "_")
             if command not in readers.setdefault(key, []):
@@ -42,13 +47,13 @@ def example() -> str:
     """The example file: keys grouped by the commands that read them."""
     readers = _commands()
     groups: dict[tuple[str, ...], list[str]] = {}
-    for key in cli.all_settings():
+    for key in all_settings():
         groups.setdefault(tuple(readers[key]), []).append(key)
     out = [HEADER]
     for commands, keys in groups.items():
         out.append(f"\n# ---- read by: {', '.join(commands)} ----\n")
         for key in keys:
-            flag, _, default, help_text = cli.all_settings()[key]
+            flag, _, default, help_text = all_settings()[key]
             out.append("\n" + textwrap.fill(f"--{flag}: {help_text}", 88, initial_indent="# ",
                                              subsequent_indent="#   ") + "\n")
             value = "" if default is None else f" {_toml(default)}"

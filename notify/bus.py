@@ -1,5 +1,7 @@
 """What every notify bus shares: the RESYNC sentinel, subscriptions with a bounded,
-merging buffer, the counters, and `open_bus`.
+merging buffer, the counters, and the `Bus` protocol the transports implement.
+
+This module imports no transport (they import it); `notify.open_bus` picks one.
 
 An event is only a hint, "queue X has new data": delivering a name twice or late costs a
 pull that finds nothing, so batches of names can always be merged by set union. That is
@@ -10,9 +12,9 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Protocol
+from collections.abc import Iterable
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
 
 import trio
 
@@ -137,21 +139,3 @@ class Bus(Protocol):
     def subscribe(self) -> AbstractAsyncContextManager[Subscription]: ...
 
     def counters(self) -> dict[str, int]: ...
-
-
-@asynccontextmanager
-async def open_bus(url: str | None = None, **options: Any) -> AsyncIterator[Bus]:
-    """None, "" or "local": in-process (LocalBus); "redis://HOST:PORT[/DB]" (or rediss://,
-    unix://): across nodes via Redis pub/sub (RedisBus). `options` go to the bus."""
-    if url in (None, "", "local"):
-        from notify.local import LocalBus
-
-        async with LocalBus(**options) as bus:
-            yield bus
-    elif url.startswith(("redis://", "rediss://", "unix://")):
-        from notify.redis_transport import RedisBus
-
-        async with RedisBus(url, **options) as rbus:
-            yield rbus
-    else:
-        raise ValueError(f"unknown notify transport {url!r}: use 'local' or redis://HOST:PORT")

@@ -16,9 +16,9 @@ from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 
 import trio
 
-from notify.bus import DEFAULT_BUFFER, DEFAULT_WINDOW, RESYNC, Counters, Subscription, open_bus
+from notify.bus import DEFAULT_BUFFER, DEFAULT_WINDOW, RESYNC, Counters, Subscription
 
-__all__ = ["RESYNC", "LocalBus", "open_bus"]
+__all__ = ["RESYNC", "LocalBus"]
 
 log = logging.getLogger("lightgate.notify")
 

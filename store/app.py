@@ -6,21 +6,21 @@
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import trio
 
+from serving.http import serve_http
+from serving.startup import StartupError, shutdown_signals, stop_on_signal
 from store.auth import AuthConfig, AuthManager
-from store.http import make_app, serve_http, store_routes
+from store.http import store_routes
+from store.http_auth import auth_app
 from store.server import NativeServer
 from store.service import EmbeddedStore, StoreConfig
-from store.startup import StartupError
 
 log = logging.getLogger("lightgate.store.app")
 
@@ -31,19 +31,6 @@ class StoreNode:
     server: NativeServer
     native_addr: str
     auth: AuthManager
-
-
-def shutdown_signals() -> Any:
-    """Catch SIGTERM/SIGINT from the very start, so that one arriving while the server
-    starts (before `ready`) still ends in a clean stop, not a kill."""
-    return trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
-
-
-async def stop_on_signal(signals: Any, nursery: trio.Nursery) -> None:
-    async for signum in signals:
-        log.info("signal %s: shutting down", signal.Signals(signum).name)
-        nursery.cancel_scope.cancel()
-        return
 
 
 @asynccontextmanager
@@ -94,7 +81,7 @@ async def run_store(
     with shutdown_signals() as signals:
         async with store_node(cfg, native, publish, auth_cfg) as node, \
                 trio.open_nursery() as nursery:
-            app = make_app(store_routes(node.store), auth=node.auth)
+            app = auth_app(store_routes(node.store), node.auth)
             http_addr = await nursery.start(
                 partial(serve_http, max_body=cfg.http_max_body), app, http)
             print(f"ready native={node.native_addr} http={http_addr}", flush=True)

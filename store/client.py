@@ -14,20 +14,15 @@ from typing import Any
 
 import trio
 
+from serving.startup import split_hostport
 from store import protocol as p
-from store.commitlog import StoreError, StoreFullError
-from store.http import split_hostport
+from store.common import PullResult, StoreError, StoreFullError, StoreUnavailable, await_future
 from store.record import Message
-from store.service import PullResult
 from store.streams import batched_writer
 
 log = logging.getLogger("lightgate.client")
 
 DEFAULT_TIMEOUT = 10.0
-
-
-class StoreUnavailable(StoreError):
-    """No connection to the store right now (it is reconnecting)."""
 
 
 class AuthFailed(p.RemoteError):
@@ -152,8 +147,6 @@ class NativeClient:
     async def _greet(self, scope: trio.CancelScope) -> None:
         """HELLO first on every connection (with credentials when given): the store
         handles it before anything else this connection sends."""
-        from store.service import await_future
-
         header: dict[str, Any] = {"sdk": "lightgate-python"}
         if self.credentials:
             header["username"], header["password"] = self.credentials
@@ -189,8 +182,6 @@ class NativeClient:
         timeout: float = DEFAULT_TIMEOUT,
     ) -> tuple[dict[str, Any], bytes]:
         """One request; `timeout` bounds all of it, waiting for a reconnect included."""
-        from store.service import await_future
-
         with trio.fail_after(timeout):
             while self._send is None or not self._connected.is_set():
                 if self.fatal is not None:

@@ -34,6 +34,7 @@ from setproctitle import setthreadtitle
 
 from lightqueue.index import ConsumeQueueIndex
 from store import record
+from store.common import StoreClosedError, StoreError, StoreFullError
 from store.record import CorruptRecord, Message
 from store.segment import Segment, fsync_dir, is_segment_name, segment_name
 
@@ -43,18 +44,6 @@ ABORT_FILE = "abort"  # present while running; left behind by a crash (as Rocket
 CHECKPOINT_FILE = "checkpoint"
 QUARANTINE_DIR = "quarantine"
 REDISPATCH_BATCH = 5000
-
-
-class StoreError(Exception):
-    """The store could not take the message; nothing of it was kept."""
-
-
-class StoreFullError(StoreError):
-    """No space left on the store's disk."""
-
-
-class StoreClosedError(StoreError):
-    """The CommitLog is closed or has failed."""
 
 
 @dataclass

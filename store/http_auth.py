@@ -16,11 +16,14 @@ from collections import OrderedDict
 from typing import Any
 
 import orjson
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from serving.http import make_app
 from store.auth import AuthError, AuthManager, Policy, Subject
 
 COOKIE = "lg_session"
@@ -139,6 +142,15 @@ async def _json(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise HTTPException(400, "body must be a JSON object")
     return body
+
+
+def auth_app(routes: list[Any], auth: AuthManager, manage_auth: bool = True) -> Starlette:
+    """serving.http.make_app with the store's users and policies on the API: login and
+    whoami, users/ACL management (unless `manage_auth` is off: a gateway on a remote
+    store, which holds only a replica), and credentials checked on every `/api/` path."""
+    sessions = HttpSessions()
+    return make_app([*auth_routes(auth, sessions, manage_auth), *routes],
+                    [Middleware(AuthMiddleware, auth=auth, sessions=sessions)])
 
 
 def auth_routes(auth: AuthManager, sessions: HttpSessions, manage: bool = True) -> list[Route]:

@@ -19,10 +19,12 @@ from typing import Any
 import trio
 
 from lightqueue.routing import validate_first_level
+from serving.read_budget import ReadBudget
+from serving.startup import listening, split_hostport
 from store import protocol as p
 from store.auth import AuthError, AuthManager, Policy, Subject
 from store.auth.manager import DecisionCache
-from store.commitlog import StoreError, StoreFullError
+from store.common import StoreError, StoreFullError, await_future
 from store.groups import (
     MAX_ATTEMPTS,
     GroupRegistry,
@@ -31,12 +33,9 @@ from store.groups import (
     offset_key,
     retry_queue,
 )
-from store.http import split_hostport
 from store.native_acl import NODE, SUPER, Need, needs
-from store.read_budget import ReadBudget
 from store.record import Message
-from store.service import EmbeddedStore, await_future
-from store.startup import listening
+from store.service import EmbeddedStore
 from store.streams import batched_writer
 from store.validate import validate_message
 

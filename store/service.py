@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
@@ -25,11 +24,12 @@ from lightqueue.index import ConsumeQueueIndex
 from lightqueue.rocks import HEAP_TRIM_INTERVAL_S, trim_heap
 from lightqueue.routing import Router, split_partition_queue, validate_first_level
 from lightqueue.topic import validate_topic_filter, validate_topic_name
+from serving.read_budget import ReadBudget
 from store import metadata as meta_sizes
 from store import recent as recent_sizes
 from store.commitlog import CommitLog, InlineFuture, RecoveryReport
+from store.common import PullResult, await_future
 from store.metadata import Metadata
-from store.read_budget import ReadBudget
 from store.recent import RecentMessages
 from store.record import Message, parse_msg_id
 from store.startup import lock_data_dir
@@ -57,7 +57,7 @@ class StoreConfig:
     default_partitions: int = 4
     max_pending_appends: int = 10_000
     # Bytes of partly received native frames the store holds over all its connections
-    # (see store/read_budget.py). 0: no budget.
+    # (see serving/read_budget.py). 0: no budget.
     native_max_partial_bytes: int = 256 * 1024 * 1024
     http_max_body: int = 1024 * 1024  # the store's HTTP API (413 past it)
     full_verify: bool = False
@@ -76,40 +76,11 @@ class StoreConfig:
 
 
 @dataclass
-class PullResult:
-    messages: list[Message]
-    next_offset: int  # where the next pull should start
-    min_offset: int
-    max_offset: int  # one past the last entry in the queue
-
-
-@dataclass
 class QueueStats:
     name: str
     min_offset: int
     max_offset: int
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-async def await_future(fut: Future | InlineFuture) -> Any:
-    """Wait for a concurrent future without blocking trio (no thread per call). Settled
-    from another thread (the CommitLog writer), it wakes the loop through its token; from
-    this one (the native client's reader task), it sets the event directly: no wake-up
-    through the loop's socket pair and no extra pass of the loop."""
-    if not fut.done():
-        token = trio.lowlevel.current_trio_token()
-        loop_thread = threading.get_ident()
-        done = trio.Event()
-
-        def wake(_: object) -> None:
-            if threading.get_ident() == loop_thread:
-                done.set()
-            else:
-                token.run_sync_soon(done.set)
-
-        fut.add_done_callback(wake)
-        await done.wait()
-    return fut.result()
 
 
 class EmbeddedStore:

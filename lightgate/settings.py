@@ -1,0 +1,138 @@
+"""The settings of the server commands: (flag, type, default, help) tables, one per
+group, and which command reads which. `cli.py` turns them into flags and values;
+`config_example.py` into the example file. Their own module, so that neither of those
+imports the other."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# (flag, type, default, help) for the settings of `serve`/`store`.
+STORE_SETTINGS: list[tuple[str, Any, Any, str]] = [
+    ("data-dir", str, "data", "directory for the CommitLog, index and metadata"),
+    ("flush", str, "async", "sync: ack after fsync (group commit); async: fsync periodically"),
+    ("flush-interval-ms", int, 500, "async mode: fsync at least this often"),
+    ("segment-size", int, 1 << 30, "CommitLog segment size in bytes"),
+    ("retention-hours", float, 72.0, "delete whole segments older than this"),
+    ("retention-bytes", int, None, "delete the oldest segments beyond this total size"),
+    ("retention-check-s", float, 60.0, "how often retention looks for segments to delete"),
+    ("partitions", int, 4, "default partitions of a first-level topic"),
+    ("native-max-partial-bytes", int, 256 * 1024 * 1024, "bytes of partly received native "
+     "frames the store holds; past it the connections holding the most wait (0: no budget)"),
+    ("full-verify", bool, False, "verify every CommitLog record on start, not just the tail"),
+    ("wildcard-idle-s", float, 600.0, "unregister a wildcard queue no session has used for "
+     "this long, so messages stop being indexed into it (0: never)"),
+    # Memory (README, "Sizing"): a small device may halve them all, a big node raise them.
+    ("index-cache-mb", int, 32, "the light-queue index's RocksDB block cache, MiB"),
+    ("index-memtable-mb", int, 16, "the index's write buffer (two at most), MiB"),
+    ("metadata-cache-mb", int, 16, "the metadata's RocksDB block cache (sessions, offsets, "
+     "retained ...), MiB"),
+    ("metadata-memtable-mb", int, 4, "the metadata's write buffers over all its column "
+     "families, MiB"),
+    ("recent-cache-mb", int, 32, "recent messages kept in memory for readers at the head "
+     "of their queue, MiB"),
+    ("recent-per-queue", int, 65536, "recent messages kept per queue being read"),
+]
+HTTP_SETTING = ("http", str, "127.0.0.1:18083", "HTTP (dashboard, admin API, metrics) HOST:PORT")
+HTTP_BODY_SETTING = ("http-max-body", int, 1024 * 1024, "largest HTTP request body (413 past it)")
+NATIVE_SETTING = ("native", str, "127.0.0.1:10911", "native protocol HOST:PORT")
+NOTIFY_SETTING = ("notify", str, None, "notify between nodes: redis://HOST:PORT")
+STORE_ADDR_SETTING = ("store", str, "127.0.0.1:10911", "the store's native HOST:PORT")
+LISTENER_SETTINGS: list[tuple[str, Any, Any, str]] = [
+    ("mqtt", str, "0.0.0.0:1883", "MQTT over TCP HOST:PORT ('off' to disable)"),
+    ("mqtt-tls", str, "0.0.0.0:8883", "MQTT over TLS HOST:PORT (on when --tls-cert is given)"),
+    ("ws", str, "0.0.0.0:8083", "MQTT over WebSocket HOST:PORT ('off' to disable)"),
+    ("wss", str, "0.0.0.0:8084", "MQTT over secure WebSocket HOST:PORT (on with --tls-cert)"),
+    ("tls-cert", str, None, "PEM certificate chain for TLS and WSS (re-read when it changes)"),
+    ("tls-key", str, None, "PEM private key for --tls-cert"),
+    ("tls-ca", str, None, "CA bundle that signs client certificates (mutual TLS)"),
+    ("tls-client-auth", str, "none", "client certificates: none, optional or required"),
+    ("tls-username-from", str, "none", "use the client certificate's cn or san as username"),
+]
+GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
+    *LISTENER_SETTINGS,
+    ("max-inflight", int, 32, "unacknowledged QoS 1/2 messages per client"),
+    ("max-packet-size", int, 1024 * 1024, "largest MQTT packet accepted, in bytes"),
+    ("max-connect-packet", int, 64 * 1024, "largest first packet (CONNECT, will included) "
+     "before the client is authenticated"),
+    ("max-partial-bytes", int, 64 * 1024 * 1024, "bytes of partly received packets the node "
+     "holds; past it the clients holding the most stop being read (0: no budget)"),
+    ("partial-timeout-s", float, 10.0, "close a client held back by --max-partial-bytes "
+     "for this long"),
+    ("max-pending-publishes", int, 64, "publishes per client in the store pipeline at once"),
+    ("max-offline-messages", int, 10_000,
+     "per queue of an offline persistent session; older ones are dropped on reconnect"),
+    ("sys-interval", float, 10.0, "seconds between $SYS/broker/... updates"),
+    ("max-keepalive", int, 0, "longest keepalive allowed; v5 clients get Server Keep Alive"),
+    ("write-timeout", float, 60.0, "disconnect a client that reads nothing for this long"),
+    ("max-connections", int, 0, "refuse connects beyond this many clients (0: no limit)"),
+    ("max-connect-rate", float, 0.0, "connects per second per source IP (0: no limit)"),
+    ("max-publish-rate", float, 0.0, "publishes per second per client (0: no limit)"),
+    ("max-publish-bytes-rate", float, 0.0, "publish bytes per second per client (0: no limit)"),
+    ("max-subscriptions", int, 1000, "subscriptions per client (0: no limit)"),
+    ("max-topic-levels", int, 128, "levels of a topic name or filter (0: no limit)"),
+    ("max-topic-length", int, 4096, "characters of a topic name or filter (0: no limit)"),
+    ("max-retained", int, 100_000, "retained messages held (0: no limit)"),
+    ("max-retained-bytes", int, 256 * 1024 * 1024, "bytes of retained messages held"),
+    ("max-retained-per-client", int, 1000, "retained messages one client id may set"),
+    ("max-retained-bytes-per-client", int, 16 * 1024 * 1024,
+     "bytes of retained messages one client id may set"),
+    ("v3-session-expiry-s", float, 7200.0, "MQTT 3.1.1 persistent sessions end this long "
+     "after the client left (0: never)"),
+    ("max-sessions", int, 100_000, "persistent sessions held; new ones past it are refused "
+     "(0: no limit)"),
+    ("max-offline-bytes", int, 64 * 1024 * 1024, "per queue of an offline persistent "
+     "session, in message bytes; older ones are dropped on reconnect (0: no limit)"),
+    ("wildcard-touch-s", float, 60.0, "how often the wildcard filters in use here are "
+     "reported to the store (keep it well under the store's --wildcard-idle-s)"),
+    ("audit-log", str, None, "write the [AUTHENTICATION]/[AUTHORIZATION] audit lines here"),
+]
+AUTH_SETTINGS: list[tuple[str, Any, Any, str]] = [
+    ("auth", bool, False, "authentication and ACL on (users and policies in the store)"),
+    ("init-user", str, None, "NAME:PASSWORD: create this Super user on first start"),
+    ("allow-anonymous", bool, False, "with --auth, let clients without a username in "
+     "(they get the policies of user 'anonymous')"),
+    ("auth-strategy", str, "stateful", "stateful: decide once per connection and resource "
+     "until policies change; stateless: decide every request"),
+]
+# Backends MQTT clients may authenticate with beside the built-in users (serve, gateway).
+AUTH_BACKEND_SETTINGS: list[tuple[str, Any, Any, str]] = [
+    ("auth-order", str, None, "MQTT authentication backends in order, first definite answer "
+     "wins: builtin,jwt,http (default: builtin, then each one configured); any but builtin "
+     "turns authentication on"),
+    ("auth-jwt-secret", str, None, "JWT in the password, HS256 with this secret (VALUE or "
+     "@FILE)"),
+    ("auth-jwt-jwks", str, None, "JWT in the password, RS256/ES256 with the keys of this "
+     "JWKS file or http(s) URL"),
+    ("auth-jwt-jwks-refresh-s", float, 300.0, "re-read the JWKS this often"),
+    ("auth-jwt-algorithms", str, None, "accepted JWT algorithms, comma list (default: HS256 "
+     "with a secret, RS256,ES256 with a JWKS)"),
+    ("auth-http-url", str, None, "POST CONNECTs (JSON) to this auth hook URL"),
+    ("auth-http-timeout-s", float, 5.0, "how long to wait for the auth hook"),
+    ("auth-http-cache-s", float, 30.0, "remember the hook's answers this long (0: never)"),
+    ("auth-http-on-error", str, "deny", "when the hook fails or times out: deny, allow or "
+     "next (ask the next backend)"),
+    ("auth-http-acl", bool, False, "also ask the hook for each PUBLISH/SUBSCRIBE of the "
+     "clients it let in"),
+]
+GATEWAY_AUTH_SETTINGS: list[tuple[str, Any, Any, str]] = [
+    ("store-auth", str, None, "NAME:PASSWORD this gateway authenticates to the store with"),
+    ("auth-strategy", str, "stateful", "stateful or stateless ACL decisions"),
+]
+
+AUDIT_SETTING = ("audit-log", str, None, "write the audit lines to this file")
+SERVE_SETTINGS = [*STORE_SETTINGS, *GATEWAY_SETTINGS, *AUTH_SETTINGS, *AUTH_BACKEND_SETTINGS,
+                  NATIVE_SETTING, HTTP_SETTING, HTTP_BODY_SETTING]
+STORE_CMD_SETTINGS = [*STORE_SETTINGS, *AUTH_SETTINGS, AUDIT_SETTING, NATIVE_SETTING,
+                      NOTIFY_SETTING, HTTP_SETTING, HTTP_BODY_SETTING]
+GATEWAY_CMD_SETTINGS = [STORE_ADDR_SETTING, NOTIFY_SETTING, *GATEWAY_SETTINGS,
+                        *GATEWAY_AUTH_SETTINGS, *AUTH_BACKEND_SETTINGS, HTTP_SETTING,
+                        HTTP_BODY_SETTING]
+
+
+def all_settings() -> dict[str, tuple[str, Any, Any, str]]:
+    """Every setting of the server commands by config key (the first definition wins)."""
+    out: dict[str, tuple[str, Any, Any, str]] = {}
+    for setting in (*SERVE_SETTINGS, *STORE_CMD_SETTINGS, *GATEWAY_CMD_SETTINGS):
+        out.setdefault(setting[0].replace("-", "_"), setting)
+    return out

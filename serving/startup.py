@@ -1,0 +1,92 @@
+"""Starting and stopping a server process: addresses, start-up failures, signals.
+
+A start-up failure the user fixes is a `StartupError`: one line on stderr, exit status 2
+(lightgate.cli). Raised where the condition is found, worded with the flag (or config
+key) that fixes it, so the command line prints it as it is instead of a trio traceback.
+The store, the gateway and the command line all raise or catch it, hence this room.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import trio
+
+log = logging.getLogger("lightgate.serving")
+
+E = TypeVar("E", bound=BaseException)
+
+
+class StartupError(Exception):
+    """A server cannot start, for a reason named in one line with the setting to change."""
+
+
+# What a failed bind means to someone starting a server, by errno.
+_BIND_REASONS = {
+    errno.EADDRINUSE: "the address is already in use (another process listens there)",
+    errno.EADDRNOTAVAIL: "no local interface has that address",
+    errno.EACCES: "permission denied (ports below 1024 need root or CAP_NET_BIND_SERVICE)",
+}
+
+
+@contextmanager
+def listening(what: str, flag: str, addr: str) -> Iterator[None]:
+    """Around opening the listener `what` (e.g. "MQTT over WebSocket") configured by `flag`
+    at `addr`: a bad address or a failed bind becomes a StartupError naming both."""
+    try:
+        yield
+    except ValueError as exc:  # split_hostport: not HOST:PORT
+        raise StartupError(f"{flag} {addr!r} is not HOST:PORT ({exc})") from exc
+    except (OSError, BaseExceptionGroup) as exc:  # a server's nursery may wrap it (hypercorn)
+        failed = first_of(exc, OSError)
+        if failed is None:
+            raise
+        reason = _BIND_REASONS.get(failed.errno or 0) or failed.strerror or str(failed)
+        raise StartupError(
+            f"{what} cannot listen on {addr}: {reason}; choose another with "
+            f"{flag} HOST:PORT (port 0 picks a free one)") from exc
+
+
+def first_of(exc: BaseException, kind: type[E]) -> E | None:
+    """`exc` itself if it is a `kind`, else the first `kind` inside its groups."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = first_of(inner, kind)
+            if found is not None:
+                return found
+    return None
+
+
+def split_hostport(addr: str, default_host: str = "0.0.0.0") -> tuple[str, int]:
+    """'127.0.0.1:1883' -> ('127.0.0.1', 1883); ':1883' and '1883' use `default_host`."""
+    host, sep, port = addr.rpartition(":")
+    if not sep:
+        host, port = "", addr
+    host = host.strip("[]") or default_host
+    try:
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"bad address {addr!r}: expected HOST:PORT") from None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"bad port in {addr!r}")
+    return host, number
+
+
+def shutdown_signals() -> Any:
+    """Catch SIGTERM/SIGINT from the very start, so that one arriving while the server
+    starts (before `ready`) still ends in a clean stop, not a kill."""
+    return trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
+
+
+async def stop_on_signal(signals: Any, nursery: trio.Nursery) -> None:
+    async for signum in signals:
+        log.info("signal %s: shutting down", signal.Signals(signum).name)
+        nursery.cancel_scope.cancel()
+        return

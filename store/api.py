@@ -1,0 +1,112 @@
+"""The store's one public face (DESIGN.md: "the gateway talks to the store through one
+async interface with two implementations"), as RocketMQ's broker codes against
+`MessageStore`.
+
+Other rooms import the store from here only (tests/test_architecture.py holds the
+gateway to it): the `Store` protocol and its two implementations, `EmbeddedStore`
+(in-process) and `RemoteStore` (the native-protocol client); the message type; the
+error family; the auth subject and manager a gateway decides with; and what a process
+needs to run a store node beside a gateway (`store_node`, the store's HTTP routes).
+The modules behind it import one another directly and may change shape freely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from store.app import StoreNode, store_node
+from store.auth import AUTH_EVENT, AuthConfig, AuthError, AuthManager, Subject
+from store.auth.audit import to_file as audit_to_file
+from store.auth.chain import BackendConfig
+from store.auth.manager import DecisionCache
+from store.client import AuthFailed, NativeClient, RemoteStore
+from store.common import (
+    FutureLike,
+    PullResult,
+    StoreClosedError,
+    StoreError,
+    StoreFullError,
+    StoreUnavailable,
+    await_future,
+)
+from store.http import store_routes, topic_rows
+from store.http_auth import auth_app
+from store.record import Message
+from store.service import EmbeddedStore, StoreConfig
+
+__all__ = [
+    "AUTH_EVENT", "AuthConfig", "AuthError", "AuthFailed", "AuthManager", "BackendConfig",
+    "DecisionCache", "EmbeddedStore", "FutureLike", "LocalStore", "Message", "NativeClient",
+    "PullResult", "RemoteStore", "Store", "StoreClosedError", "StoreConfig", "StoreError",
+    "StoreFullError", "StoreNode", "StoreUnavailable", "Subject", "audit_to_file", "auth_app",
+    "await_future", "store_node", "store_routes", "topic_rows",
+]
+
+
+class Store(Protocol):
+    """What the gateway calls on a store, embedded or remote. Errors: StoreError and
+    its family (StoreFullError: the disk is full; StoreUnavailable: reconnecting)."""
+
+    # -- appends ---------------------------------------------------------------------
+    def publish_start(self, messages: list[Message], *, validated: bool = False
+                      ) -> FutureLike:
+        """Submit MQTT messages without waiting (appended in submission order); the
+        future (see await_future) gives them back stored: offsets, queues, timestamps.
+        `validated`: the caller checked every topic name already."""
+        ...
+
+    async def publish(self, messages: list[Message]) -> list[Message]: ...
+
+    # -- reads -----------------------------------------------------------------------
+    async def pull(self, queue: str, offset: int, max_count: int = 32) -> PullResult: ...
+
+    async def get_message(self, msg_id: str) -> Message:
+        """Raises KeyError (or ValueError) when there is no such message."""
+        ...
+
+    async def queue_end(self, queue: str) -> int:
+        """One past the last entry of `queue`: where a new subscription starts."""
+        ...
+
+    async def queue_ends(self, queues: Sequence[str]) -> dict[str, int]: ...
+
+    async def queue_tail_start(self, queue: str, start: int, max_bytes: int) -> int:
+        """Where a reader at `start` resumes if it may be at most `max_bytes` behind."""
+        ...
+
+    # -- wildcard queues ---------------------------------------------------------------
+    async def add_wildcard(self, topic_filter: str) -> None: ...
+
+    async def add_wildcards(self, filters: Sequence[str]) -> None:
+        """Register, or touch, every filter (unused ones are dropped after a while)."""
+        ...
+
+    # -- metadata (column family, key) -> JSON-able value ----------------------------
+    async def meta_get(self, cf: str, key: str) -> Any: ...
+
+    async def meta_put(self, cf: str, key: str, value: Any) -> None: ...
+
+    async def meta_delete(self, cf: str, key: str) -> None: ...
+
+    async def meta_items(self, cf: str, prefix: str = "", limit: int | None = None
+                         ) -> list[tuple[str, Any]]: ...
+
+    async def meta_write(self, ops: Sequence[tuple[str, str, str, Any]]) -> None:
+        """Apply ("put"|"delete"|"delete_prefix", cf, key, value) ops atomically."""
+        ...
+
+    async def get_stats(self) -> dict[str, Any]: ...
+
+
+class LocalStore(Store, Protocol):
+    """What the in-process store adds: reads answered without waiting when they can be.
+    The gateway's cache looks for `pull_now` and uses these when it is there."""
+
+    def pull_now(self, queue: str, offset: int, max_count: int = 32) -> PullResult | None:
+        """`pull` in this thread if it can be answered at once, else None."""
+        ...
+
+    async def pull_stored(self, queue: str, offset: int, max_count: int = 32) -> PullResult:
+        """`pull` past the ring of recent messages (after `pull_now` said None)."""
+        ...

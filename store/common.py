@@ -1,0 +1,71 @@
+"""What the store interface's callers see of both implementations, embedded and remote:
+the error family, `PullResult`, and `await_future` for the futures `publish_start`
+returns. Nothing of the engine (CommitLog, RocksDB) is imported here, so the remote
+client and the gateway need not load it to name these."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+
+from store.record import Message
+
+
+class StoreError(Exception):
+    """The store could not take the message; nothing of it was kept."""
+
+
+class StoreFullError(StoreError):
+    """No space left on the store's disk."""
+
+
+class StoreClosedError(StoreError):
+    """The CommitLog is closed or has failed."""
+
+
+class StoreUnavailable(StoreError):
+    """No connection to the store right now (it is reconnecting)."""
+
+
+@dataclass
+class PullResult:
+    messages: list[Message]
+    next_offset: int  # where the next pull should start
+    min_offset: int
+    max_offset: int  # one past the last entry in the queue
+
+
+class FutureLike(Protocol):
+    """What `await_future` uses of a future: a concurrent.futures.Future (the remote
+    store, the CommitLog writer thread) or the CommitLog's InlineFuture."""
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> Any: ...
+
+    def add_done_callback(self, fn: Callable[[Any], object]) -> None: ...
+
+
+async def await_future(fut: FutureLike) -> Any:
+    """Wait for a concurrent future without blocking trio (no thread per call). Settled
+    from another thread (the CommitLog writer), it wakes the loop through its token; from
+    this one (the native client's reader task), it sets the event directly: no wake-up
+    through the loop's socket pair and no extra pass of the loop."""
+    if not fut.done():
+        token = trio.lowlevel.current_trio_token()
+        loop_thread = threading.get_ident()
+        done = trio.Event()
+
+        def wake(_: object) -> None:
+            if threading.get_ident() == loop_thread:
+                done.set()
+            else:
+                token.run_sync_soon(done.set)
+
+        fut.add_done_callback(wake)
+        await done.wait()
+    return fut.result()

@@ -1,0 +1,165 @@
+"""The house rules of DESIGN.md ("Rooms ... and who may import whom"), read from the source:
+
+- no import circle among the project's own modules, counting every import in a file
+  (function-level and TYPE_CHECKING ones too: a circle hidden in a function is still a
+  circle, and still a surprise at run time);
+- the gateway reaches the store only through its public face, store/api.py;
+- rooms import downwards only.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("gateway", "lightgate", "lightqueue", "notify", "serving", "spark_streaming",
+            "store")
+STORE_FACE = {"store", "store.api"}
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the project's packages."""
+    out: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _imported(module: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str, int]]:
+    """(project module, line) for every import in `path`. `from pkg import name` means
+    `pkg.name` when that is a module, else `pkg` (so `from store.auth import audit` in a
+    module of store.auth depends on store.auth.audit, not on the package's __init__)."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                keep = len(package) - (node.level - 1)
+                base = ".".join([*package[:keep], *([base] if base else [])])
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                     for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:  # `import a.b.c` of a non-module: its owner
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                yield name, node.lineno
+
+
+def _graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], int]]:
+    known = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in known}
+    lines: dict[tuple[str, str], int] = {}
+    for module, path in known.items():
+        for target, line in _imported(module, path, known):
+            graph[module].add(target)
+            lines.setdefault((module, target), line)
+    return graph, lines
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _describe(component: list[str], graph: dict[str, set[str]],
+              lines: dict[tuple[str, str], int]) -> str:
+    members = set(component)
+    edges = [f"    {a} -> {b} (line {lines[a, b]})"
+             for a in component for b in sorted(graph[a] & members)]
+    return " <-> ".join(component) + "\n" + "\n".join(edges)
+
+
+def test_no_import_cycles() -> None:
+    graph, lines = _graph()
+    cycles = _cycles(graph)
+    assert not cycles, "import circles among the project's modules:\n" + "\n".join(
+        _describe(c, graph, lines) for c in cycles)
+
+
+def test_the_checker_sees_a_cycle() -> None:
+    """The cycle finder itself: a circle of three, a self-contained pair, a tree."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"}}
+    assert sorted(_cycles(graph)) == [["a", "b", "c"], ["e", "f"]]
+
+
+def test_gateway_uses_the_store_only_through_its_face() -> None:
+    graph, lines = _graph()
+    known = _modules()
+    wrong = sorted(
+        f"{module} imports {target} (line {lines[module, target]})"
+        for module in known if module == "gateway" or module.startswith("gateway.")
+        for target in graph[module]
+        if (target == "store" or target.startswith("store.")) and target not in STORE_FACE)
+    assert not wrong, ("the gateway must import the store from store.api only "
+                       "(DESIGN.md: one interface):\n  " + "\n  ".join(wrong))
+
+
+# Who may import whom (DESIGN.md), room by room; serving/ is shared plumbing any server
+# room may use. lightgate/ is the wiring and may import every room.
+MAY_IMPORT = {
+    "gateway": {"store", "notify", "lightqueue", "serving"},
+    "store": {"lightqueue", "serving"},
+    "spark_streaming": {"store"},
+    "notify": set(),
+    "lightqueue": set(),
+    "serving": set(),
+}
+
+
+def test_rooms_import_downwards() -> None:
+    graph, lines = _graph()
+    wrong = sorted(
+        f"{module} imports {target} (line {lines[module, target]})"
+        for module, targets in graph.items()
+        for target in targets
+        if (room := module.split(".")[0]) in MAY_IMPORT
+        and (other := target.split(".")[0]) != room and other not in MAY_IMPORT[room])
+    assert not wrong, "imports against DESIGN.md's direction:\n  " + "\n  ".join(wrong)
