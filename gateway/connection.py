@@ -35,7 +35,7 @@ from gateway.mqtt import (
 )
 from gateway.mqtt import reason as rc
 from gateway.mqtt.properties import publish_properties
-from gateway.session import NEVER_EXPIRES, Outgoing, Session, Subscription
+from gateway.session import NEVER_EXPIRES, Outgoing, Session, Subscription, qos2_key
 from gateway.shared import SharedGroup, parse_shared
 from store.auth import AuthError, Subject
 from store.auth.enhanced import CONTINUE, FAILURE, Authenticator, AuthStep
@@ -756,6 +756,18 @@ class Connection:
             await self._flush_publishes()
             await self._to_acker(_NO_STORE_WAIT, p)  # duplicate: PUBREC again
             return
+        if p.qos == 2 and p.dup and s.persistent:
+            # A resend the session has no exchange for: stored already if a crash fell
+            # between the append and the packet id's marker (the record carries the id).
+            await self._flush_publishes()
+            phys = await self.broker.stored_qos2(s, p.packet_id)
+            if phys is not None:
+                log.info("client %r resent QoS 2 packet id %d stored before a restart: "
+                         "not stored again", s.client_id, p.packet_id)
+                s.incoming_qos2.add(p.packet_id)
+                await self.broker.remember_incoming_qos2(s, p.packet_id, False, phys)
+                await self._to_acker(_NO_STORE_WAIT, p)
+                return
         if p.qos:
             self._count_inbound(p)
         if p.properties.get("payload_format_indicator") == 1 and not _is_utf8(p.payload):
@@ -766,8 +778,10 @@ class Connection:
             return
         props = {k: v for k, v in p.properties.items() if k != "topic_alias"} \
             if p.properties else {}
-        self._batch_msgs.append(Message(topic, p.payload, p.qos, p.retain, s.client_id, props,
-                                        born_ts=time.time_ns() // 1_000_000))
+        self._batch_msgs.append(Message(
+            topic, p.payload, p.qos, p.retain, s.client_id, props,
+            born_ts=time.time_ns() // 1_000_000,
+            key=qos2_key(s.client_id, p.packet_id) if p.qos == 2 and s.persistent else ""))
         self._batch_pkts.append(p)
         if p.qos == 2:
             s.incoming_qos2.add(p.packet_id)
@@ -924,7 +938,8 @@ class Connection:
             if p.retain:
                 await self.broker.set_retained(msg)
             if p.qos == 2:
-                await self.broker.remember_incoming_qos2(s, p.packet_id, done=False)
+                await self.broker.remember_incoming_qos2(s, p.packet_id, False,
+                                                         msg.phys_offset)
 
     async def _on_pubrel(self, s: Session, p: Pubrel) -> None:
         if p.packet_id in s.incoming_qos2:
