@@ -29,6 +29,7 @@ from gateway.session import (
     in_key,
     offset_key,
     out_key,
+    qos2_key,
     sub_key,
 )
 from gateway.shared import SharedGroup, group_key
@@ -366,7 +367,10 @@ class Broker:
         for key, value in await self.store.meta_items("inflight", client_id + NUL):
             _, direction, pid = key.split(NUL)
             if direction == "in":
-                s.incoming_qos2.add(int(pid))
+                if "done" not in value:
+                    s.incoming_qos2.add(int(pid))
+                    if "phys" in value:
+                        s.incoming_phys[int(pid)] = value["phys"]
             else:
                 await self._restore_outgoing(s, int(pid), value)
         self.sessions[client_id] = s
@@ -619,12 +623,36 @@ class Broker:
             await self.store.meta_delete("inflight", out_key(s.client_id, o.packet_id))
             s.offsets_dirty.add(o.queue)
 
-    async def remember_incoming_qos2(self, s: Session, pid: int, done: bool) -> None:
+    async def remember_incoming_qos2(self, s: Session, pid: int, done: bool,
+                                     phys: int = -1) -> None:
+        """`phys`: where the publish's record is (its key is qos2_key). Released, the
+        marker keeps that position: a crash may leave a later publish with this id stored
+        but unmarked, and `stored_qos2` tells the two apart by it."""
         if s.persistent:
             if done:
-                await self.store.meta_delete("inflight", in_key(s.client_id, pid))
+                phys = s.incoming_phys.pop(pid, -1)
+                if phys >= 0:
+                    await self.store.meta_put("inflight", in_key(s.client_id, pid),
+                                              {"done": phys})
+                else:
+                    await self.store.meta_delete("inflight", in_key(s.client_id, pid))
             else:
-                await self.store.meta_put("inflight", in_key(s.client_id, pid), {})
+                if phys >= 0:
+                    s.incoming_phys[pid] = phys
+                await self.store.meta_put("inflight", in_key(s.client_id, pid),
+                                          {"phys": phys} if phys >= 0 else {})
+
+    async def stored_qos2(self, s: Session, pid: int) -> int | None:
+        """For a DUP QoS 2 PUBLISH of a packet id the session has no exchange for: the
+        position of the record an earlier attempt stored before a crash cut the exchange
+        (then it is a duplicate), or None (a new message, to store)."""
+        last = await self.store.last_key_offset(qos2_key(s.client_id, pid))
+        if last is None:
+            return None
+        mark = await self.store.meta_get("inflight", in_key(s.client_id, pid))
+        if mark is not None and mark.get("done", -1) >= last:
+            return None  # that record's exchange was completed
+        return last
 
     # -- messages ---------------------------------------------------------------------
     def template(self, msg: Message) -> PublishTemplate:

@@ -35,10 +35,21 @@ from gateway.mqtt import (
 )
 from gateway.mqtt import reason as rc
 from gateway.mqtt.properties import publish_properties
-from gateway.session import NEVER_EXPIRES, Outgoing, Session, Subscription, parse_shared
+from gateway.session import (
+    NEVER_EXPIRES,
+    Outgoing,
+    Session,
+    Subscription,
+    parse_shared,
+    qos2_key,
+)
 from gateway.shared import SharedGroup
 from store.api import (
+    CONTINUE,
+    FAILURE,
     AuthError,
+    Authenticator,
+    AuthStep,
     DecisionCache,
     Message,
     StoreError,
@@ -82,7 +93,7 @@ class Connection:
         "_outbuf_bytes",
         "_window", "_cancel", "_detached", "_taken_over", "_write_failed", "_store_error",
         "_aliases_in", "_aliases_out", "_alias_out_max", "_fd",
-        "_held",
+        "_held", "_auth_method", "_reauth",
     )
 
     def __init__(
@@ -100,6 +111,8 @@ class Connection:
         self.subject: Subject | None = None  # who authenticated on this connection
         self._auth_cache: DecisionCache | None = None  # made once auth is known to be on
         self._ask_hook = False  # PUB/SUB decided by the HTTP hook (--auth-http-acl)
+        self._auth_method: str | None = None  # the CONNECT's enhanced authentication method
+        self._reauth: Authenticator | None = None  # a re-authentication under way
         self._check_delivery = False  # whether each delivery needs a SUB decision
         self._kicked: Closing | None = None
         cfg = broker.config
@@ -393,7 +406,7 @@ class Connection:
         if scope.cancelled_caught:
             raise Closing("no CONNECT in time", will=False)
         first = packets.pop(0)
-        await self._on_connect(first, nursery)
+        await self._on_connect(first, nursery, packets)
         while True:
             for packet in packets:
                 await self._dispatch(packet)
@@ -471,17 +484,24 @@ class Connection:
                 return packets
 
     # -- CONNECT ----------------------------------------------------------------------
-    async def _on_connect(self, p: Any, nursery: trio.Nursery) -> None:
+    async def _on_connect(self, p: Any, nursery: trio.Nursery, packets: list[Any]) -> None:
+        """`packets`: those that came after the CONNECT; an AUTH exchange reads on."""
         if not isinstance(p, Connect):
             raise Closing("first packet is not CONNECT", will=False)
         self.version = v = p.protocol_level
         props = p.properties
+        authenticator = None
         if v == 5 and "authentication_method" in props:
-            # Enhanced authentication (SCRAM etc.) plugs in here; none is configured.
-            await self._send_now(mqtt.encode(Connack(False, rc.BAD_AUTHENTICATION_METHOD, {
-                "reason_string": f"authentication method {props['authentication_method']!r} "
-                                 "is not supported"}), 5))
-            raise Closing("unsupported authentication method", will=False)
+            # Enhanced authentication (§4.12): the methods the AuthManager offers.
+            authenticator = self.broker.auth.enhanced(props["authentication_method"])
+            if authenticator is None:
+                await self._send_now(mqtt.encode(Connack(
+                    False, rc.BAD_AUTHENTICATION_METHOD, {
+                        "reason_string": "authentication method "
+                                         f"{props['authentication_method']!r} is not supported"}),
+                    5))
+                raise Closing("unsupported authentication method", will=False)
+            self._auth_method = authenticator.method
         client_id = p.client_id
         assigned = None
         if not client_id:
@@ -500,7 +520,7 @@ class Connection:
             # 3.1.1 sessions never end by themselves; ours do, after --v3-session-expiry-s.
             v3_expiry = int(self.config.v3_session_expiry_s) or NEVER_EXPIRES
             expiry = 0 if p.clean_start else v3_expiry
-        await self._admit(p, v, client_id)
+        auth_data = await self._admit(p, v, client_id, authenticator, packets)
         self.keepalive = p.keepalive
         server_keepalive = None
         max_ka = self.config.max_keepalive
@@ -534,6 +554,10 @@ class Connection:
                 ack_props["assigned_client_identifier"] = assigned
             if server_keepalive is not None:
                 ack_props["server_keep_alive"] = server_keepalive
+            if self._auth_method is not None:
+                ack_props["authentication_method"] = self._auth_method
+                if auth_data is not None:
+                    ack_props["authentication_data"] = auth_data
         await self.send(mqtt.encode(Connack(present, 0, ack_props), v))
         log.info("client %r connected from %s (v%d, %s session%s)", client_id, self.peer, v,
                  "persistent" if session.persistent else "clean",
@@ -570,8 +594,10 @@ class Connection:
             await self._refuse(v, rc.PAYLOAD_FORMAT_INVALID, None,
                                "will payload is not UTF-8 as its format indicator says")
 
-    async def _admit(self, p: Connect, v: int, client_id: str) -> None:
-        """Connection limits, then authentication and the will's PUB right."""
+    async def _admit(self, p: Connect, v: int, client_id: str,
+                     authenticator: Authenticator | None, packets: list[Any]) -> bytes | None:
+        """Connection limits, then authentication and the will's PUB right. Returns the
+        enhanced authentication's last data, for the CONNACK."""
         broker, cfg = self.broker, self.config
         ip = self.peer.rsplit(":", 1)[0]
         if cfg.max_connections and broker.stats.connections >= cfg.max_connections:
@@ -584,12 +610,18 @@ class Connection:
             log.warning("connect from %s refused: above --max-connect-rate", self.peer)
             await self._refuse(v, rc.CONNECTION_RATE_EXCEEDED, 3, "connect rate exceeded")
         password = p.password.decode("utf-8", "surrogateescape") if p.password else None
+        auth_data = None
         try:
-            self.subject = await broker.auth.authenticate(
-                p.username, password, ip, "mqtt", self.cert_identity, client_id)
+            if authenticator is not None:
+                self.subject, auth_data = await self._enhanced_connect(
+                    p, authenticator, ip, client_id, packets)
+            else:
+                self.subject = await broker.auth.authenticate(
+                    p.username, password, ip, "mqtt", self.cert_identity, client_id)
         except AuthError as exc:
             log.info("client %r from %s not authenticated", p.client_id, self.peer)
-            if exc.disabled or (not p.username and not self.cert_identity):
+            if exc.disabled or (authenticator is None and not p.username
+                                and not self.cert_identity):
                 await self._refuse(v, rc.NOT_AUTHORIZED, 5, "not authorized")
             await self._refuse(v, rc.BAD_USER_NAME_OR_PASSWORD, 4, "bad user name or password")
         self._ask_hook = broker.auth.asks_hook(self.subject)
@@ -599,6 +631,81 @@ class Connection:
                                    or not await self._may_ask("PUB", p.will.topic)):
             await self._refuse(v, rc.NOT_AUTHORIZED, 5, "will topic not authorized")
         self.auth_changed()
+        return auth_data
+
+    async def _enhanced_connect(self, p: Connect, authenticator: Authenticator, ip: str,
+                                client_id: str, packets: list[Any]) -> tuple[Subject, bytes | None]:
+        """The CONNECT's AUTH exchange (§4.12): AUTH 0x18 both ways until the method
+        decides. AuthError when it fails."""
+        auth, method = self.broker.auth, authenticator.method
+        await auth.enhanced_wait(ip)
+        step = authenticator.start(p.properties.get("authentication_data"))
+        deadline = trio.current_time() + self.config.connect_timeout
+        while step.outcome == CONTINUE:
+            await self._send_now(mqtt.encode(self._auth_packet(rc.CONTINUE_AUTHENTICATION,
+                                                               step.data), 5))
+            with trio.move_on_at(deadline):
+                while not packets:
+                    packets.extend(await self._receive())
+            if not packets:
+                raise Closing("authentication not finished in time", will=False)
+            reply = packets.pop(0)
+            if isinstance(reply, Disconnect):
+                raise Closing("DISCONNECT during authentication", will=False)
+            if (not isinstance(reply, Auth) or reply.reason_code != rc.CONTINUE_AUTHENTICATION
+                    or reply.properties.get("authentication_method") != method):
+                await self._refuse(5, rc.PROTOCOL_ERROR, 0, f"expected AUTH 0x18 for {method}")
+            step = authenticator.step(reply.properties.get("authentication_data"))
+        if p.username and step.outcome != FAILURE and p.username != step.user:
+            step = AuthStep.failure(f"{method}: CONNECT user name {p.username!r} is not "
+                                    f"the authenticated {step.user!r}", step.user)
+        return auth.enhanced_result(method, step, ip, "mqtt", client_id), step.data
+
+    def _auth_packet(self, code: int, data: bytes | None) -> Auth:
+        props: dict[str, Any] = {"authentication_method": self._auth_method}
+        if data is not None:
+            props["authentication_data"] = data
+        return Auth(code, props)
+
+    async def _on_auth(self, p: Auth) -> None:
+        """Re-authentication (§4.12.1): AUTH 0x19 with the CONNECT's method, the same
+        exchange, AUTH 0x00 on success; on failure the connection ends (0x87)."""
+        method = self._auth_method
+        if method is None:
+            raise ProtocolError(rc.PROTOCOL_ERROR, "AUTH without an authentication method")
+        if p.properties.get("authentication_method") != method:
+            raise ProtocolError(rc.PROTOCOL_ERROR, f"AUTH with a method other than {method}")
+        data = p.properties.get("authentication_data")
+        auth, ip = self.broker.auth, self.peer.rsplit(":", 1)[0]
+        if p.reason_code == rc.RE_AUTHENTICATE:
+            authenticator = auth.enhanced(method)
+            if authenticator is None:  # auth switched off or method withdrawn meanwhile
+                raise Closing("re-authentication method gone", True,
+                              rc.BAD_AUTHENTICATION_METHOD)
+            self._reauth = authenticator
+            await auth.enhanced_wait(ip)
+            step: AuthStep = authenticator.start(data)
+        elif p.reason_code == rc.CONTINUE_AUTHENTICATION and self._reauth is not None:
+            step = self._reauth.step(data)
+        else:
+            raise ProtocolError(rc.PROTOCOL_ERROR, f"unexpected AUTH 0x{p.reason_code:02X}")
+        if step.outcome == CONTINUE:
+            await self.send(mqtt.encode(self._auth_packet(rc.CONTINUE_AUTHENTICATION,
+                                                          step.data), 5))
+            return
+        self._reauth = None
+        assert self.session is not None and self.subject is not None
+        try:
+            subject = auth.enhanced_result(method, step, ip, "mqtt", self.session.client_id)
+        except AuthError as exc:
+            raise Closing(f"re-authentication failed: {exc.reason}", True,
+                          rc.NOT_AUTHORIZED) from None
+        if subject.name != self.subject.name:  # the session and its rights are the first's
+            raise Closing("re-authenticated as another user", True, rc.NOT_AUTHORIZED)
+        self.subject = subject
+        self._auth_cache = None
+        self.auth_changed()
+        await self.send(mqtt.encode(self._auth_packet(rc.SUCCESS, step.data), 5))
 
     # -- packets after CONNECT --------------------------------------------------------
     async def _dispatch(self, p: Any) -> None:
@@ -623,7 +730,7 @@ class Connection:
         elif isinstance(p, Disconnect):
             self._on_disconnect(p)
         elif isinstance(p, Auth):
-            raise ProtocolError(rc.PROTOCOL_ERROR, "AUTH without an authentication method")
+            await self._on_auth(p)
         elif isinstance(p, Connect):
             raise ProtocolError(rc.PROTOCOL_ERROR, "second CONNECT")
         else:
@@ -681,6 +788,18 @@ class Connection:
             await self._flush_publishes()
             await self._to_acker(_NO_STORE_WAIT, p)  # duplicate: PUBREC again
             return
+        if p.qos == 2 and p.dup and s.persistent:
+            # A resend the session has no exchange for: stored already if a crash fell
+            # between the append and the packet id's marker (the record carries the id).
+            await self._flush_publishes()
+            phys = await self.broker.stored_qos2(s, p.packet_id)
+            if phys is not None:
+                log.info("client %r resent QoS 2 packet id %d stored before a restart: "
+                         "not stored again", s.client_id, p.packet_id)
+                s.incoming_qos2.add(p.packet_id)
+                await self.broker.remember_incoming_qos2(s, p.packet_id, False, phys)
+                await self._to_acker(_NO_STORE_WAIT, p)
+                return
         if p.qos:
             self._count_inbound(p)
         if p.properties.get("payload_format_indicator") == 1 and not _is_utf8(p.payload):
@@ -691,8 +810,10 @@ class Connection:
             return
         props = {k: v for k, v in p.properties.items() if k != "topic_alias"} \
             if p.properties else {}
-        self._batch_msgs.append(Message(topic, p.payload, p.qos, p.retain, s.client_id, props,
-                                        born_ts=time.time_ns() // 1_000_000))
+        self._batch_msgs.append(Message(
+            topic, p.payload, p.qos, p.retain, s.client_id, props,
+            born_ts=time.time_ns() // 1_000_000,
+            key=qos2_key(s.client_id, p.packet_id) if p.qos == 2 and s.persistent else ""))
         self._batch_pkts.append(p)
         if p.qos == 2:
             s.incoming_qos2.add(p.packet_id)
@@ -849,7 +970,8 @@ class Connection:
             if p.retain:
                 await self.broker.set_retained(msg)
             if p.qos == 2:
-                await self.broker.remember_incoming_qos2(s, p.packet_id, done=False)
+                await self.broker.remember_incoming_qos2(s, p.packet_id, False,
+                                                         msg.phys_offset)
 
     async def _on_pubrel(self, s: Session, p: Pubrel) -> None:
         if p.packet_id in s.incoming_qos2:

@@ -6,7 +6,9 @@ Metadata layout (column family: key -> value):
     offsets:       "mqtt" NUL client_id NUL queue -> {"acked": first unacknowledged offset,
                                                       "next": first offset not yet sent}
     inflight:      client_id NUL "out" NUL packet_id -> {"queue", "offset", "state"}
-                   client_id NUL "in" NUL packet_id -> {}   (QoS 2 received, awaiting PUBREL)
+                   client_id NUL "in" NUL packet_id -> {"phys"}   (QoS 2 stored, awaiting
+                   PUBREL; the record's position) or {"done": phys} (released: a later DUP
+                   of this packet id is a duplicate only if a newer record has its key)
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class Session:
     cursors: dict[str, int] = field(default_factory=dict)  # queue -> next offset to send
     outgoing: OrderedDict[int, Outgoing] = field(default_factory=OrderedDict)
     incoming_qos2: set[int] = field(default_factory=set)
+    incoming_phys: dict[int, int] = field(default_factory=dict)  # pid -> its record's phys
     will: Will | None = None
     connection: Any = None  # the live Connection, or None while offline
     disconnected_at: float | None = None
@@ -187,3 +190,10 @@ def out_key(client_id: str, packet_id: int) -> str:
 
 def in_key(client_id: str, packet_id: int) -> str:
     return f"{client_id}{NUL}in{NUL}{packet_id:05d}"
+
+
+def qos2_key(client_id: str, packet_id: int) -> str:
+    """The record key of a persistent session's QoS 2 publish: the store indexes it, so
+    the packet id is durable with the append itself (client ids hold no NUL, the index's
+    separator; the packet id is what follows the last "/")."""
+    return f"mqtt-qos2/{client_id}/{packet_id}"

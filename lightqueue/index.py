@@ -260,6 +260,17 @@ class ConsumeQueueIndex:
             return raw is not None and ENTRY.unpack(raw)[0] == phys_offset
         return bool(key) and self._db.get(key_prefix(key) + U64.pack(phys_offset)) is not None
 
+    def last_key(self, key: str) -> int | None:
+        """Physical offset of the newest message stored with this key, if any."""
+        prefix = key_prefix(key)
+        it = self._db.iter(ReadOptions())
+        it.seek_for_prev(prefix + _MAX_U64)
+        if it.valid():
+            found = it.key()
+            if found.startswith(prefix) and len(found) == len(prefix) + 8:
+                return U64.unpack_from(found, len(prefix))[0]
+        return None
+
     def find_key(self, key: str, limit: int = 100) -> list[int]:
         """Physical offsets of the messages stored with this key, oldest first."""
         prefix = key_prefix(key)

@@ -19,6 +19,7 @@ from store.app import StoreNode, store_node
 from store.auth import AUTH_EVENT, AuthConfig, AuthError, AuthManager, Subject
 from store.auth.audit import to_file as audit_to_file
 from store.auth.chain import BackendConfig
+from store.auth.enhanced import CONTINUE, FAILURE, Authenticator, AuthStep
 from store.auth.manager import DecisionCache
 from store.client import AuthFailed, NativeClient, RemoteStore
 from store.common import (
@@ -36,7 +37,8 @@ from store.record import Message
 from store.service import EmbeddedStore, StoreConfig
 
 __all__ = [
-    "AUTH_EVENT", "AuthConfig", "AuthError", "AuthFailed", "AuthManager", "BackendConfig",
+    "AUTH_EVENT", "CONTINUE", "FAILURE", "AuthConfig", "AuthError", "AuthFailed",
+    "AuthManager", "AuthStep", "Authenticator", "BackendConfig",
     "DecisionCache", "EmbeddedStore", "FutureLike", "LocalStore", "Message", "NativeClient",
     "PullResult", "RemoteStore", "Store", "StoreClosedError", "StoreConfig", "StoreError",
     "StoreFullError", "StoreNode", "StoreUnavailable", "Subject", "audit_to_file", "auth_app",
@@ -67,6 +69,10 @@ class Store(Protocol):
 
     async def queue_end(self, queue: str) -> int:
         """One past the last entry of `queue`: where a new subscription starts."""
+        ...
+
+    async def last_key_offset(self, key: str) -> int | None:
+        """The CommitLog position of the newest record stored with `key`, or None."""
         ...
 
     async def queue_ends(self, queues: Sequence[str]) -> dict[str, int]: ...

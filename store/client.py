@@ -286,6 +286,10 @@ class RemoteStore:
         header, _ = await self.client.request(p.STATS, {})
         return header
 
+    async def last_key_offset(self, key: str) -> int | None:
+        header, _ = await self.client.request(p.FIND_KEY, {"key": key, "last": True})
+        return header.get("phys")
+
     async def get_message(self, msg_id: str) -> Message:
         try:
             header, body = await self.client.request(p.GET_MESSAGE, {"msg_id": msg_id})

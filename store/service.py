@@ -290,6 +290,10 @@ class EmbeddedStore:
     async def get_message(self, msg_id: str) -> Message:
         return await trio.to_thread.run_sync(self.commitlog.read, parse_msg_id(msg_id))
 
+    async def last_key_offset(self, key: str) -> int | None:
+        """Physical offset of the newest record with this key (None: there is none)."""
+        return await trio.to_thread.run_sync(self.index.last_key, key)
+
     async def find_by_key(self, key: str, limit: int = 100) -> list[Message]:
         def find() -> list[Message]:
             out = []

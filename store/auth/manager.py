@@ -8,6 +8,7 @@ gateway node it is a replica, reloaded on that event and every few seconds.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -19,8 +20,11 @@ from store.auth import audit
 from store.auth.backends import ALLOW, IGNORE, Credentials, Decision
 from store.auth.backoff import FailureBackoff
 from store.auth.chain import BackendConfig, build_backends
+from store.auth.enhanced import SUCCESS, Authenticator, AuthStep
 from store.auth.passwords import PasswordChecker, hash_password
 from store.auth.policy import EVERYONE, Policy, decide
+from store.auth.scram import METHOD as SCRAM_METHOD
+from store.auth.scram import ScramSha256, make_verifier
 from store.auth.topic_acl import TopicAcl
 
 log = logging.getLogger("lightgate.auth")
@@ -60,6 +64,9 @@ class User:
     super: bool = False
     enabled: bool = True
     created: float = field(default_factory=time.time)
+    # SCRAM-SHA-256 verifier, made with the password; None for users whose password was
+    # set before SCRAM support (SCRAM fails for them until it is set again)
+    scram: str | None = None
 
     def public(self) -> dict[str, Any]:
         return {"name": self.name, "super": self.super, "enabled": self.enabled,
@@ -164,6 +171,12 @@ class AuthManager:
         self.chain: list[Any] = build_backends(backends or BackendConfig(), self.builtin)
         hooks = [b for b in self.chain if b.name == "http" and b.acl]
         self.acl_hook: Any = hooks[0] if hooks else None  # --auth-http-acl
+        # MQTT 5 enhanced authentication methods (§4.12), by name: one new exchange each.
+        # They prove built-in users, so they are offered only while builtin is in the chain.
+        self._scram_secret = os.urandom(32)
+        self.enhanced_methods: dict[str, Callable[[], Authenticator]] = {
+            SCRAM_METHOD: lambda: ScramSha256(self._scram_verifier, self._scram_secret),
+        }
 
     @classmethod
     async def start(cls, store: Any, cfg: AuthConfig,
@@ -232,7 +245,8 @@ class AuthManager:
         if name in self.users:
             raise ValueError(f"user {name!r} exists")
         hashed = await trio.to_thread.run_sync(hash_password, password)
-        user = User(name, hashed, super_user)
+        verifier = await trio.to_thread.run_sync(make_verifier, password)
+        user = User(name, hashed, super_user, scram=verifier)
         await self.store.meta_put("users", name, asdict(user))
         await self._changed()
         log.info("user %r added (%s)", name, "super" if super_user else "normal")
@@ -243,6 +257,7 @@ class AuthManager:
         user = replace(self._user(name))  # a copy: `load` sees the change
         if password:
             user.password = await trio.to_thread.run_sync(hash_password, password)
+            user.scram = await trio.to_thread.run_sync(make_verifier, password)
         if enabled is not None:
             user.enabled = enabled
         if super_user is not None:
@@ -333,6 +348,39 @@ class AuthManager:
         # No definite answer: what the first backend saw ("bad username or password", or
         # "anonymous access is off"), then the others'.
         raise AuthError("; ".join(dict.fromkeys(ignored)) or "no backend knows this client")
+
+    # -- enhanced authentication (MQTT 5 AUTH) -------------------------------------------
+    def enhanced(self, method: str) -> Authenticator | None:
+        """A new exchange for `method`, or None when it is not offered (0x8C)."""
+        factory = self.enhanced_methods.get(method)
+        if factory is None or not self.enabled or self.builtin not in self.chain:
+            return None
+        return factory()
+
+    def _scram_verifier(self, name: str) -> str | None:
+        user = self.users.get(name)
+        return None if user is None else user.scram or ""
+
+    async def enhanced_wait(self, ip: str) -> None:
+        """The brute-force delay before an exchange, as before a password check."""
+        delay = self.backoff.delay(ip)
+        if delay:
+            await trio.sleep(delay)
+
+    def enhanced_result(self, method: str, step: AuthStep, ip: str, via: str,
+                        client_id: str = "") -> Subject:
+        """The subject an exchange's last step proved, or AuthError; audited."""
+        user = self.users.get(step.user or "") if step.outcome == SUCCESS else None
+        if step.outcome != SUCCESS or user is None or not user.enabled:
+            reason = step.reason or (f"{method}: user disabled" if user is not None
+                                     else f"{method}: user unknown")
+            self.backoff.failed(ip)
+            self.auth_failures += 1
+            audit.authentication(step.user or "", ip, via, False, reason)
+            raise AuthError(reason, disabled=user is not None and not user.enabled)
+        self.backoff.succeeded(ip)
+        audit.authentication(user.name, ip, via, True, method)
+        return Subject(user.name, ip, via, client_id=client_id)
 
     def is_super(self, subject: Subject) -> bool:
         if not self.enabled:

@@ -137,3 +137,32 @@ def test_store_restart_is_survived_by_gateways(cluster) -> None:
     assert [m.payload for m in sub.expect(1, timeout=15)] == [b"after"]
     sub.disconnect()
     pub.close()
+
+
+def test_qos2_resend_checks_the_store_over_the_network(cluster) -> None:
+    """A DUP QoS 2 resend is checked against the store's key index (the packet id the
+    record carries) through the native protocol: a stored one is not stored again."""
+    store, (a, b), _ = cluster
+    topic = uid("q2") + "/x"
+    watcher = RawClient(b.port)
+    watcher.connect(uid("watch"))
+    watcher.subscribe(topic, 1)
+    cid = uid("q2pub")
+    c = RawClient(a.port)
+    c.connect(cid, clean=False)
+    c.send(mqtt.Publish(topic, b"once", qos=2, dup=True, packet_id=3))  # new: stored
+    assert isinstance(c.recv(), mqtt.Pubrec)
+    c.close()  # the session (on b now) has the exchange; a resend of it is a duplicate
+    c = RawClient(b.port)
+    c.connect(cid, clean=False)
+    c.send(mqtt.Publish(topic, b"once", qos=2, dup=True, packet_id=3))
+    assert isinstance(c.recv(), mqtt.Pubrec)
+    c.send(mqtt.Pubrel(3))
+    assert isinstance(c.recv(), mqtt.Pubcomp)
+    got = watcher.recv()
+    assert isinstance(got, mqtt.Publish) and got.payload == b"once"
+    watcher.send(mqtt.Puback(got.packet_id))
+    watcher.sock.settimeout(1.0)
+    with pytest.raises(TimeoutError):
+        watcher.recv()
+    c.close()
