@@ -47,8 +47,8 @@ from gateway.shared import SharedGroup
 from store.api import (
     CONTINUE,
     FAILURE,
-    AuthError,
     Authenticator,
+    AuthError,
     AuthStep,
     DecisionCache,
     Message,
