@@ -491,15 +491,16 @@ class Connection:
         self.version = v = p.protocol_level
         props = p.properties
         authenticator = None
+        if v == 5:  # before any answer: each must fit [MQTT-3.2.2-19]
+            self.client_max_packet = int(props.get("maximum_packet_size", 268_435_455))
         if v == 5 and "authentication_method" in props:
             # Enhanced authentication (§4.12): the methods the AuthManager offers.
             authenticator = self.broker.auth.enhanced(props["authentication_method"])
             if authenticator is None:
                 await self._send_now(mqtt.encode(Connack(
-                    False, rc.BAD_AUTHENTICATION_METHOD, {
-                        "reason_string": "authentication method "
-                                         f"{props['authentication_method']!r} is not supported"}),
-                    5))
+                    False, rc.BAD_AUTHENTICATION_METHOD, self._reason(
+                        f"authentication method {props['authentication_method']!r} "
+                        "is not supported")), 5))
                 raise Closing("unsupported authentication method", will=False)
             self._auth_method = authenticator.method
         client_id = p.client_id

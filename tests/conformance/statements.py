@@ -109,7 +109,7 @@ STATEMENTS: tuple[Statement, ...] = (
     S("MQTT-3.1.2-29", "server", "Request Problem Information 0: the Server MUST NOT send a "
       "Reason String or User Properties on packets other than PUBLISH, CONNACK, DISCONNECT."),
     S("MQTT-3.1.2-30", "client", "A Client that sets an Authentication Method MUST NOT send "
-      "packets other than AUTH or DISCONNECT before CONNACK.", na=NO_ENHANCED_AUTH),
+      "packets other than AUTH or DISCONNECT before CONNACK. Server: Protocol Error."),
     S("MQTT-3.1.3-1", "client", "CONNECT payload fields MUST appear in the order Client "
       "Identifier, Will Properties, Will Topic, Will Payload, User Name, Password.",
       na="binds the Client's encoding: fields out of order read as other fields, refused by "
@@ -376,12 +376,11 @@ STATEMENTS: tuple[Statement, ...] = (
       "without publishing it."),
     S("MQTT-3.15.1-1", "both", "AUTH fixed header flags MUST be 0; others are malformed and "
       "the connection closed."),
-    S("MQTT-3.15.2-1", "both", "The sender of AUTH MUST use an Authenticate Reason Code.",
-      na=NO_ENHANCED_AUTH),
+    S("MQTT-3.15.2-1", "both", "The sender of AUTH MUST use an Authenticate Reason Code."),
     S("MQTT-3.15.2-2", "both", "An AUTH Reason String MUST NOT be sent if it would exceed the "
-      "receiver's Maximum Packet Size.", na=NO_ENHANCED_AUTH),
+      "receiver's Maximum Packet Size."),
     S("MQTT-3.15.2-3", "both", "AUTH User Properties MUST NOT be sent if they would exceed the "
-      "receiver's Maximum Packet Size.", na=NO_ENHANCED_AUTH),
+      "receiver's Maximum Packet Size.", na=NO_USER_PROPS),
     # 4.1 Session State
     S("MQTT-4.1.0-1", "both", "Client and Server MUST NOT discard the Session State while the "
       "connection is open."),
@@ -489,20 +488,20 @@ STATEMENTS: tuple[Statement, ...] = (
     S("MQTT-4.12.0-1", "server", "If the Server does not support the Authentication Method it "
       "MAY send CONNACK 0x8C or 0x87 and MUST close the connection."),
     S("MQTT-4.12.0-2", "server", "A Server AUTH during authentication MUST carry 0x18 "
-      "(Continue authentication).", na=NO_ENHANCED_AUTH),
+      "(Continue authentication)."),
     S("MQTT-4.12.0-3", "client", "The Client's answering AUTH MUST carry 0x18.", na=CLIENT),
     S("MQTT-4.12.0-4", "server", "The Server can reject authentication at any point; it MUST "
-      "then close the connection.", na=NO_ENHANCED_AUTH),
+      "then close the connection."),
     S("MQTT-4.12.0-5", "both", "With an Authentication Method in CONNECT, every AUTH and a "
-      "successful CONNACK MUST carry the same method.", na=NO_ENHANCED_AUTH),
+      "successful CONNACK MUST carry the same method."),
     S("MQTT-4.12.0-6", "server", "Without an Authentication Method in CONNECT, the Server MUST "
       "NOT send AUTH nor an Authentication Method in CONNACK."),
     S("MQTT-4.12.0-7", "client", "Without an Authentication Method in CONNECT, the Client MUST "
       "NOT send AUTH. Server: Protocol Error."),
     S("MQTT-4.12.1-1", "client", "Re-authentication MUST use the original Authentication "
-      "Method.", na=NO_ENHANCED_AUTH),
+      "Method. Server: Protocol Error."),
     S("MQTT-4.12.1-2", "both", "If re-authentication fails, Client or Server SHOULD send "
-      "DISCONNECT.", na=NO_ENHANCED_AUTH),
+      "DISCONNECT."),
     # 4.13 Handling errors
     S("MQTT-4.13.1-1", "server", "On a Malformed Packet or Protocol Error with a Reason Code "
       "given, the Server MUST close the connection."),

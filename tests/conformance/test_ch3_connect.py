@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from gateway import mqtt
 from tests.conformance.conftest import PASSWORD, USER
 from tests.conformance.wire import (
@@ -511,8 +509,6 @@ def test_mqtt_3_2_2_17(port: int) -> None:
     assert [p.reason_code for p in got if isinstance(p, mqtt.Disconnect)] in ([0x94], [])
 
 
-@pytest.mark.xfail(strict=True, reason="defect: a CONNACK refusing an authentication "
-                   "method keeps its Reason String past the client's Maximum Packet Size")
 def test_mqtt_3_2_2_19(port: int) -> None:
     """[MQTT-3.2.2-19] A refusing CONNACK drops its Reason String rather than exceed the
     client's Maximum Packet Size (16 bytes)."""
