@@ -25,7 +25,13 @@ from lightgate.settings import (
     STORE_CMD_SETTINGS,
     all_settings,
 )
-from serving.startup import StartupError, first_of
+from serving.startup import (
+    HTTP_LISTENER,
+    NATIVE_LISTENER,
+    StartupError,
+    check_ports,
+    first_of,
+)
 
 
 def _add_settings(
@@ -191,6 +197,12 @@ def _auth_config(values: dict[str, Any]) -> Any:
                       audit_log=values.get("audit_log"), backends=_backend_config(values))
 
 
+def _listener_ports(listeners: Any) -> list[tuple[str, str, str | None]]:
+    from gateway.listener import LISTENERS
+
+    return [(*label, getattr(listeners, name)) for name, label in LISTENERS.items()]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.app import ServeOptions, run_serve
 
@@ -200,6 +212,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         listeners=_listener_config(values), auth=_auth_config(values),
         native=values["native"], http=values["http"],
     )
+    check_ports([*_listener_ports(opts.listeners), (*NATIVE_LISTENER, opts.native),
+                 (*HTTP_LISTENER, opts.http)])
     trio.run(run_serve, opts)
     return 0
 
@@ -218,6 +232,7 @@ async def _store_main(cfg: Any, native: str, http: str, notify: str | None,
 
 def cmd_store(args: argparse.Namespace) -> int:
     values = resolve(args, STORE_CMD_SETTINGS)
+    check_ports([(*NATIVE_LISTENER, values["native"]), (*HTTP_LISTENER, values["http"])])
     trio.run(_store_main, _store_config(values), values["native"], values["http"],
              values["notify"], _auth_config(values))
     return 0
@@ -232,6 +247,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                           http=values["http"], store_auth=values["store_auth"],
                           auth_strategy=values["auth_strategy"], audit_log=values["audit_log"],
                           auth_backends=_backend_config(values))
+    check_ports([*_listener_ports(opts.listeners), (*HTTP_LISTENER, opts.http)])
     trio.run(run_gateway, opts)
     return 0
 

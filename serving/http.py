@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from serving.startup import listening, split_hostport
+from serving.startup import HTTP_LISTENER, listening, split_hostport
 
 log = logging.getLogger("lightgate.http")
 
@@ -126,7 +126,7 @@ async def serve_http(
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Serve `app` on `addr` until cancelled; `task_status.started` gets 'host:port'."""
-    with listening("HTTP (dashboard, admin API, metrics)", "--http", addr):
+    with listening(*HTTP_LISTENER, addr):
         host, port = split_hostport(addr, "127.0.0.1")
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -139,6 +139,6 @@ async def serve_http(
     app = BodyLimit(app, max_body)  # type: ignore[assignment]
 
     async with trio.open_nursery() as nursery:
-        with listening("HTTP (dashboard, admin API, metrics)", "--http", addr):
+        with listening(*HTTP_LISTENER, addr):
             binds = await nursery.start(partial(serve, app, config))  # type: ignore[arg-type]
         task_status.started(binds[0].split("://", 1)[1])

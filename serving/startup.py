@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import signal
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -50,6 +51,29 @@ def listening(what: str, flag: str, addr: str) -> Iterator[None]:
         raise StartupError(
             f"{what} cannot listen on {addr}: {reason}; choose another with "
             f"{flag} HOST:PORT (port 0 picks a free one)") from exc
+
+
+def check_ports(listeners: list[tuple[str, str, str | None]]) -> None:
+    """Before anything opens, try to bind each (what, flag, addr) listener's address and
+    let it go: a port in use is then reported at once, in one line, not after the
+    store's recovery (which logs, and may take long). The real bind later still reports
+    a port taken in between. Port 0 and disabled listeners are skipped."""
+    for what, flag, addr in listeners:
+        if not addr:
+            continue
+        with listening(what, flag, addr):
+            host, port = split_hostport(addr)
+            if port == 0:
+                continue
+            for family, kind, proto, _, sockaddr in socket.getaddrinfo(
+                    host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+                with socket.socket(family, kind, proto) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    probe.bind(sockaddr)
+
+
+NATIVE_LISTENER = ("the native protocol", "--native")
+HTTP_LISTENER = ("HTTP (dashboard, admin API, metrics)", "--http")
 
 
 def first_of(exc: BaseException, kind: type[E]) -> E | None:

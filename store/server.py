@@ -20,7 +20,7 @@ import trio
 
 from lightqueue.routing import validate_first_level
 from serving.read_budget import ReadBudget
-from serving.startup import listening, split_hostport
+from serving.startup import NATIVE_LISTENER, listening, split_hostport
 from store import protocol as p
 from store.auth import AuthError, AuthManager, Policy, Subject
 from store.auth.manager import DecisionCache
@@ -152,7 +152,7 @@ class NativeServer:
     async def serve(
         self, addr: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        with listening("the native protocol", "--native", addr):
+        with listening(*NATIVE_LISTENER, addr):
             host, port = split_hostport(addr, "127.0.0.1")
             listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()
