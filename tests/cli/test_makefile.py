@@ -4,6 +4,7 @@ repeats what the other already installed."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -17,8 +18,12 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
 def plan(target: str, venv: Path) -> list[str]:
     """The commands `make TARGET` would run with its virtualenv at `venv`."""
-    res = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=30, check=True)
+    # Under `make test` this make is a sub-make: without these it would print
+    # "Entering/Leaving directory" lines (and inherit the parent's flags).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    res = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={venv}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=30, check=True,
+                         env=env)
     return res.stdout.splitlines()
 
 
