@@ -811,7 +811,11 @@ class Broker:
 
     async def publish_sys(self) -> None:
         st = self.stats
-        store_stats = (await self.store.get_stats())["commitlog"]
+        try:
+            store_stats = (await self.store.get_stats())["commitlog"]
+        except StoreError as exc:  # the store is away: the next round tries again
+            log.warning("$SYS not published: %s", exc)
+            return
         values = {
             "$SYS/broker/uptime": f"{int(time.time() - st.started)} seconds",
             "$SYS/broker/clients/connected": st.connections,
