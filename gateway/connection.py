@@ -44,6 +44,7 @@ from gateway.session import (
     qos2_key,
 )
 from gateway.shared import SharedGroup
+from serving.read_budget import READ_SIZE, read_fd
 from store.api import (
     CONTINUE,
     FAILURE,
@@ -67,7 +68,6 @@ OUT_LIMIT = 32 * OUT_CHUNK  # bytes queued for a client before senders wait
 STORE_DRAIN_S = 10.0  # at close, how long publishes already submitted may take to finish
 
 
-READ_SIZE = 65536  # one socket read
 REASON_OVERHEAD = 16  # fixed header, packet id, reason code, property lengths
 
 
@@ -419,42 +419,22 @@ class Connection:
             else:
                 packets = await self._receive()
 
-    async def _read(self, size: int = READ_SIZE) -> bytes:
-        if self._fd < 0:
-            return await self.stream.receive_some(size)
-        try:
-            data = os.read(self._fd, size)
-        except BlockingIOError:
-            while True:
-                await trio.lowlevel.wait_readable(self._fd)
-                budget = self.broker.read_budget
-                if budget.exceeded:  # exhausted while this connection waited
-                    size = budget.read_size(self._held, size)
-                try:
-                    return os.read(self._fd, size)
-                except BlockingIOError:  # a spurious wake-up
-                    continue
-        # Data was waiting: yield once anyway, so that a client that always has more
-        # cannot starve the other tasks (nor escape a cancellation).
-        await trio.lowlevel.checkpoint()
-        return data
-
     async def _receive(self) -> list[Any]:
         if self.decoder.error is not None:  # after the packets that came before it
             raise self.decoder.error
         budget = self.broker.read_budget
         while True:
             held = self._held
-            if not held and not budget.exceeded:
-                data = await self._read()
-            else:  # the node-wide budget decides whether and how much to read
-                if budget.must_wait(held) and not await budget.wait(held):
-                    self.broker.stats.limit_refusals += 1
-                    log.warning("%s closed: held %d bytes of a partial packet while the "
-                                "node's read budget was exhausted (--max-partial-bytes)",
-                                self.peer, held)
-                    raise Closing("read budget exhausted", True, rc.QUOTA_EXCEEDED)
-                data = await self._read(budget.read_size(held, READ_SIZE))
+            if held and budget.must_wait(held) and not await budget.wait(held):
+                self.broker.stats.limit_refusals += 1
+                log.warning("%s closed: held %d bytes of a partial packet while the "
+                            "node's read budget was exhausted (--max-partial-bytes)",
+                            self.peer, held)
+                raise Closing("read budget exhausted", True, rc.QUOTA_EXCEEDED)
+            # Plain TCP reads the fd directly (see read_fd); TLS and WebSocket streams
+            # keep their own reads.
+            data = await (read_fd(self._fd, budget, held) if self._fd >= 0 else
+                          self.stream.receive_some(budget.read_size(held, READ_SIZE)))
             if not data:
                 raise Closing("connection closed by the client")
             self.broker.stats.bytes_in += len(data)

@@ -4,16 +4,19 @@ A client that announces a large packet and sends its body slowly makes the serve
 what has come so far. One such client is harmless; a thousand are gigabytes. Every
 connection reports how much it holds after each read. While the node holds more than
 the budget, a connection that holds at least its fair share (the budget divided among
-the connections holding anything) stops reading until the node is back within the budget,
-and is closed if that takes longer than the timeout. Connections that hold little, which is every
-client sending packets smaller than a socket read, keep reading meanwhile: a stalled
-attacker cannot stop them.
+the connections holding anything) stops reading until the node is back within the
+budget, and is closed if that takes longer than the timeout. Connections that hold
+little, which is every client sending packets smaller than a socket read, keep reading
+meanwhile: a stalled attacker cannot stop them.
 """
 
 from __future__ import annotations
 
+import os
+
 import trio
 
+READ_SIZE = 65536  # one socket read while the budget has room
 READ_WHILE_OVER = 4096
 
 
@@ -57,8 +60,8 @@ class ReadBudget:
     def read_size(self, holding: int, default: int) -> int:
         """How much a connection holding `holding` bytes may read: while the node is over
         budget, no more than what is left of its share and at least a small read (enough
-        for a CONNECT or a typical PUBLISH), so that the node holds at most the budget
-        plus READ_WHILE_OVER per connection."""
+        for a CONNECT or a typical PUBLISH), so that the node holds the budget plus a few
+        KiB per connection."""
         if not self.exceeded:
             return default
         share = self.limit // max(self.holders, 1)
@@ -78,3 +81,24 @@ class ReadBudget:
             return True
         self.closed += 1
         return False
+
+
+async def read_fd(fd: int, budget: ReadBudget, holding: int) -> bytes:
+    """One read of a non-blocking socket `fd` whose connection holds `holding` bytes, of
+    at most what `budget` allows when the data is there (not when the wait began: the
+    budget may have run out meanwhile). os.read on the fd, waiting for readiness only
+    when nothing is there: trio's stream calls cost two scheduler passes even when data
+    is waiting."""
+    try:
+        data = os.read(fd, budget.read_size(holding, READ_SIZE))
+    except BlockingIOError:
+        while True:
+            await trio.lowlevel.wait_readable(fd)
+            try:
+                return os.read(fd, budget.read_size(holding, READ_SIZE))
+            except BlockingIOError:  # a spurious wake-up
+                continue
+    # Data was waiting: yield once anyway, so that a peer that always has more cannot
+    # starve the other tasks (nor escape a cancellation).
+    await trio.lowlevel.checkpoint()
+    return data

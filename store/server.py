@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +18,7 @@ from typing import Any
 import trio
 
 from lightqueue.routing import validate_first_level
-from serving.read_budget import ReadBudget
+from serving.read_budget import read_fd
 from serving.startup import NATIVE_LISTENER, listening, split_hostport
 from store import protocol as p
 from store.auth import AuthError, AuthManager, Policy, Subject
@@ -47,7 +46,6 @@ MAX_PULL_WAIT_MS = 30_000
 # connection must authenticate in time, so unauthenticated peers cannot hold memory.
 PRE_AUTH_MAX_FRAME = 64 * 1024
 HELLO_TIMEOUT_S = 10.0
-READ_SIZE = 65536
 
 
 class BadRequest(Exception):
@@ -179,7 +177,7 @@ class NativeServer:
                                 "a partial frame held while the store's read budget was "
                                 "exhausted (--native-max-partial-bytes)")
                         with trio.move_on_at(hello_by if must_auth else math.inf):
-                            data = await _read(stream, budget, held)
+                            data = await read_fd(stream.socket.fileno(), budget, held)
                         if must_auth and trio.current_time() >= hello_by:
                             raise p.ProtocolError(
                                 f"not authenticated within {HELLO_TIMEOUT_S:.0f} s")
@@ -570,20 +568,6 @@ class NativeServer:
         for gid in [g for g, info in self.gateways.items() if now - info["last_seen"] > 15]:
             del self.gateways[gid]
         return self.gateways
-
-
-async def _read(stream: trio.SocketStream, budget: ReadBudget, held: int) -> bytes:
-    """One read of at most what the read budget allows when the data arrives (not when
-    the wait began: the budget may have run out meanwhile)."""
-    fd = stream.socket.fileno()
-    while True:
-        try:
-            data = os.read(fd, budget.read_size(held, READ_SIZE))
-        except BlockingIOError:
-            await trio.lowlevel.wait_readable(fd)
-            continue
-        await trio.lowlevel.checkpoint()  # data was there: let the others run anyway
-        return data
 
 
 def _peer_ip(stream: trio.SocketStream) -> str:
