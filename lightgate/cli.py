@@ -110,26 +110,9 @@ def _store_config(values: dict[str, Any]) -> Any:
         if values[size] < 1:
             raise StartupError(f"--{size.replace('_', '-')} must be at least 1, not "
                                f"{values[size]}")
-    return StoreConfig(
-        data_dir=Path(values["data_dir"]),
-        flush=values["flush"],
-        flush_interval_ms=values["flush_interval_ms"],
-        segment_size=values["segment_size"],
-        native_max_partial_bytes=values["native_max_partial_bytes"],
-        http_max_body=values["http_max_body"],
-        retention_hours=values["retention_hours"],
-        retention_bytes=values["retention_bytes"],
-        retention_check_s=values["retention_check_s"],
-        default_partitions=values["partitions"],
-        full_verify=bool(values["full_verify"]),
-        wildcard_idle_s=values["wildcard_idle_s"],
-        index_cache_mb=values["index_cache_mb"],
-        index_memtable_mb=values["index_memtable_mb"],
-        metadata_cache_mb=values["metadata_cache_mb"],
-        metadata_memtable_mb=values["metadata_memtable_mb"],
-        recent_cache_mb=values["recent_cache_mb"],
-        recent_per_queue=values["recent_per_queue"],
-    )
+    return _config(StoreConfig, values, data_dir=Path(values["data_dir"]),
+                   default_partitions=values["partitions"],
+                   full_verify=bool(values["full_verify"]))
 
 
 def _listener_config(values: dict[str, Any]) -> Any:
@@ -161,9 +144,14 @@ def _listener_config(values: dict[str, Any]) -> Any:
 def _gateway_config(values: dict[str, Any]) -> Any:
     from gateway.broker import GatewayConfig
 
-    # Each gateway setting is the GatewayConfig field of the same name.
-    names = {f.name for f in dataclasses.fields(GatewayConfig)}
-    return GatewayConfig(**{k: v for k, v in values.items() if k in names})
+    return _config(GatewayConfig, values)
+
+
+def _config(cls: Any, values: dict[str, Any], **special: Any) -> Any:
+    """A config dataclass from resolved settings: each field takes the setting of the
+    same name, but for those given in `special` (renamed or converted)."""
+    names = {f.name for f in dataclasses.fields(cls)} - special.keys()
+    return cls(**{k: v for k, v in values.items() if k in names}, **special)
 
 
 def _backend_config(values: dict[str, Any]) -> Any:
