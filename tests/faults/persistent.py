@@ -1,9 +1,34 @@
-"""What the crash tests share: drain a persistent subscriber, check each publisher's order."""
+"""What the crash tests share: kill -9 a server under load in rounds, drain a persistent
+subscriber, check each publisher's order."""
 
 from __future__ import annotations
 
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
 from gateway import mqtt
 from tests.mqtt.raw import RawClient
+
+
+def kill_during(srv: Any, rounds: int, rng: random.Random, pause: tuple[float, float],
+                workers: Callable[[int, threading.Event], list[threading.Thread]]) -> None:
+    """`rounds` times: start round r's worker threads, let them run for a random pause,
+    kill -9 the server, stop and join them, restart it and see it recover."""
+    for r in range(rounds):
+        stop = threading.Event()
+        threads = workers(r, stop)
+        for t in threads:
+            t.start()
+        time.sleep(rng.uniform(*pause))
+        srv.kill()  # kill -9 at a random moment
+        stop.set()
+        for t in threads:
+            t.join(10)
+        srv.start()
+        assert srv.wait_log("clean_shutdown=False", count=r + 1)
 
 
 def drain(port: int, client_id: str, idle_s: float = 5.0) -> list[bytes]:

@@ -11,7 +11,7 @@ import time
 
 from gateway import mqtt
 from tests.conftest import Server
-from tests.faults.persistent import drain
+from tests.faults.persistent import drain, kill_during
 from tests.mqtt.raw import RawClient
 
 PUBLISHERS = 2
@@ -70,19 +70,8 @@ def test_kill_9_under_qos2_load_stores_each_message_once(tmp_path) -> None:
     sub.close()
     rng = random.Random(19)
     pubs = [Qos2Publisher(f"q2p{n}") for n in range(PUBLISHERS)]
-    kills = 3
-    for r in range(kills):
-        stop = threading.Event()
-        threads = [threading.Thread(target=p.run, args=(srv.port, stop)) for p in pubs]
-        for t in threads:
-            t.start()
-        time.sleep(rng.uniform(0.8, 2.0))
-        srv.kill()  # kill -9 at a random moment
-        stop.set()
-        for t in threads:
-            t.join(10)
-        srv.start()
-        assert srv.wait_log("clean_shutdown=False", count=r + 1)
+    kill_during(srv, 3, rng, (0.8, 2.0), lambda _, stop: [
+        threading.Thread(target=p.run, args=(srv.port, stop)) for p in pubs])
     # Finish every exchange the crashes cut (bounded: a few reconnects, 30 s).
     deadline = time.monotonic() + 30
     while any(p.unreceived or p.released for p in pubs) and time.monotonic() < deadline:

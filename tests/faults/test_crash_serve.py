@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 from gateway import mqtt
 from tests.conftest import Server
-from tests.faults.persistent import assert_each_in_order, drain
+from tests.faults.persistent import assert_each_in_order, drain, kill_during
 from tests.mqtt.raw import RawClient
 
 PUBLISHERS = 4
@@ -45,20 +44,9 @@ def test_kill_9_under_load_loses_no_acknowledged_message(tmp_path) -> None:
     sub.close()
     rng = random.Random(11)
     acked: list[bytes] = []
-    rounds = 3
-    for r in range(rounds):
-        stop = threading.Event()
-        threads = [threading.Thread(target=publisher, args=(srv.port, f"p{r}{n}", acked, stop))
-                   for n in range(PUBLISHERS)]
-        for t in threads:
-            t.start()
-        time.sleep(rng.uniform(1.0, 2.0))
-        srv.kill()  # kill -9 at a random moment
-        stop.set()
-        for t in threads:
-            t.join(10)
-        srv.start()
-        assert srv.wait_log("clean_shutdown=False", count=r + 1)
+    kill_during(srv, 3, rng, (1.0, 2.0), lambda r, stop: [
+        threading.Thread(target=publisher, args=(srv.port, f"p{r}{n}", acked, stop))
+        for n in range(PUBLISHERS)])
     found = drain(srv.port, "crash-sub")
     missing = set(acked) - set(found)
     print(f"acked {len(acked)}, found {len(found)} ({len(set(found))} distinct), "
