@@ -570,14 +570,17 @@ class Broker:
             del info["will"]
             await self.store.meta_put("sessions", client_id, info)
 
-    async def _restore_wills(self) -> None:
-        """Wills whose delay was running when the gateway stopped: published when due,
-        or at once if overdue (the record holds when)."""
+    async def _restore_sessions(self) -> None:
+        """One scan of the stored sessions at start: how many there are (for
+        --max-sessions; each expiry sweep counts again), and the wills whose delay was
+        running when the gateway stopped: published when due, or at once if overdue
+        (the record holds when)."""
         try:
             items = await self.store.meta_items("sessions")
-        except StoreError as exc:
-            log.warning("pending wills not restored: %s", exc)
+        except StoreError as exc:  # separated mode, store away: the expiry sweep counts
+            log.warning("stored sessions not counted, pending wills not restored: %s", exc)
             return
+        self.persistent_sessions = len(items)
         for client_id, info in items:
             w = info.get("will")
             if w and client_id not in self._pending_wills:
@@ -709,14 +712,13 @@ class Broker:
         await self.store.meta_delete("retained", topic)
         self.retained.remove(topic)
 
-    async def load_budgets(self) -> None:
-        """What the store already holds counts against the budgets from the start."""
+    async def load_retained_budget(self) -> None:
+        """The retained messages the store already holds count from the start."""
         try:
             for topic, d in await self.store.meta_items("retained"):
                 self.retained.set(topic, d.get("client_id", ""), len(d["body"]))
-            self.persistent_sessions = len(await self.store.meta_items("sessions"))
-        except StoreError as exc:  # separated mode, store away: counted as it comes back
-            log.warning("retained messages and sessions not counted yet: %s", exc)
+        except StoreError as exc:  # separated mode, store away
+            log.warning("retained messages not counted: %s", exc)
 
     async def retained_for(self, topic_filter: str) -> list[RetainedMessage]:
         if not is_wildcard(topic_filter):
@@ -740,10 +742,10 @@ class Broker:
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Background work: offsets, expiry, $SYS, shared groups, delayed wills."""
-        await self.load_budgets()
+        await self.load_retained_budget()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            await self._restore_wills()  # before the expiry check may end their sessions
+            await self._restore_sessions()  # before the expiry check may end them
             task_status.started()
             nursery.start_soon(self._offsets_loop)
             nursery.start_soon(self._expiry_loop)
