@@ -186,6 +186,11 @@ class Broker:
         # seconds, the scope that cancels the wait). Kept in the session's record too.
         self._pending_wills: dict[str, tuple[Will, float, trio.CancelScope]] = {}
 
+    def topic_past_limits(self, topic: str) -> bool:
+        """Whether a topic name or filter is past --max-topic-length (characters) or
+        --max-topic-levels."""
+        return len(topic) > self.max_topic_length or topic.count("/") >= self.max_topic_levels
+
     def assign_client_id(self) -> str:
         """An id for a client that sent none: unique across restarts and gateways."""
         return f"lg-{uuid.uuid4().hex[:20]}"

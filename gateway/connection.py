@@ -562,8 +562,7 @@ class Connection:
         """What the codec cannot know about a will: this server's limits (MQTT 5
         §3.2.2.2: CONNACK 0x90, 0x9B, 0x99 before the close)."""
         b = self.broker
-        topic = will.topic
-        if len(topic) > b.max_topic_length or topic.count("/") >= b.max_topic_levels:
+        if b.topic_past_limits(will.topic):
             b.stats.topic_refusals += 1
             await self._refuse(v, rc.TOPIC_NAME_INVALID, None, "will topic past "
                                "--max-topic-levels or --max-topic-length")
@@ -753,8 +752,7 @@ class Connection:
                 await self._may_ask("PUB", topic) if self._ask_hook else self._may("PUB", topic)):
             await self._refuse_publish(p, topic, "not authorized")
             return
-        b = self.broker
-        if len(topic) > b.max_topic_length or topic.count("/") >= b.max_topic_levels:
+        if self.broker.topic_past_limits(topic):
             self.broker.stats.topic_refusals += 1
             await self._refuse_publish(p, topic[:100], "past --max-topic-levels or "
                                        "--max-topic-length", rc.TOPIC_NAME_INVALID)
@@ -1077,7 +1075,7 @@ class Connection:
             log.info("subscribe of %r to %r not authorized", s.client_id, topic_filter)
             return rc.NOT_AUTHORIZED
         b = self.broker
-        if len(real) > b.max_topic_length or real.count("/") >= b.max_topic_levels:
+        if b.topic_past_limits(real):
             b.stats.topic_refusals += 1
             log.info("subscribe of %r to %r refused: past --max-topic-levels or "
                      "--max-topic-length", s.client_id, topic_filter[:100])
