@@ -231,10 +231,21 @@ class Broker:
                             s.notify(q)
                 continue
             for session in self.queue_subs.get(name, ()):
-                if session.connection is not None:
+                conn = session.connection
+                if conn is not None and not self._drain_now(conn, session, name):
                     session.notify(name)
             for group in self.queue_groups.get(name, ()):
                 group.wake()
+
+    def _drain_now(self, conn: Any, session: Session, queue: str) -> bool:
+        """Deliver right here when nothing needs waiting for (else the session's task
+        does). This runs inside a store append: a bug must not cost other sessions
+        their wake-up."""
+        try:
+            return conn.drain_now(session, queue)
+        except Exception:
+            log.exception("delivery to %r failed; its task retries", session.client_id)
+            return False
 
     async def run_notify(self, bus: Any) -> None:
         if getattr(bus, "window", None) == 0 and hasattr(bus, "listen"):

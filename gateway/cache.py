@@ -72,19 +72,10 @@ class QueueCache:
     async def pull(self, queue: str, offset: int, max_count: int = 64) -> tuple[list[Message], int]:
         """Messages from `offset` on and the offset to continue from (which may jump
         forward when retention removed the messages at `offset`)."""
+        now = self.pull_now(queue, offset, max_count)
+        if now is not None:
+            return now
         w = self._get(queue)
-        if w.base <= offset < w.end:
-            self.hits += 1
-            return w.slice(offset, max_count), offset
-        # The embedded store answers from memory (a reader at the head of its queue) or,
-        # with inline appends, from the index in this thread: ask it without the lock,
-        # which costs a scheduler pass. This is every subscriber's "anything more?" after
-        # it caught up, once per message at low rates; and a reader far behind catches
-        # up in its own step instead of one pull per pass of the loop.
-        recent = self._peek(queue, offset, max(max_count, 64)) if self._peek else None
-        if recent is not None:
-            self.hits += 1
-            return self._fill(w, queue, recent.messages, recent.next_offset, max_count)
         async with w.lock:
             if w.base <= offset < w.end:  # someone else fetched it while we waited
                 self.hits += 1
@@ -92,6 +83,24 @@ class QueueCache:
             self.misses += 1
             res = await self._fetch(queue, offset, max(max_count, 64))
             return self._fill(w, queue, res.messages, res.next_offset, max_count)
+
+    def pull_now(self, queue: str, offset: int, max_count: int = 64
+                 ) -> tuple[list[Message], int] | None:
+        """`pull` when it needs no waiting: from the window, or from the embedded store
+        in this thread (its ring of recent messages or, with inline appends, the index),
+        without the lock, which costs a scheduler pass. This is every subscriber's
+        "anything more?" after it caught up, once per message at low rates; and a reader
+        far behind catches up in its own step instead of one pull per pass of the loop.
+        None: only `pull` can answer."""
+        w = self._get(queue)
+        if w.base <= offset < w.end:
+            self.hits += 1
+            return w.slice(offset, max_count), offset
+        recent = self._peek(queue, offset, max(max_count, 64)) if self._peek else None
+        if recent is None:
+            return None
+        self.hits += 1
+        return self._fill(w, queue, recent.messages, recent.next_offset, max_count)
 
     def _fill(self, w: _Window, queue: str, msgs: list[Message], next_offset: int,
               max_count: int) -> tuple[list[Message], int]:

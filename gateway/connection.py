@@ -93,7 +93,7 @@ class Connection:
         "_outbuf_bytes",
         "_window", "_cancel", "_detached", "_taken_over", "_write_failed", "_store_error",
         "_aliases_in", "_aliases_out", "_alias_out_max", "_fd",
-        "_held", "_auth_method", "_reauth",
+        "_held", "_auth_method", "_reauth", "_idle",
     )
 
     def __init__(
@@ -142,6 +142,7 @@ class Connection:
         self._storing: tuple[Any, list[Publish]] | None = None  # the batch the acker awaits
         self._ack_backlog = 0  # items sent to the acker and not yet handled by it
         self._delivering = False
+        self._idle = False  # the delivery task waits for news: drain_now may deliver
         self._nursery: trio.Nursery | None = None
         # Inbound QoS 1/2 publishes counted against our Receive Maximum (MQTT 5 §4.9): a
         # QoS 1 until its PUBACK, a QoS 2 until its PUBCOMP (ids in _inbound_qos2).
@@ -1107,7 +1108,11 @@ class Connection:
         for queue in s.reading():
             s.notify(queue)  # catch up with whatever arrived while offline
         while True:
-            await s.wakeup.wait()
+            self._idle = True
+            try:
+                await s.wakeup.wait()
+            finally:
+                self._idle = False
             for queue in s.take_dirty():
                 try:
                     await self._drain(s, queue)
@@ -1185,31 +1190,98 @@ class Connection:
                 await self._flush_out()  # the batch goes out as one write
 
     async def _deliver(self, s: Session, queue: str, msg: Message) -> None:
+        plan = self._plan(s, queue, msg)
+        if plan is not None:
+            qos, retain, sids, offset = plan
+            await self._push(msg, qos, retain, sids, queue, offset, buffered=True)
+
+    def _plan(self, s: Session, queue: str, msg: Message
+              ) -> tuple[int, bool, list[int] | None, int] | None:
+        """How `msg` of `queue` goes to this session: (QoS, retain flag, subscription
+        ids, offset in the queue), or None when it is not for this session."""
         offset = msg.offset_in(queue)
         if s.restored_upto:
             upto = s.restored_upto.get(queue)
             if upto is not None:
                 if offset <= upto:
-                    return  # sent before a restart: acknowledged, or resent with DUP
+                    return None  # sent before a restart: acked, or resent with DUP
                 del s.restored_upto[queue]
         subs = _only_reader(s, queue) or s.matching(msg.topic)
         if not subs:
-            return
+            return None
         if self._check_delivery and not self._may("SUB", msg.topic):
-            return  # a wider filter than the policies allow: this topic is not for them
+            return None  # a wider filter than the policies allow: not for this topic
         if len(subs) > 1 and s.seen(msg.phys_offset):
-            return  # already sent through an overlapping subscription
+            return None  # already sent through an overlapping subscription
         if self.version == 5:
             subs = [x for x in subs if not (x.options.no_local and msg.client_id == s.client_id)]
             if not subs:
-                return
+                return None
         qos = min(msg.qos, max(x.options.qos for x in subs))
         retain = msg.retain and any(x.options.retain_as_published for x in subs)
         sids = [x.subscription_id for x in subs if x.subscription_id] \
             if self.version == 5 else None
         if sids and len(sids) > 1:  # one copy: each distinct identifier once (§3.3.4)
             sids = list(dict.fromkeys(sids))
-        await self._push(msg, qos, retain, sids, queue, offset, buffered=True)
+        return qos, retain, sids, offset
+
+    def drain_now(self, s: Session, queue: str) -> bool:
+        """Deliver what `queue` holds for this session here, in the caller's step (the
+        publisher's append, or the notify callback), when nothing needs waiting for.
+        At low rates each message woke the delivery task: a scheduler pass and a task
+        step per message, half the broker's CPU. False: the delivery task must do it."""
+        if (not self._idle or self._fd < 0 or self._writing or s.dirty
+                or s.restored_upto or queue not in s.subscriptions):
+            return False
+        cursor = s.cursors.get(queue)
+        if cursor is None:
+            return False
+        batch = self.config.pull_batch
+        got = self.broker.cache.pull_now(queue, cursor, batch)
+        if got is None:
+            return False
+        msgs, start = got
+        if start != cursor:
+            s.cursors[queue] = start
+            s.offsets_dirty.add(queue)
+        done = len(msgs) < batch
+        for msg in msgs:
+            # A QoS 1/2 delivery may have to wait for a window slot or, for a persistent
+            # session, for its in-flight record: the delivery task's work.
+            if msg.qos and (s.persistent or len(s.outgoing) >= self._window_limit()):
+                done = False
+                break
+            plan = self._plan(s, queue, msg)
+            if plan is not None:
+                qos, retain, sids, offset = plan
+                self._stage(msg, qos, retain, sids, queue, offset)
+            s.cursors[queue] = msg.offset_in(queue) + 1
+            s.offsets_dirty.add(queue)
+        self._write_outbuf_now()
+        return done
+
+    def _write_outbuf_now(self) -> None:
+        """Write the buffered deliveries without waiting; what the socket cannot take
+        now goes to a writer task (senders queue behind it, in order)."""
+        if not self._outbuf:
+            return
+        data = b"".join(self._outbuf)
+        self._outbuf.clear()
+        self._outbuf_bytes = 0
+        self.broker.stats.bytes_out += len(data)
+        try:
+            sent = os.write(self._fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._write_failed = True
+            self._cancel.cancel()
+            return
+        if sent < len(data) and self._nursery is not None:
+            self._pending.append(data[sent:])
+            self._pending_bytes += len(data) - sent
+            self._writing = True  # from now on: others queue behind these bytes
+            self._nursery.start_soon(self._write_pending)
 
     async def flush_out(self) -> None:
         """Write what buffered pushes collected (a shared group's batch)."""
@@ -1266,32 +1338,47 @@ class Connection:
         `buffered`: collect it for the caller's `_flush_out` (one write per batch)."""
         s = self.session
         assert s is not None
-        stats = self.broker.stats
         if qos:
             if len(s.outgoing) >= self._window_limit():
                 await self._flush_out()  # what is buffered may be what frees the window
             await self._wait_window()
+        staged = self._stage(msg, qos, retain, sids, queue, offset, group, buffered)
+        if staged is None:
+            return False
+        data, o = staged
+        if o is not None and group is None:
+            await self.broker.persist_outgoing(s, o)  # persistent sessions only
+        if not buffered:
+            await self.send(data)
+        elif self._outbuf_bytes >= OUT_CHUNK:
+            await self._flush_out()
+        return True
+
+    def _stage(self, msg: Message, qos: int, retain: bool, sids: list[int] | None,
+               queue: str | None, offset: int, group: SharedGroup | None = None,
+               buffered: bool = True) -> tuple[bytes, Outgoing | None] | None:
+        """Encode one delivery and take its packet id and in-flight slot (the window
+        has room: the caller made sure); `buffered`: into the write buffer. None when
+        the message is dropped."""
+        s = self.session
+        assert s is not None
         pid = s.allocate_packet_id() if qos else None
         data = self._encode(msg, pid, qos, retain, sids, queue)
         if data is None:
-            return False
+            return None
+        o = None
         if qos:
             assert pid is not None
             o = Outgoing(pid, queue, offset, data, qos, group=group, message=msg,
                          version=self.version)
             s.outgoing[pid] = o
-            if group is None:
-                await self.broker.persist_outgoing(s, o)  # persistent sessions only
         if buffered:
             self._outbuf.append(data)
             self._outbuf_bytes += len(data)
-            if self._outbuf_bytes >= OUT_CHUNK:
-                await self._flush_out()
-        else:
-            await self.send(data)
+        stats = self.broker.stats
         stats.messages_out += 1
         stats.messages_out_qos[qos] += 1
-        return True
+        return data, o
 
     def _encode(self, msg: Message, pid: int | None, qos: int, retain: bool,
                 sids: list[int] | None, queue: str | None = None) -> bytes | None:
