@@ -22,6 +22,7 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from rocksdict import Cache, Rdict, ReadOptions, WriteBatch, WriteOptions
 
@@ -37,6 +38,16 @@ _MAX_U64 = b"\xff" * 8
 # cache, index and filter blocks included, and each of the (at most two) memtables.
 CACHE_MB = 32
 MEMTABLE_MB = 16
+
+
+class StoredRecord(Protocol):
+    """What the index needs of a stored message (the store's Message)."""
+
+    phys_offset: int
+    size: int
+    store_ts: int
+    key: str
+    queues: list[tuple[str, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +145,30 @@ class ConsumeQueueIndex:
         for key, phys in keys:
             put(key_prefix(key) + U64.pack(phys), b"")
         put(CHECKPOINT_KEY, U64.pack(checkpoint))
+        self._db.write(wb, self._no_wal)
+        return n
+
+    def write_messages(self, msgs: Iterable[StoredRecord], checkpoint: int) -> int:
+        """`write` for stored messages, entries built straight from them: one value per
+        message whatever its number of queues. This runs once per message and queue on
+        the append path."""
+        wb = WriteBatch(raw_mode=True)
+        put = wb.put
+        pack = ENTRY.pack
+        u64 = U64.pack
+        prefixes = self._prefixes
+        n = 0
+        for m in msgs:
+            value = pack(m.phys_offset, m.size, m.store_ts)
+            for queue, offset in m.queues:
+                prefix = prefixes.get(queue)
+                if prefix is None:
+                    prefix = prefixes[queue] = queue_prefix(queue)
+                put(prefix + u64(offset), value)
+            n += len(m.queues)
+            if m.key:
+                put(key_prefix(m.key) + u64(m.phys_offset), b"")
+        put(CHECKPOINT_KEY, u64(checkpoint))
         self._db.write(wb, self._no_wal)
         return n
 

@@ -487,12 +487,8 @@ class CommitLog:
     def _index_write(self, msgs: list[Message]) -> int:
         if not msgs:
             return 0
-        entries = [
-            (name, off, m.phys_offset, m.size, m.store_ts) for m in msgs for name, off in m.queues
-        ]
-        keys = [(m.key, m.phys_offset) for m in msgs if m.key]
         last = msgs[-1]
-        return self.index.write(entries, keys, last.phys_offset + last.size)
+        return self.index.write_messages(msgs, last.phys_offset + last.size)
 
     # -- segments ---------------------------------------------------------------------
     def _set_segments(self, segs: tuple[Segment, ...]) -> None:

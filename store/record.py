@@ -128,35 +128,50 @@ def decode_properties(raw: bytes) -> dict[str, Any]:
     return props
 
 
+# Queue name -> its length prefix and UTF-8 bytes, as records carry them: a device
+# publishes to the same few queues again and again. Bounded; any thread may use it.
+_QNAMES: dict[str, bytes] = {}
+_QNAMES_MAX = 65536
+
+
+def _qname(name: str) -> bytes:
+    raw = _QNAMES.get(name)
+    if raw is None:
+        encoded = name.encode()
+        raw = QNAME_LEN.pack(len(encoded)) + encoded
+        if len(_QNAMES) < _QNAMES_MAX:
+            _QNAMES[name] = raw
+    return raw
+
+
 def encode(msg: Message) -> bytes:
     """Encode `msg` (its store_ts and queues must be set) into one record."""
     client = msg.client_id.encode()
     topic = msg.topic.encode()
-    key = msg.key.encode()
-    props = encode_properties(msg.properties)
-    if b'"$b64"' in props:
+    key = msg.key.encode() if msg.key else b""
+    props = encode_properties(msg.properties) if msg.properties else b""
+    if props and b'"$b64"' in props:
         # A property shaped like our bytes wrapper must come back as it went in: a record
         # that does not decode would stop every later start in recovery.
         decode_properties(props)
-    wide = len(msg.queues) > MAX_QUEUES
+    queues = msg.queues
     parts = [
-        b"",  # frame placeholder
-        (FIXED_WIDE if wide else FIXED).pack(
+        (FIXED_WIDE if len(queues) > MAX_QUEUES else FIXED).pack(
             msg.store_ts, msg.born_ts, msg.qos, FLAG_RETAIN if msg.retain else 0,
-            len(client), len(topic), len(key), len(props), len(msg.body), len(msg.queues),
+            len(client), len(topic), len(key), len(props), len(msg.body), len(queues),
         ),
         client, topic, key, props, msg.body,
     ]
-    for name, offset in msg.queues:
-        raw = name.encode()
-        parts.append(QNAME_LEN.pack(len(raw)))
-        parts.append(raw)
-        parts.append(QOFFSET.pack(offset))
+    pack_offset = QOFFSET.pack
+    for name, offset in queues:
+        parts.append(_qname(name))
+        parts.append(pack_offset(offset))
     rest = b"".join(parts)
     total = FRAME.size + len(rest)
     if total > MAX_RECORD:
         raise ValueError(f"record of {total} bytes exceeds the {MAX_RECORD}-byte limit")
-    return FRAME.pack(MAGIC_WIDE if wide else MAGIC, total, zlib.crc32(rest)) + rest
+    magic = MAGIC_WIDE if len(queues) > MAX_QUEUES else MAGIC
+    return FRAME.pack(magic, total, zlib.crc32(rest)) + rest
 
 
 def frame_length(buf: bytes | memoryview, pos: int = 0) -> tuple[int, int]:

@@ -185,7 +185,7 @@ class Decoder:
     """
 
     __slots__ = ("max_packet_size", "first_packet_max", "server", "version", "connect_level",
-                 "_buf", "_need", "_error")
+                 "_buf", "_need", "_error", "_topics")
 
     def __init__(
         self,
@@ -210,6 +210,9 @@ class Decoder:
         # CONNACK with the reason code must be in that version (MQTT 5 §3.2.2.2).
         self.connect_level: int | None = None
         self._buf = bytearray()
+        # Devices publish on a few topics again and again: the checked ones, by their
+        # bytes (made on the first PUBLISH: an idle connection pays nothing).
+        self._topics: dict[bytes, str] | None = None
         self._need = 0  # total buffered bytes needed before parsing is worth retrying
         self._error: ProtocolError | None = None
 
@@ -291,6 +294,20 @@ class Decoder:
                 mask = _accept_mask(server, version)
                 max_size = self.max_packet_size
             pos = end
+
+    def _check_topic(self, raw: bytes, topic: str) -> None:
+        if "\x00" in topic:
+            raise _malformed("topic contains U+0000")
+        if not topic:
+            raise _protocol("empty topic name without a topic alias")
+        try:
+            validate_topic_name(topic)
+        except TopicError as exc:
+            raise ProtocolError(TOPIC_NAME_INVALID, str(exc)) from None
+        if self._topics is None:
+            self._topics = {}
+        if len(self._topics) < 64:
+            self._topics[raw] = topic
 
     def _stash(self, data: bytes, pos: int, need: int) -> None:
         self._buf += memoryview(data)[pos:]
@@ -397,10 +414,15 @@ class Decoder:
         stop = p + 2 + ((data[p] << 8) | data[p + 1])
         if stop > end:
             raise _malformed("truncated PUBLISH topic")
-        try:
-            topic = data[p + 2 : stop].decode("utf-8")
-        except UnicodeDecodeError:
-            raise _malformed("topic is not valid UTF-8") from None
+        raw = data[p + 2 : stop]
+        topics = self._topics
+        topic = topics.get(raw) if topics is not None else None
+        checked = topic is not None
+        if not checked:
+            try:
+                topic = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise _malformed("topic is not valid UTF-8") from None
         p = stop
         if qos:
             if p + 2 > end:
@@ -423,14 +445,8 @@ class Decoder:
                                    packet_id, props)
         else:
             props = {}
-        if "\x00" in topic:
-            raise _malformed("topic contains U+0000")
-        if not topic:
-            raise _protocol("empty topic name without a topic alias")
-        try:
-            validate_topic_name(topic)
-        except TopicError as exc:
-            raise ProtocolError(TOPIC_NAME_INVALID, str(exc)) from None
+        if not checked:
+            self._check_topic(raw, topic)
         return Publish(topic, data[p:end], qos, bool(flags & 1), bool(flags & 8), packet_id,
                        props)
 
