@@ -4,6 +4,7 @@ acker for stored publishes and, once connected, a delivery task. Errors stay ins
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from concurrent.futures import Future
@@ -152,9 +153,12 @@ class Connection:
         self._batch_pkts: list[Publish] = []
         self._outbuf: list[bytes] = []  # deliveries of the current batch, one write
         self._outbuf_bytes = 0
-        self._window = trio.Event()  # set when an in-flight slot frees up
+        # Events made on first use (an idle device waits for neither).
+        self._window: trio.Event | None = None  # set when an in-flight slot frees up
+        # The connection's scope; while a read waits, its deadline is the keepalive's
+        # (one scope for both: an idle device holds one, not two).
         self._cancel = trio.CancelScope()
-        self._detached = trio.Event()
+        self._detached: trio.Event | bool = False  # True once closed; an Event if awaited
         self._taken_over = False
         self._write_failed = False
         self._store_error = ""
@@ -207,6 +211,8 @@ class Connection:
                 closing = Closing("taken over")
             elif self._write_failed:
                 closing = Closing("connection lost while writing")
+            elif self._cancel.cancelled_caught and self._cancel.deadline <= trio.current_time():
+                closing = Closing("keepalive timeout", True, rc.KEEP_ALIVE_TIMEOUT)
             else:
                 closing = Closing("server shutting down", True, rc.SERVER_SHUTTING_DOWN)
         s = self.session
@@ -229,7 +235,9 @@ class Connection:
                 await self.broker.session_detached(s)
         with trio.move_on_after(1):
             await self.stream.aclose()
-        self._detached.set()
+        if isinstance(self._detached, trio.Event):
+            self._detached.set()
+        self._detached = True
 
     async def _finish_stored(self, s: Session) -> None:
         """Publishes handed to the store before the connection ended still get their
@@ -281,7 +289,10 @@ class Connection:
                 await self.send(mqtt.encode(Disconnect(rc.SESSION_TAKEN_OVER), 5))
                 await self._flush_writes()
         self._cancel.cancel()
-        await self._detached.wait()
+        if self._detached is not True:
+            if self._detached is False:
+                self._detached = trio.Event()
+            await self._detached.wait()
 
     def kick(self, why: str = "kicked by an operator", not_authorized: bool = False) -> None:
         code = rc.NOT_AUTHORIZED if not_authorized else rc.ADMINISTRATIVE_ACTION
@@ -412,11 +423,10 @@ class Connection:
             for packet in packets:
                 await self._dispatch(packet)
             await self._flush_publishes()
-            if self.keepalive:
-                with trio.move_on_after(self.keepalive * 1.5) as scope:
-                    packets = await self._receive()
-                if scope.cancelled_caught:
-                    raise Closing("keepalive timeout", True, rc.KEEP_ALIVE_TIMEOUT)
+            if self.keepalive:  # see _cancel; _close tells a keepalive timeout apart
+                self._cancel.deadline = trio.current_time() + self.keepalive * 1.5
+                packets = await self._receive()
+                self._cancel.deadline = math.inf
             else:
                 packets = await self._receive()
 
@@ -978,7 +988,8 @@ class Connection:
             o.group.acked(o.offset)
         else:
             await self.broker.forget_outgoing(s, o)
-        self._window.set()
+        if self._window is not None:
+            self._window.set()
         for group in s.groups:
             group.wake()  # this member has room again
 
@@ -1110,7 +1121,7 @@ class Connection:
         while True:
             self._idle = True
             try:
-                await s.wakeup.wait()
+                await s.wait_news()
             finally:
                 self._idle = False
             for queue in s.take_dirty():
@@ -1477,7 +1488,7 @@ class Connection:
 
     async def _window_wait(self) -> None:
         """Until an in-flight slot frees up."""
-        if self._window.is_set():  # one event for every waiter (delivery, retained)
+        if self._window is None or self._window.is_set():  # one for every waiter
             self._window = trio.Event()
         await self._window.wait()
 

@@ -97,7 +97,7 @@ class Session:
     connection: Any = None  # the live Connection, or None while offline
     disconnected_at: float | None = None
     dirty: set[str] = field(default_factory=set)  # queues with news since the last look
-    wakeup: trio.Event = field(default_factory=trio.Event)
+    wakeup: trio.Event | None = None  # made by the delivery task when it waits (wait_news)
     recent: OrderedDict[int, None] = field(default_factory=OrderedDict)  # delivered phys offsets
     next_packet_id: int = 1
     offsets_dirty: set[str] = field(default_factory=set)
@@ -136,12 +136,20 @@ class Session:
     # -- delivery bookkeeping ---------------------------------------------------------
     def notify(self, queue: str) -> None:
         self.dirty.add(queue)
-        self.wakeup.set()
+        if self.wakeup is not None:
+            self.wakeup.set()
 
     def take_dirty(self) -> set[str]:
         dirty, self.dirty = self.dirty, set()
-        self.wakeup = trio.Event()
+        self.wakeup = None
         return dirty
+
+    async def wait_news(self) -> None:
+        """Until a queue this session reads has news (at once if one has)."""
+        if not self.dirty:
+            if self.wakeup is None:
+                self.wakeup = trio.Event()
+            await self.wakeup.wait()
 
     def seen(self, phys_offset: int) -> bool:
         """Remember a delivered message; True if it was delivered already (overlapping

@@ -92,6 +92,10 @@ async def read_fd(fd: int, budget: ReadBudget, holding: int) -> bytes:
     try:
         data = os.read(fd, budget.read_size(holding, READ_SIZE))
     except BlockingIOError:
+        # Waiting inside the except block would keep the exception and its traceback
+        # alive for as long as the device stays idle (~550 bytes per connection).
+        data = None
+    if data is None:
         while True:
             await trio.lowlevel.wait_readable(fd)
             try:
