@@ -3,7 +3,6 @@ messages, wills, and the notify loop that wakes sessions (DESIGN.md steps 5-7)."
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import time
@@ -20,7 +19,6 @@ from gateway.cache import QueueCache
 from gateway.limits import SourceRateLimiter
 from gateway.mqtt import PublishTemplate, Will
 from gateway.mqtt.properties import publish_properties
-from gateway.pass_writes import PassWrites
 from gateway.retained import RetainedBudget, RetainedLimits
 from gateway.session import (
     NEVER_EXPIRES,
@@ -184,10 +182,6 @@ class Broker:
         self._group_scopes: dict[tuple[str, str], trio.CancelScope] = {}
         self.queue_groups: dict[str, set[SharedGroup]] = {}
         self._nursery: trio.Nursery | None = None
-        # Deliveries made inside a publisher's step go out at the end of the pass; on
-        # while housekeeping runs (it installs the instrument).
-        self.pass_writes = PassWrites()
-        self.pass_writes_on = False
         # Wills waiting out their Will Delay Interval, by client id: (will, due as epoch
         # seconds, the scope that cancels the wait). Kept in the session's record too.
         self._pending_wills: dict[str, tuple[Will, float, trio.CancelScope]] = {}
@@ -765,17 +759,6 @@ class Broker:
     ) -> None:
         """Background work: offsets, expiry, $SYS, shared groups, delayed wills."""
         await self.load_retained_budget()
-        trio.lowlevel.add_instrument(self.pass_writes)
-        self.pass_writes_on = True
-        try:
-            await self._housekeeping(task_status)
-        finally:
-            self.pass_writes_on = False
-            with contextlib.suppress(KeyError):  # trio drops an instrument that raised
-                trio.lowlevel.remove_instrument(self.pass_writes)
-            self.pass_writes.flush()
-
-    async def _housekeeping(self, task_status: trio.TaskStatus[None]) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await self._restore_sessions()  # before the expiry check may end them

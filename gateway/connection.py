@@ -1268,26 +1268,12 @@ class Connection:
                 self._stage(msg, qos, retain, sids, queue, offset)
             s.cursors[queue] = msg.offset_in(queue) + 1
             s.offsets_dirty.add(queue)
-        if self._outbuf:
-            if self.broker.pass_writes_on:
-                self.broker.pass_writes.defer(self)
-            else:
-                self._write_outbuf_now()
+        self._write_outbuf_now()
         return done
 
-    def write_deferred(self) -> None:
-        """The end of the scheduler pass (gateway.pass_writes): write what drain_now
-        buffered."""
-        if not self.alive:
-            self._outbuf.clear()
-            self._outbuf_bytes = 0
-        elif self._outbuf and not self._writing:
-            self._write_outbuf_now(from_run_loop=True)
-
-    def _write_outbuf_now(self, from_run_loop: bool = False) -> None:
+    def _write_outbuf_now(self) -> None:
         """Write the buffered deliveries without waiting; what the socket cannot take
-        now goes to a writer task (senders queue behind it, in order). `from_run_loop`:
-        called between passes, where a task started now would wait for the next I/O."""
+        now goes to a writer task (senders queue behind it, in order)."""
         if not self._outbuf:
             return
         data = b"".join(self._outbuf)
@@ -1306,11 +1292,7 @@ class Connection:
             self._pending.append(data[sent:])
             self._pending_bytes += len(data) - sent
             self._writing = True  # from now on: others queue behind these bytes
-            if from_run_loop:  # run_sync_soon also wakes the loop at once
-                trio.lowlevel.current_trio_token().run_sync_soon(
-                    self._nursery.start_soon, self._write_pending)
-            else:
-                self._nursery.start_soon(self._write_pending)
+            self._nursery.start_soon(self._write_pending)
 
     async def flush_out(self) -> None:
         """Write what buffered pushes collected (a shared group's batch)."""
