@@ -5,7 +5,11 @@ guarantees that what survives a crash is a prefix of the writes within a column 
 so the checkpoint record and the entries it covers must share one.
 
 Keys:
-    b"q" + queue name + b"\\0" + offset (u64 BE) -> phys offset u64 | size u32 | store_ts u64
+    b"q" + queue name + b"\\0" + offset (u64 BE) -> a run: the entries of consecutive
+        offsets from that one on, each phys offset u64 | size u32 | store_ts u64
+        (20 bytes). One append batch writes one run per queue: a put per queue and batch,
+        not per message and queue (the memtable insert was the append path's largest
+        cost). A single entry is a run of one, so indexes written before runs read as is.
     b"k" + message key + b"\\0" + phys offset (u64 BE) -> b""      (lookup by key)
     b"\\0checkpoint" -> end CommitLog offset covered by the index (u64 BE)
     b"f" + queue name -> the queue's lowest next offset: its end when retention removed
@@ -34,6 +38,7 @@ CHECKPOINT_KEY = b"\x00checkpoint"
 DEFAULT_FLOOR_KEY = b"\x00floor"
 FLOOR = b"f"  # b"f" + queue name -> lowest offset the queue may hand out next
 _MAX_U64 = b"\xff" * 8
+RUN_MAX = 4096  # entries in one run at most (80 KiB): a read of one offset stays small
 # Memory bounds by default (the store's --index-cache-mb and --index-memtable-mb): block
 # cache, index and filter blocks included, and each of the (at most two) memtables.
 CACHE_MB = 32
@@ -60,10 +65,6 @@ class IndexEntry:
 
 def queue_prefix(queue: str) -> bytes:
     return b"q" + queue.encode() + b"\x00"
-
-
-def entry_key(queue: str, offset: int) -> bytes:
-    return queue_prefix(queue) + U64.pack(offset)
 
 
 def key_prefix(key: str) -> bytes:
@@ -123,54 +124,43 @@ class ConsumeQueueIndex:
         self._prefixes.clear()
 
     # -- dispatch ---------------------------------------------------------------------
-    def write(
-        self,
-        entries: Iterable[tuple[str, int, int, int, int]],
-        keys: Iterable[tuple[str, int]],
-        checkpoint: int,
-    ) -> int:
-        """Write (queue, offset, phys, size, store_ts) entries and key refs in one batch."""
-        wb = WriteBatch(raw_mode=True)
-        put = wb.put
-        pack = ENTRY.pack
-        u64 = U64.pack
-        prefixes = self._prefixes
-        n = 0
-        for queue, offset, phys, size, ts in entries:
-            prefix = prefixes.get(queue)
-            if prefix is None:
-                prefix = prefixes[queue] = queue_prefix(queue)
-            put(prefix + u64(offset), pack(phys, size, ts))
-            n += 1
-        for key, phys in keys:
-            put(key_prefix(key) + U64.pack(phys), b"")
-        put(CHECKPOINT_KEY, U64.pack(checkpoint))
-        self._db.write(wb, self._no_wal)
-        return n
-
     def write_messages(self, msgs: Iterable[StoredRecord], checkpoint: int) -> int:
-        """`write` for stored messages, entries built straight from them: one value per
-        message whatever its number of queues. This runs once per message and queue on
-        the append path."""
+        """The entries of stored messages (and their key refs) in one batch, as runs:
+        per queue, the consecutive offsets of these messages under one key."""
+        # Runs never overlap: a batch's run of a queue starts at that queue's next offset,
+        # and what goes (retention, a cut tail) goes from a queue's start or to its end.
         wb = WriteBatch(raw_mode=True)
         put = wb.put
         pack = ENTRY.pack
         u64 = U64.pack
         prefixes = self._prefixes
+        runs: dict[str, list] = {}  # queue -> [first offset, next offset, entries]
         n = 0
         for m in msgs:
             value = pack(m.phys_offset, m.size, m.store_ts)
             for queue, offset in m.queues:
-                prefix = prefixes.get(queue)
-                if prefix is None:
-                    prefix = prefixes[queue] = queue_prefix(queue)
-                put(prefix + u64(offset), value)
+                run = runs.get(queue)
+                if run is None or run[1] != offset or len(run[2]) >= RUN_MAX:
+                    if run is not None:  # a gap (a floor) or a full run: write it
+                        put(self._prefix(prefixes, queue) + u64(run[0]), b"".join(run[2]))
+                    run = runs[queue] = [offset, offset, []]
+                run[2].append(value)
+                run[1] = offset + 1
             n += len(m.queues)
             if m.key:
                 put(key_prefix(m.key) + u64(m.phys_offset), b"")
+        for queue, (first, _, entries) in runs.items():
+            put(self._prefix(prefixes, queue) + u64(first), b"".join(entries))
         put(CHECKPOINT_KEY, u64(checkpoint))
         self._db.write(wb, self._no_wal)
         return n
+
+    @staticmethod
+    def _prefix(prefixes: dict[str, bytes], queue: str) -> bytes:
+        prefix = prefixes.get(queue)
+        if prefix is None:
+            prefix = prefixes[queue] = queue_prefix(queue)
+        return prefix
 
     def checkpoint(self) -> int:
         raw = self._db.get(CHECKPOINT_KEY)
@@ -181,15 +171,30 @@ class ConsumeQueueIndex:
         return memory_usage(self._db)
 
     # -- reads ------------------------------------------------------------------------
+    def _run(self, it: Rdict, prefix: bytes) -> tuple[int, bytes] | None:
+        """(first offset, entries) of the run `it` is at, if it is one of this queue's."""
+        if not it.valid():
+            return None
+        key = it.key()
+        if len(key) != len(prefix) + 8 or not key.startswith(prefix):
+            return None
+        return U64.unpack_from(key, len(prefix))[0], it.value()
+
+    def _run_at(self, prefix: bytes, offset: int) -> tuple[int, bytes] | None:
+        """The run holding the entry of `offset`, if there is one."""
+        it = self._db.iter()
+        it.seek_for_prev(prefix + U64.pack(offset))
+        run = self._run(it, prefix)
+        if run is not None and offset < run[0] + len(run[1]) // ENTRY.size:
+            return run
+        return None
+
     def _last_offset(self, queue: str) -> int | None:
         prefix = queue_prefix(queue)
         it = self._db.iter()
         it.seek_for_prev(prefix + _MAX_U64)
-        if it.valid():
-            key = it.key()
-            if key.startswith(prefix) and len(key) == len(prefix) + 8:
-                return U64.unpack_from(key, len(prefix))[0]
-        return None
+        run = self._run(it, prefix)
+        return None if run is None else run[0] + len(run[1]) // ENTRY.size - 1
 
     def min_offset(self, queue: str) -> int:
         prefix = queue_prefix(queue)
@@ -252,16 +257,21 @@ class ConsumeQueueIndex:
 
     def read(self, queue: str, offset: int, max_count: int) -> list[IndexEntry]:
         prefix = queue_prefix(queue)
-        ro = ReadOptions()
-        ro.set_iterate_upper_bound(prefix[:-1] + b"\x01")
-        it = self._db.iter(ro)
-        it.seek(prefix + U64.pack(max(offset, 0)))
+        offset = max(offset, 0)
+        it = self._db.iter()
+        it.seek_for_prev(prefix + U64.pack(offset))  # the run holding it, if any
+        if self._run(it, prefix) is None:
+            it.seek(prefix + U64.pack(offset))
         out: list[IndexEntry] = []
-        plen = len(prefix)
-        while it.valid() and len(out) < max_count:
-            key = it.key()
-            phys, size, ts = ENTRY.unpack(it.value())
-            out.append(IndexEntry(U64.unpack_from(key, plen)[0], phys, size, ts))
+        unpack = ENTRY.unpack_from
+        while len(out) < max_count and (run := self._run(it, prefix)) is not None:
+            first, entries = run
+            for i in range(max(0, offset - first), len(entries) // ENTRY.size):
+                phys, size, ts = unpack(entries, i * ENTRY.size)
+                out.append(IndexEntry(first + i, phys, size, ts))
+                offset = first + i + 1  # (runs never overlap; if they did, no repeats)
+                if len(out) >= max_count:
+                    break
             it.next()
         return out
 
@@ -270,29 +280,33 @@ class ConsumeQueueIndex:
         at most `max_bytes` message bytes: where a reader that may fall at most that far
         behind resumes. Walks back from the end, so it costs what it keeps."""
         prefix = queue_prefix(queue)
-        lowest = prefix + U64.pack(max(start, 0))
+        start = max(start, 0)
         it = self._db.iter(ReadOptions())  # (rocksdict's lower bound misleads seek_for_prev)
         it.seek_for_prev(prefix + _MAX_U64)
-        plen = len(prefix)
         total = 0
         keep = None
-        while it.valid() and it.key() >= lowest:
-            total += ENTRY.unpack(it.value())[1]
-            if total > max_bytes:
-                break
-            keep = U64.unpack_from(it.key(), plen)[0]
+        while (run := self._run(it, prefix)) is not None:
+            first, entries = run
+            for i in range(len(entries) // ENTRY.size - 1, -1, -1):
+                if first + i < start:
+                    return start  # all of it fits
+                total += ENTRY.unpack_from(entries, i * ENTRY.size)[1]
+                if total > max_bytes:
+                    return keep if keep is not None else self.max_offset(queue)
+                keep = first + i
             it.prev()
-        else:
-            return start  # all of it fits
-        return keep if keep is not None else self.max_offset(queue)
+        return start
 
     def holds(self, phys_offset: int, queues: list[tuple[str, int]], key: str) -> bool:
         """Whether the index has the message at `phys_offset` (whose queues and key are
         these) under its first queue or, with no queue, under its key."""
         if queues:
             queue, offset = queues[0]
-            raw = self._db.get(entry_key(queue, offset))
-            return raw is not None and ENTRY.unpack(raw)[0] == phys_offset
+            run = self._run_at(queue_prefix(queue), offset)
+            if run is None:
+                return False
+            first, entries = run
+            return U64.unpack_from(entries, (offset - first) * ENTRY.size)[0] == phys_offset
         return bool(key) and self._db.get(key_prefix(key) + U64.pack(phys_offset)) is not None
 
     def last_key(self, key: str) -> int | None:
@@ -343,6 +357,11 @@ class ConsumeQueueIndex:
         wb = WriteBatch(raw_mode=True)
         for queue, end in queue_ends.items():
             prefix = queue_prefix(queue)
+            if end > 0 and (run := self._run_at(prefix, end - 1)) is not None:
+                first, entries = run
+                if first + len(entries) // ENTRY.size > end:  # it goes on past `end`:
+                    # its key falls in the range deleted below; its rest moves to `end`
+                    wb.put(prefix + U64.pack(end), entries[(end - first) * ENTRY.size:])
             wb.delete_range(prefix, prefix + U64.pack(end))
             floor_key = FLOOR + queue.encode()
             old = self._db.get(floor_key)  # a repair may have set a higher one
