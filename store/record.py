@@ -203,32 +203,32 @@ def decode(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1) -> Mess
         raise CorruptRecord("CRC mismatch")
     (store_ts, born_ts, qos, flags, lc, lt, lk, lp, lb, nq) = fixed.unpack_from(buf, body_start)
     p = body_start + fixed.size
+    # Readers that fell behind the ring of recent messages decode every message they
+    # get: str(slice, "utf-8") decodes bytes and memoryviews without a copy in between,
+    # and the usual empty key and properties cost nothing.
     try:
-        client = bytes(buf[p : p + lc]).decode()
+        client = str(buf[p : p + lc], "utf-8")
         p += lc
-        topic = bytes(buf[p : p + lt]).decode()
+        topic = str(buf[p : p + lt], "utf-8")
         p += lt
-        key = bytes(buf[p : p + lk]).decode()
+        key = str(buf[p : p + lk], "utf-8") if lk else ""
         p += lk
-        props = decode_properties(bytes(buf[p : p + lp]))
+        props = decode_properties(bytes(buf[p : p + lp])) if lp else {}
         p += lp
         body = bytes(buf[p : p + lb])
         p += lb
         queues = []
+        unpack_len, unpack_offset = QNAME_LEN.unpack_from, QOFFSET.unpack_from
         for _ in range(nq):
-            (ln,) = QNAME_LEN.unpack_from(buf, p)
+            ln = unpack_len(buf, p)[0]
             p += 2
-            name = bytes(buf[p : p + ln]).decode()
+            name = str(buf[p : p + ln], "utf-8")
             p += ln
-            (offset,) = QOFFSET.unpack_from(buf, p)
+            queues.append((name, unpack_offset(buf, p)[0]))
             p += 8
-            queues.append((name, offset))
     except (ValueError, TypeError, struct.error) as exc:  # JSON, UTF-8, $b64 included
         raise CorruptRecord(f"undecodable fields: {exc}") from exc
     if p != end:
         raise CorruptRecord("field lengths disagree with the record length")
-    return Message(
-        topic=topic, body=body, qos=qos, retain=bool(flags & FLAG_RETAIN), client_id=client,
-        properties=props, born_ts=born_ts, key=key, store_ts=store_ts,
-        phys_offset=phys_offset, size=total, queues=queues,
-    )
+    return Message(topic, body, qos, bool(flags & FLAG_RETAIN), client, props, born_ts, key,
+                   store_ts, phys_offset, total, queues)
