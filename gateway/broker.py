@@ -604,8 +604,16 @@ class Broker:
                 self._hold_will(client_id, will, w["due"], restored=True)
 
     def _spawn(self, fn: Any, *args: Any) -> None:
-        if self._nursery is not None:
+        """Background work (expiry, delayed wills) in the housekeeping nursery. At
+        shutdown that nursery closes while connections are still closing: what they
+        would start is left to the next start, which restores sessions and wills from
+        the store."""
+        if self._nursery is None:
+            return
+        try:
             self._nursery.start_soon(fn, *args)
+        except RuntimeError:  # "Nursery is closed to new arrivals"
+            log.debug("shutting down: %s not started", getattr(fn, "__name__", fn))
 
     async def _expire_later(self, s: Session) -> None:
         await trio.sleep(s.expiry)
