@@ -317,6 +317,21 @@ class ConsumeQueueIndex:
             wb.delete(key_prefix(key) + U64.pack(phys))
         self._db.write(wb, self._no_wal)
 
+    # -- replication: a forked tail cut ---------------------------------------------------
+    def remove_entries(self, entries: Iterable[tuple[str, int]], keys: Iterable[tuple[str, int]],
+                       checkpoint: int) -> None:
+        """Drop these (queue, offset) entries and key refs (the records of a CommitLog tail
+        a replica cuts off: its log forked from the master's), set the checkpoint to the
+        new log end, and forget allocations (the next offsets come from the index again)."""
+        wb = WriteBatch(raw_mode=True)
+        for queue, offset in entries:
+            wb.delete(queue_prefix(queue) + U64.pack(offset))
+        for key, phys in keys:
+            wb.delete(key_prefix(key) + U64.pack(phys))
+        wb.put(CHECKPOINT_KEY, U64.pack(checkpoint))
+        self._db.write(wb, self._no_wal)
+        self.forget_allocations()
+
     # -- lifecycle --------------------------------------------------------------------
     def flush(self) -> None:
         """Persist memtables, so a crash after this needs no re-dispatch before it."""

@@ -115,6 +115,11 @@ class NativeServer:
         self.waiters = QueueWaiters()
         self.gateways: dict[str, dict[str, Any]] = {}
         self.connections = 0
+        # A store group's node: which requests it refuses now (a replica refuses writes)
+        # and what its HELLO says of its role, so clients find the master.
+        self.write_refusal: Callable[[int], str | None] | None = None
+        self.hello_extra: Callable[[], dict[str, Any]] | None = None
+        self._scopes: set[trio.CancelScope] = set()
         self._handlers: dict[int, Callable[[p.Frame], Awaitable[tuple[dict, bytes]]]] = {
             p.PULL: self._pull,
             p.QUEUE_RANGE: self._queue_range,
@@ -147,6 +152,16 @@ class NativeServer:
             p.ACL_LIST: self._acl_list,
         }
 
+    def register(self, code: int, handler: Callable[[p.Frame, ConnCtx],
+                                                   Awaitable[tuple[dict, bytes]]]) -> None:
+        """Serve another request code (store.replication's REPL_FETCH)."""
+        self._handlers[code] = handler
+
+    def drop_clients(self) -> None:
+        """Close every connection (a master stepping down: clients look for the new one)."""
+        for scope in list(self._scopes):
+            scope.cancel()
+
     async def serve(
         self, addr: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
     ) -> None:
@@ -167,8 +182,11 @@ class NativeServer:
         decoder = p.FrameDecoder(PRE_AUTH_MAX_FRAME if must_auth else p.MAX_FRAME)
         hello_by = trio.current_time() + HELLO_TIMEOUT_S
         budget, held = self.store.native_budget, 0
+        scope: trio.CancelScope | None = None
         try:
             async with trio.open_nursery() as nursery:
+                scope = nursery.cancel_scope
+                self._scopes.add(scope)
                 nursery.start_soon(batched_writer, stream, recv, nursery.cancel_scope)
                 try:
                     while True:
@@ -212,6 +230,8 @@ class NativeServer:
         except Exception:  # a request task's bug ends this connection, never the server
             log.exception("native connection from %s failed", ctx.ip)
         finally:
+            if scope is not None:
+                self._scopes.discard(scope)
             budget.update(held, 0)
             self.connections -= 1
             with trio.move_on_after(1) as scope:
@@ -223,6 +243,11 @@ class NativeServer:
         if frame.kind != p.REQUEST:
             limit.release()
             return
+        if self.write_refusal is not None:
+            why = self.write_refusal(frame.code)
+            if why is not None:
+                nursery.start_soon(self._reply_error, frame, send, limit, 503, why)
+                return
         if frame.code in (p.SEND, p.PUBLISH):
             try:  # submitted now, in frame order; answered when stored
                 pending = self._submit(frame, ctx)
@@ -254,6 +279,8 @@ class NativeServer:
         header = {"version": p.VERSION, "server": "lightgate-store", "max_frame": p.MAX_FRAME,
                   "auth": auth.enabled, "allow_anonymous": auth.allow_anonymous,
                   "user": ctx.subject.name, "node": self._is_node(ctx)}
+        if self.hello_extra is not None:
+            header.update(self.hello_extra())
         return p.encode_frame(p.Frame(p.RESPONSE, f.code, f.request_id, header))
 
     def _is_node(self, ctx: ConnCtx) -> bool:
