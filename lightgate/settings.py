@@ -61,7 +61,8 @@ HTTP_SETTING = ("http", str, "127.0.0.1:18083", "HTTP (dashboard, admin API, met
 HTTP_BODY_SETTING = ("http-max-body", int, 1024 * 1024, "largest HTTP request body (413 past it)")
 NATIVE_SETTING = ("native", str, "127.0.0.1:10911", "native protocol HOST:PORT")
 NOTIFY_SETTING = ("notify", str, None, "notify between nodes: redis://HOST:PORT")
-STORE_ADDR_SETTING = ("store", str, "127.0.0.1:10911", "the store's native HOST:PORT")
+STORE_ADDR_SETTING = ("store", str, "127.0.0.1:10911", "the store's native HOST:PORT; a "
+                      "store group: every node's, comma-separated (the master is followed)")
 LISTENER_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("mqtt", str, "0.0.0.0:1883", "MQTT over TCP HOST:PORT ('off' to disable)"),
     ("mqtt-tls", str, "0.0.0.0:8883", "MQTT over TLS HOST:PORT (on when --tls-cert is given)"),

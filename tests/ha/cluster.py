@@ -85,3 +85,51 @@ def read_topic(addr: str, topic: str, partitions: int = 4) -> list[bytes]:
         return out
 
     return trio.run(main)
+
+
+class Group:
+    """Three (or more) `lightgate store` nodes with the embedded controller."""
+
+    def __init__(self, root: Path, n: int = 3, *extra: str) -> None:
+        self.raft = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+        self.dirs = [root / f"s{i}" for i in range(n)]
+        self.nodes: list[Server] = []
+        for i in range(n):
+            peers = ",".join(r for j, r in enumerate(self.raft) if j != i)
+            node = Server(self.dirs[i], "--raft", self.raft[i], "--group-peers", peers,
+                          *extra, command="store")
+            node.native_port = free_port()
+            self.nodes.append(node)
+
+    def start(self) -> Group:
+        for node in self.nodes:
+            node.start()
+        return self
+
+    @property
+    def addrs(self) -> str:
+        return ",".join(f"127.0.0.1:{n.native_port}" for n in self.nodes)
+
+    def roles(self) -> list[str | None]:
+        out: list[str | None] = []
+        for node in self.nodes:
+            try:
+                out.append(cluster(node)["role"] if node.proc is not None else None)
+            except OSError:
+                out.append(None)
+        return out
+
+    def master(self, timeout: float = 15.0) -> int:
+        """The index of the one master (waits for an election)."""
+        def one() -> int | None:
+            roles = self.roles()
+            return roles.index("master") + 1 if roles.count("master") == 1 else None
+        return int(wait_for(one, timeout, "one master")) - 1
+
+    def insync(self, i: int) -> list[str]:
+        return list(cluster(self.nodes[i]).get("insync", []))
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            if node.proc is not None:
+                node.kill()
