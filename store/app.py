@@ -82,6 +82,8 @@ async def store_node(
             server.register(REPL_FETCH, repl.handle_fetch)
             server.write_refusal = repl.write_refusal
             server.hello_extra = repl.hello
+            server.read_limit = repl.read_limit
+            repl.notify = on_dispatched
             repl.drop_clients = server.drop_clients
         native_addr = await nursery.start(server.serve, native)
         if repl is not None:

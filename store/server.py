@@ -23,7 +23,7 @@ from serving.startup import NATIVE_LISTENER, listening, split_hostport
 from store import protocol as p
 from store.auth import AuthError, AuthManager, Policy, Subject
 from store.auth.manager import DecisionCache
-from store.common import StoreError, StoreFullError, await_future
+from store.common import PullResult, StoreError, StoreFullError, await_future
 from store.groups import (
     MAX_ATTEMPTS,
     GroupRegistry,
@@ -119,6 +119,9 @@ class NativeServer:
         # and what its HELLO says of its role, so clients find the master.
         self.write_refusal: Callable[[int], str | None] | None = None
         self.hello_extra: Callable[[], dict[str, Any]] | None = None
+        # Sync replication: readers see a message only once the group acknowledged it (its
+        # queue offset is then never given to another message after a failover).
+        self.read_limit: Callable[[], int | None] | None = None
         self._scopes: set[trio.CancelScope] = set()
         self._handlers: dict[int, Callable[[p.Frame], Awaitable[tuple[dict, bytes]]]] = {
             p.PULL: self._pull,
@@ -388,19 +391,34 @@ class NativeServer:
         offset = int(f.header.get("offset", 0))
         max_count = int(f.header.get("max", 32))
         wait_ms = min(int(f.header.get("wait_ms", 0)), MAX_PULL_WAIT_MS)
-        res = await self.store.pull(queue, offset, max_count)
+        pull = self.store.pull if self.read_limit is None else self._pull_acked
+        res = await pull(queue, offset, max_count)
         if not res.messages and wait_ms > 0:
             with self.waiters.waiting(queue) as ev:
                 # Re-check after registering the waiter: a message may have just landed.
-                res = await self.store.pull(queue, offset, max_count)
+                res = await pull(queue, offset, max_count)
                 if not res.messages:
                     with trio.move_on_after(wait_ms / 1000):
                         await ev.wait()
             if not res.messages:
-                res = await self.store.pull(queue, offset, max_count)
+                res = await pull(queue, offset, max_count)
         metas, body = p.pack_messages(res.messages)
         return {"messages": metas, "next_offset": res.next_offset,
                 "min_offset": res.min_offset, "max_offset": res.max_offset}, body
+
+    async def _pull_acked(self, queue: str, offset: int, max_count: int) -> PullResult:
+        """`store.pull`, cut before the first message past the read limit."""
+        res = await self.store.pull(queue, offset, max_count)
+        limit = self.read_limit() if self.read_limit is not None else None
+        if limit is None:
+            return res
+        for i, m in enumerate(res.messages):
+            if m.phys_offset + m.size > limit:
+                res.next_offset = next((o for q, o in m.queues if q == queue),
+                                       res.next_offset)
+                res.messages = res.messages[:i]
+                break
+        return res
 
     async def _queue_range(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         lo, hi = self.store.queue_range(str(f.header["queue"]))

@@ -72,6 +72,8 @@ class Replication:
         self.controller: Controller | None = None
         self.drop_clients: Callable[[], None] = lambda: None  # set by the native server
         self.truncated_bytes = 0
+        self.confirmed = 0  # sync mode: the log up to here is held by min_insync nodes
+        self.notify: Callable[[set[str]], None] = lambda names: None  # readers: queues grew
         self._follow_scope: trio.CancelScope | None = None
         self._grew = trio.Event()
         self._token = trio.lowlevel.current_trio_token()
@@ -134,9 +136,22 @@ class Replication:
         self._release()
 
     def _release(self) -> None:
-        for outer, msgs in self.insync.ready(self.store.commitlog.max_offset):
+        end = self.store.commitlog.max_offset
+        self.confirmed = max(self.confirmed, self.insync.quorum_offset(end))
+        ready = self.insync.ready(end)
+        for outer, msgs in ready:
             if not outer.done():
                 outer.set_result(msgs)
+        if ready:  # readers held back at the read limit may go on
+            self.notify({name for _, msgs in ready for m in msgs for name, _ in m.queues})
+
+    def read_limit(self) -> int | None:
+        """Sync mode, on the master: readers see the log up to the acknowledged offset
+        only, so no reader ever sees a message (and its queue offset) that a failover may
+        cut. None: no limit."""
+        if self.cfg.mode != "sync" or self.cfg.min_insync <= 1 or self.role == REPLICA:
+            return None
+        return self.confirmed
 
     def _expire(self) -> None:
         for outer, _ in self.insync.expired(time.monotonic()):
@@ -256,6 +271,7 @@ class Replication:
         store.meta.on_change = self.metalog.record
         self.insync = InSync(self.cfg.min_insync, self.cfg.max_lag_bytes, self.cfg.max_lag_s)
         self._last_insync = []
+        self.confirmed = log_end  # what it holds at its election is the group's log
         self.epoch, self.role, self.master_addr = epoch, MASTER, self.native_addr
         self._insync_changed()
         log.warning("this node is master of epoch %d from log offset %d", epoch, log_end)
