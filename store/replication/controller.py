@@ -106,6 +106,7 @@ class Controller:
         self.last_commit = 0.0  # monotonic time our last report was committed
         self._electing = threading.Event()
         self.isolated = False  # fault injection: behave as cut off from the controller
+        self._closed = False
 
     def report(self, native: str, offset: int, last_epoch: int) -> None:
         if self.isolated:
@@ -161,4 +162,6 @@ class Controller:
             log.debug("in-sync report not sent: %s", exc)
 
     def close(self) -> None:
-        self.state.destroy()
+        if not self._closed:
+            self._closed = True
+            self.state.destroy()

@@ -54,9 +54,9 @@ class InSync:
         """The in-sync replicas (the master not included)."""
         return sorted(r.node for r in self.replicas.values() if r.insync)
 
-    def fetching(self, now: float) -> int:
-        """Replicas that fetched lately (they take this node for their master)."""
-        return sum(1 for r in self.replicas.values() if now - r.seen <= self.max_lag_s)
+    def fetching(self, now: float, within: float) -> int:
+        """Replicas that fetched within `within` s (they take this node for master)."""
+        return sum(1 for r in self.replicas.values() if now - r.seen <= within)
 
     def enough(self) -> bool:
         return 1 + len(self.members()) >= self.min_insync

@@ -32,6 +32,9 @@ log = logging.getLogger("lightgate.store.replication")
 
 MASTER, REPLICA, FENCED = "master", "replica", "fenced"
 MAX_WAIT_MS = 5000
+# A master without the controller keeps its role while replicas that fetched within this
+# long make a majority with it (a replica long-polls at least every second).
+FENCE_FETCH_S = 2.0
 # Native requests a replica refuses: they change the log or the metadata.
 WRITE_CODES = frozenset({
     p.SEND, p.PUBLISH, p.COMMIT, p.NACK, p.TOPIC_CREATE, p.META_PUT, p.META_DELETE,
@@ -337,24 +340,29 @@ class Replication:
         ctl = self.controller
         if ctl is None:
             return
-        ctl.report(self.native_addr, self.store.commitlog.max_offset, self.epochs.last_epoch)
-        ctl.step()
-        view = ctl.view()
+        if not ctl.isolated:
+            ctl.report(self.native_addr, self.store.commitlog.max_offset,
+                       self.epochs.last_epoch)
+            ctl.step()
+            self._apply(ctl.view())
+        self._fence()
+
+    def _apply(self, view: dict[str, Any]) -> None:
+        """Take the role the controller's state gives this node."""
         master, epoch = view["master"], view["epoch"]
-        if ctl.isolated:
-            master, epoch = self.node_id if self.role != REPLICA else master, self.epoch
-        if master == self.node_id and not ctl.isolated:
-            if self.role != MASTER or self.epoch != epoch:
-                if self.role == FENCED and self.epoch == epoch:
+        if not master:
+            return
+        if master == self.node_id:
+            if self.role == FENCED and self.epoch == epoch:
+                if time.monotonic() - self.controller.last_commit <= self.cfg.lease_s:
                     log.warning("controller reached again: master of epoch %d", epoch)
                     self.role = MASTER
-                elif self.role != FENCED or self.epoch != epoch:
-                    self.become_master(epoch)
-        elif master and master != self.node_id and not ctl.isolated:
-            addr = view["nodes"].get(master, {}).get("native")
-            if addr and (self.role != REPLICA or self.master_addr != addr):
-                self.become_replica(addr, epoch)
-        self._fence()
+            elif self.role != MASTER or self.epoch != epoch:
+                self.become_master(epoch)
+            return
+        addr = view["nodes"].get(master, {}).get("native")
+        if addr and (self.role != REPLICA or self.master_addr != addr):
+            self.become_replica(addr, epoch)
 
     def _fence(self) -> None:
         """A master that lost the controller for lease_s keeps serving only while a
@@ -366,7 +374,7 @@ class Replication:
         now = time.monotonic()
         if now - ctl.last_commit <= self.cfg.lease_s:
             return
-        if 1 + self.insync.fetching(now) >= ctl.group_size // 2 + 1 and not ctl.isolated:
+        if 1 + self.insync.fetching(now, FENCE_FETCH_S) >= ctl.group_size // 2 + 1:
             return
         log.error("lost the controller for %.1f s and a majority of the group: stepping "
                   "down as master of epoch %d", now - ctl.last_commit, self.epoch)
@@ -398,6 +406,14 @@ class Replication:
                                  "epoch": view["epoch"], "insync": view["insync"],
                                  "nodes": view["nodes"], "isolated": self.controller.isolated}
         return out
+
+    def isolate(self) -> None:
+        """Fault injection (LIGHTGATE_FAULT_INJECTION=1): cut this node off from the
+        controller, as a network partition would: its Raft node stops."""
+        if self.controller is not None and not self.controller.isolated:
+            log.warning("fault injection: this node is cut off from the controller")
+            self.controller.isolated = True
+            self.controller.close()
 
     def lag_bytes(self) -> int:
         if self.role == REPLICA:
