@@ -118,7 +118,7 @@ def _run_group(tmp_path: Path, redis: RedisServer, mode: str, rounds: int,
             elected = time.monotonic() - killed
             assert new != m
             assert cluster(g.nodes[new])["epoch"] > epoch
-            wait_for(lambda: sum(len(p.acked) for p in pubs) > acked_before + 20, 20,
+            wait_for(lambda n=acked_before: sum(len(p.acked) for p in pubs) > n + 20, 20,
                      "publishing to resume")
             resumed = min(t for p in pubs for t in p.acked_at if t > killed) - killed
             g.nodes[m].start()  # the old master comes back: a replica now
@@ -151,6 +151,9 @@ def _run_group(tmp_path: Path, redis: RedisServer, mode: str, rounds: int,
                          if a in lost)
         stats["lost_acked_s_after_start"] = (
             [round(lost_at[0] - t0, 2), round(lost_at[-1] - t0, 2)] if lost_at else [])
+        # How long before the nearest kill each lost message was acked (the loss window).
+        stats["lost_acked_s_before_kill"] = [
+            round(min((k - t for k in kills if k >= t), default=-1.0), 3) for t in lost_at]
         stats["kills_s_after_start"] = [round(k - t0, 2) for k in kills]
         assert_each_in_order(delivered, {p.name.encode() for p in pubs})
         sub.disconnect()
@@ -158,8 +161,8 @@ def _run_group(tmp_path: Path, redis: RedisServer, mode: str, rounds: int,
     finally:
         dump = os.environ.get("LIGHTGATE_HA_DUMP")  # a directory for the nodes' logs
         if dump:
-            for name, srv in [*(("gateway%d" % i, s) for i, s in enumerate(gws)),
-                              *(("store%d" % i, s) for i, s in enumerate(g.nodes))]:
+            for name, srv in [*((f"gateway{i}", s) for i, s in enumerate(gws)),
+                              *((f"store{i}", s) for i, s in enumerate(g.nodes))]:
                 Path(dump, name + ".log").write_text(srv.logs())
         for srv in gws:
             if srv.proc is not None:
@@ -188,7 +191,8 @@ def test_async_group_loss_window_is_measured(tmp_path: Path, redis: RedisServer)
     stats = _run_group(tmp_path, redis, "async", 1, seed=7)
     print("async replication:", stats)
     assert stats["acked"] > 100
-    if stats["lost"]:
-        kill_round = stats["rounds"][0]
-        assert kill_round  # lost ones were acked within 2 s before the kill
-        assert stats["lost"] < stats["acked"] // 10, stats
+    # Whatever was lost was acked in the last moments before the kill (what the
+    # replicas had not fetched yet), never earlier; the group converged (checked in
+    # _run_group) and a new master was elected in time.
+    assert all(0 <= s <= 2.0 for s in stats["lost_acked_s_before_kill"]), stats
+    assert stats["rounds"][0]["elected_s"] < FAILOVER_LIMIT_S
