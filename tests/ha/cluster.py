@@ -127,7 +127,11 @@ class Group:
         return int(wait_for(one, timeout, "one master")) - 1
 
     def insync(self, i: int) -> list[str]:
-        return list(cluster(self.nodes[i]).get("insync", []))
+        """Node i's in-sync set as master, if the controller has recorded it too (the
+        set elections choose from); else []."""
+        st = cluster(self.nodes[i])
+        mine = sorted(st.get("insync", []))
+        return mine if sorted(st["controller"]["insync"]) == mine else []
 
     def stop(self) -> None:
         for node in self.nodes:
