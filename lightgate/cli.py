@@ -224,7 +224,8 @@ def _replication_config(values: dict[str, Any]) -> Any:
     mode = values["replication"]
     if mode not in ("sync", "async"):
         raise StartupError(f"--replication must be sync or async, not {mode!r}")
-    peers = [x.strip() for x in (values["group_peers"] or "").split(",") if x.strip()]
+    peers = [x.strip() for x in (values["group_peers"] or "").split(",")
+             if x.strip() and x.strip() != values["raft"]]  # the list may name this node
     if peers and not values["raft"]:
         raise StartupError("--group-peers needs --raft HOST:PORT (this node's Raft address)")
     if peers and values["replica_of"]:
@@ -245,7 +246,7 @@ def _replication_config(values: dict[str, Any]) -> Any:
         min_insync=values["min_insync"], max_lag_bytes=values["max_lag_bytes"],
         max_lag_s=values["max_lag_s"], raft=values["raft"], group_peers=peers,
         lease_s=values["controller_lease_s"], dead_s=values["failover_after_s"],
-        credentials=creds)
+        credentials=creds, advertise=values["native_advertise"])
 
 
 def cmd_store(args: argparse.Namespace) -> int:

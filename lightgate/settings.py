@@ -50,6 +50,8 @@ REPLICATION_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("group-peers", str, None, "the other store nodes' Raft HOST:PORT, comma list: turns on "
      "the controller and automatic failover"),
     ("node-id", str, None, "this node's name in the group (default: its --raft address)"),
+    ("native-advertise", str, None, "HOST:PORT other nodes and clients reach this node's "
+     "native port at (default: --native as bound; set it when binding 0.0.0.0)"),
     ("controller-lease-s", float, 3.0, "a master cut off from the controller and from a "
      "majority of the group this long steps down"),
     ("failover-after-s", float, 4.0, "the controller elects a new master once the master "

@@ -10,6 +10,7 @@ happens, and the master keeps serving as long as its replicas keep fetching from
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -28,7 +29,10 @@ class GroupState(SyncObj):
     """{master, epoch, in-sync set, nodes}, replicated by Raft."""
 
     def __init__(self, self_addr: str, partners: list[str], data_dir: Path | None) -> None:
+        host, _, port = self_addr.rpartition(":")
         conf = SyncObjConf(
+            # A host name (a pod's DNS name): listen on every interface at its port.
+            bindAddress=None if _is_ip(host) else f"0.0.0.0:{port}",
             autoTick=True, commandsWaitLeader=False, dynamicMembershipChange=False,
             useFork=False, raftMinTimeout=0.4, raftMaxTimeout=1.2,
             connectionRetryTime=1.0, connectionTimeout=2.0,
@@ -66,6 +70,14 @@ class GroupState(SyncObj):
     def view(self) -> dict[str, Any]:
         return {"master": self.master, "epoch": self.epoch, "insync": list(self.insync),
                 "nodes": {k: dict(v) for k, v in self.nodes.items()}}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def choose_master(view: dict[str, Any], now: float, dead_s: float, group_size: int

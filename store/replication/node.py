@@ -57,6 +57,7 @@ class ReplicationConfig:
     lease_s: float = 3.0  # a master cut off from the controller this long steps down
     dead_s: float = 4.0  # the controller elects a new master after this long
     credentials: tuple[str, str] | None = None  # to fetch from a master with --auth
+    advertise: str | None = None  # the native HOST:PORT others dial (default: as bound)
 
 
 class Replication:
@@ -86,6 +87,7 @@ class Replication:
 
     def bind(self, native_addr: str) -> None:
         """The native address the server bound (what clients and replicas dial)."""
+        native_addr = self.cfg.advertise or native_addr
         if self.node_id == self.native_addr:
             self.node_id = native_addr
         self.native_addr = native_addr

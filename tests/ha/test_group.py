@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from spark_streaming.native import StoreClient
 from store.sdk import Producer
 from tests.ha.cluster import Group, cluster, log_bytes, wait_for
 
@@ -82,3 +83,7 @@ def test_replica_killed_restarted_and_wiped_catches_up(group: Group) -> None:
     wait_for(lambda: log_bytes(g.dirs[r]) == log_bytes(g.dirs[m]), 20, "resync from zero")
     assert cluster(g.nodes[r])["role"] == "replica"
     assert cluster(g.nodes[r])["epochs"] == cluster(g.nodes[m])["epochs"]
+    # The Spark source's client, given the group, talks to the master.
+    with StoreClient(g.addrs) as c:
+        assert len(c.describe("grp")) == 4
+        assert c.port == g.nodes[m].native_port
