@@ -4,6 +4,7 @@ logs compared byte by byte, their /api/v1/cluster read."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 import urllib.request
@@ -137,3 +138,7 @@ class Group:
         for node in self.nodes:
             if node.proc is not None:
                 node.kill()
+        dump = os.environ.get("LIGHTGATE_HA_DUMP")  # a directory for the nodes' logs
+        if dump:
+            for i, node in enumerate(self.nodes):
+                Path(dump, f"store{i}.log").write_text(node.logs())

@@ -53,8 +53,9 @@ def test_master_cut_off_from_controller_steps_down(group: Group) -> None:
     fenced = wait_for(lambda: cluster(g.nodes[m])["role"] == "fenced" and time.monotonic(), 15,
                       "the cut-off master to step down") - cut
     others = [i for i in range(3) if i != m]
-    new = wait_for(lambda: next((i for i in others if cluster(g.nodes[i])["role"] == "master"),
-                                None), 15, "a new master")
+    new = wait_for(lambda: next((i + 1 for i in others  # + 1: node 0 is no falsy answer
+                                 if cluster(g.nodes[i])["role"] == "master"), None),
+                   15, "a new master") - 1
     elected = time.monotonic() - cut
     assert cluster(g.nodes[new])["epoch"] > old_epoch
     print(f"cut off: stepped down after {fenced:.2f} s, new master after <= {elected:.2f} s")
