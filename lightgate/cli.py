@@ -252,7 +252,9 @@ def _replication_config(values: dict[str, Any]) -> Any:
 def cmd_store(args: argparse.Namespace) -> int:
     values = resolve(args, STORE_CMD_SETTINGS)
     repl = _replication_config(values)
-    check_ports([(*NATIVE_LISTENER, values["native"]), (*HTTP_LISTENER, values["http"])])
+    raft = [("the store group's Raft controller", "--raft", repl.raft)] if repl.raft else []
+    check_ports([(*NATIVE_LISTENER, values["native"]), (*HTTP_LISTENER, values["http"]),
+                 *raft])
     trio.run(_store_main, _store_config(values), values["native"], values["http"],
              values["notify"], _auth_config(values), repl)
     return 0
