@@ -20,7 +20,7 @@ from store.auth import AuthConfig, AuthManager
 from store.http import store_routes
 from store.http_auth import auth_app
 from store.protocol import REPL_FETCH
-from store.replication.node import Replication, ReplicationConfig
+from store.replication.node import META_CODES, Replication, ReplicationConfig
 from store.server import NativeServer
 from store.service import EmbeddedStore, StoreConfig
 
@@ -85,6 +85,8 @@ async def store_node(
             server.read_limit = repl.read_limit
             repl.notify = on_dispatched
             repl.drop_clients = server.drop_clients
+            for code in META_CODES:  # sync mode: answered once replicated
+                server.wrap(code, repl.synced)
         native_addr = await nursery.start(server.serve, native)
         if repl is not None:
             repl.bind(native_addr)

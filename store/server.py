@@ -160,6 +160,13 @@ class NativeServer:
         """Serve another request code (store.replication's REPL_FETCH)."""
         self._handlers[code] = handler
 
+    def wrap(self, code: int, wrapper: Callable[[Callable[[p.Frame, ConnCtx], Awaitable[
+            tuple[dict, bytes]]]], Callable[[p.Frame, ConnCtx], Awaitable[tuple[dict, bytes]]]]
+             ) -> None:
+        """Wrap the handler of `code` (store.replication: metadata writes answer once
+        replicated)."""
+        self._handlers[code] = wrapper(self._handlers[code])
+
     def drop_clients(self) -> None:
         """Close every connection (a master stepping down: clients look for the new one)."""
         for scope in list(self._scopes):

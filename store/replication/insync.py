@@ -17,6 +17,7 @@ class Replica:
     offset: int
     seen: float  # monotonic time of its last fetch
     insync: bool = False
+    meta: int = -1  # the master's metadata change it has applied (-1: another incarnation)
 
 
 class InSync:
@@ -60,6 +61,13 @@ class InSync:
 
     def enough(self) -> bool:
         return 1 + len(self.members()) >= self.min_insync
+
+    def meta_quorum(self, master_seq: int) -> int:
+        """The metadata change up to which `min_insync` nodes of the set have applied
+        every change (-1: the set is too small)."""
+        seqs = sorted([master_seq, *(r.meta for r in self.replicas.values() if r.insync)],
+                      reverse=True)
+        return seqs[self.min_insync - 1] if len(seqs) >= self.min_insync else -1
 
     def quorum_offset(self, master_end: int) -> int:
         """The offset below which `min_insync` nodes of the set hold every byte (-1: the

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +41,12 @@ WRITE_CODES = frozenset({
     p.META_WRITE, p.WILDCARD_ADD, p.HEARTBEAT, p.USER_ADD, p.USER_UPDATE, p.USER_DELETE,
     p.ACL_ADD, p.ACL_DELETE,
 })
+
+
+# Native requests that change metadata: in sync mode answered once replicated.
+META_CODES = (p.COMMIT, p.TOPIC_CREATE, p.META_PUT, p.META_DELETE, p.META_WRITE,
+              p.WILDCARD_ADD, p.USER_ADD, p.USER_UPDATE, p.USER_DELETE, p.ACL_ADD,
+              p.ACL_DELETE)
 
 
 @dataclass
@@ -84,6 +90,7 @@ class Replication:
         self._trio_thread = threading.get_ident()
         self._nursery: trio.Nursery | None = None
         self._last_insync: list[str] = []
+        self._meta_waiters: list[tuple[int, trio.Event]] = []
 
     def bind(self, native_addr: str) -> None:
         """The native address the server bound (what clients and replicas dial)."""
@@ -150,6 +157,44 @@ class Replication:
         if ready:  # readers held back at the read limit may go on
             self.notify({name for _, msgs in ready for m in msgs for name, _ in m.queues})
 
+    def _release_meta(self) -> None:
+        if not self._meta_waiters:
+            return
+        done = self.insync.meta_quorum(self.metalog.seq)
+        keep = []
+        for target, ev in self._meta_waiters:
+            if target <= done:
+                ev.set()
+            else:
+                keep.append((target, ev))
+        self._meta_waiters = keep
+
+    async def meta_synced(self) -> None:
+        """Sync mode: wait until `min_insync` nodes of the in-sync set applied every
+        metadata change made so far (a session, an offset commit, a subscription), or
+        raise StoreError after ack_timeout_s."""
+        if self.cfg.mode != "sync" or self.cfg.min_insync <= 1 or self.role != MASTER:
+            return
+        target = self.metalog.seq
+        if self.insync.meta_quorum(target) >= target:
+            return
+        ev = trio.Event()
+        self._meta_waiters.append((target, ev))
+        with trio.move_on_after(self.cfg.ack_timeout_s):
+            await ev.wait()
+        if not ev.is_set():
+            raise StoreError(f"metadata not replicated to {self.cfg.min_insync} nodes within "
+                             f"{self.cfg.ack_timeout_s:g} s")
+
+    def synced(self, handler: Callable[[p.Frame, Any], Awaitable[tuple[dict, bytes]]]
+               ) -> Callable[[p.Frame, Any], Awaitable[tuple[dict, bytes]]]:
+        """A native handler that changes metadata, answering once it is replicated."""
+        async def run(f: p.Frame, ctx: Any) -> tuple[dict, bytes]:
+            out = await handler(f, ctx)
+            await self.meta_synced()
+            return out
+        return run
+
     def read_limit(self) -> int | None:
         """Sync mode, on the master: readers see the log up to the acknowledged offset
         only, so no reader ever sees a message (and its queue offset) that a failover may
@@ -205,8 +250,10 @@ class Replication:
         if offset > log_.max_offset:
             return {"truncate_to": log_.max_offset}, b""
         self._report(node, str(h.get("addr", "")), offset)
-        wait_ms = min(int(h.get("wait_ms", 0)), MAX_WAIT_MS)
         meta_inc, meta_seq = str(h.get("meta_inc", "")), int(h.get("meta_seq", 0))
+        self.insync.replicas[node].meta = meta_seq if meta_inc == self.metalog.incarnation else -1
+        self._release_meta()
+        wait_ms = min(int(h.get("wait_ms", 0)), MAX_WAIT_MS)
         if (offset >= log_.max_offset and wait_ms > 0 and meta_inc == self.metalog.incarnation
                 and meta_seq >= self.metalog.seq):
             with trio.move_on_after(wait_ms / 1000):

@@ -90,3 +90,14 @@ def test_metalog_ops_or_snapshot() -> None:
     assert m.since(m.incarnation, 0) is None  # op 1 is gone: a snapshot
     assert m.since(m.incarnation, 2) == ([("put", "offsets", "k", 5),
                                          ("put", "offsets", "k", 6)], 4)
+
+
+def test_metadata_quorum_counts_in_sync_replicas_only() -> None:
+    s = InSync(min_insync=2, max_lag_bytes=100, max_lag_s=5.0)
+    assert s.meta_quorum(10) == -1  # the master alone
+    s.report("b", "b:1", 1000, now=0.0, master_end=1000)
+    s.replicas["b"].meta = 7
+    assert s.meta_quorum(10) == 7
+    s.report("c", "c:1", 0, now=0.0, master_end=1000)  # not in sync: not counted
+    s.replicas["c"].meta = 10
+    assert s.meta_quorum(10) == 7
