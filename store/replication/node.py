@@ -249,6 +249,10 @@ class Replication:
                 return {"truncate_to": keep}, b""
         if offset > log_.max_offset:
             return {"truncate_to": log_.max_offset}, b""
+        if offset < log_.min_offset:
+            raise StoreError(f"replica {node} needs offset {offset}, but retention removed the "
+                             f"master's log before {log_.min_offset}: it cannot catch up "
+                             "(not supported yet)")
         self._report(node, str(h.get("addr", "")), offset)
         meta_inc, meta_seq = str(h.get("meta_inc", "")), int(h.get("meta_seq", 0))
         self.insync.replicas[node].meta = meta_seq if meta_inc == self.metalog.incarnation else -1
