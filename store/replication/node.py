@@ -397,7 +397,12 @@ class Replication:
             ctl.report(self.native_addr, self.store.commitlog.max_offset,
                        self.epochs.last_epoch)
             ctl.step()
-            self._apply(ctl.view())
+            view = ctl.view()
+            self._apply(view)
+            if (self.role == MASTER and view["master"] == self.node_id
+                    and sorted(view["insync"]) != sorted(self._last_insync)):
+                # A report that did not reach the controller (no leader just then): again.
+                ctl.set_insync(self.epoch, self._last_insync)
         self._fence()
 
     def _apply(self, view: dict[str, Any]) -> None:

@@ -83,7 +83,8 @@ def test_replica_killed_restarted_and_wiped_catches_up(group: Group) -> None:
     g.nodes[r].start()
     wait_for(lambda: log_bytes(g.dirs[r]) == log_bytes(g.dirs[m]), 20, "resync from zero")
     assert cluster(g.nodes[r])["role"] == "replica"
-    assert cluster(g.nodes[r])["epochs"] == cluster(g.nodes[m])["epochs"]
+    wait_for(lambda: cluster(g.nodes[r])["epochs"] == cluster(g.nodes[m])["epochs"], 5,
+             "the master's epoch history")
     # The Spark source's client, given the group, talks to the master.
     with StoreClient(g.addrs) as c:
         assert len(c.describe("grp")) == 4
