@@ -50,11 +50,13 @@ test: $(SPARK_STAMP) redis chromium java
 	LIGHTGATE_REQUIRE_SPARK=1 $(BIN)/pytest -q
 
 # The long forms: 1M inputs to each fuzzer (codec, connection), 1M messages past a stuck
-# subscriber, a 10k-connection storm and a 30 min soak: about 90 minutes.
+# subscriber, a 10k-connection storm, a 30 min soak and 30 kill -9s of a store group's
+# master: about 100 minutes.
 soak: $(STAMP) redis
 	LIGHTGATE_FUZZ_RUNS=1000000 LIGHTGATE_SLOW_CONSUMER_MESSAGES=1000000 \
-	LIGHTGATE_SOAK_SECONDS=1800 LIGHTGATE_STORM_CLIENTS=10000 \
-	$(BIN)/pytest -q -s -p no:cacheprovider -o addopts='' -o timeout=7200 tests/fuzz tests/faults tests/soak
+	LIGHTGATE_SOAK_SECONDS=1800 LIGHTGATE_STORM_CLIENTS=10000 LIGHTGATE_HA_ROUNDS=30 \
+	$(BIN)/pytest -q -s -p no:cacheprovider -o addopts='' -o timeout=7200 tests/fuzz tests/faults tests/soak \
+	tests/ha
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -647,7 +647,11 @@ class Broker:
 
     async def forget_outgoing(self, s: Session, o: Outgoing) -> None:
         if s.persistent and o.queue is not None:
-            await self.store.meta_delete("inflight", out_key(s.client_id, o.packet_id))
+            try:
+                await self.store.meta_delete("inflight", out_key(s.client_id, o.packet_id))
+            except StoreError as exc:  # the store is away (a failover): the client's ack
+                # stands; the stale record only means a resend with DUP after a restart
+                log.warning("in-flight record of %r not removed: %s", s.client_id, exc)
             s.offsets_dirty.add(o.queue)
 
     async def remember_incoming_qos2(self, s: Session, pid: int, done: bool,

@@ -207,22 +207,56 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 async def _store_main(cfg: Any, native: str, http: str, notify: str | None,
-                      auth: Any) -> None:
+                      auth: Any, repl: Any) -> None:
     from notify import open_bus
     from store.app import run_store
 
     if notify:
         async with open_bus(notify) as bus:
-            await run_store(cfg, native, http, bus.publish_from_thread, auth)
+            await run_store(cfg, native, http, bus.publish_from_thread, auth, repl)
     else:
-        await run_store(cfg, native, http, None, auth)
+        await run_store(cfg, native, http, None, auth, repl)
+
+
+def _replication_config(values: dict[str, Any]) -> Any:
+    from store.replication.node import ReplicationConfig
+
+    mode = values["replication"]
+    if mode not in ("sync", "async"):
+        raise StartupError(f"--replication must be sync or async, not {mode!r}")
+    peers = [x.strip() for x in (values["group_peers"] or "").split(",")
+             if x.strip() and x.strip() != values["raft"]]  # the list may name this node
+    if peers and not values["raft"]:
+        raise StartupError("--group-peers needs --raft HOST:PORT (this node's Raft address)")
+    if peers and values["replica_of"]:
+        raise StartupError("--replica-of and --group-peers exclude each other: in a group "
+                           "the controller says who is master")
+    group = len(peers) + 1 if peers else None
+    if values["min_insync"] < 1 or (group is not None and values["min_insync"] > group):
+        raise StartupError(f"--min-insync must be between 1 and the group's size, not "
+                           f"{values['min_insync']}")
+    creds = None
+    if values["replica_auth"]:
+        name, sep, password = values["replica_auth"].partition(":")
+        if not sep:
+            raise StartupError("--replica-auth must be NAME:PASSWORD")
+        creds = (name, password)
+    return ReplicationConfig(
+        node_id=values["node_id"] or "", replica_of=values["replica_of"], mode=mode,
+        min_insync=values["min_insync"], max_lag_bytes=values["max_lag_bytes"],
+        max_lag_s=values["max_lag_s"], raft=values["raft"], group_peers=peers,
+        lease_s=values["controller_lease_s"], dead_s=values["failover_after_s"],
+        credentials=creds, advertise=values["native_advertise"])
 
 
 def cmd_store(args: argparse.Namespace) -> int:
     values = resolve(args, STORE_CMD_SETTINGS)
-    check_ports([(*NATIVE_LISTENER, values["native"]), (*HTTP_LISTENER, values["http"])])
+    repl = _replication_config(values)
+    raft = [("the store group's Raft controller", "--raft", repl.raft)] if repl.raft else []
+    check_ports([(*NATIVE_LISTENER, values["native"]), (*HTTP_LISTENER, values["http"]),
+                 *raft])
     trio.run(_store_main, _store_config(values), values["native"], values["http"],
-             values["notify"], _auth_config(values))
+             values["notify"], _auth_config(values), repl)
     return 0
 
 

@@ -33,11 +33,38 @@ STORE_SETTINGS: list[tuple[str, Any, Any, str]] = [
      "of their queue, MiB"),
     ("recent-per-queue", int, 65536, "recent messages kept per queue being read"),
 ]
+# A store group (README, "Store groups and high availability"): `lightgate store` only.
+REPLICATION_SETTINGS: list[tuple[str, Any, Any, str]] = [
+    ("replica-of", str, None, "HOST:PORT: copy this master's CommitLog and metadata (a "
+     "fixed replica, no controller; with --group-peers the controller decides)"),
+    ("replication", str, "async", "async: ack when the master has the bytes; sync: when "
+     "--min-insync nodes of the in-sync set have them"),
+    ("min-insync", int, 1, "sync mode: nodes (master included) that must hold an append "
+     "before it is acked; with fewer in sync, writes are refused"),
+    ("max-lag-bytes", int, 64 * 1024 * 1024, "a replica further behind leaves the in-sync "
+     "set"),
+    ("max-lag-s", float, 5.0, "a replica that has not fetched for this long leaves the "
+     "in-sync set"),
+    ("raft", str, None, "this node's Raft HOST:PORT (the embedded controller, with "
+     "--group-peers)"),
+    ("group-peers", str, None, "the other store nodes' Raft HOST:PORT, comma list: turns on "
+     "the controller and automatic failover"),
+    ("node-id", str, None, "this node's name in the group (default: its --raft address)"),
+    ("native-advertise", str, None, "HOST:PORT other nodes and clients reach this node's "
+     "native port at (default: --native as bound; set it when binding 0.0.0.0)"),
+    ("controller-lease-s", float, 3.0, "a master cut off from the controller and from a "
+     "majority of the group this long steps down"),
+    ("failover-after-s", float, 4.0, "the controller elects a new master once the master "
+     "has not reported for this long"),
+    ("replica-auth", str, None, "NAME:PASSWORD a replica authenticates to its master with "
+     "(a node user, when the group runs with --auth)"),
+]
 HTTP_SETTING = ("http", str, "127.0.0.1:18083", "HTTP (dashboard, admin API, metrics) HOST:PORT")
 HTTP_BODY_SETTING = ("http-max-body", int, 1024 * 1024, "largest HTTP request body (413 past it)")
 NATIVE_SETTING = ("native", str, "127.0.0.1:10911", "native protocol HOST:PORT")
 NOTIFY_SETTING = ("notify", str, None, "notify between nodes: redis://HOST:PORT")
-STORE_ADDR_SETTING = ("store", str, "127.0.0.1:10911", "the store's native HOST:PORT")
+STORE_ADDR_SETTING = ("store", str, "127.0.0.1:10911", "the store's native HOST:PORT; a "
+                      "store group: every node's, comma-separated (the master is followed)")
 LISTENER_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("mqtt", str, "0.0.0.0:1883", "MQTT over TCP HOST:PORT ('off' to disable)"),
     ("mqtt-tls", str, "0.0.0.0:8883", "MQTT over TLS HOST:PORT (on when --tls-cert is given)"),
@@ -124,7 +151,7 @@ AUDIT_SETTING = ("audit-log", str, None, "write the audit lines to this file")
 SERVE_SETTINGS = [*STORE_SETTINGS, *GATEWAY_SETTINGS, *AUTH_SETTINGS, *AUTH_BACKEND_SETTINGS,
                   NATIVE_SETTING, HTTP_SETTING, HTTP_BODY_SETTING]
 STORE_CMD_SETTINGS = [*STORE_SETTINGS, *AUTH_SETTINGS, AUDIT_SETTING, NATIVE_SETTING,
-                      NOTIFY_SETTING, HTTP_SETTING, HTTP_BODY_SETTING]
+                      NOTIFY_SETTING, HTTP_SETTING, HTTP_BODY_SETTING, *REPLICATION_SETTINGS]
 GATEWAY_CMD_SETTINGS = [STORE_ADDR_SETTING, NOTIFY_SETTING, *GATEWAY_SETTINGS,
                         *GATEWAY_AUTH_SETTINGS, *AUTH_BACKEND_SETTINGS, HTTP_SETTING,
                         HTTP_BODY_SETTING]

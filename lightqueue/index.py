@@ -371,6 +371,32 @@ class ConsumeQueueIndex:
             wb.delete(key_prefix(key) + U64.pack(phys))
         self._db.write(wb, self._no_wal)
 
+    # -- replication: a forked tail cut ---------------------------------------------------
+    def remove_entries(self, entries: Iterable[tuple[str, int]], keys: Iterable[tuple[str, int]],
+                       checkpoint: int) -> None:
+        """Drop these (queue, offset) entries and key refs (the records of a CommitLog tail
+        a replica cuts off: its log forked from the master's), set the checkpoint to the
+        new log end, and forget allocations (the next offsets come from the index again).
+        A cut tail holds each queue's newest offsets, so a queue loses everything from
+        the lowest of them on: the run holding it keeps only what comes before."""
+        lowest: dict[str, int] = {}
+        for queue, offset in entries:
+            if offset < lowest.get(queue, offset + 1):
+                lowest[queue] = offset
+        wb = WriteBatch(raw_mode=True)
+        for queue, cut in lowest.items():
+            prefix = queue_prefix(queue)
+            run = self._run_at(prefix, cut)
+            if run is not None and run[0] < cut:
+                first, run_entries = run
+                wb.put(prefix + U64.pack(first), run_entries[:(cut - first) * ENTRY.size])
+            wb.delete_range(prefix + U64.pack(cut), prefix[:-1] + b"\x01")
+        for key, phys in keys:
+            wb.delete(key_prefix(key) + U64.pack(phys))
+        wb.put(CHECKPOINT_KEY, U64.pack(checkpoint))
+        self._db.write(wb, self._no_wal)
+        self.forget_allocations()
+
     # -- lifecycle --------------------------------------------------------------------
     def flush(self) -> None:
         """Persist memtables, so a crash after this needs no re-dispatch before it."""

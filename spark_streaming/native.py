@@ -40,7 +40,10 @@ class StoreClient:
     def __init__(self, addr: str, *, timeout: float = DEFAULT_TIMEOUT,
                  username: str | None = None, password: str | None = None) -> None:
         self.addr = addr
-        self.host, self.port = split_addr(addr)
+        # A store group: "a:1,b:2,c:3"; the client talks to whichever says it is master.
+        self.addrs = [split_addr(a.strip()) for a in addr.split(",") if a.strip()]
+        self.host, self.port = self.addrs[0]
+        self._turn = 0
         self.timeout = timeout
         self.credentials = (username, password) if username else None
         self._sock: socket.socket | None = None
@@ -61,6 +64,7 @@ class StoreClient:
             self._sock = None
 
     def _connect(self) -> None:
+        self.host, self.port = self.addrs[self._turn % len(self.addrs)]
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock, self._decoder, self._frames = sock, p.FrameDecoder(), []
@@ -68,7 +72,10 @@ class StoreClient:
         header: dict[str, Any] = {"sdk": "lightgate-spark"}
         if self.credentials:
             header["username"], header["password"] = self.credentials
-        self._roundtrip(p.HELLO, header, b"")
+        hello = self._roundtrip(p.HELLO, header, b"").header
+        if len(self.addrs) > 1 and hello.get("role", "master") != "master":
+            raise ConnectionError(f"the store {self.host}:{self.port} is a {hello['role']}, "
+                                  "not the master")
 
     def _roundtrip(self, code: int, header: dict[str, Any], body: bytes) -> p.Frame:
         return self._receive(self._send(code, header, body))
@@ -105,6 +112,7 @@ class StoreClient:
                 break
             except (OSError, p.ProtocolError) as exc:
                 self.close()
+                self._turn += 1  # a group: try the next node
                 if time.monotonic() + delay > deadline:
                     raise ConnectionError(f"store {self.addr} unreachable: {exc}") from exc
                 time.sleep(delay)

@@ -19,6 +19,8 @@ from serving.startup import StartupError, shutdown_signals, stop_on_signal
 from store.auth import AuthConfig, AuthManager
 from store.http import store_routes
 from store.http_auth import auth_app
+from store.protocol import REPL_FETCH
+from store.replication.node import META_CODES, Replication, ReplicationConfig
 from store.server import NativeServer
 from store.service import EmbeddedStore, StoreConfig
 
@@ -36,7 +38,7 @@ class StoreNode:
 @asynccontextmanager
 async def store_node(
     cfg: StoreConfig, native: str, publish: Callable[[set[str]], None] | None = None,
-    auth_cfg: AuthConfig | None = None,
+    auth_cfg: AuthConfig | None = None, repl_cfg: ReplicationConfig | None = None,
 ) -> AsyncIterator[StoreNode]:
     """The store and its native server. `publish` (called from whichever thread appended:
     the CommitLog writer thread, or this one) carries the names of grown queues to
@@ -44,8 +46,11 @@ async def store_node(
     token = trio.lowlevel.current_trio_token()
     trio_thread = threading.get_ident()
     server: NativeServer | None = None
+    repl: Replication | None = None
 
     def on_dispatched(names: set[str]) -> None:
+        if repl is not None:  # wake replicas long-polling the log
+            repl.grew()
         if server is not None:  # wake long-polling pulls in this process
             if threading.get_ident() == trio_thread:  # an inline append: no hop
                 server.waiters.wake(names)
@@ -69,17 +74,33 @@ async def store_node(
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         server = NativeServer(store, auth)
+        if repl_cfg is not None:  # `lightgate store`: a master others may copy
+            # In place before the port opens: a replica never takes a client's write.
+            repl = Replication(store, repl_cfg, native)
+            store.replication = repl
+            store.auth_reload = auth.load
+            server.register(REPL_FETCH, repl.handle_fetch)
+            server.write_refusal = repl.write_refusal
+            server.hello_extra = repl.hello
+            server.read_limit = repl.read_limit
+            repl.notify = on_dispatched
+            repl.drop_clients = server.drop_clients
+            for code in META_CODES:  # sync mode: answered once replicated
+                server.wrap(code, repl.synced)
         native_addr = await nursery.start(server.serve, native)
+        if repl is not None:
+            repl.bind(native_addr)
+            await nursery.start(repl.run)
         yield StoreNode(store, server, native_addr, auth)
         nursery.cancel_scope.cancel()
 
 
 async def run_store(
     cfg: StoreConfig, native: str, http: str, publish: Callable[[set[str]], None] | None,
-    auth_cfg: AuthConfig | None = None,
+    auth_cfg: AuthConfig | None = None, repl_cfg: ReplicationConfig | None = None,
 ) -> None:
     with shutdown_signals() as signals:
-        async with store_node(cfg, native, publish, auth_cfg) as node, \
+        async with store_node(cfg, native, publish, auth_cfg, repl_cfg) as node, \
                 trio.open_nursery() as nursery:
             app = auth_app(store_routes(node.store), node.auth)
             http_addr = await nursery.start(

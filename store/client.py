@@ -41,7 +41,11 @@ def _raise_for(frame: p.Frame) -> None:
 
 
 class NativeClient:
-    """`async with NativeClient.open("host:port") as c: header, body = await c.request(...)`"""
+    """`async with NativeClient.open("host:port") as c: header, body = await c.request(...)`
+
+    A store group's addresses, comma-separated ("a:1,b:2,c:3"): the client stays with the
+    node whose HELLO says it is master, and looks again (the named master first) when
+    its connection ends, so it follows the master through a failover."""
 
     def __init__(self, addr: str, *, credentials: tuple[str, str] | None = None,
                  connect_timeout: float = 5.0) -> None:
@@ -50,7 +54,11 @@ class NativeClient:
         self.hello: dict[str, Any] = {}  # the store's answer: version, auth, user, node
         self.fatal: Exception | None = None
         self._settled = trio.Event()  # first connection made, or failed for good
-        self.host, self.port = split_hostport(addr, "127.0.0.1")
+        self.addrs = [split_hostport(a.strip(), "127.0.0.1") for a in addr.split(",")
+                      if a.strip()] or [split_hostport(addr, "127.0.0.1")]
+        self.host, self.port = self.addrs[0]
+        self._turn = 0  # which of addrs to dial next
+        self.not_master: str | None = None  # the last node said it is not the master
         self.connect_timeout = connect_timeout
         self._ids = itertools.count(1)
         self._waiting: dict[int, Future] = {}
@@ -88,14 +96,18 @@ class NativeClient:
     async def _run(self) -> None:
         delay = 0.05
         while not self._closed:
+            self.host, self.port = self.addrs[self._turn % len(self.addrs)]
             try:
                 stream = await trio.open_tcp_stream(self.host, self.port)
             except OSError as exc:
-                log.debug("store %s unreachable: %s; retrying in %.2fs", self.addr, exc, delay)
-                await trio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                log.debug("store %s:%s unreachable: %s", self.host, self.port, exc)
+                self._turn += 1
+                if self._turn % len(self.addrs) == 0:  # each node tried: back off
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
                 continue
             delay = 0.05
+            self.not_master = None
             try:
                 await self._session(stream)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError,
@@ -117,6 +129,19 @@ class NativeClient:
                     self._connected.set()  # wake waiting requests: they raise `fatal`
                     self._settled.set()
             self.reconnects += 1
+            if len(self.addrs) > 1:
+                self._next_node()
+
+    def _next_node(self) -> None:
+        """A group: dial the master a replica named, else the next node."""
+        named = self.not_master
+        here = self._turn % len(self.addrs)
+        if named:
+            target = split_hostport(named, "127.0.0.1")
+            if target in self.addrs and self.addrs.index(target) != here:
+                self._turn = self.addrs.index(target)
+                return
+        self._turn += 1
 
     async def _session(self, stream: trio.SocketStream) -> None:
         send, recv = trio.open_memory_channel[bytes](math.inf)
@@ -157,6 +182,14 @@ class NativeClient:
             scope.cancel()
             return
         self.hello = frame.header
+        if len(self.addrs) > 1 and frame.header.get("role", "master") != "master":
+            # A replica (or a master that stepped down): look for the master.
+            self.not_master = str(frame.header.get("master") or "")
+            log.info("store %s:%s is a %s; looking for the master", self.host, self.port,
+                     frame.header.get("role"))
+            await trio.sleep(0.1)
+            scope.cancel()
+            return
         self._connected.set()
         self._settled.set()
 

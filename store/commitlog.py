@@ -757,3 +757,92 @@ class CommitLog:
             return None
         self.index.delete_below(ends, keys)
         return len(ends)
+
+    # -- replication (store.replication) ----------------------------------------------
+    def read_raw(self, offset: int, max_bytes: int) -> tuple[bytes, int]:
+        """The log's bytes from `offset` (a record boundary) as a replica copies them:
+        whole records of one segment, at most `max_bytes` (one record at least), and the
+        base of their segment (a replica rolls where the master rolled)."""
+        end = self._write_pos
+        seg = self._segment_for(offset)
+        if seg is None or offset >= end:
+            return b"", offset
+        if not seg.acquire():
+            raise KeyError(f"offset {offset} is not in the log (min {self.min_offset})")
+        try:
+            rel = offset - seg.base
+            avail = min(end, seg.base + seg.size()) - offset
+            data = seg.pread(min(avail, max_bytes), rel)
+            pos = 0
+            while len(data) - pos >= record.FRAME.size:
+                _, size = record.frame_length(data, pos)
+                if pos + size > len(data):
+                    break
+                pos += size
+            if pos == 0 and data:  # one record larger than max_bytes: send it whole
+                _, size = record.frame_length(data, 0)
+                return seg.pread(size, rel), seg.base
+            return data[:pos], seg.base
+        finally:
+            seg.release()
+
+    def write_raw(self, offset: int, data: bytes, base: int) -> list[Message]:
+        """A replica writes the master's bytes at the master's offset (whole records),
+        rolling to a new segment where the master's starts, and dispatches them to its own
+        index as recovery does. Returns the records."""
+        with self._write_lock:
+            if self._closed or self._failed:
+                raise StoreClosedError(f"commitlog unavailable: {self._failed or 'closed'}")
+            if offset != self._write_pos:
+                raise ValueError(f"replica log ends at {self._write_pos}, not {offset}")
+            msgs, pos = [], 0
+            while pos < len(data):
+                msg = record.decode(data, pos, offset + pos)
+                msgs.append(msg)
+                pos += msg.size
+            with self._tail_lock:
+                if base == offset and self._segments[-1].base != offset and offset > 0:
+                    self._roll()
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self._wfd, view):]
+                self._write_pos += len(data)
+                self.stats["bytes_written"] += len(data)
+                if self.flush_mode == "sync":
+                    self._fsync_tail()
+                elif not self._flush_due:
+                    self._flush_due = True
+                    self._dirty_since = time.monotonic()
+                    self._requests.put(_WAKE)
+            self._dispatch(msgs)
+            self.stats["messages"] += len(msgs)
+            if self.on_dispatched and msgs:
+                try:
+                    self.on_dispatched(msgs)
+                except Exception:
+                    log.exception("on_dispatched callback failed")
+            return msgs
+
+    def truncate_to(self, offset: int) -> int:
+        """Cut the log at `offset` (a record boundary): a tail the group never
+        acknowledged, where this node's log forked from the master's. The cut bytes go to
+        quarantine, their index entries are removed. Returns the bytes cut."""
+        with self._write_lock, self._tail_lock:
+            if offset >= self._write_pos:
+                return 0
+            if offset < self.min_offset:
+                raise ValueError(f"cannot cut at {offset}, before the log's start")
+            cut = list(self.scan(offset))
+            seg = self._segment_for_any(offset)
+            later = [s for s in self._segments if s.base > seg.base]
+            os.close(self._wfd)
+            report = RecoveryReport(clean_shutdown=True, verified_from=offset, end=offset)
+            self._truncate(seg, offset - seg.base, later, ValueError("log forked"), report)
+            self._write_pos = offset
+            self._flushed = min(self._flushed, offset)
+            self._wfd = os.open(self._segments[-1].path, os.O_WRONLY | os.O_APPEND)
+            self._write_checkpoint()
+            self.index.remove_entries(
+                [q for m in cut for q in m.queues],
+                [(m.key, m.phys_offset) for m in cut if m.key], offset)
+            return report.truncated_bytes

@@ -104,5 +104,11 @@ def store_routes(store: Any) -> list[Route]:
             }
         )
 
-    return [Route("/api/v1/store/stats", stats), Route("/api/v1/queues", queues),
-            Route("/api/v1/topics", topics)]
+    routes = [Route("/api/v1/store/stats", stats), Route("/api/v1/queues", queues),
+              Route("/api/v1/topics", topics)]
+    repl = getattr(store, "replication", None)
+    if repl is not None:  # `lightgate store`: its group (store.replication)
+        from store.replication.ops import cluster_routes
+
+        routes += cluster_routes(repl)
+    return routes

@@ -6,7 +6,7 @@ process keeps every completed write.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,16 @@ CACHE_MB = 16
 MEMTABLE_MB = 4
 
 
+MetaOp = tuple[str, str, str, Any]  # ("put"|"delete"|"delete_prefix", cf, key, value)
+
+
 class Metadata:
-    """Named column families of JSON values (bytes allowed inside, stored as base64)."""
+    """Named column families of JSON values (bytes allowed inside, stored as base64).
+
+    `on_change`, when set (a store group's master), hears every change as ops, after it
+    is written: what replicas copy (store.replication.metalog)."""
+
+    on_change: Callable[[list[MetaOp]], None] | None = None
 
     def __init__(self, path: str | Path, cache_mb: int = CACHE_MB,
                  memtable_mb: int = MEMTABLE_MB) -> None:
@@ -72,9 +80,13 @@ class Metadata:
 
     def put(self, cf: str, key: str, value: Any) -> None:
         self._cf(cf)[key.encode()] = dumps(value)
+        if self.on_change is not None:
+            self.on_change([("put", cf, key, value)])
 
     def delete(self, cf: str, key: str) -> None:
         del self._cf(cf)[key.encode()]
+        if self.on_change is not None:
+            self.on_change([("delete", cf, key, None)])
 
     def items(
         self, cf: str, prefix: str = "", limit: int | None = None
@@ -97,6 +109,33 @@ class Metadata:
         wb = WriteBatch(raw_mode=True)
         wb.delete_range(raw, _prefix_end(raw), self._handles[cf])
         self._db.write(wb)
+        if self.on_change is not None:
+            self.on_change([("delete_prefix", cf, prefix, None)])
+
+    def apply(self, ops: Sequence[MetaOp]) -> None:
+        """Apply ops atomically (a replica copying the master's changes)."""
+        with self.batch() as batch:
+            for op, cf, key, value in ops:
+                if op == "put":
+                    batch.put(cf, key, value)
+                elif op == "delete":
+                    batch.delete(cf, key)
+                elif op == "delete_prefix":
+                    batch.delete_prefix(cf, key)
+                else:
+                    raise ValueError(f"unknown metadata op {op!r}")
+
+    def snapshot(self) -> dict[str, list[tuple[str, Any]]]:
+        """Every column family's items (a replica starting from nothing copies this)."""
+        return {cf: list(self.items(cf)) for cf in COLUMN_FAMILIES}
+
+    def replace_all(self, snapshot: dict[str, list[tuple[str, Any]]]) -> None:
+        """Make the metadata equal to `snapshot`, in one atomic batch."""
+        with self.batch() as batch:
+            for cf in COLUMN_FAMILIES:
+                batch.delete_prefix(cf, "")
+                for key, value in snapshot.get(cf, []):
+                    batch.put(cf, key, value)
 
     def memory(self) -> dict[str, int]:
         """What RocksDB holds in memory over all column families (see
@@ -121,16 +160,20 @@ class MetaBatch:
     def __init__(self, meta: Metadata) -> None:
         self._meta = meta
         self._wb = WriteBatch(raw_mode=True)
+        self._ops: list[MetaOp] = []
 
     def put(self, cf: str, key: str, value: Any) -> None:
         self._wb.put(key.encode(), dumps(value), self._meta._handles[cf])
+        self._ops.append(("put", cf, key, value))
 
     def delete(self, cf: str, key: str) -> None:
         self._wb.delete(key.encode(), self._meta._handles[cf])
+        self._ops.append(("delete", cf, key, None))
 
     def delete_prefix(self, cf: str, prefix: str) -> None:
         raw = prefix.encode()
         self._wb.delete_range(raw, _prefix_end(raw), self._meta._handles[cf])
+        self._ops.append(("delete_prefix", cf, prefix, None))
 
     def __enter__(self) -> MetaBatch:
         return self
@@ -138,6 +181,8 @@ class MetaBatch:
     def __exit__(self, exc_type: object, *_: object) -> None:
         if exc_type is None and not self._wb.is_empty():
             self._meta._db.write(self._wb)
+            if self._meta.on_change is not None:
+                self._meta.on_change(self._ops)
 
 
 def _prefix_end(prefix: bytes) -> bytes:

@@ -31,7 +31,8 @@ NODE = "node"  # marker: only a node (Cluster UPDATE) or a Super user
 SUPER = "super"  # marker: only a Super user
 
 AUTH_CFS = ("users", "acl")
-_NODE_CODES = {p.PUBLISH, p.WILDCARD_ADD, p.GATEWAY_HEARTBEAT, p.META_GET, p.META_ITEMS}
+_NODE_CODES = {p.REPL_FETCH, p.PUBLISH, p.WILDCARD_ADD, p.GATEWAY_HEARTBEAT, p.META_GET,
+               p.META_ITEMS}
 _SUPER_CODES = {p.USER_ADD, p.USER_UPDATE, p.USER_DELETE, p.USER_LIST, p.ACL_ADD,
                 p.ACL_DELETE, p.ACL_LIST}
 _CLUSTER_GET = {p.STATS, p.GATEWAY_LIST, p.GET_MESSAGE, p.FIND_KEY}

@@ -55,6 +55,7 @@ USER_LIST = 103
 ACL_ADD = 110
 ACL_DELETE = 111
 ACL_LIST = 112
+REPL_FETCH = 120  # a replica copies the master's CommitLog and metadata (nodes only)
 
 CODE_NAMES = {v: k for k, v in globals().items() if k.isupper() and isinstance(v, int)
               and k not in ("VERSION", "MAX_FRAME", "REQUEST", "RESPONSE", "ERROR")}

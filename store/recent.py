@@ -111,6 +111,12 @@ class RecentMessages:
         if ring is not None:
             self._bytes -= ring.bytes
 
+    def clear(self) -> None:
+        """Forget every ring (a master stepping down: it may hold a tail that is cut)."""
+        with self._lock:
+            self._rings.clear()
+            self._bytes = 0
+
     def stats(self) -> dict[str, int]:
         return {"queues": len(self._rings), "bytes": self._bytes, "max_bytes": self.max_bytes,
                 "per_queue": self.per_queue, "hits": self.hits, "misses": self.misses}

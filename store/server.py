@@ -23,7 +23,7 @@ from serving.startup import NATIVE_LISTENER, listening, split_hostport
 from store import protocol as p
 from store.auth import AuthError, AuthManager, Policy, Subject
 from store.auth.manager import DecisionCache
-from store.common import StoreError, StoreFullError, await_future
+from store.common import PullResult, StoreError, StoreFullError, await_future
 from store.groups import (
     MAX_ATTEMPTS,
     GroupRegistry,
@@ -115,6 +115,14 @@ class NativeServer:
         self.waiters = QueueWaiters()
         self.gateways: dict[str, dict[str, Any]] = {}
         self.connections = 0
+        # A store group's node: which requests it refuses now (a replica refuses writes)
+        # and what its HELLO says of its role, so clients find the master.
+        self.write_refusal: Callable[[int], str | None] | None = None
+        self.hello_extra: Callable[[], dict[str, Any]] | None = None
+        # Sync replication: readers see a message only once the group acknowledged it (its
+        # queue offset is then never given to another message after a failover).
+        self.read_limit: Callable[[], int | None] | None = None
+        self._scopes: set[trio.CancelScope] = set()
         self._handlers: dict[int, Callable[[p.Frame], Awaitable[tuple[dict, bytes]]]] = {
             p.PULL: self._pull,
             p.QUEUE_RANGE: self._queue_range,
@@ -147,6 +155,23 @@ class NativeServer:
             p.ACL_LIST: self._acl_list,
         }
 
+    def register(self, code: int, handler: Callable[[p.Frame, ConnCtx],
+                                                   Awaitable[tuple[dict, bytes]]]) -> None:
+        """Serve another request code (store.replication's REPL_FETCH)."""
+        self._handlers[code] = handler
+
+    def wrap(self, code: int, wrapper: Callable[[Callable[[p.Frame, ConnCtx], Awaitable[
+            tuple[dict, bytes]]]], Callable[[p.Frame, ConnCtx], Awaitable[tuple[dict, bytes]]]]
+             ) -> None:
+        """Wrap the handler of `code` (store.replication: metadata writes answer once
+        replicated)."""
+        self._handlers[code] = wrapper(self._handlers[code])
+
+    def drop_clients(self) -> None:
+        """Close every connection (a master stepping down: clients look for the new one)."""
+        for scope in list(self._scopes):
+            scope.cancel()
+
     async def serve(
         self, addr: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
     ) -> None:
@@ -167,8 +192,11 @@ class NativeServer:
         decoder = p.FrameDecoder(PRE_AUTH_MAX_FRAME if must_auth else p.MAX_FRAME)
         hello_by = trio.current_time() + HELLO_TIMEOUT_S
         budget, held = self.store.native_budget, 0
+        scope: trio.CancelScope | None = None
         try:
             async with trio.open_nursery() as nursery:
+                scope = nursery.cancel_scope
+                self._scopes.add(scope)
                 nursery.start_soon(batched_writer, stream, recv, nursery.cancel_scope)
                 try:
                     while True:
@@ -212,6 +240,8 @@ class NativeServer:
         except Exception:  # a request task's bug ends this connection, never the server
             log.exception("native connection from %s failed", ctx.ip)
         finally:
+            if scope is not None:
+                self._scopes.discard(scope)
             budget.update(held, 0)
             self.connections -= 1
             with trio.move_on_after(1) as scope:
@@ -223,6 +253,11 @@ class NativeServer:
         if frame.kind != p.REQUEST:
             limit.release()
             return
+        if self.write_refusal is not None:
+            why = self.write_refusal(frame.code)
+            if why is not None:
+                nursery.start_soon(self._reply_error, frame, send, limit, 503, why)
+                return
         if frame.code in (p.SEND, p.PUBLISH):
             try:  # submitted now, in frame order; answered when stored
                 pending = self._submit(frame, ctx)
@@ -254,6 +289,8 @@ class NativeServer:
         header = {"version": p.VERSION, "server": "lightgate-store", "max_frame": p.MAX_FRAME,
                   "auth": auth.enabled, "allow_anonymous": auth.allow_anonymous,
                   "user": ctx.subject.name, "node": self._is_node(ctx)}
+        if self.hello_extra is not None:
+            header.update(self.hello_extra())
         return p.encode_frame(p.Frame(p.RESPONSE, f.code, f.request_id, header))
 
     def _is_node(self, ctx: ConnCtx) -> bool:
@@ -361,19 +398,34 @@ class NativeServer:
         offset = int(f.header.get("offset", 0))
         max_count = int(f.header.get("max", 32))
         wait_ms = min(int(f.header.get("wait_ms", 0)), MAX_PULL_WAIT_MS)
-        res = await self.store.pull(queue, offset, max_count)
+        pull = self.store.pull if self.read_limit is None else self._pull_acked
+        res = await pull(queue, offset, max_count)
         if not res.messages and wait_ms > 0:
             with self.waiters.waiting(queue) as ev:
                 # Re-check after registering the waiter: a message may have just landed.
-                res = await self.store.pull(queue, offset, max_count)
+                res = await pull(queue, offset, max_count)
                 if not res.messages:
                     with trio.move_on_after(wait_ms / 1000):
                         await ev.wait()
             if not res.messages:
-                res = await self.store.pull(queue, offset, max_count)
+                res = await pull(queue, offset, max_count)
         metas, body = p.pack_messages(res.messages)
         return {"messages": metas, "next_offset": res.next_offset,
                 "min_offset": res.min_offset, "max_offset": res.max_offset}, body
+
+    async def _pull_acked(self, queue: str, offset: int, max_count: int) -> PullResult:
+        """`store.pull`, cut before the first message past the read limit."""
+        res = await self.store.pull(queue, offset, max_count)
+        limit = self.read_limit() if self.read_limit is not None else None
+        if limit is None:
+            return res
+        for i, m in enumerate(res.messages):
+            if m.phys_offset + m.size > limit:
+                res.next_offset = next((o for q, o in m.queues if q == queue),
+                                       res.next_offset)
+                res.messages = res.messages[:i]
+                break
+        return res
 
     async def _queue_range(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         lo, hi = self.store.queue_range(str(f.header["queue"]))

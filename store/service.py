@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -111,6 +111,10 @@ class EmbeddedStore:
         self._wildcard_seen: dict[str, float] = {}  # filter -> monotonic time last used
         self.wildcards_dropped = 0
         self.recovery: RecoveryReport | None = None
+        # A store group's node (store.replication.node.Replication): refuses appends on a
+        # replica, holds sync-mode acks until enough replicas have the bytes. None: alone.
+        self.replication: Any = None
+        self.auth_reload: Callable[[], Awaitable[None]] | None = None  # after a failover
         self._lock: IO[str] | None = None  # the data directory's lock (store.startup)
         self.started_at = time.time()
 
@@ -193,7 +197,20 @@ class EmbeddedStore:
     ) -> list[Message]:
         """Append with explicit target queues; returns once durable per the flush mode."""
         async with self._pending:
-            return await await_future(self.commitlog.append(messages, queues))
+            return await await_future(self._append(messages, queues))
+
+    def _append(self, messages: list[Message], queues: Sequence[Sequence[str]]
+                ) -> Future | InlineFuture:
+        """The CommitLog append, through the store group's gate when there is one."""
+        repl = self.replication
+        if repl is None:
+            return self.commitlog.append(messages, queues)
+        refused = repl.refused()
+        if refused is not None:
+            fut: Future = Future()
+            fut.set_exception(refused)
+            return fut
+        return repl.acked(self.commitlog.append(messages, queues))
 
     async def publish(self, messages: list[Message]) -> list[Message]:
         """Append MQTT messages, each routed by its topic (exact, wildcards, partition)."""
@@ -208,7 +225,7 @@ class EmbeddedStore:
         if not validated:
             for m in messages:
                 validate_topic_name(m.topic)
-        return self.commitlog.append(messages, [self.router.route(m.topic) for m in messages])
+        return self._append(messages, [self.router.route(m.topic) for m in messages])
 
     async def send(self, topic: str, messages: list[Message]) -> list[Message]:
         """Append server-app messages to first-level `topic`; a message whose .topic is an
@@ -230,7 +247,7 @@ class EmbeddedStore:
             else:
                 m.topic = topic
                 routes.append([self.router.partition_for(topic, m.key or m.client_id or "")])
-        return self.commitlog.append(messages, routes)
+        return self._append(messages, routes)
 
     # -- reads ------------------------------------------------------------------------
     async def pull(self, queue: str, offset: int, max_count: int = 32) -> PullResult:
@@ -409,6 +426,8 @@ class EmbeddedStore:
             return
         while True:
             await trio.sleep(min(WILDCARD_GC_S, idle / 2))
+            if self.replication is not None and self.replication.role != "master":
+                continue  # a replica's wildcards are the master's (copied metadata)
             try:
                 await self.drop_idle_wildcards()
             except Exception:  # the next round tries again; appends are unaffected

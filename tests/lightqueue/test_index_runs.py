@@ -122,3 +122,17 @@ def test_an_index_of_single_entries_reads_as_runs_of_one(idx: ConsumeQueueIndex)
     pos = [50]
     append(idx, pos, [["old"]] * 2)
     assert offsets(idx, "old", 0, 10) == list(range(7))
+
+
+def test_a_cut_tail_leaves_the_start_of_its_run(idx: ConsumeQueueIndex) -> None:
+    """A replica whose log forked cuts its tail: entries from the cut on go, runs that
+    hold the cut keep what came before it, and the next offsets follow what is left."""
+    pos = [0]
+    append(idx, pos, [["q", "p"]] * 4)
+    tail = append(idx, pos, [["q"], ["q", "p"], ["q"]])
+    idx.remove_entries([(q, off) for r in tail[1:] for q, off in r.queues], [],
+                       tail[1].phys_offset)
+    assert offsets(idx, "q", 0, 100) == [0, 1, 2, 3, 4]
+    assert offsets(idx, "p", 0, 100) == [0, 1, 2, 3]
+    assert idx.assign(["q", "p"]) == [("q", 5), ("p", 4)]
+    assert idx.checkpoint() == tail[1].phys_offset

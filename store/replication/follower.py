@@ -1,0 +1,93 @@
+"""A replica's copy loop: long-poll the master's CommitLog from this node's log end
+(REPL_FETCH), write the same bytes at the same offsets, dispatch them to the local index,
+and apply the master's metadata changes. The first fetch of each connection sends this
+node's epoch history: where it forked from the master's, the master says where to cut."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import trio
+
+from store import protocol as p
+from store.client import NativeClient
+from store.common import StoreError
+from store.replication.epochs import Epoch, EpochFile
+
+log = logging.getLogger("lightgate.store.follower")
+
+FETCH_WAIT_MS = 1000
+FETCH_MAX_BYTES = 4 << 20
+RETRY_S = 0.3
+
+
+class Replica(Protocol):
+    """What the copy loop uses of its node (store.replication.node.Replication)."""
+
+    store: Any
+    cfg: Any
+    node_id: str
+    native_addr: str
+    epochs: EpochFile
+    master_end: int
+
+    def still_following(self, master_addr: str, epoch: int) -> bool: ...
+
+    async def cut(self, offset: int) -> None: ...
+
+    async def write(self, offset: int, data: bytes, base: int) -> None: ...
+
+    def adopt_epochs(self, master_history: list[Epoch]) -> None: ...
+
+
+async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
+    """Copy from `master_addr` until cancelled (reconnecting on errors)."""
+    store = repl.store
+    meta_pos: dict[str, Any] = {"inc": "", "seq": 0}
+    while True:
+        try:
+            async with NativeClient.open(master_addr, credentials=repl.cfg.credentials,
+                                         connect_timeout=2.0) as client:
+                check = True
+                while True:
+                    if not repl.still_following(master_addr, epoch):
+                        return
+                    offset = store.commitlog.max_offset
+                    header, body = await client.request(p.REPL_FETCH, {
+                        "node": repl.node_id, "addr": repl.native_addr, "offset": offset,
+                        "epochs": repl.epochs.history if check else None,
+                        "meta_inc": meta_pos["inc"], "meta_seq": meta_pos["seq"],
+                        "wait_ms": FETCH_WAIT_MS, "max_bytes": FETCH_MAX_BYTES,
+                    }, timeout=FETCH_WAIT_MS / 1000 + 10)
+                    if "truncate_to" in header:
+                        await repl.cut(int(header["truncate_to"]))
+                        continue
+                    check = False
+                    repl.master_end = int(header["end"])
+                    if body:
+                        await repl.write(offset, body, int(header["base"]))
+                    meta = header.get("meta") or {}
+                    if "snapshot" in meta:
+                        await trio.to_thread.run_sync(store.meta.replace_all, meta["snapshot"])
+                    elif meta.get("ops"):
+                        await trio.to_thread.run_sync(store.meta.apply, meta["ops"])
+                    if meta:
+                        meta_pos["inc"], meta_pos["seq"] = meta["inc"], int(meta["seq"])
+                    repl.adopt_epochs([(int(e), int(s)) for e, s in header["epochs"]])
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            leaf = _leaf(exc)
+            if isinstance(leaf, ValueError):  # the master's bytes do not continue our log
+                log.error("replication from %s: %s", master_addr, leaf)
+            elif isinstance(leaf, (StoreError, p.RemoteError, OSError, trio.TooSlowError)):
+                log.info("replication from %s interrupted: %s", master_addr, leaf)
+            else:
+                raise
+        await trio.sleep(RETRY_S)
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The one exception inside nested single-member groups (trio nurseries wrap)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc

@@ -1,0 +1,51 @@
+"""The master's metadata change log: every metadata write (sessions, offsets,
+subscriptions, retained, wildcards, users, policies, consumer groups) as ops with a
+sequence number, kept in memory for replicas to copy. A replica that is too far behind,
+or that copied another incarnation (another master, or this one before a restart),
+gets a snapshot of every column family instead."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable
+from itertools import islice
+
+from store.metadata import MetaOp
+
+MAX_OPS = 100_000
+
+
+class MetaLog:
+    def __init__(self, on_record: Callable[[], None] | None = None,
+                 max_ops: int = MAX_OPS) -> None:
+        self.incarnation = uuid.uuid4().hex
+        self.seq = 0
+        self._ops: deque[tuple[int, MetaOp]] = deque(maxlen=max_ops)
+        self._lock = threading.Lock()
+        self.on_record = on_record
+
+    def record(self, ops: list[MetaOp]) -> None:
+        with self._lock:
+            for op in ops:
+                self.seq += 1
+                self._ops.append((self.seq, op))
+        if self.on_record is not None:
+            self.on_record()
+
+    def since(self, incarnation: str, seq: int, limit: int = 10_000
+              ) -> tuple[list[MetaOp], int] | None:
+        """The ops after `seq` (at most `limit`) and the seq they reach; None when the
+        replica needs a snapshot (another incarnation, or ops it missed are gone)."""
+        with self._lock:
+            if incarnation != self.incarnation or seq > self.seq:
+                return None
+            if seq == self.seq:
+                return [], seq
+            first = self._ops[0][0] if self._ops else self.seq + 1
+            if seq + 1 < first:
+                return None
+            skip = seq + 1 - first
+            out = [op for _, op in islice(self._ops, skip, skip + limit)]
+            return out, seq + len(out)

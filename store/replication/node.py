@@ -1,0 +1,481 @@
+"""One store node's part in its group: its role (master, replica, fenced), the master's
+side of replication (REPL_FETCH, the in-sync set, acknowledgements held until
+`min_insync` nodes have the bytes), the replica's copy loop (store.replication.follower)
+and, with --group-peers, the controller that says who is master."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from store import protocol as p
+from store.common import StoreError
+from store.replication.controller import HEARTBEAT_S, Controller
+from store.replication.epochs import Epoch, EpochFile, fork_point, implicit
+from store.replication.follower import follow
+from store.replication.insync import InSync
+from store.replication.metalog import MetaLog
+
+if TYPE_CHECKING:
+    from store.record import Message
+    from store.service import EmbeddedStore
+
+log = logging.getLogger("lightgate.store.replication")
+
+MASTER, REPLICA, FENCED = "master", "replica", "fenced"
+MAX_WAIT_MS = 5000
+# A master without the controller keeps its role while replicas that fetched within this
+# long make a majority with it (a replica long-polls at least every second).
+FENCE_FETCH_S = 2.0
+# Native requests a replica refuses: they change the log or the metadata.
+WRITE_CODES = frozenset({
+    p.SEND, p.PUBLISH, p.COMMIT, p.NACK, p.TOPIC_CREATE, p.META_PUT, p.META_DELETE,
+    p.META_WRITE, p.WILDCARD_ADD, p.HEARTBEAT, p.USER_ADD, p.USER_UPDATE, p.USER_DELETE,
+    p.ACL_ADD, p.ACL_DELETE,
+})
+
+
+# Native requests that change metadata: in sync mode answered once replicated.
+META_CODES = (p.COMMIT, p.TOPIC_CREATE, p.META_PUT, p.META_DELETE, p.META_WRITE,
+              p.WILDCARD_ADD, p.USER_ADD, p.USER_UPDATE, p.USER_DELETE, p.ACL_ADD,
+              p.ACL_DELETE)
+
+
+@dataclass
+class ReplicationConfig:
+    node_id: str = ""  # default: the native address
+    replica_of: str | None = None  # a fixed master (no controller)
+    mode: str = "async"  # sync: acks wait for min_insync nodes
+    min_insync: int = 1
+    max_lag_bytes: int = 64 << 20  # a replica further behind leaves the in-sync set
+    max_lag_s: float = 5.0  # ... or one that has not fetched for this long
+    ack_timeout_s: float = 5.0  # a sync append not replicated by then fails
+    raft: str | None = None  # this node's Raft HOST:PORT (with group_peers)
+    group_peers: list[str] = field(default_factory=list)  # the other nodes' Raft addresses
+    lease_s: float = 3.0  # a master cut off from the controller this long steps down
+    dead_s: float = 4.0  # the controller elects a new master after this long
+    credentials: tuple[str, str] | None = None  # to fetch from a master with --auth
+    advertise: str | None = None  # the native HOST:PORT others dial (default: as bound)
+
+
+class Replication:
+    def __init__(self, store: EmbeddedStore, cfg: ReplicationConfig, native_addr: str) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.native_addr = native_addr
+        self.node_id = cfg.node_id or cfg.raft or native_addr
+        self.epochs = EpochFile(Path(store.config.data_dir))
+        self.role = REPLICA
+        self.epoch = 0  # the epoch this node is master of (when master)
+        self.master_addr: str | None = cfg.replica_of
+        self.master_end = 0  # as a replica: the master's log end at the last fetch
+        self.insync = InSync(cfg.min_insync, cfg.max_lag_bytes, cfg.max_lag_s)
+        self.metalog = MetaLog(self._wake_soon)
+        self.controller: Controller | None = None
+        self.drop_clients: Callable[[], None] = lambda: None  # set by the native server
+        self.truncated_bytes = 0
+        self.confirmed = 0  # sync mode: the log up to here is held by min_insync nodes
+        self.notify: Callable[[set[str]], None] = lambda names: None  # readers: queues grew
+        self._follow_scope: trio.CancelScope | None = None
+        self._grew = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+        self._trio_thread = threading.get_ident()
+        self._nursery: trio.Nursery | None = None
+        self._last_insync: list[str] = []
+        self._meta_waiters: list[tuple[int, trio.Event]] = []
+
+    def bind(self, native_addr: str) -> None:
+        """The native address the server bound (what clients and replicas dial)."""
+        native_addr = self.cfg.advertise or native_addr
+        if self.node_id == self.native_addr:
+            self.node_id = native_addr
+        self.native_addr = native_addr
+
+    # -- hooks the store and the native server call -----------------------------------
+    def refused(self) -> StoreError | None:
+        """Why this node takes no write now (None: it does)."""
+        if self.role == REPLICA:
+            where = f"the master at {self.master_addr}" if self.master_addr else "the master"
+            return StoreError(f"this store node is a replica: writes go to {where}")
+        if self.role == FENCED:
+            return StoreError("this store node lost its controller and its replicas: it "
+                              "stepped down as master until the group elects one")
+        if self.cfg.mode == "sync" and not self.insync.enough():
+            return StoreError(
+                f"only {1 + len(self.insync.members())} of the {self.cfg.min_insync} in-sync "
+                "nodes --min-insync asks for are up: writes are refused")
+        return None
+
+    def write_refusal(self, code: int) -> str | None:
+        if code not in WRITE_CODES:
+            return None
+        why = self.refused()
+        return None if why is None or self.role == MASTER else str(why)
+
+    def acked(self, fut: Any) -> Any:
+        """The future a caller awaits for an append: in sync mode, settled once
+        `min_insync` nodes of the in-sync set hold the bytes (or failed after
+        ack_timeout_s)."""
+        if self.cfg.mode != "sync" or self.cfg.min_insync <= 1:
+            return fut
+        outer: Future = Future()
+
+        def stored(inner: Any) -> None:
+            if threading.get_ident() == self._trio_thread:
+                self._settle(inner, outer)
+            else:
+                self._token.run_sync_soon(self._settle, inner, outer)
+
+        fut.add_done_callback(stored)
+        return outer
+
+    def _settle(self, inner: Any, outer: Future) -> None:
+        exc = inner.exception()
+        if exc is not None:
+            outer.set_exception(exc)
+            return
+        msgs: list[Message] = inner.result()
+        end = msgs[-1].phys_offset + msgs[-1].size if msgs else 0
+        self.insync.wait(end, time.monotonic() + self.cfg.ack_timeout_s, (outer, msgs))
+        self._release()
+
+    def _release(self) -> None:
+        end = self.store.commitlog.max_offset
+        self.confirmed = max(self.confirmed, self.insync.quorum_offset(end))
+        ready = self.insync.ready(end)
+        for outer, msgs in ready:
+            if not outer.done():
+                outer.set_result(msgs)
+        if ready:  # readers held back at the read limit may go on
+            self.notify({name for _, msgs in ready for m in msgs for name, _ in m.queues})
+
+    def _release_meta(self) -> None:
+        if not self._meta_waiters:
+            return
+        done = self.insync.meta_quorum(self.metalog.seq)
+        keep = []
+        for target, ev in self._meta_waiters:
+            if target <= done:
+                ev.set()
+            else:
+                keep.append((target, ev))
+        self._meta_waiters = keep
+
+    async def meta_synced(self) -> None:
+        """Sync mode: wait until `min_insync` nodes of the in-sync set applied every
+        metadata change made so far (a session, an offset commit, a subscription), or
+        raise StoreError after ack_timeout_s."""
+        if self.cfg.mode != "sync" or self.cfg.min_insync <= 1 or self.role != MASTER:
+            return
+        target = self.metalog.seq
+        if self.insync.meta_quorum(target) >= target:
+            return
+        ev = trio.Event()
+        self._meta_waiters.append((target, ev))
+        with trio.move_on_after(self.cfg.ack_timeout_s):
+            await ev.wait()
+        if not ev.is_set():
+            raise StoreError(f"metadata not replicated to {self.cfg.min_insync} nodes within "
+                             f"{self.cfg.ack_timeout_s:g} s")
+
+    def synced(self, handler: Callable[[p.Frame, Any], Awaitable[tuple[dict, bytes]]]
+               ) -> Callable[[p.Frame, Any], Awaitable[tuple[dict, bytes]]]:
+        """A native handler that changes metadata, answering once it is replicated."""
+        async def run(f: p.Frame, ctx: Any) -> tuple[dict, bytes]:
+            out = await handler(f, ctx)
+            await self.meta_synced()
+            return out
+        return run
+
+    def read_limit(self) -> int | None:
+        """Sync mode, on the master: readers see the log up to the acknowledged offset
+        only, so no reader ever sees a message (and its queue offset) that a failover may
+        cut. None: no limit."""
+        if self.cfg.mode != "sync" or self.cfg.min_insync <= 1 or self.role == REPLICA:
+            return None
+        return self.confirmed
+
+    def _expire(self) -> None:
+        for outer, _ in self.insync.expired(time.monotonic()):
+            if not outer.done():
+                outer.set_exception(StoreError(
+                    f"not replicated to {self.cfg.min_insync} nodes within "
+                    f"{self.cfg.ack_timeout_s:g} s"))
+
+    def grew(self) -> None:
+        """The log grew (any thread)."""
+        self._wake_soon()
+
+    def _wake_soon(self) -> None:
+        if threading.get_ident() == self._trio_thread:
+            self._wake()
+        else:
+            try:
+                self._token.run_sync_soon(self._wake)
+            except trio.RunFinishedError:
+                pass
+
+    def _wake(self) -> None:
+        self._grew.set()
+        self._grew = trio.Event()
+
+    def hello(self) -> dict[str, Any]:
+        return {"role": self.role, "master": self.master_addr, "epoch": self.epochs.last_epoch}
+
+    # -- the master's side: REPL_FETCH --------------------------------------------------
+    async def handle_fetch(self, f: p.Frame, ctx: Any) -> tuple[dict[str, Any], bytes]:
+        if self.role != MASTER:
+            raise StoreError(f"not the master (role {self.role}); the master is "
+                             f"{self.master_addr}")
+        h = f.header
+        log_ = self.store.commitlog
+        offset = int(h["offset"])
+        node = str(h["node"])
+        history = implicit(self.epochs.history, log_.max_offset)
+        if h.get("epochs") is not None:
+            theirs = implicit([(int(e), int(s)) for e, s in h["epochs"]], offset)
+            keep = fork_point(history, log_.max_offset, theirs, offset)
+            if keep < offset:
+                log.warning("replica %s forked from this log: it cuts %d bytes from offset "
+                            "%d", node, offset - keep, keep)
+                return {"truncate_to": keep}, b""
+        if offset > log_.max_offset:
+            return {"truncate_to": log_.max_offset}, b""
+        if offset < log_.min_offset:
+            raise StoreError(f"replica {node} needs offset {offset}, but retention removed the "
+                             f"master's log before {log_.min_offset}: it cannot catch up "
+                             "(not supported yet)")
+        self._report(node, str(h.get("addr", "")), offset)
+        meta_inc, meta_seq = str(h.get("meta_inc", "")), int(h.get("meta_seq", 0))
+        self.insync.replicas[node].meta = meta_seq if meta_inc == self.metalog.incarnation else -1
+        self._release_meta()
+        wait_ms = min(int(h.get("wait_ms", 0)), MAX_WAIT_MS)
+        if (offset >= log_.max_offset and wait_ms > 0 and meta_inc == self.metalog.incarnation
+                and meta_seq >= self.metalog.seq):
+            with trio.move_on_after(wait_ms / 1000):
+                await self._grew.wait()
+        data, base = log_.read_raw(offset, max(1, int(h.get("max_bytes", 1 << 20))))
+        changes = self.metalog.since(meta_inc, meta_seq)
+        if changes is None:
+            seq = self.metalog.seq  # ops after it may be in the snapshot too: idempotent
+            meta: dict[str, Any] = {"inc": self.metalog.incarnation, "seq": seq,
+                                    "snapshot": self.store.meta.snapshot()}
+        else:
+            ops, seq = changes
+            meta = {"inc": self.metalog.incarnation, "seq": seq, "ops": ops}
+        return {"end": log_.max_offset, "base": base, "epoch": self.epoch,
+                "epochs": [list(x) for x in history], "meta": meta}, data
+
+    def _report(self, node: str, addr: str, offset: int) -> None:
+        changed = self.insync.report(node, addr, offset, time.monotonic(),
+                                     self.store.commitlog.max_offset)
+        self._release()
+        if changed:
+            self._insync_changed()
+
+    def _insync_changed(self) -> None:
+        members = [self.node_id, *self.insync.members()]
+        if members != self._last_insync:
+            log.info("in-sync set: %s", members)
+            self._last_insync = members
+            if self.controller is not None:
+                self.controller.set_insync(self.epoch, members)
+
+    # -- the replica's side ------------------------------------------------------------
+    def still_following(self, master_addr: str, epoch: int) -> bool:
+        return self.role == REPLICA and self.master_addr == master_addr
+
+    async def cut(self, offset: int) -> None:
+        cut = await trio.to_thread.run_sync(self.store.commitlog.truncate_to, offset)
+        self.truncated_bytes += cut
+        self.store.recent.clear()
+        self.epochs.save([e for e in self.epochs.history if e[1] <= offset])
+        log.warning("cut %d bytes of a forked log tail at offset %d (kept in quarantine)",
+                    cut, offset)
+
+    async def write(self, offset: int, data: bytes, base: int) -> None:
+        if self.store.config.flush == "sync":
+            await trio.to_thread.run_sync(self.store.commitlog.write_raw, offset, data, base)
+        else:
+            self.store.commitlog.write_raw(offset, data, base)
+
+    def adopt_epochs(self, master_history: list[Epoch]) -> None:
+        end = self.store.commitlog.max_offset
+        self.epochs.save([e for e in master_history if e[1] <= end])
+
+    # -- roles ---------------------------------------------------------------------------
+    def become_master(self, epoch: int) -> None:
+        """Take writes as master of `epoch`: stop copying, record the epoch's start, and
+        rebuild what a master keeps in memory from the copied metadata."""
+        self._stop_following()
+        store = self.store
+        log_end = store.commitlog.max_offset
+        if self.epochs.last_epoch != epoch:
+            self.epochs.start(epoch, log_end, log_end)
+        store._load_routes()
+        store._keep_readers_ahead()
+        store.index.forget_allocations()
+        self.metalog = MetaLog(self._wake_soon)
+        store.meta.on_change = self.metalog.record
+        self.insync = InSync(self.cfg.min_insync, self.cfg.max_lag_bytes, self.cfg.max_lag_s)
+        self._last_insync = []
+        self.confirmed = log_end  # what it holds at its election is the group's log
+        self.epoch, self.role, self.master_addr = epoch, MASTER, self.native_addr
+        self._insync_changed()
+        log.warning("this node is master of epoch %d from log offset %d", epoch, log_end)
+        if self._nursery is not None and store.auth_reload is not None:
+            self._nursery.start_soon(store.auth_reload)
+
+    def become_replica(self, master_addr: str, epoch: int) -> None:
+        was = self.role
+        self._stop_following()
+        self.role, self.master_addr = REPLICA, master_addr
+        self.store.meta.on_change = None
+        for outer, _ in self.insync.expired(float("inf")):
+            if not outer.done():
+                outer.set_exception(StoreError("this node stopped being master"))
+        if was != REPLICA:
+            log.warning("this node is now a replica of %s (epoch %d)", master_addr, epoch)
+            self.store.recent.clear()  # it may hold a tail the new master cuts
+            self.drop_clients()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._follow, master_addr, epoch)
+
+    async def _follow(self, master_addr: str, epoch: int) -> None:
+        with trio.CancelScope() as scope:
+            self._follow_scope = scope
+            await follow(self, master_addr, epoch)
+
+    def _stop_following(self) -> None:
+        if self._follow_scope is not None:
+            self._follow_scope.cancel()
+            self._follow_scope = None
+
+    # -- the node's loop -----------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            cfg = self.cfg
+            if cfg.group_peers:
+                assert cfg.raft is not None
+                data = Path(self.store.config.data_dir)
+                self.controller = await trio.to_thread.run_sync(
+                    Controller, self.node_id, cfg.group_peers, data, cfg.dead_s)
+            elif cfg.replica_of:
+                self.become_replica(cfg.replica_of, 0)
+            else:
+                self.become_master(max(1, self.epochs.last_epoch))
+            task_status.started()
+            try:
+                while True:
+                    self._tick()
+                    await trio.sleep(HEARTBEAT_S if self.controller else 0.25)
+            finally:
+                if self.controller is not None:
+                    self.controller.close()
+
+    def _tick(self) -> None:
+        if self.role == MASTER or self.role == FENCED:
+            end = self.store.commitlog.max_offset
+            if self.insync.refresh(time.monotonic(), end):
+                self._insync_changed()
+            self._release()
+            self._expire()
+        ctl = self.controller
+        if ctl is None:
+            return
+        if not ctl.isolated:
+            ctl.report(self.native_addr, self.store.commitlog.max_offset,
+                       self.epochs.last_epoch)
+            ctl.step()
+            view = ctl.view()
+            self._apply(view)
+            if (self.role == MASTER and view["master"] == self.node_id
+                    and sorted(view["insync"]) != sorted(self._last_insync)):
+                # A report that did not reach the controller (no leader just then): again.
+                ctl.set_insync(self.epoch, self._last_insync)
+        self._fence()
+
+    def _apply(self, view: dict[str, Any]) -> None:
+        """Take the role the controller's state gives this node."""
+        master, epoch = view["master"], view["epoch"]
+        if not master:
+            return
+        if master == self.node_id:
+            if self.role == FENCED and self.epoch == epoch:
+                if time.monotonic() - self.controller.last_commit <= self.cfg.lease_s:
+                    log.warning("controller reached again: master of epoch %d", epoch)
+                    self.role = MASTER
+            elif self.role != MASTER or self.epoch != epoch:
+                self.become_master(epoch)
+            return
+        addr = view["nodes"].get(master, {}).get("native")
+        if addr and (self.role != REPLICA or self.master_addr != addr):
+            self.become_replica(addr, epoch)
+
+    def _fence(self) -> None:
+        """A master that lost the controller for lease_s keeps serving only while a
+        majority of the group (itself and the replicas fetching from it) still takes it
+        for master; else it steps down (FENCED: writes refused)."""
+        ctl = self.controller
+        if ctl is None or self.role != MASTER:
+            return
+        now = time.monotonic()
+        if now - ctl.last_commit <= self.cfg.lease_s:
+            return
+        if 1 + self.insync.fetching(now, FENCE_FETCH_S) >= ctl.group_size // 2 + 1:
+            return
+        log.error("lost the controller for %.1f s and a majority of the group: stepping "
+                  "down as master of epoch %d", now - ctl.last_commit, self.epoch)
+        self.role = FENCED
+        self.drop_clients()
+
+    # -- ops -------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        log_ = self.store.commitlog
+        end = log_.max_offset
+        out: dict[str, Any] = {
+            "node": self.node_id, "role": self.role, "epoch": self.epochs.last_epoch,
+            "master": self.master_addr, "mode": self.cfg.mode, "min_insync": self.cfg.min_insync,
+            "log_end": end, "epochs": [list(x) for x in self.epochs.history],
+            "truncated_bytes": self.truncated_bytes,
+        }
+        if self.role == MASTER or self.role == FENCED:
+            out["insync"] = [self.node_id, *self.insync.members()]
+            out["replicas"] = [{"node": r.node, "addr": r.addr, "offset": r.offset,
+                                "lag_bytes": end - r.offset, "insync": r.insync}
+                               for r in self.insync.replicas.values()]
+            out["pending_acks"] = self.insync.pending()
+            out["replicated_offset"] = max(0, self.insync.quorum_offset(end))
+        else:
+            out["lag_bytes"] = max(0, self.master_end - end)
+        if self.controller is not None:
+            view = self.controller.view()
+            out["controller"] = {"leader": self.controller.leader, "master": view["master"],
+                                 "epoch": view["epoch"], "insync": view["insync"],
+                                 "nodes": view["nodes"], "isolated": self.controller.isolated}
+        return out
+
+    def isolate(self) -> None:
+        """Fault injection (LIGHTGATE_FAULT_INJECTION=1): cut this node off from the
+        controller, as a network partition would: its Raft node stops."""
+        if self.controller is not None and not self.controller.isolated:
+            log.warning("fault injection: this node is cut off from the controller")
+            self.controller.isolated = True
+            self.controller.close()
+
+    def lag_bytes(self) -> int:
+        if self.role == REPLICA:
+            return max(0, self.master_end - self.store.commitlog.max_offset)
+        end = self.store.commitlog.max_offset
+        return max((end - r.offset for r in self.insync.replicas.values()), default=0)
+

@@ -1,0 +1,103 @@
+"""The sans-IO parts of store groups: the fork point of two epoch histories, the in-sync
+set and the acks waiting on it, the controller's election rule, the metadata change log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from store.replication.controller import choose_master
+from store.replication.epochs import EpochFile, fork_point, implicit
+from store.replication.insync import InSync
+from store.replication.metalog import MetaLog
+
+
+def test_fork_point_cuts_only_what_the_master_does_not_have() -> None:
+    master = [(0, 0), (1, 100), (3, 250)]
+    # The old master of epoch 2 wrote 200..260 that nobody copied: cut at 200.
+    assert fork_point(master, 400, [(0, 0), (1, 100), (2, 200)], 260) == 200
+    # A replica that is simply behind keeps everything.
+    assert fork_point(master, 400, [(0, 0), (1, 100)], 150) == 150
+    assert fork_point(master, 400, [(0, 0), (1, 100), (3, 250)], 300) == 300
+    # A replica of an epoch the master also had, but longer there: cut at its end.
+    assert fork_point(master, 400, [(0, 0), (1, 100)], 280) == 250
+    # Empty disk, or a log from before epochs.
+    assert fork_point(master, 400, [], 0) == 0
+    assert fork_point(master, 400, implicit([], 90), 90) == 90
+    assert fork_point(master, 400, [(5, 0)], 90) == 0
+
+
+def test_epoch_file_persists_and_refuses_going_back(tmp_path: Path) -> None:
+    f = EpochFile(tmp_path)
+    f.start(1, 0, 0)
+    f.start(2, 500, 500)
+    assert EpochFile(tmp_path).history == [(1, 0), (2, 500)]
+    try:
+        f.start(2, 600, 600)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("an epoch must be after the last one")
+    g = EpochFile(tmp_path / "x")
+    (tmp_path / "x").mkdir()
+    g.start(4, 70, 70)  # a log written before epochs: epoch 0 from 0
+    assert g.history == [(0, 0), (4, 70)]
+
+
+def test_insync_acks_wait_for_min_insync_and_time_out() -> None:
+    s = InSync(min_insync=2, max_lag_bytes=300, max_lag_s=5.0)
+    assert not s.enough() and s.quorum_offset(1000) == -1
+    s.report("b", "b:1", 950, now=0.0, master_end=1000)  # within 300 bytes: in sync
+    assert s.members() == ["b"] and s.enough()
+    s.wait(1000, deadline=3.0, item="x")
+    s.wait(1200, deadline=3.0, item="y")
+    assert s.ready(1200) == []  # b holds up to 950
+    s.report("b", "b:1", 1000, now=1.0, master_end=1200)
+    assert s.ready(1200) == ["x"]
+    assert s.expired(2.0) == [] and s.expired(3.5) == ["y"]
+    s.report("c", "c:1", 0, now=1.0, master_end=1200)  # far behind: not in sync
+    assert s.members() == ["b"]
+    assert s.refresh(now=7.0, master_end=1200)  # b silent for 6 s: out
+    assert s.members() == [] and not s.enough()
+
+
+def test_election_rule() -> None:
+    nodes = {"a": {"offset": 500, "ts": 0.0, "last_epoch": 3},
+             "b": {"offset": 480, "ts": 9.5, "last_epoch": 3},
+             "c": {"offset": 470, "ts": 9.5, "last_epoch": 2}}
+    view = {"master": "a", "epoch": 3, "insync": ["a", "b", "c"], "nodes": nodes}
+    assert choose_master(view, now=10.0, dead_s=4.0, group_size=3) == ("b", 4)
+    assert choose_master(view, now=3.0, dead_s=4.0, group_size=3) is None  # a alive
+    view["insync"] = ["a", "c"]
+    assert choose_master(view, now=10.0, dead_s=4.0, group_size=3) == ("c", 4)
+    view["insync"] = ["a"]  # nobody in sync alive: no election (no acked data lost)
+    assert choose_master(view, now=10.0, dead_s=4.0, group_size=3) is None
+    first = {"master": "", "epoch": 0, "insync": [], "nodes": {"a": nodes["b"]}}
+    assert choose_master(first, now=10.0, dead_s=4.0, group_size=3) is None  # no majority
+    first["nodes"]["c"] = nodes["c"]
+    assert choose_master(first, now=10.0, dead_s=4.0, group_size=3) == ("a", 4)
+
+
+def test_metalog_ops_or_snapshot() -> None:
+    m = MetaLog(max_ops=3)
+    assert m.since("other", 0) is None
+    m.record([("put", "sessions", "c1", {"x": 1})])
+    m.record([("delete", "sessions", "c0", None), ("put", "offsets", "k", 5)])
+    assert m.since(m.incarnation, 0) == ([("put", "sessions", "c1", {"x": 1}),
+                                         ("delete", "sessions", "c0", None),
+                                         ("put", "offsets", "k", 5)], 3)
+    assert m.since(m.incarnation, 3) == ([], 3)
+    m.record([("put", "offsets", "k", 6)])
+    assert m.since(m.incarnation, 0) is None  # op 1 is gone: a snapshot
+    assert m.since(m.incarnation, 2) == ([("put", "offsets", "k", 5),
+                                         ("put", "offsets", "k", 6)], 4)
+
+
+def test_metadata_quorum_counts_in_sync_replicas_only() -> None:
+    s = InSync(min_insync=2, max_lag_bytes=100, max_lag_s=5.0)
+    assert s.meta_quorum(10) == -1  # the master alone
+    s.report("b", "b:1", 1000, now=0.0, master_end=1000)
+    s.replicas["b"].meta = 7
+    assert s.meta_quorum(10) == 7
+    s.report("c", "c:1", 0, now=0.0, master_end=1000)  # not in sync: not counted
+    s.replicas["c"].meta = 10
+    assert s.meta_quorum(10) == 7
