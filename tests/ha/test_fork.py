@@ -1,0 +1,136 @@
+"""A forked tail, forced rather than left to chance: the master of a sync group
+(min-insync 2) appends messages its replicas never get (both are SIGSTOPped), so no
+acknowledgement goes out; it is killed with those bytes only on its disk. The replicas
+resume, elect a new master, which takes (and acknowledges) more writes at the same
+offsets. The old master, restarted, must cut its unacknowledged tail, rejoin as a
+replica and end byte-identical to the new master; a reader finds every acknowledged
+message and none of the unacknowledged ones."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import trio
+
+from store.replication.follower import FETCH_WAIT_MS
+from store.sdk import AsyncProducer
+from tests.ha.cluster import Group, cluster, log_bytes, read_topic, wait_for
+
+TOPIC = "fork"
+
+
+def _send_acked(addrs: str, bodies: list[bytes]) -> None:
+    """Send each body through the group and require its acknowledgement (retrying a
+    refusal while the group has no master, as a device would)."""
+    async def main() -> None:
+        async with AsyncProducer(addrs, timeout=10) as prod:
+            for b in bodies:
+                for attempt in range(50):
+                    try:
+                        await prod.send(TOPIC, b, key=b.decode())
+                        break
+                    except Exception:  # noqa: BLE001 - no master yet: again
+                        if attempt == 49:
+                            raise
+                        await trio.sleep(0.2)
+    trio.run(main)
+
+
+def _send_unacked(addr: str, bodies: list[bytes], wait_s: float) -> int:
+    """Send to one node only (no failover to another) and expect no acknowledgement
+    within wait_s; returns how many were acknowledged (the test wants 0)."""
+    acked = 0
+
+    async def one(prod: AsyncProducer, b: bytes) -> None:
+        nonlocal acked
+        try:
+            await prod.send(TOPIC, b, key=b.decode(), timeout=wait_s)
+            acked += 1
+        except Exception:  # noqa: BLE001 - timed out or failed: not acknowledged
+            pass
+
+    async def main() -> None:
+        async with AsyncProducer(addr, timeout=wait_s) as prod, trio.open_nursery() as n:
+            for b in bodies:
+                n.start_soon(one, prod, b)
+    trio.run(main)
+    return acked
+
+
+def test_forced_fork_old_master_cuts_unacked_tail(tmp_path: Path) -> None:
+    g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2").start()
+    frozen: list[int] = []
+    try:
+        m = g.master(20)
+        wait_for(lambda: len(g.insync(m)) == 3, 15, "all three in sync")
+        before = [f"before-{i}".encode() for i in range(50)]
+        _send_acked(g.addrs, before)
+        replicas = [i for i in range(3) if i != m]
+        # log_end over HTTP, not the files' length: a write may sit in a buffer a moment.
+        common = wait_for(lambda: len({cluster(g.nodes[i])["log_end"] for i in range(3)}) == 1
+                          and cluster(g.nodes[m])["log_end"], 10,
+                          "replicas holding the acknowledged log")
+        epoch = cluster(g.nodes[m])["epoch"]
+
+        # Freeze both replicas: the master appends, but no replica fetches, so no ack.
+        for r in replicas:
+            os.kill(g.nodes[r].proc.pid, signal.SIGSTOP)
+            frozen.append(r)
+        # Each replica had a fetch waiting at the master (long poll, FETCH_WAIT_MS): let
+        # those end empty first, or the master would answer one with the new bytes into
+        # the frozen replica's socket, and that replica would write them once thawed.
+        time.sleep(FETCH_WAIT_MS / 1000 + 0.2)
+        # Sent now, inside the window where the master still counts the frozen replicas
+        # in sync (--max-lag-s 5) and has not stepped down (lease 3 s): appended, not acked.
+        unacked = [f"unacked-{i}".encode() for i in range(20)]
+        assert _send_unacked(g.nodes[m].native, unacked, wait_s=0.8) == 0
+        st = cluster(g.nodes[m])
+        tail = st["log_end"] - common
+        assert tail > 0, "the master did not append the unacknowledged messages"
+        assert st["replicated_offset"] == common, st  # held by the master alone
+        wait_for(lambda: len(log_bytes(g.dirs[m])) == common + tail, 5, "the tail on disk")
+        g.nodes[m].kill()  # SIGKILL with the tail only on its disk
+        for r in replicas:
+            os.kill(g.nodes[r].proc.pid, signal.SIGCONT)
+        frozen.clear()
+
+        killed = time.monotonic()
+        new = wait_for(lambda: next((i + 1 for i in replicas
+                                     if cluster(g.nodes[i])["role"] == "master"), None),
+                       10, "a new master") - 1
+        elected = time.monotonic() - killed
+        assert cluster(g.nodes[new])["epoch"] > epoch
+        after = [f"after-{i}".encode() for i in range(50)]
+        _send_acked(",".join(g.nodes[i].native for i in replicas), after)
+
+        g.nodes[m].start()  # the old master comes back
+        wait_for(lambda: cluster(g.nodes[m])["role"] == "replica", 15, "a replica")
+        wait_for(lambda: log_bytes(g.dirs[m]) == log_bytes(g.dirs[new]), 15,
+                 "the old master byte-identical to the new one")
+        st = cluster(g.nodes[m])
+        assert st["truncated_bytes"] == tail, (st["truncated_bytes"], tail)
+        assert st["epoch"] == cluster(g.nodes[new])["epoch"]
+        assert g.nodes[m].wait_log(f"cut {tail} bytes of a forked log tail at offset {common}")
+        wait_for(lambda: len(g.insync(new)) == 3, 15, "the old master back in sync")
+        # The cut tail is kept aside (quarantine), and it is what the master never acked.
+        [q] = (g.dirs[m] / "commitlog" / "quarantine").iterdir()
+        assert q.name.startswith(f"{common:020d}") and q.stat().st_size == tail
+        assert all(b in q.read_bytes() for b in unacked)
+        assert not any(b in log_bytes(g.dirs[new]) for b in unacked)
+
+        # Readers (on the new master and on the old one, now a replica) find every
+        # acknowledged message once and no unacknowledged one.
+        for node in (g.nodes[new], g.nodes[m]):
+            got = read_topic(node.native, TOPIC)
+            assert sorted(got) == sorted(before + after), node.native
+            assert not set(got) & set(unacked)
+        print(f"fork: tail {tail} bytes cut after {common} common bytes; new master "
+              f"after {elected:.2f} s; logs {len(log_bytes(g.dirs[new]))} bytes identical")
+    finally:
+        for r in frozen:
+            os.kill(g.nodes[r].proc.pid, signal.SIGCONT)
+        g.stop()
+
