@@ -20,6 +20,7 @@ from store.sdk import AsyncProducer
 from tests.ha.cluster import Group, cluster, log_bytes, read_topic, wait_for
 
 TOPIC = "fork"
+WINDOW_S = 10.0
 
 
 def _send_acked(addrs: str, bodies: list[bytes]) -> None:
@@ -61,7 +62,11 @@ def _send_unacked(addr: str, bodies: list[bytes], wait_s: float) -> int:
 
 
 def test_forced_fork_old_master_cuts_unacked_tail(tmp_path: Path) -> None:
-    g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2").start()
+    # A wider window than the defaults (lease 3 s, max lag 5 s) for the frozen phase, so
+    # a slow machine still appends the unacked messages before the master steps down or
+    # drops the frozen replicas from the in-sync set (which would refuse them instead).
+    g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2",
+              "--controller-lease-s", str(WINDOW_S), "--max-lag-s", str(WINDOW_S)).start()
     frozen: list[int] = []
     try:
         m = g.master(20)
@@ -79,12 +84,14 @@ def test_forced_fork_old_master_cuts_unacked_tail(tmp_path: Path) -> None:
         for r in replicas:
             os.kill(g.nodes[r].proc.pid, signal.SIGSTOP)
             frozen.append(r)
+        froze = time.monotonic()
         # Each replica had a fetch waiting at the master (long poll, FETCH_WAIT_MS): let
         # those end empty first, or the master would answer one with the new bytes into
         # the frozen replica's socket, and that replica would write them once thawed.
         time.sleep(FETCH_WAIT_MS / 1000 + 0.2)
         # Sent now, inside the window where the master still counts the frozen replicas
-        # in sync (--max-lag-s 5) and has not stepped down (lease 3 s): appended, not acked.
+        # in sync (--max-lag-s) and has not stepped down (--controller-lease-s): appended,
+        # not acked.
         unacked = [f"unacked-{i}".encode() for i in range(20)]
         assert _send_unacked(g.nodes[m].native, unacked, wait_s=0.8) == 0
         st = cluster(g.nodes[m])
@@ -92,6 +99,7 @@ def test_forced_fork_old_master_cuts_unacked_tail(tmp_path: Path) -> None:
         assert tail > 0, "the master did not append the unacknowledged messages"
         assert st["replicated_offset"] == common, st  # held by the master alone
         wait_for(lambda: len(log_bytes(g.dirs[m])) == common + tail, 5, "the tail on disk")
+        assert st["role"] == "master" and time.monotonic() - froze < WINDOW_S - 2
         g.nodes[m].kill()  # SIGKILL with the tail only on its disk
         for r in replicas:
             os.kill(g.nodes[r].proc.pid, signal.SIGCONT)
