@@ -59,7 +59,7 @@ def group_and_gateway(tmp_path: Path):
         g.stop()
 
 
-def test_group_view_through_the_gateway_and_panel(group_and_gateway) -> None:
+def test_group_view_through_the_gateway_and_panel(group_and_gateway, tmp_path: Path) -> None:
     g, gw = group_and_gateway
     m = g.master()
     with Producer(g.addrs) as prod:
@@ -88,7 +88,7 @@ def test_group_view_through_the_gateway_and_panel(group_and_gateway) -> None:
                                    reason="playwright (the test extra) is not installed")
     if not Path(CHROMIUM).exists():
         pytest.skip("Debian's chromium is not installed (make test does)")
-    replica = next(i for i in range(3) if i != m)
+    others = [i for i in range(3) if i != m]
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         try:
@@ -105,12 +105,23 @@ def test_group_view_through_the_gateway_and_panel(group_and_gateway) -> None:
             assert cells[2] == str(view["epoch"]) and cells[5] == "yes"
             assert int(cells[3]) >= view["log_end"]
             assert "sync replication, min in-sync 2" in page.inner_text("#store-group")
-            # A replica goes away: its row leaves the in-sync set.
-            g.nodes[replica].kill()
+            page.screenshot(path=str(tmp_path / "store-panel.png"), full_page=True)
+            assert (tmp_path / "store-panel.png").stat().st_size > 10_000
+            # The master is killed: the panel follows the gateway to the new master,
+            # which shows a higher epoch and the old master absent, out of the in-sync set.
+            g.nodes[m].kill()
+            row = "#store-nodes tr[data-node='{}'] td:nth-child({})"
             page.wait_for_function(
-                "document.querySelector(\"#store-nodes tr[data-node='"
-                + g.nodes[replica].native + "']\").textContent.includes('no')",
-                timeout=15_000)
+                "[" + ",".join(f"document.querySelector(\"{row.format(g.nodes[i].native, 2)}\")"
+                               for i in others)
+                + "].some(td => td && td.textContent === 'master')", timeout=20_000)
+            new = next(i for i in others if page.inner_text(row.format(g.nodes[i].native, 2))
+                       == "master")
+            assert int(page.inner_text(row.format(g.nodes[new].native, 3))) > view["epoch"]
+            page.wait_for_function(
+                f"document.querySelector(\"{row.format(g.nodes[m].native, 6)}\")"
+                "?.textContent === 'no'", timeout=20_000)
+            assert page.inner_text(row.format(g.nodes[m].native, 2)) == "absent"
             assert errors == [], errors
         finally:
             browser.close()
