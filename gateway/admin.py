@@ -262,6 +262,17 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
             "expired": st.expired, "store": _store_summary(await _store_stats(store)),
         })
 
+    async def cluster(request: Request) -> JSONResponse:
+        """The store group as the store sees it (the dashboard's Store panel): one row
+        per store node (address, role, epoch, replicated offset, lag, in sync). The
+        embedded store is a single master row."""
+        try:
+            view = await store.cluster()
+        except Exception as exc:  # noqa: BLE001 - no master right now (a failover)
+            return JSONResponse({"up": False, "error": str(exc), "nodes": []}, status_code=503)
+        view["up"] = True
+        return JSONResponse(view)
+
     alerts_registered: list[bool] = []  # routes are built before the loop: register lazily
 
     async def alerts(request: Request) -> JSONResponse:
@@ -284,6 +295,7 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
         Mount("/static", StaticFiles(directory=DASHBOARD), name="static"),
         metrics_route(broker),
         Route("/api/v1/overview", overview),
+        Route("/api/v1/cluster", cluster),
         Route("/api/v1/alerts", alerts),
         Route("/api/v1/runtime", runtime),
         Route("/api/v1/config", config),

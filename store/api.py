@@ -104,6 +104,12 @@ class Store(Protocol):
 
     async def get_stats(self) -> dict[str, Any]: ...
 
+    async def cluster(self) -> dict[str, Any]:
+        """The store group's view: {"role", "epoch", ..., "nodes": [{"addr", "role",
+        "epoch", "offset", "replicated_offset", "lag_bytes", "insync"}]} (one master row
+        for a store that is not in a group)."""
+        ...
+
 
 class LocalStore(Store, Protocol):
     """What the in-process store adds: reads answered without waiting when they can be.

@@ -88,6 +88,7 @@ async def store_node(
             for code in META_CODES:  # sync mode: answered once replicated
                 server.wrap(code, repl.synced)
         native_addr = await nursery.start(server.serve, native)
+        store.native_addr = native_addr
         if repl is not None:
             repl.bind(native_addr)
             await nursery.start(repl.run)

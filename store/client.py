@@ -319,6 +319,12 @@ class RemoteStore:
         header, _ = await self.client.request(p.STATS, {})
         return header
 
+    async def cluster(self) -> dict[str, Any]:
+        """The store group's view, as the node this client talks to (the master) sees it:
+        store.replication.ops.cluster_view."""
+        header, _ = await self.client.request(p.CLUSTER, {})
+        return header
+
     async def last_key_offset(self, key: str) -> int | None:
         header, _ = await self.client.request(p.FIND_KEY, {"key": key, "last": True})
         return header.get("phys")

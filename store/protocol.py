@@ -46,6 +46,7 @@ META_ITEMS = 63
 META_WRITE = 64
 WILDCARD_ADD = 70
 STATS = 80
+CLUSTER = 81  # the store group's view: nodes, roles, epochs, lag (the dashboard)
 GATEWAY_HEARTBEAT = 90
 GATEWAY_LIST = 91
 USER_ADD = 100  # users and policies: Super users only

@@ -144,6 +144,7 @@ class NativeServer:
             p.META_WRITE: self._meta_write,
             p.WILDCARD_ADD: self._wildcard_add,
             p.STATS: self._stats,
+            p.CLUSTER: self._cluster,
             p.GATEWAY_HEARTBEAT: self._gateway_heartbeat,
             p.GATEWAY_LIST: self._gateway_list,
             p.USER_ADD: self._user_add,
@@ -560,6 +561,9 @@ class NativeServer:
         stats["native_connections"] = self.connections
         stats["pull_waiters"] = len(self.waiters)  # queues with a long-poll waiting
         return stats, b""
+
+    async def _cluster(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        return await self.store.cluster(), b""
 
     async def _gateway_heartbeat(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         """Gateways announce themselves; nobody needs a static node list."""

@@ -114,6 +114,7 @@ class EmbeddedStore:
         # A store group's node (store.replication.node.Replication): refuses appends on a
         # replica, holds sync-mode acks until enough replicas have the bytes. None: alone.
         self.replication: Any = None
+        self.native_addr: str | None = None  # set by store_node once bound
         self.auth_reload: Callable[[], Awaitable[None]] | None = None  # after a failover
         self._lock: IO[str] | None = None  # the data directory's lock (store.startup)
         self.started_at = time.time()
@@ -362,6 +363,11 @@ class EmbeddedStore:
 
     async def get_stats(self) -> dict[str, Any]:
         return self.stats()
+
+    async def cluster(self) -> dict[str, Any]:
+        """The store group's view (one master row when this store is not in a group)."""
+        from store.replication.ops import cluster_view
+        return cluster_view(self)
 
     async def queue_ends(self, queues: Sequence[str]) -> dict[str, int]:
         """End offsets of many queues at once (the poll fallback when notify is down)."""

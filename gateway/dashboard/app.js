@@ -108,6 +108,21 @@ async function lists() {
     <td><button class="del-retained" data-topic="${esc(r.topic)}">Delete</button></td></tr>`, "no retained message");
 }
 
+// The store group (GET /api/v1/cluster): one row per store node.
+async function storeNodes() {
+  const r = await fetch("/api/v1/cluster");
+  if (r.status === 401) { showLogin(); return; }
+  const c = await r.json().catch(() => ({ up: false, nodes: [] }));
+  $("store-group").textContent = c.up
+    ? `${c.mode === "none" ? "single node" : `${c.mode} replication, min in-sync ${c.min_insync}`} · epoch ${c.epoch}`
+    : `no master reachable: ${c.error || `HTTP ${r.status}`}`;
+  $("store-nodes").tBodies[0].innerHTML = rows(c.nodes || [], 6, (n) => `<tr data-node="${esc(n.addr || n.node)}">
+    <td>${esc(n.addr || n.node)}</td><td class="${n.role === "master" ? "" : n.role === "replica" ? "" : "lagging"}">${esc(n.role)}</td>
+    <td class="num">${n.epoch}</td><td class="num">${n.replicated_offset}</td>
+    <td class="num${n.lag_bytes > 0 ? " lagging" : ""}">${human(n.lag_bytes)}</td>
+    <td class="${n.insync ? "" : "lagging"}">${n.insync ? "yes" : "no"}</td></tr>`, "store away");
+}
+
 async function safely(fn) {
   try { await fn(); } catch (e) { console.warn(e); }
 }
@@ -129,8 +144,9 @@ async function session() {
   if (me.auth && me.super) safely(admin);
   if (!polling) {
     polling = true;
-    tick(); safely(clients); safely(lists);
+    tick(); safely(clients); safely(lists); safely(storeNodes);
     setInterval(tick, 1000);
+    setInterval(() => safely(storeNodes), 2000);
     setInterval(() => safely(clients), 2000);
     setInterval(() => safely(lists), 3000);
   }

@@ -14,6 +14,64 @@ from starlette.routing import Route
 ROLES = {"master": 1, "replica": 0, "fenced": 2}
 
 
+def cluster_view(store: Any) -> dict[str, Any]:
+    """What `GET /api/v1/cluster` and the native CLUSTER answer: the node's status
+    (Replication.status) and `nodes`, one row per store node of the group as this node
+    sees it. A store in no group (`lightgate serve`) is one master row."""
+    repl = getattr(store, "replication", None)
+    if repl is None:
+        end = store.commitlog.max_offset
+        addr = getattr(store, "native_addr", None) or "embedded"
+        row = {"node": addr, "addr": addr, "role": "master", "epoch": 0, "offset": end,
+               "replicated_offset": end, "lag_bytes": 0, "insync": True}
+        return {"node": addr, "role": "master", "epoch": 0, "master": addr, "mode": "none",
+                "min_insync": 1, "log_end": end, "truncated_bytes": 0, "nodes": [row]}
+    st = repl.status()
+    st["nodes"] = group_rows(st)
+    return st
+
+
+def group_rows(st: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of the group's nodes from one node's status: the master knows its replicas'
+    offsets from their fetches; a node the controller knows of but that is not fetching
+    from this master is "absent" (down, or following nobody yet)."""
+    ctl = st.get("controller") or {}
+    known = ctl.get("nodes", {})
+    ctl_insync = set(ctl.get("insync", []))
+    end = st["log_end"]
+
+    def epoch_of(node: str) -> int:
+        return int(known.get(node, {}).get("last_epoch", 0))
+
+    rows: list[dict[str, Any]] = []
+    if st["role"] in ("master", "fenced"):
+        rows.append({"node": st["node"], "addr": st["master"], "role": st["role"],
+                     "epoch": st["epoch"], "offset": end,
+                     "replicated_offset": st.get("replicated_offset", end), "lag_bytes": 0,
+                     "insync": True})
+        for r in st.get("replicas", []):
+            rows.append({"node": r["node"], "addr": r["addr"], "role": "replica",
+                         "epoch": epoch_of(r["node"]) or st["epoch"], "offset": r["offset"],
+                         "replicated_offset": r["offset"], "lag_bytes": r["lag_bytes"],
+                         "insync": bool(r["insync"])})
+    else:  # a replica: itself, and the others as the controller last heard of them
+        rows.append({"node": st["node"], "addr": known.get(st["node"], {}).get("native"),
+                     "role": st["role"], "epoch": st["epoch"], "offset": end,
+                     "replicated_offset": end, "lag_bytes": st.get("lag_bytes", 0),
+                     "insync": st["node"] in ctl_insync})
+    seen = {r["node"] for r in rows}
+    for node, info in sorted(known.items()):
+        if node in seen:
+            continue
+        role = "master" if node == ctl.get("master") else "absent"
+        offset = int(info.get("offset", 0))
+        rows.append({"node": node, "addr": info.get("native"), "role": role,
+                     "epoch": epoch_of(node), "offset": offset, "replicated_offset": offset,
+                     "lag_bytes": max(0, end - offset) if role != "master" else 0,
+                     "insync": node in ctl_insync})
+    return rows
+
+
 def metrics_text(repl: Any) -> str:
     st = repl.status()
     node = st["node"]
@@ -46,7 +104,7 @@ def metrics_text(repl: Any) -> str:
 
 def cluster_routes(repl: Any) -> list[Route]:
     async def cluster(_: Request) -> JSONResponse:
-        return JSONResponse(repl.status())
+        return JSONResponse(cluster_view(repl.store))
 
     async def metrics(_: Request) -> PlainTextResponse:
         return PlainTextResponse(metrics_text(repl), media_type="text/plain; version=0.0.4")
