@@ -55,6 +55,7 @@ test: $(SPARK_STAMP) redis chromium java
 soak: $(STAMP) redis
 	LIGHTGATE_FUZZ_RUNS=1000000 LIGHTGATE_SLOW_CONSUMER_MESSAGES=1000000 \
 	LIGHTGATE_SOAK_SECONDS=1800 LIGHTGATE_STORM_CLIENTS=10000 LIGHTGATE_HA_ROUNDS=30 \
+	LIGHTGATE_BUDGET_SESSIONS=100000 \
 	$(BIN)/pytest -q -s -p no:cacheprovider -o addopts='' -o timeout=7200 tests/fuzz tests/faults tests/soak \
 	tests/ha
 
