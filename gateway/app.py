@@ -20,6 +20,7 @@ from gateway.admin import gateway_routes
 from gateway.broker import Broker, GatewayConfig
 from gateway.listener import ListenerConfig, start_listeners
 from notify import LocalBus, open_bus
+from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
 from serving.startup import StartupError, shutdown_signals, stop_on_signal
 from store.api import (
@@ -83,6 +84,7 @@ async def _serve(opts: ServeOptions, signals: Any) -> None:
         bound["native"] = node.native_addr
         bound["http"] = await nursery.start(
             partial(serve_http, max_body=opts.gateway.http_max_body), app, opts.http)
+        tune_for_serving()
         print(_ready_line(bound), flush=True)
         await stop_on_signal(signals, nursery)
 
@@ -167,5 +169,6 @@ async def _gateway(opts: GatewayOptions, signals: Any) -> None:
         gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         nursery.start_soon(_announce, store, gateway_id, dict(bound))
         bound["store"] = opts.store
+        tune_for_serving()
         print(_ready_line(bound), flush=True)
         await stop_on_signal(signals, nursery)

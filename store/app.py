@@ -14,6 +14,7 @@ from functools import partial
 
 import trio
 
+from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
 from serving.startup import StartupError, shutdown_signals, stop_on_signal
 from store.auth import AuthConfig, AuthManager
@@ -106,5 +107,6 @@ async def run_store(
             app = auth_app(store_routes(node.store), node.auth)
             http_addr = await nursery.start(
                 partial(serve_http, max_body=cfg.http_max_body), app, http)
+            tune_for_serving()
             print(f"ready native={node.native_addr} http={http_addr}", flush=True)
             await stop_on_signal(signals, nursery)
