@@ -54,8 +54,9 @@ def cpu_seconds(pids: list[int]) -> float:
 
 def thread_times(pids: list[int]) -> dict[str, list[float]]:
     """Per thread name (comm) of these processes: [CPU seconds, voluntary and involuntary
-    context switches]. Shows which thread burns the CPU, and whether threads hand the GIL
-    back and forth (involuntary switches)."""
+    context switches, user and system CPU seconds]. Shows which thread burns the CPU,
+    whether threads hand the GIL back and forth (involuntary switches), and how much of
+    it is the kernel's (socket and file calls) rather than the interpreter's."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, list[float]] = {}
     for pid in pids:
@@ -76,10 +77,12 @@ def thread_times(pids: list[int]) -> dict[str, list[float]]:
                 sw = {k: int(v) for k, v in (ln.split(":\t") for ln in status.splitlines()
                                              if ln.endswith(tuple("0123456789"))
                                              and "ctxt_switches" in ln)}
-                row = out.setdefault(name, [0.0, 0, 0])
+                row = out.setdefault(name, [0.0, 0, 0, 0.0, 0.0])
                 row[0] += (int(fields[11]) + int(fields[12])) / tick
                 row[1] += sw.get("voluntary_ctxt_switches", 0)
                 row[2] += sw.get("nonvoluntary_ctxt_switches", 0)
+                row[3] += int(fields[11]) / tick
+                row[4] += int(fields[12]) / tick
     return out
 
 
@@ -88,12 +91,15 @@ def thread_report(before: dict[str, list[float]], after: dict[str, list[float]],
     """CPU µs per message and context switches per second, per thread name (a name
     shared by several threads, e.g. a pool, is their sum)."""
     rep = {}
-    for name, (cpu, vol, invol) in after.items():
-        b = before.get(name, [0.0, 0, 0])
+    for name, (cpu, vol, invol, user, system) in after.items():
+        b = before.get(name, [0.0, 0, 0, 0.0, 0.0])
         used = cpu - b[0]
         if used <= 0 and vol - b[1] <= 0:
             continue
-        rep[name] = {"cpu_us_per_msg": round(used * 1e6 / messages, 2) if messages else None,
+        per_msg = 1e6 / messages if messages else None
+        rep[name] = {"cpu_us_per_msg": round(used * per_msg, 2) if per_msg else None,
+                     "user_us_per_msg": round((user - b[3]) * per_msg, 2) if per_msg else None,
+                     "sys_us_per_msg": round((system - b[4]) * per_msg, 2) if per_msg else None,
                      "voluntary_switches_per_s": round((vol - b[1]) / seconds),
                      "involuntary_switches_per_s": round((invol - b[2]) / seconds)}
     return rep
