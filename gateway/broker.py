@@ -627,7 +627,7 @@ class Broker:
 
     async def flush_offsets(self, s: Session) -> None:
         """Persist where each queue of `s` resumes: the first unacknowledged offset."""
-        if not s.persistent or not s.offsets_dirty:
+        if not s.persistent or not s.has_dirty_offsets():
             return
         ops = []
         for queue in s.offsets_dirty:
@@ -801,7 +801,7 @@ class Broker:
             await trio.sleep(self.config.offsets_flush_interval)
             try:
                 for s in list(self.sessions.values()):
-                    if s.offsets_dirty:
+                    if s.has_dirty_offsets():
                         await self.flush_offsets(s)
                 await self.flush_group_offsets()
             except StoreError as exc:  # kept dirty: flushed once the store is back

@@ -555,10 +555,10 @@ class Connection:
                  "persistent" if session.persistent else "clean",
                  ", resumed" if present else "")
         self._nursery = nursery
-        if session.subscriptions or session.outgoing or session.groups:
+        if session.has_state():
             self._start_delivery(resume=True)
-        for group in session.groups:
-            group.wake()  # a member is back
+            for group in session.groups:
+                group.wake()  # a member is back
 
     async def _refuse(self, v: int, code5: int, code3: int | None, why: str) -> None:
         """CONNACK with a failure code, then close (no will: it never connected).

@@ -83,29 +83,100 @@ class Outgoing:
 
 @dataclass(eq=False, slots=True)  # identity: sessions live in sets; slots: 100k of them
 class Session:
+    """The containers a session may never use (an idle device subscribes to nothing and
+    has nothing in flight) are made on first use, behind the properties below: made
+    eagerly they were 1.9 kB and ten objects the garbage collector walks, per device."""
+
     client_id: str
     persistent: bool
     version: int = 4
     expiry: int = 0  # seconds after disconnect (v5); persistent 3.1.1 sessions: NEVER
     subscriptions: dict[str, Subscription] = field(default_factory=dict)
-    trie: TopicTrie[str] = field(default_factory=TopicTrie)
-    cursors: dict[str, int] = field(default_factory=dict)  # queue -> next offset to send
-    outgoing: OrderedDict[int, Outgoing] = field(default_factory=OrderedDict)
-    incoming_qos2: set[int] = field(default_factory=set)
-    incoming_phys: dict[int, int] = field(default_factory=dict)  # pid -> its record's phys
     will: Will | None = None
     connection: Any = None  # the live Connection, or None while offline
     disconnected_at: float | None = None
-    dirty: set[str] = field(default_factory=set)  # queues with news since the last look
     wakeup: trio.Event | None = None  # made by the delivery task when it waits (wait_news)
-    recent: OrderedDict[int, None] = field(default_factory=OrderedDict)  # delivered phys offsets
     next_packet_id: int = 1
-    offsets_dirty: set[str] = field(default_factory=set)
+    _trie: TopicTrie[str] | None = None
+    _cursors: dict[str, int] | None = None  # queue -> next offset to send
+    _outgoing: OrderedDict[int, Outgoing] | None = None
+    _incoming_qos2: set[int] | None = None
+    _incoming_phys: dict[int, int] | None = None  # pid -> its record's phys
+    _dirty: set[str] | None = None  # queues with news since the last look
+    _recent: OrderedDict[int, None] | None = None  # delivered phys offsets
+    _offsets_dirty: set[str] | None = None
     # queue -> highest offset in flight when the session was restored from the store. A
     # resume reads from the first unacked offset; everything up to here was either
     # acknowledged or is being resent with DUP, so it is not sent again.
-    restored_upto: dict[str, int] = field(default_factory=dict)
-    groups: set[Any] = field(default_factory=set)  # SharedGroups this session is in
+    _restored_upto: dict[str, int] | None = None
+    _groups: set[Any] | None = None  # SharedGroups this session is in
+
+    def has_state(self) -> bool:
+        """Subscriptions, messages in flight or shared groups: a delivery task is due."""
+        return bool(self.subscriptions or self._outgoing or self._groups)
+
+    def has_dirty_offsets(self) -> bool:
+        return bool(self._offsets_dirty)
+
+    @property
+    def trie(self) -> TopicTrie[str]:
+        if self._trie is None:
+            self._trie = TopicTrie()
+        return self._trie
+
+    @property
+    def cursors(self) -> dict[str, int]:
+        if self._cursors is None:
+            self._cursors = {}
+        return self._cursors
+
+    @property
+    def outgoing(self) -> OrderedDict[int, Outgoing]:
+        if self._outgoing is None:
+            self._outgoing = OrderedDict()
+        return self._outgoing
+
+    @property
+    def incoming_qos2(self) -> set[int]:
+        if self._incoming_qos2 is None:
+            self._incoming_qos2 = set()
+        return self._incoming_qos2
+
+    @property
+    def incoming_phys(self) -> dict[int, int]:
+        if self._incoming_phys is None:
+            self._incoming_phys = {}
+        return self._incoming_phys
+
+    @property
+    def dirty(self) -> set[str]:
+        if self._dirty is None:
+            self._dirty = set()
+        return self._dirty
+
+    @property
+    def recent(self) -> OrderedDict[int, None]:
+        if self._recent is None:
+            self._recent = OrderedDict()
+        return self._recent
+
+    @property
+    def offsets_dirty(self) -> set[str]:
+        if self._offsets_dirty is None:
+            self._offsets_dirty = set()
+        return self._offsets_dirty
+
+    @property
+    def restored_upto(self) -> dict[str, int]:
+        if self._restored_upto is None:
+            self._restored_upto = {}
+        return self._restored_upto
+
+    @property
+    def groups(self) -> set[Any]:
+        if self._groups is None:
+            self._groups = set()
+        return self._groups
 
     # -- subscriptions ----------------------------------------------------------------
     def add_subscription(self, sub: Subscription) -> bool:
@@ -140,13 +211,13 @@ class Session:
             self.wakeup.set()
 
     def take_dirty(self) -> set[str]:
-        dirty, self.dirty = self.dirty, set()
+        dirty, self._dirty = self._dirty, None
         self.wakeup = None
-        return dirty
+        return dirty if dirty is not None else set()
 
     async def wait_news(self) -> None:
         """Until a queue this session reads has news (at once if one has)."""
-        if not self.dirty:
+        if not self._dirty:
             if self.wakeup is None:
                 self.wakeup = trio.Event()
             await self.wakeup.wait()
