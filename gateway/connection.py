@@ -155,8 +155,9 @@ class Connection:
         self._outbuf_bytes = 0
         # Events made on first use (an idle device waits for neither).
         self._window: trio.Event | None = None  # set when an in-flight slot frees up
-        # The connection's scope; while a read waits, its deadline is the keepalive's
-        # (one scope for both: an idle device holds one, not two).
+        # The connection's scope (kick, takeover, a failed write cancel it); while a read
+        # waits, its deadline is the keepalive's. `run` swaps in its nursery's own scope:
+        # one scope for all of it (each entered scope is ~600 bytes per connection).
         self._cancel = trio.CancelScope()
         self._detached: trio.Event | bool = False  # True once closed; an Event if awaited
         self._taken_over = False
@@ -170,16 +171,18 @@ class Connection:
     async def run(self) -> None:
         closing: Closing | None = None
         try:
-            with self._cancel:
-                try:
-                    async with trio.open_nursery() as nursery:
-                        try:
-                            await self._read_loop(nursery)
-                        except Exception as exc:  # noqa: BLE001 - each becomes a Closing
-                            closing = self._closing_for(exc)
+            try:
+                async with trio.open_nursery() as nursery:
+                    early, self._cancel = self._cancel, nursery.cancel_scope
+                    if early.cancel_called:  # kicked before it got here
                         nursery.cancel_scope.cancel()
-                except Exception as exc:  # noqa: BLE001 - from the acker or delivery task
-                    closing = self._closing_for(exc)
+                    try:
+                        await self._read_loop(nursery)
+                    except Exception as exc:  # noqa: BLE001 - each becomes a Closing
+                        closing = self._closing_for(exc)
+                    nursery.cancel_scope.cancel()
+            except Exception as exc:  # noqa: BLE001 - from the acker or delivery task
+                closing = self._closing_for(exc)
         finally:
             with trio.CancelScope(shield=True):
                 await self._close(closing)
