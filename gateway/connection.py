@@ -215,7 +215,8 @@ class Connection:
             elif self._write_failed:
                 closing = Closing("connection lost while writing")
             elif self._cancel.cancelled_caught and self._cancel.deadline <= trio.current_time():
-                closing = Closing("keepalive timeout", True, rc.KEEP_ALIVE_TIMEOUT)
+                closing = Closing("keepalive timeout", True, rc.KEEP_ALIVE_TIMEOUT) \
+                    if self.session is not None else Closing("no CONNECT in time", will=False)
             else:
                 closing = Closing("server shutting down", True, rc.SERVER_SHUTTING_DOWN)
         s = self.session
@@ -416,10 +417,11 @@ class Connection:
 
     # -- reading ----------------------------------------------------------------------
     async def _read_loop(self, nursery: trio.Nursery) -> None:
-        with trio.move_on_after(self.config.connect_timeout) as scope:
-            packets = await self._receive()
-        if scope.cancelled_caught:
-            raise Closing("no CONNECT in time", will=False)
+        # The connection's scope again (see _cancel): a scope of its own per connection
+        # was a tenth of the cost of accepting one. _close tells this timeout apart.
+        self._cancel.deadline = trio.current_time() + self.config.connect_timeout
+        packets = await self._receive()
+        self._cancel.deadline = math.inf
         first = packets.pop(0)
         await self._on_connect(first, nursery, packets)
         while True:

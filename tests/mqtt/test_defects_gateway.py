@@ -463,3 +463,34 @@ async def test_an_unexpected_error_in_a_shared_group_does_not_end_the_broker(
         got = await _payloads([a], 1, timeout=5)
         assert calls and got == [b"after-bug"], (calls, got)
         n.cancel_scope.cancel()
+
+
+# -- the connect timeout shares the connection's scope ----------------------------------
+
+
+async def test_a_socket_that_sends_no_connect_is_closed_in_time(tmp_path: Path) -> None:
+    async with EmbeddedStore.open(StoreConfig(data_dir=tmp_path / "data")) as store, \
+            trio.open_nursery() as n:
+        broker = Broker(store, GatewayConfig(connect_timeout=0.3))
+        await n.start(broker.run_housekeeping)
+        client, server = trio.testing.memory_stream_pair()
+        silent = Connection(broker, server, "test:silent")
+        t0 = trio.current_time()
+        with trio.fail_after(5):
+            await silent.run()
+        assert 0.3 <= trio.current_time() - t0 < 2.0
+        assert await client.receive_some(10) == b""  # closed, nothing said: no CONNECT
+
+        # One that connects in time (keepalive 0: no deadline at all) outlives it.
+        client2, server2 = trio.testing.memory_stream_pair()
+        ok = Connection(broker, server2, "test:ok")
+        n.start_soon(ok.run)
+        await client2.send_all(mqtt.encode(mqtt.Connect("in-time", keepalive=0), 4))
+        got = await _read_packets(client2, mqtt.Decoder(server=False, version=4), 1)
+        assert isinstance(got[0], mqtt.Connack) and got[0].return_code == 0, got
+        await trio.sleep(0.6)
+        assert ok.alive
+        await client2.send_all(mqtt.encode(mqtt.Pingreq(), 4))
+        got = await _read_packets(client2, mqtt.Decoder(server=False, version=4), 1)
+        assert isinstance(got[0], mqtt.Pingresp), got
+        n.cancel_scope.cancel()
