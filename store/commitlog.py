@@ -640,9 +640,10 @@ class CommitLog:
         """Re-dispatch what the index lost; rebuild it whole if it points past the end."""
         start = max(index_ckpt, self.min_offset)
         old_ends: dict[str, int] = {}
-        if index_ckpt > self._write_pos:
+        if index_ckpt > self._write_pos or not self._at_record(start):
             log.warning(
-                "index covers %d beyond log end %d: rebuilding", index_ckpt, self._write_pos
+                "index covers %d, beyond log end %d or not at a record: rebuilding",
+                index_ckpt, self._write_pos
             )
             old_ends = self.index.queue_ends()  # what readers may have seen
             self.index.clear()
@@ -677,6 +678,19 @@ class CommitLog:
             self.index.set_floors(floors)
             log.warning("%d queues keep a gap where the cut records were: their offsets are "
                         "not given again", len(floors))
+
+    def _at_record(self, offset: int) -> bool:
+        """Whether a whole, valid record starts at `offset` (or the log ends there)."""
+        if offset >= self._write_pos:
+            return True
+        records = self.scan(offset)
+        try:
+            next(records, None)
+        except CorruptRecord:
+            return False
+        finally:
+            records.close()
+        return True
 
     # -- retention --------------------------------------------------------------------
     def enforce_retention(
@@ -845,4 +859,8 @@ class CommitLog:
             self.index.remove_entries(
                 [q for m in cut for q in m.queues],
                 [(m.key, m.phys_offset) for m in cut if m.key], offset)
+            # The index has no WAL: unflushed, a crash would bring back its old checkpoint
+            # and entries, pointing into bytes the master's records are about to replace
+            # (a restart then found its checkpoint inside a record and stopped).
+            self.index.flush()
             return report.truncated_bytes

@@ -216,3 +216,33 @@ def test_retention_waits_for_readers(logs) -> None:
     assert log.min_offset > oldest.base  # but no new reader can find it
     oldest.release()
     assert not oldest.path.exists()
+
+
+def test_a_forked_tail_cut_then_a_crash_restarts(logs) -> None:
+    """A replica cuts a forked tail and copies the master's (differently sized) records
+    past the cut; killed before the index flushed, it must still start: the index (no
+    WAL) once came back with its pre-cut checkpoint, inside one of the new records."""
+    log = logs.open()
+    old = [append(log, "f/t", b"old-%d-" % i + b"x" * 300) for i in range(10)]
+    log.index.flush()
+    cut_at = old[5].phys_offset
+    assert log.truncate_to(cut_at) == sum(m.size for m in old[5:])
+    new = [append(log, "f/t", b"new-%d" % i) for i in range(5)]
+    assert new[0].phys_offset == cut_at
+    logs.crash(log)
+    log = logs.open()
+    bodies = [log.read(e.phys_offset, e.size).body for e in log.index.read("f/t", 0, 100)]
+    assert bodies == [m.body for m in old[:5]] + [m.body for m in new]
+
+
+def test_an_index_checkpoint_inside_a_record_rebuilds_the_index(logs) -> None:
+    log = logs.open()
+    sent = [append(log, "g/t", b"m-%d" % i + b"y" * 200) for i in range(6)]
+    logs.close(log)
+    index = ConsumeQueueIndex(logs.root / "index")
+    index.write_messages([], sent[2].phys_offset + 7)  # not where a record starts
+    index.close()
+    log = logs.open()
+    assert log.report.index_rebuilt
+    bodies = [log.read(e.phys_offset, e.size).body for e in log.index.read("g/t", 0, 100)]
+    assert bodies == [m.body for m in sent]
