@@ -1249,6 +1249,11 @@ class Connection:
         if (not self._idle or self._fd < 0 or self._writing or s.dirty
                 or s.restored_upto or queue not in s.subscriptions):
             return False
+        if self._cancel.cancel_called:
+            # Closing (a DISCONNECT was read, a kick): the delivery task is cancelled but
+            # not yet unwound. A message sent now would be in flight on a connection that
+            # is going: resent on resume, ahead of the offline bound's newest messages.
+            return False
         cursor = s.cursors.get(queue)
         if cursor is None:
             return False
