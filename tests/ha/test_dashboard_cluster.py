@@ -6,7 +6,6 @@ Store panel drawing it, in Debian's headless Chromium."""
 from __future__ import annotations
 
 import json
-import shutil
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,10 +17,7 @@ from store import protocol as p
 from store.sdk import Producer
 from tests.conftest import Server
 from tests.ha.cluster import Group, native_call, wait_for
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+from tests.ops.test_dashboard_browser import ARGS, CHROMIUM
 
 
 def gw_cluster(srv: Server) -> dict[str, Any]:
