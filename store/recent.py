@@ -112,8 +112,8 @@ class RecentMessages:
         self._bytes -= gone
 
     def _shrink_coldest(self) -> None:
-        """Over the byte budget: the least recently read ring gives back a step of its
-        oldest messages (the whole ring once it is that small)."""
+        """Over the byte budget, or idle past IDLE_S: the least recently read ring gives
+        back a step of its oldest messages (the whole ring once it is that small)."""
         queue, ring = next(iter(self._rings.items()))
         if len(ring.messages) > TRIM_STEP:
             self._trim(ring, TRIM_STEP)
