@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -17,6 +18,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Ports a test names before a process binds them (a Raft peer list, a restart on the same
+# ports) come from below the kernel's ephemeral range, so an outgoing connection of any
+# process cannot take one in between, as happened to a Raft port in CI.
+_EPHEMERAL_LOW = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+_handed_out: set[int] = set()
+
+
+def reserved_port() -> int:
+    """A loopback port free now, outside the ephemeral range, not handed out before."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, _EPHEMERAL_LOW - 12000), _EPHEMERAL_LOW)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
+
 
 class Server:
     """A `lightgate` server command in a subprocess (serve by default); restartable on the
@@ -29,8 +53,9 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.addrs: dict[str, str] = {}
         self.log: list[str] = []
-        self.mqtt_port = 0
-        self.native_port = 0
+        # Named up front, so a restart finds its ports free (see reserved_port).
+        self.mqtt_port = reserved_port()
+        self.native_port = reserved_port()
 
     def _args(self) -> list[str]:
         args = [sys.executable, "-m", "lightgate", "--log-level", "DEBUG", self.command]

@@ -5,19 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import Server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.conftest import Server, reserved_port
 
 
 def log_bytes(data_dir: Path) -> bytes:
@@ -92,14 +85,13 @@ class Group:
     """Three (or more) `lightgate store` nodes with the embedded controller."""
 
     def __init__(self, root: Path, n: int = 3, *extra: str) -> None:
-        self.raft = [f"127.0.0.1:{free_port()}" for _ in range(n)]
+        self.raft = [f"127.0.0.1:{reserved_port()}" for _ in range(n)]
         self.dirs = [root / f"s{i}" for i in range(n)]
         self.nodes: list[Server] = []
         for i in range(n):
             peers = ",".join(r for j, r in enumerate(self.raft) if j != i)
             node = Server(self.dirs[i], "--raft", self.raft[i], "--group-peers", peers,
                           *extra, command="store")
-            node.native_port = free_port()
             self.nodes.append(node)
 
     def start(self) -> Group:
