@@ -38,6 +38,7 @@ CHECKPOINT_KEY = b"\x00checkpoint"
 DEFAULT_FLOOR_KEY = b"\x00floor"
 FLOOR = b"f"  # b"f" + queue name -> lowest offset the queue may hand out next
 _MAX_U64 = b"\xff" * 8
+_MAX_KEY = b"\xff"  # above every key (they start with b"\x00", b"f", b"k" or b"q")
 RUN_MAX = 4096  # entries in one run at most (80 KiB): a read of one offset stays small
 # Memory bounds by default (the store's --index-cache-mb and --index-memtable-mb): block
 # cache, index and filter blocks included, and each of the (at most two) memtables.
@@ -228,6 +229,10 @@ class ConsumeQueueIndex:
             self._default_floor = floor
             self._next.clear()
 
+    @property
+    def default_floor(self) -> int:
+        return self._default_floor
+
     def floors(self) -> dict[str, int]:
         """Every queue's own floor (see `max_offset`)."""
         ro = ReadOptions()
@@ -415,6 +420,23 @@ class ConsumeQueueIndex:
         if floors:
             self.set_floors(floors)
         self.set_default_floor(default)
+
+    def reset(self, checkpoint: int, floors: dict[str, int], default_floor: int) -> None:
+        """Start over, empty, as the index of a log that begins at `checkpoint`, with
+        another index's floors: a replica that takes its master's log from the master's
+        start, once retention there removed what would follow its own. The master's floors
+        and the queue offsets in the records it copies give every queue the master's end.
+        One batch of deletes, not a new database: readers and retention may be in it."""
+        wb = WriteBatch(raw_mode=True)
+        wb.delete_range(b"\x00", _MAX_KEY)  # every key: b"\x00...", b"f", b"k", b"q"
+        for queue, floor in floors.items():
+            wb.put(FLOOR + queue.encode(), U64.pack(floor))
+        wb.put(DEFAULT_FLOOR_KEY, U64.pack(default_floor))
+        wb.put(CHECKPOINT_KEY, U64.pack(checkpoint))
+        self._db.write(wb)  # WAL on: floors are not derived from the log
+        self._default_floor = default_floor
+        self.forget_allocations()
+        self.flush()
 
     def close(self) -> None:
         try:

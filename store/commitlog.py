@@ -837,6 +837,33 @@ class CommitLog:
                     log.exception("on_dispatched callback failed")
             return msgs
 
+    def restart_at(self, offset: int) -> int:
+        """Start over, empty, at `offset`: a replica whose whole log is older than what
+        its master still holds (retention there removed the bytes that would follow it)
+        takes the master's log from its start. Everything here is past the group's
+        retention, so it is deleted, not quarantined. Returns the bytes dropped. The
+        caller resets the index first (see ConsumeQueueIndex.reset)."""
+        with self._write_lock, self._tail_lock:
+            if offset <= self._write_pos:
+                raise ValueError(f"cannot restart at {offset}, not past the log end "
+                                 f"{self._write_pos}")
+            dropped = self._write_pos - self.min_offset
+            os.close(self._wfd)
+            # Files go before the new one is made: a crash in between leaves no log, or
+            # the new one alone, never a log with a hole in it.
+            for seg in self._segments:
+                seg.doom()  # readers keep their open file until they finish
+                seg.path.unlink(missing_ok=True)
+            fsync_dir(self.dir)
+            seg = Segment(self.dir / segment_name(offset), offset)
+            fsync_dir(self.dir)
+            self._set_segments((seg,))
+            self._wfd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
+            self._write_pos = self._flushed = offset
+            self._undispatched = []
+            self._write_checkpoint()
+            return dropped
+
     def truncate_to(self, offset: int) -> int:
         """Cut the log at `offset` (a record boundary): a tail the group never
         acknowledged, where this node's log forked from the master's. The cut bytes go to

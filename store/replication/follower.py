@@ -36,6 +36,9 @@ class Replica(Protocol):
 
     async def cut(self, offset: int) -> None: ...
 
+    async def restart(self, offset: int, floors: dict[str, int], default_floor: int,
+                      master_history: list[Epoch]) -> None: ...
+
     async def write(self, offset: int, data: bytes, base: int) -> None: ...
 
     def adopt_epochs(self, master_history: list[Epoch]) -> None: ...
@@ -62,6 +65,11 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                     }, timeout=FETCH_WAIT_MS / 1000 + 10)
                     if "truncate_to" in header:
                         await repl.cut(int(header["truncate_to"]))
+                        continue
+                    if "restart_at" in header:
+                        await repl.restart(int(header["restart_at"]), header["floors"],
+                                           int(header["default_floor"]),
+                                           [(int(e), int(s)) for e, s in header["epochs"]])
                         continue
                     check = False
                     repl.master_end = int(header["end"])

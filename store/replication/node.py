@@ -82,6 +82,7 @@ class Replication:
         self.controller: Controller | None = None
         self.drop_clients: Callable[[], None] = lambda: None  # set by the native server
         self.truncated_bytes = 0
+        self.restarted_bytes = 0  # dropped starting over after the master's retention
         self.confirmed = 0  # sync mode: the log up to here is held by min_insync nodes
         self.notify: Callable[[set[str]], None] = lambda names: None  # readers: queues grew
         self._follow_scope: trio.CancelScope | None = None
@@ -250,9 +251,7 @@ class Replication:
         if offset > log_.max_offset:
             return {"truncate_to": log_.max_offset}, b""
         if offset < log_.min_offset:
-            raise StoreError(f"replica {node} needs offset {offset}, but retention removed the "
-                             f"master's log before {log_.min_offset}: it cannot catch up "
-                             "(not supported yet)")
+            return self._restart_point(node, offset)
         self._report(node, str(h.get("addr", "")), offset)
         meta_inc, meta_seq = str(h.get("meta_inc", "")), int(h.get("meta_seq", 0))
         self.insync.replicas[node].meta = meta_seq if meta_inc == self.metalog.incarnation else -1
@@ -273,6 +272,20 @@ class Replication:
             meta = {"inc": self.metalog.incarnation, "seq": seq, "ops": ops}
         return {"end": log_.max_offset, "base": base, "epoch": self.epoch,
                 "epochs": [list(x) for x in history], "meta": meta}, data
+
+    def _restart_point(self, node: str, offset: int) -> tuple[dict[str, Any], bytes]:
+        """A replica whose log ends before this one's start (retention removed what would
+        follow it) starts over at this log's start, with the index floors that give each
+        queue this node's end. The start is read before the floors: a segment retention
+        removes in between only adds floors the replica does not need."""
+        start = self.store.commitlog.min_offset
+        index = self.store.index
+        floors = index.floors()
+        log.warning("replica %s needs offset %d, before this log's start %d (retention "
+                    "removed it): it starts over from %d", node, offset, start, start)
+        history = implicit(self.epochs.history, self.store.commitlog.max_offset)
+        return {"restart_at": start, "floors": floors, "default_floor": index.default_floor,
+                "epochs": [list(x) for x in history]}, b""
 
     def _report(self, node: str, addr: str, offset: int) -> None:
         changed = self.insync.report(node, addr, offset, time.monotonic(),
@@ -300,6 +313,27 @@ class Replication:
         self.epochs.save([e for e in self.epochs.history if e[1] <= offset])
         log.warning("cut %d bytes of a forked log tail at offset %d (kept in quarantine)",
                     cut, offset)
+
+    async def restart(self, offset: int, floors: dict[str, int], default_floor: int,
+                      master_history: list[Epoch]) -> None:
+        """Drop this replica's whole log, older than anything the master still holds, and
+        start over empty at the master's start (the index first: a crash in between leaves
+        an index ahead of the log, which recovery rebuilds, and the master asks again).
+        The epochs that began by then are the master's: a log with bytes before its start
+        and no history of its own would read as epoch 0 from 0, forked from everything."""
+        store = self.store
+        self.epochs.save([e for e in master_history if e[1] <= offset])
+
+        def start_over() -> int:
+            store.index.reset(offset, floors, default_floor)
+            return store.commitlog.restart_at(offset)
+
+        dropped = await trio.to_thread.run_sync(start_over)
+        store.recent.clear()
+        self.restarted_bytes += dropped
+        log.warning("the master's log starts at %d, after this replica's end: dropped this "
+                    "log's %d bytes (past retention) and start over from there", offset,
+                    dropped)
 
     async def write(self, offset: int, data: bytes, base: int) -> None:
         if self.store.config.flush == "sync":
@@ -448,6 +482,7 @@ class Replication:
             "master": self.master_addr, "mode": self.cfg.mode, "min_insync": self.cfg.min_insync,
             "log_end": end, "epochs": [list(x) for x in self.epochs.history],
             "truncated_bytes": self.truncated_bytes,
+            "restarted_bytes": self.restarted_bytes,
         }
         if self.role == MASTER or self.role == FENCED:
             out["insync"] = [self.node_id, *self.insync.members()]

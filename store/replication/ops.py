@@ -25,7 +25,8 @@ def cluster_view(store: Any) -> dict[str, Any]:
         row = {"node": addr, "addr": addr, "role": "master", "epoch": 0, "offset": end,
                "replicated_offset": end, "lag_bytes": 0, "insync": True}
         return {"node": addr, "role": "master", "epoch": 0, "master": addr, "mode": "none",
-                "min_insync": 1, "log_end": end, "truncated_bytes": 0, "nodes": [row]}
+                "min_insync": 1, "log_end": end, "truncated_bytes": 0,
+                "restarted_bytes": 0, "nodes": [row]}
     st = repl.status()
     st["nodes"] = group_rows(st)
     return st

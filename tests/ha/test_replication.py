@@ -4,6 +4,7 @@ writes naming the master, and catches up after a restart or from an empty disk."
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -78,6 +79,77 @@ def test_replica_restarts_and_resyncs_from_empty_disk(tmp_path: Path) -> None:
         wait_for(lambda: log_bytes(tmp_path / "r") == log_bytes(tmp_path / "m"), 10,
                  "resync from an empty disk")
         assert len(read_topic(replica.native, TOPIC)) == 300
+    finally:
+        for node in (replica, master):
+            if node.proc is not None:
+                node.kill()
+
+
+def _ranges(addr: str, queues: list[str]) -> dict[str, tuple[int, int]]:
+    out = {}
+    for q in queues:
+        h = native_call(addr, p.QUEUE_RANGE, {"queue": q})
+        out[q] = (h["min_offset"], h["max_offset"])
+    return out
+
+
+def test_replica_behind_the_masters_retention_starts_over(tmp_path: Path) -> None:
+    """Retention on the master removed the log a replica would continue from (a new disk
+    on a long-running group, or a replica down longer than retention): it starts over at
+    the master's first offset, with every queue's end where the master has it."""
+    master = Server(tmp_path / "m", "--segment-size", "4096", "--retention-bytes", "8192",
+                    "--retention-check-s", "0.2", command="store").start()
+    replica = Server(tmp_path / "r", "--replica-of", master.native, command="store")
+    queues = [f"{t}#{i}" for t in ("old", TOPIC) for i in range(4)]
+    try:
+        with Producer(master.native) as prod:  # "old": every record of it goes
+            for i in range(60):
+                prod.send("old", f"o{i}".encode(), key=f"k{i % 7}")
+        _send(master.native, 400)
+        first = lambda: int(sorted(os.listdir(tmp_path / "m" / "commitlog"))[0])  # noqa: E731
+        def old_gone() -> bool:
+            ranges = _ranges(master.native, queues[:4]).values()
+            return all(lo == hi for lo, hi in ranges) and sum(hi for _, hi in ranges) == 60
+
+        wait_for(old_gone, 15, "retention to remove every record of 'old'")
+        assert first() > 0
+        old_ends = {q: hi for q, (_, hi) in _ranges(master.native, queues[:4]).items()}
+        assert sum(1 for end in old_ends.values() if end) > 1
+
+        replica.start()  # an empty disk: the master's log no longer starts at 0
+        wait_for(lambda: log_bytes(tmp_path / "r") == log_bytes(tmp_path / "m"), 15,
+                 "the new replica to copy the master's log from its start")
+        assert _ranges(replica.native, queues) == _ranges(master.native, queues)
+        assert sorted(read_topic(replica.native, TOPIC)) == sorted(read_topic(master.native,
+                                                                              TOPIC))
+        assert cluster(replica)["restarted_bytes"] == 0  # it had nothing to drop
+
+        # Down while retention on the master passes its end: it drops its log and
+        # starts over from the master's start.
+        replica.kill()
+        end_before = len(log_bytes(tmp_path / "r"))
+        _send(master.native, 400, 400)
+        replica.start()
+        wait_for(lambda: log_bytes(tmp_path / "r") == log_bytes(tmp_path / "m"), 15,
+                 "the replica to start over after retention passed it")
+        st = cluster(replica)
+        assert st["restarted_bytes"] == end_before, (st["restarted_bytes"], end_before)
+        # New messages continue every queue's offsets on both nodes alike, "old" too.
+        with Producer(master.native) as prod:
+            for i in range(8):
+                prod.send("old", f"new{i}".encode(), key=f"k{i % 7}")
+        wait_for(lambda: log_bytes(tmp_path / "r") == log_bytes(tmp_path / "m"), 15, "copy")
+        ranges = _ranges(master.native, queues)
+        assert _ranges(replica.native, queues) == ranges
+        assert sum(hi - lo for q, (lo, hi) in ranges.items() if q.startswith("old")) == 8
+        assert all(ranges[q][0] == end for q, end in old_ends.items())  # no offset again
+        assert sorted(read_topic(replica.native, "old")) == sorted(
+            f"new{i}".encode() for i in range(8))
+        # A restart of the replica that started over finds its log as it left it.
+        replica.kill()
+        replica.start()
+        wait_for(lambda: cluster(replica)["role"] == "replica", 10, "restart")
+        assert _ranges(replica.native, queues) == ranges
     finally:
         for node in (replica, master):
             if node.proc is not None:

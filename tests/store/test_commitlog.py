@@ -246,3 +246,45 @@ def test_an_index_checkpoint_inside_a_record_rebuilds_the_index(logs) -> None:
     assert log.report.index_rebuilt
     bodies = [log.read(e.phys_offset, e.size).body for e in log.index.read("g/t", 0, 100)]
     assert bodies == [m.body for m in sent]
+
+
+def test_a_replica_starts_over_at_its_masters_start(logs) -> None:
+    """A replica behind its master's retention drops its log and starts over, empty, at
+    the master's first offset, with the master's floors; a restart keeps it so."""
+    log = logs.open(segment_size=4096)
+    for i in range(30):
+        append(log, "s/a", b"old-%d" % i + b"x" * 200)
+    reader = log._segments[0]
+    assert reader.acquire()  # a reader amid a read keeps its file until it is done
+    start = log.max_offset + 10_000
+    log.index.reset(start, {"s/a": 70, "s/b": 5}, 3)
+    assert log.restart_at(start) > 30 * 200
+    assert (log.min_offset, log.max_offset) == (start, start)
+    assert [p.name for p in log.dir.iterdir() if p.name.isdigit()] == [f"{start:020d}"]
+    assert not reader.path.exists() and len(reader.pread(100, 0)) == 100  # still readable
+    reader.release()
+    assert not reader.path.exists()
+    assert log.index.read("s/a", 0, 100) == []
+    assert [log.index.max_offset(q) for q in ("s/a", "s/b", "s/c")] == [70, 5, 3]
+    msg = append(log, "s/a", b"after")  # the master's record would carry 70; ours too
+    assert msg.phys_offset == start and msg.queues == [("s/a", 70)]
+    logs.crash(log)
+    log = logs.open(segment_size=4096)
+    assert not log.report.index_rebuilt
+    assert (log.min_offset, log.max_offset) == (start, msg.phys_offset + msg.size)
+    assert [e.offset for e in log.index.read("s/a", 0, 100)] == [70]
+    assert [log.index.max_offset(q) for q in ("s/b", "s/c")] == [5, 3]
+
+
+def test_an_index_reset_then_a_crash_before_the_log_restarts(logs) -> None:
+    """Killed between the index reset and the log's restart: the index is ahead of the
+    log, recovery rebuilds it from the old log, the master's floors stay."""
+    log = logs.open()
+    sent = [append(log, "r/a", b"m-%d" % i) for i in range(5)]
+    log.index.reset(log.max_offset + 1000, {"r/b": 9}, 0)
+    logs.crash(log)
+    log = logs.open()
+    assert log.report.index_rebuilt
+    assert [e.phys_offset for e in log.index.read("r/a", 0, 100)] == [m.phys_offset
+                                                                      for m in sent]
+    assert log.index.max_offset("r/b") == 9
