@@ -124,10 +124,7 @@ class RedisServer:
     """A real redis-server on a free loopback port."""
 
     def __init__(self) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        sock.close()
+        self.port = reserved_port()  # kept across stop/start (see reserved_port)
         self.proc: subprocess.Popen | None = None
 
     @property
