@@ -17,7 +17,7 @@ from store import protocol as p
 from store.sdk import Producer
 from tests.conftest import Server
 from tests.ha.cluster import Group, native_call, wait_for
-from tests.ops.test_dashboard_browser import ARGS, CHROMIUM
+from tests.ops.browser import browser_page
 
 
 def gw_cluster(srv: Server) -> dict[str, Any]:
@@ -80,44 +80,32 @@ def test_group_view_through_the_gateway_and_panel(group_and_gateway, tmp_path: P
     direct = native_call(g.nodes[m].native, p.CLUSTER, {})
     assert direct["node"] == view["node"] and len(direct["nodes"]) == 3
 
-    sync_api = pytest.importorskip("playwright.sync_api",
-                                   reason="playwright (the test extra) is not installed")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (make test does)")
     others = [i for i in range(3) if i != m]
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(f"http://{gw.addrs['http']}/")
-            for n in g.nodes:
-                page.wait_for_selector(f"#store-nodes tr[data-node='{n.native}']",
-                                       timeout=10_000)
-            master_row = page.locator(f"#store-nodes tr[data-node='{g.nodes[m].native}']")
-            cells = master_row.locator("td").all_text_contents()
-            assert cells[0] == g.nodes[m].native and cells[1] == "master"
-            assert cells[2] == str(view["epoch"]) and cells[5] == "yes"
-            assert int(cells[3]) >= view["log_end"]
-            assert "sync replication, min in-sync 2" in page.inner_text("#store-group")
-            page.screenshot(path=str(tmp_path / "store-panel.png"), full_page=True)
-            assert (tmp_path / "store-panel.png").stat().st_size > 10_000
-            # The master is killed: the panel follows the gateway to the new master,
-            # which shows a higher epoch and the old master absent, out of the in-sync set.
-            g.nodes[m].kill()
-            row = "#store-nodes tr[data-node='{}'] td:nth-child({})"
-            page.wait_for_function(
-                "[" + ",".join(f"document.querySelector(\"{row.format(g.nodes[i].native, 2)}\")"
-                               for i in others)
-                + "].some(td => td && td.textContent === 'master')", timeout=20_000)
-            new = next(i for i in others if page.inner_text(row.format(g.nodes[i].native, 2))
-                       == "master")
-            assert int(page.inner_text(row.format(g.nodes[new].native, 3))) > view["epoch"]
-            page.wait_for_function(
-                f"document.querySelector(\"{row.format(g.nodes[m].native, 6)}\")"
-                "?.textContent === 'no'", timeout=20_000)
-            assert page.inner_text(row.format(g.nodes[m].native, 2)) == "absent"
-            assert errors == [], errors
-        finally:
-            browser.close()
+    with browser_page() as page:
+        page.goto(f"http://{gw.addrs['http']}/")
+        for n in g.nodes:
+            page.wait_for_selector(f"#store-nodes tr[data-node='{n.native}']",
+                                   timeout=10_000)
+        master_row = page.locator(f"#store-nodes tr[data-node='{g.nodes[m].native}']")
+        cells = master_row.locator("td").all_text_contents()
+        assert cells[0] == g.nodes[m].native and cells[1] == "master"
+        assert cells[2] == str(view["epoch"]) and cells[5] == "yes"
+        assert int(cells[3]) >= view["log_end"]
+        assert "sync replication, min in-sync 2" in page.inner_text("#store-group")
+        page.screenshot(path=str(tmp_path / "store-panel.png"), full_page=True)
+        assert (tmp_path / "store-panel.png").stat().st_size > 10_000
+        # The master is killed: the panel follows the gateway to the new master,
+        # which shows a higher epoch and the old master absent, out of the in-sync set.
+        g.nodes[m].kill()
+        row = "#store-nodes tr[data-node='{}'] td:nth-child({})"
+        page.wait_for_function(
+            "[" + ",".join(f"document.querySelector(\"{row.format(g.nodes[i].native, 2)}\")"
+                           for i in others)
+            + "].some(td => td && td.textContent === 'master')", timeout=20_000)
+        new = next(i for i in others if page.inner_text(row.format(g.nodes[i].native, 2))
+                   == "master")
+        assert int(page.inner_text(row.format(g.nodes[new].native, 3))) > view["epoch"]
+        page.wait_for_function(
+            f"document.querySelector(\"{row.format(g.nodes[m].native, 6)}\")"
+            "?.textContent === 'no'", timeout=20_000)
+        assert page.inner_text(row.format(g.nodes[m].native, 2)) == "absent"

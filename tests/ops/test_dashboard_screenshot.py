@@ -11,15 +11,12 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.mqtt.paho_client import Client
-from tests.ops.test_dashboard_browser import ARGS, CHROMIUM
+from tests.ops.browser import browser_page, needs_chromium
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDTH, HEIGHT = 1280, 1100
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                reason="Debian's chromium is not installed (make test does)")
+pytestmark = needs_chromium
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -28,8 +25,6 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 
 def test_dashboard_screenshot(server, tmp_path: Path) -> None:
-    sync_api = pytest.importorskip("playwright.sync_api",
-                                   reason="playwright (the test extra) is not installed")
     update = os.environ.get("LIGHTGATE_UPDATE_SCREENSHOT") == "1"
     out = ROOT / "docs" / "dashboard.png" if update else tmp_path / "dashboard.png"
     stop = threading.Event()
@@ -52,10 +47,8 @@ def test_dashboard_screenshot(server, tmp_path: Path) -> None:
 
     sim = threading.Thread(target=simulate, daemon=True)
     sim.start()
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    with browser_page(WIDTH, HEIGHT) as page:
         try:
-            page = browser.new_page(viewport={"width": WIDTH, "height": HEIGHT})
             page.goto(f"http://{server.addrs['http']}/")
             page.wait_for_function("document.getElementById('connections').textContent == '5'",
                                    timeout=10_000)
@@ -68,7 +61,6 @@ def test_dashboard_screenshot(server, tmp_path: Path) -> None:
             page.screenshot(path=str(out))
         finally:
             stop.set()
-            browser.close()
     sim.join(5)
     for client in (*devices, app):
         client.disconnect()
