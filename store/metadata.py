@@ -125,17 +125,41 @@ class Metadata:
                 else:
                     raise ValueError(f"unknown metadata op {op!r}")
 
-    def snapshot(self) -> dict[str, list[tuple[str, Any]]]:
-        """Every column family's items (a replica starting from nothing copies this)."""
-        return {cf: list(self.items(cf)) for cf in COLUMN_FAMILIES}
+    def page(self, cursor: tuple[str, str] | None, max_bytes: int
+             ) -> tuple[list[tuple[str, str, Any]], tuple[str, str] | None]:
+        """A page of a snapshot of every column family, for a replica to copy: the
+        (column family, key, value) items after `cursor` (the last column family and key
+        sent; None: from the start), in column family then key order, until about
+        `max_bytes` of keys and values, and the cursor after them (None: no more). Pages
+        read at different times: the copier replays the changes since it began."""
+        index, after = (0, b"") if cursor is None else (COLUMN_FAMILIES.index(cursor[0]),
+                                                         cursor[1].encode())
+        out: list[tuple[str, str, Any]] = []
+        size = 0
+        for cf in COLUMN_FAMILIES[index:]:
+            it = self._cf(cf).iter(ReadOptions())
+            it.seek(after)
+            if after and it.valid() and it.key() == after:
+                it.next()
+            while it.valid():
+                key, raw = it.key(), it.value()
+                out.append((cf, key.decode(), loads(raw)))
+                size += len(key) + len(raw)
+                if size >= max_bytes:
+                    return out, (cf, key.decode())
+                it.next()
+            after = b""
+        return out, None
 
-    def replace_all(self, snapshot: dict[str, list[tuple[str, Any]]]) -> None:
-        """Make the metadata equal to `snapshot`, in one atomic batch."""
+    def load_page(self, items: Sequence[Sequence[Any]], first: bool) -> None:
+        """A page of another node's snapshot (see `page`), in one atomic batch; the first
+        page replaces everything there was."""
         with self.batch() as batch:
-            for cf in COLUMN_FAMILIES:
-                batch.delete_prefix(cf, "")
-                for key, value in snapshot.get(cf, []):
-                    batch.put(cf, key, value)
+            if first:
+                for cf in COLUMN_FAMILIES:
+                    batch.delete_prefix(cf, "")
+            for cf, key, value in items:
+                batch.put(cf, key, value)
 
     def memory(self) -> dict[str, int]:
         """What RocksDB holds in memory over all column families (see

@@ -31,6 +31,7 @@ class Replica(Protocol):
     native_addr: str
     epochs: EpochFile
     master_end: int
+    meta_complete: bool
 
     def still_following(self, master_addr: str, epoch: int) -> bool: ...
 
@@ -43,11 +44,14 @@ class Replica(Protocol):
 
     def adopt_epochs(self, master_history: list[Epoch]) -> None: ...
 
+    def mark_meta(self, complete: bool) -> None: ...
+
 
 async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
     """Copy from `master_addr` until cancelled (reconnecting on errors)."""
     store = repl.store
     meta_pos: dict[str, Any] = {"inc": "", "seq": 0}
+    snap: list[Any] | None = None  # a snapshot being copied in pages: inc, seq, cursor
     while True:
         try:
             async with NativeClient.open(master_addr, credentials=repl.cfg.credentials,
@@ -61,6 +65,7 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                         "node": repl.node_id, "addr": repl.native_addr, "offset": offset,
                         "epochs": repl.epochs.history if check else None,
                         "meta_inc": meta_pos["inc"], "meta_seq": meta_pos["seq"],
+                        "meta_complete": repl.meta_complete, "snap": snap,
                         "wait_ms": FETCH_WAIT_MS, "max_bytes": FETCH_MAX_BYTES,
                     }, timeout=FETCH_WAIT_MS / 1000 + 10)
                     if "truncate_to" in header:
@@ -76,11 +81,13 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                     if body:
                         await repl.write(offset, body, int(header["base"]))
                     meta = header.get("meta") or {}
-                    if "snapshot" in meta:
-                        await trio.to_thread.run_sync(store.meta.replace_all, meta["snapshot"])
-                    elif meta.get("ops"):
-                        await trio.to_thread.run_sync(store.meta.apply, meta["ops"])
-                    if meta:
+                    if "page" in meta:
+                        snap = await _copy_page(repl, meta)
+                        if snap is None:  # the last page: the changes since it began next
+                            meta_pos["inc"], meta_pos["seq"] = meta["inc"], int(meta["seq"])
+                    elif meta:
+                        if meta.get("ops"):
+                            await trio.to_thread.run_sync(store.meta.apply, meta["ops"])
                         meta_pos["inc"], meta_pos["seq"] = meta["inc"], int(meta["seq"])
                     repl.adopt_epochs([(int(e), int(s)) for e, s in header["epochs"]])
         except Exception as exc:  # noqa: BLE001 - sorted below
@@ -92,6 +99,19 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
             else:
                 raise
         await trio.sleep(RETRY_S)
+
+
+async def _copy_page(repl: Replica, meta: dict[str, Any]) -> list[Any] | None:
+    """Apply one page of the master's metadata snapshot; what to ask for next (None:
+    that was the last). Until then the metadata is incomplete (see mark_meta)."""
+    last = meta["next"] is None
+    if not (meta["first"] and last):  # one page alone is applied atomically
+        repl.mark_meta(False)
+    await trio.to_thread.run_sync(repl.store.meta.load_page, meta["page"], meta["first"])
+    if last:
+        repl.mark_meta(True)
+        return None
+    return [meta["inc"], int(meta["seq"]), *meta["next"]]
 
 
 def _leaf(exc: BaseException) -> BaseException:

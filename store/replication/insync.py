@@ -18,6 +18,7 @@ class Replica:
     seen: float  # monotonic time of its last fetch
     insync: bool = False
     meta: int = -1  # the master's metadata change it has applied (-1: another incarnation)
+    meta_complete: bool = True  # False amid a snapshot copied in pages: it lacks some
 
 
 class InSync:
@@ -29,13 +30,15 @@ class InSync:
         self._pending: deque[tuple[int, float, Any]] = deque()  # (end, deadline, item)
 
     # -- membership -----------------------------------------------------------------
-    def report(self, node: str, addr: str, offset: int, now: float, master_end: int) -> bool:
+    def report(self, node: str, addr: str, offset: int, now: float, master_end: int,
+               meta_complete: bool = True) -> bool:
         """A replica fetched from `offset` (it holds everything before). True if the set
         changed."""
         rep = self.replicas.get(node)
         if rep is None:
             rep = self.replicas[node] = Replica(node, addr, offset, now)
         rep.addr, rep.offset, rep.seen = addr, offset, now
+        rep.meta_complete = meta_complete
         return self._judge(rep, now, master_end)
 
     def refresh(self, now: float, master_end: int) -> bool:
@@ -45,7 +48,8 @@ class InSync:
         return changed
 
     def _judge(self, rep: Replica, now: float, master_end: int) -> bool:
-        ok = now - rep.seen <= self.max_lag_s and master_end - rep.offset <= self.max_lag_bytes
+        ok = (now - rep.seen <= self.max_lag_s and master_end - rep.offset <= self.max_lag_bytes
+              and rep.meta_complete)
         if ok == rep.insync:
             return False
         rep.insync = ok

@@ -13,8 +13,10 @@ from collections.abc import Callable
 from itertools import islice
 
 from store.metadata import MetaOp
+from store.record import dumps_json
 
 MAX_OPS = 100_000
+MAX_BYTES = 8 << 20  # of ops in one answer (a frame holds 64 MiB)
 
 
 class MetaLog:
@@ -34,10 +36,11 @@ class MetaLog:
         if self.on_record is not None:
             self.on_record()
 
-    def since(self, incarnation: str, seq: int, limit: int = 10_000
-              ) -> tuple[list[MetaOp], int] | None:
-        """The ops after `seq` (at most `limit`) and the seq they reach; None when the
-        replica needs a snapshot (another incarnation, or ops it missed are gone)."""
+    def since(self, incarnation: str, seq: int, limit: int = 10_000,
+              max_bytes: int = MAX_BYTES) -> tuple[list[MetaOp], int] | None:
+        """The ops after `seq` (at most `limit`, and about `max_bytes` of keys and values
+        encoded: they travel in one frame) and the seq they reach; None when the replica
+        needs a snapshot (another incarnation, or ops it missed are gone)."""
         with self._lock:
             if incarnation != self.incarnation or seq > self.seq:
                 return None
@@ -47,5 +50,12 @@ class MetaLog:
             if seq + 1 < first:
                 return None
             skip = seq + 1 - first
-            out = [op for _, op in islice(self._ops, skip, skip + limit)]
-            return out, seq + len(out)
+            ops = list(islice(self._ops, skip, skip + limit))
+        out: list[MetaOp] = []
+        size = 0
+        for _, op in ops:
+            out.append(op)
+            size += len(op[2]) + len(dumps_json(op[3]))
+            if size >= max_bytes:
+                break
+        return out, seq + len(out)

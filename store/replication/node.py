@@ -23,6 +23,7 @@ from store.replication.epochs import Epoch, EpochFile, fork_point, implicit
 from store.replication.follower import follow
 from store.replication.insync import InSync
 from store.replication.metalog import MetaLog
+from store.segment import fsync_dir
 
 if TYPE_CHECKING:
     from store.record import Message
@@ -32,6 +33,8 @@ log = logging.getLogger("lightgate.store.replication")
 
 MASTER, REPLICA, FENCED = "master", "replica", "fenced"
 MAX_WAIT_MS = 5000
+SNAPSHOT_PAGE_BYTES = 8 << 20  # of metadata keys and values in one answer (frames: 64 MiB)
+META_INCOMPLETE_FILE = "metadata.incomplete"  # a replica amid a paged snapshot
 # A master without the controller keeps its role while replicas that fetched within this
 # long make a majority with it (a replica long-polls at least every second).
 FENCE_FETCH_S = 2.0
@@ -83,6 +86,8 @@ class Replication:
         self.drop_clients: Callable[[], None] = lambda: None  # set by the native server
         self.truncated_bytes = 0
         self.restarted_bytes = 0  # dropped starting over after the master's retention
+        self._incomplete = Path(store.config.data_dir) / META_INCOMPLETE_FILE
+        self.meta_complete = not self._incomplete.exists()
         self.confirmed = 0  # sync mode: the log up to here is held by min_insync nodes
         self.notify: Callable[[set[str]], None] = lambda names: None  # readers: queues grew
         self._follow_scope: trio.CancelScope | None = None
@@ -252,7 +257,7 @@ class Replication:
             return {"truncate_to": log_.max_offset}, b""
         if offset < log_.min_offset:
             return self._restart_point(node, offset)
-        self._report(node, str(h.get("addr", "")), offset)
+        self._report(node, str(h.get("addr", "")), offset, bool(h.get("meta_complete", True)))
         meta_inc, meta_seq = str(h.get("meta_inc", "")), int(h.get("meta_seq", 0))
         self.insync.replicas[node].meta = meta_seq if meta_inc == self.metalog.incarnation else -1
         self._release_meta()
@@ -264,14 +269,29 @@ class Replication:
         data, base = log_.read_raw(offset, max(1, int(h.get("max_bytes", 1 << 20))))
         changes = self.metalog.since(meta_inc, meta_seq)
         if changes is None:
-            seq = self.metalog.seq  # ops after it may be in the snapshot too: idempotent
-            meta: dict[str, Any] = {"inc": self.metalog.incarnation, "seq": seq,
-                                    "snapshot": self.store.meta.snapshot()}
+            meta = await self._snapshot_page(h.get("snap"))
         else:
             ops, seq = changes
             meta = {"inc": self.metalog.incarnation, "seq": seq, "ops": ops}
         return {"end": log_.max_offset, "base": base, "epoch": self.epoch,
                 "epochs": [list(x) for x in history], "meta": meta}, data
+
+    async def _snapshot_page(self, snap: list[Any] | None) -> dict[str, Any]:
+        """The next page of a metadata snapshot for a replica that needs one: pages as
+        big as a frame allows, read at different times, so the replica then replays every
+        change after `seq`, the change log's position when the first page was read (ops
+        are whole values: applied again over a page that saw them, they change nothing).
+        A replica that names a snapshot still valid here carries on with it; else, or
+        once the changes since its `seq` are gone from the log, it starts again."""
+        inc = self.metalog.incarnation
+        if snap and snap[0] == inc and self.metalog.since(inc, int(snap[1]), 0) is not None:
+            seq, cursor = int(snap[1]), (str(snap[2]), str(snap[3]))
+        else:
+            seq, cursor = self.metalog.seq, None
+        items, nxt = await trio.to_thread.run_sync(self.store.meta.page, cursor,
+                                                   SNAPSHOT_PAGE_BYTES)
+        return {"inc": inc, "seq": seq, "page": items, "first": cursor is None,
+                "next": list(nxt) if nxt else None}
 
     def _restart_point(self, node: str, offset: int) -> tuple[dict[str, Any], bytes]:
         """A replica whose log ends before this one's start (retention removed what would
@@ -287,9 +307,9 @@ class Replication:
         return {"restart_at": start, "floors": floors, "default_floor": index.default_floor,
                 "epochs": [list(x) for x in history]}, b""
 
-    def _report(self, node: str, addr: str, offset: int) -> None:
+    def _report(self, node: str, addr: str, offset: int, meta_complete: bool = True) -> None:
         changed = self.insync.report(node, addr, offset, time.monotonic(),
-                                     self.store.commitlog.max_offset)
+                                     self.store.commitlog.max_offset, meta_complete)
         self._release()
         if changed:
             self._insync_changed()
@@ -334,6 +354,19 @@ class Replication:
         log.warning("the master's log starts at %d, after this replica's end: dropped this "
                     "log's %d bytes (past retention) and start over from there", offset,
                     dropped)
+
+    def mark_meta(self, complete: bool) -> None:
+        """Amid a snapshot copied in pages the metadata lacks some of the master's: said
+        to the master (such a replica is not in sync, so never elected), and kept in a
+        file, for a replica killed amid one is still missing them."""
+        if complete == self.meta_complete:
+            return
+        if complete:
+            self._incomplete.unlink(missing_ok=True)
+        else:
+            self._incomplete.touch()
+        fsync_dir(self._incomplete.parent)
+        self.meta_complete = complete
 
     async def write(self, offset: int, data: bytes, base: int) -> None:
         if self.store.config.flush == "sync":

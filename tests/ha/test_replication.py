@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,48 @@ def test_replica_behind_the_masters_retention_starts_over(tmp_path: Path) -> Non
         replica.start()
         wait_for(lambda: cluster(replica)["role"] == "replica", 10, "restart")
         assert _ranges(replica.native, queues) == ranges
+    finally:
+        for node in (replica, master):
+            if node.proc is not None:
+                node.kill()
+
+
+def test_metadata_larger_than_a_frame_is_copied_in_pages(tmp_path: Path) -> None:
+    """96 MB of sessions, more than one native frame holds (64 MiB): a replica that was
+    stopped while they were written gets the changes in bounded answers, and one with an
+    empty disk copies the snapshot in pages, then is in sync again."""
+    master = Server(tmp_path / "m", command="store").start()
+    replica = Server(tmp_path / "r", "--replica-of", master.native, command="store").start()
+    blob = "x" * 12_000
+    try:
+        wait_for(lambda: cluster(master)["replicas"], 10, "the replica to fetch")
+        replica.proc.send_signal(signal.SIGSTOP)
+        for batch in range(16):
+            native_call(master.native, p.META_WRITE, {"ops": [
+                ["put", "sessions", f"dev-{batch}-{i}", {"blob": blob, "n": i}]
+                for i in range(500)]})
+        native_call(master.native, p.META_WRITE, {"ops": [["delete", "sessions", "dev-0-0",
+                                                           None]]})
+
+        def items(node: Server, batch: int) -> list:
+            return native_call(node.native, p.META_ITEMS, {"cf": "sessions",
+                                                           "prefix": f"dev-{batch}-"})["items"]
+
+        def same(batches: tuple[int, ...] = (0, 9)) -> bool:  # copied first and last
+            return all(items(replica, b) == items(master, b) for b in batches)
+
+        replica.proc.send_signal(signal.SIGCONT)
+        wait_for(same, 60, "8,000 changes (96 MB) to reach the stopped replica")
+        replica.kill()
+        shutil.rmtree(tmp_path / "r")  # a new disk copies a snapshot: 96 MB in pages
+        replica.start()
+        wait_for(same, 60, "the snapshot to reach the restarted replica")
+        wait_for(lambda: cluster(master)["replicas"][0]["insync"], 10, "in sync again")
+        assert same(tuple(range(16)))
+        assert len(items(replica, 0)) == 499 and len(items(replica, 15)) == 500
+        assert not (tmp_path / "r" / "metadata.incomplete").exists()
+        log = "".join(master.log)
+        assert "exceeds" not in log, log[-2000:]
     finally:
         for node in (replica, master):
             if node.proc is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from store.metadata import COLUMN_FAMILIES, Metadata
 from store.replication.controller import choose_master
 from store.replication.epochs import EpochFile, fork_point, implicit
 from store.replication.insync import InSync
@@ -101,3 +102,53 @@ def test_metadata_quorum_counts_in_sync_replicas_only() -> None:
     s.report("c", "c:1", 0, now=0.0, master_end=1000)  # not in sync: not counted
     s.replicas["c"].meta = 10
     assert s.meta_quorum(10) == 7
+
+
+def test_metalog_answers_are_bounded_in_bytes() -> None:
+    m = MetaLog()
+    m.record([("put", "retained", f"t{i}", {"body": "x" * 1000}) for i in range(50)])
+    ops, seq = m.since(m.incarnation, 0, max_bytes=10_000)
+    assert len(ops) == 10 and seq == 10  # about 1 kB each: ten reach the bound
+    ops, seq = m.since(m.incarnation, 10, max_bytes=10)
+    assert len(ops) == 1 and seq == 11  # one at least, however big
+
+
+def test_a_replica_amid_a_paged_snapshot_is_not_in_sync() -> None:
+    s = InSync(min_insync=2, max_lag_bytes=100, max_lag_s=5.0)
+    s.report("b", "b:1", 1000, now=0.0, master_end=1000, meta_complete=False)
+    assert s.members() == [] and not s.enough()
+    assert s.report("b", "b:1", 1000, now=0.1, master_end=1000, meta_complete=True)
+    assert s.members() == ["b"]
+
+
+def test_a_snapshot_in_pages_read_amid_changes_then_the_changes_replayed(tmp_path: Path
+                                                                          ) -> None:
+    """Pages are read at different times; replaying every change since the first page
+    over them gives the master's metadata exactly (changes are whole values)."""
+    master, copy = Metadata(tmp_path / "m"), Metadata(tmp_path / "c")
+    try:
+        log = MetaLog()
+        master.on_change = log.record
+        for cf in ("sessions", "offsets", "retained"):
+            for i in range(40):
+                master.put(cf, f"k{i:02d}", {"v": i, "pad": "p" * 50})
+        copy.put("users", "stale", {"gone": True})  # replaced by the first page
+        seq0, cursor, first, pages = log.seq, None, True, 0
+        while True:
+            items, cursor = master.page(cursor, 600)
+            copy.load_page(items, first)
+            first, pages = False, pages + 1
+            # the master changes amid the copy: before and after the cursor
+            master.put("sessions", f"k{pages:02d}", {"v": -pages})
+            master.delete("offsets", f"k{39 - pages:02d}")
+            master.put("acl", f"new{pages}", {"p": pages})
+            if cursor is None:
+                break
+        assert pages > 5
+        ops, _ = log.since(log.incarnation, seq0, limit=10**6)
+        copy.apply(ops)
+        for cf in COLUMN_FAMILIES:
+            assert list(copy.items(cf)) == list(master.items(cf)), cf
+    finally:
+        master.close()
+        copy.close()
