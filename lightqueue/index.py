@@ -235,15 +235,26 @@ class ConsumeQueueIndex:
 
     def floors(self) -> dict[str, int]:
         """Every queue's own floor (see `max_offset`)."""
+        return self.floors_page(None, 1 << 62)[0]
+
+    def floors_page(self, after: str | None, limit: int) -> tuple[dict[str, int], str | None]:
+        """Up to `limit` queues' own floors in name order, after the queue `after` (None:
+        from the first), and the last name given when more may follow (else None)."""
         ro = ReadOptions()
         ro.set_iterate_upper_bound(b"g")
         it = self._db.iter(ro)
-        it.seek(FLOOR)
-        out = {}
-        while it.valid():
-            out[it.key()[1:].decode()] = U64.unpack(it.value())[0]
+        start = FLOOR if after is None else FLOOR + after.encode()
+        it.seek(start)
+        if after is not None and it.valid() and it.key() == start:
             it.next()
-        return out
+        out: dict[str, int] = {}
+        while it.valid():
+            name = it.key()[1:].decode()
+            out[name] = U64.unpack(it.value())[0]
+            if len(out) >= limit:
+                return out, name
+            it.next()
+        return out, None
 
     def queue_ends(self) -> dict[str, int]:
         """The end of every queue (a skip-scan: one seek per queue; for repairs only)."""

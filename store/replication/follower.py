@@ -38,7 +38,7 @@ class Replica(Protocol):
     async def cut(self, offset: int) -> None: ...
 
     async def restart(self, offset: int, floors: dict[str, int], default_floor: int,
-                      master_history: list[Epoch]) -> None: ...
+                      master_history: list[Epoch], first: bool, last: bool) -> None: ...
 
     async def write(self, offset: int, data: bytes, base: int) -> None: ...
 
@@ -52,6 +52,7 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
     store = repl.store
     meta_pos: dict[str, Any] = {"inc": "", "seq": 0}
     snap: list[Any] | None = None  # a snapshot being copied in pages: inc, seq, cursor
+    restart: list[Any] | None = None  # starting over amid floors pages: offset, last queue
     while True:
         try:
             async with NativeClient.open(master_addr, credentials=repl.cfg.credentials,
@@ -66,15 +67,18 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                         "epochs": repl.epochs.history if check else None,
                         "meta_inc": meta_pos["inc"], "meta_seq": meta_pos["seq"],
                         "meta_complete": repl.meta_complete, "snap": snap,
+                        "restart": restart,
                         "wait_ms": FETCH_WAIT_MS, "max_bytes": FETCH_MAX_BYTES,
                     }, timeout=FETCH_WAIT_MS / 1000 + 10)
                     if "truncate_to" in header:
                         await repl.cut(int(header["truncate_to"]))
                         continue
                     if "restart_at" in header:
-                        await repl.restart(int(header["restart_at"]), header["floors"],
-                                           int(header["default_floor"]),
-                                           [(int(e), int(s)) for e, s in header["epochs"]])
+                        at, nxt = int(header["restart_at"]), header["next"]
+                        await repl.restart(at, header["floors"], int(header["default_floor"]),
+                                           [(int(e), int(s)) for e, s in header["epochs"]],
+                                           bool(header["first"]), nxt is None)
+                        restart = None if nxt is None else [at, nxt]
                         continue
                     check = False
                     repl.master_end = int(header["end"])

@@ -6,6 +6,7 @@ and, with --group-peers, the controller that says who is master."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -33,6 +34,8 @@ log = logging.getLogger("lightgate.store.replication")
 
 MASTER, REPLICA, FENCED = "master", "replica", "fenced"
 MAX_WAIT_MS = 5000
+# Queues' index floors in one answer (about 5 MB); the HA tests make pages of a few.
+FLOORS_PAGE = int(os.environ.get("LIGHTGATE_REPL_FLOORS_PAGE", "100000"))
 SNAPSHOT_PAGE_BYTES = 8 << 20  # of metadata keys and values in one answer (frames: 64 MiB)
 META_INCOMPLETE_FILE = "metadata.incomplete"  # a replica amid a paged snapshot
 # A master without the controller keeps its role while replicas that fetched within this
@@ -256,7 +259,7 @@ class Replication:
         if offset > log_.max_offset:
             return {"truncate_to": log_.max_offset}, b""
         if offset < log_.min_offset:
-            return self._restart_point(node, offset)
+            return await self._restart_point(node, offset, h.get("restart"))
         self._report(node, str(h.get("addr", "")), offset, bool(h.get("meta_complete", True)))
         meta_inc, meta_seq = str(h.get("meta_inc", "")), int(h.get("meta_seq", 0))
         self.insync.replicas[node].meta = meta_seq if meta_inc == self.metalog.incarnation else -1
@@ -293,18 +296,23 @@ class Replication:
         return {"inc": inc, "seq": seq, "page": items, "first": cursor is None,
                 "next": list(nxt) if nxt else None}
 
-    def _restart_point(self, node: str, offset: int) -> tuple[dict[str, Any], bytes]:
+    async def _restart_point(self, node: str, offset: int, cursor: list[Any] | None
+                             ) -> tuple[dict[str, Any], bytes]:
         """A replica whose log ends before this one's start (retention removed what would
         follow it) starts over at this log's start, with the index floors that give each
-        queue this node's end. The start is read before the floors: a segment retention
-        removes in between only adds floors the replica does not need."""
+        queue this node's end, in pages of FLOORS_PAGE queues. A page goes on from the
+        replica's cursor while the start stays where it was; once retention moves it, the
+        floors start again (floors only rise when retention passes the start)."""
         start = self.store.commitlog.min_offset
+        after = str(cursor[1]) if cursor and int(cursor[0]) == start else None
         index = self.store.index
-        floors = index.floors()
-        log.warning("replica %s needs offset %d, before this log's start %d (retention "
-                    "removed it): it starts over from %d", node, offset, start, start)
+        floors, nxt = await trio.to_thread.run_sync(index.floors_page, after, FLOORS_PAGE)
+        if after is None:
+            log.warning("replica %s needs offset %d, before this log's start %d (retention "
+                        "removed it): it starts over from %d", node, offset, start, start)
         history = implicit(self.epochs.history, self.store.commitlog.max_offset)
-        return {"restart_at": start, "floors": floors, "default_floor": index.default_floor,
+        return {"restart_at": start, "floors": floors, "first": after is None, "next": nxt,
+                "default_floor": index.default_floor,
                 "epochs": [list(x) for x in history]}, b""
 
     def _report(self, node: str, addr: str, offset: int, meta_complete: bool = True) -> None:
@@ -335,20 +343,22 @@ class Replication:
                     cut, offset)
 
     async def restart(self, offset: int, floors: dict[str, int], default_floor: int,
-                      master_history: list[Epoch]) -> None:
+                      master_history: list[Epoch], first: bool, last: bool) -> None:
         """Drop this replica's whole log, older than anything the master still holds, and
-        start over empty at the master's start (the index first: a crash in between leaves
+        start over empty at the master's start: the index first, reset to the master's
+        floors page by page, then the log with the last page (a crash in between leaves
         an index ahead of the log, which recovery rebuilds, and the master asks again).
         The epochs that began by then are the master's: a log with bytes before its start
         and no history of its own would read as epoch 0 from 0, forked from everything."""
         store = self.store
-        self.epochs.save([e for e in master_history if e[1] <= offset])
-
-        def start_over() -> int:
-            store.index.reset(offset, floors, default_floor)
-            return store.commitlog.restart_at(offset)
-
-        dropped = await trio.to_thread.run_sync(start_over)
+        if first:
+            self.epochs.save([e for e in master_history if e[1] <= offset])
+            await trio.to_thread.run_sync(store.index.reset, offset, floors, default_floor)
+        else:
+            await trio.to_thread.run_sync(store.index.set_floors, floors)
+        if not last:
+            return
+        dropped = await trio.to_thread.run_sync(store.commitlog.restart_at, offset)
         store.recent.clear()
         self.restarted_bytes += dropped
         log.warning("the master's log starts at %d, after this replica's end: dropped this "
