@@ -837,6 +837,19 @@ class CommitLog:
                     log.exception("on_dispatched callback failed")
             return msgs
 
+    def repair_index(self) -> bool:
+        """Rebuild the index from the log if it covers more than the log holds: a
+        replica's start-over cut short between its index and its log (see restart_at)
+        by a change of master, as recovery does after a crash there. True if it did."""
+        with self._write_lock:
+            ckpt = self.index.checkpoint()
+            if ckpt <= self._write_pos:
+                return False
+            report = RecoveryReport(clean_shutdown=True, verified_from=ckpt,
+                                    end=self._write_pos)
+            self._recover_index(ckpt, report)
+            return True
+
     def restart_at(self, offset: int) -> int:
         """Start over, empty, at `offset`: a replica whose whole log is older than what
         its master still holds (retention there removed the bytes that would follow it)

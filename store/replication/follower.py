@@ -50,6 +50,8 @@ class Replica(Protocol):
 async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
     """Copy from `master_addr` until cancelled (reconnecting on errors)."""
     store = repl.store
+    if await trio.to_thread.run_sync(store.commitlog.repair_index):
+        log.warning("the index was ahead of the log (a start-over cut short): rebuilt")
     meta_pos: dict[str, Any] = {"inc": "", "seq": 0}
     snap: list[Any] | None = None  # a snapshot being copied in pages: inc, seq, cursor
     restart: list[Any] | None = None  # starting over amid floors pages: offset, last queue

@@ -288,3 +288,9 @@ def test_an_index_reset_then_a_crash_before_the_log_restarts(logs) -> None:
     assert [e.phys_offset for e in log.index.read("r/a", 0, 100)] == [m.phys_offset
                                                                       for m in sent]
     assert log.index.max_offset("r/b") == 9
+    # The same cut short by a change of master, with no crash: the follower repairs it.
+    log.index.reset(log.max_offset + 1000, {"r/c": 4}, 0)
+    assert log.repair_index() and not log.repair_index()
+    assert [e.phys_offset for e in log.index.read("r/a", 0, 100)] == [m.phys_offset
+                                                                      for m in sent]
+    assert log.index.max_offset("r/c") == 4
