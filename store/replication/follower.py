@@ -32,6 +32,7 @@ class Replica(Protocol):
     epochs: EpochFile
     master_end: int
     meta_complete: bool
+    master_confirmed: int | None
 
     def still_following(self, master_addr: str, epoch: int) -> bool: ...
 
@@ -41,6 +42,8 @@ class Replica(Protocol):
                       master_history: list[Epoch], first: bool, last: bool) -> None: ...
 
     async def write(self, offset: int, data: bytes, base: int) -> None: ...
+
+    def confirm(self, upto: int | None) -> None: ...
 
     def adopt_epochs(self, master_history: list[Epoch]) -> None: ...
 
@@ -69,7 +72,7 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                         "epochs": repl.epochs.history if check else None,
                         "meta_inc": meta_pos["inc"], "meta_seq": meta_pos["seq"],
                         "meta_complete": repl.meta_complete, "snap": snap,
-                        "restart": restart,
+                        "restart": restart, "confirmed": repl.master_confirmed,
                         "wait_ms": FETCH_WAIT_MS, "max_bytes": FETCH_MAX_BYTES,
                     }, timeout=FETCH_WAIT_MS / 1000 + 10)
                     if "truncate_to" in header:
@@ -86,6 +89,7 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                     repl.master_end = int(header["end"])
                     if body:
                         await repl.write(offset, body, int(header["base"]))
+                    repl.confirm(header.get("confirmed"))
                     meta = header.get("meta") or {}
                     if "page" in meta:
                         snap = await _copy_page(repl, meta)

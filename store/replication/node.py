@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -92,6 +93,9 @@ class Replication:
         self._incomplete = Path(store.config.data_dir) / META_INCOMPLETE_FILE
         self.meta_complete = not self._incomplete.exists()
         self.confirmed = 0  # sync mode: the log up to here is held by min_insync nodes
+        # As a replica: the master's read limit (None: none); 0 until its first answer.
+        self.master_confirmed: int | None = 0
+        self._held: deque[tuple[int, set[str]]] = deque()  # copied, not yet readable
         self.notify: Callable[[set[str]], None] = lambda names: None  # readers: queues grew
         self._follow_scope: trio.CancelScope | None = None
         self._grew = trio.Event()
@@ -158,7 +162,10 @@ class Replication:
 
     def _release(self) -> None:
         end = self.store.commitlog.max_offset
+        before = self.confirmed
         self.confirmed = max(self.confirmed, self.insync.quorum_offset(end))
+        if self.confirmed > before and self.read_limit() is not None:
+            self._wake_soon()  # replicas' readers may see more: answer their long polls
         ready = self.insync.ready(end)
         for outer, msgs in ready:
             if not outer.done():
@@ -207,8 +214,11 @@ class Replication:
     def read_limit(self) -> int | None:
         """Sync mode, on the master: readers see the log up to the acknowledged offset
         only, so no reader ever sees a message (and its queue offset) that a failover may
-        cut. None: no limit."""
-        if self.cfg.mode != "sync" or self.cfg.min_insync <= 1 or self.role == REPLICA:
+        cut; on a replica, up to what its master last said (see `confirm`). None: no
+        limit."""
+        if self.role == REPLICA:
+            return self.master_confirmed
+        if self.cfg.mode != "sync" or self.cfg.min_insync <= 1:
             return None
         return self.confirmed
 
@@ -265,8 +275,10 @@ class Replication:
         self.insync.replicas[node].meta = meta_seq if meta_inc == self.metalog.incarnation else -1
         self._release_meta()
         wait_ms = min(int(h.get("wait_ms", 0)), MAX_WAIT_MS)
+        limit = self.read_limit()
         if (offset >= log_.max_offset and wait_ms > 0 and meta_inc == self.metalog.incarnation
-                and meta_seq >= self.metalog.seq):
+                and meta_seq >= self.metalog.seq
+                and (limit is None or h.get("confirmed") == limit)):
             with trio.move_on_after(wait_ms / 1000):
                 await self._grew.wait()
         data, base = log_.read_raw(offset, max(1, int(h.get("max_bytes", 1 << 20))))
@@ -277,6 +289,7 @@ class Replication:
             ops, seq = changes
             meta = {"inc": self.metalog.incarnation, "seq": seq, "ops": ops}
         return {"end": log_.max_offset, "base": base, "epoch": self.epoch,
+                "confirmed": self.read_limit(),
                 "epochs": [list(x) for x in history], "meta": meta}, data
 
     async def _snapshot_page(self, snap: list[Any] | None) -> dict[str, Any]:
@@ -380,9 +393,27 @@ class Replication:
 
     async def write(self, offset: int, data: bytes, base: int) -> None:
         if self.store.config.flush == "sync":
-            await trio.to_thread.run_sync(self.store.commitlog.write_raw, offset, data, base)
+            msgs = await trio.to_thread.run_sync(self.store.commitlog.write_raw, offset, data,
+                                                 base)
         else:
-            self.store.commitlog.write_raw(offset, data, base)
+            msgs = self.store.commitlog.write_raw(offset, data, base)
+        if self.master_confirmed is not None:  # readers wait for the master's word
+            self._held.append((offset + len(data), {q for m in msgs for q, _ in m.queues}))
+
+    def confirm(self, upto: int | None) -> None:
+        """The master's read limit: readers of this replica see no more than readers of
+        the master do (in sync mode, acknowledged messages only, so none that a failover
+        may cut). Readers waiting on queues that became readable are woken."""
+        if upto is not None:
+            upto = min(upto, self.store.commitlog.max_offset)
+            if self.master_confirmed is not None and upto <= self.master_confirmed:
+                return
+        self.master_confirmed = upto
+        names: set[str] = set()
+        while self._held and (upto is None or self._held[0][0] <= upto):
+            names |= self._held.popleft()[1]
+        if names:
+            self.notify(names)
 
     def adopt_epochs(self, master_history: list[Epoch]) -> None:
         end = self.store.commitlog.max_offset
@@ -415,6 +446,7 @@ class Replication:
         was = self.role
         self._stop_following()
         self.role, self.master_addr = REPLICA, master_addr
+        self.master_confirmed, self._held = 0, deque()  # until the new master's answer
         self.store.meta.on_change = None
         for outer, _ in self.insync.expired(float("inf")):
             if not outer.done():
@@ -536,6 +568,7 @@ class Replication:
             out["replicated_offset"] = max(0, self.insync.quorum_offset(end))
         else:
             out["lag_bytes"] = max(0, self.master_end - end)
+            out["read_limit"] = self.master_confirmed  # what its readers may see (None: all)
         if self.controller is not None:
             view = self.controller.view()
             out["controller"] = {"leader": self.controller.leader, "master": view["master"],

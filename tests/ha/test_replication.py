@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -216,4 +217,38 @@ def test_metadata_larger_than_a_frame_is_copied_in_pages(tmp_path: Path) -> None
     finally:
         for node in (replica, master):
             if node.proc is not None:
+                node.kill()
+
+
+def test_readers_of_a_replica_see_acknowledged_messages_only(tmp_path: Path) -> None:
+    """Sync mode: a replica holds bytes the group has not acknowledged yet (another
+    replica is stopped); its readers do not see them, as the master's do not, for a
+    failover may cut them. Once acknowledged, they do."""
+    master = Server(tmp_path / "m", "--replication", "sync", "--min-insync", "3",
+                    "--max-lag-s", "30", command="store").start()
+    a = Server(tmp_path / "a", "--replica-of", master.native, command="store").start()
+    b = Server(tmp_path / "b", "--replica-of", master.native, command="store").start()
+    try:
+        wait_for(lambda: len(cluster(master)["insync"]) == 3, 10, "both replicas in sync")
+        _send(master.native, 5)
+        wait_for(lambda: len(read_topic(a.native, TOPIC)) == 5, 10, "acked messages on a")
+        b.proc.send_signal(signal.SIGSTOP)
+        done: list[object] = []
+        sender = threading.Thread(target=lambda: done.append(_send(master.native, 3, 5)))
+        sender.start()
+        # a copies the first of them (the producer waits for each ack); b's copy is what
+        # would acknowledge it
+        wait_for(lambda: cluster(a)["log_end"] == cluster(master)["log_end"]
+                 > cluster(master)["replicated_offset"], 5, "a to hold the unacked tail")
+        assert len(read_topic(a.native, TOPIC)) == 5
+        assert len(read_topic(master.native, TOPIC)) == 5
+        assert cluster(a)["read_limit"] < cluster(a)["log_end"]
+        b.proc.send_signal(signal.SIGCONT)
+        sender.join(10)
+        assert done, "the sends were acknowledged once b fetched"
+        wait_for(lambda: len(read_topic(a.native, TOPIC)) == 8, 5, "the acked three on a")
+    finally:
+        for node in (a, b, master):
+            if node.proc is not None:
+                node.proc.send_signal(signal.SIGCONT)
                 node.kill()
