@@ -313,6 +313,25 @@ class ConsumeQueueIndex:
             it.prev()
         return start
 
+    def end_within(self, queue: str, phys_limit: int) -> int:
+        """The queue's end counting only the entries whose records end at or before
+        `phys_limit` (in sync replication, the acknowledged part of the log): where a new
+        reader starts that must never see a message a failover may cut. Walks back from
+        the end over runs; what lies past the limit is milliseconds of appends."""
+        prefix = queue_prefix(queue)
+        it = self._db.iter(ReadOptions())  # (rocksdict's lower bound misleads seek_for_prev)
+        it.seek_for_prev(prefix + _MAX_U64)
+        end = self.max_offset(queue)
+        while (run := self._run(it, prefix)) is not None:
+            first, entries = run
+            for i in range(len(entries) // ENTRY.size - 1, -1, -1):
+                phys, size, _ = ENTRY.unpack_from(entries, i * ENTRY.size)
+                if phys + size <= phys_limit:
+                    return end
+                end = first + i
+            it.prev()
+        return end
+
     def holds(self, phys_offset: int, queues: list[tuple[str, int]], key: str) -> bool:
         """Whether the index has the message at `phys_offset` (whose queues and key are
         these) under its first queue or, with no queue, under its key."""

@@ -417,7 +417,7 @@ class NativeServer:
     async def _pull_acked(self, queue: str, offset: int, max_count: int) -> PullResult:
         """`store.pull`, cut before the first message past the read limit."""
         res = await self.store.pull(queue, offset, max_count)
-        limit = self.read_limit() if self.read_limit is not None else None
+        limit = self._limit()
         if limit is None:
             return res
         for i, m in enumerate(res.messages):
@@ -428,13 +428,19 @@ class NativeServer:
                 break
         return res
 
+    # A new subscription starts at the end these give: held at the read limit, as PULL
+    # is, it never starts past messages a failover may cut (their offsets then go to
+    # other messages, which the subscription would skip).
     async def _queue_range(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
-        lo, hi = self.store.queue_range(str(f.header["queue"]))
+        lo, hi = self.store.queue_range(str(f.header["queue"]), self._limit())
         return {"min_offset": lo, "max_offset": hi}, b""
 
     async def _queue_ends(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         queues = [str(q) for q in f.header["queues"]]
-        return {"ends": await self.store.queue_ends(queues)}, b""
+        return {"ends": await self.store.queue_ends(queues, self._limit())}, b""
+
+    def _limit(self) -> int | None:
+        return self.read_limit() if self.read_limit is not None else None
 
     async def _queue_tail(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         h = f.header

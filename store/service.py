@@ -302,8 +302,15 @@ class EmbeddedStore:
         next_offset = entries[-1].offset + 1 if entries else start
         return PullResult(messages, next_offset, lo, hi)
 
-    def queue_range(self, queue: str) -> tuple[int, int]:
-        return self.index.min_offset(queue), self.index.max_offset(queue)
+    def queue_range(self, queue: str, read_limit: int | None = None) -> tuple[int, int]:
+        """The queue's first and end offsets; with a read limit (the acknowledged log
+        offset in sync replication), the end of what readers may see."""
+        return self.index.min_offset(queue), self._end(queue, read_limit)
+
+    def _end(self, queue: str, read_limit: int | None) -> int:
+        if read_limit is None:
+            return self.index.max_offset(queue)
+        return self.index.end_within(queue, read_limit)
 
     async def get_message(self, msg_id: str) -> Message:
         return await trio.to_thread.run_sync(self.commitlog.read, parse_msg_id(msg_id))
@@ -369,9 +376,11 @@ class EmbeddedStore:
         from store.replication.ops import cluster_view
         return cluster_view(self)
 
-    async def queue_ends(self, queues: Sequence[str]) -> dict[str, int]:
-        """End offsets of many queues at once (the poll fallback when notify is down)."""
-        return {q: self.index.max_offset(q) for q in queues}
+    async def queue_ends(self, queues: Sequence[str], read_limit: int | None = None
+                         ) -> dict[str, int]:
+        """End offsets of many queues at once (the poll fallback when notify is down),
+        with a read limit as `queue_range` takes it."""
+        return {q: self._end(q, read_limit) for q in queues}
 
     async def queue_end(self, queue: str) -> int:
         """One past the last entry of `queue`: where a new subscription starts."""

@@ -243,10 +243,17 @@ def test_readers_of_a_replica_see_acknowledged_messages_only(tmp_path: Path) -> 
         assert len(read_topic(a.native, TOPIC)) == 5
         assert len(read_topic(master.native, TOPIC)) == 5
         assert cluster(a)["read_limit"] < cluster(a)["log_end"]
+        # nor does a new subscription start past it (QUEUE_RANGE's end, on either node)
+        parts = [f"{TOPIC}#{i}" for i in range(4)]
+        assert sum(hi for _, hi in _ranges(master.native, parts).values()) == 5
+        assert sum(hi for _, hi in _ranges(a.native, parts).values()) == 5
+        ends = native_call(master.native, p.QUEUE_ENDS, {"queues": parts})["ends"]
+        assert sum(ends.values()) == 5
         b.proc.send_signal(signal.SIGCONT)
         sender.join(10)
         assert done, "the sends were acknowledged once b fetched"
         wait_for(lambda: len(read_topic(a.native, TOPIC)) == 8, 5, "the acked three on a")
+        assert sum(hi for _, hi in _ranges(a.native, parts).values()) == 8
     finally:
         for node in (a, b, master):
             if node.proc is not None:
