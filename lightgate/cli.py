@@ -31,6 +31,7 @@ from serving.startup import (
     StartupError,
     check_ports,
     first_of,
+    read_secret,
 )
 
 
@@ -224,9 +225,10 @@ def _replication_config(values: dict[str, Any]) -> Any:
     mode = values["replication"]
     if mode not in ("sync", "async"):
         raise StartupError(f"--replication must be sync or async, not {mode!r}")
+    raft, advertise = values["raft"], values["raft_advertise"] or values["raft"]
     peers = [x.strip() for x in (values["group_peers"] or "").split(",")
-             if x.strip() and x.strip() != values["raft"]]  # the list may name this node
-    if peers and not values["raft"]:
+             if x.strip() and x.strip() != advertise]  # the list may name this node
+    if peers and not raft:
         raise StartupError("--group-peers needs --raft HOST:PORT (this node's Raft address)")
     if peers and values["replica_of"]:
         raise StartupError("--replica-of and --group-peers exclude each other: in a group "
@@ -235,6 +237,17 @@ def _replication_config(values: dict[str, Any]) -> Any:
     if values["min_insync"] < 1 or (group is not None and values["min_insync"] > group):
         raise StartupError(f"--min-insync must be between 1 and the group's size, not "
                            f"{values['min_insync']}")
+    if values["failover_after_s"] < values["controller_lease_s"] + 0.5:
+        raise StartupError("--failover-after-s must be at least --controller-lease-s + 0.5: "
+                           "a master's lease must end before another may be elected")
+    secret = None
+    if values["raft_secret"]:
+        secret = read_secret(values["raft_secret"], "--raft-secret")
+    if peers and secret is None:
+        # Raft frames are pickles: without the secret anyone who reaches the port (on
+        # loopback: any local process) could run code in this node.
+        raise StartupError("a store group needs a secret: --raft-secret VALUE|@FILE, the "
+                           "same on every node (Raft messages without it are dropped)")
     creds = None
     if values["replica_auth"]:
         name, sep, password = values["replica_auth"].partition(":")
@@ -244,7 +257,8 @@ def _replication_config(values: dict[str, Any]) -> Any:
     return ReplicationConfig(
         node_id=values["node_id"] or "", replica_of=values["replica_of"], mode=mode,
         min_insync=values["min_insync"], max_lag_bytes=values["max_lag_bytes"],
-        max_lag_s=values["max_lag_s"], raft=values["raft"], group_peers=peers,
+        max_lag_s=values["max_lag_s"], raft=raft, raft_advertise=advertise,
+        raft_secret=secret, group_peers=peers,
         lease_s=values["controller_lease_s"], dead_s=values["failover_after_s"],
         credentials=creds, advertise=values["native_advertise"])
 

@@ -38,24 +38,29 @@ REPLICATION_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("replica-of", str, None, "HOST:PORT: copy this master's CommitLog and metadata (a "
      "fixed replica, no controller; with --group-peers the controller decides)"),
     ("replication", str, "async", "async: ack when the master has the bytes; sync: when "
-     "--min-insync nodes of the in-sync set have them"),
-    ("min-insync", int, 1, "sync mode: nodes (master included) that must hold an append "
-     "before it is acked; with fewer in sync, writes are refused"),
+     "every node of the in-sync set has them"),
+    ("min-insync", int, 1, "sync mode: the in-sync set (master included) must have at least "
+     "this many nodes; with fewer, writes are refused"),
     ("max-lag-bytes", int, 64 * 1024 * 1024, "a replica further behind leaves the in-sync "
      "set"),
-    ("max-lag-s", float, 5.0, "a replica that has not fetched for this long leaves the "
-     "in-sync set"),
-    ("raft", str, None, "this node's Raft HOST:PORT (the embedded controller, with "
+    ("max-lag-s", float, 2.0, "a replica that has not fetched for this long leaves the "
+     "in-sync set (sync mode: acks wait for it until then)"),
+    ("raft", str, None, "HOST:PORT the embedded controller's Raft port binds (with "
      "--group-peers)"),
-    ("group-peers", str, None, "the other store nodes' Raft HOST:PORT, comma list: turns on "
-     "the controller and automatic failover"),
-    ("node-id", str, None, "this node's name in the group (default: its --raft address)"),
+    ("raft-advertise", str, None, "HOST:PORT the other nodes reach this node's Raft port at "
+     "(default: --raft; set it behind NAT, a proxy or a Kubernetes Service)"),
+    ("raft-secret", str, None, "VALUE or @FILE: the group secret every node of the group "
+     "shares; Raft messages without it are dropped unread. Required unless --raft is a "
+     "loopback address"),
+    ("group-peers", str, None, "every store node's Raft address (as advertised), comma list; "
+     "this node's own may be listed too. Turns on the controller and automatic failover"),
+    ("node-id", str, None, "this node's name in the group (default: its Raft address)"),
     ("native-advertise", str, None, "HOST:PORT other nodes and clients reach this node's "
      "native port at (default: --native as bound; set it when binding 0.0.0.0)"),
-    ("controller-lease-s", float, 3.0, "a master cut off from the controller and from a "
-     "majority of the group this long steps down"),
+    ("controller-lease-s", float, 3.0, "a master acknowledges writes only this long after "
+     "the controller last heard from it; then it steps down"),
     ("failover-after-s", float, 4.0, "the controller elects a new master once the master "
-     "has not reported for this long"),
+     "has not reported for this long (at least --controller-lease-s + 0.5)"),
     ("replica-auth", str, None, "NAME:PASSWORD a replica authenticates to its master with "
      "(a node user, when the group runs with --auth)"),
 ]

@@ -14,6 +14,7 @@ import signal
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
@@ -114,3 +115,18 @@ async def stop_on_signal(signals: Any, nursery: trio.Nursery) -> None:
         log.info("signal %s: shutting down", signal.Signals(signum).name)
         nursery.cancel_scope.cancel()
         return
+
+
+def read_secret(value: str, flag: str) -> str:
+    """A secret given as VALUE or @FILE (the file's contents, one trailing newline
+    dropped, as editors add one); a missing or empty file is a StartupError."""
+    if not value.startswith("@"):
+        return value
+    try:
+        data = Path(value[1:]).read_text()
+    except OSError as exc:
+        raise StartupError(f"{flag}: cannot read {value[1:]!r} ({exc.strerror})") from exc
+    secret = data[:-1] if data.endswith("\n") else data
+    if not secret:
+        raise StartupError(f"{flag}: {value[1:]!r} is empty")
+    return secret

@@ -46,10 +46,15 @@ class Server:
     """A `lightgate` server command in a subprocess (serve by default); restartable on the
     same data directory and ports."""
 
-    def __init__(self, data_dir: Path | None, *extra: str, command: str = "serve") -> None:
+    def __init__(self, data_dir: Path | None, *extra: str, command: str = "serve",
+                 host: str = "127.0.0.1", http_host: str = "127.0.0.1",
+                 prefix: list[str] | None = None) -> None:
         self.data_dir = data_dir
         self.extra = list(extra)
         self.command = command
+        self.host = host  # the native and MQTT ports' address
+        self.http_host = http_host
+        self.prefix = prefix or []  # e.g. `ip netns exec NAME`: run it in a namespace
         self.proc: subprocess.Popen | None = None
         self.addrs: dict[str, str] = {}
         self.log: list[str] = []
@@ -58,13 +63,15 @@ class Server:
         self.native_port = reserved_port()
 
     def _args(self) -> list[str]:
-        args = [sys.executable, "-m", "lightgate", "--log-level", "DEBUG", self.command]
+        args = [*self.prefix, sys.executable, "-m", "lightgate", "--log-level", "DEBUG",
+                self.command]
         if self.command in ("serve", "store"):
-            args += ["--data-dir", str(self.data_dir), "--native", f"127.0.0.1:{self.native_port}"]
+            args += ["--data-dir", str(self.data_dir), "--native",
+                     f"{self.host}:{self.native_port}"]
         if self.command in ("serve", "gateway"):
-            args += ["--mqtt", f"127.0.0.1:{self.mqtt_port}", "--ws", "127.0.0.1:0",
+            args += ["--mqtt", f"{self.host}:{self.mqtt_port}", "--ws", f"{self.host}:0",
                      "--sys-interval", "1"]
-        return [*args, "--http", "127.0.0.1:0", *self.extra]
+        return [*args, "--http", f"{self.http_host}:0", *self.extra]
 
     def start(self) -> Server:
         self.proc = subprocess.Popen(
@@ -123,17 +130,18 @@ class Server:
 class RedisServer:
     """A real redis-server on a free loopback port."""
 
-    def __init__(self) -> None:
+    def __init__(self, *also: str) -> None:
         self.port = reserved_port()  # kept across stop/start (see reserved_port)
         self.proc: subprocess.Popen | None = None
+        self.binds = ["127.0.0.1", *also]  # more addresses (a test network's bridge)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"redis://{self.binds[-1]}:{self.port}"
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            ["redis-server", "--port", str(self.port), "--bind", *self.binds, "--save", "",
              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

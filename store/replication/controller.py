@@ -1,94 +1,148 @@
 """The group's controller: Raft from pysyncobj, embedded in every store node (no extra
-process). The replicated state is small: who is master, its epoch, the in-sync set, and
-each node's last report (native address, log end, last epoch, wall-clock time). The Raft
-leader runs the election rule (`choose_master`, sans-IO); every node applies the state
-to itself (store.replication.node).
+process). The replicated state is small: who is master and of which epoch, the in-sync
+set, each node's last report (native address, log end, last epoch) and how many reports
+each node has made. The Raft leader runs the election rule (`choose_master`, sans-IO);
+every node applies the state to itself (store.replication.node).
 
-Raft needs a majority of the group's nodes up and talking: without it no election
-happens, and the master keeps serving as long as its replicas keep fetching from it
-(see Replication._fence)."""
+The rules that keep acknowledged writes safe, as RocketMQ 5's controller and Kafka's
+KRaft keep them:
+
+- **Leases, in the right order.** A master acknowledges only while it holds a lease: a
+  report it made as master of its epoch, committed by Raft, renews it for `lease_s`
+  from the moment the report was *sent* (its own monotonic clock). The controller deems
+  a master dead only `dead_s` (> `lease_s`) after it *applied* the master's last report
+  (the leader's own monotonic clock). A report is applied after it was sent, so the
+  master's lease always ends before anyone may be elected in its place. No wall-clock
+  time taken on one node is ever compared with another's.
+- **Elections are conditional on what the leader saw.** `elect` carries how many reports
+  the master had made when the leader judged it dead; if another report of the master
+  reached the log before the election, the election is void. A report applied after an
+  election answers False: the old master learns it is deposed and renews nothing.
+- **The in-sync set is the controller's.** A master changes it only through
+  `set_insync`, committed before it counts (store.replication.node), and only a live
+  member of the committed set may be elected.
+
+Raft needs a majority of the group's nodes up and talking: without it no report commits,
+no lease is renewed, so the master steps down and nobody is elected until a majority
+meets again.
+
+Raft messages are authenticated with the group secret (pysyncobj's `password`: every
+frame is encrypted and HMAC-checked before it is deserialised) and the port binds only
+the address given (store.replication.raft_transport has the connection limits)."""
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 
+from store.replication import raft_transport
+
 log = logging.getLogger("lightgate.store.controller")
 
-HEARTBEAT_S = 0.5
+HEARTBEAT_S = 0.5  # how often each node reports (and the master renews its lease)
+TICK_S = 0.05  # the Raft thread's poll period
+
+
+@dataclass(frozen=True)
+class RaftConfig:
+    """This node's place in the Raft group."""
+
+    bind: str  # HOST:PORT the Raft port listens on
+    advertise: str  # HOST:PORT peers dial (and this node's Raft identity)
+    peers: list[str]  # the other nodes' advertised Raft addresses
+    secret: str | None = None  # the group secret; None only on loopback
 
 
 class GroupState(SyncObj):
-    """{master, epoch, in-sync set, nodes}, replicated by Raft."""
+    """{master, epoch, in-sync set, nodes, report counts}, replicated by Raft. Methods
+    marked @replicated run in the Raft thread, in log order, on every node."""
 
-    def __init__(self, self_addr: str, partners: list[str], data_dir: Path | None) -> None:
-        host, _, port = self_addr.rpartition(":")
+    def __init__(self, cfg: RaftConfig, data_dir: Path | None) -> None:
         conf = SyncObjConf(
-            # A host name (a pod's DNS name): listen on every interface at its port.
-            bindAddress=None if _is_ip(host) else f"0.0.0.0:{port}",
-            autoTick=True, commandsWaitLeader=False, dynamicMembershipChange=False,
+            bindAddress=cfg.bind, password=cfg.secret,
+            autoTick=False, commandsWaitLeader=False, dynamicMembershipChange=False,
             useFork=False, raftMinTimeout=0.4, raftMaxTimeout=1.2,
-            connectionRetryTime=1.0, connectionTimeout=2.0,
+            connectionRetryTime=1.0, connectionTimeout=2.0, maxBindRetries=1,
+            # A leader that has not heard from a majority for this long steps down, so
+            # the status of a cut-off node does not name itself leader for 30 s.
+            leaderFallbackTimeout=2.0,
+            tcp_keepalive=(1, 1, raft_transport.LINK_DEAD_S),
             journalFile=str(data_dir / "raft.journal") if data_dir else None,
             fullDumpFile=str(data_dir / "raft.dump") if data_dir else None,
         )
+        # Set before SyncObj.__init__: pysyncobj leaves these out of its snapshots.
+        self._lock = threading.Lock()
+        self.seen: dict[str, float] = {}  # node -> when this process applied its report
+        super().__init__(cfg.advertise, cfg.peers, conf)
+        # Set after: the replicated state, which pysyncobj's snapshots carry.
         self.master = ""
         self.epoch = 0
         self.insync: list[str] = []
         self.nodes: dict[str, dict[str, Any]] = {}
-        super().__init__(self_addr, partners, conf)
+        self.reports: dict[str, int] = {}
 
     @replicated
-    def report(self, node: str, native: str, offset: int, last_epoch: int, ts: float) -> None:
-        self.nodes[node] = {"native": native, "offset": offset, "last_epoch": last_epoch,
-                            "ts": ts}
+    def report(self, node: str, info: dict[str, Any], master_epoch: int) -> bool:
+        """A node's heartbeat: its native address, log end (`offset`), last epoch and, in
+        sync mode as master, the offset it acknowledged up to (`acked`). True if the
+        node is the master of `master_epoch`: its lease is renewed."""
+        with self._lock:
+            self.nodes[node] = dict(info)
+            self.reports[node] = self.reports.get(node, 0) + 1
+            self.seen[node] = time.monotonic()  # local: this process's clock only
+            return bool(master_epoch) and self.master == node and self.epoch == master_epoch
 
     @replicated
-    def elect(self, expected_epoch: int, node: str, epoch: int) -> bool:
-        """Make `node` master of `epoch`, if nobody changed the state since the caller
-        looked (`expected_epoch`)."""
-        if self.epoch != expected_epoch or epoch <= self.epoch:
-            return False
-        self.master, self.epoch, self.insync = node, epoch, [node]
-        return True
+    def elect(self, expected_epoch: int, master_reports: int, node: str, epoch: int) -> bool:
+        """Make `node` master of `epoch`, if nothing changed since the leader judged:
+        same epoch, and the old master made no report since (it was alive after all)."""
+        with self._lock:
+            if self.epoch != expected_epoch or epoch <= self.epoch:
+                return False
+            if self.master:
+                if self.reports.get(self.master, 0) != master_reports:
+                    return False
+                if node not in self.insync:
+                    return False
+            self.master, self.epoch, self.insync = node, epoch, [node]
+            return True
 
     @replicated
     def set_insync(self, epoch: int, node: str, members: list[str]) -> bool:
-        """The master of `epoch` reports its in-sync set (itself included)."""
-        if epoch != self.epoch or node != self.master:
-            return False
-        self.insync = list(members)
-        return True
+        """The master of `epoch` changes its in-sync set (itself included)."""
+        with self._lock:
+            if epoch != self.epoch or node != self.master or node not in members:
+                return False
+            self.insync = sorted(members)
+            return True
 
     def view(self) -> dict[str, Any]:
-        return {"master": self.master, "epoch": self.epoch, "insync": list(self.insync),
-                "nodes": {k: dict(v) for k, v in self.nodes.items()}}
+        """A copy of the state, with `ages`: seconds since this process applied each
+        node's last report (its own monotonic clock; a node it has not heard from since
+        it started counts from its start)."""
+        with self._lock:
+            return {"master": self.master, "epoch": self.epoch, "insync": list(self.insync),
+                    "nodes": {k: dict(v) for k, v in self.nodes.items()},
+                    "reports": dict(self.reports), "seen": dict(self.seen)}
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return False
-    return True
-
-
-def choose_master(view: dict[str, Any], now: float, dead_s: float, group_size: int
-                  ) -> tuple[str, int] | None:
-    """The election rule, run by the Raft leader. A master whose last report is older
-    than `dead_s` is dead; its successor is the live node of the in-sync set with the
-    longest log (a node that reported after the master stopped: its log end is final).
-    The first master (none yet) waits for a majority of nodes to report. Returns (node,
-    new epoch) or None (no election now)."""
+def choose_master(view: dict[str, Any], ages: dict[str, float], dead_s: float,
+                  group_size: int) -> tuple[str, int] | None:
+    """The election rule, run by the Raft leader. `ages`: seconds since the leader
+    applied each node's last report. A master silent for `dead_s` is dead (its lease,
+    shorter, ended before); its successor is the live member of the committed in-sync
+    set with the longest log, never one whose log ends before what the master last said
+    it had acknowledged. The first master (none yet) waits for a majority of nodes to
+    report. Returns (node, new epoch) or None (no election now)."""
     nodes = view["nodes"]
-    alive = {n for n, info in nodes.items() if now - info["ts"] <= dead_s}
+    alive = {n for n in nodes if ages.get(n, float("inf")) <= dead_s}
     master = view["master"]
     if master and master in alive:
         return None
@@ -97,65 +151,127 @@ def choose_master(view: dict[str, Any], now: float, dead_s: float, group_size: i
             return None
         candidates = alive
     else:
-        candidates = {n for n in view["insync"] if n in alive and n != master}
+        acked = int(nodes.get(master, {}).get("acked", 0))
+        candidates = {n for n in view["insync"] if n in alive and n != master
+                      and int(nodes[n].get("offset", 0)) >= acked}
     if not candidates:
         return None
-    best = max(candidates, key=lambda n: (nodes[n]["offset"], n))
-    epoch = max([view["epoch"], *(info.get("last_epoch", 0) for info in nodes.values())]) + 1
+    best = max(candidates, key=lambda n: (int(nodes[n].get("offset", 0)), n))
+    epoch = max([view["epoch"], *(int(i.get("last_epoch", 0)) for i in nodes.values())]) + 1
     return best, epoch
 
 
 class Controller:
-    """This node's handle on the group state: reports, and elections when leader."""
+    """This node's handle on the group state: reports and the lease they renew,
+    elections when leader, in-sync proposals. pysyncobj runs in a thread of its own that
+    lives as long as the node (ticking by hand: its own tick thread would stop with the
+    thread that built it)."""
 
-    def __init__(self, node_id: str, peers: list[str], data_dir: Path | None,
+    def __init__(self, node_id: str, cfg: RaftConfig, data_dir: Path | None,
                  dead_s: float) -> None:
         self.node_id = node_id
-        self.peers = [x for x in peers if x != node_id]
         self.dead_s = dead_s
-        self.group_size = len(self.peers) + 1
-        self.state = GroupState(node_id, self.peers, data_dir)
-        self.last_commit = 0.0  # monotonic time our last report was committed
+        self.group_size = len(cfg.peers) + 1
+        self.started = time.monotonic()
+        self.last_commit: float | None = None  # when our last committed report was sent
+        self.lease_epoch = 0  # the epoch of the lease held ...
+        self.lease_from = 0.0  # ... and when the report that renewed it was sent
+        self.deposed_epoch = 0  # a report as master of this epoch answered False
         self._electing = threading.Event()
-        self.isolated = False  # fault injection: behave as cut off from the controller
-        self._closed = False
+        self._closed = threading.Event()
+        self._built = threading.Event()
+        self._error: BaseException | None = None
+        self.state: GroupState | None = None
+        raft_transport.install()
+        self._thread = threading.Thread(target=self._run, args=(cfg, data_dir),
+                                        name="raft", daemon=True)
+        self._thread.start()
+        self._built.wait()
+        if self._error is not None:
+            raise self._error
 
-    def report(self, native: str, offset: int, last_epoch: int) -> None:
-        if self.isolated:
-            return
-
-        def done(_: Any, err: int) -> None:
-            if err == FAIL_REASON.SUCCESS:
-                self.last_commit = time.monotonic()
-
+    def _run(self, cfg: RaftConfig, data_dir: Path | None) -> None:
         try:
-            self.state.report(self.node_id, native, offset, last_epoch, time.time(),
-                              callback=done)
+            self.state = GroupState(cfg, data_dir)
+        except BaseException as exc:  # noqa: BLE001 - raised in the constructing thread
+            self._error = exc
+            return
+        finally:
+            self._built.set()
+        state = self.state
+        while not self._closed.is_set():
+            try:
+                state.doTick(TICK_S)
+            except Exception:  # noqa: BLE001 - one bad tick must not end the controller
+                log.exception("controller tick failed")
+                time.sleep(TICK_S)
+        state.destroy()
+
+    # -- what this node says, and the lease it gets back ------------------------------
+    def report(self, info: dict[str, Any], master_epoch: int) -> None:
+        """Report this node (any thread); as master of `master_epoch`, renew the lease."""
+        sent = time.monotonic()
+
+        def done(result: Any, err: int) -> None:  # in the Raft thread
+            if err != FAIL_REASON.SUCCESS:
+                return
+            self.last_commit = max(self.last_commit or 0.0, sent)
+            if result and master_epoch:
+                if master_epoch != self.lease_epoch or sent > self.lease_from:
+                    self.lease_epoch, self.lease_from = master_epoch, sent
+            elif master_epoch:
+                self.deposed_epoch = max(self.deposed_epoch, master_epoch)
+
+        assert self.state is not None
+        try:
+            self.state.report(self.node_id, info, master_epoch, callback=done)
         except Exception as exc:  # noqa: BLE001 - the queue is full: try next time
             log.debug("controller report not sent: %s", exc)
 
+    def lease_left(self, epoch: int, lease_s: float, now: float | None = None) -> float:
+        """Seconds left of this node's lease as master of `epoch` (<= 0: none)."""
+        if self.lease_epoch != epoch or epoch == 0:
+            return 0.0
+        return self.lease_from + lease_s - (time.monotonic() if now is None else now)
+
+    def silent_s(self, now: float | None = None) -> float:
+        """Seconds since the report of ours that the controller last committed was sent
+        (since this node started, if none yet)."""
+        now = time.monotonic() if now is None else now
+        return now - (self.last_commit if self.last_commit is not None else self.started)
+
+    # -- the state -------------------------------------------------------------------
     def view(self) -> dict[str, Any]:
-        return self.state.view()
+        assert self.state is not None
+        view = self.state.view()
+        now = time.monotonic()
+        seen = view.pop("seen")
+        view["ages"] = {n: now - max(seen.get(n, self.started), self.started)
+                        for n in view["nodes"]}
+        return view
 
     @property
     def leader(self) -> str | None:
+        assert self.state is not None
         leader = self.state._getLeader()
         return None if leader is None else str(getattr(leader, "address", leader))
 
     def is_leader(self) -> bool:
-        return not self.isolated and self.state._isLeader()
+        assert self.state is not None
+        return bool(self.state._isLeader())
 
     def step(self, on_elect: Callable[[str, int], None] | None = None) -> None:
         """The Raft leader's duty: elect a master when there is none alive."""
         if not self.is_leader() or self._electing.is_set():
             return
         view = self.view()
-        choice = choose_master(view, time.time(), self.dead_s, self.group_size)
+        choice = choose_master(view, view["ages"], self.dead_s, self.group_size)
         if choice is None:
             return
         node, epoch = choice
-        log.warning("controller: master %r is gone; electing %s for epoch %d",
-                    view["master"] or None, node, epoch)
+        master = view["master"]
+        log.warning("controller: master %r silent for %.1f s; electing %s for epoch %d",
+                    master or None, view["ages"].get(master, 0.0), node, epoch)
         self._electing.set()
 
         def done(result: Any, err: int) -> None:
@@ -163,17 +279,28 @@ class Controller:
             if err == FAIL_REASON.SUCCESS and result and on_elect is not None:
                 on_elect(node, epoch)
 
-        self.state.elect(view["epoch"], node, epoch, callback=done)
-
-    def set_insync(self, epoch: int, members: list[str]) -> None:
-        if self.isolated:
-            return
+        assert self.state is not None
         try:
-            self.state.set_insync(epoch, self.node_id, members, callback=lambda *_: None)
-        except Exception as exc:  # noqa: BLE001 - reported again on the next change
-            log.debug("in-sync report not sent: %s", exc)
+            self.state.elect(view["epoch"], view["reports"].get(master, 0), node, epoch,
+                             callback=done)
+        except Exception as exc:  # noqa: BLE001 - no leader any more: next tick
+            self._electing.clear()
+            log.debug("election not sent: %s", exc)
+
+    def set_insync(self, epoch: int, members: list[str],
+                   done: Callable[[bool], None]) -> None:
+        """Propose the in-sync set; `done(committed)` is called in the Raft thread."""
+        def cb(result: Any, err: int) -> None:
+            done(err == FAIL_REASON.SUCCESS and bool(result))
+
+        assert self.state is not None
+        try:
+            self.state.set_insync(epoch, self.node_id, members, callback=cb)
+        except Exception as exc:  # noqa: BLE001 - proposed again on the next tick
+            log.debug("in-sync proposal not sent: %s", exc)
+            done(False)
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.state.destroy()
+        if not self._closed.is_set():
+            self._closed.set()
+            self._thread.join(5)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import Server, reserved_port
+from tests.ha.netns import Net
 
 
 def log_bytes(data_dir: Path) -> bytes:
@@ -81,17 +82,31 @@ def read_topic(addr: str, topic: str, partitions: int = 4) -> list[bytes]:
     return trio.run(main)
 
 
-class Group:
-    """Three (or more) `lightgate store` nodes with the embedded controller."""
+RAFT_PORT = 7900  # in a test network each node has addresses of its own
 
-    def __init__(self, root: Path, n: int = 3, *extra: str) -> None:
-        self.raft = [f"127.0.0.1:{reserved_port()}" for _ in range(n)]
+
+class Group:
+    """Three (or more) `lightgate store` nodes with the embedded controller; on loopback,
+    or each in a network namespace of `net` (tests.ha.netns) with the group secret."""
+
+    def __init__(self, root: Path, n: int = 3, *extra: str, net: Net | None = None) -> None:
+        self.net = net
+        if net is None:
+            self.raft = [f"127.0.0.1:{reserved_port()}" for _ in range(n)]
+        else:
+            self.raft = [f"{net.ip(i, 'raft')}:{RAFT_PORT}" for i in range(n)]
+        root.mkdir(parents=True, exist_ok=True)
+        self.secret = root / "group.secret"
+        self.secret.write_text(f"{os.urandom(16).hex()}\n")
+        extra = ("--raft-secret", f"@{self.secret}", *extra)
         self.dirs = [root / f"s{i}" for i in range(n)]
         self.nodes: list[Server] = []
         for i in range(n):
-            peers = ",".join(r for j, r in enumerate(self.raft) if j != i)
-            node = Server(self.dirs[i], "--raft", self.raft[i], "--group-peers", peers,
-                          *extra, command="store")
+            place: dict[str, Any] = {} if net is None else {
+                "host": net.ip(i, "data"), "http_host": net.ip(i, "mgmt"),
+                "prefix": net.prefix(i)}
+            node = Server(self.dirs[i], "--raft", self.raft[i], "--group-peers",
+                          ",".join(self.raft), *extra, command="store", **place)
             self.nodes.append(node)
 
     def start(self) -> Group:
@@ -101,7 +116,7 @@ class Group:
 
     @property
     def addrs(self) -> str:
-        return ",".join(f"127.0.0.1:{n.native_port}" for n in self.nodes)
+        return ",".join(f"{n.host}:{n.native_port}" for n in self.nodes)
 
     def roles(self) -> list[str | None]:
         out: list[str | None] = []
