@@ -69,12 +69,16 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                     offset = store.commitlog.max_offset
                     header, body = await client.request(p.REPL_FETCH, {
                         "node": repl.node_id, "addr": repl.native_addr, "offset": offset,
-                        "epochs": repl.epochs.history if check else None,
+                        "epoch": epoch, "epochs": repl.epochs.history if check else None,
                         "meta_inc": meta_pos["inc"], "meta_seq": meta_pos["seq"],
                         "meta_complete": repl.meta_complete, "snap": snap,
                         "restart": restart, "confirmed": repl.master_confirmed,
                         "wait_ms": FETCH_WAIT_MS, "max_bytes": FETCH_MAX_BYTES,
                     }, timeout=FETCH_WAIT_MS / 1000 + 10)
+                    # The role may have changed while the request was out (promoted, or
+                    # told to follow another master): then the answer is not ours to apply.
+                    if not repl.still_following(master_addr, epoch):
+                        return
                     if "truncate_to" in header:
                         await repl.cut(int(header["truncate_to"]))
                         continue
@@ -85,6 +89,9 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                                            bool(header["first"]), nxt is None)
                         restart = None if nxt is None else [at, nxt]
                         continue
+                    if int(header.get("epoch") or 0) < epoch:
+                        raise StoreError(f"{master_addr} answers as master of epoch "
+                                         f"{header.get('epoch')}, before epoch {epoch}")
                     check = False
                     repl.master_end = int(header["end"])
                     if body:
@@ -99,7 +106,8 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                         if meta.get("ops"):
                             await trio.to_thread.run_sync(store.meta.apply, meta["ops"])
                         meta_pos["inc"], meta_pos["seq"] = meta["inc"], int(meta["seq"])
-                    repl.adopt_epochs([(int(e), int(s)) for e, s in header["epochs"]])
+                    if repl.still_following(master_addr, epoch):
+                        repl.adopt_epochs([(int(e), int(s)) for e, s in header["epochs"]])
         except Exception as exc:  # noqa: BLE001 - sorted below
             leaf = _leaf(exc)
             if isinstance(leaf, ValueError):  # the master's bytes do not continue our log

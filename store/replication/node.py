@@ -20,7 +20,7 @@ import trio
 
 from store import protocol as p
 from store.common import StoreError
-from store.replication.controller import HEARTBEAT_S, Controller
+from store.replication.controller import HEARTBEAT_S, Controller, RaftConfig
 from store.replication.epochs import Epoch, EpochFile, fork_point, implicit
 from store.replication.follower import follow
 from store.replication.insync import InSync
@@ -39,9 +39,8 @@ MAX_WAIT_MS = 5000
 FLOORS_PAGE = int(os.environ.get("LIGHTGATE_REPL_FLOORS_PAGE", "100000"))
 SNAPSHOT_PAGE_BYTES = 8 << 20  # of metadata keys and values in one answer (frames: 64 MiB)
 META_INCOMPLETE_FILE = "metadata.incomplete"  # a replica amid a paged snapshot
-# A master without the controller keeps its role while replicas that fetched within this
-# long make a majority with it (a replica long-polls at least every second).
-FENCE_FETCH_S = 2.0
+# An in-sync proposal the controller has not answered within this long is sent again.
+PROPOSAL_RETRY_S = 2.0
 # Native requests a replica refuses: they change the log or the metadata.
 WRITE_CODES = frozenset({
     p.SEND, p.PUBLISH, p.COMMIT, p.NACK, p.TOPIC_CREATE, p.META_PUT, p.META_DELETE,
@@ -60,14 +59,16 @@ META_CODES = (p.COMMIT, p.TOPIC_CREATE, p.META_PUT, p.META_DELETE, p.META_WRITE,
 class ReplicationConfig:
     node_id: str = ""  # default: the native address
     replica_of: str | None = None  # a fixed master (no controller)
-    mode: str = "async"  # sync: acks wait for min_insync nodes
-    min_insync: int = 1
+    mode: str = "async"  # sync: acks wait for every node of the in-sync set
+    min_insync: int = 1  # sync: writes are refused while the in-sync set is smaller
     max_lag_bytes: int = 64 << 20  # a replica further behind leaves the in-sync set
-    max_lag_s: float = 5.0  # ... or one that has not fetched for this long
+    max_lag_s: float = 2.0  # ... or one that has not fetched for this long
     ack_timeout_s: float = 5.0  # a sync append not replicated by then fails
-    raft: str | None = None  # this node's Raft HOST:PORT (with group_peers)
+    raft: str | None = None  # this node's Raft bind HOST:PORT (with group_peers)
+    raft_advertise: str | None = None  # the Raft HOST:PORT peers dial (default: raft)
+    raft_secret: str | None = None  # the group secret Raft messages are checked with
     group_peers: list[str] = field(default_factory=list)  # the other nodes' Raft addresses
-    lease_s: float = 3.0  # a master cut off from the controller this long steps down
+    lease_s: float = 3.0  # a master acknowledges only this long after a committed report
     dead_s: float = 4.0  # the controller elects a new master after this long
     credentials: tuple[str, str] | None = None  # to fetch from a master with --auth
     advertise: str | None = None  # the native HOST:PORT others dial (default: as bound)
@@ -78,13 +79,15 @@ class Replication:
         self.store = store
         self.cfg = cfg
         self.native_addr = native_addr
-        self.node_id = cfg.node_id or cfg.raft or native_addr
+        self.node_id = cfg.node_id or cfg.raft_advertise or cfg.raft or native_addr
         self.epochs = EpochFile(Path(store.config.data_dir))
         self.role = REPLICA
         self.epoch = 0  # the epoch this node is master of (when master)
+        self.became_master = 0.0  # monotonic time it did
         self.master_addr: str | None = cfg.replica_of
+        self.followed_epoch = 0  # as a replica: the epoch of the master it follows
         self.master_end = 0  # as a replica: the master's log end at the last fetch
-        self.insync = InSync(cfg.min_insync, cfg.max_lag_bytes, cfg.max_lag_s)
+        self.insync = self._new_insync()
         self.metalog = MetaLog(self._wake_soon)
         self.controller: Controller | None = None
         self.drop_clients: Callable[[], None] = lambda: None  # set by the native server
@@ -92,7 +95,7 @@ class Replication:
         self.restarted_bytes = 0  # dropped starting over after the master's retention
         self._incomplete = Path(store.config.data_dir) / META_INCOMPLETE_FILE
         self.meta_complete = not self._incomplete.exists()
-        self.confirmed = 0  # sync mode: the log up to here is held by min_insync nodes
+        self.confirmed = 0  # sync mode: every node of the in-sync set holds the log to here
         # As a replica: the master's read limit (None: none); 0 until its first answer.
         self.master_confirmed: int | None = 0
         self._held: deque[tuple[int, set[str]]] = deque()  # copied, not yet readable
@@ -102,15 +105,62 @@ class Replication:
         self._token = trio.lowlevel.current_trio_token()
         self._trio_thread = threading.get_ident()
         self._nursery: trio.Nursery | None = None
-        self._last_insync: list[str] = []
         self._meta_waiters: list[tuple[int, trio.Event]] = []
+        # Per epoch this node was master of: monotonic times of its first and last
+        # acknowledgement (nodes on one host compare them: never two at once).
+        self.ack_times: dict[int, list[float]] = {}
+
+    def _new_insync(self) -> InSync:
+        return InSync(self.node_id, self.cfg.min_insync, self.cfg.max_lag_bytes,
+                      self.cfg.max_lag_s)
 
     def bind(self, native_addr: str) -> None:
         """The native address the server bound (what clients and replicas dial)."""
         native_addr = self.cfg.advertise or native_addr
         if self.node_id == self.native_addr:
             self.node_id = native_addr
+            self.insync = self._new_insync()
         self.native_addr = native_addr
+
+    # -- the lease ----------------------------------------------------------------------
+    def has_lease(self) -> bool:
+        """Whether this node may acknowledge writes now: it is master and (in a group
+        with a controller) its lease from the controller has not run out."""
+        if self.role != MASTER:
+            return False
+        ctl = self.controller
+        return ctl is None or ctl.lease_left(self.epoch, self.cfg.lease_s) > 0
+
+    def _check_lease(self) -> None:
+        """Step down when the lease runs out (no report of ours committed for lease_s:
+        cut off from a majority, or deposed); take writes again once renewed."""
+        ctl = self.controller
+        if ctl is None:
+            return
+        left = ctl.lease_left(self.epoch, self.cfg.lease_s)
+        if self.role == FENCED and left > 0:
+            log.warning("controller reached again: master of epoch %d", self.epoch)
+            self.role = MASTER
+        elif (self.role == MASTER and left <= 0
+              and time.monotonic() - self.became_master > self.cfg.lease_s):
+            log.error("no lease from the controller for %.1f s (its reports are not "
+                      "committed: a majority is out of reach, or another master was "
+                      "elected): stepping down as master of epoch %d", ctl.silent_s(),
+                      self.epoch)
+            self.role = FENCED
+            self._fail_pending("this store node lost its lease as master: the write may "
+                               "or may not be kept; send it again")
+            self.drop_clients()
+
+    def _fail_pending(self, why: str) -> None:
+        for outer, _ in self.insync.drain():
+            if not outer.done():
+                outer.set_exception(StoreError(why))
+
+    def _acked_now(self) -> None:
+        now = time.monotonic()
+        span = self.ack_times.setdefault(self.epoch, [now, now])
+        span[1] = now
 
     # -- hooks the store and the native server call -----------------------------------
     def refused(self) -> StoreError | None:
@@ -118,12 +168,12 @@ class Replication:
         if self.role == REPLICA:
             where = f"the master at {self.master_addr}" if self.master_addr else "the master"
             return StoreError(f"this store node is a replica: writes go to {where}")
-        if self.role == FENCED:
-            return StoreError("this store node lost its controller and its replicas: it "
-                              "stepped down as master until the group elects one")
+        if not self.has_lease():
+            return StoreError("this store node holds no lease from the group's controller "
+                              "(cut off, or just elected): writes are refused until it does")
         if self.cfg.mode == "sync" and not self.insync.enough():
             return StoreError(
-                f"only {1 + len(self.insync.members())} of the {self.cfg.min_insync} in-sync "
+                f"only {len(self.insync.committed)} of the {self.cfg.min_insync} in-sync "
                 "nodes --min-insync asks for are up: writes are refused")
         return None
 
@@ -134,10 +184,11 @@ class Replication:
         return None if why is None or self.role == MASTER else str(why)
 
     def acked(self, fut: Any) -> Any:
-        """The future a caller awaits for an append: in sync mode, settled once
-        `min_insync` nodes of the in-sync set hold the bytes (or failed after
-        ack_timeout_s)."""
-        if self.cfg.mode != "sync" or self.cfg.min_insync <= 1:
+        """The future a caller awaits for an append: in sync mode, settled once every
+        node of the in-sync set holds the bytes (or failed after ack_timeout_s)."""
+        if self.cfg.mode != "sync":
+            if self.controller is not None:
+                fut.add_done_callback(lambda _: self._acked_now())
             return fut
         outer: Future = Future()
 
@@ -161,20 +212,24 @@ class Replication:
         self._release()
 
     def _release(self) -> None:
+        """Acknowledge what every required node holds, while the lease lasts."""
+        if not self.has_lease():
+            return
         end = self.store.commitlog.max_offset
         before = self.confirmed
-        self.confirmed = max(self.confirmed, self.insync.quorum_offset(end))
+        self.confirmed = max(self.confirmed, self.insync.ack_offset(end))
         if self.confirmed > before and self.read_limit() is not None:
             self._wake_soon()  # replicas' readers may see more: answer their long polls
-        ready = self.insync.ready(end)
+        ready = self.insync.ready(self.confirmed)
         for outer, msgs in ready:
             if not outer.done():
                 outer.set_result(msgs)
         if ready:  # readers held back at the read limit may go on
+            self._acked_now()
             self.notify({name for _, msgs in ready for m in msgs for name, _ in m.queues})
 
     def _release_meta(self) -> None:
-        if not self._meta_waiters:
+        if not self._meta_waiters or not self.has_lease():
             return
         done = self.insync.meta_quorum(self.metalog.seq)
         keep = []
@@ -186,20 +241,20 @@ class Replication:
         self._meta_waiters = keep
 
     async def meta_synced(self) -> None:
-        """Sync mode: wait until `min_insync` nodes of the in-sync set applied every
-        metadata change made so far (a session, an offset commit, a subscription), or
-        raise StoreError after ack_timeout_s."""
-        if self.cfg.mode != "sync" or self.cfg.min_insync <= 1 or self.role != MASTER:
+        """Sync mode: wait until every node of the in-sync set applied every metadata
+        change made so far (a session, an offset commit, a subscription), or raise
+        StoreError after ack_timeout_s."""
+        if self.cfg.mode != "sync" or self.role != MASTER:
             return
         target = self.metalog.seq
-        if self.insync.meta_quorum(target) >= target:
+        if self.has_lease() and self.insync.meta_quorum(target) >= target:
             return
         ev = trio.Event()
         self._meta_waiters.append((target, ev))
         with trio.move_on_after(self.cfg.ack_timeout_s):
             await ev.wait()
         if not ev.is_set():
-            raise StoreError(f"metadata not replicated to {self.cfg.min_insync} nodes within "
+            raise StoreError(f"metadata not replicated to the in-sync set within "
                              f"{self.cfg.ack_timeout_s:g} s")
 
     def synced(self, handler: Callable[[p.Frame, Any], Awaitable[tuple[dict, bytes]]]
@@ -218,7 +273,7 @@ class Replication:
         limit."""
         if self.role == REPLICA:
             return self.master_confirmed
-        if self.cfg.mode != "sync" or self.cfg.min_insync <= 1:
+        if self.cfg.mode != "sync":
             return None
         return self.confirmed
 
@@ -226,8 +281,7 @@ class Replication:
         for outer, _ in self.insync.expired(time.monotonic()):
             if not outer.done():
                 outer.set_exception(StoreError(
-                    f"not replicated to {self.cfg.min_insync} nodes within "
-                    f"{self.cfg.ack_timeout_s:g} s"))
+                    f"not replicated to the in-sync set within {self.cfg.ack_timeout_s:g} s"))
 
     def grew(self) -> None:
         """The log grew (any thread)."""
@@ -251,10 +305,13 @@ class Replication:
 
     # -- the master's side: REPL_FETCH --------------------------------------------------
     async def handle_fetch(self, f: p.Frame, ctx: Any) -> tuple[dict[str, Any], bytes]:
+        h = f.header
         if self.role != MASTER:
             raise StoreError(f"not the master (role {self.role}); the master is "
                              f"{self.master_addr}")
-        h = f.header
+        if int(h.get("epoch") or 0) > self.epoch:  # the replica knows of a later master
+            raise StoreError(f"this node was master of epoch {self.epoch}; the group has "
+                             f"moved on to epoch {h['epoch']}")
         log_ = self.store.commitlog
         offset = int(h["offset"])
         node = str(h["node"])
@@ -329,23 +386,56 @@ class Replication:
                 "epochs": [list(x) for x in history]}, b""
 
     def _report(self, node: str, addr: str, offset: int, meta_complete: bool = True) -> None:
-        changed = self.insync.report(node, addr, offset, time.monotonic(),
-                                     self.store.commitlog.max_offset, meta_complete)
+        self.insync.report(node, addr, offset, time.monotonic(),
+                           self.store.commitlog.max_offset, meta_complete)
+        self._propose_insync()
         self._release()
-        if changed:
-            self._insync_changed()
 
-    def _insync_changed(self) -> None:
-        members = [self.node_id, *self.insync.members()]
-        if members != self._last_insync:
-            log.info("in-sync set: %s", members)
-            self._last_insync = members
-            if self.controller is not None:
-                self.controller.set_insync(self.epoch, members)
+    def _propose_insync(self) -> None:
+        """Ask the controller for the in-sync set this master wants, one proposal at a
+        time (sent again if unanswered). Until committed a change does not count:
+        joiners are already waited for, leavers still are (see store.replication.insync).
+        Without a controller (a fixed --replica-of pair) the master's word is final."""
+        isr = self.insync
+        want = isr.desired(self.confirmed if self.cfg.mode == "sync" else 0)
+        now = time.monotonic()
+        if isr.proposed is not None:
+            if now - isr.proposed_at < PROPOSAL_RETRY_S:
+                return
+            want = isr.proposed  # unanswered: the same again (a new one could drop a joiner)
+        elif want == isr.committed:
+            return
+        if self.controller is None:
+            self._insync_committed(self.epoch, want, True)
+            return
+        isr.proposed, isr.proposed_at = want, now
+        epoch = self.epoch
+
+        def done(ok: bool) -> None:  # in the Raft thread
+            try:
+                self._token.run_sync_soon(self._insync_committed, epoch, want, ok)
+            except trio.RunFinishedError:
+                pass
+
+        self.controller.set_insync(epoch, sorted(want), done)
+
+    def _insync_committed(self, epoch: int, want: set[str], ok: bool) -> None:
+        isr = self.insync
+        if epoch != self.epoch or (isr.proposed is not None and isr.proposed != want):
+            return  # an answer for another mastership or proposal
+        isr.proposed = None
+        if ok and want != isr.committed:
+            isr.committed = set(want)
+            log.info("in-sync set: %s", sorted(want))
+        self._release()
+        self._release_meta()
 
     # -- the replica's side ------------------------------------------------------------
     def still_following(self, master_addr: str, epoch: int) -> bool:
-        return self.role == REPLICA and self.master_addr == master_addr
+        """Whether the copy loop started for (master_addr, epoch) is still wanted: an
+        answer that arrives after a change of role or master is dropped unread."""
+        return (self.role == REPLICA and self.master_addr == master_addr
+                and self.followed_epoch == epoch)
 
     async def cut(self, offset: int) -> None:
         cut = await trio.to_thread.run_sync(self.store.commitlog.truncate_to, offset)
@@ -421,8 +511,9 @@ class Replication:
 
     # -- roles ---------------------------------------------------------------------------
     def become_master(self, epoch: int) -> None:
-        """Take writes as master of `epoch`: stop copying, record the epoch's start, and
-        rebuild what a master keeps in memory from the copied metadata."""
+        """Take writes as master of `epoch` (once its lease comes): stop copying, record
+        the epoch's start, and rebuild what a master keeps in memory from the copied
+        metadata."""
         self._stop_following()
         store = self.store
         log_end = store.commitlog.max_offset
@@ -433,11 +524,11 @@ class Replication:
         store.index.forget_allocations()
         self.metalog = MetaLog(self._wake_soon)
         store.meta.on_change = self.metalog.record
-        self.insync = InSync(self.cfg.min_insync, self.cfg.max_lag_bytes, self.cfg.max_lag_s)
-        self._last_insync = []
+        self._fail_pending("this node's mastership changed")
+        self.insync = self._new_insync()
         self.confirmed = log_end  # what it holds at its election is the group's log
         self.epoch, self.role, self.master_addr = epoch, MASTER, self.native_addr
-        self._insync_changed()
+        self.became_master = time.monotonic()
         log.warning("this node is master of epoch %d from log offset %d", epoch, log_end)
         if self._nursery is not None and store.auth_reload is not None:
             self._nursery.start_soon(store.auth_reload)
@@ -445,12 +536,10 @@ class Replication:
     def become_replica(self, master_addr: str, epoch: int) -> None:
         was = self.role
         self._stop_following()
-        self.role, self.master_addr = REPLICA, master_addr
+        self.role, self.master_addr, self.followed_epoch = REPLICA, master_addr, epoch
         self.master_confirmed, self._held = 0, deque()  # until the new master's answer
         self.store.meta.on_change = None
-        for outer, _ in self.insync.expired(float("inf")):
-            if not outer.done():
-                outer.set_exception(StoreError("this node stopped being master"))
+        self._fail_pending("this node stopped being master")
         if was != REPLICA:
             log.warning("this node is now a replica of %s (epoch %d)", master_addr, epoch)
             self.store.recent.clear()  # it may hold a tail the new master cuts
@@ -476,9 +565,12 @@ class Replication:
             cfg = self.cfg
             if cfg.group_peers:
                 assert cfg.raft is not None
+                raft = RaftConfig(bind=cfg.raft, advertise=cfg.raft_advertise or cfg.raft,
+                                  peers=cfg.group_peers, secret=cfg.raft_secret)
                 data = Path(self.store.config.data_dir)
+                # Built in a thread of its own that lives as long as the node.
                 self.controller = await trio.to_thread.run_sync(
-                    Controller, self.node_id, cfg.group_peers, data, cfg.dead_s)
+                    Controller, self.node_id, raft, data, cfg.dead_s)
             elif cfg.replica_of:
                 self.become_replica(cfg.replica_of, 0)
             else:
@@ -490,29 +582,27 @@ class Replication:
                     await trio.sleep(HEARTBEAT_S if self.controller else 0.25)
             finally:
                 if self.controller is not None:
-                    self.controller.close()
+                    await trio.to_thread.run_sync(self.controller.close)
 
     def _tick(self) -> None:
-        if self.role == MASTER or self.role == FENCED:
-            end = self.store.commitlog.max_offset
-            if self.insync.refresh(time.monotonic(), end):
-                self._insync_changed()
-            self._release()
-            self._expire()
         ctl = self.controller
-        if ctl is None:
-            return
-        if not ctl.isolated:
-            ctl.report(self.native_addr, self.store.commitlog.max_offset,
-                       self.epochs.last_epoch)
+        if ctl is not None:
+            ctl.report(self._report_info(),
+                       self.epoch if self.role in (MASTER, FENCED) else 0)
             ctl.step()
-            view = ctl.view()
-            self._apply(view)
-            if (self.role == MASTER and view["master"] == self.node_id
-                    and sorted(view["insync"]) != sorted(self._last_insync)):
-                # A report that did not reach the controller (no leader just then): again.
-                ctl.set_insync(self.epoch, self._last_insync)
-        self._fence()
+            self._apply(ctl.view())
+        if self.role == MASTER or self.role == FENCED:
+            self._check_lease()
+            self.insync.refresh(time.monotonic(), self.store.commitlog.max_offset)
+            self._propose_insync()
+            self._release()
+            self._release_meta()
+            self._expire()
+
+    def _report_info(self) -> dict[str, Any]:
+        acked = self.confirmed if self.role == MASTER and self.cfg.mode == "sync" else 0
+        return {"native": self.native_addr, "offset": self.store.commitlog.max_offset,
+                "last_epoch": self.epochs.last_epoch, "acked": acked}
 
     def _apply(self, view: dict[str, Any]) -> None:
         """Take the role the controller's state gives this node."""
@@ -520,33 +610,19 @@ class Replication:
         if not master:
             return
         if master == self.node_id:
-            if self.role == FENCED and self.epoch == epoch:
-                if time.monotonic() - self.controller.last_commit <= self.cfg.lease_s:
-                    log.warning("controller reached again: master of epoch %d", epoch)
-                    self.role = MASTER
-            elif self.role != MASTER or self.epoch != epoch:
+            if self.role == REPLICA or self.epoch != epoch:
                 self.become_master(epoch)
+            isr = self.insync
+            committed = set(view["insync"])
+            if committed != isr.committed and self.node_id in committed:
+                isr.committed = committed  # the controller's word (an answer went astray)
+                if isr.proposed == committed:
+                    isr.proposed = None
             return
         addr = view["nodes"].get(master, {}).get("native")
-        if addr and (self.role != REPLICA or self.master_addr != addr):
+        if addr and (self.role != REPLICA or self.master_addr != addr
+                     or self.followed_epoch < epoch):
             self.become_replica(addr, epoch)
-
-    def _fence(self) -> None:
-        """A master that lost the controller for lease_s keeps serving only while a
-        majority of the group (itself and the replicas fetching from it) still takes it
-        for master; else it steps down (FENCED: writes refused)."""
-        ctl = self.controller
-        if ctl is None or self.role != MASTER:
-            return
-        now = time.monotonic()
-        if now - ctl.last_commit <= self.cfg.lease_s:
-            return
-        if 1 + self.insync.fetching(now, FENCE_FETCH_S) >= ctl.group_size // 2 + 1:
-            return
-        log.error("lost the controller for %.1f s and a majority of the group: stepping "
-                  "down as master of epoch %d", now - ctl.last_commit, self.epoch)
-        self.role = FENCED
-        self.drop_clients()
 
     # -- ops -------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -558,35 +634,39 @@ class Replication:
             "log_end": end, "epochs": [list(x) for x in self.epochs.history],
             "truncated_bytes": self.truncated_bytes,
             "restarted_bytes": self.restarted_bytes,
+            # monotonic seconds (this host's clock): first and last ack per epoch mastered
+            "acked_at": {str(e): [round(a, 3), round(b, 3)]
+                         for e, (a, b) in self.ack_times.items()},
         }
         if self.role == MASTER or self.role == FENCED:
-            out["insync"] = [self.node_id, *self.insync.members()]
+            out["insync"] = sorted(self.insync.committed)
+            out["insync_proposed"] = (sorted(self.insync.proposed)
+                                      if self.insync.proposed is not None else None)
             out["replicas"] = [{"node": r.node, "addr": r.addr, "offset": r.offset,
-                                "lag_bytes": end - r.offset, "insync": r.insync}
+                                "lag_bytes": end - r.offset,
+                                "insync": r.node in self.insync.committed}
                                for r in self.insync.replicas.values()]
             out["pending_acks"] = self.insync.pending()
-            out["replicated_offset"] = max(0, self.insync.quorum_offset(end))
+            out["replicated_offset"] = max(0, self.confirmed)
+            if self.controller is not None:
+                out["lease_s_left"] = round(
+                    max(0.0, self.controller.lease_left(self.epoch, self.cfg.lease_s)), 2)
         else:
             out["lag_bytes"] = max(0, self.master_end - end)
             out["read_limit"] = self.master_confirmed  # what its readers may see (None: all)
         if self.controller is not None:
-            view = self.controller.view()
-            out["controller"] = {"leader": self.controller.leader, "master": view["master"],
+            ctl = self.controller
+            view = ctl.view()
+            out["controller"] = {"leader": ctl.leader, "master": view["master"],
                                  "epoch": view["epoch"], "insync": view["insync"],
-                                 "nodes": view["nodes"], "isolated": self.controller.isolated}
+                                 "nodes": view["nodes"],
+                                 "report_ages_s": {n: round(a, 2)
+                                                   for n, a in view["ages"].items()},
+                                 "silent_s": round(ctl.silent_s(), 2)}
         return out
-
-    def isolate(self) -> None:
-        """Fault injection (LIGHTGATE_FAULT_INJECTION=1): cut this node off from the
-        controller, as a network partition would: its Raft node stops."""
-        if self.controller is not None and not self.controller.isolated:
-            log.warning("fault injection: this node is cut off from the controller")
-            self.controller.isolated = True
-            self.controller.close()
 
     def lag_bytes(self) -> int:
         if self.role == REPLICA:
             return max(0, self.master_end - self.store.commitlog.max_offset)
         end = self.store.commitlog.max_offset
         return max((end - r.offset for r in self.insync.replicas.values()), default=0)
-

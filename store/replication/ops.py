@@ -4,7 +4,6 @@ replicated offset, each replica's lag, the controller's view) and `GET /metrics`
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from starlette.requests import Request
@@ -110,11 +109,4 @@ def cluster_routes(repl: Any) -> list[Route]:
     async def metrics(_: Request) -> PlainTextResponse:
         return PlainTextResponse(metrics_text(repl), media_type="text/plain; version=0.0.4")
 
-    routes = [Route("/api/v1/cluster", cluster), Route("/metrics", metrics)]
-    if os.environ.get("LIGHTGATE_FAULT_INJECTION") == "1":  # the HA tests only
-        async def isolate(_: Request) -> JSONResponse:
-            repl.isolate()
-            return JSONResponse({"isolated": True})
-
-        routes.append(Route("/api/v1/cluster/isolate", isolate, methods=["POST"]))
-    return routes
+    return [Route("/api/v1/cluster", cluster), Route("/metrics", metrics)]

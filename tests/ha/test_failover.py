@@ -14,71 +14,17 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
 from tests.conftest import RedisServer, Server
 from tests.faults.persistent import assert_each_in_order
 from tests.ha.cluster import Group, cluster, log_bytes, wait_for
-from tests.mqtt.paho_client import Client
+from tests.ha.load import Publisher, collect, subscriber
 
 ROUNDS = int(os.environ.get("LIGHTGATE_HA_ROUNDS", "3"))
-TOPIC = "ha/load"
 FAILOVER_LIMIT_S = 10.0
-
-
-@dataclass
-class Publisher:
-    """A device publishing QoS 1, one at a time, resending what was refused."""
-
-    port: int
-    name: str
-    acked: list[bytes] = field(default_factory=list)
-    acked_at: list[float] = field(default_factory=list)
-    refused: int = 0
-    timeouts: int = 0
-    error: str = ""
-
-    def run(self, stop: threading.Event) -> None:
-        try:
-            c = Client(self.port, self.name, version=5)
-            i = 0
-            while not stop.is_set():
-                payload = f"{self.name}-{i}".encode()
-                mid = c.publish(TOPIC, payload, qos=1, wait=False)
-                if not c._ack_event(mid).wait(15):
-                    self.timeouts += 1
-                    continue
-                code = c.pub_codes[mid]
-                if int(getattr(code, "value", code)) == 0:
-                    self.acked.append(payload)
-                    self.acked_at.append(time.monotonic())
-                    i += 1
-                else:  # 0x80 while the group has no master: back off, send it again
-                    self.refused += 1
-                    time.sleep(0.1)
-            c.disconnect()
-        except Exception as exc:  # noqa: BLE001 - reported by the test
-            self.error = repr(exc)
-
-
-def _subscriber(port: int) -> Client:
-    props = Properties(PacketTypes.CONNECT)
-    props.SessionExpiryInterval = 3600
-    return Client(port, "ha-sub", version=5, clean_start=False, properties=props)
-
-
-def _collect(sub: Client, idle_s: float) -> list[bytes]:
-    out: list[bytes] = []
-    while True:
-        try:
-            out.append(sub.messages.get(timeout=idle_s).payload)
-        except Exception:  # noqa: BLE001 - queue.Empty: quiet for idle_s
-            return out
 
 
 def _run_group(tmp_path: Path, redis: RedisServer, mode: str, rounds: int,
@@ -95,7 +41,7 @@ def _run_group(tmp_path: Path, redis: RedisServer, mode: str, rounds: int,
         gws = [Server(None, "--store", g.addrs, "--notify", redis.url,
                       "--max-offline-messages", "10000000", command="gateway").start()
                for _ in range(2)]
-        sub = _subscriber(gws[1].port)
+        sub = subscriber(gws[1].port)
         sub.subscribe("ha/#", 1)
         pubs = [Publisher(gws[i % 2].port, f"p{i}") for i in range(4)]
         stop = threading.Event()
@@ -139,7 +85,7 @@ def _run_group(tmp_path: Path, redis: RedisServer, mode: str, rounds: int,
         m = g.master(5)
         wait_for(lambda: all(log_bytes(d) == log_bytes(g.dirs[m]) for d in g.dirs), 20,
                  "three byte-identical CommitLogs")
-        delivered += _collect(sub, 5.0)
+        delivered += collect(sub, 5.0)
         acked = [a for p in pubs for a in p.acked]
         lost = set(acked) - set(delivered)
         stats.update(acked=len(acked), delivered=len(delivered),

@@ -54,11 +54,12 @@ def _send_unacked(addr: str, bodies: list[bytes], wait_s: float) -> bool:
 
 
 def test_forced_fork_old_master_cuts_unacked_tail(tmp_path: Path) -> None:
-    # A wider window than the defaults (lease 3 s, max lag 5 s) for the frozen phase, so
+    # A wider window than the defaults (lease 3 s, max lag 2 s) for the frozen phase, so
     # a slow machine still appends the unacked messages before the master steps down or
     # drops the frozen replicas from the in-sync set (which would refuse them instead).
     g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2",
-              "--controller-lease-s", str(WINDOW_S), "--max-lag-s", str(WINDOW_S)).start()
+              "--controller-lease-s", str(WINDOW_S), "--max-lag-s", str(WINDOW_S),
+              "--failover-after-s", str(WINDOW_S + 1)).start()
     frozen: list[int] = []
     try:
         m = g.master(20)

@@ -1,11 +1,10 @@
-"""A store group without gateways: a master cut off from the controller steps down (no
-two masters take writes), and replicas killed, restarted or wiped catch up."""
+"""A store group without gateways: replicas killed, restarted or wiped catch up (the
+partitions are in test_partition.py)."""
 
 from __future__ import annotations
 
 import shutil
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -32,39 +31,12 @@ def _send(addrs: str, n: int, tag: str) -> int:
 
 
 @pytest.fixture
-def group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("LIGHTGATE_FAULT_INJECTION", "1")
+def group(tmp_path: Path):
     g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2").start()
     m = g.master(20)
     wait_for(lambda: len(g.insync(m)) == 3, 15, "all three in sync")
     yield g
     g.stop()
-
-
-def test_master_cut_off_from_controller_steps_down(group: Group) -> None:
-    g = group
-    m = g.master()
-    old_epoch = cluster(g.nodes[m])["epoch"]
-    assert _send(g.addrs, 50, "before") == 50
-    req = urllib.request.Request(f"http://{g.nodes[m].addrs['http']}/api/v1/cluster/isolate",
-                                 method="POST")
-    urllib.request.urlopen(req, timeout=5).read()
-    cut = time.monotonic()
-    fenced = wait_for(lambda: cluster(g.nodes[m])["role"] == "fenced" and time.monotonic(), 15,
-                      "the cut-off master to step down") - cut
-    others = [i for i in range(3) if i != m]
-    new = wait_for(lambda: next((i + 1 for i in others  # + 1: node 0 is no falsy answer
-                                 if cluster(g.nodes[i])["role"] == "master"), None),
-                   15, "a new master") - 1
-    elected = time.monotonic() - cut
-    assert cluster(g.nodes[new])["epoch"] > old_epoch
-    print(f"cut off: stepped down after {fenced:.2f} s, new master after <= {elected:.2f} s")
-    # The old master takes no write; the group does, at the new master.
-    with pytest.raises(Exception, match="stepped down"), Producer(g.nodes[m].native) as prod:
-        prod.send("grp", b"to the old master")
-    assert _send(g.addrs, 50, "after") == 50
-    wait_for(lambda: log_bytes(g.dirs[others[0]]) == log_bytes(g.dirs[others[1]]), 10,
-             "the two connected nodes to hold one log")
 
 
 def test_replica_killed_restarted_and_wiped_catches_up(group: Group) -> None:

@@ -44,38 +44,52 @@ def test_epoch_file_persists_and_refuses_going_back(tmp_path: Path) -> None:
     assert g.history == [(0, 0), (4, 70)]
 
 
-def test_insync_acks_wait_for_min_insync_and_time_out() -> None:
-    s = InSync(min_insync=2, max_lag_bytes=300, max_lag_s=5.0)
-    assert not s.enough() and s.quorum_offset(1000) == -1
-    s.report("b", "b:1", 950, now=0.0, master_end=1000)  # within 300 bytes: in sync
-    assert s.members() == ["b"] and s.enough()
+def test_insync_acks_wait_for_every_member_of_the_committed_set() -> None:
+    s = InSync("a", min_insync=2, max_lag_bytes=300, max_lag_s=5.0)
+    assert not s.enough() and s.ack_offset(1000) == -1
+    s.report("b", "b:1", 950, now=0.0, master_end=1000)  # within 300 bytes: caught up
+    # b may join only once it holds everything acknowledged.
+    assert s.desired(acked=1000) == {"a"} and s.desired(acked=900) == {"a", "b"}
+    s.proposed = {"a", "b"}  # on its way to the controller: waited for already ...
+    assert s.required() == {"b"} and not s.enough()  # ... but it does not count yet
+    s.committed, s.proposed = {"a", "b"}, None
+    assert s.members() == ["b"] and s.enough() and s.ack_offset(1200) == 950
     s.wait(1000, deadline=3.0, item="x")
     s.wait(1200, deadline=3.0, item="y")
-    assert s.ready(1200) == []  # b holds up to 950
+    assert s.ready(s.ack_offset(1200)) == []  # b holds up to 950
     s.report("b", "b:1", 1000, now=1.0, master_end=1200)
-    assert s.ready(1200) == ["x"]
+    assert s.ready(s.ack_offset(1200)) == ["x"]
     assert s.expired(2.0) == [] and s.expired(3.5) == ["y"]
-    s.report("c", "c:1", 0, now=1.0, master_end=1200)  # far behind: not in sync
-    assert s.members() == ["b"]
-    assert s.refresh(now=7.0, master_end=1200)  # b silent for 6 s: out
-    assert s.members() == [] and not s.enough()
+    s.report("c", "c:1", 0, now=1.0, master_end=1200)  # far behind: not caught up
+    assert s.desired(acked=1000) == {"a", "b"}
+    s.refresh(now=7.0, master_end=1200)  # b silent for 6 s: it should leave ...
+    assert s.desired(acked=1000) == {"a"}
+    assert s.required() == {"b"} and s.ack_offset(1200) == 1000  # ... once committed
+    s.committed = {"a"}
+    assert not s.enough() and s.ack_offset(1200) == -1
 
 
 def test_election_rule() -> None:
-    nodes = {"a": {"offset": 500, "ts": 0.0, "last_epoch": 3},
-             "b": {"offset": 480, "ts": 9.5, "last_epoch": 3},
-             "c": {"offset": 470, "ts": 9.5, "last_epoch": 2}}
+    nodes = {"a": {"offset": 500, "last_epoch": 3, "acked": 480},
+             "b": {"offset": 480, "last_epoch": 3},
+             "c": {"offset": 470, "last_epoch": 2}}
     view = {"master": "a", "epoch": 3, "insync": ["a", "b", "c"], "nodes": nodes}
-    assert choose_master(view, now=10.0, dead_s=4.0, group_size=3) == ("b", 4)
-    assert choose_master(view, now=3.0, dead_s=4.0, group_size=3) is None  # a alive
+    dead = {"a": 10.0, "b": 0.5, "c": 0.5}  # seconds since the leader applied a report
+    assert choose_master(view, dead, dead_s=4.0, group_size=3) == ("b", 4)
+    alive = {"a": 3.0, "b": 0.5, "c": 0.5}
+    assert choose_master(view, alive, dead_s=4.0, group_size=3) is None  # a alive
+    nodes["a"]["acked"] = 400
     view["insync"] = ["a", "c"]
-    assert choose_master(view, now=10.0, dead_s=4.0, group_size=3) == ("c", 4)
+    assert choose_master(view, dead, dead_s=4.0, group_size=3) == ("c", 4)
+    nodes["a"]["acked"] = 475  # c's log ends before what a acknowledged: not c
+    assert choose_master(view, dead, dead_s=4.0, group_size=3) is None
     view["insync"] = ["a"]  # nobody in sync alive: no election (no acked data lost)
-    assert choose_master(view, now=10.0, dead_s=4.0, group_size=3) is None
+    assert choose_master(view, dead, dead_s=4.0, group_size=3) is None
     first = {"master": "", "epoch": 0, "insync": [], "nodes": {"a": nodes["b"]}}
-    assert choose_master(first, now=10.0, dead_s=4.0, group_size=3) is None  # no majority
+    assert choose_master(first, {"a": 0.5}, dead_s=4.0, group_size=3) is None  # no majority
     first["nodes"]["c"] = nodes["c"]
-    assert choose_master(first, now=10.0, dead_s=4.0, group_size=3) == ("a", 4)
+    assert choose_master(first, {"a": 0.5, "c": 1.0}, dead_s=4.0, group_size=3) == ("a", 4)
+    assert choose_master(first, {"a": 0.5}, dead_s=4.0, group_size=3) is None  # c unheard
 
 
 def test_metalog_ops_or_snapshot() -> None:
@@ -93,15 +107,19 @@ def test_metalog_ops_or_snapshot() -> None:
                                          ("put", "offsets", "k", 6)], 4)
 
 
-def test_metadata_quorum_counts_in_sync_replicas_only() -> None:
-    s = InSync(min_insync=2, max_lag_bytes=100, max_lag_s=5.0)
+def test_metadata_waits_for_every_required_replica() -> None:
+    s = InSync("a", min_insync=2, max_lag_bytes=100, max_lag_s=5.0)
     assert s.meta_quorum(10) == -1  # the master alone
     s.report("b", "b:1", 1000, now=0.0, master_end=1000)
+    s.committed = {"a", "b"}
     s.replicas["b"].meta = 7
     assert s.meta_quorum(10) == 7
-    s.report("c", "c:1", 0, now=0.0, master_end=1000)  # not in sync: not counted
+    s.report("c", "c:1", 0, now=0.0, master_end=1000)  # not in the set: not waited for
     s.replicas["c"].meta = 10
     assert s.meta_quorum(10) == 7
+    s.proposed = {"a", "b", "c"}
+    s.replicas["c"].meta = 5  # proposed to join: waited for already
+    assert s.meta_quorum(10) == 5
 
 
 def test_metalog_answers_are_bounded_in_bytes() -> None:
@@ -114,11 +132,11 @@ def test_metalog_answers_are_bounded_in_bytes() -> None:
 
 
 def test_a_replica_amid_a_paged_snapshot_is_not_in_sync() -> None:
-    s = InSync(min_insync=2, max_lag_bytes=100, max_lag_s=5.0)
+    s = InSync("a", min_insync=2, max_lag_bytes=100, max_lag_s=5.0)
     s.report("b", "b:1", 1000, now=0.0, master_end=1000, meta_complete=False)
-    assert s.members() == [] and not s.enough()
-    assert s.report("b", "b:1", 1000, now=0.1, master_end=1000, meta_complete=True)
-    assert s.members() == ["b"]
+    assert s.desired(acked=0) == {"a"}
+    s.report("b", "b:1", 1000, now=0.1, master_end=1000, meta_complete=True)
+    assert s.desired(acked=0) == {"a", "b"}
 
 
 def test_a_snapshot_in_pages_read_amid_changes_then_the_changes_replayed(tmp_path: Path

@@ -1,0 +1,117 @@
+"""A test network for store groups: one Linux network namespace per store node, joined
+by a bridge in the test's own namespace, and partitions made from outside the processes
+with routes (iproute2 only), as Jepsen cuts links between hosts.
+
+Each node has three addresses, one per subnet, so that one kind of traffic can be cut
+while the others flow:
+
+- data  10.N.0.(11+i): the native port (clients, gateways, replication),
+- raft  10.N.1.(11+i): the controller's Raft port,
+- mgmt  10.N.2.(11+i): HTTP (the test reads /api/v1/cluster there; never cut).
+
+The bridge holds 10.N.{0,1,2}.1, the test's (and the gateways') side. A cut between two
+places adds a blackhole route on each side to the other's address of that kind: packets
+of established connections are dropped (TCP retransmits them once the cut heals) and new
+connections fail at once, as across a partitioned network. Needs root (CI runs as root).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+from dataclasses import dataclass, field
+
+KINDS = {"data": 0, "raft": 1, "mgmt": 2}
+HOST = -1  # the test's own namespace (the bridge side: gateways, clients, Redis)
+
+
+def _ip(*args: str, check: bool = True) -> None:
+    subprocess.run(["ip", *args], check=check, capture_output=True, timeout=10)
+
+
+def available() -> str | None:
+    """None if namespaces can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    name = f"lgprobe{os.getpid()}"
+    try:
+        _ip("netns", "add", name)
+        _ip("netns", "del", name)
+    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+        return f"cannot make a network namespace: {exc}"
+    return None
+
+
+@dataclass
+class Net:
+    """`n` namespaces on a bridge; `cut`/`heal` between them and the host side."""
+
+    n: int
+    net: int = field(default_factory=lambda: random.randrange(100, 250))
+    tag: str = field(default_factory=lambda: f"{os.getpid() % 100000}{random.randrange(100)}")
+    cuts: set[tuple[int, int, str]] = field(default_factory=set)
+
+    @property
+    def bridge(self) -> str:
+        return f"lgb{self.tag}"
+
+    def ns(self, i: int) -> str:
+        return f"lgn{self.tag}-{i}"
+
+    def ip(self, i: int, kind: str) -> str:
+        """Node i's address of `kind`; HOST: the bridge's."""
+        last = 1 if i == HOST else 11 + i
+        return f"10.{self.net}.{KINDS[kind]}.{last}"
+
+    def prefix(self, i: int) -> list[str]:
+        """The command prefix that runs a program inside node i's namespace."""
+        return ["ip", "netns", "exec", self.ns(i)]
+
+    def up(self) -> Net:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("link", "set", self.bridge, "up")
+        for kind in KINDS:
+            _ip("addr", "add", f"{self.ip(HOST, kind)}/24", "dev", self.bridge)
+        for i in range(self.n):
+            ns, veth = self.ns(i), f"lgv{self.tag}{i}"
+            _ip("netns", "add", ns)
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", veth, "master", self.bridge, "up")
+            for kind in KINDS:
+                _ip("-n", ns, "addr", "add", f"{self.ip(i, kind)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        return self
+
+    def _route(self, op: str, at: int, to: int, kind: str) -> None:
+        where = [] if at == HOST else ["-n", self.ns(at)]
+        _ip(*where, "route", op, "blackhole", f"{self.ip(to, kind)}/32", check=op == "add")
+
+    def cut(self, a: int, b: int, kinds: tuple[str, ...] = ("data", "raft")) -> None:
+        """Cut the link between a and b (node indexes or HOST) for these kinds of
+        traffic, both ways."""
+        for kind in kinds:
+            key = (min(a, b), max(a, b), kind)
+            if key in self.cuts:
+                continue
+            self._route("add", a, b, kind)
+            self._route("add", b, a, kind)
+            self.cuts.add(key)
+
+    def isolate(self, i: int, kinds: tuple[str, ...] = ("data", "raft")) -> None:
+        """Cut node i from every other node and from the host side."""
+        for j in [*range(self.n), HOST]:
+            if j != i:
+                self.cut(i, j, kinds)
+
+    def heal(self) -> None:
+        for a, b, kind in sorted(self.cuts):
+            self._route("del", a, b, kind)
+            self._route("del", b, a, kind)
+        self.cuts.clear()
+
+    def down(self) -> None:
+        for i in range(self.n):
+            _ip("netns", "del", self.ns(i), check=False)
+        _ip("link", "del", self.bridge, check=False)
