@@ -36,6 +36,7 @@ from gateway.mqtt import (
 )
 from gateway.mqtt import reason as rc
 from gateway.mqtt.properties import publish_properties
+from gateway.reserved import refusal as reserved_refusal
 from gateway.session import (
     NEVER_EXPIRES,
     Outgoing,
@@ -590,6 +591,14 @@ class Connection:
             await self._refuse(v, rc.PAYLOAD_FORMAT_INVALID, None,
                                "will payload is not UTF-8 as its format indicator says")
 
+    async def _check_will_topic(self, topic: str, v: int) -> None:
+        """The will's topic takes the PUB right a publish there would need."""
+        why = reserved_refusal(topic, self.broker.auth.enabled)
+        if why is None and not await self._may_ask("PUB", topic):
+            why = "not authorized"
+        if why is not None:
+            await self._refuse(v, rc.NOT_AUTHORIZED, 5, f"will topic {topic!r} {why}")
+
     async def _admit(self, p: Connect, v: int, client_id: str,
                      authenticator: Authenticator | None, packets: list[Any]) -> bytes | None:
         """Connection limits, then authentication and the will's PUB right. Returns the
@@ -623,9 +632,7 @@ class Connection:
         self._ask_hook = broker.auth.asks_hook(self.subject)
         if p.will is not None:
             await self._check_will(p.will, v)
-        if p.will is not None and (p.will.topic.startswith("$")  # the server's, as below
-                                   or not await self._may_ask("PUB", p.will.topic)):
-            await self._refuse(v, rc.NOT_AUTHORIZED, 5, "will topic not authorized")
+            await self._check_will_topic(p.will.topic, v)
         self.auth_changed()
         return auth_data
 
@@ -760,10 +767,12 @@ class Connection:
         self.broker.stats.messages_in += 1
         self.broker.stats.messages_in_qos[p.qos] += 1
         if topic.startswith("$"):
-            # MQTT §4.7.2: $-topics are the server's ($SYS statistics); a client must not
-            # be able to overwrite them or pass them off to other clients.
-            await self._refuse_publish(p, topic, "reserved for the server")
-            return
+            # MQTT §4.7.2: the server's ($SYS statistics), but for bridges' state topics
+            # and what the policies grant (gateway/reserved.py).
+            why = reserved_refusal(topic, self.broker.auth.enabled)
+            if why is not None:
+                await self._refuse_publish(p, topic, why)
+                return
         if self.subject is not None and not (
                 await self._may_ask("PUB", topic) if self._ask_hook else self._may("PUB", topic)):
             await self._refuse_publish(p, topic, "not authorized")

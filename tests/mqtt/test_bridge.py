@@ -1,11 +1,17 @@
 """What a bridge to Lightgate relies on, over a raw socket: the bridge bit of a
-try_private CONNECT."""
+try_private CONNECT, which `$` topics a client may write (a bridge's state)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from gateway import mqtt
+from gateway.mqtt import reason as rc
+from tests.conftest import Server
+from tests.mqtt.raw import RawClient
+from tests.security.helpers import add_user, allow, auth_server
 
 # -- try_private: a CONNECT with the bridge bit ---------------------------------------------
 
@@ -24,3 +30,86 @@ def test_bridge_bit_round_trips_through_the_codec() -> None:
     v5[8] |= mqtt.BRIDGE_BIT  # 0x85: no such thing; 5.0 has subscription options for it
     with pytest.raises(mqtt.UnsupportedProtocolError):
         mqtt.Decoder().feed(bytes(v5))
+
+
+# -- which `$` topics a client may write ----------------------------------------------------
+
+
+def _pub_code(c: RawClient, topic: str, pid: int, retain: bool = True) -> int:
+    c.send(mqtt.Publish(topic, b"1", 1, retain, False, pid))
+    ack = c.recv()
+    assert isinstance(ack, mqtt.Puback), ack
+    return ack.reason_code
+
+
+def test_without_auth_only_bridge_state_topics_are_open(server: Server) -> None:
+    c = RawClient(server.port, version=5)
+    c.connect("writer")
+    assert _pub_code(c, "$SYS/broker/connection/edge-1/state", 1) == rc.SUCCESS
+    for pid, topic in enumerate(["$SYS/broker/uptime", "$SYS/broker/connection/edge-1",
+                                 "$SYS/broker/connection/a/b/state", "$SYS/other",
+                                 "$app/x", "$share/g/t"], start=2):
+        assert _pub_code(c, topic, pid) == rc.NOT_AUTHORIZED, topic
+    c.close()
+    reader = RawClient(server.port, version=4, timeout=2.0)
+    reader.connect("reader")
+    reader.subscribe("$SYS/broker/connection/#", 0)
+    p = reader.recv()
+    assert isinstance(p, mqtt.Publish) and p.retain
+    assert (p.topic, p.payload) == ("$SYS/broker/connection/edge-1/state", b"1")
+    reader.close()
+    # A will: the same rule (CONNACK 0x87 for the broker's own statistics).
+    for version in (4, 5):
+        ok = RawClient(server.port, version=version)
+        will = mqtt.Will("$SYS/broker/connection/edge-2/state", b"0", 1, True)
+        assert ok.connect(f"will-ok-{version}", will=will).reason_code == 0
+        ok.close()
+        bad = RawClient(server.port, version=version)
+        will = mqtt.Will("$SYS/broker/clients/connected", b"0", 1, True)
+        assert bad.connect(f"will-bad-{version}", will=will).reason_code == \
+            (rc.NOT_AUTHORIZED if version == 5 else 5)
+        bad.close()
+
+
+def test_with_auth_the_policies_decide_on_dollar_topics(tmp_path: Path) -> None:
+    lg = auth_server(tmp_path)
+    try:
+        add_user(lg, "plain", "pw")
+        allow(lg, "plain", "Topic:#", "PUB")
+        add_user(lg, "bridge", "pw")
+        allow(lg, "bridge", "Topic:$SYS/broker/connection/#", "PUB")
+        allow(lg, "bridge", "Topic:$SYS/broker/uptime", "PUB")
+        plain = RawClient(lg.port, version=5)
+        plain.connect("plain-1", username="plain", password=b"pw")
+        assert _pub_code(plain, "$SYS/broker/connection/p/state", 1) == rc.NOT_AUTHORIZED
+        assert _pub_code(plain, "a/b", 2) == rc.SUCCESS
+        plain.close()
+        bridge = RawClient(lg.port, version=5)
+        will = mqtt.Will("$SYS/broker/connection/b/state", b"0", 1, True)
+        assert bridge.connect("bridge-1", username="bridge", password=b"pw",
+                              will=will).reason_code == 0
+        assert _pub_code(bridge, "$SYS/broker/connection/b/state", 1) == rc.SUCCESS
+        # The grant overrides the default that keeps $SYS/broker/... the broker's own.
+        assert _pub_code(bridge, "$SYS/broker/uptime", 2, retain=False) == rc.SUCCESS
+        assert _pub_code(bridge, "$SYS/broker/clients/connected", 3) == rc.NOT_AUTHORIZED
+        assert _pub_code(bridge, "$share/g/t", 4) == rc.NOT_AUTHORIZED
+        bridge.close()
+        refused = RawClient(lg.port, version=5)
+        will = mqtt.Will("$SYS/broker/connection/p/state", b"0", 1, True)
+        assert refused.connect("plain-2", username="plain", password=b"pw",
+                               will=will).reason_code == rc.NOT_AUTHORIZED
+        refused.close()
+    finally:
+        assert lg.stop() == 0, lg.logs()[-3000:]
+
+
+def test_retained_state_messages_count_in_the_clients_budget(tmp_path: Path) -> None:
+    srv = Server(tmp_path / "data", "--max-retained-per-client", "2").start()
+    try:
+        c = RawClient(srv.port, version=5)
+        c.connect("many-bridges")
+        codes = [_pub_code(c, f"$SYS/broker/connection/b{i}/state", i + 1) for i in range(3)]
+        assert codes == [rc.SUCCESS, rc.SUCCESS, rc.QUOTA_EXCEEDED]
+        c.close()
+    finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]
