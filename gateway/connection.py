@@ -95,7 +95,7 @@ class Connection:
         "_outbuf_bytes",
         "_window", "_cancel", "_detached", "_taken_over", "_write_failed", "_store_error",
         "_aliases_in", "_aliases_out", "_alias_out_max", "_fd",
-        "_held", "_auth_method", "_reauth", "_idle",
+        "_held", "_auth_method", "_reauth", "_idle", "bridge",
     )
 
     def __init__(
@@ -125,6 +125,7 @@ class Connection:
                                     first_packet_max=self.config.max_connect_packet)
         self._held = 0  # partial-packet bytes counted in the node's read budget
         self.version = 4
+        self.bridge = False  # a broker's bridge said so (try_private): see _on_subscribe
         self.session: Session | None = None
         self.keepalive = 0
         self.receive_maximum = self.config.max_inflight  # the client's, for our sends
@@ -486,6 +487,7 @@ class Connection:
         if not isinstance(p, Connect):
             raise Closing("first packet is not CONNECT", will=False)
         self.version = v = p.protocol_level
+        self.bridge = p.bridge
         props = p.properties
         authenticator = None
         if v == 5:  # before any answer: each must fit [MQTT-3.2.2-19]
@@ -557,9 +559,9 @@ class Connection:
                 if auth_data is not None:
                     ack_props["authentication_data"] = auth_data
         await self.send(mqtt.encode(Connack(present, 0, ack_props), v))
-        log.info("client %r connected from %s (v%d, %s session%s)", client_id, self.peer, v,
-                 "persistent" if session.persistent else "clean",
-                 ", resumed" if present else "")
+        log.info("client %r connected from %s (v%d%s, %s session%s)", client_id, self.peer,
+                 v, " bridge" if self.bridge else "",
+                 "persistent" if session.persistent else "clean", ", resumed" if present else "")
         self._nursery = nursery
         if session.has_state():
             self._start_delivery(resume=True)
@@ -1046,7 +1048,11 @@ class Connection:
                 codes.append(refusal if v == 5 else 0x80)
                 continue
             granted = min(opts.qos, self.config.max_qos)
-            opts = mqtt.SubscriptionOptions(granted, opts.no_local, opts.retain_as_published,
+            # A bridge's subscriptions, as Mosquitto and EMQX make them: what it sent is
+            # not sent back (it would go round), retained messages stay retained.
+            bridged = self.bridge and not shared
+            opts = mqtt.SubscriptionOptions(granted, opts.no_local or bridged,
+                                            opts.retain_as_published or bridged,
                                             opts.retain_handling)
             sub = Subscription(topic_filter, opts, sid, shared)
             try:
@@ -1238,8 +1244,8 @@ class Connection:
             return None  # a wider filter than the policies allow: not for this topic
         if len(subs) > 1 and s.seen(msg.phys_offset):
             return None  # already sent through an overlapping subscription
-        if self.version == 5:
-            subs = [x for x in subs if not (x.options.no_local and msg.client_id == s.client_id)]
+        if msg.client_id == s.client_id:  # No Local: a v5 option, or a bridge's
+            subs = [x for x in subs if not x.options.no_local]
             if not subs:
                 return None
         qos = min(msg.qos, max(x.options.qos for x in subs))

@@ -1,5 +1,6 @@
 """What a bridge to Lightgate relies on, over a raw socket: the bridge bit of a
-try_private CONNECT, which `$` topics a client may write (a bridge's state)."""
+try_private CONNECT, which `$` topics a client may write (a bridge's state), no echo
+and retain as published on a bridge's subscriptions."""
 
 from __future__ import annotations
 
@@ -113,3 +114,39 @@ def test_retained_state_messages_count_in_the_clients_budget(tmp_path: Path) -> 
         c.close()
     finally:
         assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+# -- a bridge's subscriptions --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", [3, 4])
+def test_a_bridge_gets_no_echo_and_retain_as_published(server: Server, version: int) -> None:
+    bridge = RawClient(server.port, version=version, timeout=1.0)
+    assert bridge.connect("edge-bridge", clean=False, bridge=True).reason_code == 0
+    bridge.subscribe("t/#", 1)
+    plain = RawClient(server.port, version=version, timeout=1.0)
+    assert plain.connect("plain-client").reason_code == 0
+    plain.subscribe("t/#", 1)
+    bridge.send(mqtt.Publish("t/from-bridge", b"b", 1, True, False, 1))
+    plain.send(mqtt.Publish("t/from-plain", b"p", 1, True, False, 1))
+    at_bridge, at_plain = _drain(bridge), _drain(plain)
+    # The bridge's own message does not come back to it; the other keeps its retain flag.
+    assert [(p.topic, p.retain) for p in at_bridge] == [("t/from-plain", True)]
+    # An ordinary client: its own message too, and live messages with the flag off (3.1.1).
+    assert sorted((p.topic, p.retain) for p in at_plain) == \
+        [("t/from-bridge", False), ("t/from-plain", False)]
+    bridge.close()
+    plain.close()
+
+
+def _drain(c: RawClient) -> list[mqtt.Publish]:
+    got = []
+    while True:
+        try:
+            p = c.recv()
+        except TimeoutError:
+            return got
+        if isinstance(p, mqtt.Publish):
+            got.append(p)
+            if p.qos == 1:
+                c.send(mqtt.Puback(p.packet_id))
