@@ -83,6 +83,14 @@ class Closing(Exception):
         self.internal = False  # a server bug, not anything the client did
 
 
+class Refused(Closing):
+    """A CONNECT turned down, before any session (so no will): the client sees a return
+    code at most, the log says why (see Connection._connect)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why, will=False)
+
+
 class Connection:
     # Slots: 100k idle devices means 100k of these; a __dict__ each would double them.
     __slots__ = (
@@ -422,10 +430,7 @@ class Connection:
         # The connection's scope again (see _cancel): a scope of its own per connection
         # was a tenth of the cost of accepting one. _close tells this timeout apart.
         self._cancel.deadline = trio.current_time() + self.config.connect_timeout
-        packets = await self._receive()
-        self._cancel.deadline = math.inf
-        first = packets.pop(0)
-        await self._on_connect(first, nursery, packets)
+        packets = await self._connect(nursery)
         while True:
             for packet in packets:
                 await self._dispatch(packet)
@@ -436,6 +441,23 @@ class Connection:
                 self._cancel.deadline = math.inf
             else:
                 packets = await self._receive()
+
+    async def _connect(self, nursery: trio.Nursery) -> list[Any]:
+        """Read the CONNECT and answer it; returns the packets that came after it. Every
+        refusal is logged with its reason: an operator cannot tell one from the client's
+        side (a bridge's will refused by a policy looked like a network fault)."""
+        first = None
+        try:
+            packets = await self._receive()
+            self._cancel.deadline = math.inf
+            first = packets.pop(0)
+            await self._on_connect(first, nursery, packets)
+        except (Refused, ProtocolError) as exc:
+            who = repr(first.client_id) if isinstance(first, Connect) else "?"
+            why = f"protocol error: {exc.message}" if isinstance(exc, ProtocolError) else exc
+            log.info("connect of %s from %s refused: %s", who, self.peer, why)
+            raise
+        return packets
 
     async def _receive(self) -> list[Any]:
         if self.decoder.error is not None:  # after the packets that came before it
@@ -465,7 +487,7 @@ class Connection:
                 code = rc.UNSUPPORTED_PROTOCOL_VERSION if exc.protocol_level == 5 \
                     else exc.v3_return_code
                 await self._send_now(mqtt.encode(Connack(False, code), 5 if code > 5 else 4))
-                raise Closing(str(exc), will=False) from exc
+                raise Refused(exc.message) from exc
             except ProtocolError as exc:
                 if exc.packets:  # handled first (a CONNECT too); the next call raises
                     return exc.packets
@@ -485,7 +507,7 @@ class Connection:
     async def _on_connect(self, p: Any, nursery: trio.Nursery, packets: list[Any]) -> None:
         """`packets`: those that came after the CONNECT; an AUTH exchange reads on."""
         if not isinstance(p, Connect):
-            raise Closing("first packet is not CONNECT", will=False)
+            raise Refused("first packet is not CONNECT")
         self.version = v = p.protocol_level
         self.bridge = p.bridge
         props = p.properties
@@ -500,7 +522,7 @@ class Connection:
                     False, rc.BAD_AUTHENTICATION_METHOD, self._reason(
                         f"authentication method {props['authentication_method']!r} "
                         "is not supported")), 5))
-                raise Closing("unsupported authentication method", will=False)
+                raise Refused("unsupported authentication method")
             self._auth_method = authenticator.method
         client_id = p.client_id
         assigned = None
@@ -508,7 +530,7 @@ class Connection:
             if v < 5 and not p.clean_start:
                 # 3.1.1: a zero-byte id needs CleanSession=1 (return code 2)
                 await self._send_now(mqtt.encode(Connack(False, 2), v))
-                raise Closing("empty client id with a persistent session", will=False)
+                raise Refused("empty client id with a persistent session")
             client_id = assigned = self.broker.assign_client_id()
         if v == 5:
             expiry = int(props.get("session_expiry_interval", 0))
@@ -575,7 +597,7 @@ class Connection:
         if code is not None:
             props = self._reason(why) if v == 5 else {}
             await self._send_now(mqtt.encode(Connack(False, code, props), v))
-        raise Closing(f"connect refused: {why}", will=False)
+        raise Refused(why)
 
     async def _check_will(self, will: mqtt.Will, v: int) -> None:
         """What the codec cannot know about a will: this server's limits (MQTT 5
@@ -626,7 +648,6 @@ class Connection:
                 self.subject = await broker.auth.authenticate(
                     p.username, password, ip, "mqtt", self.cert_identity, client_id)
         except AuthError as exc:
-            log.info("client %r from %s not authenticated", p.client_id, self.peer)
             if exc.disabled or (authenticator is None and not p.username
                                 and not self.cert_identity):
                 await self._refuse(v, rc.NOT_AUTHORIZED, 5, "not authorized")
@@ -653,10 +674,10 @@ class Connection:
                 while not packets:
                     packets.extend(await self._receive())
             if not packets:
-                raise Closing("authentication not finished in time", will=False)
+                raise Refused("authentication not finished in time")
             reply = packets.pop(0)
             if isinstance(reply, Disconnect):
-                raise Closing("DISCONNECT during authentication", will=False)
+                raise Refused("DISCONNECT during authentication")
             if (not isinstance(reply, Auth) or reply.reason_code != rc.CONTINUE_AUTHENTICATION
                     or reply.properties.get("authentication_method") != method):
                 await self._refuse(5, rc.PROTOCOL_ERROR, 0, f"expected AUTH 0x18 for {method}")

@@ -1,6 +1,7 @@
 """What a bridge to Lightgate relies on, over a raw socket: the bridge bit of a
 try_private CONNECT, which `$` topics a client may write (a bridge's state), no echo
-and retain as published on a bridge's subscriptions."""
+and retain as published on a bridge's subscriptions, a log line for every refused
+CONNECT."""
 
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ def test_with_auth_the_policies_decide_on_dollar_topics(tmp_path: Path) -> None:
         assert refused.connect("plain-2", username="plain", password=b"pw",
                                will=will).reason_code == rc.NOT_AUTHORIZED
         refused.close()
+        assert lg.wait_log("connect of 'plain-2' from 127.0.0.1:")
     finally:
         assert lg.stop() == 0, lg.logs()[-3000:]
 
@@ -150,3 +152,28 @@ def _drain(c: RawClient) -> list[mqtt.Publish]:
             got.append(p)
             if p.qos == 1:
                 c.send(mqtt.Puback(p.packet_id))
+
+
+# -- every refused CONNECT is logged ----------------------------------------------------------
+
+
+def test_every_refused_connect_is_logged_with_its_reason(server: Server) -> None:
+    bad = RawClient(server.port, version=4)
+    bad.send_raw(b"\x10\x0d\x00\x04MQTT\x06\x02\x00\x3c\x00\x01x")  # level 6
+    assert bad.closed_by_server()
+    bad.close()
+    will = RawClient(server.port, version=4)
+    assert will.connect("will-on-stats", will=mqtt.Will("$SYS/broker/uptime", b"x")
+                        ).reason_code == 5
+    will.close()
+    anon = RawClient(server.port, version=4)
+    assert anon.connect("", clean=False).reason_code == 2
+    anon.close()
+    for text in ("connect of ? from 127.0.0.1:", "refused: unsupported protocol 'MQTT' "
+                 "level 6", "connect of 'will-on-stats' from 127.0.0.1:",
+                 "refused: will topic '$SYS/broker/uptime' reserved for the server",
+                 "connect of '' from 127.0.0.1:", "refused: empty client id with a "
+                 "persistent session"):
+        assert server.wait_log(text), (text, server.logs()[-3000:])
+    refusals = [x for x in server.logs().splitlines() if "refused:" in x]
+    assert len(refusals) == 3 and all(" INFO " in x for x in refusals), refusals
