@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-$(SUM)-test
 # runs the Spark end-to-end tests; the other targets do not need it.
 SPARK_STAMP := $(VENV)/.installed-$(SUM)-spark
 
-.PHONY: serve test soak lint bench bench-full clean redis chromium java
+.PHONY: serve test soak lint bench bench-full clean redis chromium java mosquitto
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,9 +33,13 @@ $(SPARK_STAMP): $(STAMP)
 serve: $(RUN_STAMP)
 	$(BIN)/lightgate serve
 
-# Debian packages the tests drive for real: Redis (notify) and Chromium (the dashboard).
+# Debian packages the tests drive for real: Redis (notify), Chromium (the dashboard) and
+# Mosquitto (an edge broker bridging to Lightgate, tests/mqtt/test_bridge.py).
 redis:
 	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null)
+
+mosquitto:
+	@command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto >/dev/null)
 
 chromium:
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
@@ -45,7 +49,7 @@ java:
 	@[ -x "$$JAVA_HOME/bin/java" ] || command -v java >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null)
 
 # LIGHTGATE_REQUIRE_SPARK: the Spark tests fail, not skip, if pyspark or Java is missing.
-test: $(SPARK_STAMP) redis chromium java
+test: $(SPARK_STAMP) redis chromium java mosquitto
 	$(BIN)/ruff check .
 	LIGHTGATE_REQUIRE_SPARK=1 $(BIN)/pytest -q
 

@@ -19,6 +19,7 @@ from gateway.cache import QueueCache
 from gateway.limits import SourceRateLimiter
 from gateway.mqtt import PublishTemplate, Will
 from gateway.mqtt.properties import publish_properties
+from gateway.reserved import SERVER_ID
 from gateway.retained import RetainedBudget, RetainedLimits
 from gateway.session import (
     NEVER_EXPIRES,
@@ -857,7 +858,7 @@ class Broker:
             "$SYS/broker/store/bytes": store_stats["bytes"],
             "$SYS/broker/store/segments": store_stats["segments"],
         }
-        msgs = [Message(t, str(v).encode(), 0, True, "$SYS", born_ts=int(time.time() * 1000))
+        msgs = [Message(t, str(v).encode(), 0, True, SERVER_ID, born_ts=int(time.time() * 1000))
                 for t, v in values.items()]
         try:
             for stored in await self.store.publish(msgs):

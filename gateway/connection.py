@@ -36,6 +36,7 @@ from gateway.mqtt import (
 )
 from gateway.mqtt import reason as rc
 from gateway.mqtt.properties import publish_properties
+from gateway.reserved import refusal as reserved_refusal
 from gateway.session import (
     NEVER_EXPIRES,
     Outgoing,
@@ -82,6 +83,14 @@ class Closing(Exception):
         self.internal = False  # a server bug, not anything the client did
 
 
+class Refused(Closing):
+    """A CONNECT turned down, before any session (so no will): the client sees a return
+    code at most, the log says why (see Connection._connect)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why, will=False)
+
+
 class Connection:
     # Slots: 100k idle devices means 100k of these; a __dict__ each would double them.
     __slots__ = (
@@ -94,7 +103,7 @@ class Connection:
         "_outbuf_bytes",
         "_window", "_cancel", "_detached", "_taken_over", "_write_failed", "_store_error",
         "_aliases_in", "_aliases_out", "_alias_out_max", "_fd",
-        "_held", "_auth_method", "_reauth", "_idle",
+        "_held", "_auth_method", "_reauth", "_idle", "bridge",
     )
 
     def __init__(
@@ -124,6 +133,7 @@ class Connection:
                                     first_packet_max=self.config.max_connect_packet)
         self._held = 0  # partial-packet bytes counted in the node's read budget
         self.version = 4
+        self.bridge = False  # a broker's bridge said so (try_private): see _on_subscribe
         self.session: Session | None = None
         self.keepalive = 0
         self.receive_maximum = self.config.max_inflight  # the client's, for our sends
@@ -420,10 +430,7 @@ class Connection:
         # The connection's scope again (see _cancel): a scope of its own per connection
         # was a tenth of the cost of accepting one. _close tells this timeout apart.
         self._cancel.deadline = trio.current_time() + self.config.connect_timeout
-        packets = await self._receive()
-        self._cancel.deadline = math.inf
-        first = packets.pop(0)
-        await self._on_connect(first, nursery, packets)
+        packets = await self._connect(nursery)
         while True:
             for packet in packets:
                 await self._dispatch(packet)
@@ -434,6 +441,23 @@ class Connection:
                 self._cancel.deadline = math.inf
             else:
                 packets = await self._receive()
+
+    async def _connect(self, nursery: trio.Nursery) -> list[Any]:
+        """Read the CONNECT and answer it; returns the packets that came after it. Every
+        refusal is logged with its reason: an operator cannot tell one from the client's
+        side (a bridge's will refused by a policy looked like a network fault)."""
+        first = None
+        try:
+            packets = await self._receive()
+            self._cancel.deadline = math.inf
+            first = packets.pop(0)
+            await self._on_connect(first, nursery, packets)
+        except (Refused, ProtocolError) as exc:
+            who = repr(first.client_id) if isinstance(first, Connect) else "?"
+            why = f"protocol error: {exc.message}" if isinstance(exc, ProtocolError) else exc
+            log.info("connect of %s from %s refused: %s", who, self.peer, why)
+            raise
+        return packets
 
     async def _receive(self) -> list[Any]:
         if self.decoder.error is not None:  # after the packets that came before it
@@ -463,7 +487,7 @@ class Connection:
                 code = rc.UNSUPPORTED_PROTOCOL_VERSION if exc.protocol_level == 5 \
                     else exc.v3_return_code
                 await self._send_now(mqtt.encode(Connack(False, code), 5 if code > 5 else 4))
-                raise Closing(str(exc), will=False) from exc
+                raise Refused(exc.message) from exc
             except ProtocolError as exc:
                 if exc.packets:  # handled first (a CONNECT too); the next call raises
                     return exc.packets
@@ -483,8 +507,9 @@ class Connection:
     async def _on_connect(self, p: Any, nursery: trio.Nursery, packets: list[Any]) -> None:
         """`packets`: those that came after the CONNECT; an AUTH exchange reads on."""
         if not isinstance(p, Connect):
-            raise Closing("first packet is not CONNECT", will=False)
+            raise Refused("first packet is not CONNECT")
         self.version = v = p.protocol_level
+        self.bridge = p.bridge
         props = p.properties
         authenticator = None
         if v == 5:  # before any answer: each must fit [MQTT-3.2.2-19]
@@ -497,7 +522,7 @@ class Connection:
                     False, rc.BAD_AUTHENTICATION_METHOD, self._reason(
                         f"authentication method {props['authentication_method']!r} "
                         "is not supported")), 5))
-                raise Closing("unsupported authentication method", will=False)
+                raise Refused("unsupported authentication method")
             self._auth_method = authenticator.method
         client_id = p.client_id
         assigned = None
@@ -505,7 +530,7 @@ class Connection:
             if v < 5 and not p.clean_start:
                 # 3.1.1: a zero-byte id needs CleanSession=1 (return code 2)
                 await self._send_now(mqtt.encode(Connack(False, 2), v))
-                raise Closing("empty client id with a persistent session", will=False)
+                raise Refused("empty client id with a persistent session")
             client_id = assigned = self.broker.assign_client_id()
         if v == 5:
             expiry = int(props.get("session_expiry_interval", 0))
@@ -556,9 +581,9 @@ class Connection:
                 if auth_data is not None:
                     ack_props["authentication_data"] = auth_data
         await self.send(mqtt.encode(Connack(present, 0, ack_props), v))
-        log.info("client %r connected from %s (v%d, %s session%s)", client_id, self.peer, v,
-                 "persistent" if session.persistent else "clean",
-                 ", resumed" if present else "")
+        log.info("client %r connected from %s (v%d%s, %s session%s)", client_id, self.peer,
+                 v, " bridge" if self.bridge else "",
+                 "persistent" if session.persistent else "clean", ", resumed" if present else "")
         self._nursery = nursery
         if session.has_state():
             self._start_delivery(resume=True)
@@ -572,7 +597,7 @@ class Connection:
         if code is not None:
             props = self._reason(why) if v == 5 else {}
             await self._send_now(mqtt.encode(Connack(False, code, props), v))
-        raise Closing(f"connect refused: {why}", will=False)
+        raise Refused(why)
 
     async def _check_will(self, will: mqtt.Will, v: int) -> None:
         """What the codec cannot know about a will: this server's limits (MQTT 5
@@ -589,6 +614,14 @@ class Connection:
                 and not _is_utf8(will.payload):  # §3.1.3.2.3
             await self._refuse(v, rc.PAYLOAD_FORMAT_INVALID, None,
                                "will payload is not UTF-8 as its format indicator says")
+
+    async def _check_will_topic(self, topic: str, v: int) -> None:
+        """The will's topic takes the PUB right a publish there would need."""
+        why = reserved_refusal(topic, self.broker.auth.enabled)
+        if why is None and not await self._may_ask("PUB", topic):
+            why = "not authorized"
+        if why is not None:
+            await self._refuse(v, rc.NOT_AUTHORIZED, 5, f"will topic {topic!r} {why}")
 
     async def _admit(self, p: Connect, v: int, client_id: str,
                      authenticator: Authenticator | None, packets: list[Any]) -> bytes | None:
@@ -615,7 +648,6 @@ class Connection:
                 self.subject = await broker.auth.authenticate(
                     p.username, password, ip, "mqtt", self.cert_identity, client_id)
         except AuthError as exc:
-            log.info("client %r from %s not authenticated", p.client_id, self.peer)
             if exc.disabled or (authenticator is None and not p.username
                                 and not self.cert_identity):
                 await self._refuse(v, rc.NOT_AUTHORIZED, 5, "not authorized")
@@ -623,9 +655,7 @@ class Connection:
         self._ask_hook = broker.auth.asks_hook(self.subject)
         if p.will is not None:
             await self._check_will(p.will, v)
-        if p.will is not None and (p.will.topic.startswith("$")  # the server's, as below
-                                   or not await self._may_ask("PUB", p.will.topic)):
-            await self._refuse(v, rc.NOT_AUTHORIZED, 5, "will topic not authorized")
+            await self._check_will_topic(p.will.topic, v)
         self.auth_changed()
         return auth_data
 
@@ -644,10 +674,10 @@ class Connection:
                 while not packets:
                     packets.extend(await self._receive())
             if not packets:
-                raise Closing("authentication not finished in time", will=False)
+                raise Refused("authentication not finished in time")
             reply = packets.pop(0)
             if isinstance(reply, Disconnect):
-                raise Closing("DISCONNECT during authentication", will=False)
+                raise Refused("DISCONNECT during authentication")
             if (not isinstance(reply, Auth) or reply.reason_code != rc.CONTINUE_AUTHENTICATION
                     or reply.properties.get("authentication_method") != method):
                 await self._refuse(5, rc.PROTOCOL_ERROR, 0, f"expected AUTH 0x18 for {method}")
@@ -760,10 +790,12 @@ class Connection:
         self.broker.stats.messages_in += 1
         self.broker.stats.messages_in_qos[p.qos] += 1
         if topic.startswith("$"):
-            # MQTT §4.7.2: $-topics are the server's ($SYS statistics); a client must not
-            # be able to overwrite them or pass them off to other clients.
-            await self._refuse_publish(p, topic, "reserved for the server")
-            return
+            # MQTT §4.7.2: the server's ($SYS statistics), but for bridges' state topics
+            # and what the policies grant (gateway/reserved.py).
+            why = reserved_refusal(topic, self.broker.auth.enabled)
+            if why is not None:
+                await self._refuse_publish(p, topic, why)
+                return
         if self.subject is not None and not (
                 await self._may_ask("PUB", topic) if self._ask_hook else self._may("PUB", topic)):
             await self._refuse_publish(p, topic, "not authorized")
@@ -1037,7 +1069,11 @@ class Connection:
                 codes.append(refusal if v == 5 else 0x80)
                 continue
             granted = min(opts.qos, self.config.max_qos)
-            opts = mqtt.SubscriptionOptions(granted, opts.no_local, opts.retain_as_published,
+            # A bridge's subscriptions, as Mosquitto and EMQX make them: what it sent is
+            # not sent back (it would go round), retained messages stay retained.
+            bridged = self.bridge and not shared
+            opts = mqtt.SubscriptionOptions(granted, opts.no_local or bridged,
+                                            opts.retain_as_published or bridged,
                                             opts.retain_handling)
             sub = Subscription(topic_filter, opts, sid, shared)
             try:
@@ -1229,8 +1265,8 @@ class Connection:
             return None  # a wider filter than the policies allow: not for this topic
         if len(subs) > 1 and s.seen(msg.phys_offset):
             return None  # already sent through an overlapping subscription
-        if self.version == 5:
-            subs = [x for x in subs if not (x.options.no_local and msg.client_id == s.client_id)]
+        if msg.client_id == s.client_id:  # No Local: a v5 option, or a bridge's
+            subs = [x for x in subs if not x.options.no_local]
             if not subs:
                 return None
         qos = min(msg.qos, max(x.options.qos for x in subs))

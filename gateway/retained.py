@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.reserved import is_broker_statistic
+
 
 @dataclass
 class RetainedLimits:
@@ -60,9 +62,9 @@ class RetainedBudget:
 
     def set(self, topic: str, client_id: str, size: int) -> None:
         """`topic` now retains `size` bytes set by `client_id` (whatever the budget)."""
-        if topic.startswith("$"):
-            return  # the server's own ($SYS): a fixed set, not the clients' budget
         self.remove(topic)
+        if is_broker_statistic(topic, client_id):
+            return  # a fixed set; a client's $ topic (a bridge's state) counts as any other
         self.topics[topic] = (client_id, size)
         self.count += 1
         self.bytes += size

@@ -8,6 +8,7 @@ from .codec import (
     encode_publish,
 )
 from .packets import (
+    BRIDGE_BIT,
     PROTOCOL_NAMES,
     Auth,
     Connack,
@@ -32,6 +33,7 @@ from .packets import (
 from .reason import ProtocolError, UnsupportedProtocolError, connack_v5_to_v3
 
 __all__ = [
+    "BRIDGE_BIT",
     "MAX_PACKET_SIZE",
     "PROTOCOL_NAMES",
     "Auth",

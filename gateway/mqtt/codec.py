@@ -18,6 +18,7 @@ from typing import Any
 from lightqueue.topic import TopicError, validate_topic_filter, validate_topic_name
 
 from .packets import (
+    BRIDGE_BIT,
     PROTOCOL_NAMES,
     Auth,
     Connack,
@@ -324,8 +325,11 @@ class Decoder:
         if p >= end:
             raise _malformed("truncated CONNECT")
         level = data[p]
+        bridge = level in _BRIDGE_LEVELS
+        if bridge:
+            level &= ~BRIDGE_BIT
         if PROTOCOL_NAMES.get(level) != name:
-            raise UnsupportedProtocolError(name, level)
+            raise UnsupportedProtocolError(name, data[p])
         self.connect_level = level
         if p + 4 > end:
             raise _malformed("truncated CONNECT")
@@ -378,7 +382,7 @@ class Decoder:
             raise _malformed("trailing bytes after CONNECT payload")
         self.version = level
         return Connect(client_id, level, name, bool(cflags & 0x02), keepalive, username,
-                       password, will, props)
+                       password, will, props, bridge)
 
     def _connack(self, flags: int, data: bytes, p: int, end: int) -> Connack:
         if flags:
@@ -585,6 +589,8 @@ class Decoder:
         return Auth(code, props)
 
 
+# 3.1 and 3.1.1 with the bridge bit; a 5.0 CONNECT with it stays an unsupported level.
+_BRIDGE_LEVELS = (BRIDGE_BIT | 3, BRIDGE_BIT | 4)
 _QOS_OPTIONS = (SubscriptionOptions(0), SubscriptionOptions(1), SubscriptionOptions(2))
 
 
@@ -887,7 +893,9 @@ def _enc_connect(p: Connect, version: int) -> bytes:
             raise ValueError("a password needs a user name before MQTT 5")
         flags |= 0x40
         parts.append(encode_bin(p.password))
-    parts[1] = bytes((version, flags))
+    if p.bridge and v5:
+        raise ValueError("the bridge bit is for 3.1 and 3.1.1 CONNECTs only")
+    parts[1] = bytes((version | (BRIDGE_BIT if p.bridge else 0), flags))
     parts[2] = _u16_pack(p.keepalive)
     return _frame(0x10, b"".join(parts))
 

@@ -19,6 +19,11 @@ Properties = dict[str, Any]
 # Standard protocol name for each supported protocol level.
 PROTOCOL_NAMES: dict[int, str] = {3: "MQIsdp", 4: "MQTT", 5: "MQTT"}
 
+# Set on the protocol level byte by a broker bridging to us ("try_private" in Mosquitto:
+# 0x83 for 3.1, 0x84 for 3.1.1). MQTT 5 needs no such bit: its subscription options say
+# No Local and Retain As Published themselves.
+BRIDGE_BIT = 0x80
+
 
 @dataclass(slots=True)
 class Will:
@@ -41,6 +46,7 @@ class Connect:
     password: bytes | None = None
     will: Will | None = None
     properties: Properties = field(default_factory=dict)
+    bridge: bool = False  # a 3.1/3.1.1 CONNECT with BRIDGE_BIT: a broker bridging to us
 
     def __post_init__(self) -> None:
         if not self.protocol_name:
