@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import os
 import re
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +25,18 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from gateway.broker import Broker
-from gateway.metrics import metrics_route
+from gateway.metrics import STORE_STATS_TIMEOUT_S, metrics_route
 from gateway.session import NUL, Session
 from lightqueue.routing import split_partition_queue
 from serving.http import paginate
-from store.api import Store, topic_rows
+from store.api import Store, StoreError, topic_rows
 
 DASHBOARD = Path(__file__).with_name("dashboard")  # served from the package: no CDN
 MSG_ID = re.compile(r"[0-9A-Fa-f]{16}")
 ALERTS = "alerts/#"
 ALERTS_SHOWN = 50
 PROTOCOLS = {3: "3.1", 4: "3.1.1", 5: "5.0"}
+Handler = Callable[[Request], Awaitable[Any]]
 
 
 def _client_row(s: Session) -> dict[str, Any]:
@@ -102,10 +105,28 @@ def _store_summary(stats: dict[str, Any] | None) -> dict[str, Any]:
 
 
 async def _store_stats(store: Store) -> dict[str, Any] | None:
+    """The store's figures, or None when it is away or does not answer within
+    STORE_STATS_TIMEOUT_S (the dashboard polls; the gateway's own figures still come)."""
     try:
-        return await store.get_stats()
-    except Exception:
-        return None
+        with trio.move_on_after(STORE_STATS_TIMEOUT_S):
+            return await store.get_stats()
+    except Exception:  # noqa: BLE001 - shown as the store being down
+        pass
+    return None
+
+
+def _store_away_is_503(handler: Handler) -> Handler:
+    """A request that needs the store while it is away (a failover, a hung master) is
+    answered 503 with the reason, not 500 with a traceback in the log."""
+
+    @functools.wraps(handler)
+    async def run(request: Request) -> Any:
+        try:
+            return await handler(request)
+        except StoreError as exc:
+            raise HTTPException(503, f"the store is unavailable: {exc}") from None
+
+    return run
 
 
 async def _readers(broker: Broker) -> list[tuple[str, str, int]]:
@@ -296,17 +317,18 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
         metrics_route(broker),
         Route("/api/v1/overview", overview),
         Route("/api/v1/cluster", cluster),
-        Route("/api/v1/alerts", alerts),
+        Route("/api/v1/alerts", _store_away_is_503(alerts)),
         Route("/api/v1/runtime", runtime),
         Route("/api/v1/config", config),
         Route("/api/v1/clients", clients),
         Route("/api/v1/clients/{client_id:path}/kick", kick, methods=["POST"]),
         Route("/api/v1/clients/{client_id:path}", client),
-        Route("/api/v1/sessions", sessions),
+        Route("/api/v1/sessions", _store_away_is_503(sessions)),
         Route("/api/v1/subscriptions", subscriptions),
-        Route("/api/v1/topics", topics),
-        Route("/api/v1/lag", lag),
-        Route("/api/v1/retained", retained),
-        Route("/api/v1/retained/{topic:path}", retained_delete, methods=["DELETE"]),
-        Route("/api/v1/messages/{msg_id}", message),
+        Route("/api/v1/topics", _store_away_is_503(topics)),
+        Route("/api/v1/lag", _store_away_is_503(lag)),
+        Route("/api/v1/retained", _store_away_is_503(retained)),
+        Route("/api/v1/retained/{topic:path}", _store_away_is_503(retained_delete),
+              methods=["DELETE"]),
+        Route("/api/v1/messages/{msg_id}", _store_away_is_503(message)),
     ]

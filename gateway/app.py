@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import signal
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
@@ -40,6 +42,8 @@ from store.api import (
 
 log = logging.getLogger("lightgate.serve")
 
+STORE_QUIET_S = 1.0  # a store that answers within this at start: nothing to log
+
 
 @dataclass
 class ServeOptions:
@@ -54,6 +58,7 @@ class ServeOptions:
 @dataclass
 class GatewayOptions:
     store: str = "127.0.0.1:10911"
+    store_wait_s: float = 0.0  # at start, for the store's master; 0: for good
     notify: str | None = None
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
@@ -135,40 +140,81 @@ async def _announce(store: RemoteStore, gateway_id: str, info: dict) -> None:
 
 async def run_gateway(opts: GatewayOptions) -> None:
     with shutdown_signals() as signals:
-        try:
-            await _gateway(opts, signals)
-        except AuthFailed as exc:
-            raise StartupError(f"the store refused this gateway: {exc.message} "
-                               "(check --store-auth)") from None
-        except StoreUnavailable as exc:  # from NativeClient.open: nothing answered in time
-            raise StartupError(f"{exc}: start `lightgate store` there or point --store at "
-                               "it") from None
+        await _gateway(opts, signals)
 
 
 async def _gateway(opts: GatewayOptions, signals: Any) -> None:
     if not opts.notify:
         log.warning("no --notify: this gateway polls the store for new messages")
-    async with (
-        NativeClient.open(opts.store, credentials=_credentials(opts.store_auth)) as client,
-        open_bus(opts.notify) as bus,
-        trio.open_nursery() as nursery,
-    ):
-        store = RemoteStore(client)
-        auth = await _replica_auth(store, client.hello, opts)
-        broker = Broker(store, opts.gateway, auth)
-        if auth.enabled:
-            nursery.start_soon(broker.run_auth_refresh)
-        if opts.notify:
-            nursery.start_soon(broker.run_notify, bus)
-        nursery.start_soon(broker.run_poll_fallback, bus if opts.notify else None)
-        await nursery.start(broker.run_housekeeping)
-        bound = await start_listeners(nursery, broker, opts.listeners)
-        app = auth_app(gateway_routes(broker), auth, manage_auth=False)
-        bound["http"] = await nursery.start(
-            partial(serve_http, max_body=opts.gateway.http_max_body), app, opts.http)
-        gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
-        nursery.start_soon(_announce, store, gateway_id, dict(bound))
-        bound["store"] = opts.store
-        tune_for_serving()
-        print(_ready_line(bound), flush=True)
-        await stop_on_signal(signals, nursery)
+    async with NativeClient.open(opts.store, credentials=_credentials(opts.store_auth),
+                                 wait=False) as client:
+        if not await _wait_for_store(client, opts, signals):
+            return
+        async with open_bus(opts.notify) as bus, trio.open_nursery() as nursery:
+            store = RemoteStore(client)
+            auth = await _replica_auth(store, client.hello, opts)
+            broker = Broker(store, opts.gateway, auth)
+            if auth.enabled:
+                nursery.start_soon(broker.run_auth_refresh)
+            if opts.notify:
+                nursery.start_soon(broker.run_notify, bus)
+            nursery.start_soon(broker.run_poll_fallback, bus if opts.notify else None)
+            await nursery.start(broker.run_housekeeping)
+            bound = await start_listeners(nursery, broker, opts.listeners)
+            app = auth_app(gateway_routes(broker), auth, manage_auth=False)
+            bound["http"] = await nursery.start(
+                partial(serve_http, max_body=opts.gateway.http_max_body), app, opts.http)
+            gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
+            nursery.start_soon(_announce, store, gateway_id, dict(bound))
+            bound["store"] = opts.store
+            tune_for_serving()
+            print(_ready_line(bound), flush=True)
+            await stop_on_signal(signals, nursery)
+
+
+async def _wait_for_store(client: NativeClient, opts: GatewayOptions, signals: Any) -> bool:
+    """Wait for the store (a group: its master) before listening; False if a signal
+    came first. A store not there yet is a normal moment (a group electing, a compose
+    file starting everything at once), so the gateway waits, saying so once and then
+    every few seconds (NativeClient), rather than exit.
+
+    Why not listen at once and refuse CONNECTs with 0x88 (Server unavailable)? Without
+    its store a gateway knows neither whether authentication is on nor any session:
+    every CONNECT could only be refused. Closed ports say the same to clients, which
+    retry with their own backoff as they do while a broker restarts, and to load
+    balancers and readiness probes, which send clients to a gateway that serves. The
+    ready line comes once this one can serve. (A store lost later, once serving, is
+    another moment: the listeners stay, CONNECTs get 0x88 until it is back.)"""
+    limit = opts.store_wait_s or math.inf
+    failure: StartupError | None = None
+    stopped = False
+    async with trio.open_nursery() as race:
+
+        async def on_signal() -> None:
+            nonlocal stopped
+            async for signum in signals:
+                log.info("signal %s while waiting for the store: stopping",
+                         signal.Signals(signum).name)
+                stopped = True
+                race.cancel_scope.cancel()
+                return
+
+        race.start_soon(on_signal)
+        try:
+            with trio.move_on_after(min(STORE_QUIET_S, limit)) as quiet:
+                await client.ready(math.inf)
+            if quiet.cancelled_caught:
+                log.warning("waiting for the store at %s before listening (%s)%s", opts.store,
+                            client.last_failure or "no answer yet",
+                            f"; giving up after {limit:g} s" if limit < math.inf else "")
+                await client.ready(max(0.0, limit - STORE_QUIET_S))
+        except AuthFailed as exc:
+            failure = StartupError(f"the store refused this gateway: {exc.message} "
+                                   "(check --store-auth)")
+        except StoreUnavailable as exc:  # not found within --store-wait-s
+            failure = StartupError(f"{exc}: start `lightgate store` there, point --store at "
+                                   "it or wait longer (--store-wait-s)")
+        race.cancel_scope.cancel()
+    if failure is not None:
+        raise failure  # outside the race: one error, not a group
+    return not stopped

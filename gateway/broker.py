@@ -8,9 +8,10 @@ import sys
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
@@ -144,6 +145,7 @@ class Stats:
         self.sessions_expired = 0
         self.offline_dropped = 0  # skipped past --max-offline-messages / -bytes
         self.topic_refusals = 0  # topics past --max-topic-levels / --max-topic-length
+        self.store_errors = 0  # store calls of background work that failed (retried later)
 
     def observe_append(self, seconds: float) -> None:
         self.append_count += 1
@@ -223,7 +225,7 @@ class Broker:
         """Wake every live session subscribed to a queue that grew."""
         self.stats.notify_events += len(names)
         if AUTH_EVENT in names and self._nursery is not None:
-            self._nursery.start_soon(self._reload_auth)
+            self._spawn(self._reload_auth)
         for name in names:
             if name == "*":  # notify lost events (e.g. Redis reconnect): look everywhere
                 for s in self.sessions.values():
@@ -612,9 +614,31 @@ class Broker:
         if self._nursery is None:
             return
         try:
-            self._nursery.start_soon(fn, *args)
+            self._nursery.start_soon(self._guarded, fn, *args)
         except RuntimeError:  # "Nursery is closed to new arrivals"
             log.debug("shutting down: %s not started", getattr(fn, "__name__", fn))
+
+    async def _guarded(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run background work that must not end the gateway: a store away, hung or
+        refusing (or a bug) is logged and counted; whatever retries does so later (the
+        loops' next round, the expiry sweep, the stored will record)."""
+        try:
+            await fn(*args)
+        except StoreError as exc:
+            self.stats.store_errors += 1
+            log.warning("%s failed, tried again later: %s", _what(fn), exc)
+        except Exception:
+            self.stats.store_errors += 1
+            log.exception("%s failed", _what(fn))
+
+    async def _every(self, interval: float, fn: Callable[[], Awaitable[Any]], *,
+                     at_once: bool = False) -> None:
+        """`fn` every `interval` seconds for as long as the gateway runs (guarded)."""
+        if not at_once:
+            await trio.sleep(interval)
+        while True:
+            await self._guarded(fn)
+            await trio.sleep(interval)
 
     async def _expire_later(self, s: Session) -> None:
         await trio.sleep(s.expiry)
@@ -770,21 +794,20 @@ class Broker:
     async def run_housekeeping(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Background work: offsets, expiry, $SYS, shared groups, delayed wills."""
-        await self.load_retained_budget()
+        """Background work: offsets, expiry, $SYS, shared groups, delayed wills. None of
+        it may end the gateway: each store call is guarded (see _guarded)."""
+        await self._guarded(self.load_retained_budget)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            await self._restore_sessions()  # before the expiry check may end them
+            await self._guarded(self._restore_sessions)  # before the expiry check
             task_status.started()
-            nursery.start_soon(self._offsets_loop)
-            nursery.start_soon(self._expiry_loop)
-            nursery.start_soon(self._sys_loop)
-            nursery.start_soon(self._wildcard_touch_loop)
-
-    async def _wildcard_touch_loop(self) -> None:
-        while True:
-            await trio.sleep(self.config.wildcard_touch_s)
-            await self.touch_wildcards()
+            cfg = self.config
+            nursery.start_soon(self._every, cfg.offsets_flush_interval, self._flush_offsets)
+            nursery.start_soon(partial(self._every, cfg.expiry_check_interval,
+                                       self.expire_sessions, at_once=True))
+            nursery.start_soon(partial(self._every, cfg.sys_interval, self.publish_sys,
+                                       at_once=True))
+            nursery.start_soon(self._every, cfg.wildcard_touch_s, self.touch_wildcards)
 
     async def touch_wildcards(self) -> None:
         """Tell the store which wildcard queues this gateway's sessions and shared groups
@@ -792,29 +815,15 @@ class Broker:
         filters = [q for q in {*self.queue_subs, *self.queue_groups} if is_wildcard(q)]
         if not filters:
             return
-        try:
-            await self.store.add_wildcards(filters)
-        except StoreError as exc:  # the next round tries again
-            log.warning("could not touch %d wildcard queues: %s", len(filters), exc)
+        await self.store.add_wildcards(filters)
 
-    async def _offsets_loop(self) -> None:
-        while True:
-            await trio.sleep(self.config.offsets_flush_interval)
-            try:
-                for s in list(self.sessions.values()):
-                    if s.has_dirty_offsets():
-                        await self.flush_offsets(s)
-                await self.flush_group_offsets()
-            except StoreError as exc:  # kept dirty: flushed once the store is back
-                log.warning("offsets not flushed: %s", exc)
-
-    async def _expiry_loop(self) -> None:
-        while True:
-            try:
-                await self.expire_sessions()
-            except StoreError as exc:
-                log.warning("session expiry check failed: %s", exc)
-            await trio.sleep(self.config.expiry_check_interval)
+    async def _flush_offsets(self) -> None:
+        """Where every session and shared group resumes; a failure keeps them dirty, so
+        the next round flushes them."""
+        for s in list(self.sessions.values()):
+            if s.has_dirty_offsets():
+                await self.flush_offsets(s)
+        await self.flush_group_offsets()
 
     async def expire_sessions(self) -> int:
         now = time.time()
@@ -835,18 +844,9 @@ class Broker:
         self.stats.sessions_expired += gone
         return gone
 
-    async def _sys_loop(self) -> None:
-        while True:
-            await self.publish_sys()
-            await trio.sleep(self.config.sys_interval)
-
     async def publish_sys(self) -> None:
         st = self.stats
-        try:
-            store_stats = (await self.store.get_stats())["commitlog"]
-        except StoreError as exc:  # the store is away: the next round tries again
-            log.warning("$SYS not published: %s", exc)
-            return
+        store_stats = (await self.store.get_stats())["commitlog"]
         values = {
             "$SYS/broker/uptime": f"{int(time.time() - st.started)} seconds",
             "$SYS/broker/clients/connected": st.connections,
@@ -860,9 +860,10 @@ class Broker:
         }
         msgs = [Message(t, str(v).encode(), 0, True, SERVER_ID, born_ts=int(time.time() * 1000))
                 for t, v in values.items()]
-        try:
-            for stored in await self.store.publish(msgs):
-                await self.set_retained(stored)
-        except Exception:
-            log.exception("$SYS publish failed")
+        for stored in await self.store.publish(msgs):
+            await self.set_retained(stored)
 
+
+def _what(fn: Any) -> str:
+    """A background task's name for the log (`publish_sys`, not a bound method's repr)."""
+    return str(getattr(fn, "__name__", fn))

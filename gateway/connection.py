@@ -554,6 +554,10 @@ class Connection:
         except SessionLimitReached as exc:
             log.warning("connect of %r from %s refused: %s", client_id, self.peer, exc)
             await self._refuse(v, rc.QUOTA_EXCEEDED, 3, "no room for a new persistent session")
+        except StoreError as exc:  # away (a failover): the client retries with its backoff
+            log.warning("connect of %r from %s refused: %s", client_id, self.peer, exc)
+            await self._refuse(v, rc.SERVER_UNAVAILABLE, rc.CONNACK_SERVER_UNAVAILABLE,
+                               "the store is unavailable")
         self.session = session
         self.connected_at = time.time()
         session.will = p.will

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -18,6 +19,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.broker import APPEND_BUCKETS, Broker
+
+# A scraper waits no longer than this for the store's figures (Prometheus' own timeout
+# is 10 s by default): without them it still gets the gateway's.
+STORE_STATS_TIMEOUT_S = 2.0
 
 
 class BrokerCollector:
@@ -64,6 +69,8 @@ class BrokerCollector:
              b.auth.denials),
             ("lightgate_limit_refusals", "Connects, publishes or subscribes over a limit",
              st.limit_refusals),
+            ("lightgate_store_errors", "Store calls of background work (offsets, expiry, "
+             "$SYS, wills) that failed, to be tried again", st.store_errors),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield from _budget_metrics(b, self.store_stats)
@@ -190,10 +197,12 @@ def metrics_route(broker: Broker) -> Route:
     registry.register(collector)
 
     async def metrics(_: Request) -> Response:
-        try:
-            collector.store_stats = await broker.store.get_stats()
-        except Exception:  # the store is away: gateway metrics still answer
-            collector.store_stats = {}
+        collector.store_stats = {}
+        try:  # a store away or hung: the gateway's own metrics still answer, in time
+            with trio.move_on_after(STORE_STATS_TIMEOUT_S):
+                collector.store_stats = await broker.store.get_stats()
+        except Exception:  # noqa: BLE001 - counted as lightgate_store_up 0
+            pass
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return Route("/metrics", metrics)

@@ -278,7 +278,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.app import GatewayOptions, run_gateway
 
     values = resolve(args, GATEWAY_CMD_SETTINGS)
-    opts = GatewayOptions(store=values["store"], notify=values["notify"],
+    opts = GatewayOptions(store=values["store"], store_wait_s=values["store_wait_s"],
+                          notify=values["notify"],
                           gateway=_gateway_config(values), listeners=_listener_config(values),
                           http=values["http"], store_auth=values["store_auth"],
                           auth_strategy=values["auth_strategy"], audit_log=values["audit_log"],

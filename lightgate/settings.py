@@ -70,6 +70,8 @@ NATIVE_SETTING = ("native", str, "127.0.0.1:10911", "native protocol HOST:PORT")
 NOTIFY_SETTING = ("notify", str, None, "notify between nodes: redis://HOST:PORT")
 STORE_ADDR_SETTING = ("store", str, "127.0.0.1:10911", "the store's native HOST:PORT; a "
                       "store group: every node's, comma-separated (the master is followed)")
+STORE_WAIT_SETTING = ("store-wait-s", float, 0.0, "at start, how long to wait for the store "
+                      "(a group: for its master) before giving up; 0: wait for good")
 LISTENER_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("mqtt", str, "0.0.0.0:1883", "MQTT over TCP HOST:PORT ('off' to disable)"),
     ("mqtt-tls", str, "0.0.0.0:8883", "MQTT over TLS HOST:PORT (on when --tls-cert is given)"),
@@ -157,7 +159,7 @@ SERVE_SETTINGS = [*STORE_SETTINGS, *GATEWAY_SETTINGS, *AUTH_SETTINGS, *AUTH_BACK
                   NATIVE_SETTING, HTTP_SETTING, HTTP_BODY_SETTING]
 STORE_CMD_SETTINGS = [*STORE_SETTINGS, *AUTH_SETTINGS, AUDIT_SETTING, NATIVE_SETTING,
                       NOTIFY_SETTING, HTTP_SETTING, HTTP_BODY_SETTING, *REPLICATION_SETTINGS]
-GATEWAY_CMD_SETTINGS = [STORE_ADDR_SETTING, NOTIFY_SETTING, *GATEWAY_SETTINGS,
+GATEWAY_CMD_SETTINGS = [STORE_ADDR_SETTING, STORE_WAIT_SETTING, NOTIFY_SETTING, *GATEWAY_SETTINGS,
                         *GATEWAY_AUTH_SETTINGS, *AUTH_BACKEND_SETTINGS, HTTP_SETTING,
                         HTTP_BODY_SETTING]
 

@@ -87,10 +87,12 @@ def test_gateway_port_in_use_and_missing_store(tmp_path: Path, busy: str) -> Non
             the_line(res, what, busy, flag)
     finally:
         assert store.stop() == 0
-    # The store is gone now: nothing answers on its port.
+    # The store is gone now: nothing answers on its port. A gateway waits for its store
+    # (tests/separated), or for --store-wait-s only, then says so in one line.
     res = lightgate("--log-level", "error", "gateway", "--store", store.native, "--mqtt", FREE,
-                    "--ws", "off", "--http", FREE)
-    the_line(res, f"cannot reach the store at {store.native}", "--store")
+                    "--ws", "off", "--http", FREE, "--store-wait-s", "1")
+    the_line(res, f"cannot reach the store at {store.native}", "connection refused",
+             "--store", "--store-wait-s")
 
 
 def test_data_dir_locked_by_another_lightgate(tmp_path: Path) -> None:

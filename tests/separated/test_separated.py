@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -166,3 +167,41 @@ def test_qos2_resend_checks_the_store_over_the_network(cluster) -> None:
     with pytest.raises(TimeoutError):
         watcher.recv()
     c.close()
+
+
+def test_gateway_started_before_its_store_waits_and_then_serves(tmp_path,
+                                                               redis_server: RedisServer) -> None:
+    """As a compose file starting everything at once does: the gateway waits for its
+    store, says so, and serves once the store is up, without a restart."""
+    store = Server(tmp_path / "store", "--notify", redis_server.url, command="store")
+    gw = Server(None, "--store", f"127.0.0.1:{store.native_port}", "--notify",
+                redis_server.url, command="gateway")
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            gw.start()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failed.append(exc)
+
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    try:
+        time.sleep(3.0)
+        assert gw.proc is not None and gw.proc.poll() is None, failed
+        assert starter.is_alive(), "ready without a store"
+        store.start()
+        starter.join(30)
+        assert not starter.is_alive() and not failed, failed
+        assert "waiting for the store" in gw.logs()
+        sub = Client(gw.port, uid("sub"))
+        sub.subscribe("late/+", 1)
+        pub = Client(gw.port, uid("pub"))
+        pub.publish("late/1", b"x", 1)
+        assert sub.expect(1)[0].payload == b"x"
+        sub.disconnect()
+        pub.disconnect()
+    finally:
+        for srv in (gw, store):
+            if srv.proc is not None:
+                assert srv.stop() == 0, srv.logs()[-2000:]
