@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import RedisServer, Server
 from tests.ha.cluster import Group, cluster, wait_for
-from tests.ha.test_failover import Publisher, _collect, _subscriber
+from tests.ha.load import Publisher, collect, subscriber
 from tests.mqtt.paho_client import Client
 
 STOP_S = 15.0  # how long the master stays stopped
@@ -57,7 +57,7 @@ def test_hung_master_gateways_survive_and_follow_the_new_master(
         m = g.master(20)
         wait_for(lambda: len(g.insync(m)) == 3, 15, "all three in sync")
         gws = [_gateway(g, redis).start() for _ in range(2)]
-        sub = _subscriber(gws[1].port)
+        sub = subscriber(gws[1].port)
         sub.subscribe("ha/#", 1)
         pubs = [Publisher(gws[i % 2].port, f"p{i}") for i in range(4)]
         stop = threading.Event()
@@ -93,7 +93,7 @@ def test_hung_master_gateways_survive_and_follow_the_new_master(
             t.join(20)
         for p in pubs:
             assert not p.error, p.error
-        delivered = _collect(sub, 5.0)
+        delivered = collect(sub, 5.0)
         acked = [a for p in pubs for a in p.acked]
         lost = set(acked) - set(delivered)
         stats.update(acked=len(acked), delivered=len(delivered),
@@ -115,10 +115,6 @@ def test_hung_master_gateways_survive_and_follow_the_new_master(
         g.stop()
 
 
-@pytest.mark.xfail(reason="the store group's controller does not take back a master "
-                   "stopped for 15 s: it steps down (fenced) and its view of the group stays "
-                   "at its own mastership (after 6 or 10 s it rejoins within 1-3 s)",
-                   strict=False)
 def test_master_stopped_for_15_s_rejoins_as_a_replica(tmp_path: Path) -> None:
     g = Group(tmp_path, 3, *GROUP_FLAGS).start()
     stopped: Server | None = None
