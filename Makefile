@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-$(SUM)-test
 # runs the Spark end-to-end tests; the other targets do not need it.
 SPARK_STAMP := $(VENV)/.installed-$(SUM)-spark
 
-.PHONY: serve test soak lint bench bench-full clean redis chromium java mosquitto
+.PHONY: serve test soak lint bench bench-full clean redis chromium java mosquitto netfaults
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,13 +33,17 @@ $(SPARK_STAMP): $(STAMP)
 serve: $(RUN_STAMP)
 	$(BIN)/lightgate serve
 
-# Debian packages the tests drive for real: Redis (notify), Chromium (the dashboard) and
-# Mosquitto (an edge broker bridging to Lightgate, tests/mqtt/test_bridge.py).
+# Debian packages the tests drive for real: Redis (notify), Chromium (the dashboard),
+# Mosquitto (an edge broker bridging to Lightgate, tests/mqtt/test_bridge.py), iproute2
+# (network namespaces the store-group tests partition) and libfaketime (skewed clocks).
 redis:
 	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null)
 
 mosquitto:
 	@command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto >/dev/null)
+
+netfaults:
+	@(command -v ip >/dev/null && [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ]) || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 libfaketime >/dev/null)
 
 chromium:
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
@@ -48,18 +52,20 @@ chromium:
 java:
 	@[ -x "$$JAVA_HOME/bin/java" ] || command -v java >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null)
 
-# LIGHTGATE_REQUIRE_SPARK: the Spark tests fail, not skip, if pyspark or Java is missing.
-test: $(SPARK_STAMP) redis chromium java mosquitto
+# LIGHTGATE_REQUIRE_SPARK / _NETNS: the Spark and partition tests fail, not skip, if
+# pyspark, Java, network namespaces or libfaketime are missing.
+test: $(SPARK_STAMP) redis chromium java mosquitto netfaults
 	$(BIN)/ruff check .
-	LIGHTGATE_REQUIRE_SPARK=1 $(BIN)/pytest -q
+	LIGHTGATE_REQUIRE_SPARK=1 LIGHTGATE_REQUIRE_NETNS=1 $(BIN)/pytest -q
 
 # The long forms: 1M inputs to each fuzzer (codec, connection), 1M messages past a stuck
-# subscriber, a 10k-connection storm, a 30 min soak and 30 kill -9s of a store group's
-# master: about 100 minutes.
-soak: $(STAMP) redis
+# subscriber, a 10k-connection storm, a 30 min soak, 30 kill -9s of a store group's
+# master and 30 rounds of partitions, pauses and kills (some after an idle minute):
+# about two hours.
+soak: $(STAMP) redis netfaults
 	LIGHTGATE_FUZZ_RUNS=1000000 LIGHTGATE_SLOW_CONSUMER_MESSAGES=1000000 \
 	LIGHTGATE_SOAK_SECONDS=1800 LIGHTGATE_STORM_CLIENTS=10000 LIGHTGATE_HA_ROUNDS=30 \
-	LIGHTGATE_BUDGET_SESSIONS=100000 \
+	LIGHTGATE_PARTITION_ROUNDS=30 LIGHTGATE_BUDGET_SESSIONS=100000 \
 	$(BIN)/pytest -q -s -p no:cacheprovider -o addopts='' -o timeout=7200 tests/fuzz tests/faults tests/soak \
 	tests/ha
 

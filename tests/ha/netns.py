@@ -30,6 +30,19 @@ def _ip(*args: str, check: bool = True) -> None:
     subprocess.run(["ip", *args], check=check, capture_output=True, timeout=10)
 
 
+def require(why_not: str | None = None) -> None:
+    """Skip the calling test when namespaces (or what `why_not` names) are missing, or
+    fail it when LIGHTGATE_REQUIRE_NETNS is set (`make test`, CI)."""
+    why_not = why_not or available()
+    if why_not is None:
+        return
+    import pytest
+
+    if os.environ.get("LIGHTGATE_REQUIRE_NETNS", "") not in ("", "0"):
+        pytest.fail(why_not)
+    pytest.skip(why_not)
+
+
 def available() -> str | None:
     """None if namespaces can be made here, else why not."""
     if os.geteuid() != 0:

@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from store.sdk import Producer
 from tests.ha import netns
 from tests.ha.cluster import Group, cluster, log_bytes, read_topic, wait_for
@@ -79,8 +77,8 @@ def _fault_after_idle(g: Group, net: netns.Net, fault: str, out: dict[str, Any])
     out["new"] = new
 
 
-@pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
 def test_an_idle_minute_then_kill_or_partition(tmp_path: Path) -> None:
+    netns.require()
     faults = ["kill", "isolated", "raft_and_one"]
     nets = [netns.Net(3).up() for _ in faults]
     groups: list[Group] = []
@@ -122,9 +120,9 @@ def test_an_idle_minute_then_kill_or_partition(tmp_path: Path) -> None:
 LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
 
-@pytest.mark.skipif(not LIBFAKETIME.exists(),
-                    reason="libfaketime is not installed (make test installs it)")
 def test_wall_clocks_an_hour_apart_change_nothing(tmp_path: Path) -> None:
+    if not LIBFAKETIME.exists():
+        netns.require("libfaketime is not installed (make test installs it)")
     skews = ["+1h", "-1h", "+0"]
     g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2")
     for node, skew in zip(g.nodes, skews, strict=True):

@@ -42,12 +42,9 @@ SOAK_FAULTS = (*CUTS, "kill", "pause")
 HOLD_S = 8.0  # a cut lasts this long: past the lease, the election and then some
 IDLE_S = 61.0
 
-pytestmark = pytest.mark.skipif(netns.available() is not None,
-                                reason=str(netns.available()))
-
-
 @pytest.fixture
 def net() -> Iterator[netns.Net]:
+    netns.require()
     n = netns.Net(3).up()
     yield n
     n.down()
