@@ -1,0 +1,837 @@
+"""The MQTT rules of one client connection, sans-IO, as h11 is for HTTP: no socket, no
+task, no clock of its own. Bytes go in with `receive(data, now)`; what the client is to
+be sent collects in an outbox (`data_to_send`); what the rules cannot decide alone comes
+out as events for the driver (gateway.connection), whose answers come back in as method
+calls: `accept`/`refuse` a CONNECT, `publish_done` once the store has a publish,
+`subscribed` with the granted codes, `deliver` a stored message.
+
+What lives here: CONNECT negotiation (versions, session expiry, keepalive and the
+server's override, Receive Maximum both ways, Maximum Packet Size, topic aliases both
+ways, problem information), the enhanced authentication exchange's packets, inbound QoS
+1/2 flows (acks in arrival order, our Receive Maximum, QoS 2 packet ids), outbound
+flows (packet ids, the client's window, PUBREC/PUBREL/PUBCOMP, resends with DUP), the
+encoding of a delivery for this client (expiry, aliases, subscription identifiers,
+Maximum Packet Size), the keepalive and connect deadlines, and how a connection ends
+(DISCONNECT and its reason code, CONNACK refusals, reason strings within the client's
+limits). What does not: who may do what (ACL), sessions and subscriptions in the store,
+retained messages, wills: those are the broker's (gateway.broker).
+
+Everything that affects this state machine is in this file."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from . import reason as rc
+from .codec import Decoder, PublishTemplate, encode, encode_publish
+from .packets import (
+    Auth,
+    Connack,
+    Connect,
+    Disconnect,
+    Pingreq,
+    Pingresp,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Subscribe,
+    Unsuback,
+    Unsubscribe,
+)
+from .properties import publish_properties
+from .reason import ProtocolError, UnsupportedProtocolError
+
+NEVER_EXPIRES = 0xFFFFFFFF
+MAX_PACKET = 268_435_455  # the largest Remaining Length the encoding allows
+REASON_OVERHEAD = 16  # fixed header, packet id, reason code, property lengths
+ALIAS = "topic_alias"
+
+
+class Closing(Exception):
+    """End this connection; `will` says whether the will message goes out,
+    `reason_code` what a v5 client is told (DISCONNECT), `internal` that it is a server
+    bug, not anything the client did."""
+
+    def __init__(self, why: str, will: bool = True, reason_code: int | None = None) -> None:
+        super().__init__(why)
+        self.will = will
+        self.reason_code = reason_code
+        self.internal = False
+
+
+class Refused(Closing):
+    """A CONNECT turned down, before any session (so no will): the client has been told
+    (a CONNACK return code) when it could be."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why, will=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The server's settings the rules need (gateway.broker.GatewayConfig has them)."""
+
+    max_packet_size: int = MAX_PACKET
+    max_connect_packet: int = 64 * 1024  # until the client is authenticated
+    max_qos: int = 2
+    topic_alias_maximum: int = 0  # aliases a client may set (ours for it)
+    max_inflight: int = 32  # our sends unacknowledged per client, at most
+    receive_maximum: int = 64  # the client's QoS 1/2 publishes unacknowledged, at most
+    max_keepalive: int = 0  # 0: the client's own; else at most this (v5: Server Keep Alive)
+    connect_timeout: float = 10.0  # from the connection to its CONNECT
+    v3_session_expiry: int = NEVER_EXPIRES  # a persistent 3.1.1 session's expiry
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """A QoS 1/2 PUBLISH sent and not yet completed."""
+
+    packet_id: int
+    queue: str | None  # None for retained messages sent on subscribe
+    offset: int
+    data: bytes  # the encoded PUBLISH without DUP (resent with DUP on reconnect)
+    qos: int
+    state: str = "publish"  # "publish": awaiting PUBACK/PUBREC; "pubrel": awaiting PUBCOMP
+    group: Any = None  # the shared group it was handed out by, if any
+    message: Any = None  # to re-encode for a new connection, or hand back to a group
+    version: int = 4  # protocol version `data` was encoded for
+
+
+class Flows(Protocol):
+    """What the rules keep in the session, so that it survives this connection."""
+
+    client_id: str
+    persistent: bool
+    expiry: int
+    next_packet_id: int
+
+    @property
+    def outgoing(self) -> dict[int, Outgoing]: ...
+
+    @property
+    def incoming_qos2(self) -> set[int]: ...
+
+
+class Stored(Protocol):
+    """A stored message as delivery needs it (store.record.Message)."""
+
+    topic: str
+    body: bytes
+    qos: int
+    properties: dict[str, Any]
+    store_ts: int
+
+
+# -- events: what the driver is asked to do ---------------------------------------------
+@dataclass(slots=True)
+class ConnectReceived:
+    """Admit (limits, authentication, the will's rights) and open the session, then
+    `accept` or `refuse`. `client_id` is "" when the server must assign one."""
+
+    packet: Connect
+    client_id: str
+    expiry: int
+    auth_method: str | None
+
+
+@dataclass(slots=True)
+class AuthReceived:
+    """An AUTH of the enhanced exchange (at CONNECT, or a re-authentication): hand its
+    data to the method, then `auth_continue` or `auth_done`."""
+
+    packet: Auth
+    reauth: bool
+
+
+@dataclass(slots=True)
+class PublishReceived:
+    """A PUBLISH that passed the protocol's checks: decide it (rights, limits), store it
+    and call `publish_done`, or refuse it with `publish_done` and a code."""
+
+    packet: Publish
+    topic: str  # with its alias resolved
+    ticket: int  # the place of its ack among this client's answers (-1: QoS 0)
+
+
+@dataclass(slots=True)
+class PubrelReceived:
+    """A PUBREL for a QoS 2 publish the session holds: forget the packet id (persistent
+    sessions: in the store), then `release_done`."""
+
+    packet_id: int
+    ticket: int
+
+
+@dataclass(slots=True)
+class OutgoingDone:
+    """The client completed one of our QoS 1/2 sends (PUBACK, PUBCOMP, or a v5 PUBREC
+    refusing it): its window slot is free."""
+
+    outgoing: Outgoing
+
+
+@dataclass(slots=True)
+class OutgoingReleased:
+    """PUBREC for one of our QoS 2 sends: PUBREL went out; a persistent session keeps
+    that state."""
+
+    outgoing: Outgoing
+
+
+@dataclass(slots=True)
+class SubscribeReceived:
+    packet: Subscribe
+    subscription_id: int | None
+    ticket: int
+
+
+@dataclass(slots=True)
+class UnsubscribeReceived:
+    packet: Unsubscribe
+    ticket: int
+
+
+Event = (ConnectReceived | AuthReceived | PublishReceived | PubrelReceived | OutgoingDone
+         | OutgoingReleased | SubscribeReceived | UnsubscribeReceived)
+
+# Phases
+AWAIT_CONNECT, CONNECTING, CONNECTED, CLOSED = range(4)
+
+
+@dataclass(slots=True)
+class _Answer:
+    """One place in the ordered stream of answers to the client's packets."""
+
+    data: bytes | None = None  # None until decided
+    after: list[bytes] | None = None  # deliveries that must follow it (retained)
+
+
+class MqttProtocol:
+    """One connection's MQTT state. Not thread-safe; one driver calls it."""
+
+    __slots__ = (
+        "limits", "decoder", "phase", "version", "bridge", "keepalive", "client_id",
+        "flows", "receive_maximum", "client_max_packet", "problem_info", "alias_out_max",
+        "_aliases_in", "_aliases_out", "_out", "_out_bytes", "_answers", "_next_ticket",
+        "_inbound_unacked", "_inbound_qos2", "_held", "deadline", "_read_at",
+        "auth_method", "_reauth", "expires_at", "closed_by",
+    )
+
+    def __init__(self, limits: Limits, now: float) -> None:
+        self.limits = limits
+        self.decoder = Decoder(max_packet_size=limits.max_packet_size,
+                               first_packet_max=limits.max_connect_packet)
+        self.phase = AWAIT_CONNECT
+        self.version = 4
+        self.bridge = False
+        self.keepalive = 0
+        self.client_id = ""
+        self.flows: Any = None  # the session's Flows, once accepted
+        self.receive_maximum = limits.max_inflight  # the client's, for our sends
+        self.client_max_packet = MAX_PACKET
+        self.problem_info = True
+        self.alias_out_max = 0
+        self._aliases_in: dict[int, str] | None = None
+        self._aliases_out: dict[str, int] | None = None
+        self._out: list[bytes] = []
+        self._out_bytes = 0
+        # Answers (acks, SUBACKs, ...) in the order of the packets they answer; a
+        # publish's ack waits for the store, and those after it wait behind it.
+        self._answers: deque[_Answer] | None = None
+        self._next_ticket = 0  # ticket of _answers[0]
+        # Inbound QoS 1/2 publishes counted against our Receive Maximum (MQTT 5 §4.9): a
+        # QoS 1 until its PUBACK, a QoS 2 until its PUBCOMP (ids in _inbound_qos2).
+        self._inbound_unacked = 0
+        self._inbound_qos2: set[int] | None = None
+        self._held: list[Any] | None = None  # packets read behind a CONNECT not yet accepted
+        self.deadline = now + limits.connect_timeout  # the next timer (see `timeout`)
+        self._read_at = now
+        self.auth_method: str | None = None
+        self._reauth = False
+        self.expires_at: float | None = None  # the credentials' end (a token's exp)
+        self.closed_by: Closing | None = None
+
+    # -- output ------------------------------------------------------------------------
+    def data_to_send(self) -> bytes:
+        """Everything the client is to be sent, in order; empties the outbox."""
+        out = self._out
+        if not out:
+            return b""
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        self._out_bytes = 0
+        return data
+
+    @property
+    def pending_output(self) -> int:
+        return self._out_bytes
+
+    def _send(self, data: bytes) -> None:
+        self._out.append(data)
+        self._out_bytes += len(data)
+
+    def reason(self, text: str) -> dict[str, Any]:
+        """A reason string, unless the client asked for no problem information, cut to
+        what keeps the packet within the client's Maximum Packet Size, and left out if
+        nothing useful fits [MQTT-3.2.2-19, 3.4.2-2, 3.5.2-2, 3.14.2-3]."""
+        if not self.problem_info or self.version != 5:
+            return {}
+        room = max(0, min(200, self.client_max_packet - REASON_OVERHEAD))
+        data = text.encode()[:room].decode("utf-8", "ignore")
+        return {"reason_string": data} if len(data) >= 8 else {}
+
+    # -- input -------------------------------------------------------------------------
+    def receive(self, data: bytes, now: float) -> list[Event]:
+        """Feed bytes read from the client. Raises Closing (Refused before a session)
+        when the connection must end; what the client must be told first is in the
+        outbox already."""
+        self._read_at = now
+        if self.phase == CONNECTED:
+            self._arm()
+        dec = self.decoder
+        if dec.error is not None:  # after the packets that came before it
+            raise self._protocol_closing(dec.error)
+        try:
+            packets = dec.feed(data)
+        except UnsupportedProtocolError as exc:
+            code = rc.UNSUPPORTED_PROTOCOL_VERSION if exc.protocol_level == 5 \
+                else exc.v3_return_code
+            self._send(encode(Connack(False, code), 5 if code > 5 else 4))
+            raise Refused(exc.message) from exc
+        except ProtocolError as exc:
+            if not exc.packets:  # handled first (a CONNECT too); the next call raises
+                raise self._protocol_closing(exc) from None
+            packets = exc.packets
+        return self.handle(packets, now) if packets else []
+
+    def _protocol_closing(self, exc: ProtocolError) -> Closing:
+        if self.phase < CONNECTED and (self.decoder.version or self.decoder.connect_level) == 5:
+            # MQTT 5 §3.2.2.2, §4.13.1: a bad CONNECT gets a CONNACK with the reason code
+            # before the close (3.1.1 has no code for these).
+            code = exc.reason_code if exc.reason_code in rc.CONNACK_REASONS \
+                else rc.MALFORMED_PACKET  # e.g. 0x8F has no place in a CONNACK
+            self.version = 5
+            self._send(encode(Connack(False, code, self.reason(exc.message)), 5))
+            return Refused(f"protocol error: {exc.message}")
+        if self.phase < CONNECTED:
+            return Refused(f"protocol error: {exc.message}")
+        return Closing(f"protocol error: {exc.message}", True, exc.reason_code)
+
+    def handle(self, packets: list[Any], now: float) -> list[Event]:
+        """Decoded packets (the fuzzer and tests may feed these directly)."""
+        events: list[Event] = []
+        for i, p in enumerate(packets):
+            if self.phase == CONNECTED:
+                ev = self._dispatch(p)
+            elif self.phase == AWAIT_CONNECT:
+                ev = self._on_connect(p, now)
+            elif self.phase == CONNECTING:
+                if isinstance(p, Auth) and self.auth_method is not None and self.flows is None:
+                    ev = AuthReceived(p, False)
+                elif isinstance(p, Disconnect) and self.auth_method is not None:
+                    raise Refused("DISCONNECT during authentication")
+                else:  # held until the CONNECT is accepted
+                    if self._held is None:
+                        self._held = []
+                    self._held.extend(packets[i:])
+                    break
+            else:
+                break
+            if ev is not None:
+                events.append(ev)
+        return events
+
+    # -- timers ------------------------------------------------------------------------
+    def timeout(self, now: float) -> None:
+        """Raise Closing if a deadline passed: the CONNECT's, the keepalive's (1.5 times
+        the interval without a packet [MQTT-3.1.2-24]) or the credentials' expiry."""
+        if now < self.deadline:
+            return
+        if self.phase != CONNECTED:
+            raise Refused("no CONNECT in time")
+        if self.expires_at is not None and now >= self.expires_at:
+            raise Closing("credentials expired", True, rc.NOT_AUTHORIZED)
+        raise Closing("keepalive timeout", True, rc.KEEP_ALIVE_TIMEOUT)
+
+    def set_expiry(self, expires_at: float | None) -> None:
+        """The credentials stop being valid at `expires_at` (a token's exp)."""
+        self.expires_at = expires_at
+        self._arm()
+
+    def _arm(self) -> None:
+        ka = self._read_at + self.keepalive * 1.5 if self.keepalive else float("inf")
+        self.deadline = min(ka, self.expires_at if self.expires_at is not None
+                            else float("inf"))
+
+    # -- CONNECT -----------------------------------------------------------------------
+    def _on_connect(self, p: Any, now: float) -> ConnectReceived:
+        if not isinstance(p, Connect):
+            raise Refused("first packet is not CONNECT")
+        self.version = v = p.protocol_level
+        self.bridge = p.bridge
+        props = p.properties
+        method = None
+        if v == 5:
+            # Before any answer: each must fit [MQTT-3.2.2-19].
+            self.client_max_packet = int(props.get("maximum_packet_size", MAX_PACKET))
+            self.receive_maximum = int(props.get("receive_maximum", 65535))
+            self.alias_out_max = int(props.get("topic_alias_maximum", 0))
+            self.problem_info = bool(props.get("request_problem_information", 1))
+            method = props.get("authentication_method")
+            expiry = int(props.get("session_expiry_interval", 0))
+        else:
+            # 3.1.1 sessions never end by themselves; ours do, after the configured time.
+            expiry = 0 if p.clean_start else self.limits.v3_session_expiry
+        if not p.client_id and v < 5 and not p.clean_start:
+            # 3.1.1: a zero-byte id needs CleanSession=1 (return code 2)
+            self._send(encode(Connack(False, 2), v))
+            raise Refused("empty client id with a persistent session")
+        self.auth_method = method
+        self.keepalive = p.keepalive
+        self.phase = CONNECTING
+        return ConnectReceived(p, p.client_id, expiry, method)
+
+    def refuse(self, code5: int, code3: int | None, why: str) -> Refused:
+        """A CONNACK refusing the CONNECT (3.1.1: `code3`, None for a plain close). The
+        driver raises what this returns."""
+        code = code5 if self.version == 5 else code3
+        if code is not None:
+            props = self.reason(why) if self.version == 5 else {}
+            self._send(encode(Connack(False, code, props), self.version))
+        return Refused(why)
+
+    def auth_continue(self, data: bytes | None) -> None:
+        """The method needs another round of the exchange: AUTH 0x18 to the client."""
+        self._send(encode(self._auth(rc.CONTINUE_AUTHENTICATION, data), 5))
+
+    def _auth(self, code: int, data: bytes | None) -> Auth:
+        props: dict[str, Any] = {"authentication_method": self.auth_method}
+        if data is not None:
+            props["authentication_data"] = data
+        return Auth(code, props)
+
+    def authenticated(self) -> None:
+        """The client is who it says: its packets may now be as large as
+        --max-packet-size (before, --max-connect-packet bounds each)."""
+        self.decoder.first_packet_max = None
+
+    def accept(self, flows: Flows, client_id: str, present: bool, now: float,
+               assigned: bool = False, auth_data: bytes | None = None) -> list[Event]:
+        """The session is open: CONNACK, then the packets that came behind the CONNECT."""
+        v = self.version
+        self.flows, self.client_id, self.phase = flows, client_id, CONNECTED
+        self.authenticated()
+        connect_keepalive = self.keepalive
+        max_ka = self.limits.max_keepalive
+        server_keepalive = None
+        if max_ka and (connect_keepalive == 0 or connect_keepalive > max_ka) and v == 5:
+            self.keepalive = server_keepalive = max_ka
+        self._read_at = now
+        self._arm()
+        props: dict[str, Any] = {}
+        if v == 5:
+            lim = self.limits
+            props = {
+                "receive_maximum": lim.receive_maximum,
+                "maximum_packet_size": lim.max_packet_size,
+                "retain_available": 1,
+                "wildcard_subscription_available": 1,
+                "shared_subscription_available": 1,
+                "subscription_identifier_available": 1,
+                "topic_alias_maximum": lim.topic_alias_maximum,
+            }
+            if lim.max_qos < 2:
+                props["maximum_qos"] = lim.max_qos
+            if assigned:
+                props["assigned_client_identifier"] = client_id
+            if server_keepalive is not None:
+                props["server_keep_alive"] = server_keepalive
+            if self.auth_method is not None:
+                props["authentication_method"] = self.auth_method
+                if auth_data is not None:
+                    props["authentication_data"] = auth_data
+        self._send(encode(Connack(present, 0, props), v))
+        held, self._held = self._held, None
+        return self.handle(held, now) if held else []
+
+    # -- packets after CONNECT -----------------------------------------------------------
+    def _dispatch(self, p: Any) -> Event | None:
+        t = type(p)
+        if t is Publish:
+            return self._on_publish(p)
+        if t is Puback:
+            return self._on_ack(p.packet_id, 1)
+        if t is Pubcomp:
+            return self._on_ack(p.packet_id, 2)
+        if t is Pubrec:
+            return self._on_pubrec(p)
+        if t is Pubrel:
+            return self._on_pubrel(p)
+        if t is Pingreq:
+            self._answer_now(encode(Pingresp(), self.version))
+            return None
+        if t is Subscribe:
+            return self._on_subscribe(p)
+        if t is Unsubscribe:
+            return UnsubscribeReceived(p, self._ticket())
+        if t is Disconnect:
+            raise self._on_disconnect(p)
+        if t is Auth:
+            return self._on_auth(p)
+        if t is Connect:
+            raise ProtocolError(rc.PROTOCOL_ERROR, "second CONNECT")
+        raise ProtocolError(rc.PROTOCOL_ERROR, f"unexpected {t.__name__}")
+
+    def _on_disconnect(self, p: Disconnect) -> Closing:
+        s = self.flows
+        if self.version == 5 and "session_expiry_interval" in p.properties:
+            new = int(p.properties["session_expiry_interval"])
+            if s.expiry == 0 and new:
+                raise ProtocolError(rc.PROTOCOL_ERROR,
+                                    "session expiry set on DISCONNECT after 0 on CONNECT")
+            s.expiry = new
+            s.persistent = new > 0
+        return Closing("DISCONNECT", will=p.reason_code == rc.DISCONNECT_WITH_WILL_MESSAGE)
+
+    def _on_auth(self, p: Auth) -> AuthReceived:
+        """Re-authentication (§4.12.1): AUTH 0x19 with the CONNECT's method, then the
+        same exchange; `auth_done` answers it."""
+        method = self.auth_method
+        if method is None:
+            raise ProtocolError(rc.PROTOCOL_ERROR, "AUTH without an authentication method")
+        if p.properties.get("authentication_method") != method:
+            raise ProtocolError(rc.PROTOCOL_ERROR, f"AUTH with a method other than {method}")
+        if p.reason_code == rc.RE_AUTHENTICATE:
+            self._reauth = True
+        elif p.reason_code != rc.CONTINUE_AUTHENTICATION or not self._reauth:
+            raise ProtocolError(rc.PROTOCOL_ERROR, f"unexpected AUTH 0x{p.reason_code:02X}")
+        return AuthReceived(p, True)
+
+    def reauth_done(self, data: bytes | None) -> None:
+        """A re-authentication succeeded: AUTH 0x00 (a failure is a Closing, 0x87)."""
+        self._reauth = False
+        self._answer_now(encode(self._auth(rc.SUCCESS, data), 5))
+
+    # -- inbound publishes ---------------------------------------------------------------
+    def _on_publish(self, p: Publish) -> PublishReceived | None:
+        topic = p.topic
+        if self.version == 5 and p.properties and ALIAS in p.properties:
+            topic = self._resolve_alias(p)
+        if p.qos > self.limits.max_qos:
+            raise ProtocolError(rc.QOS_NOT_SUPPORTED, f"QoS {p.qos} not supported")
+        ticket = -1
+        if p.qos:
+            ticket = self._ticket()
+            if p.qos == 2:
+                if p.packet_id in self.flows.incoming_qos2:  # a duplicate: PUBREC again
+                    self._decide(ticket, self._pubrec(p.packet_id, 0))
+                    return None
+                self.flows.incoming_qos2.add(p.packet_id)
+            self._count_inbound(p)
+        if p.properties and p.properties.get("payload_format_indicator") == 1 \
+                and not _is_utf8(p.payload):  # §3.3.2.3.2
+            if not p.qos:
+                raise ProtocolError(rc.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8")
+            self.publish_done(p, ticket, rc.PAYLOAD_FORMAT_INVALID)
+            return None
+        return PublishReceived(p, topic, ticket)
+
+    def _resolve_alias(self, p: Publish) -> str:
+        alias = p.properties[ALIAS]
+        if alias > self.limits.topic_alias_maximum:
+            raise ProtocolError(rc.TOPIC_ALIAS_INVALID, f"topic alias {alias} above maximum")
+        if self._aliases_in is None:
+            self._aliases_in = {}
+        if p.topic:
+            self._aliases_in[alias] = p.topic
+            return p.topic
+        topic = self._aliases_in.get(alias)
+        if topic is None:
+            raise ProtocolError(rc.PROTOCOL_ERROR, f"unknown topic alias {alias}")
+        return topic
+
+    def _count_inbound(self, p: Publish) -> None:
+        """One more QoS 1/2 publish unacknowledged; past our Receive Maximum, 0x93."""
+        self._inbound_unacked += 1
+        if p.qos == 2:
+            if self._inbound_qos2 is None:
+                self._inbound_qos2 = set()
+            self._inbound_qos2.add(p.packet_id)
+        if self.version == 5 and self._inbound_unacked > self.limits.receive_maximum:
+            raise ProtocolError(rc.RECEIVE_MAXIMUM_EXCEEDED, "Receive Maximum exceeded")
+
+    def held_qos2(self, p: Publish, ticket: int) -> None:
+        """A QoS 2 resend the session stored before a restart (the driver found its
+        record): held as received, PUBREC again, not stored twice."""
+        self._decide(ticket, self._pubrec(p.packet_id, 0))
+
+    def publish_done(self, p: Publish, ticket: int, code: int, text: str = "") -> None:
+        """The publish at `ticket` was stored (code 0), or not (a reason code). 3.1.1 has
+        no negative ack: the client gets a plain one (else it would resend forever).
+        QoS 0 needs no answer. `text`: the reason string of a failure."""
+        if ticket < 0:
+            return
+        told = code if self.version == 5 else 0
+        props = self.reason(text or rc.REASON_NAMES.get(code, "")) if told else {}
+        if p.qos == 1:
+            self._inbound_unacked -= 1
+            self._decide(ticket, encode(Puback(p.packet_id, told, props), self.version))
+            return
+        if code:  # not stored: no PUBREL will follow, the exchange ends here
+            self._release_qos2(p.packet_id)
+            self.flows.incoming_qos2.discard(p.packet_id)
+        self._decide(ticket, encode(Pubrec(p.packet_id, told, props), self.version))
+
+    def _pubrec(self, pid: int, code: int) -> bytes:
+        return encode(Pubrec(pid, code), self.version)
+
+    def _release_qos2(self, pid: int) -> None:
+        """A QoS 2 exchange counted by _count_inbound has ended (PUBCOMP, or a failed
+        PUBREC); a duplicate or a resumed exchange was never counted."""
+        if self._inbound_qos2 is not None and pid in self._inbound_qos2:
+            self._inbound_qos2.discard(pid)
+            self._inbound_unacked -= 1
+
+    def _on_pubrel(self, p: Pubrel) -> PubrelReceived | None:
+        ticket = self._ticket()
+        pid = p.packet_id
+        if pid in self.flows.incoming_qos2:
+            self.flows.incoming_qos2.discard(pid)
+            self._release_qos2(pid)
+            return PubrelReceived(pid, ticket)
+        code = rc.PACKET_IDENTIFIER_NOT_FOUND if self.version == 5 else 0
+        self._decide(ticket, encode(Pubcomp(pid, code), self.version))
+        return None
+
+    def release_done(self, packet_id: int, ticket: int) -> None:
+        self._decide(ticket, encode(Pubcomp(packet_id), self.version))
+
+    # -- answers in order ----------------------------------------------------------------
+    def _ticket(self) -> int:
+        if self._answers is None:
+            self._answers = deque()
+        self._answers.append(_Answer())
+        return self._next_ticket + len(self._answers) - 1
+
+    def _decide(self, ticket: int, data: bytes) -> None:
+        answers = self._answers
+        assert answers is not None
+        answers[ticket - self._next_ticket].data = data
+        while answers and answers[0].data is not None:
+            a = answers.popleft()
+            self._next_ticket += 1
+            self._send(a.data)  # type: ignore[arg-type]
+            if a.after:
+                for d in a.after:
+                    self._send(d)
+
+    def _answer_now(self, data: bytes) -> None:
+        """An answer that needs no decision, in its place among the others."""
+        if not self._answers:
+            self._send(data)
+            return
+        self._decide(self._ticket(), data)
+
+    @property
+    def answers_pending(self) -> int:
+        return len(self._answers) if self._answers else 0
+
+    # -- SUBSCRIBE / UNSUBSCRIBE -----------------------------------------------------------
+    def _on_subscribe(self, p: Subscribe) -> SubscribeReceived:
+        sid = None
+        if self.version == 5:
+            ids = p.properties.get("subscription_identifier")
+            sid = ids[0] if isinstance(ids, list) and ids else ids
+        for topic_filter, opts in p.subscriptions:
+            if opts.no_local and topic_filter.startswith("$share/"):
+                raise ProtocolError(rc.PROTOCOL_ERROR, "No Local on a shared subscription")
+        return SubscribeReceived(p, sid, self._ticket())
+
+    def subscribed(self, packet_id: int, ticket: int, codes: list[int],
+                   then: list[bytes] | None = None) -> None:
+        """SUBACK with one code per filter (3.1.1: failures as 0x80); `then`: deliveries
+        that must follow it (retained messages), already encoded by `deliver`."""
+        if self.version < 5:
+            codes = [c if c < 0x80 else 0x80 for c in codes]
+        self._decide(ticket, encode(Suback(packet_id, codes), self.version))
+        if then:
+            self._send(b"".join(then))
+
+    def unsubscribed(self, packet_id: int, ticket: int, codes: list[int]) -> None:
+        self._decide(ticket, encode(Unsuback(packet_id, codes), self.version))
+
+    # -- outbound flows ------------------------------------------------------------------
+    @property
+    def window(self) -> int:
+        """How many more QoS 1/2 sends the client takes now."""
+        return min(self.receive_maximum, self.limits.max_inflight) - len(self.flows.outgoing)
+
+    def _on_ack(self, pid: int, qos: int) -> OutgoingDone | None:
+        o = self.flows.outgoing.get(pid)
+        if o is None or o.qos != qos or (qos == 2 and o.state != "pubrel"):
+            return None  # unknown: late, or a duplicate; nothing to do
+        del self.flows.outgoing[pid]
+        return OutgoingDone(o)
+
+    def _on_pubrec(self, p: Pubrec) -> OutgoingDone | OutgoingReleased | None:
+        o = self.flows.outgoing.get(p.packet_id)
+        if o is None or o.qos != 2:
+            code = rc.PACKET_IDENTIFIER_NOT_FOUND if self.version == 5 else 0
+            self._send(encode(Pubrel(p.packet_id, code), self.version))
+            return None
+        if p.reason_code >= 0x80:  # v5: the receiver refused it; the exchange ends here
+            del self.flows.outgoing[p.packet_id]
+            return OutgoingDone(o)
+        o.state = "pubrel"
+        self._send(encode(Pubrel(p.packet_id), self.version))
+        return OutgoingReleased(o)
+
+    def deliver(self, msg: Stored, qos: int, retain: bool, sids: list[int] | None,
+                queue: str | None, offset: int, group: Any = None,
+                template: PublishTemplate | None = None, now_s: float = 0.0,
+                buffer: list[bytes] | None = None) -> Outgoing | bool:
+        """Send a stored message at `qos` (the caller checked `window` for QoS 1/2).
+        Returns the Outgoing taken for it (QoS 1/2), True (QoS 0 sent), or False when
+        it must be dropped (expired, or larger than the client takes). `template`: the
+        message encoded once for many subscribers; `now_s`: wall-clock seconds, for
+        Message Expiry; `buffer`: where the bytes go (default: the outbox)."""
+        pid = None
+        if qos:
+            pid = self._packet_id()
+        data = self._encode(msg, pid, qos, retain, sids, template, now_s)
+        if data is None:
+            return False
+        (self._out if buffer is None else buffer).append(data)
+        if buffer is None:
+            self._out_bytes += len(data)
+        if pid is None:
+            return True
+        o = Outgoing(pid, queue, offset, data, qos, group=group, message=msg,
+                     version=self.version)
+        self.flows.outgoing[pid] = o
+        return o
+
+    def _packet_id(self) -> int:
+        s = self.flows
+        outgoing = s.outgoing
+        for _ in range(65535):
+            pid = s.next_packet_id
+            s.next_packet_id = pid % 65535 + 1
+            if pid not in outgoing:
+                return pid
+        raise RuntimeError("no free packet id")  # the window prevents this
+
+    def _encode(self, msg: Stored, pid: int | None, qos: int, retain: bool,
+                sids: list[int] | None, template: PublishTemplate | None,
+                now_s: float) -> bytes | None:
+        v = self.version
+        props = None
+        if v == 5:
+            expiry = msg.properties.get("message_expiry_interval")
+            if expiry is not None:
+                left = expiry - int(now_s - msg.store_ts / 1000)
+                if left <= 0:
+                    return None  # expired messages are not delivered
+                props = dict(publish_properties(msg.properties), message_expiry_interval=left)
+            elif self.alias_out_max:
+                props = dict(publish_properties(msg.properties))
+        if props is None:
+            if template is not None:
+                data = template.for_subscriber(pid, False, version=v, qos=qos, retain=retain,
+                                               subscription_ids=sids)
+            else:
+                if msg.qos not in (0, 1, 2):  # as the template checks: a bad record
+                    raise ValueError(f"stored message has QoS {msg.qos}")
+                p5 = None
+                if v == 5:
+                    p5 = publish_properties(msg.properties)
+                    if sids:
+                        p5 = dict(p5, subscription_identifier=sids)
+                data = encode_publish(msg.topic, msg.body, qos, retain, False, pid, v,
+                                      p5 or None)
+            return data if len(data) <= self.client_max_packet else None
+        return self._encode_aliased(msg, pid, qos, retain, sids, props)
+
+    def _encode_aliased(self, msg: Stored, pid: int | None, qos: int, retain: bool,
+                        sids: list[int] | None, props: dict[str, Any]) -> bytes | None:
+        topic, new_alias = msg.topic, False
+        if self.alias_out_max:
+            # On QoS 1/2 too: what is in flight when this connection ends loses its alias
+            # (`unalias_outgoing`), as a resend on another connection must carry the topic.
+            if self._aliases_out is None:
+                self._aliases_out = {}
+            alias = self._aliases_out.get(topic)
+            if alias is None and len(self._aliases_out) < self.alias_out_max:
+                alias = self._aliases_out[topic] = len(self._aliases_out) + 1
+                props[ALIAS] = alias  # first use: topic and alias together
+                new_alias = True
+            elif alias is not None:
+                props[ALIAS] = alias
+                topic = ""  # later uses: the alias alone
+        if sids:
+            props["subscription_identifier"] = sids
+        data = encode_publish(topic, msg.body, qos, retain, False, pid, 5, props)
+        if len(data) > self.client_max_packet:
+            if new_alias:  # the client never sees the packet that would have told it
+                assert self._aliases_out is not None
+                del self._aliases_out[msg.topic]
+            return None
+        return data
+
+    def resend(self, o: Outgoing, template: PublishTemplate | None = None) -> None:
+        """Send again what the session had in flight (a resumed session): PUBREL for one
+        awaiting PUBCOMP, else the PUBLISH with DUP, re-encoded for this connection's
+        protocol version if the session came back on another."""
+        if o.state == "pubrel":
+            self._send(encode(Pubrel(o.packet_id), self.version))
+            return
+        if o.version != self.version and o.message is not None:
+            tpl = template or PublishTemplate(o.message.topic, o.message.body, o.message.qos,
+                                              False, publish_properties(o.message.properties))
+            o.data = tpl.for_subscriber(o.packet_id, False, version=self.version, qos=o.qos,
+                                        retain=False)
+            o.version = self.version
+        self._send(bytes([o.data[0] | 0x08]) + o.data[1:])
+
+    def unalias_outgoing(self) -> None:
+        """The Topic Alias mapping belongs to one network connection (MQTT 5 §3.3.2.3.4):
+        what this one sent and may be resent on the next carries its topic name."""
+        if not self._aliases_out or self.flows is None:
+            return
+        for o in self.flows.outgoing.values():
+            if o.version == 5 and o.message is not None and o.state == "publish":
+                [p] = Decoder(server=False, version=5).feed(o.data)
+                if ALIAS in p.properties:
+                    props = {k: val for k, val in p.properties.items() if k != ALIAS}
+                    o.data = encode(Publish(o.message.topic, p.payload, p.qos, p.retain,
+                                            False, p.packet_id, props), 5)
+
+    # -- the end ---------------------------------------------------------------------------
+    def close(self, closing: Closing) -> bytes:
+        """The last bytes for the client: DISCONNECT with the reason (v5, connected, not
+        taken over, and a reason to tell)."""
+        self.closed_by = closing
+        was = self.phase
+        self.phase = CLOSED
+        if was == CONNECTED and closing.reason_code and self.version == 5:
+            return encode(Disconnect(closing.reason_code, self.reason(str(closing))), 5)
+        return b""
+
+    def taken_over(self) -> bytes:
+        """Another connection claimed the client id: DISCONNECT 0x8E (v5)."""
+        if self.phase == CONNECTED and self.version == 5:
+            return encode(Disconnect(rc.SESSION_TAKEN_OVER), 5)
+        return b""
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
