@@ -6,9 +6,9 @@ re-read every --auth-jwt-jwks-refresh-s and, for a key id it does not know (a ro
 key), at most every few seconds. `exp` and `nbf` are checked when present.
 
 Answers: a password that is not a token -> ignore (the next backend may know it); a
-token that does not verify -> deny. Optional claims bind the token: `username` and
-`clientid` must equal the CONNECT's; `acl` ({pub, sub, all} lists, %c/%u) becomes the
-connection's ACL.
+token that does not verify, or is malformed in any way -> deny. Optional claims bind the
+token: `username` and `clientid` must equal the CONNECT's; `acl` ({pub, sub, all} lists,
+%c/%u) becomes the connection's ACL.
 """
 
 from __future__ import annotations
@@ -153,6 +153,8 @@ class JwtBackend:
             header = jwt.get_unverified_header(token)
         except jwt.DecodeError:
             return Decision.ignore("jwt: the password is not a token")
+        except jwt.InvalidTokenError as exc:  # token-shaped, with a bad header (a kid that
+            return Decision.deny(f"jwt: bad header: {exc}")  # is no string, a crit...)
         alg = header.get("alg")
         if alg not in self.algorithms:
             return Decision.deny(f"jwt: algorithm {alg!r} not accepted (--auth-jwt-algorithms)")

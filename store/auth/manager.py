@@ -334,7 +334,7 @@ class AuthManager:
         """Ask the backends in order; the first allow or deny decides."""
         ignored = []
         for backend in self.chain if via == "mqtt" else (self.builtin,):
-            d = await backend.authenticate(creds)
+            d = await _ask(backend, creds)
             if d.outcome == IGNORE:
                 ignored.append(d.reason)
                 continue
@@ -472,6 +472,17 @@ class AuthManager:
         if policy is None:
             return False, f"{subject.backend} client without acl, no '*' policy (default deny)"
         return ok, _describe(policy)
+
+
+async def _ask(backend: Any, creds: Credentials) -> Decision:
+    """The backend's answer; a deny if it fails. Whatever a client sends must end in a
+    refusal it can read (and the audit line and the back-off), never in a closed socket."""
+    try:
+        return await backend.authenticate(creds)
+    except Exception as exc:  # noqa: BLE001 - a backend's bug, not the client's
+        log.error("auth backend %s failed on a CONNECT from %s", backend.name, creds.ip,
+                  exc_info=exc)
+        return Decision.deny(f"{backend.name}: internal error ({type(exc).__name__})")
 
 
 def _describe(policy: Policy) -> str:

@@ -3,6 +3,9 @@ clients and a real JWKS endpoint on loopback; tokens signed here with PyJWT."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import subprocess
 import sys
@@ -285,3 +288,44 @@ def test_a_separated_gateway_takes_jwt_settings_of_its_own(tmp_path: Path) -> No
         if gw is not None:
             assert gw.stop() == 0, gw.logs()[-3000:]
         assert store.stop() == 0, store.logs()[-3000:]
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def hand_made_token(header: dict[str, Any], claims: dict[str, Any],
+                    secret: str = SECRET) -> str:
+    """An HS256 token signed with the right secret but laid out by hand: PyJWT will not
+    encode the malformed headers a stranger may send."""
+    signing_input = f"{_b64(json.dumps(header).encode())}.{_b64(json.dumps(claims).encode())}"
+    mac = hmac.new(secret.encode(), signing_input.encode(), hashlib.sha256).digest()
+    return f"{signing_input}.{_b64(mac)}"
+
+
+@pytest.mark.parametrize("header", [
+    {"alg": "HS256", "kid": 7},  # a key id that is no string
+    {"alg": "HS256", "kid": ["a"]},
+    {"alg": "HS256", "crit": ["x-unknown"]},
+    {"alg": "HS256", "crit": "x"},
+])
+def test_a_malformed_token_header_is_refused_like_any_bad_password(srv: Server,
+                                                                   header: dict) -> None:
+    ok = Client(srv.port, "reset-bad-header", username="r", password=token(SECRET, sub="r"))
+    ok.disconnect()  # no earlier failure slows these down
+    bad = hand_made_token(header, {"sub": "stranger", "exp": int(time.time()) + 60})
+    assert refused(srv, "bad-header-5", "stranger", bad) == BAD_CREDENTIALS_V5
+    assert srv.wait_log("user=stranger ip=127.0.0.1 via=mqtt result=failure reason=jwt: bad "
+                        "header")
+    raw = RawClient(srv.port, 4, timeout=15)
+    try:
+        started = time.monotonic()
+        code = raw.connect("bad-header-4", username="stranger",
+                           password=bad.encode()).reason_code
+        waited = time.monotonic() - started
+    finally:
+        raw.close()
+    assert code == 4  # 3.1.1: bad user name or password
+    assert waited >= 0.15, "the failed-login back-off must slow the next attempt"
+    assert "Traceback" not in srv.logs()
+
