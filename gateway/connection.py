@@ -94,7 +94,7 @@ class Connection:
         "_outbuf_bytes",
         "_window", "_cancel", "_detached", "_taken_over", "_write_failed", "_store_error",
         "_aliases_in", "_aliases_out", "_alias_out_max", "_fd",
-        "_held", "_auth_method", "_reauth", "_idle",
+        "_held", "_auth_method", "_reauth", "_idle", "_expires",
     )
 
     def __init__(
@@ -114,6 +114,7 @@ class Connection:
         self._ask_hook = False  # PUB/SUB decided by the HTTP hook (--auth-http-acl)
         self._auth_method: str | None = None  # the CONNECT's enhanced authentication method
         self._reauth: Authenticator | None = None  # a re-authentication under way
+        self._expires = math.inf  # trio time the credentials lapse (a token's exp)
         self._check_delivery = False  # whether each delivery needs a SUB decision
         self._kicked: Closing | None = None
         cfg = broker.config
@@ -214,6 +215,10 @@ class Connection:
                 closing = Closing("taken over")
             elif self._write_failed:
                 closing = Closing("connection lost while writing")
+            elif self._cancel.cancelled_caught and self._expires <= trio.current_time():
+                # MQTT 5 0xA0: the time this connection was authorised for is over; a
+                # client reconnects with fresh credentials (not 0x87: it did nothing wrong).
+                closing = Closing("credentials expired", True, rc.MAXIMUM_CONNECT_TIME)
             elif self._cancel.cancelled_caught and self._cancel.deadline <= trio.current_time():
                 closing = Closing("keepalive timeout", True, rc.KEEP_ALIVE_TIMEOUT) \
                     if self.session is not None else Closing("no CONNECT in time", will=False)
@@ -311,6 +316,12 @@ class Connection:
         self._check_delivery = bool(
             auth.enabled and self.subject is not None and not auth.is_super(self.subject)
             and not self._ask_hook)
+
+    def _auth_deadline(self) -> float:
+        """The trio time this connection's credentials lapse (a token's exp, a hook's
+        expire_at); inf when they never do."""
+        expires = self.subject.expires if self.subject is not None else None
+        return math.inf if expires is None else trio.current_time() + expires - time.time()
 
     def _may(self, action: str, name: str, is_filter: bool = False) -> bool:
         if self.subject is None:
@@ -425,15 +436,16 @@ class Connection:
         first = packets.pop(0)
         await self._on_connect(first, nursery, packets)
         while True:
+            # The credentials' end is a deadline of the connection's scope, as the
+            # keepalive is: nothing polls. _close tells the two apart.
+            self._cancel.deadline = self._expires
             for packet in packets:
                 await self._dispatch(packet)
             await self._flush_publishes()
-            if self.keepalive:  # see _cancel; _close tells a keepalive timeout apart
-                self._cancel.deadline = trio.current_time() + self.keepalive * 1.5
-                packets = await self._receive()
-                self._cancel.deadline = math.inf
-            else:
-                packets = await self._receive()
+            if self.keepalive:  # see _cancel
+                self._cancel.deadline = min(self._expires,
+                                            trio.current_time() + self.keepalive * 1.5)
+            packets = await self._receive()
 
     async def _receive(self) -> list[Any]:
         if self.decoder.error is not None:  # after the packets that came before it
@@ -621,6 +633,7 @@ class Connection:
                 await self._refuse(v, rc.NOT_AUTHORIZED, 5, "not authorized")
             await self._refuse(v, rc.BAD_USER_NAME_OR_PASSWORD, 4, "bad user name or password")
         self._ask_hook = broker.auth.asks_hook(self.subject)
+        self._expires = self._auth_deadline()
         if p.will is not None:
             await self._check_will(p.will, v)
         if p.will is not None and (p.will.topic.startswith("$")  # the server's, as below
@@ -699,6 +712,7 @@ class Connection:
         if subject.name != self.subject.name:  # the session and its rights are the first's
             raise Closing("re-authenticated as another user", True, rc.NOT_AUTHORIZED)
         self.subject = subject
+        self._expires = self._auth_deadline()
         self._auth_cache = None
         self.auth_changed()
         await self.send(mqtt.encode(self._auth_packet(rc.SUCCESS, step.data), 5))

@@ -11,7 +11,7 @@ token's: its `username` claim, else its `sub`; a token naming neither is refused
 is a CONNECT username that differs from it (the username is then only a claim the token
 must back, never an identity of its own). `clientid` binds the token to a client id;
 `acl` ({pub, sub, all} lists, %c/%u with %u the token's identity) becomes the
-connection's ACL.
+connection's ACL; `exp` also ends the connection when it passes.
 """
 
 from __future__ import annotations
@@ -199,4 +199,6 @@ class JwtBackend:
                 acl = TopicAcl.parse(claims["acl"], creds.client_id, name)
             except ValueError as exc:
                 return Decision.deny(f"jwt: bad acl claim: {exc}")
-        return Decision.allow("jwt token", name=name, acl=acl)
+        exp = claims.get("exp")  # an integer when present: PyJWT checked it
+        return Decision.allow("jwt token", name=name, acl=acl,
+                              expires=None if exp is None else float(exp))

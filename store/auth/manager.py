@@ -84,6 +84,7 @@ class Subject:
     client_id: str = ""
     acl: TopicAcl | None = None  # its own ACL (token claim, hook answer) instead of policies
     super_user: bool = False  # the hook said is_superuser
+    expires: float | None = None  # epoch seconds its credentials lapse (a token's exp)
 
     @property
     def outsider(self) -> bool:
@@ -340,9 +341,11 @@ class AuthManager:
                 continue
             if d.outcome != ALLOW:
                 raise AuthError(d.reason, disabled=d.disabled)
+            if d.expires is not None and d.expires <= time.time():  # a cached hook answer
+                raise AuthError(f"{backend.name}: credentials expired")
             name = d.name if d.name is not None else creds.username or ""
             return Subject(name, creds.ip, via, backend.name, creds.client_id, d.acl,
-                           d.super_user), d.reason
+                           d.super_user, d.expires), d.reason
         if not creds.username and not creds.cert_cn and self.allow_anonymous:
             return Subject("", creds.ip, via, client_id=creds.client_id), ""
         # No definite answer: what the first backend saw ("bad username or password", or

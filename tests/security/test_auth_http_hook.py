@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from gateway import mqtt
 from tests.conftest import ROOT, Server
 from tests.mqtt.paho_client import Client
 from tests.mqtt.raw import RawClient
@@ -42,6 +43,10 @@ def operator_service(method: str, path: str, body: Any) -> Answer:
             return 200, {"result": "allow", "is_superuser": True}, 0
         if user in ("acl-dev", "anyone"):
             return 200, {"result": "allow"}, 0
+        if user == "expiring":  # allowed for two seconds from now
+            return 200, {"result": "allow", "expire_at": time.time() + 2}, 0
+        if user == "bad-expiry":
+            return 200, {"result": "allow", "expire_at": "tomorrow"}, 0
         return 200, {"result": "ignore"}, 0
     if user == "acl-dev":  # publish / subscribe: only under devices/<client id>/
         mine = body["topic"].startswith(f"devices/{body['clientid']}/")
@@ -163,6 +168,28 @@ def test_an_acl_in_the_connect_answer_and_a_superuser(srv: Server) -> None:
     assert boss.pub_codes[mid] == 0
     for c in (dev, boss):
         c.disconnect()
+
+
+def test_a_connection_ends_at_the_hooks_expire_at(srv: Server, hook: HttpService) -> None:
+    raw = RawClient(srv.port, 5, timeout=10)
+    try:
+        assert raw.connect("dev-expiring", keepalive=0, username="expiring",
+                           password=b"x").reason_code == 0
+        started = time.monotonic()
+        bye = raw.recv()
+        assert isinstance(bye, mqtt.Disconnect), bye
+        assert bye.reason_code == 0xA0  # Maximum connect time
+        assert time.monotonic() - started < 4
+    finally:
+        raw.close()
+    # The answer is not cached past its expire_at: the next CONNECT asks the hook again.
+    asked = len(hook.bodies(action="connect", username="expiring"))
+    assert connack(srv.port, "dev-expiring", "expiring", "x") == 0
+    assert len(hook.bodies(action="connect", username="expiring")) == asked + 1
+    # An expire_at that is no time is a confused hook: --auth-http-on-error (deny).
+    assert connack(srv.port, "dev-bad-expiry", "bad-expiry", "x") == BAD_CREDENTIALS_V5
+    assert srv.wait_log("reason=http: answered expire_at='tomorrow' (expected epoch seconds)")
+    assert connack(srv.port, "reset", "plain", "x") == 0
 
 
 @pytest.mark.parametrize("on_error", [None, "next", "allow"])

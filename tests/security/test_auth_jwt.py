@@ -18,6 +18,7 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
+from gateway import mqtt
 from tests.conftest import ROOT, Server
 from tests.mqtt.paho_client import Client
 from tests.mqtt.raw import RawClient
@@ -357,3 +358,28 @@ def test_the_identity_is_the_tokens_and_a_different_username_is_refused(srv: Ser
     ok = Client(srv.port, "reset-identity", username="r", password=token(SECRET, sub="r"))
     ok.disconnect()
 
+
+def test_a_connection_ends_when_its_token_expires(srv: Server) -> None:
+    """MQTT 5: DISCONNECT 0xA0 (Maximum connect time) at the token's exp; 3.1.1: closed.
+    Keepalive 0: only the expiry can end them."""
+    v5 = RawClient(srv.port, 5, timeout=10)
+    v4 = RawClient(srv.port, 4, timeout=10)
+    try:
+        short = token(SECRET, ttl=2, sub="short-lived")
+        assert v5.connect("short-5", keepalive=0, username="short-lived",
+                          password=short.encode()).reason_code == 0
+        assert v4.connect("short-4", keepalive=0, username="short-lived",
+                          password=short.encode()).reason_code == 0
+        started = time.monotonic()
+        v5.send(mqtt.Pingreq())
+        assert isinstance(v5.recv(), mqtt.Pingresp)  # alive before its exp
+        bye = v5.recv()
+        assert isinstance(bye, mqtt.Disconnect), bye
+        assert bye.reason_code == 0xA0
+        assert time.monotonic() - started < 4
+        assert v4.closed_by_server()
+        assert time.monotonic() - started < 5
+    finally:
+        v5.close()
+        v4.close()
+    assert srv.wait_log("disconnected: credentials expired")
