@@ -1,7 +1,8 @@
 """What each native-protocol request needs to be allowed (ACL 2.0 covers every API).
 
 - Server apps: SEND needs PUB on the first-level topic and on any MQTT topic it
-  addresses; PULL/QUEUE_* need SUB (or GET) on the queue's topic; consumer groups need
+  addresses; PULL/QUEUE_* need SUB (or GET) on the queue's topic, and PULL hands out
+  only the messages whose own topic the reader may SUB (or GET); consumer groups need
   SUB on the group; TOPIC_CREATE needs CREATE; STATS, message lookup, gateway lists
   need Cluster GET.
 - Nodes: a gateway authenticates as a user allowed Cluster UPDATE; that right covers
@@ -48,6 +49,13 @@ def queue_need(queue: str, actions: tuple[str, ...] = ("SUB", "GET")) -> Need:
     if part is not None:
         return Need("Topic", part[0], actions)
     return Need("Topic", queue, actions, is_wildcard(queue))
+
+
+def message_need(topic: str) -> Need:
+    """What reading one message needs, whatever queue it came from: a wildcard or
+    partition queue holds topics that the right on the queue's name may not cover
+    (Allow home/# with Deny home/secret)."""
+    return Need("Topic", topic, ("SUB", "GET"))
 
 
 def needs(frame: p.Frame, mqtt_topics: list[str] | None = None) -> list[Need] | str:

@@ -32,7 +32,7 @@ from store.groups import (
     offset_key,
     retry_queue,
 )
-from store.native_acl import NODE, SUPER, Need, needs
+from store.native_acl import NODE, SUPER, Need, message_need, needs
 from store.record import Message
 from store.service import EmbeddedStore
 from store.streams import batched_writer
@@ -410,9 +410,17 @@ class NativeServer:
                         await ev.wait()
             if not res.messages:
                 res = await pull(queue, offset, max_count)
-        metas, body = p.pack_messages(res.messages)
+        metas, body = p.pack_messages(self._readable(ctx, res.messages))
         return {"messages": metas, "next_offset": res.next_offset,
                 "min_offset": res.min_offset, "max_offset": res.max_offset}, body
+
+    def _readable(self, ctx: ConnCtx, msgs: list[Message]) -> list[Message]:
+        """The messages this reader may see, each checked as MQTT deliveries are (the
+        right on the queue was checked in _check). The others are skipped, not refused:
+        next_offset still moves past them."""
+        if not self.auth.enabled or not msgs or self._is_node(ctx):
+            return msgs
+        return [m for m in msgs if self._allowed(ctx, message_need(m.topic))]
 
     async def _pull_acked(self, queue: str, offset: int, max_count: int) -> PullResult:
         """`store.pull`, cut before the first message past the read limit."""
