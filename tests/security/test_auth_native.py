@@ -12,6 +12,7 @@ import trio
 
 from store import protocol as p
 from store.client import AuthFailed, NativeClient
+from store.record import Message
 from store.sdk import Consumer, Producer
 from tests.conftest import ROOT, Server
 from tests.mqtt.paho_client import Client
@@ -171,3 +172,47 @@ def test_a_pull_hands_out_only_messages_the_reader_may_read(srv: Server) -> None
     assert err.value.status == 403
     assert srv.wait_log("[AUTHORIZATION] user=reader ip=127.0.0.1 action=SUB "
                         "resource=Topic:home/secret result=deny")
+
+
+def test_nack_takes_only_a_message_the_reader_received(srv: Server) -> None:
+    """NACK needs SUB on the group; it must name a message the reader could pull (queue
+    and offset) and copy that, never store a body the client makes up."""
+    app = ("app", "app-pw")
+    forged = Message("payroll", b"forged", 1, False, "", {"lg_attempt": 0})
+    forged.phys_offset = -1
+    metas, body = p.pack_messages([forged])
+    with pytest.raises(p.RemoteError) as err:
+        native_with_body(srv, "NACK", {"group": "billing", "message": metas[0]}, body, app)
+    assert err.value.status in (400, 403)  # no queue and offset: nothing it may pull
+    assert b"forged" not in b"".join(b for _, b in _pull_bodies(srv, "billing#retry", ADMIN))
+
+    with Producer(srv.native, username="app", password="app-pw") as producer:
+        producer.send("orders", b"to-retry", key="r")
+    queue, offset = next((f"orders#{q}", i) for q in range(4)
+                         for i, (_, b) in enumerate(_pull_bodies(srv, f"orders#{q}", app))
+                         if b == b"to-retry")
+    reply = native(srv, "NACK", {"group": "billing", "queue": queue, "offset": offset},
+                   creds=app)
+    assert reply["queue"] == "billing#retry" and reply["attempt"] == 1
+    assert (("orders", b"to-retry") in _pull_bodies(srv, "billing#retry", ADMIN))
+    for bad in ({"queue": "payroll#0", "offset": 0},  # a queue it may not read
+                {"queue": queue, "offset": 10_000}):  # nothing there
+        with pytest.raises(p.RemoteError) as err:
+            native(srv, "NACK", {"group": "billing", **bad}, creds=app)
+        assert err.value.status in (403, 404), bad
+
+
+def native_with_body(srv: Server, code: str, header: dict, body: bytes,
+                     creds: tuple[str, str]) -> dict:
+    async def call() -> dict | Exception:
+        async with NativeClient.open(srv.native, credentials=creds) as client:
+            try:
+                reply, _ = await client.request(getattr(p, code), header, body)
+            except p.RemoteError as exc:
+                return exc
+            return reply
+
+    out = trio.run(call)
+    if isinstance(out, Exception):
+        raise out
+    return out
