@@ -30,6 +30,7 @@ from store.auth.topic_acl import TopicAcl
 log = logging.getLogger("lightgate.auth")
 
 AUTH_EVENT = "\x00auth"  # a notify name no topic can have (MQTT forbids U+0000)
+STORED_IN = ("users", "acl")  # the metadata column families users and policies live in
 ANONYMOUS = "anonymous"  # the policy subject of clients without a username
 RESERVED_NAMES = (EVERYONE, ANONYMOUS, "")
 # The policy subject an outside identity is decided as when it brings no ACL of its own:
@@ -166,6 +167,7 @@ class AuthManager:
         self.denials = 0
         self._checker = PasswordChecker()
         self._listeners: list[Callable[[], None]] = []
+        self._copy_landed: trio.Event | None = None  # see reload_on_copy
         self.builtin = BuiltinUsers(self)
         # MQTT clients meet this chain; the native protocol and the HTTP API, only the
         # built-in users (server apps and operators are not devices).
@@ -237,6 +239,36 @@ class AuthManager:
                 await self.load()
             except Exception as exc:  # the store may be away; keep the last copy
                 log.debug("auth reload failed: %s", exc)
+
+    def reload_on_copy(self, meta: Any) -> None:
+        """A store group's node: reload when its copy of the master's metadata writes
+        users or policies (a replica makes no changes of its own, so `_changed` never
+        runs there). Reloads run in `run_copy_reloads`, one at a time, so an older read
+        never lands after a newer one; copies that land meanwhile make one more."""
+        token = trio.lowlevel.current_trio_token()
+        self._copy_landed = trio.Event()
+
+        def copied(cfs: set[str]) -> None:  # in the thread that wrote the copy
+            if not cfs.isdisjoint(STORED_IN):
+                try:
+                    token.run_sync_soon(self._wake_copy_reload)
+                except trio.RunFinishedError:
+                    pass
+
+        meta.on_copied = copied
+
+    def _wake_copy_reload(self) -> None:
+        if self._copy_landed is not None:
+            self._copy_landed.set()
+
+    async def run_copy_reloads(self) -> None:
+        while self._copy_landed is not None:
+            await self._copy_landed.wait()
+            self._copy_landed = trio.Event()
+            try:
+                await self.load()
+            except Exception as exc:  # noqa: BLE001 - kept: the next copy retries
+                log.warning("reloading copied users and policies failed: %s", exc)
 
     # -- users ------------------------------------------------------------------------
     async def add_user(self, name: str, password: str, *, super_user: bool = False) -> User:
