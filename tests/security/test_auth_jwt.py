@@ -254,6 +254,10 @@ def test_a_jwt_backend_alone_turns_auth_on_with_a_jwks_file(tmp_path: Path, keys
     (["--auth-jwt-secret", "s", "--auth-jwt-algorithms", "RS256"],
      "--auth-jwt-algorithms RS256 needs --auth-jwt-jwks"),
     (["--auth-order", "builtin,ldap"], "--auth-order takes a comma list"),
+    # keys fetched in the clear could be swapped on the way: only loopback may be plain
+    (["--auth-jwt-jwks", "http://idp.example/jwks.json"],
+     "--auth-jwt-jwks http://idp.example/jwks.json: keys over plain http"),
+    (["--auth-jwt-jwks", "http://[::2]:8080/jwks.json"], "use https://"),
     # valid settings, but a backend turns auth on and nobody could run the store's side
     (["--auth-jwt-secret", SECRET], "needs a Super user"),
 ])
