@@ -121,8 +121,11 @@ class Connection:
         self._limits = PublishLimits(cfg.max_publish_rate, cfg.max_publish_bytes_rate) \
             if cfg.max_publish_rate > 0 or cfg.max_publish_bytes_rate > 0 else None
         self.config = broker.config
-        self.decoder = mqtt.Decoder(max_packet_size=self.config.max_packet_size,
-                                    first_packet_max=self.config.max_connect_packet)
+        # Until the client is authenticated every packet (a SCRAM exchange's AUTH too) is
+        # bounded as its CONNECT is; _admit lifts the bound to --max-packet-size.
+        pre_auth = min(self.config.max_connect_packet or self.config.max_packet_size,
+                       self.config.max_packet_size)
+        self.decoder = mqtt.Decoder(max_packet_size=pre_auth, first_packet_max=pre_auth)
         self._held = 0  # partial-packet bytes counted in the node's read budget
         self.version = 4
         self.session: Session | None = None
@@ -640,6 +643,7 @@ class Connection:
                                    or not await self._may_ask("PUB", p.will.topic)):
             await self._refuse(v, rc.NOT_AUTHORIZED, 5, "will topic not authorized")
         self.auth_changed()
+        self.decoder.max_packet_size = self.config.max_packet_size
         return auth_data
 
     async def _enhanced_connect(self, p: Connect, authenticator: Authenticator, ip: str,
