@@ -314,8 +314,8 @@ class Connection:
     def auth_changed(self) -> None:
         """Policies changed: decisions cached on this connection no longer hold."""
         auth = self.broker.auth
-        # A hook-decided client is not checked per delivery: the hook allowed the filter,
-        # and an HTTP call per message pushed would stall delivery.
+        # A hook-decided client's deliveries are asked of the hook instead (awaited, so
+        # in the delivery task only: _hook_refuses).
         self._check_delivery = bool(
             auth.enabled and self.subject is not None and not auth.is_super(self.subject)
             and not self._ask_hook)
@@ -333,6 +333,12 @@ class Connection:
             self._auth_cache = DecisionCache()
         return self.broker.auth.authorize(self.subject, "Topic", name, action,
                                           is_filter=is_filter, cache=self._auth_cache)
+
+    async def _hook_refuses(self, topic: str) -> bool:
+        """Whether the HTTP hook refuses this delivery to a client it decides for: a
+        filter it allowed may catch topics it denies (answers are cached per topic).
+        Callers test `_ask_hook` first: no coroutine per delivery for everyone else."""
+        return not await self._may_ask("SUB", topic)
 
     async def _may_ask(self, action: str, name: str, is_filter: bool = False) -> bool:
         """`_may`, or the HTTP hook's answer for a client it decides for."""
@@ -1084,7 +1090,8 @@ class Connection:
         todo = []
         for sub in subs:
             for r in await self.broker.retained_for(sub.topic_filter):
-                if self._check_delivery and not self._may("SUB", r.topic):
+                if self._check_delivery and not self._may("SUB", r.topic) \
+                        or self._ask_hook and await self._hook_refuses(r.topic):
                     continue
                 qos = min(r.qos, sub.options.qos)
                 sids = [sub.subscription_id] if sub.subscription_id else None
@@ -1225,7 +1232,7 @@ class Connection:
 
     async def _deliver(self, s: Session, queue: str, msg: Message) -> None:
         plan = self._plan(s, queue, msg)
-        if plan is not None:
+        if plan is not None and not (self._ask_hook and await self._hook_refuses(msg.topic)):
             qos, retain, sids, offset = plan
             await self._push(msg, qos, retain, sids, queue, offset, buffered=True)
 
@@ -1265,8 +1272,8 @@ class Connection:
         At low rates each message woke the delivery task: a scheduler pass and a task
         step per message, half the broker's CPU. False: the delivery task must do it."""
         if (not self._idle or self._fd < 0 or self._writing or s.dirty
-                or s.restored_upto or queue not in s.subscriptions):
-            return False
+                or s.restored_upto or queue not in s.subscriptions or self._ask_hook):
+            return False  # (a hook's answer is awaited: the delivery task's work)
         if self._cancel.cancel_called:
             # Closing (a DISCONNECT was read, a kick): the delivery task is cancelled but
             # not yet unwound. A message sent now would be in flight on a connection that
@@ -1354,7 +1361,8 @@ class Connection:
         qos = min(msg.qos, sub.options.qos)
         sids = [sub.subscription_id] if sub.subscription_id and self.version == 5 else None
         offset = msg.offset_in(group.queue)
-        if self._check_delivery and not self._may("SUB", msg.topic):
+        if self._check_delivery and not self._may("SUB", msg.topic) \
+                or self._ask_hook and await self._hook_refuses(msg.topic):
             group.acked(offset)  # not for this member's user: dropped, logged in audit
             return True
         sent = await self._push(msg, qos, False, sids, None, offset, group, buffered)

@@ -41,7 +41,7 @@ def operator_service(method: str, path: str, body: Any) -> Answer:
             return 200, {"result": "allow", "acl": {"pub": ["devices/%c/up"]}}, 0
         if user == "boss":
             return 200, {"result": "allow", "is_superuser": True}, 0
-        if user in ("acl-dev", "anyone"):
+        if user in ("acl-dev", "anyone", "home-dev"):
             return 200, {"result": "allow"}, 0
         if user == "expiring":  # allowed for two seconds from now
             return 200, {"result": "allow", "expire_at": time.time() + 2}, 0
@@ -53,6 +53,8 @@ def operator_service(method: str, path: str, body: Any) -> Answer:
         return 200, {"result": "allow" if mine else "deny"}, 0
     if user == "claims":
         return 200, {"result": "ignore"}, 0  # the ACL given on connect decides
+    if user == "home-dev" and action == "subscribe":  # all of home/ but its secret
+        return 200, {"result": "deny" if body["topic"] == "home/secret" else "allow"}, 0
     return 403, None, 0
 
 
@@ -190,6 +192,25 @@ def test_a_connection_ends_at_the_hooks_expire_at(srv: Server, hook: HttpService
     assert connack(srv.port, "dev-bad-expiry", "bad-expiry", "x") == BAD_CREDENTIALS_V5
     assert srv.wait_log("reason=http: answered expire_at='tomorrow' (expected epoch seconds)")
     assert connack(srv.port, "reset", "plain", "x") == 0
+
+
+def test_the_hook_decides_each_delivered_topic_too(srv: Server, hook: HttpService) -> None:
+    """A filter the hook allowed may catch topics it denies: each delivery is asked
+    about (answers cached), as a policy client's deliveries are checked."""
+    dev = Client(srv.port, "home-1", version=5, username="home-dev", password="x")
+    assert [c.value for c in dev.subscribe([("home/#", 1)])] == [1]
+    admin = Client(srv.port, "home-admin", username=ADMIN[0], password=ADMIN[1])
+    admin.subscribe("home/#", 1)  # something that gets both, to know both went out
+    for topic in ("home/secret", "home/open", "home/secret"):
+        admin.publish(topic, topic.encode(), qos=1)
+    admin.expect(3)
+    assert [m.topic for m in dev.expect(1)] == ["home/open"]
+    dev.expect_none(0.5)
+    assert hook.bodies(action="subscribe", clientid="home-1", topic="home/secret")
+    assert srv.wait_log("[AUTHORIZATION] user=home-dev ip=127.0.0.1 action=SUB "
+                        "resource=Topic:home/secret result=deny reason=http: deny")
+    for c in (dev, admin):
+        c.disconnect()
 
 
 @pytest.mark.parametrize("on_error", [None, "next", "allow"])
