@@ -16,7 +16,7 @@ from gateway import mqtt
 from tests.conftest import ROOT, Server
 from tests.mqtt.paho_client import Client
 from tests.mqtt.raw import RawClient
-from tests.security.helpers import ADMIN, auth_server
+from tests.security.helpers import ADMIN, add_user, allow, auth_server
 from tests.security.http_service import Answer, HttpService, closed_port_url
 
 BAD_CREDENTIALS_V5 = 0x86
@@ -211,6 +211,43 @@ def test_the_hook_decides_each_delivered_topic_too(srv: Server, hook: HttpServic
                         "resource=Topic:home/secret result=deny reason=http: deny")
     for c in (dev, admin):
         c.disconnect()
+
+
+def test_a_session_resumed_by_another_user_starts_clean(srv: Server) -> None:
+    """Same client id, another identity: the session (its subscriptions, what it had in
+    flight, what it missed) is not handed over; the newcomer starts with a fresh one."""
+    add_user(srv, "alice", "alice-pw")
+    allow(srv, "alice", "Topic:private/#", "SUB")
+    add_user(srv, "bob", "bob-pw")  # no rights at all
+    props = {"session_expiry_interval": 300}
+    admin = Client(srv.port, "private-admin", username=ADMIN[0], password=ADMIN[1])
+    for who, password in (("bob", "bob-pw"), ("anyone", "x")):  # built-in, then hook
+        alice = RawClient(srv.port, 5)
+        assert alice.connect("handover", clean=False, username="alice",
+                             password=b"alice-pw", properties=props).reason_code == 0
+        alice.subscribe("private/#", 1)
+        admin.publish("private/a", b"in flight", qos=1)
+        got = alice.recv()
+        assert isinstance(got, mqtt.Publish) and got.payload == b"in flight"
+        alice.close()  # gone without PUBACK: in flight, resent on resume
+        admin.publish("private/b", b"missed", qos=1)
+        other = RawClient(srv.port, 5, timeout=2)
+        try:
+            ack = other.connect("handover", clean=False, username=who,
+                                password=password.encode(), properties=props)
+            assert ack.reason_code == 0 and not ack.session_present, who
+            with pytest.raises(TimeoutError):
+                other.recv()  # neither the in-flight message nor the missed one
+        finally:
+            other.close()
+        again = RawClient(srv.port, 5, timeout=2)  # alice's session went with it
+        try:
+            ack = again.connect("handover", clean=False, username="alice",
+                                password=b"alice-pw", properties=props)
+            assert ack.reason_code == 0 and not ack.session_present
+        finally:
+            again.close()
+    admin.disconnect()
 
 
 @pytest.mark.parametrize("on_error", [None, "next", "allow"])
