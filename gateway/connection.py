@@ -121,11 +121,8 @@ class Connection:
         self._limits = PublishLimits(cfg.max_publish_rate, cfg.max_publish_bytes_rate) \
             if cfg.max_publish_rate > 0 or cfg.max_publish_bytes_rate > 0 else None
         self.config = broker.config
-        # Until the client is authenticated every packet (a SCRAM exchange's AUTH too) is
-        # bounded as its CONNECT is; _admit lifts the bound to --max-packet-size.
-        pre_auth = min(self.config.max_connect_packet or self.config.max_packet_size,
-                       self.config.max_packet_size)
-        self.decoder = mqtt.Decoder(max_packet_size=pre_auth, first_packet_max=pre_auth)
+        self.decoder = mqtt.Decoder(max_packet_size=self.config.max_packet_size,
+                                    first_packet_max=self.config.max_connect_packet)
         self._held = 0  # partial-packet bytes counted in the node's read budget
         self.version = 4
         self.session: Session | None = None
@@ -657,6 +654,10 @@ class Connection:
         """The CONNECT's AUTH exchange (§4.12): AUTH 0x18 both ways until the method
         decides. AuthError when it fails."""
         auth, method = self.broker.auth, authenticator.method
+        # The exchange's AUTH packets come from nobody yet: bounded as the CONNECT was
+        # (--max-connect-packet) until _admit lifts it. Data a client pipelined behind
+        # its CONNECT was read already, within the node's read budget, as for any client.
+        self.decoder.max_packet_size = self.decoder.first_packet_max
         await auth.enhanced_wait(ip)
         step = authenticator.start(p.properties.get("authentication_data"))
         deadline = trio.current_time() + self.config.connect_timeout
