@@ -100,10 +100,12 @@ GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("max-topic-levels", int, 128, "levels of a topic name or filter (0: no limit)"),
     ("max-topic-length", int, 4096, "characters of a topic name or filter (0: no limit)"),
     ("max-retained", int, 100_000, "retained messages held (0: no limit)"),
-    ("max-retained-bytes", int, 256 * 1024 * 1024, "bytes of retained messages held"),
+    ("max-retained-bytes", int, 256 * 1024 * 1024,
+     "bytes of retained messages held, as stored: topic, properties and payload"),
     ("max-retained-per-client", int, 1000, "retained messages one client id may set"),
     ("max-retained-bytes-per-client", int, 16 * 1024 * 1024,
-     "bytes of retained messages one client id may set"),
+     "bytes of retained messages one client id may set (counted as for "
+     "--max-retained-bytes)"),
     ("v3-session-expiry-s", float, 7200.0, "MQTT 3.1.1 persistent sessions end this long "
      "after the client left (0: never)"),
     ("max-sessions", int, 100_000, "persistent sessions held; new ones past it are refused "

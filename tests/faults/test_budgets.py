@@ -350,7 +350,7 @@ def test_retained_flood_is_capped_by_count_and_bytes(tmp_path: Path) -> None:
     srv = Server(tmp_path, "--max-retained", "150", "--max-retained-per-client", "100",
                  "--max-retained-bytes", "400000", "--max-retained-bytes-per-client",
                  "250000").start()
-    big = b"x" * 100_000
+    big = b"x" * 99_993  # with its topic ("big/c/0"): 100 kB stored
     try:
         c = Client(srv.port, "c", version=5)
         # Per client bytes: the third 100 kB message would make 300 kB of 250 kB.
@@ -385,6 +385,63 @@ def test_retained_flood_is_capped_by_count_and_bytes(tmp_path: Path) -> None:
         a = Client(srv.port, "a2", version=5)
         assert _retain_all(a, ["many/a2/0"], b"1") == [0x97]
         a.disconnect()
+    finally:
+        srv.stop()
+
+
+def _user_properties(total: int, packet: int = 0) -> Any:
+    """MQTT 5 properties of a PUBLISH (or a will: `packet`) carrying about `total` bytes
+    of user properties, in values of at most 60,000 (an MQTT string holds 65,535)."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    props = Properties(packet or PacketTypes.PUBLISH)
+    props.UserProperty = [(f"k{i}", "v" * min(60_000, total - i * 60_000))
+                          for i in range(-(-total // 60_000))]
+    return props
+
+
+def _retain_with_properties(c: Client, topics: list[str], props: Any) -> list[int]:
+    """Publish a 1-byte payload retained (QoS 1) with `props` to each topic; the codes."""
+    mids = [c.publish(t, b"1", 1, retain=True, properties=props) for t in topics]
+    return [int(getattr(c.pub_codes[m], "value", c.pub_codes[m])) for m in mids]
+
+
+@pytest.mark.timeout(120)
+def test_retained_bytes_count_what_is_stored(tmp_path: Path) -> None:
+    """The store keeps a retained message's topic and properties beside its payload: a
+    1-byte payload with 420 kB of user properties takes 420 kB, not 1 byte."""
+    budget = 64 * 1024
+    srv = Server(tmp_path, "--max-retained-bytes", str(budget),
+                 "--max-retained-bytes-per-client", str(budget)).start()
+    try:
+        c = Client(srv.port, "props", version=5)
+        before = _dir_bytes(tmp_path)
+        huge = _user_properties(420_000)
+        assert _retain_with_properties(c, [f"props/huge/{i}" for i in range(20)], huge) \
+            == [0x97] * 20
+        assert _dir_bytes(tmp_path) - before < MiB  # refused: not stored either
+        # 20 kB of properties each: three fit in 64 KiB, a fourth does not.
+        some = _user_properties(20_000)
+        assert _retain_with_properties(c, [f"props/some/{i}" for i in range(5)], some) \
+            == [0, 0, 0, 0x97, 0x97]
+        used = _metric(_metrics(srv), "lightgate_budget_used", "retained_bytes")
+        assert 3 * 20_000 < used <= budget
+        # A will counts the same way: retained past the budget it is published only.
+        from paho.mqtt.packettypes import PacketTypes
+
+        w = Client(srv.port, "willing", version=5, will=(
+            "props/will", b"1", 1, True, _user_properties(30_000, PacketTypes.WILLMESSAGE)))
+        w.drop()
+        assert srv.wait_log("will of 'willing' on 'props/will' not retained")
+        c.disconnect()
+        # Counted from the store on start the same way as when it was set.
+        srv.stop()
+        srv.start()
+        assert _metric(_metrics(srv), "lightgate_budget_used", "retained_bytes") == used
+        c = Client(srv.port, "props", version=5)
+        assert _retain_with_properties(c, ["props/some/9"], some) == [0x97]
+        c.disconnect()
     finally:
         srv.stop()
 
