@@ -6,6 +6,7 @@ are chosen so that without the budget the growth would be several times the boun
 
 from __future__ import annotations
 
+import base64
 import multiprocessing
 import os
 import re
@@ -24,6 +25,7 @@ import pytest
 
 from tests.conftest import Server
 from tests.mqtt.paho_client import Client
+from tests.security.test_tls import SecureClient
 
 MiB = 1024 * 1024
 ATTACKERS = int(os.environ.get("LIGHTGATE_BUDGET_ATTACKERS", "1000"))
@@ -221,6 +223,114 @@ def test_partial_publishes_stay_within_the_read_budget(tmp_path: Path) -> None:
         assert held_peak <= budget + ATTACKERS * OVERSHOOT_PER_CONNECTION
         assert grown < budget + FIXED_BASE
     finally:
+        srv.stop()
+
+
+# Sockets trickling a WebSocket message each; buffered whole, 250 grew the server 258 MiB.
+WS_ATTACKERS = int(os.environ.get("LIGHTGATE_BUDGET_WS_ATTACKERS", "250"))
+
+
+def _ws_open(addr: str) -> socket.socket:
+    """A WebSocket connection to `addr` (subprotocol mqtt), upgraded by hand."""
+    host, port = addr.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    key = base64.b64encode(os.urandom(16)).decode()
+    s.sendall(f"GET /mqtt HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\n"
+              f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+              "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: mqtt\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = s.recv(4096)
+        assert chunk, "closed during the upgrade"
+        head += chunk
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return s
+
+
+def _ws_frame_head(length: int) -> bytes:
+    """A client's binary frame (FIN) announcing `length` payload bytes, masked with a
+    zero key: the payload goes as is."""
+    return b"\x82\xff" + length.to_bytes(8, "big") + b"\0\0\0\0"
+
+
+def _ws_attacker(addr: str, n: int, ready: Any, done: Any, release: Any) -> None:
+    """In its own process: open `n` WebSocket connections and start on each a binary
+    message announcing 1 MiB, its payload a 64 KiB CONNECT (the most allowed before
+    CONNECT); then send each 31 chunks of 32 KiB, 0.1 s apart: just under 1 MiB, so that
+    the message never ends. A socket the server stopped reading or closed is skipped."""
+    _raise_nofile()
+    socks = []
+    for _ in range(n):
+        s = _ws_open(addr)
+        s.setblocking(False)
+        s.send(_ws_frame_head(MiB) + b"\x10" + _varint(64 * 1024 - 4))
+        socks.append(s)
+    ready.set()
+    body = b"\x00" * 32 * 1024
+    for _ in range(31):
+        for s in socks:
+            try:
+                s.send(body)
+            except OSError:
+                pass
+        time.sleep(0.1)
+    done.set()
+    release.wait(120)
+
+
+def _legit_ws_round_trip(srv: Server, n: int = 5) -> None:
+    """A new WebSocket client (paho) connects, subscribes, and gets its own n QoS 1
+    messages back."""
+    tag = os.urandom(4).hex()
+    c = SecureClient(int(srv.addrs["ws"].rsplit(":", 1)[1]), f"okws-{tag}",
+                     transport="websockets")
+    c.subscribe(f"okws/{tag}", 1)
+    for i in range(n):
+        c.publish(f"okws/{tag}", b"%d" % i, 1)
+    assert [m.payload for m in c.expect(n)] == [b"%d" % i for i in range(n)]
+    c.disconnect()
+
+
+@pytest.mark.timeout(180)
+def test_partial_websocket_messages_stay_within_the_read_budget(tmp_path: Path) -> None:
+    """WebSocket clients before CONNECT obey the budgets TCP clients do: bytes buffered
+    for an unfinished message count in --max-partial-bytes, and a message is bounded by
+    --max-connect-packet."""
+    budget = 8 * MiB
+    srv = Server(tmp_path, "--max-partial-bytes", str(budget), "--partial-timeout-s", "3"
+                 ).start()
+    ctx = multiprocessing.get_context("fork")
+    ready, done, release = ctx.Event(), ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_ws_attacker, args=(srv.addrs["ws"], WS_ATTACKERS, ready, done,
+                                                  release), daemon=True)
+    try:
+        _legit_round_trip(srv.port)  # warm: what any client costs is in the base
+        _legit_ws_round_trip(srv)
+        base = _rss(srv.proc.pid)
+        peak = RssPeak(srv.proc.pid)
+        proc.start()
+        assert ready.wait(60), "the attacker did not open its sockets"
+        used, legit = 0.0, 0
+        while not done.is_set() or legit < 3:
+            used = max(used, _metric(_metrics(srv), "lightgate_budget_used",
+                                     "partial_packet_bytes"))
+            _legit_round_trip(srv.port)
+            _legit_ws_round_trip(srv)
+            legit += 1
+        time.sleep(0.5)
+        grown = peak.stop() - base
+        held_peak = _metric(_metrics(srv), "lightgate_budget_peak", "partial_packet_bytes")
+        print(f"websocket attack: {WS_ATTACKERS} sockets, {legit} legit round trips "
+              f"meanwhile; RSS +{grown / MiB:.1f} MiB (base {base / MiB:.0f} MiB), partial "
+              f"bytes used {used / MiB:.1f} MiB at most when sampled, peak "
+              f"{held_peak / MiB:.1f} MiB, budget {budget / MiB:.0f} MiB")
+        assert used > 0  # the bytes held for WebSocket clients are in the budget
+        assert held_peak <= budget + WS_ATTACKERS * OVERSHOOT_PER_CONNECTION
+        assert grown < budget + FIXED_BASE
+    finally:
+        release.set()
+        if proc.pid is not None:
+            proc.join(10)
         srv.stop()
 
 
