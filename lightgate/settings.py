@@ -81,9 +81,10 @@ GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("max-inflight", int, 32, "unacknowledged QoS 1/2 messages per client"),
     ("max-packet-size", int, 1024 * 1024, "largest MQTT packet accepted, in bytes"),
     ("max-connect-packet", int, 64 * 1024, "largest first packet (CONNECT, will included) "
-     "before the client is authenticated"),
+     "before the client is authenticated, and largest WebSocket message begun before it"),
     ("max-partial-bytes", int, 64 * 1024 * 1024, "bytes of partly received packets the node "
-     "holds; past it the clients holding the most stop being read (0: no budget)"),
+     "holds, over TCP, TLS and WebSocket; past it the clients holding the most stop being "
+     "read (0: no budget)"),
     ("partial-timeout-s", float, 10.0, "close a client held back by --max-partial-bytes "
      "for this long"),
     ("max-pending-publishes", int, 64, "publishes per client in the store pipeline at once"),
