@@ -87,8 +87,8 @@ GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
     *LISTENER_SETTINGS,
     ("max-inflight", int, 32, "unacknowledged QoS 1/2 messages per client"),
     ("max-packet-size", int, 1024 * 1024, "largest MQTT packet accepted, in bytes"),
-    ("max-connect-packet", int, 64 * 1024, "largest first packet (CONNECT, will included) "
-     "before the client is authenticated"),
+    ("max-connect-packet", int, 64 * 1024, "largest packet (the CONNECT with its will, a "
+     "SCRAM AUTH) before the client is authenticated"),
     ("max-partial-bytes", int, 64 * 1024 * 1024, "bytes of partly received packets the node "
      "holds; past it the clients holding the most stop being read (0: no budget)"),
     ("partial-timeout-s", float, 10.0, "close a client held back by --max-partial-bytes "
