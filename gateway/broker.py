@@ -21,7 +21,7 @@ from gateway.limits import SourceRateLimiter
 from gateway.mqtt import PublishTemplate, Will
 from gateway.mqtt.properties import publish_properties
 from gateway.reserved import SERVER_ID
-from gateway.retained import RetainedBudget, RetainedLimits
+from gateway.retained import RetainedBudget, RetainedLimits, stored_size
 from gateway.session import (
     NEVER_EXPIRES,
     NUL,
@@ -756,7 +756,8 @@ class Broker:
         props = {k: v for k, v in will.properties.items() if k != "will_delay_interval"}
         retain = will.retain
         if retain and will.payload:
-            why = self.retained.admit(will.topic, client_id, len(will.payload))
+            why = self.retained.admit(will.topic, client_id,
+                                      stored_size(will.topic, will.payload, props))
             if why is not None:  # still published, not retained
                 self.stats.limit_refusals += 1
                 log.warning("will of %r on %r not retained: %s", client_id, will.topic, why)
@@ -775,7 +776,8 @@ class Broker:
             r = RetainedMessage(msg.topic, msg.body, msg.qos, msg.properties, msg.client_id,
                                 msg.store_ts, msg.phys_offset)
             await self.store.meta_put("retained", msg.topic, r.to_meta())
-            self.retained.set(msg.topic, msg.client_id, len(msg.body))
+            self.retained.set(msg.topic, msg.client_id,
+                              stored_size(msg.topic, msg.body, msg.properties))
         else:  # an empty retained payload clears the topic's retained message
             await self.store.meta_delete("retained", msg.topic)
             self.retained.remove(msg.topic)
@@ -788,7 +790,8 @@ class Broker:
         """The retained messages the store already holds count from the start."""
         try:
             for topic, d in await self.store.meta_items("retained"):
-                self.retained.set(topic, d.get("client_id", ""), len(d["body"]))
+                size = stored_size(topic, d["body"], d.get("props") or {})
+                self.retained.set(topic, d.get("client_id", ""), size)
         except StoreError as exc:  # separated mode, store away
             log.warning("retained messages not counted: %s", exc)
 

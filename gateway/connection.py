@@ -37,6 +37,7 @@ from gateway.mqtt import (
 from gateway.mqtt import reason as rc
 from gateway.mqtt.properties import publish_properties
 from gateway.reserved import refusal as reserved_refusal
+from gateway.retained import stored_size
 from gateway.session import (
     NEVER_EXPIRES,
     Outgoing,
@@ -834,8 +835,11 @@ class Connection:
             await self._refuse_publish(p, topic[:100], "past --max-topic-levels or "
                                        "--max-topic-length", rc.TOPIC_NAME_INVALID)
             return
+        props = {k: v for k, v in p.properties.items() if k != "topic_alias"} \
+            if p.properties else {}
         if p.retain and p.payload:
-            why = self.broker.retained.admit(topic, s.client_id, len(p.payload))
+            why = self.broker.retained.admit(topic, s.client_id,
+                                             stored_size(topic, p.payload, props))
             if why is not None:
                 self.broker.stats.limit_refusals += 1
                 await self._refuse_publish(p, topic, why, rc.QUOTA_EXCEEDED)
@@ -864,8 +868,6 @@ class Connection:
             await self._flush_publishes()
             await self._to_acker(rc.PAYLOAD_FORMAT_INVALID, p)
             return
-        props = {k: v for k, v in p.properties.items() if k != "topic_alias"} \
-            if p.properties else {}
         self._batch_msgs.append(Message(
             topic, p.payload, p.qos, p.retain, s.client_id, props,
             born_ts=time.time_ns() // 1_000_000,
