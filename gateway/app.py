@@ -82,6 +82,7 @@ async def _serve(opts: ServeOptions, signals: Any) -> None:
     ):
         broker = Broker(node.store, opts.gateway, node.auth)
         nursery.start_soon(broker.run_notify, bus)
+        await nursery.start(broker.run_connections)
         await nursery.start(broker.run_housekeeping)
         bound = await start_listeners(nursery, broker, opts.listeners)
         app = auth_app([*store_routes(node.store), *gateway_routes(broker, opts.store)],
@@ -159,6 +160,7 @@ async def _gateway(opts: GatewayOptions, signals: Any) -> None:
             if opts.notify:
                 nursery.start_soon(broker.run_notify, bus)
             nursery.start_soon(broker.run_poll_fallback, bus if opts.notify else None)
+            await nursery.start(broker.run_connections)
             await nursery.start(broker.run_housekeeping)
             bound = await start_listeners(nursery, broker, opts.listeners)
             app = auth_app(gateway_routes(broker), auth, manage_auth=False)

@@ -17,9 +17,11 @@ from typing import Any
 import trio
 
 from gateway.cache import QueueCache
+from gateway.inbound import Inbound
 from gateway.limits import SourceRateLimiter
 from gateway.mqtt import PublishTemplate, Will
 from gateway.mqtt.properties import publish_properties
+from gateway.mqtt.protocol import Limits
 from gateway.reserved import SERVER_ID
 from gateway.retained import RetainedBudget, RetainedLimits, stored_size
 from gateway.session import (
@@ -188,6 +190,24 @@ class Broker:
         # Wills waiting out their Will Delay Interval, by client id: (will, due as epoch
         # seconds, the scope that cancels the wait). Kept in the session's record too.
         self._pending_wills: dict[str, tuple[Will, float, trio.CancelScope]] = {}
+        self.limits = Limits(
+            max_packet_size=cfg.max_packet_size, max_connect_packet=cfg.max_connect_packet,
+            max_qos=cfg.max_qos, topic_alias_maximum=cfg.topic_alias_maximum,
+            max_inflight=cfg.max_inflight, receive_maximum=cfg.max_pending_publishes,
+            max_keepalive=cfg.max_keepalive, connect_timeout=cfg.connect_timeout,
+            v3_session_expiry=int(cfg.v3_session_expiry_s) or NEVER_EXPIRES)
+        self.inbound = Inbound(self)
+        # Tasks connections start on demand (their lanes, deliveries, writers, ends).
+        self.connection_nursery: trio.Nursery | None = None
+
+    async def run_connections(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Where connections' tasks run, and the inbound pipeline's flusher."""
+        async with trio.open_nursery() as nursery:
+            self.connection_nursery = nursery
+            await nursery.start(self.inbound.run)
+            task_status.started()
 
     def topic_past_limits(self, topic: str) -> bool:
         """Whether a topic name or filter is past --max-topic-length (characters) or
@@ -235,20 +255,12 @@ class Broker:
                 continue
             for session in self.queue_subs.get(name, ()):
                 conn = session.connection
-                if conn is not None and not self._drain_now(conn, session, name):
+                if conn is not None and conn.delivery is not None:
+                    _notify(conn, session, name)
+                else:
                     session.notify(name)
             for group in self.queue_groups.get(name, ()):
                 group.wake()
-
-    def _drain_now(self, conn: Any, session: Session, queue: str) -> bool:
-        """Deliver right here when nothing needs waiting for (else the session's task
-        does). This runs inside a store append: a bug must not cost other sessions
-        their wake-up."""
-        try:
-            return conn.drain_now(session, queue)
-        except Exception:
-            log.exception("delivery to %r failed; its task retries", session.client_id)
-            return False
 
     async def run_notify(self, bus: Any) -> None:
         if getattr(bus, "window", None) == 0 and hasattr(bus, "listen"):
@@ -889,3 +901,12 @@ class Broker:
 def _what(fn: Any) -> str:
     """A background task's name for the log (`publish_sys`, not a bound method's repr)."""
     return str(getattr(fn, "__name__", fn))
+
+
+def _notify(conn: Any, session: Session, queue: str) -> None:
+    """Deliver to `conn` (right here when it can): this runs after a store append, and
+    a bug must not cost other sessions their wake-up."""
+    try:
+        conn.delivery.notify(queue)
+    except Exception:
+        log.exception("delivery to %r failed", session.client_id)

@@ -22,6 +22,7 @@ from wsproto.events import AcceptConnection, Request
 from gateway.broker import Broker, GatewayConfig
 from gateway.connection import Connection
 from gateway.mqtt import Decoder
+from gateway.reactor import Reactor
 from gateway.transports import ServerTLS, WebSocketStream, receive_upgrade, reject_upgrade
 from serving.read_budget import ReadBudget, read_fd
 from serving.startup import StartupError, listening, split_hostport
@@ -88,7 +89,7 @@ async def run_connection(conn: Connection) -> None:
     if conn.cert_identity is not None:
         log.debug("TLS client %s: certificate identity %r", conn.peer, conn.cert_identity)
     try:
-        await conn.run()
+        await conn.run_stream()
     except Exception:  # contained: one connection never takes the server down
         log.exception("connection from %s failed", conn.peer)
 
@@ -96,15 +97,29 @@ async def run_connection(conn: Connection) -> None:
 async def serve_mqtt_tcp(
     broker: Broker, addr: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Accept MQTT over TCP on `addr` until cancelled; started with the bound host:port."""
+    """Accept MQTT over TCP on `addr` until cancelled; started with the bound host:port.
+    The node's reactor accepts and reads these connections (gateway.reactor)."""
+    with listening(*LISTENERS["mqtt"], addr):
+        host, port = split_hostport(addr)
+        sock = socket.create_server((host or "0.0.0.0", port), backlog=BACKLOG,
+                                    reuse_port=False)
+    bound = sock.getsockname()
+    reactor = Reactor(broker)
+    reactor.listen(sock, addr)
+    try:
+        await reactor.run(task_status=_started(task_status, f"{bound[0]}:{bound[1]}"))
+    finally:
+        sock.close()
 
-    async def handle(stream: trio.SocketStream) -> None:
-        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        await handle_connection(broker, stream, peer_of(stream))
 
-    listeners, bound = await _open(addr, "mqtt")
-    task_status.started(bound)
-    await trio.serve_listeners(handle, listeners)
+class _started:
+    """task_status.started with a value fixed in advance."""
+
+    def __init__(self, status: trio.TaskStatus[str], value: str) -> None:
+        self.status, self.value = status, value
+
+    def started(self, _: object = None) -> None:
+        self.status.started(self.value)
 
 
 async def serve_mqtt_tls(

@@ -18,13 +18,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-import trio
-
 from gateway.mqtt import SubscriptionOptions, Will
+from gateway.mqtt.protocol import NEVER_EXPIRES, Outgoing
 from lightqueue.trie import TopicTrie
 
 NUL = "\x00"
-NEVER_EXPIRES = 0xFFFFFFFF
 SHARE_PREFIX = "$share/"
 
 
@@ -66,21 +64,6 @@ class Subscription:
         return cls(topic_filter, opts, d.get("sid"), parse_shared(topic_filter))
 
 
-@dataclass(slots=True)
-class Outgoing:
-    """A QoS 1/2 PUBLISH sent and not yet completed."""
-
-    packet_id: int
-    queue: str | None  # None for retained messages sent on subscribe
-    offset: int
-    data: bytes  # the encoded PUBLISH without DUP (resent with DUP on reconnect)
-    qos: int
-    state: str = "publish"  # "publish": awaiting PUBACK/PUBREC; "pubrel": awaiting PUBCOMP
-    group: Any = None  # the SharedGroup it was handed out by, if any
-    message: Any = None  # to re-encode for a new connection, or hand back to a group
-    version: int = 4  # protocol version `data` was encoded for
-
-
 @dataclass(eq=False, slots=True)  # identity: sessions live in sets; slots: 100k of them
 class Session:
     """The containers a session may never use (an idle device subscribes to nothing and
@@ -95,7 +78,7 @@ class Session:
     will: Will | None = None
     connection: Any = None  # the live Connection, or None while offline
     disconnected_at: float | None = None
-    wakeup: trio.Event | None = None  # made by the delivery task when it waits (wait_news)
+    wakeup: Any = None  # the delivery task's event while it waits (gateway.delivery)
     next_packet_id: int = 1
     _trie: TopicTrie[str] | None = None
     _cursors: dict[str, int] | None = None  # queue -> next offset to send
@@ -217,13 +200,6 @@ class Session:
         dirty, self._dirty = self._dirty, None
         self.wakeup = None
         return dirty if dirty is not None else set()
-
-    async def wait_news(self) -> None:
-        """Until a queue this session reads has news (at once if one has)."""
-        if not self._dirty:
-            if self.wakeup is None:
-                self.wakeup = trio.Event()
-            await self.wakeup.wait()
 
     def seen(self, phys_offset: int) -> bool:
         """Remember a delivered message; True if it was delivered already (overlapping

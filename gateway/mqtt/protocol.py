@@ -137,6 +137,7 @@ class ConnectReceived:
     client_id: str
     expiry: int
     auth_method: str | None
+    assigned: bool = False  # the driver assigned `client_id` (CONNACK tells the client)
 
 
 @dataclass(slots=True)
@@ -196,8 +197,24 @@ class UnsubscribeReceived:
     ticket: int
 
 
+@dataclass(slots=True)
+class Closed:
+    """The connection ends, after the events before this one (a DISCONNECT, a
+    protocol error): `closing` says why and whether the will goes."""
+
+    closing: Closing
+
+
+@dataclass(slots=True)
+class DecodeError:
+    """The bytes after the packets before this one are malformed: once those are
+    answered, `protocol_error` says how the connection ends."""
+
+    error: ProtocolError
+
+
 Event = (ConnectReceived | AuthReceived | PublishReceived | PubrelReceived | OutgoingDone
-         | OutgoingReleased | SubscribeReceived | UnsubscribeReceived)
+         | OutgoingReleased | SubscribeReceived | UnsubscribeReceived | Closed | DecodeError)
 
 # Phases
 AWAIT_CONNECT, CONNECTING, CONNECTED, CLOSED = range(4)
@@ -219,7 +236,7 @@ class MqttProtocol:
         "flows", "receive_maximum", "client_max_packet", "problem_info", "alias_out_max",
         "_aliases_in", "_aliases_out", "_out", "_out_bytes", "_answers", "_next_ticket",
         "_inbound_unacked", "_inbound_qos2", "_held", "deadline", "_read_at",
-        "auth_method", "_reauth", "expires_at", "closed_by",
+        "auth_method", "_reauth", "expires_at", "closed_by", "exchanging", "connect_id",
     )
 
     def __init__(self, limits: Limits, now: float) -> None:
@@ -253,6 +270,8 @@ class MqttProtocol:
         self._read_at = now
         self.auth_method: str | None = None
         self._reauth = False
+        self.exchanging = False  # an enhanced authentication exchange before CONNACK
+        self.connect_id: str | None = None  # the CONNECT's client id, once one is read
         self.expires_at: float | None = None  # the credentials' end (a token's exp)
         self.closed_by: Closing | None = None
 
@@ -290,6 +309,8 @@ class MqttProtocol:
         """Feed bytes read from the client. Raises Closing (Refused before a session)
         when the connection must end; what the client must be told first is in the
         outbox already."""
+        if self.closed_by is not None:
+            return []  # nothing more is read from a connection that is ending
         self._read_at = now
         if self.phase == CONNECTED:
             self._arm()
@@ -304,10 +325,21 @@ class MqttProtocol:
             self._send(encode(Connack(False, code), 5 if code > 5 else 4))
             raise Refused(exc.message) from exc
         except ProtocolError as exc:
-            if not exc.packets:  # handled first (a CONNECT too); the next call raises
+            if not exc.packets:
                 raise self._protocol_closing(exc) from None
-            packets = exc.packets
+            # The packets before the bad one are handled first (a CONNECT too), then the
+            # error: `protocol_error` decides it when its turn comes.
+            events = self.handle(exc.packets, now)
+            if self.closed_by is None:
+                events.append(DecodeError(exc))
+            return events
         return self.handle(packets, now) if packets else []
+
+    def protocol_error(self, exc: ProtocolError) -> Closing:
+        """A malformed or forbidden packet after the ones handled before it: how the
+        connection ends (a v5 CONNACK with the code if still before CONNACK)."""
+        self.closed_by = closing = self._protocol_closing(exc)
+        return closing
 
     def _protocol_closing(self, exc: ProtocolError) -> Closing:
         if self.phase < CONNECTED and (self.decoder.version or self.decoder.connect_level) == 5:
@@ -323,24 +355,32 @@ class MqttProtocol:
         return Closing(f"protocol error: {exc.message}", True, exc.reason_code)
 
     def handle(self, packets: list[Any], now: float) -> list[Event]:
-        """Decoded packets (the fuzzer and tests may feed these directly)."""
+        """Decoded packets (the fuzzer and tests may feed these directly). A packet that
+        ends the connection ends the list with Closed; those before it stand."""
         events: list[Event] = []
         for i, p in enumerate(packets):
-            if self.phase == CONNECTED:
-                ev = self._dispatch(p)
-            elif self.phase == AWAIT_CONNECT:
-                ev = self._on_connect(p, now)
-            elif self.phase == CONNECTING:
-                if isinstance(p, Auth) and self.auth_method is not None and self.flows is None:
-                    ev = AuthReceived(p, False)
-                elif isinstance(p, Disconnect) and self.auth_method is not None:
-                    raise Refused("DISCONNECT during authentication")
-                else:  # held until the CONNECT is accepted
+            try:
+                if self.phase == CONNECTED:
+                    ev = self._dispatch(p)
+                elif self.phase == AWAIT_CONNECT:
+                    ev = self._on_connect(p, now)
+                elif self.phase == CONNECTING and self.exchanging:
+                    ev = self._in_exchange(p)
+                elif self.phase == CONNECTING:
+                    # held until the CONNECT is accepted
                     if self._held is None:
                         self._held = []
                     self._held.extend(packets[i:])
                     break
-            else:
+                else:
+                    break
+            except Closing as closing:
+                self.closed_by = closing
+                events.append(Closed(closing))
+                break
+            except ProtocolError as exc:
+                self.closed_by = closing = self._protocol_closing(exc)
+                events.append(Closed(closing))
                 break
             if ev is not None:
                 events.append(ev)
@@ -355,7 +395,9 @@ class MqttProtocol:
         if self.phase != CONNECTED:
             raise Refused("no CONNECT in time")
         if self.expires_at is not None and now >= self.expires_at:
-            raise Closing("credentials expired", True, rc.NOT_AUTHORIZED)
+            # 0xA0: the time this connection was authorised for is over; a client
+            # reconnects with fresh credentials (not 0x87: it did nothing wrong).
+            raise Closing("credentials expired", True, rc.MAXIMUM_CONNECT_TIME)
         raise Closing("keepalive timeout", True, rc.KEEP_ALIVE_TIMEOUT)
 
     def set_expiry(self, expires_at: float | None) -> None:
@@ -374,6 +416,7 @@ class MqttProtocol:
             raise Refused("first packet is not CONNECT")
         self.version = v = p.protocol_level
         self.bridge = p.bridge
+        self.connect_id = p.client_id
         props = p.properties
         method = None
         if v == 5:
@@ -405,9 +448,24 @@ class MqttProtocol:
             self._send(encode(Connack(False, code, props), self.version))
         return Refused(why)
 
-    def auth_continue(self, data: bytes | None) -> None:
-        """The method needs another round of the exchange: AUTH 0x18 to the client."""
+    def auth_continue(self, data: bytes | None, now: float | None = None) -> None:
+        """The method needs another round of the exchange: AUTH 0x18 to the client
+        (`now`: at CONNECT, the exchange gets the connect timeout from here)."""
+        if self.phase == CONNECTING:
+            self.exchanging = True
+            if now is not None:
+                self.deadline = now + self.limits.connect_timeout
         self._send(encode(self._auth(rc.CONTINUE_AUTHENTICATION, data), 5))
+
+    def _in_exchange(self, p: Any) -> AuthReceived:
+        """A packet while the CONNECT's exchange runs: AUTH 0x18 with its method."""
+        if isinstance(p, Disconnect):
+            raise Refused("DISCONNECT during authentication")
+        if (not isinstance(p, Auth) or p.reason_code != rc.CONTINUE_AUTHENTICATION
+                or p.properties.get("authentication_method") != self.auth_method):
+            raise self.refuse(rc.PROTOCOL_ERROR, 0, f"expected AUTH 0x18 for {self.auth_method}")
+        self.exchanging = False  # until the method asks for another round
+        return AuthReceived(p, False)
 
     def _auth(self, code: int, data: bytes | None) -> Auth:
         props: dict[str, Any] = {"authentication_method": self.auth_method}
@@ -425,6 +483,7 @@ class MqttProtocol:
         """The session is open: CONNACK, then the packets that came behind the CONNECT."""
         v = self.version
         self.flows, self.client_id, self.phase = flows, client_id, CONNECTED
+        self.exchanging = False
         self.authenticated()
         connect_keepalive = self.keepalive
         max_ka = self.limits.max_keepalive

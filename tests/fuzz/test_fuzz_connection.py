@@ -1,5 +1,6 @@
 """Runs the coverage-guided fuzzer of the connection state machine for a bounded number
-of inputs (tests/fuzz/fuzz_connection.py: a real Connection, Broker and store per input).
+of inputs (tests/fuzz/fuzz_connection.py: the sans-IO rules of gateway.mqtt.protocol,
+driven directly, no socket or store).
 
 `make test` runs a short burst; `make soak` runs it for 1,000,000 inputs
 (LIGHTGATE_FUZZ_RUNS, shared with the codec fuzzer). A crash leaves its reproducer in the
@@ -17,7 +18,7 @@ from tests.fuzz.runner import run_fuzzer
 pytest.importorskip("atheris", reason="atheris is not installed (test extra)")
 
 FUZZER = Path(__file__).with_name("fuzz_connection.py")
-RUNS = int(os.environ.get("LIGHTGATE_FUZZ_RUNS", "20000"))
+RUNS = int(os.environ.get("LIGHTGATE_FUZZ_RUNS", "200000"))
 
 
 def test_connection_survives_coverage_guided_fuzzing(tmp_path: Path) -> None:

@@ -253,10 +253,11 @@ async def test_delivery_survives_a_message_it_cannot_encode(tmp_path: Path) -> N
     token = trio.lowlevel.current_trio_token()
     async with EmbeddedStore.open(cfg, notify=notify) as store, trio.open_nursery() as n:
         broker = Broker(store, GatewayConfig())
+        await n.start(broker.run_connections)
         await n.start(broker.run_housekeeping)
         client, server = trio.testing.memory_stream_pair()
         conn = Connection(broker, server, "test:1")
-        n.start_soon(conn.run)
+        n.start_soon(conn.run_stream)
         dec = mqtt.Decoder(server=False, version=5)
         await client.send_all(mqtt.encode(mqtt.Connect("bad-msg", protocol_level=5), 5))
         await client.send_all(mqtt.encode(
@@ -285,6 +286,7 @@ async def test_internal_error_is_not_answered_as_server_shutting_down(tmp_path: 
     cfg = StoreConfig(data_dir=tmp_path / "data")
     async with EmbeddedStore.open(cfg) as store, trio.open_nursery() as n:
         broker = Broker(store, GatewayConfig())
+        await n.start(broker.run_connections)
         await n.start(broker.run_housekeeping)
 
         async def broken(*_a: object) -> bool:
@@ -293,7 +295,7 @@ async def test_internal_error_is_not_answered_as_server_shutting_down(tmp_path: 
         broker.unsubscribe = broken  # type: ignore[method-assign]
         client, server = trio.testing.memory_stream_pair()
         conn = Connection(broker, server, "test:2")
-        n.start_soon(conn.run)
+        n.start_soon(conn.run_stream)
         dec = mqtt.Decoder(server=False, version=5)
         await client.send_all(mqtt.encode(mqtt.Connect("oops", protocol_level=5), 5))
         await client.send_all(mqtt.encode(mqtt.Unsubscribe(1, ["x"]), 5))
@@ -362,7 +364,7 @@ async def _member(broker: Broker, nursery: trio.Nursery, cid: str, name: str
                   ) -> tuple[trio.abc.Stream, mqtt.Decoder, Connection]:
     client, server = trio.testing.memory_stream_pair()
     conn = Connection(broker, server, f"test:{cid}")
-    nursery.start_soon(conn.run)
+    nursery.start_soon(conn.run_stream)
     dec = mqtt.Decoder(server=False, version=5)
     await client.send_all(mqtt.encode(mqtt.Connect(cid, protocol_level=5), 5))
     await client.send_all(mqtt.encode(
@@ -399,6 +401,7 @@ async def _store_and_broker(tmp_path: Path, nursery: trio.Nursery) -> tuple[Brok
     store = await nursery.start(_run_store, tmp_path, notify)
     broker = Broker(store, GatewayConfig())
     holder.append(broker)
+    await nursery.start(broker.run_connections)
     await nursery.start(broker.run_housekeeping)
     return broker, store
 
@@ -472,19 +475,20 @@ async def test_a_socket_that_sends_no_connect_is_closed_in_time(tmp_path: Path) 
     async with EmbeddedStore.open(StoreConfig(data_dir=tmp_path / "data")) as store, \
             trio.open_nursery() as n:
         broker = Broker(store, GatewayConfig(connect_timeout=0.3))
+        await n.start(broker.run_connections)
         await n.start(broker.run_housekeeping)
         client, server = trio.testing.memory_stream_pair()
         silent = Connection(broker, server, "test:silent")
         t0 = trio.current_time()
         with trio.fail_after(5):
-            await silent.run()
+            await silent.run_stream()
         assert 0.3 <= trio.current_time() - t0 < 2.0
         assert await client.receive_some(10) == b""  # closed, nothing said: no CONNECT
 
         # One that connects in time (keepalive 0: no deadline at all) outlives it.
         client2, server2 = trio.testing.memory_stream_pair()
         ok = Connection(broker, server2, "test:ok")
-        n.start_soon(ok.run)
+        n.start_soon(ok.run_stream)
         await client2.send_all(mqtt.encode(mqtt.Connect("in-time", keepalive=0), 4))
         got = await _read_packets(client2, mqtt.Decoder(server=False, version=4), 1)
         assert isinstance(got[0], mqtt.Connack) and got[0].return_code == 0, got

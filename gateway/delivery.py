@@ -1,0 +1,445 @@
+"""Queue to device: one connection's deliveries, from the light queues its session reads
+(and its shared groups) to the protocol core's `deliver`, within the client's window.
+
+One routine, two ways to run it. When nothing needs waiting for (the message is in the
+gateway's cache, the session keeps nothing in the store per message, no HTTP hook is to
+be asked), it runs right where the news arrives: the notify callback after an append,
+or the ack that freed a window slot. Otherwise a task runs it, started on demand and
+gone once there is nothing left to send."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import trio
+
+from gateway.mqtt import PublishTemplate
+from gateway.mqtt import protocol as mp
+from gateway.session import Session, Subscription
+from gateway.shared import SharedGroup
+from store.api import Message, Store, StoreError
+
+log = logging.getLogger("lightgate.gateway.delivery")
+
+# What a synchronous drain ended with.
+DONE, BLOCKED, NEEDS_TASK = range(3)
+OUT_LIMIT = 2 * 1024 * 1024  # bytes waiting for a client's socket before deliveries wait
+
+
+class Host(Protocol):
+    """The broker, as delivery sees it (gateway.broker.Broker)."""
+
+    store: Store
+    cache: Any  # gateway.cache.QueueCache
+    config: Any  # gateway.broker.GatewayConfig
+    stats: Any
+    queue_subs: dict[str, set[Session]]
+
+    def template(self, msg: Message) -> PublishTemplate: ...
+
+    async def persist_outgoing(self, s: Session, o: mp.Outgoing) -> None: ...
+
+    async def retained_for(self, topic_filter: str) -> list[Any]: ...
+
+
+class Client(Protocol):
+    """A client connection, as delivery sees it (gateway.connection.Connection)."""
+
+    core: mp.MqttProtocol
+    session: Session | None
+    broker: Host
+    peer: str
+    alive: bool
+    asks_hook: bool
+    checks_delivery: bool
+    backlog: int
+
+    def flush(self) -> None: ...
+
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None: ...
+
+    def may(self, action: str, name: str, is_filter: bool = False) -> bool: ...
+
+    async def may_ask(self, action: str, name: str, is_filter: bool = False) -> bool: ...
+
+
+class Delivery:
+    __slots__ = ("conn", "core", "session", "broker", "_running", "_stopped", "_resume")
+
+    def __init__(self, conn: Client) -> None:
+        self.conn = conn
+        self.core = conn.core
+        self.session: Session = conn.session  # type: ignore[assignment]
+        self.broker = conn.broker
+        self._running = False  # the delivery task runs
+        self._stopped = False
+        self._resume = False
+
+    # -- starting -------------------------------------------------------------------------
+    def start(self, resume: bool = False) -> None:
+        """Deliver whatever the session's queues hold (`resume`: a session back from
+        offline first resends what was in flight and skips past its offline bound)."""
+        if resume:
+            self._resume = True
+            self._start_task()
+            return
+        for queue in self.session.reading():
+            self.session.dirty.add(queue)
+        self.pump()
+
+    def stop(self) -> None:
+        self._stopped = True
+        s = self.session
+        if s.wakeup is not None:
+            s.wakeup.set()
+
+    def notify(self, queue: str) -> None:
+        """`queue` grew (the broker's notify callback)."""
+        s = self.session
+        s.dirty.add(queue)
+        self.pump()
+
+    def window_freed(self) -> None:
+        """A QoS 1/2 send completed, or the socket took its backlog."""
+        s = self.session
+        if s.wakeup is not None:
+            s.wakeup.set()  # a task waiting for room (retained messages, a resend)
+        if s._dirty:
+            self.pump()
+
+    def pump(self) -> None:
+        """Drain the dirty queues here, or wake (or start) the task for what needs it."""
+        s = self.session
+        if self._stopped:
+            return
+        if self._running:
+            if s.wakeup is not None:
+                s.wakeup.set()
+            return
+        for queue in list(s._dirty or ()):
+            outcome = self._drain_now(queue)
+            if outcome == DONE:
+                s.dirty.discard(queue)
+            elif outcome == BLOCKED:
+                break
+            else:
+                self._start_task()
+                break
+        self.conn.flush()
+
+    def _start_task(self) -> None:
+        if not self._running and not self._stopped:
+            self._running = True
+            self.conn.spawn(self._loop)
+
+    # -- the synchronous path -------------------------------------------------------------
+    def _drain_now(self, queue: str) -> int:
+        s, conn = self.session, self.conn
+        if (queue not in s.subscriptions or s._restored_upto or conn.asks_hook
+                or not conn.alive):
+            return DONE if queue not in s.subscriptions else NEEDS_TASK
+        cache = self.broker.cache
+        batch = self.broker.config.pull_batch
+        while True:
+            cursor = s.cursors.get(queue)
+            if cursor is None:
+                return NEEDS_TASK  # a new subscription: where it starts is the store's
+            got = cache.pull_now(queue, cursor, batch)
+            if got is None:
+                return NEEDS_TASK
+            msgs, start = got
+            if start != cursor:
+                s.cursors[queue] = start
+                s.offsets_dirty.add(queue)
+            if not msgs:
+                return DONE
+            for msg in msgs:
+                if self._blocked(msg.qos):
+                    return BLOCKED
+                if msg.qos and s.persistent:
+                    return NEEDS_TASK  # its in-flight record is written first
+                plan = self.plan(queue, msg)
+                if plan is not None:
+                    qos, retain, sids, offset = plan
+                    self._send(msg, qos, retain, sids, queue, offset)
+                s.cursors[queue] = msg.offset_in(queue) + 1
+                s.offsets_dirty.add(queue)
+            if len(msgs) < batch:
+                return DONE
+
+    def _blocked(self, qos: int) -> bool:
+        """No room: the client's window (QoS 1/2), or too much waiting for its socket."""
+        return bool(qos and self.core.window <= 0) or self.conn.backlog > OUT_LIMIT
+
+    def _send(self, msg: Message, qos: int, retain: bool, sids: list[int] | None,
+              queue: str | None, offset: int, group: SharedGroup | None = None
+              ) -> mp.Outgoing | bool:
+        tpl = None
+        if queue is not None and len(self.broker.queue_subs.get(queue, ())) > 1:
+            tpl = self.broker.template(msg)  # encoded once for the queue's readers
+        try:
+            sent = self.core.deliver(msg, qos, retain, sids, queue, offset, group, tpl,
+                                     time.time())
+        except Exception as exc:  # noqa: BLE001 - one bad message must not stop delivery
+            self.broker.stats.dropped += 1
+            log.error("message %s on %r cannot be sent to %s and is dropped: %s",
+                      msg.msg_id, msg.topic, self.conn.peer, exc)
+            return False
+        stats = self.broker.stats
+        if sent is False:
+            stats.dropped += 1
+            if self.core.version == 5 and "message_expiry_interval" in msg.properties:
+                stats.expired += 1
+            return False
+        stats.messages_out += 1
+        stats.messages_out_qos[qos] += 1
+        return sent
+
+    def plan(self, queue: str, msg: Message
+             ) -> tuple[int, bool, list[int] | None, int] | None:
+        """How `msg` of `queue` goes to this session: (QoS, retain flag, subscription
+        ids, offset in the queue), or None when it is not for this session."""
+        s = self.session
+        offset = msg.offset_in(queue)
+        if s._restored_upto:
+            upto = s.restored_upto.get(queue)
+            if upto is not None:
+                if offset <= upto:
+                    return None  # sent before a restart: acked, or resent with DUP
+                del s.restored_upto[queue]
+        subs = _only_reader(s, queue) or s.matching(msg.topic)
+        if not subs:
+            return None
+        if self.conn.checks_delivery and not self.conn.may("SUB", msg.topic):
+            return None  # a wider filter than the policies allow: not for this topic
+        if len(subs) > 1 and s.seen(msg.phys_offset):
+            return None  # already sent through an overlapping subscription
+        if msg.client_id == s.client_id:  # No Local: a v5 option, or a bridge's
+            subs = [x for x in subs if not x.options.no_local]
+            if not subs:
+                return None
+        qos = min(msg.qos, max(x.options.qos for x in subs))
+        retain = msg.retain and any(x.options.retain_as_published for x in subs)
+        sids = [x.subscription_id for x in subs if x.subscription_id] \
+            if self.core.version == 5 else None
+        if sids and len(sids) > 1:  # one copy: each distinct identifier once (§3.3.4)
+            sids = list(dict.fromkeys(sids))
+        return qos, retain, sids, offset
+
+    # -- the task ---------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        s = self.session
+        try:
+            if self._resume:
+                self._resume = False
+                await self._resend_outgoing()
+                await self._apply_offline_bound()
+                for queue in s.reading():
+                    s.dirty.add(queue)  # catch up with whatever arrived while offline
+            while not self._stopped:
+                dirty = s.take_dirty()
+                if not dirty:
+                    return  # nothing left: the task goes, news starts the sync path
+                for queue in dirty:
+                    try:
+                        await self._drain(queue)
+                    except StoreError as exc:  # the store is away: keep the client, retry
+                        log.warning("delivery to %r paused: %s", s.client_id, exc)
+                        s.dirty.add(queue)
+                        await trio.sleep(0.5)
+        finally:
+            self._running = False
+        if s._dirty and not self._stopped:
+            self.pump()
+
+    async def _drain(self, queue: str) -> None:
+        s, cache = self.session, self.broker.cache
+        while queue in s.subscriptions and not self._stopped:
+            cursor = s.cursors.get(queue)
+            if cursor is None:
+                cursor = s.cursors[queue] = await self.broker.store.queue_end(queue)
+            msgs, start = await cache.pull(queue, cursor, self.broker.config.pull_batch)
+            if start != cursor:
+                s.cursors[queue] = cursor = start
+                s.offsets_dirty.add(queue)
+            if not msgs:
+                return
+            try:
+                for msg in msgs:
+                    if queue not in s.subscriptions or self._stopped:
+                        return
+                    await self._wait_room(msg.qos)
+                    plan = self.plan(queue, msg)
+                    if plan is not None and not (self.conn.asks_hook
+                                                 and await self._hook_refuses(msg.topic)):
+                        qos, retain, sids, offset = plan
+                        await self._push(msg, qos, retain, sids, queue, offset)
+                    s.cursors[queue] = msg.offset_in(queue) + 1
+                    s.offsets_dirty.add(queue)
+            finally:
+                self.conn.flush()
+
+    async def _hook_refuses(self, topic: str) -> bool:
+        """Whether the HTTP hook refuses this delivery to a client it decides for: a
+        filter it allowed may catch topics it denies (answers are cached per topic)."""
+        return not await self.conn.may_ask("SUB", topic)
+
+    async def _wait_room(self, qos: int) -> None:
+        s = self.session
+        while self._blocked(qos) and not self._stopped:
+            self.conn.flush()
+            if s.wakeup is None or s.wakeup.is_set():
+                s.wakeup = trio.Event()
+            await s.wakeup.wait()
+
+    async def _push(self, msg: Message, qos: int, retain: bool, sids: list[int] | None,
+                    queue: str | None, offset: int, group: SharedGroup | None = None
+                    ) -> bool:
+        """Send one message (the window has room); its in-flight record first for a
+        persistent session. False if dropped."""
+        o = self._send(msg, qos, retain, sids, queue, offset, group)
+        if o is False:
+            return False
+        if isinstance(o, mp.Outgoing) and group is None:
+            await self.broker.persist_outgoing(self.session, o)  # persistent sessions only
+        return True
+
+    async def _resend_outgoing(self) -> None:
+        """Resend what the session had in flight, in order, within this connection's
+        Receive Maximum (MQTT 5 §4.9: it may be smaller than the last connection's)."""
+        s, core = self.session, self.core
+        inflight = list(s.outgoing.values())  # acks change it while this task sends
+        held = [o for o in inflight if o.state != "pubrel"]
+        for o in inflight:
+            if o.state == "pubrel":  # counts against the window, but is always sent
+                core.resend(o)
+        limit = min(core.receive_maximum, core.limits.max_inflight)
+        for i, o in enumerate(held):
+            # In flight on this connection: everything outgoing but what is still held
+            # (a client may acknowledge a held one it received before the reconnect).
+            while s.outgoing.get(o.packet_id) is o and len(s.outgoing) - sum(
+                    s.outgoing.get(x.packet_id) is x for x in held[i:]) >= limit:
+                self.conn.flush()
+                if s.wakeup is None or s.wakeup.is_set():
+                    s.wakeup = trio.Event()
+                await s.wakeup.wait()
+                if self._stopped:
+                    return
+            if s.outgoing.get(o.packet_id) is not o:
+                continue
+            core.resend(o, self.broker.template(o.message) if o.message is not None else None)
+        self.conn.flush()
+
+    async def _apply_offline_bound(self) -> None:
+        """A session back from offline resumes at most --max-offline-messages and
+        --max-offline-bytes behind each queue's end; what is older is skipped."""
+        s = self.session
+        cfg = self.broker.config
+        limit, max_bytes = cfg.max_offline_messages, cfg.max_offline_bytes
+        store = self.broker.store
+        for queue in s.reading():
+            cursor = s.cursors.get(queue)
+            if cursor is None:
+                continue
+            end = await store.queue_end(queue)
+            start = max(cursor, end - limit) if limit else cursor
+            if max_bytes and start < end:
+                start = await store.queue_tail_start(queue, start, max_bytes)
+            if start > cursor:
+                dropped = start - cursor
+                s.cursors[queue] = start
+                s.offsets_dirty.add(queue)
+                self.broker.stats.dropped += dropped
+                self.broker.stats.offline_dropped += dropped
+                log.warning("client %r: %d offline messages on %r dropped (limit %d "
+                            "messages, %d bytes)", s.client_id, dropped, queue, limit,
+                            max_bytes)
+
+    # -- retained messages on SUBSCRIBE -------------------------------------------------------
+    async def retained(self, subs: list[Subscription]) -> list[bytes]:
+        """The retained messages for new subscriptions, encoded to follow the SUBACK,
+        while the window has room; the rest go from a task of their own (waiting here
+        for a slot would wait for an ack only this connection's reader could read)."""
+        conn = self.conn
+        todo = []
+        for sub in subs:
+            for r in await self.broker.retained_for(sub.topic_filter):
+                if conn.checks_delivery and not conn.may("SUB", r.topic) \
+                        or conn.asks_hook and await self._hook_refuses(r.topic):
+                    continue
+                qos = min(r.qos, sub.options.qos)
+                sids = [sub.subscription_id] if sub.subscription_id else None
+                todo.append((r.to_message(), qos, sids))
+        out: list[bytes] = []
+        sent = 0
+        while sent < len(todo) and (not todo[sent][1] or self.core.window > 0):
+            msg, qos, sids = todo[sent]
+            self.core.deliver(msg, qos, True, sids if self.core.version == 5 else None,
+                              None, -1, buffer=out, now_s=time.time())
+            self.broker.stats.messages_out += 1
+            sent += 1
+        if sent < len(todo):
+            self.conn.spawn(self._push_retained, todo[sent:])
+        return out
+
+    async def _push_retained(self, todo: list[tuple[Message, int, list[int] | None]]) -> None:
+        for msg, qos, sids in todo:
+            await self._wait_room(qos)
+            if self._stopped:
+                return
+            await self._push(msg, qos, True, sids if self.core.version == 5 else None, None, -1)
+            self.conn.flush()
+
+    # -- shared subscriptions ------------------------------------------------------------------
+    def has_window(self) -> bool:
+        return self.conn.alive and self.core.window > 0 and self.conn.backlog <= OUT_LIMIT
+
+    async def push_shared(self, group: SharedGroup, msg: Message) -> bool:
+        """Deliver a message of a shared subscription this client is a member of."""
+        s, conn = self.session, self.conn
+        sub = s.subscriptions.get(group.name)
+        if sub is None or not conn.alive:
+            return False
+        qos = min(msg.qos, sub.options.qos)
+        sids = [sub.subscription_id] if sub.subscription_id and self.core.version == 5 \
+            else None
+        offset = msg.offset_in(group.queue)
+        if conn.checks_delivery and not conn.may("SUB", msg.topic) \
+                or conn.asks_hook and await self._hook_refuses(msg.topic):
+            group.acked(offset)  # not for this member's user: dropped, logged in audit
+            return True
+        if qos and self.core.window <= 0:
+            return False
+        sent = await self._push(msg, qos, False, sids, None, offset, group)
+        if qos == 0 or not sent:
+            group.acked(offset)  # at most once: done when written (or dropped)
+        return True
+
+    def give_back_shared(self) -> None:
+        """Shared-subscription messages this client did not acknowledge: a QoS 1 one goes
+        to another member. A QoS 2 one stays with this session, to be completed when it
+        reconnects [MQTT-4.8.2-4], and if the session ends here, no other member gets it
+        [MQTT-4.8.2-5] (it may have been delivered already: exactly once comes first)."""
+        s = self.session
+        for pid, o in list(s.outgoing.items()):
+            if o.group is None:
+                continue
+            if o.qos == 2:
+                if not s.persistent:
+                    del s.outgoing[pid]
+                    o.group.acked(o.offset)
+                continue
+            del s.outgoing[pid]
+            o.group.take_back(o.message)
+
+
+def _only_reader(s: Session, queue: str) -> list[Subscription] | None:
+    """The common case, one subscription: a message of its queue matches it by
+    construction, no trie walk needed."""
+    if len(s.subscriptions) != 1:
+        return None
+    sub = next(iter(s.subscriptions.values()))
+    return [sub] if sub.shared is None and sub.topic_filter == queue else None

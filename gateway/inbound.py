@@ -1,0 +1,204 @@
+"""Publishes into the store, batched across connections: what one pass of the event loop
+read from every client goes to the store as one append (one CommitLog write, one index
+batch), and each publisher's ack goes out once the store holds its message at the
+configured durability (`flush = sync`: fsync'd; async: written).
+
+With one message in flight per device (QoS 1, each waiting for its PUBACK) every
+message is its own read; appending them one by one cost a CommitLog write and an index
+batch each. The reactor (gateway.reactor) calls `flush` at the end of each pass; a
+connection read by a task of its own (TLS, WebSocket) stages and lets the flusher task
+append after the pass."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import trio
+
+from gateway.mqtt import Publish
+from gateway.mqtt import reason as rc
+from store.api import Message, Store, StoreError, StoreFullError
+
+log = logging.getLogger("lightgate.gateway.inbound")
+
+MAX_BATCH = 1024  # messages per append, at most
+
+
+
+class Publisher(Protocol):
+    """A client connection, as the pipeline sees it (gateway.connection.Connection)."""
+
+    session: Any  # its gateway.session.Session, once connected
+
+    def stored(self, p: Publish, ticket: int, code: int, text: str = "") -> None: ...
+
+    def flush(self) -> None: ...
+
+
+class Host(Protocol):
+    """The broker, as the pipeline sees it (gateway.broker.Broker)."""
+
+    store: Store
+    stats: Any
+    cache: Any
+
+    async def set_retained(self, msg: Message) -> None: ...
+
+    async def remember_incoming_qos2(self, s: Any, pid: int, done: bool,
+                                     phys: int = -1) -> None: ...
+
+
+Staged = tuple[Publisher, Message, Publish, int]
+
+
+class Inbound:
+    def __init__(self, broker: Host) -> None:
+        self.broker = broker
+        self._staged: list[Staged] = []
+        self._wake: trio.Event | None = None  # the flusher's, when it waits
+        self._pending: dict[Publisher, int] = {}  # submitted, not finished, per client
+        self._drained: dict[Publisher, trio.Event] = {}
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._thread = 0
+        self._nursery: trio.Nursery | None = None
+        self.in_pass = False  # the reactor is in a pass: it flushes at its end
+
+    # -- staging ---------------------------------------------------------------------------
+    def stage(self, conn: Publisher, msg: Message, p: Publish, ticket: int) -> None:
+        """Append `msg` with the next batch; `conn.stored` answers it."""
+        self._staged.append((conn, msg, p, ticket))
+        self._pending[conn] = self._pending.get(conn, 0) + 1
+        if not self.in_pass and self._wake is not None:
+            self._wake.set()  # not the reactor's: the flusher appends after this pass
+        elif len(self._staged) >= MAX_BATCH:
+            self.flush()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """The flusher: appends what stream readers staged, once per pass."""
+        self._token = trio.lowlevel.current_trio_token()
+        self._thread = threading.get_ident()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                self._wake = trio.Event()
+                if not self._staged:
+                    await self._wake.wait()
+                self.flush()
+                await trio.lowlevel.checkpoint()
+
+    # -- appending -------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Append everything staged, in arrival order."""
+        while self._staged:
+            batch, self._staged = self._staged[:MAX_BATCH], self._staged[MAX_BATCH:]
+            self._append(batch)
+
+    def _append(self, batch: list[Staged]) -> None:
+        started = time.perf_counter()
+        try:
+            fut = self.broker.store.publish_start([m for _, m, _, _ in batch],
+                                                  validated=True)  # by the codec
+        except Exception as exc:  # noqa: BLE001 - every publisher hears of it
+            self._failed(batch, exc)
+            return
+        if fut.done():
+            self._settled(batch, fut, started)
+            return
+
+        def done(_: Any) -> None:
+            if threading.get_ident() == self._thread:
+                self._settled(batch, fut, started)
+            elif self._token is not None:
+                try:
+                    self._token.run_sync_soon(self._settled, batch, fut, started)
+                except trio.RunFinishedError:
+                    pass
+
+        fut.add_done_callback(done)
+
+    def _settled(self, batch: list[Staged], fut: Any, started: float) -> None:
+        try:
+            stored: list[Message] = fut.result()
+        except Exception as exc:  # noqa: BLE001 - a StoreError, or anything: refused
+            self._failed(batch, exc)
+            return
+        broker = self.broker
+        broker.stats.observe_append(time.perf_counter() - started)
+        broker.cache.offer(stored)
+        later = []
+        for (conn, _, p, ticket), msg in zip(batch, stored, strict=True):
+            if p.retain or (p.qos == 2 and conn.session is not None
+                            and conn.session.persistent):
+                later.append((conn, msg, p, ticket))  # effects in the store first
+                continue
+            conn.stored(p, ticket, 0)
+            self._done(conn)
+        if later:
+            self._spawn(self._effects, later)
+        for conn in {c for c, _, _, _ in batch}:
+            conn.flush()
+
+    async def _effects(self, items: list[Staged]) -> None:
+        """What follows a stored publish before its ack: the retained store, a persistent
+        session's QoS 2 marker. Run even when the publisher left meanwhile
+        (`mosquitto_pub -r` sends CONNECT, PUBLISH and DISCONNECT in one write)."""
+        broker = self.broker
+        for conn, msg, p, ticket in items:
+            try:
+                if p.retain:
+                    await broker.set_retained(msg)
+                if p.qos == 2 and conn.session is not None:
+                    await broker.remember_incoming_qos2(conn.session, p.packet_id, False,
+                                                        msg.phys_offset)
+                conn.stored(p, ticket, 0)
+            except StoreError as exc:
+                log.warning("publish effects of %r not kept: %s", msg.client_id, exc)
+                conn.stored(p, ticket, rc.UNSPECIFIED_ERROR, f"not stored: {exc}")
+            finally:
+                self._done(conn)
+            conn.flush()
+
+    def _failed(self, batch: list[Staged], exc: BaseException) -> None:
+        broker = self.broker
+        broker.stats.publish_errors += len(batch)
+        if not isinstance(exc, StoreError):
+            log.error("append of %d publishes failed", len(batch), exc_info=exc)
+        code = rc.QUOTA_EXCEEDED if isinstance(exc, StoreFullError) else rc.UNSPECIFIED_ERROR
+        clients = {}
+        for conn, msg, p, ticket in batch:
+            clients[conn] = msg.client_id
+            conn.stored(p, ticket, code, f"not stored: {exc}")
+            self._done(conn)
+        for conn, client_id in clients.items():
+            log.warning("publishes from %r not stored: %s", client_id, exc)
+            conn.flush()
+
+    def _done(self, conn: Publisher) -> None:
+        n = self._pending.get(conn, 0) - 1
+        if n > 0:
+            self._pending[conn] = n
+            return
+        self._pending.pop(conn, None)
+        ev = self._drained.pop(conn, None)
+        if ev is not None:
+            ev.set()
+
+    async def drained(self, conn: Publisher) -> None:
+        """Until every publish `conn` staged has been stored (or refused) and answered."""
+        if conn not in self._pending:
+            return
+        self.flush()
+        ev = self._drained.get(conn)
+        if ev is None:
+            ev = self._drained[conn] = trio.Event()
+        await ev.wait()
+
+    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)

@@ -1,0 +1,250 @@
+"""The reactor: one task reads every plain-TCP MQTT connection of this process.
+
+A task per connection costs a scheduler pass and an epoll re-arm on every wake-up: with
+many devices each sending a message now and then, that was most of the broker's CPU.
+Here the connections' sockets sit in one epoll set of our own (registered once, level
+triggered); trio waits on that set's fd, and each pass reads every socket that has data,
+hands the bytes to its connection (gateway.connection), appends what they published in
+one batch (gateway.inbound), then writes what waits. Sockets that cannot take what is
+written are watched for writability until they do; timers (the CONNECT's, keepalive,
+credentials) are a heap checked once per pass."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import select
+import socket
+from typing import TYPE_CHECKING
+
+import trio
+
+from gateway.mqtt import reason as rc
+from gateway.mqtt.protocol import Closing
+from serving.read_budget import ReadBudget
+
+if TYPE_CHECKING:
+    from gateway.broker import Broker
+    from gateway.connection import Connection
+
+log = logging.getLogger("lightgate.gateway.reactor")
+
+READ_SIZE = 65536
+MAX_EVENTS = 512  # sockets handled in one pass, at most: other tasks run in between
+IN = select.EPOLLIN | select.EPOLLRDHUP
+OUT = select.EPOLLOUT
+
+
+class Reactor:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.ep = select.epoll()
+        self.conns: dict[int, Connection] = {}
+        self._listeners: dict[int, tuple[socket.socket, str]] = {}
+        self._timers: list[tuple[float, int, int]] = []  # (deadline, seq, fd)
+        self._armed: dict[int, float] = {}  # fd -> the deadline in the heap for it
+        self._seq = 0
+        self._writing: set[int] = set()
+        self._paused: set[int] = set()  # fds not read now (lane busy, budget)
+        self._over_budget: dict[int, float] = {}  # fd -> since when the budget holds it
+        self._waiting: trio.CancelScope | None = None  # the wait, its deadline the next timer
+
+    # -- sockets ---------------------------------------------------------------------------
+    def listen(self, sock: socket.socket, addr: str) -> None:
+        sock.setblocking(False)
+        self._listeners[sock.fileno()] = (sock, addr)
+        self.ep.register(sock.fileno(), select.EPOLLIN)
+
+    def _accept(self, sock: socket.socket) -> None:
+        from gateway.connection import Connection
+
+        for _ in range(256):
+            try:
+                s, addr = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: the client sees a reset
+                log.warning("accept failed: %s", exc)
+                return
+            s.setblocking(False)
+            try:
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            fd = s.detach()  # the fd is the connection's: closed with it
+            conn = Connection(self.broker, None, f"{addr[0]}:{addr[1]}", fd=fd)
+            conn.reactor = self
+            self.conns[fd] = conn
+            self.ep.register(fd, IN)
+            self.rearm(conn)
+
+    def forget(self, conn: Connection) -> None:
+        """The connection ends: its socket leaves the set (closed by the connection)."""
+        fd = conn.fd
+        if self.conns.pop(fd, None) is not None:
+            try:
+                self.ep.unregister(fd)
+            except OSError:
+                pass
+        self._writing.discard(fd)
+        self._paused.discard(fd)
+        self._over_budget.pop(fd, None)
+        self._armed.pop(fd, None)
+
+    def pause(self, conn: Connection) -> None:
+        fd = conn.fd
+        if fd in self.conns and fd not in self._paused:
+            self._paused.add(fd)
+            self._modify(fd)
+
+    def resume(self, conn: Connection) -> None:
+        fd = conn.fd
+        if fd in self._paused:
+            self._paused.discard(fd)
+            self._modify(fd)
+
+    def want_write(self, conn: Connection) -> None:
+        fd = conn.fd
+        if fd in self.conns and fd not in self._writing:
+            self._writing.add(fd)
+            self._modify(fd)
+
+    def _modify(self, fd: int) -> None:
+        mask = (0 if fd in self._paused else IN) | (OUT if fd in self._writing else 0)
+        try:
+            self.ep.modify(fd, mask)
+        except OSError:
+            pass
+
+    def rearm(self, conn: Connection) -> None:
+        """Make sure the heap holds the connection's next deadline (or an earlier one:
+        deadlines move later with each read, and the heap is corrected lazily)."""
+        deadline = conn.deadline
+        fd = conn.fd
+        if deadline == float("inf"):
+            return
+        armed = self._armed.get(fd)
+        if armed is not None and armed <= deadline:
+            return
+        self._armed[fd] = deadline
+        self._seq += 1
+        heapq.heappush(self._timers, (deadline, self._seq, fd))
+        waiting = self._waiting
+        if waiting is not None and deadline < waiting.deadline:
+            waiting.deadline = deadline  # set from another task: wake the loop in time
+
+    # -- the loop --------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        task_status.started()
+        epfd = self.ep.fileno()
+        try:
+            while True:
+                deadline = self._timers[0][0] if self._timers else float("inf")
+                if self._writing:  # stuck writers are looked at every second
+                    deadline = min(deadline, trio.current_time() + 1.0)
+                with trio.move_on_at(deadline) as self._waiting:
+                    await trio.lowlevel.wait_readable(epfd)
+                self._waiting = None
+                self._pass()
+        finally:
+            for conn in list(self.conns.values()):
+                conn.close(Closing("server shutting down", True, rc.SERVER_SHUTTING_DOWN))
+            self.ep.close()
+
+    def _pass(self) -> None:
+        """One pass: read what is there, append it as one batch, time out what is due."""
+        try:
+            events = self.ep.poll(0, MAX_EVENTS)
+        except InterruptedError:
+            events = []
+        conns, budget = self.conns, self.broker.read_budget
+        inbound = self.broker.inbound
+        inbound.in_pass = True
+        try:
+            self._handle(events, conns, budget)
+        finally:
+            inbound.in_pass = False
+        inbound.flush()
+        self._check_timers()
+
+    def _handle(self, events: list[tuple[int, int]], conns: dict[int, Connection],
+                budget: ReadBudget) -> None:
+        for fd, mask in events:
+            conn = conns.get(fd)
+            if conn is None:
+                listener = self._listeners.get(fd)
+                if listener is not None:
+                    self._accept(listener[0])
+                continue
+            if mask & OUT and conn.writable():
+                self._writing.discard(fd)
+                self._modify(fd)
+            if mask & (IN | select.EPOLLHUP | select.EPOLLERR) and fd not in self._paused:
+                self._read(conn, budget)
+
+    def _read(self, conn: Connection, budget: ReadBudget) -> None:
+        fd = conn.fd
+        held = conn.core.decoder.buffered
+        if held and budget.must_wait(held):
+            self._hold(conn)
+            return
+        try:
+            data = os.read(fd, budget.read_size(held, READ_SIZE))
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            conn.close(Closing(f"connection lost: {exc!r}"))
+            return
+        if not data:
+            conn.eof()
+            return
+        conn.data_received(data)
+        if fd in self.conns:
+            self.rearm(conn)
+
+    def _hold(self, conn: Connection) -> None:
+        """The node's read budget is spent and this connection holds its share: not
+        read until there is room, and closed past --partial-timeout-s."""
+        fd = conn.fd
+        budget = self.broker.read_budget
+        if fd not in self._over_budget:
+            budget.paused += 1
+            self._over_budget[fd] = trio.current_time()
+            self.pause(conn)
+            conn.spawn(self._wait_budget, conn)
+
+    async def _wait_budget(self, conn: Connection) -> None:
+        budget = self.broker.read_budget
+        held = conn.core.decoder.buffered
+        ok = await budget.wait(held)
+        self._over_budget.pop(conn.fd, None)
+        if not ok:
+            self.broker.stats.limit_refusals += 1
+            log.warning("%s closed: held %d bytes of a partial packet while the node's "
+                        "read budget was exhausted (--max-partial-bytes)", conn.peer, held)
+            conn.close(Closing("read budget exhausted", True, rc.QUOTA_EXCEEDED))
+        elif conn.reading:
+            self.resume(conn)
+
+    def _check_timers(self) -> None:
+        if not self._timers and not self._writing:
+            return
+        now = trio.current_time()
+        timers, conns = self._timers, self.conns
+        write_timeout = self.broker.config.write_timeout
+        while timers and timers[0][0] <= now:
+            _, _, fd = heapq.heappop(timers)
+            conn = conns.get(fd)
+            self._armed.pop(fd, None)
+            if conn is None:
+                continue
+            if conn.deadline <= now:
+                conn.timeout(now)
+            if fd in conns:
+                self.rearm(conn)
+        for fd in list(self._writing):
+            conn = conns.get(fd)
+            if conn is not None and conn.stuck_for(now) > write_timeout:
+                conn.stuck()
