@@ -4,6 +4,7 @@ codes, CleanSession instead of Clean Start and Session Expiry, no properties."""
 from __future__ import annotations
 
 from gateway import mqtt
+from tests.conformance.reader import Connack, Suback
 from tests.conformance.wire import Peer, connect_bytes, subscribe_bytes, uid
 
 
@@ -94,7 +95,7 @@ def test_mqtt311_3_2_2_4(auth_broker) -> None:
     Present 0."""
     c = v4(auth_broker.port)
     c.send(mqtt.Connect(uid(), 4, clean_start=False, username="alice", password=b"bad"))
-    ack = c.expect(mqtt.Connack)
+    ack = c.expect(Connack)
     assert (ack.session_present, ack.return_code) == (False, 0x04)
 
 
@@ -112,7 +113,7 @@ def test_mqtt311_3_9_3_2(port: int) -> None:
     c.connect(uid())
     c.send_raw(subscribe_bytes(1, [(uid("v/"), 2), (uid("v/"), 0), (uid("v/"), 1)],
                                version=4))
-    assert c.expect(mqtt.Suback).reason_codes == [2, 0, 1]
+    assert c.expect(Suback).reason_codes == [2, 0, 1]
 
 
 def test_mqtt311_3_14_1_1(port: int) -> None:
