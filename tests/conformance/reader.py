@@ -63,24 +63,29 @@ class Publish(Received):
 
 
 @dataclass
-class Puback(Received):
+class _Ack(Received):
     packet_id: int
     reason_code: int = 0
     properties: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
-class Pubrec(Puback):
+class Puback(_Ack):
     pass
 
 
 @dataclass
-class Pubrel(Puback):
+class Pubrec(_Ack):
     pass
 
 
 @dataclass
-class Pubcomp(Puback):
+class Pubrel(_Ack):
+    pass
+
+
+@dataclass
+class Pubcomp(_Ack):
     pass
 
 
@@ -424,7 +429,7 @@ def _ack(cls: type, codes: frozenset[int]) -> Any:
             return cls(pid)
         code = f.byte("Reason Code")
         if code not in codes:
-            raise f.fail(f"0x{code:02X} is not a {name} Reason Code")
+            raise f.fail(f"0x{code:02X} is not a Reason Code of {name}")
         props = f.properties(name) if f.left() else {}  # §3.4.2.2.1: under 4 bytes, none
         f.end()
         return cls(pid, code, props)
@@ -475,7 +480,7 @@ def _coded(cls: type, codes: frozenset[int]) -> Any:
             return cls()
         code = f.byte("Reason Code")
         if code not in codes:
-            raise f.fail(f"0x{code:02X} is not a {name} Reason Code the Server may send")
+            raise f.fail(f"0x{code:02X} is not a Reason Code the Server may send on {name}")
         props = f.properties(name) if f.left() else {}
         f.end()
         return cls(code, props)
