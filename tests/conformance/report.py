@@ -114,7 +114,8 @@ def render() -> str:
             f"({count['tested']} pass, {count['xfail']} fail on known defects). "
             f"{count['n/a']} do not apply: they bind only the Client, or concern a feature "
             "the Server does not offer (enhanced authentication, a Maximum QoS below 2, "
-            "Retain Available 0), or User Properties the Server never sends. "
+            "Retain Available 0), or User Properties and Reason Strings the Server never sends "
+            "(claims that `test_claims.py` checks). "
             f"{count['untestable']} are untestable from outside. What is left:", ""]
     out += [f"- {st.id}: {why}" for st, _, why in left] or ["- nothing"]
     return "\n".join(out) + "\n"

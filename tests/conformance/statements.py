@@ -39,9 +39,8 @@ class Statement:
 
 S = Statement
 CLIENT = "binds the Client only; the Server has nothing observable to do"
-NO_ENHANCED_AUTH = ("no enhanced authentication method is offered: the Server refuses "
-                    "any Authentication Method (0x8C) and never sends AUTH")
-NO_USER_PROPS = "the Server never puts User Properties on this packet"
+NO_USER_PROPS = "the Server never puts User Properties on this packet (test_claims.py)"
+NO_REASON = "the Server never puts a Reason String on this packet (test_claims.py)"
 
 STATEMENTS: tuple[Statement, ...] = (
     # 3.1 CONNECT
@@ -293,12 +292,12 @@ STATEMENTS: tuple[Statement, ...] = (
     S("MQTT-3.6.2-1", "both", "The sender of PUBREL MUST use a PUBREL Reason Code."),
     S("MQTT-3.6.2-2", "both", "A PUBREL Reason String MUST NOT be sent if it would exceed the "
       "receiver's Maximum Packet Size.",
-      na="the Server sends PUBREL without properties (0x92 included)"),
+      na=NO_REASON),
     S("MQTT-3.6.2-3", "both", "PUBREL User Properties MUST NOT be sent if they would exceed "
       "the receiver's Maximum Packet Size.", na=NO_USER_PROPS),
     S("MQTT-3.7.2-1", "both", "The sender of PUBCOMP MUST use a PUBCOMP Reason Code."),
     S("MQTT-3.7.2-2", "both", "A PUBCOMP Reason String MUST NOT be sent if it would exceed the "
-      "receiver's Maximum Packet Size."),
+      "receiver's Maximum Packet Size.", na=NO_REASON),
     S("MQTT-3.7.2-3", "both", "PUBCOMP User Properties MUST NOT be sent if they would exceed "
       "the receiver's Maximum Packet Size.", na=NO_USER_PROPS),
     # 3.8 - 3.11 SUBSCRIBE .. UNSUBACK
@@ -326,7 +325,7 @@ STATEMENTS: tuple[Statement, ...] = (
     S("MQTT-3.8.4-8", "server", "Delivered QoS MUST be the minimum of the published QoS and "
       "the granted QoS."),
     S("MQTT-3.9.2-1", "server", "A SUBACK Reason String MUST NOT be sent if it would exceed "
-      "the Client's Maximum Packet Size."),
+      "the Client's Maximum Packet Size.", na=NO_REASON),
     S("MQTT-3.9.2-2", "server", "SUBACK User Properties MUST NOT be sent if they would exceed "
       "the Client's Maximum Packet Size.", na=NO_USER_PROPS),
     S("MQTT-3.9.3-1", "server", "SUBACK Reason Codes MUST be in the order of the Topic "
@@ -350,7 +349,7 @@ STATEMENTS: tuple[Statement, ...] = (
     S("MQTT-3.10.4-6", "server", "An UNSUBSCRIBE with several filters MUST be handled as a "
       "sequence, with one UNSUBACK."),
     S("MQTT-3.11.2-1", "server", "An UNSUBACK Reason String MUST NOT be sent if it would exceed "
-      "the Client's Maximum Packet Size."),
+      "the Client's Maximum Packet Size.", na=NO_REASON),
     S("MQTT-3.11.2-2", "server", "UNSUBACK User Properties MUST NOT be sent if they would "
       "exceed the Client's Maximum Packet Size.", na=NO_USER_PROPS),
     S("MQTT-3.11.3-1", "server", "UNSUBACK Reason Codes MUST be in the order of the Topic "
@@ -378,7 +377,7 @@ STATEMENTS: tuple[Statement, ...] = (
       "the connection closed."),
     S("MQTT-3.15.2-1", "both", "The sender of AUTH MUST use an Authenticate Reason Code."),
     S("MQTT-3.15.2-2", "both", "An AUTH Reason String MUST NOT be sent if it would exceed the "
-      "receiver's Maximum Packet Size."),
+      "receiver's Maximum Packet Size.", na=NO_REASON),
     S("MQTT-3.15.2-3", "both", "AUTH User Properties MUST NOT be sent if they would exceed the "
       "receiver's Maximum Packet Size.", na=NO_USER_PROPS),
     # 4.1 Session State

@@ -53,16 +53,6 @@ def test_mqtt_3_15_2_1(auth_broker: Server) -> None:
     c.close()
 
 
-def test_mqtt_3_15_2_2(auth_broker: Server) -> None:
-    """[MQTT-3.15.2-2] The Server's AUTH packets stay within the Client's Maximum Packet
-    Size (200 bytes: the SCRAM messages fit, a Reason String would not be added)."""
-    c, got = scram_connect(auth_broker.port, maximum_packet_size=200)
-    assert got[1].reason_code == 0
-    got += _reauthenticate(c, PASSWORD)
-    assert [p.size <= 200 for p in got] == [True] * 4
-    c.close()
-
-
 def test_mqtt_4_12_0_2(auth_broker: Server) -> None:
     """[MQTT-4.12.0-2] The Server's AUTH during authentication carries 0x18."""
     c = Peer(auth_broker.port)

@@ -92,6 +92,7 @@ class Peer:
         self.version = version
         self.reader = Reader(version) if decode else None
         self.pending: list[Any] = []
+        self.log: list[Any] = []  # every packet read, in order (pending ones too)
         self.raw_in = bytearray()
 
     # -- sending --------------------------------------------------------------------
@@ -157,7 +158,9 @@ class Peer:
             raise ConnectionError("closed by the server")
         self.raw_in += data
         if self.reader is not None:
-            self.pending.extend(self.reader.feed(data))
+            packets = self.reader.feed(data)
+            self.pending.extend(packets)
+            self.log.extend(packets)
 
     def recv(self, timeout: float = TIMEOUT) -> Any:
         deadline = time.monotonic() + timeout
@@ -209,6 +212,17 @@ class Peer:
             return True
         self.pending.insert(0, p)
         return False
+
+    def publishes_within(self, seconds: float) -> list[Any]:
+        """Every PUBLISH that arrives within `seconds` (unacknowledged)."""
+        out: list[Any] = []
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                out.append(self.expect(Publish, left))
+            except TimeoutError:
+                break
+        return out
 
     def ping(self) -> None:
         """A PINGREQ answered: everything the Server sent before its PINGRESP is in."""
