@@ -1,13 +1,21 @@
-"""The normative statements of MQTT 5.0 (OASIS Standard, 7 March 2019), chapters 3 and 4,
-as data: identifier, text (abridged to one line), and whom it binds.
+"""The normative statements of MQTT 5.0 (OASIS Standard, 7 March 2019), chapters 1 to 4
+and 6, as data: identifier, text (abridged to one line), and whom it binds; and the MQTT
+3.1.1 (OASIS Standard, 29 October 2014) statements where 3.1.1 differs, and those of its
+chapters 1, 2 and 6.
 
 `binds` is "server", "client" or "both". A statement addressed to the Client still counts
 as server-side when the Server has an observable duty because of it (a Client that breaks
 it sends a Malformed Packet or a Protocol Error, which the Server must refuse); those say
 so in their text after "Server:".
 
+A few requirements of the normative text carry no [MQTT-x.y.z-n] identifier (a Variable
+Byte Integer has four bytes at most; an unknown property is a Malformed Packet; a property
+twice is a Protocol Error). They are listed under their section with a letter,
+`§1.5.5/a`, and their test is named `test_spec_1_5_5_a`.
+
 A statement with neither `na` nor `untestable` must have a test named after it
-(`MQTT-3.3.2-8` -> `test_mqtt_3_3_2_8`) in this directory; `report.py` checks both ways.
+(`MQTT-3.3.2-8` -> `test_mqtt_3_3_2_8`, in 3.1.1 `test_mqtt311_3_3_2_8`) in this
+directory; `report.py` checks both ways.
 """
 
 from __future__ import annotations
@@ -25,11 +33,18 @@ class Statement:
     untestable: str = ""  # why a test from outside cannot observe it
 
     @property
-    def section(self) -> str:
-        return self.id.removeprefix("MQTT-").rsplit("-", 1)[0]
+    def chapter(self) -> str:
+        return self.id.removeprefix("MQTT-").removeprefix("§").split(".", 1)[0]
+
+    @property
+    def numbered(self) -> bool:
+        """False for a requirement the specification gives no identifier (`§1.5.5/a`)."""
+        return self.id.startswith("MQTT-")
 
     @property
     def test_name(self) -> str:
+        if not self.numbered:
+            return "test_spec_" + re.sub(r"[^0-9a-z]+", "_", self.id[1:].lower()).strip("_")
         return "test_" + re.sub(r"[.-]", "_", self.id.lower())
 
     @property
@@ -41,6 +56,9 @@ S = Statement
 CLIENT = "binds the Client only; the Server has nothing observable to do"
 NO_USER_PROPS = "the Server never puts User Properties on this packet (test_claims.py)"
 NO_REASON = "the Server never puts a Reason String on this packet (test_claims.py)"
+WS_CLIENT = ("binds the Client only: the specification asks nothing of the Server about a "
+             "Client that does not offer \"mqtt\" (this one refuses the upgrade, 400: "
+             "test_ch6_websocket.py::test_an_upgrade_without_mqtt_is_refused)")
 
 STATEMENTS: tuple[Statement, ...] = (
     # 3.1 CONNECT
@@ -388,7 +406,7 @@ STATEMENTS: tuple[Statement, ...] = (
     S("MQTT-4.2-1", "both", "Client and Server MUST use a transport giving an ordered, "
       "lossless, two-way stream of bytes.",
       na="a property of the transports offered (TCP, TLS, WebSocket), not of the broker's "
-         "behaviour; every test here runs over TCP"),
+         "behaviour; the tests here run over TCP and WebSocket"),
     # 4.3 QoS
     S("MQTT-4.3.1-1", "both", "QoS 0: the sender MUST send PUBLISH with QoS 0 and DUP 0."),
     S("MQTT-4.3.2-1", "both", "QoS 1: the sender MUST assign an unused Packet Identifier to "
@@ -509,7 +527,9 @@ STATEMENTS: tuple[Statement, ...] = (
 )
 
 # MQTT 3.1.1 statements where 3.1.1 differs from 5.0 (return codes, CleanSession, no
-# properties); each has a `test_mqtt311_*` test in test_v311.py.
+# properties), and those of chapters 1, 2 and 6 (3.1.1 numbers them differently: its 1.5.3
+# is 5.0's 1.5.4, its 2.2.2 and 2.3.1 are 5.0's 2.1.3 and 2.2.1); each has a
+# `test_mqtt311_*` test.
 STATEMENTS_311: tuple[Statement, ...] = (
     S("MQTT-3.1.2-2", "server", "An unsupported Protocol Level MUST be answered with CONNACK "
       "return code 0x01 and the connection closed."),

@@ -15,45 +15,16 @@ from tests.conformance.reader import (
     Publish,
     Pubrec,
     Pubrel,
-    Suback,
 )
 from tests.conformance.test_ch4_enhanced_auth import _reauthenticate, scram_connect
-from tests.conformance.wire import Peer, connected, subscribe_bytes, uid
+from tests.conformance.wire import Peer, sweep, uid
 from tests.conftest import Server
-
-
-def _everything(port: int) -> list:
-    """Every kind of packet the Server sends here, successes and failures."""
-    sub, pub = connected(port), connected(port)
-    topic = uid("claims/")
-    sub.subscribe(topic, 2)
-    sub.send_raw(subscribe_bytes(2, [("a/" * 128, 0)]))  # past --max-topic-levels: 0x8F
-    assert sub.expect(Suback).reason_codes == [0x8F]
-    sub.subscribe(topic + "/gone", 0, pid=3)
-    sub.send(mqtt.Unsubscribe(4, [topic + "/none", topic + "/gone"]))  # 0x11, 0x00
-    pub.publish(topic, b"x", 1)
-    pub.publish(topic, b"x", 2, pid=2)
-    pub.publish("$x/" + uid(), b"x", 1, pid=3)
-    pub.publish("$x/" + uid(), b"x", 2, pid=4)
-    pub.send(mqtt.Pubrel(999))  # PUBCOMP 0x92
-    pub.expect(Pubcomp)
-    for m in sub.messages(2, ack=False):
-        sub.ack(m)
-    sub.send(mqtt.Pubrec(998))  # PUBREL 0x92
-    sub.expect(Pubrel)
-    sub.ping()
-    pub.ping()
-    bad = connected(port)
-    bad.send_raw(b"\x20\x02\x00\x00")
-    refusing = Peer(port)
-    refusing.send(mqtt.Connect(uid(), 5, properties={"authentication_method": "X-NONE"}))
-    return sub.log + pub.log + bad.refused() + refusing.refused()
 
 
 def test_no_user_properties_from_the_server(port: int, auth_broker: Server) -> None:
     """NO_USER_PROPS: no packet the Server makes carries User Properties (a PUBLISH
     carries those of its publisher only)."""
-    got = [p for p in _everything(port) if not isinstance(p, Publish)]
+    got = [p for p in sweep(port) if not isinstance(p, Publish)]
     c, auth = scram_connect(auth_broker.port)
     got += auth + _reauthenticate(c, PASSWORD)
     kinds = {type(p).__name__ for p in got}
@@ -67,7 +38,7 @@ def test_no_reason_string_on_suback_unsuback_pubrel_pubcomp_auth(
     """SUBACK, UNSUBACK, PUBREL, PUBCOMP and AUTH never carry a Reason String, failures
     (SUBACK 0x8F, UNSUBACK 0x11, PUBREL and PUBCOMP 0x92) included; PUBACK, PUBREC,
     CONNACK and DISCONNECT refusals do (their size limits are tested)."""
-    got = _everything(port)
+    got = sweep(port)
     c, auth = scram_connect(auth_broker.port)
     got += auth + _reauthenticate(c, PASSWORD)
     silent = [p for p in got if type(p).__name__ in

@@ -23,6 +23,7 @@ from tests.conformance.reader import (
     Reader,
     Received,
     Suback,
+    Unsuback,
 )
 
 TIMEOUT = 3.0
@@ -279,3 +280,39 @@ def unsubscribe_bytes(pid: int, filters: list[bytes | str], b0: int = 0xA2,
                       version: int = 5) -> bytes:
     body = struct.pack("!H", pid) + (b"\x00" if version == 5 else b"")
     return frame(b0, body + b"".join(s(f) for f in filters))
+
+
+def sweep(port: int, version: int = 5) -> list[Any]:
+    """Every kind of packet the Server sends but AUTH, as read: CONNACK, PUBLISH at each
+    QoS, PUBACK, PUBREC, PUBREL, PUBCOMP, SUBACK, UNSUBACK and PINGRESP, failures among
+    them (SUBACK 0x8F or 0x80, UNSUBACK 0x11, PUBREL and PUBCOMP 0x92), and in 5.0 the
+    refusals: PUBACK, PUBREC, CONNACK and DISCONNECT."""
+    v5 = version == 5
+    sub, pub = connected(port, version=version), connected(port, version=version)
+    topic = uid("sweep/")
+    sub.subscribe(topic, 2)
+    sub.send_raw(subscribe_bytes(2, [("a/" * 128, 0)], version=version))  # too many levels
+    assert sub.expect(Suback).reason_codes == [0x8F if v5 else 0x80]
+    sub.subscribe(topic + "/gone", 0, pid=3)
+    sub.send(mqtt.Unsubscribe(4, [topic + "/none", topic + "/gone"]))
+    sub.expect(Unsuback)
+    for qos in (0, 1, 2):
+        pub.publish(topic, b"x", qos, pid=qos or None)
+    pub.send(mqtt.Pubrel(999))  # nothing to release: PUBCOMP (0x92 in 5.0)
+    pub.expect(Pubcomp)
+    for m in sub.messages(3, ack=False):
+        sub.ack(m)
+    sub.send(mqtt.Pubrec(998))  # nothing was sent with it: PUBREL (0x92 in 5.0)
+    sub.expect(Pubrel)
+    sub.ping()
+    got = sub.log + pub.log
+    if v5:
+        pub.publish("$x/" + uid(), b"x", 1, pid=3)
+        pub.publish("$x/" + uid(), b"x", 2, pid=4)
+        got = sub.log + pub.log
+        bad = connected(port)
+        bad.send_raw(b"\x20\x02\x00\x00")
+        refusing = Peer(port)
+        refusing.send(mqtt.Connect(uid(), 5, properties={"authentication_method": "X-NONE"}))
+        got += bad.refused() + refusing.refused()
+    return got
