@@ -61,6 +61,19 @@ WS_CLIENT = ("binds the Client only: the specification asks nothing of the Serve
              "test_ch6_websocket.py::test_an_upgrade_without_mqtt_is_refused)")
 
 STATEMENTS: tuple[Statement, ...] = (
+    # 1.5 Data representation
+    S("MQTT-1.5.4-1", "both", "A UTF-8 Encoded String MUST be well-formed UTF-8, with no "
+      "encoding of U+D800..U+DFFF. Server: ill-formed UTF-8 makes a Malformed Packet (0x81)."),
+    S("MQTT-1.5.4-2", "both", "A UTF-8 Encoded String MUST NOT include U+0000. Server: one "
+      "that does makes a Malformed Packet (0x81)."),
+    S("MQTT-1.5.4-3", "both", "0xEF 0xBB 0xBF is always U+FEFF and MUST NOT be skipped over "
+      "or stripped off by a receiver."),
+    S("MQTT-1.5.5-1", "both", "A Variable Byte Integer MUST be encoded in the fewest bytes. "
+      "Server: its own are; a Client's that are not make a Malformed Packet (0x81)."),
+    S("§1.5.5/a", "both", "A Variable Byte Integer has four bytes at most. Server: a longer "
+      "one makes a Malformed Packet (0x81)."),
+    S("MQTT-1.5.7-1", "both", "Both strings of a UTF-8 String Pair MUST follow the rules of "
+      "UTF-8 Encoded Strings. Server: a pair that does not makes a Malformed Packet (0x81)."),
     # 3.1 CONNECT
     S("MQTT-3.1.0-1", "both", "The first packet from Client to Server MUST be CONNECT. "
       "Server: close a connection that starts otherwise."),
@@ -531,6 +544,12 @@ STATEMENTS: tuple[Statement, ...] = (
 # is 5.0's 1.5.4, its 2.2.2 and 2.3.1 are 5.0's 2.1.3 and 2.2.1); each has a
 # `test_mqtt311_*` test.
 STATEMENTS_311: tuple[Statement, ...] = (
+    S("MQTT-1.5.3-1", "both", "A UTF-8 encoded string MUST be well-formed UTF-8, with no "
+      "U+D800..U+DFFF. Server: on ill-formed UTF-8 it MUST close the connection."),
+    S("MQTT-1.5.3-2", "both", "A UTF-8 encoded string MUST NOT include U+0000. Server: on "
+      "U+0000 it MUST close the connection."),
+    S("MQTT-1.5.3-3", "both", "0xEF 0xBB 0xBF is always U+FEFF and MUST NOT be skipped over "
+      "or stripped off by a receiver."),
     S("MQTT-3.1.2-2", "server", "An unsupported Protocol Level MUST be answered with CONNACK "
       "return code 0x01 and the connection closed."),
     S("MQTT-3.1.2-4", "server", "CleanSession 0: the Server MUST resume the Session for the "

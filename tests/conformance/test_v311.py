@@ -1,11 +1,19 @@
-"""MQTT 3.1.1 statements where 3.1.1 differs from 5.0: return codes instead of reason
-codes, CleanSession instead of Clean Start and Session Expiry, no properties."""
+"""MQTT 3.1.1 statements where 3.1.1 differs from 5.0 (return codes instead of reason
+codes, CleanSession instead of Clean Start and Session Expiry, no properties), and the
+3.1.1 statements of chapters 1 and 2."""
 
 from __future__ import annotations
 
 from gateway import mqtt
 from tests.conformance.reader import Connack, Suback
-from tests.conformance.wire import Peer, connect_bytes, subscribe_bytes, uid
+from tests.conformance.wire import (
+    Peer,
+    connect_bytes,
+    connected,
+    publish_bytes,
+    subscribe_bytes,
+    uid,
+)
 
 
 def v4(port: int) -> Peer:
@@ -124,3 +132,44 @@ def test_mqtt311_3_14_1_1(port: int) -> None:
     c.send_raw(b"\xe2\x00")
     assert c.closed()
     assert not c.pending
+
+# -- chapters 1 and 2 in 3.1.1: no reason codes, so a refusal is a close with nothing sent
+
+
+def closes_silently(c: Peer, data: bytes) -> None:
+    """Send `data`: the Server closes the connection and sends nothing more."""
+    before = len(c.log)
+    c.send_raw(data)
+    assert c.closed()
+    assert c.log[before:] == [], c.log[before:]
+
+
+def test_mqtt311_1_5_3_1(port: int) -> None:
+    """[MQTT-1.5.3-1] (3.1.1) Ill-formed UTF-8 (a surrogate, an overlong form, 0xFF) in a
+    ClientId, a Topic Name or a Topic Filter: the connection is closed."""
+    for bad in (b"\xed\xa0\x80", b"\xc0\xaf", b"\xff"):
+        closes_silently(v4(port), connect_bytes(b"c" + bad, level=4))
+        closes_silently(connected(port, version=4), publish_bytes(b"t/" + bad, version=4))
+        closes_silently(connected(port, version=4),
+                        subscribe_bytes(1, [(b"t/" + bad, 0)], version=4))
+
+
+def test_mqtt311_1_5_3_2(port: int) -> None:
+    """[MQTT-1.5.3-2] (3.1.1) U+0000 in a ClientId, a Topic Name or a Topic Filter: the
+    connection is closed."""
+    closes_silently(v4(port), connect_bytes(b"c\x00", level=4))
+    closes_silently(connected(port, version=4), publish_bytes(b"t/\x00", version=4))
+    closes_silently(connected(port, version=4), subscribe_bytes(1, [(b"t/\x00", 0)], version=4))
+
+
+def test_mqtt311_1_5_3_3(port: int) -> None:
+    """[MQTT-1.5.3-3] (3.1.1) 0xEF 0xBB 0xBF is U+FEFF, not stripped: a topic starting
+    with it is another topic, and it reaches the subscriber as sent."""
+    base = uid("bom/")
+    exact, plain = connected(port, version=4), connected(port, version=4)
+    exact.subscribe("\ufeff" + base, 0)
+    plain.subscribe(base, 0)
+    connected(port, version=4).publish("\ufeff" + base, b"x")
+    assert exact.messages(1)[0].topic == "\ufeff" + base
+    assert plain.quiet(0.4)
+
