@@ -74,6 +74,26 @@ STATEMENTS: tuple[Statement, ...] = (
       "one makes a Malformed Packet (0x81)."),
     S("MQTT-1.5.7-1", "both", "Both strings of a UTF-8 String Pair MUST follow the rules of "
       "UTF-8 Encoded Strings. Server: a pair that does not makes a Malformed Packet (0x81)."),
+    # 2 MQTT Control Packet format
+    S("MQTT-2.1.3-1", "both", "Reserved fixed header flags MUST have the values of Table 2-2. "
+      "Server: other values make a Malformed Packet (0x81)."),
+    S("MQTT-2.2.1-2", "both", "A QoS 0 PUBLISH MUST NOT contain a Packet Identifier (a "
+      "Client's would be read as the start of its properties: the Server's are tested)."),
+    S("MQTT-2.2.1-3", "client", "A Client's new SUBSCRIBE, UNSUBSCRIBE and QoS 1/2 PUBLISH "
+      "MUST carry a non-zero Packet Identifier not in use. Server: 0 is refused."),
+    S("MQTT-2.2.1-4", "server", "A Server's new QoS 1/2 PUBLISH MUST carry a non-zero Packet "
+      "Identifier not in use."),
+    S("MQTT-2.2.1-5", "both", "PUBACK, PUBREC, PUBREL and PUBCOMP MUST carry the Packet "
+      "Identifier of their PUBLISH."),
+    S("MQTT-2.2.1-6", "server", "SUBACK and UNSUBACK MUST carry the Packet Identifier of their "
+      "SUBSCRIBE and UNSUBSCRIBE."),
+    S("MQTT-2.2.2-1", "both", "No properties MUST be written as a Property Length of 0. "
+      "Server: a PUBLISH without it reads its payload as properties (here: malformed)."),
+    S("§2.2.2.2/a", "both", "A property identifier not valid for the packet type, or a value "
+      "not of the property's data type, makes a Malformed Packet (0x81)."),
+    S("§2.2.2.2/b", "both", "A property other than a User Property included more than once "
+      "is a Protocol Error (0x82) (said of each property in chapter 3; a Server's PUBLISH "
+      "may repeat the Subscription Identifier)."),
     # 3.1 CONNECT
     S("MQTT-3.1.0-1", "both", "The first packet from Client to Server MUST be CONNECT. "
       "Server: close a connection that starts otherwise."),
@@ -550,6 +570,20 @@ STATEMENTS_311: tuple[Statement, ...] = (
       "U+0000 it MUST close the connection."),
     S("MQTT-1.5.3-3", "both", "0xEF 0xBB 0xBF is always U+FEFF and MUST NOT be skipped over "
       "or stripped off by a receiver."),
+    S("MQTT-2.2.2-1", "both", "Reserved fixed header flags MUST have the values of Table 2.2."),
+    S("MQTT-2.2.2-2", "server", "On invalid flags the receiver MUST close the connection."),
+    S("MQTT-2.3.1-1", "client", "SUBSCRIBE, UNSUBSCRIBE and QoS 1/2 PUBLISH MUST carry a "
+      "non-zero Packet Identifier. Server: 0 closes the connection."),
+    S("MQTT-2.3.1-2", "client", "A Client MUST give each new such packet a Packet Identifier "
+      "not in use.", na=CLIENT),
+    S("MQTT-2.3.1-3", "client", "A Client MUST re-send a packet with the same Packet "
+      "Identifier; it is free again once acknowledged.", na=CLIENT),
+    S("MQTT-2.3.1-4", "server", "The same holds for the Server's QoS 1/2 PUBLISH."),
+    S("MQTT-2.3.1-5", "both", "A QoS 0 PUBLISH MUST NOT contain a Packet Identifier."),
+    S("MQTT-2.3.1-6", "both", "PUBACK, PUBREC and PUBREL MUST carry the Packet Identifier of "
+      "their PUBLISH."),
+    S("MQTT-2.3.1-7", "server", "SUBACK and UNSUBACK MUST carry the Packet Identifier of "
+      "their SUBSCRIBE and UNSUBSCRIBE."),
     S("MQTT-3.1.2-2", "server", "An unsupported Protocol Level MUST be answered with CONNACK "
       "return code 0x01 and the connection closed."),
     S("MQTT-3.1.2-4", "server", "CleanSession 0: the Server MUST resume the Session for the "
