@@ -557,6 +557,15 @@ STATEMENTS: tuple[Statement, ...] = (
       "given, the Server MUST close the connection."),
     S("MQTT-4.13.2-1", "both", "After a CONNACK or DISCONNECT with a Reason Code of 0x80 or "
       "more, the connection MUST be closed."),
+    # 6 WebSocket
+    S("MQTT-6.0.0-1", "both", "MQTT Control Packets MUST be sent in WebSocket binary data "
+      "frames; on any other data frame the receiver MUST close the Network Connection."),
+    S("MQTT-6.0.0-2", "both", "The receiver MUST NOT assume that MQTT Control Packets are "
+      "aligned on WebSocket frame boundaries."),
+    S("MQTT-6.0.0-3", "client", "The Client MUST include \"mqtt\" in the WebSocket "
+      "subprotocols it offers.", na=WS_CLIENT),
+    S("MQTT-6.0.0-4", "server", "The WebSocket subprotocol the Server selects and returns "
+      "MUST be \"mqtt\"."),
 )
 
 # MQTT 3.1.1 statements where 3.1.1 differs from 5.0 (return codes, CleanSession, no
@@ -609,4 +618,12 @@ STATEMENTS_311: tuple[Statement, ...] = (
       "reserved and MUST NOT be used."),
     S("MQTT-3.14.1-1", "server", "The Server MUST validate that DISCONNECT's reserved bits are "
       "0 and disconnect the Client if not."),
+    S("MQTT-6.0.0-1", "both", "MQTT Control Packets MUST be sent in WebSocket binary data "
+      "frames; on any other data frame the receiver MUST close the connection."),
+    S("MQTT-6.0.0-2", "both", "The receiver MUST NOT assume that Control Packets are aligned "
+      "on WebSocket frame boundaries."),
+    S("MQTT-6.0.0-3", "client", "The Client MUST include \"mqtt\" in the WebSocket "
+      "subprotocols it offers.", na=WS_CLIENT),
+    S("MQTT-6.0.0-4", "server", "The WebSocket subprotocol the Server selects and returns "
+      "MUST be \"mqtt\"."),
 )

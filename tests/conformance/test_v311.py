@@ -1,6 +1,6 @@
 """MQTT 3.1.1 statements where 3.1.1 differs from 5.0 (return codes instead of reason
 codes, CleanSession instead of Clean Start and Session Expiry, no properties), and the
-3.1.1 statements of chapters 1 and 2."""
+3.1.1 statements of chapters 1 and 2. Chapter 6's are in test_ch6_websocket.py."""
 
 from __future__ import annotations
 
@@ -145,6 +145,7 @@ def test_mqtt311_3_14_1_1(port: int) -> None:
     assert c.closed()
     assert not c.pending
 
+
 # -- chapters 1 and 2 in 3.1.1: no reason codes, so a refusal is a close with nothing sent
 
 
@@ -184,6 +185,7 @@ def test_mqtt311_1_5_3_3(port: int) -> None:
     connected(port, version=4).publish("\ufeff" + base, b"x")
     assert exact.messages(1)[0].topic == "\ufeff" + base
     assert plain.quiet(0.4)
+
 
 FLAGS_311 = {"CONNACK": 0, "PUBACK": 0, "PUBREC": 0, "PUBREL": 0b0010, "PUBCOMP": 0,
              "SUBACK": 0, "UNSUBACK": 0, "PINGRESP": 0}

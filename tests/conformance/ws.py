@@ -120,6 +120,19 @@ class WebSocket:
             if opcode == PING:
                 self.send_frame(PONG, payload)
 
+    def tcp_closed(self, timeout: float = 3.0) -> bool:
+        """True if the TCP connection under it ends within `timeout` (what is left of the
+        WebSocket conversation is read and dropped)."""
+        self.sock.settimeout(timeout)
+        try:
+            while self.sock.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        except TimeoutError:
+            return False
+        return True
+
     def settimeout(self, timeout: float) -> None:
         self.sock.settimeout(timeout)
 
