@@ -149,8 +149,9 @@ def render() -> str:
             f"({count['tested']} pass, {count['xfail']} fail on known defects). "
             f"{count['n/a']} do not apply: they bind only the Client, or concern a limit the "
             "Server does not set (a Maximum QoS below 2, Retain Available 0, no Topic Alias "
-            "Maximum), the transport rather than the Server (4.2-1), or User Properties and "
-            "Reason Strings the Server never sends (claims that `test_claims.py` checks). "
+            "Maximum), the transport rather than the Server (4.2-1), or what the Server never "
+            "sends (User Properties, a Reason String on some packets, Response Information: "
+            "claims that `test_claims.py` checks). "
             f"{count['untestable']} are untestable from outside. What is left:", ""]
     out += [f"- {st.id}: {why}" for st, _, why in left] or ["- nothing"]
     return "\n".join(out) + "\n"

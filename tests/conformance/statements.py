@@ -155,7 +155,8 @@ STATEMENTS: tuple[Statement, ...] = (
     S("MQTT-3.1.2-27", "server", "If the Client's Topic Alias Maximum is absent or 0, the "
       "Server MUST NOT send Topic Aliases."),
     S("MQTT-3.1.2-28", "server", "Request Response Information 0: the Server MUST NOT return "
-      "Response Information."),
+      "Response Information.", na="the Server never returns Response Information, asked "
+      "for or not (test_claims.py)"),
     S("MQTT-3.1.2-29", "server", "Request Problem Information 0: the Server MUST NOT send a "
       "Reason String or User Properties on packets other than PUBLISH, CONNACK, DISCONNECT."),
     S("MQTT-3.1.2-30", "client", "A Client that sets an Authentication Method MUST NOT send "

@@ -268,12 +268,6 @@ def test_mqtt_3_1_2_27(port: int) -> None:
     assert all("topic_alias" not in m.properties for m in c.messages(3))
 
 
-def test_mqtt_3_1_2_28(port: int) -> None:
-    """[MQTT-3.1.2-28] Request Response Information 0: no Response Information."""
-    ack = Peer(port).connect(uid(), request_response_information=0)
-    assert "response_information" not in ack.properties
-
-
 def test_mqtt_3_1_2_29(port: int) -> None:
     """[MQTT-3.1.2-29] Request Problem Information 0: no Reason String on a refusing PUBACK
     or PUBREC, which carry one otherwise."""

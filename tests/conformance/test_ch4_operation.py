@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from gateway import mqtt
+from tests.conformance.conftest import PASSWORD, USER
 from tests.conformance.reader import (
     Connack,
     Disconnect,
@@ -17,6 +18,7 @@ from tests.conformance.reader import (
     Suback,
 )
 from tests.conformance.wire import Peer, connected, publish_bytes, subscribe_bytes, uid
+from tests.conftest import Server
 
 
 def persistent(port: int, topic: str, qos: int = 1, cid: str | None = None) -> tuple[Peer, str]:
@@ -490,13 +492,17 @@ def test_mqtt_4_12_0_1(port: int) -> None:
     assert [p.reason_code for p in got if isinstance(p, Connack)] in ([0x8C], [0x87], [])
 
 
-def test_mqtt_4_12_0_6(port: int) -> None:
-    """[MQTT-4.12.0-6] No Authentication Method in CONNECT: none in CONNACK, no AUTH."""
-    c = Peer(port)
-    ack = c.connect(uid())
+def test_mqtt_4_12_0_6(auth_broker: Server) -> None:
+    """[MQTT-4.12.0-6] On a Server that offers enhanced authentication (SCRAM-SHA-256), a
+    CONNECT without an Authentication Method (a user name and password): none in the
+    CONNACK, and no AUTH, before the CONNACK or after it."""
+    c = Peer(auth_broker.port)
+    c.send(mqtt.Connect(uid(), 5, username=USER, password=PASSWORD.encode()))
+    ack = c.recv()
+    assert isinstance(ack, Connack) and ack.reason_code == 0, ack
     assert "authentication_method" not in ack.properties
-    c.send(mqtt.Pingreq())
-    assert isinstance(c.recv(), Pingresp)
+    c.ping()
+    assert [type(p) for p in c.log] == [Connack, Pingresp]
 
 
 def test_mqtt_4_12_0_7(port: int) -> None:

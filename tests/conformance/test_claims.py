@@ -60,6 +60,14 @@ def test_capabilities_in_connack(port: int) -> None:
     assert props["topic_alias_maximum"] > 0
 
 
+def test_no_response_information(port: int) -> None:
+    """Response Information is never returned, even when asked for (Request Response
+    Information 1)."""
+    for asked in (0, 1):
+        ack = Peer(port).connect(uid(), request_response_information=asked)
+        assert "response_information" not in ack.properties
+
+
 def test_no_enhanced_authentication_without_auth(port: int) -> None:
     """Without --auth no Authentication Method is offered: any is refused (0x8C)."""
     c = Peer(port)
