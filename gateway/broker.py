@@ -197,6 +197,7 @@ class Broker:
             max_keepalive=cfg.max_keepalive, connect_timeout=cfg.connect_timeout,
             v3_session_expiry=int(cfg.v3_session_expiry_s) or NEVER_EXPIRES)
         self.inbound = Inbound(self)
+        self._retaining: dict[str, Message] = {}  # stored, their retained record to come
         # Tasks connections start on demand (their lanes, deliveries, writers, ends).
         self.connection_nursery: trio.Nursery | None = None
 
@@ -783,7 +784,20 @@ class Broker:
         except Exception:
             log.exception("will of %r could not be published", client_id)
 
+    def retaining(self, msg: Message) -> None:
+        """A retained publish is stored; its retained record follows (`set_retained`).
+        Meanwhile a new subscription finds it here: it came too late for the live
+        delivery and too early for the record."""
+        self._retaining[msg.topic] = msg
+
     async def set_retained(self, msg: Message) -> None:
+        try:
+            await self._set_retained(msg)
+        finally:
+            if self._retaining.get(msg.topic) is msg:
+                del self._retaining[msg.topic]
+
+    async def _set_retained(self, msg: Message) -> None:
         if msg.body:
             r = RetainedMessage(msg.topic, msg.body, msg.qos, msg.properties, msg.client_id,
                                 msg.store_ts, msg.phys_offset)
@@ -808,6 +822,21 @@ class Broker:
             log.warning("retained messages not counted: %s", exc)
 
     async def retained_for(self, topic_filter: str) -> list[RetainedMessage]:
+        found = await self._stored_retained(topic_filter)
+        if not self._retaining:
+            return found
+        by_topic = {r.topic: r for r in found}
+        for topic, msg in list(self._retaining.items()):
+            if matches(topic_filter, topic):  # newer than what the store holds
+                if msg.body:
+                    by_topic[topic] = RetainedMessage(topic, msg.body, msg.qos,
+                                                      msg.properties, msg.client_id,
+                                                      msg.store_ts, msg.phys_offset)
+                else:
+                    by_topic.pop(topic, None)
+        return list(by_topic.values())
+
+    async def _stored_retained(self, topic_filter: str) -> list[RetainedMessage]:
         if not is_wildcard(topic_filter):
             d = await self.store.meta_get("retained", topic_filter)
             return [RetainedMessage.from_meta(topic_filter, d)] if d else []

@@ -46,6 +46,8 @@ class Host(Protocol):
     stats: Any
     cache: Any
 
+    def retaining(self, msg: Message) -> None: ...
+
     async def set_retained(self, msg: Message) -> None: ...
 
     async def remember_incoming_qos2(self, s: Any, pid: int, done: bool,
@@ -135,6 +137,8 @@ class Inbound:
         for (conn, _, p, ticket), msg in zip(batch, stored, strict=True):
             if p.retain or (p.qos == 2 and conn.session is not None
                             and conn.session.persistent):
+                if p.retain:
+                    broker.retaining(msg)
                 later.append((conn, msg, p, ticket))  # effects in the store first
                 continue
             conn.stored(p, ticket, 0)
