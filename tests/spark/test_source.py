@@ -111,7 +111,9 @@ def test_reader_and_writer_with_auth(spark: Any, tmp_path: Any) -> None:
     srv = auth_server(tmp_path)
     try:
         add_user(srv, "spark", "spark-pw")
-        allow(srv, "spark", "Topic:devices", "SUB")
+        # The first-level topic and the MQTT topics its messages carry: a reader gets
+        # only the messages whose topic it may read, as an MQTT subscriber does.
+        allow(srv, "spark", "Topic:devices", "SUB", match="prefixed")
         allow(srv, "spark", "Topic:results", "PUB,SUB")
         with Producer(srv.native, username="admin", password="admin-secret") as p:
             p.send_batch("devices", [b"%d" % i for i in range(5)], mqtt_topic="devices/d1")
