@@ -16,6 +16,8 @@ What a client can rely on:
 - **ends**: for each topic with a message in a batch, the offset in its exact-topic
   queue after the last one returned. A live reader that takes over continues each topic
   there (or, reading a wildcard queue, drops what is below it): no gap, no duplicate.
+  A message's `queues` holds that one queue and its offset (decoding the others,
+  partitions and wildcards, cost a quarter of the time).
 - **cut**: the store no longer holds everything from the start asked for (retention
   removed older segments and the start lies before the oldest record kept).
 - **Seek by time** assumes store times rise along the log, as RocketMQ's
@@ -45,7 +47,7 @@ import bisect
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -75,6 +77,10 @@ WINDOW = 256 << 10  # below this the seek by time walks record headers
 TOPIC_CACHE = 100_000
 _HEAD = struct.Struct(">IIIQQBBHH")  # magic, length, crc, store_ts, born_ts, qos, flags,
 #                                     client_len, topic_len: a record's leading fields
+_PEEK = struct.Struct(">I26xHH")  # magic, client_len, topic_len: where the topic is
+_SCAN = struct.Struct(">II4xQ10xHH")  # magic, length, store_ts, client_len, topic_len
+_TOPIC_AT = record.FRAME.size + record.FIXED.size  # + client_len: a record's topic
+_TOPIC_AT_WIDE = record.FRAME.size + record.FIXED_WIDE.size
 _MAGICS = (record.MAGIC.to_bytes(4, "big"), record.MAGIC_WIDE.to_bytes(4, "big"))
 _NEVER = 1 << 63
 
@@ -156,18 +162,20 @@ class _TopicMatch:
 
     def __init__(self, topic_filter: str) -> None:
         self.filter = topic_filter
-        self._seen: dict[bytes, bool] = {}
+        self.seen: dict[bytes, bool] = {}  # read inline by the hot loops
 
     def __call__(self, raw: bytes) -> bool:
-        hit = self._seen.get(raw)
-        if hit is None:
-            try:
-                hit = matches(self.filter, raw.decode())
-            except UnicodeDecodeError:
-                hit = False
-            if len(self._seen) >= TOPIC_CACHE:
-                self._seen.clear()
-            self._seen[raw] = hit
+        hit = self.seen.get(raw)
+        return self.learn(raw) if hit is None else hit
+
+    def learn(self, raw: bytes) -> bool:
+        try:
+            hit = matches(self.filter, raw.decode())
+        except UnicodeDecodeError:
+            hit = False
+        if len(self.seen) >= TOPIC_CACHE:
+            self.seen.clear()
+        self.seen[raw] = hit
         return hit
 
 
@@ -203,6 +211,7 @@ class HistoryReader:
         self.log = commitlog
         self.index = index
         self._lock = threading.Lock()
+        self._matchers: OrderedDict[str, _TopicMatch] = OrderedDict()
         # `last` lists every topic's newest entry; the batches after the first reuse it.
         self._last: OrderedDict[tuple[str, int, int | None], list[tuple[Entry, str]]] = (
             OrderedDict())
@@ -276,116 +285,151 @@ class HistoryReader:
         hands out those no unread entry can come before."""
         offsets = self._starts(state, queues)
         first_round = state.since is not None
-        keep = None if state.mode == TOPICS else _TopicMatch(state.filter)
+        keep = None if state.mode == TOPICS else self._matcher(state.filter)
         until = _NEVER if state.until is None else state.until
-        width = max(64, min(4096, 2 * out.max_count // max(1, len(offsets))))
+        width = max(64, min(4096, out.max_count // max(1, len(offsets)) + 64))
         read = self.index.read_tuples
         while offsets and not out.full:
-            entries: list[tuple[int, int, int, int, str]] = []
+            got: dict[str, list[Entry]] = {}
             horizon = _NEVER
             for q in list(offsets):
-                got = read(q, offsets[q], width)
-                n = len(got)
-                for i, e in enumerate(got):
-                    if e[0] + e[1] > stop or e[2] >= until:
-                        n = i
-                        break
-                entries.extend((*e, q) for e in got[:n])
-                if n == width:
-                    horizon = min(horizon, got[n - 1][0])  # more may follow: wait for them
-                elif n == 0:
+                entries = _before(read(q, offsets[q], width), stop, until)
+                if len(entries) == width:
+                    horizon = min(horizon, entries[-1][0])  # more may follow: wait for them
+                if entries:
+                    got[q] = entries
+                else:
                     del offsets[q]  # done before `stop` (or held back by the read limit)
+            merged = sorted(e for entries in got.values() for e in entries)
             if first_round:  # a batch that looks at nothing still knows where it began
-                state.pos = min((e[0] for e in entries), default=state.end)
+                state.pos = merged[0][0] if merged else state.end
                 first_round = False
-            if not entries:
+            if not merged:
                 break
-            entries.sort()
-            cut = bisect.bisect_right(entries, (horizon, _NEVER))
-            self._emit(entries[:cut], state, out, keep, offsets)
+            self._emit(merged[:bisect.bisect_right(merged, (horizon, _NEVER))], state, out,
+                       keep)
+            for q, entries in got.items():  # each queue goes on after what was looked at
+                k = bisect.bisect_left(entries, (state.pos,))
+                offsets[q] = entries[k][3] if k < len(entries) else entries[-1][3] + 1
         return not offsets
 
-    def _emit(self, entries: list[tuple[int, int, int, int, str]], state: _Read, out: _Out,
-              keep: Callable[[bytes], bool] | None, offsets: dict[str, int]) -> None:
-        """Read these entries' records (in log order) into `out` until it is full; each
-        queue's offset and the position move past what was looked at. Records that lie
-        back to back are read with one pread."""
-        i = 0
-        while i < len(entries) and not out.full:
+    def _emit(self, entries: list[Entry], state: _Read, out: _Out,
+              keep: _TopicMatch | None) -> None:
+        """Read these entries' records (in log order) into `out` until it is full; the
+        position moves past what was looked at. Records that lie back to back are read
+        with one pread; a record whose topic is not wanted is not decoded."""
+        decode, peek, read = record.decode, _PEEK.unpack_from, self.log.read_bytes
+        seen, learn = (keep.seen, keep.learn) if keep is not None else ({}, None)
+        messages, ends = out.messages, out.ends
+        room, nbytes = out.max_count - len(messages), out.nbytes
+        i, n, pos = 0, len(entries), state.pos
+        while i < n and room > 0 and nbytes < out.max_bytes and out.looked < SCAN_BUDGET:
             j, start = i + 1, entries[i][0]
             end = start + entries[i][1]
-            while j < len(entries) and entries[j][0] == end and end - start < CHUNK:
+            while j < n and entries[j][0] == end and end - start < CHUNK:
                 end += entries[j][1]
                 j += 1
-            data, _ = self.log.read_bytes(start, end - start)
-            before = i
-            for phys, size, _ts, offset, q in entries[i:j]:
+            data, _ = read(start, end - start)
+            have, before = len(data), i
+            for phys, size, _ts, _offset in entries[i:j]:
                 rel = phys - start
-                if rel + size > len(data):
+                if rel + size > have:
                     break  # a segment ends here: read on from this record's own start
-                out.looked += 1
-                msg = self._record(data, rel, phys, keep)
-                if msg is not None:
-                    exact = offset if keep is None else exact_offset(msg)
-                    if exact is not None:
-                        out.add(msg, exact)
-                offsets[q] = offset + 1
-                state.pos = phys + size
                 i += 1
-                if out.full:
-                    return
+                pos = phys + size
+                if keep is not None:
+                    magic, lc, lt = peek(data, rel)
+                    at = rel + (_TOPIC_AT if magic == record.MAGIC else _TOPIC_AT_WIDE) + lc
+                    raw = data[at:at + lt]
+                    hit = seen.get(raw)
+                    if not (learn(raw) if hit is None else hit):
+                        continue
+                msg = decode(data, rel, phys, 1)
+                queues = msg.queues
+                if queues and queues[0][0] == msg.topic:
+                    exact = queues[0][1]
+                elif (found := _exact(data, rel, phys)) is not None:
+                    msg, exact = found
+                else:
+                    continue
+                messages.append(msg)
+                ends[msg.topic] = exact + 1
+                nbytes += len(msg.body)
+                room -= 1
+                if room <= 0 or nbytes >= out.max_bytes:
+                    break
+            out.looked += i - before
             if i == before:  # not there any more: retention removed its segment
-                phys, size, _ts, offset, q = entries[i]
+                pos = entries[i][0] + entries[i][1]
                 out.lost = True
-                offsets[q] = offset + 1
-                state.pos = phys + size
                 i += 1
+        state.pos, out.nbytes = pos, nbytes
 
-    def _record(self, data: bytes, rel: int, phys: int,
-                keep: Callable[[bytes], bool] | None) -> Message | None:
-        """The record at data[rel:], decoded only if its topic is wanted."""
-        if keep is not None:
-            magic, _, _, _, _, _, _, lc, lt = _HEAD.unpack_from(data, rel)
-            at = rel + record.FRAME.size + (
-                record.FIXED.size if magic == record.MAGIC else record.FIXED_WIDE.size) + lc
-            if not keep(data[at:at + lt]):
-                return None
-        return record.decode(data, rel, phys)
+    def _matcher(self, topic_filter: str) -> _TopicMatch:
+        """The filter's topic matcher, kept across batches (its cache is the point)."""
+        with self._lock:
+            match = self._matchers.pop(topic_filter, None) or _TopicMatch(topic_filter)
+            self._matchers[topic_filter] = match
+            while len(self._matchers) > 64:
+                self._matchers.popitem(last=False)
+        return match
 
     def _read_log(self, state: _Read, out: _Out, stop: int) -> bool:
         """Records of the log from the start position, keeping what the filter matches
         and what sits in its exact-topic queue; True when nothing is left before `stop`."""
-        keep = _TopicMatch(state.filter)
+        keep = self._matcher(state.filter)
+        seen, learn = keep.seen, keep.learn
         until = _NEVER if state.until is None else state.until
+        decode, scan, head = record.decode, _SCAN.unpack_from, _HEAD.unpack_from
+        messages, ends = out.messages, out.ends
+        room, nbytes = out.max_count - len(messages), out.nbytes
         pos = self._log_start(state)
-        while pos < stop and not out.full:
+        while pos < stop and room > 0 and nbytes < out.max_bytes and out.looked < SCAN_BUDGET:
             if pos < self.log.min_offset:  # retention went past us
                 pos, out.lost = self.log.min_offset, True
                 continue
             data, _ = self.log.read_bytes(pos, min(CHUNK, stop - pos))
             if len(data) < record.HEADER_SIZE:
                 break
-            size = _HEAD.unpack_from(data, 0)[1]
+            size = head(data, 0)[1]
             if size > len(data) and size <= stop - pos:  # one record larger than a chunk
                 data, _ = self.log.read_bytes(pos, size)
-            rel = 0
-            while rel + record.HEADER_SIZE <= len(data) and not out.full:
-                _, size, _, ts, *_ = _HEAD.unpack_from(data, rel)
-                if rel + size > len(data):
+            rel, have, looked = 0, len(data), 0
+            while rel + record.HEADER_SIZE <= have:
+                magic, size, ts, lc, lt = scan(data, rel)
+                if rel + size > have:
                     break
                 if ts >= until:  # (store times rise along the log): nothing more to come
-                    state.pos, out.complete = state.end, True
+                    state.pos, out.complete, out.nbytes = state.end, True, nbytes
+                    out.looked += looked
                     return True
-                out.looked += 1
-                msg = self._record(data, rel, pos + rel, keep)
-                if msg is not None and (exact := exact_offset(msg)) is not None:
-                    out.add(msg, exact)
+                looked += 1
+                at = rel
                 rel += size
+                topic_at = at + (_TOPIC_AT if magic == record.MAGIC else _TOPIC_AT_WIDE) + lc
+                raw = data[topic_at:topic_at + lt]
+                hit = seen.get(raw)
+                if not (learn(raw) if hit is None else hit):
+                    continue
+                msg = decode(data, at, pos + at, 1)
+                queues = msg.queues
+                if queues and queues[0][0] == msg.topic:
+                    exact = queues[0][1]
+                elif (found := _exact(data, at, pos + at)) is not None:
+                    msg, exact = found
+                else:
+                    continue
+                messages.append(msg)
+                ends[msg.topic] = exact + 1
+                nbytes += len(msg.body)
+                room -= 1
+                if room <= 0 or nbytes >= out.max_bytes:
+                    break
+            out.looked += looked
             if rel == 0:
                 break  # a torn read (the log changed under us): the next call goes on
             pos += rel
-            state.pos = pos
-        state.pos = pos
+        state.pos, out.nbytes = pos, nbytes
         return pos >= stop
 
     def _log_start(self, state: _Read) -> int:
@@ -401,9 +445,9 @@ class HistoryReader:
         from the position on."""
         newest = self._newest(state)
         i = bisect.bisect_left(newest, ((state.pos, 0, 0, 0), ""))
-        todo = [(*e, q) for e, q in newest[i:] if e[0] + e[1] <= stop]
+        todo = [e for e, _ in newest[i:] if e[0] + e[1] <= stop]
         held = len(todo) < len(newest) - i  # past a read limit: not finished
-        self._emit(todo, state, out, None, {})
+        self._emit(todo, state, out, None)
         return not held and (not todo or state.pos >= todo[-1][0] + todo[-1][1])
 
     def _newest(self, state: _Read) -> list[tuple[Entry, str]]:
@@ -565,6 +609,27 @@ class HistoryReader:
         if not self.index.holds(start, msg.queues, msg.key):
             return None
         return start, size, ts
+
+
+def _exact(data: bytes, rel: int, phys: int) -> tuple[Message, int] | None:
+    """The record at data[rel:] and its exact-topic offset, when its first queue is not
+    the exact one (routing puts it first; a record written otherwise is still found),
+    its queues cut to that one as every history message's are; None if it has none."""
+    msg = record.decode(data, rel, phys)
+    exact = exact_offset(msg)
+    if exact is None:
+        return None
+    msg.queues = [(msg.topic, exact)]
+    return msg, exact
+
+
+def _before(entries: list[Entry], stop: int, until: int) -> list[Entry]:
+    """The entries whose records end by `stop` and were stored before `until` (both rise
+    along a queue, so only the last is looked at unless some must go)."""
+    if not entries or (entries[-1][0] + entries[-1][1] <= stop and entries[-1][2] < until):
+        return entries
+    n = bisect.bisect_right(entries, 0, key=lambda e: e[0] + e[1] > stop or e[2] >= until)
+    return entries[:n]
 
 
 def _candidates(data: bytes) -> list[int]:
