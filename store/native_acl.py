@@ -1,9 +1,10 @@
 """What each native-protocol request needs to be allowed (ACL 2.0 covers every API).
 
 - Server apps: SEND needs PUB on the first-level topic and on any MQTT topic it
-  addresses; PULL/QUEUE_* need SUB (or GET) on the queue's topic; consumer groups need
-  SUB on the group; TOPIC_CREATE needs CREATE; STATS, message lookup, gateway lists
-  need Cluster GET.
+  addresses; PULL/QUEUE_* need SUB (or GET) on the queue's topic; HISTORY needs SUB (or
+  GET) on the whole filter, as an MQTT SUBSCRIBE does, and hands out only the messages
+  whose own topic the reader may SUB (or GET); consumer groups need SUB on the group;
+  TOPIC_CREATE needs CREATE; STATS, message lookup, gateway lists need Cluster GET.
 - Nodes: a gateway authenticates as a user allowed Cluster UPDATE; that right covers
   the requests only nodes make (PUBLISH routed on behalf of devices, whose own rights
   the gateway checked; metadata; wildcard registration; gateway heartbeats).
@@ -50,6 +51,13 @@ def queue_need(queue: str, actions: tuple[str, ...] = ("SUB", "GET")) -> Need:
     return Need("Topic", queue, actions, is_wildcard(queue))
 
 
+def message_need(topic: str) -> Need:
+    """What reading one message needs, whatever queue it came from: a wildcard or
+    partition queue holds topics that the right on the queue's name may not cover
+    (Allow home/# with Deny home/secret)."""
+    return Need("Topic", topic, ("SUB", "GET"))
+
+
 def needs(frame: p.Frame, mqtt_topics: list[str] | None = None) -> list[Need] | str:
     """The rights `frame` needs: a list of Need (all required), NODE or SUPER."""
     code, h = frame.code, frame.header
@@ -67,7 +75,10 @@ def needs(frame: p.Frame, mqtt_topics: list[str] | None = None) -> list[Need] | 
         out = [Need("Topic", topic, ("PUB",))]
         out += [Need("Topic", t, ("PUB",)) for t in set(mqtt_topics or ()) if t != topic]
         return out
-    if code == p.PULL or code == p.QUEUE_RANGE or code == p.QUEUE_TAIL:
+    if code == p.HISTORY:
+        topic_filter = str(h.get("filter", ""))
+        return [Need("Topic", topic_filter, ("SUB", "GET"), is_wildcard(topic_filter))]
+    if code in (p.PULL, p.QUEUE_RANGE, p.QUEUE_TAIL, p.QUEUE_SEEK):
         return [queue_need(str(h.get("queue", "")))]
     if code == p.QUEUE_ENDS:
         return [queue_need(str(q)) for q in h.get("queues", [])]
