@@ -218,3 +218,18 @@ async def test_seek_by_time_over_the_log_skips_records_hidden_in_bodies(tmp_path
         for ms in (0, *probes, probes[-1] + 1):
             want = next((m.phys_offset for m in stored if m.store_ts >= ms), end)
             assert reader.position_at_time(ms, end) == want, ms
+
+
+async def test_sync_flush_the_first_batch_waits_for_appends_submitted_before(tmp_path: Path
+                                                                             ) -> None:
+    """With --flush sync a writer thread appends: an append submitted before the history
+    began (not yet written) is in it, one submitted after is not."""
+    async with EmbeddedStore.open(config(tmp_path, flush="sync", flush_interval_ms=5)) as store:
+        await store.publish([Message("s/1", b"first")])
+        before = store.publish_start([Message("s/1", b"submitted before")])
+        batch = await store.history("s/#")
+        after = store.publish_start([Message("s/1", b"after")])
+        assert [m.body for m in batch.messages] == [b"first", b"submitted before"]
+        assert batch.done and batch.end == before.result()[0].phys_offset + before.result(
+            )[0].size
+        assert after.result()[0].phys_offset >= batch.end
