@@ -21,7 +21,7 @@ from gateway.limits import SourceRateLimiter
 from gateway.mqtt import PublishTemplate, Will
 from gateway.mqtt.properties import publish_properties
 from gateway.reserved import SERVER_ID
-from gateway.retained import RetainedBudget, RetainedLimits
+from gateway.retained import RetainedBudget, RetainedLimits, stored_size
 from gateway.session import (
     NEVER_EXPIRES,
     NUL,
@@ -297,7 +297,7 @@ class Broker:
         the last one wins: two at once both stayed connected, holding one session."""
         async with self._connect_lock(client_id):
             session, present = await self._open_session(client_id, clean_start, expiry,
-                                                        version)
+                                                        version, self._owner(connection))
             if connection is not None:
                 session.connection = connection
             return session, present
@@ -316,8 +316,16 @@ class Broker:
             if entry[1] == 0:  # nobody holds or waits: no entry per client id ever seen
                 del self._connect_locks[client_id]
 
+    def _owner(self, connection: Any) -> str | None:
+        """The identity a session made on `connection` belongs to (None: auth off)."""
+        subject = getattr(connection, "subject", None)
+        if not self.auth.enabled or subject is None:
+            return None
+        return f"{subject.backend}:{subject.name}"
+
     async def _open_session(
-        self, client_id: str, clean_start: bool, expiry: int, version: int
+        self, client_id: str, clean_start: bool, expiry: int, version: int,
+        owner: str | None = None,
     ) -> tuple[Session, bool]:
         session = self.sessions.get(client_id)
         if session is not None and session.connection is not None:
@@ -339,6 +347,13 @@ class Broker:
         else:
             session = await self._load_session(client_id)
             present = session is not None
+        if session is not None and owner is not None and session.owner not in (None, owner):
+            # Another identity with the same client id: its subscriptions, what it had
+            # in flight and what it missed were allowed for the other one. A fresh start.
+            log.info("client id %r: session of %s not resumed by %s: starting clean",
+                     client_id, session.owner, owner)
+            await self.discard_session(client_id)
+            session, present = None, False
         if session is None:
             if expiry > 0 and self.config.max_sessions \
                     and self.persistent_sessions >= self.config.max_sessions:
@@ -354,9 +369,12 @@ class Broker:
         session.expiry = expiry
         session.version = version
         session.disconnected_at = None
+        if owner is not None:
+            session.owner = owner
         if session.persistent:
             await self.store.meta_put("sessions", client_id, {"version": version,
-                                                               "expiry": expiry})
+                                                               "expiry": expiry,
+                                                               "owner": session.owner})
         return session, present
 
     async def _load_session(self, client_id: str) -> Session | None:
@@ -364,7 +382,7 @@ class Broker:
         if info is None:
             return None
         s = Session(client_id, persistent=True, version=info.get("version", 4),
-                    expiry=info.get("expiry", NEVER_EXPIRES))
+                    expiry=info.get("expiry", NEVER_EXPIRES), owner=info.get("owner"))
         for key, value in await self.store.meta_items("subscriptions", client_id + NUL):
             sub = Subscription.from_meta(key.split(NUL, 1)[1], value)
             s.add_subscription(sub)
@@ -442,7 +460,8 @@ class Broker:
             return
         await self.flush_offsets(session)
         info: dict[str, Any] = {"version": session.version, "expiry": session.expiry,
-                                "disconnected_at": session.disconnected_at}
+                                "disconnected_at": session.disconnected_at,
+                                "owner": session.owner}
         pending = self._pending_wills.get(session.client_id)
         if pending is not None:  # kept with the session: published after a restart too
             will, due, _ = pending
@@ -737,7 +756,8 @@ class Broker:
         props = {k: v for k, v in will.properties.items() if k != "will_delay_interval"}
         retain = will.retain
         if retain and will.payload:
-            why = self.retained.admit(will.topic, client_id, len(will.payload))
+            why = self.retained.admit(will.topic, client_id,
+                                      stored_size(will.topic, will.payload, props))
             if why is not None:  # still published, not retained
                 self.stats.limit_refusals += 1
                 log.warning("will of %r on %r not retained: %s", client_id, will.topic, why)
@@ -756,7 +776,8 @@ class Broker:
             r = RetainedMessage(msg.topic, msg.body, msg.qos, msg.properties, msg.client_id,
                                 msg.store_ts, msg.phys_offset)
             await self.store.meta_put("retained", msg.topic, r.to_meta())
-            self.retained.set(msg.topic, msg.client_id, len(msg.body))
+            self.retained.set(msg.topic, msg.client_id,
+                              stored_size(msg.topic, msg.body, msg.properties))
         else:  # an empty retained payload clears the topic's retained message
             await self.store.meta_delete("retained", msg.topic)
             self.retained.remove(msg.topic)
@@ -769,7 +790,8 @@ class Broker:
         """The retained messages the store already holds count from the start."""
         try:
             for topic, d in await self.store.meta_items("retained"):
-                self.retained.set(topic, d.get("client_id", ""), len(d["body"]))
+                size = stored_size(topic, d["body"], d.get("props") or {})
+                self.retained.set(topic, d.get("client_id", ""), size)
         except StoreError as exc:  # separated mode, store away
             log.warning("retained messages not counted: %s", exc)
 

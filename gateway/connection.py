@@ -37,6 +37,7 @@ from gateway.mqtt import (
 from gateway.mqtt import reason as rc
 from gateway.mqtt.properties import publish_properties
 from gateway.reserved import refusal as reserved_refusal
+from gateway.retained import stored_size
 from gateway.session import (
     NEVER_EXPIRES,
     Outgoing,
@@ -103,7 +104,7 @@ class Connection:
         "_outbuf_bytes",
         "_window", "_cancel", "_detached", "_taken_over", "_write_failed", "_store_error",
         "_aliases_in", "_aliases_out", "_alias_out_max", "_fd",
-        "_held", "_auth_method", "_reauth", "_idle", "bridge",
+        "_held", "_auth_method", "_reauth", "_idle", "bridge", "_expires",
     )
 
     def __init__(
@@ -123,6 +124,7 @@ class Connection:
         self._ask_hook = False  # PUB/SUB decided by the HTTP hook (--auth-http-acl)
         self._auth_method: str | None = None  # the CONNECT's enhanced authentication method
         self._reauth: Authenticator | None = None  # a re-authentication under way
+        self._expires = math.inf  # trio time the credentials lapse (a token's exp)
         self._check_delivery = False  # whether each delivery needs a SUB decision
         self._kicked: Closing | None = None
         cfg = broker.config
@@ -224,6 +226,10 @@ class Connection:
                 closing = Closing("taken over")
             elif self._write_failed:
                 closing = Closing("connection lost while writing")
+            elif self._cancel.cancelled_caught and self._expires <= trio.current_time():
+                # MQTT 5 0xA0: the time this connection was authorised for is over; a
+                # client reconnects with fresh credentials (not 0x87: it did nothing wrong).
+                closing = Closing("credentials expired", True, rc.MAXIMUM_CONNECT_TIME)
             elif self._cancel.cancelled_caught and self._cancel.deadline <= trio.current_time():
                 closing = Closing("keepalive timeout", True, rc.KEEP_ALIVE_TIMEOUT) \
                     if self.session is not None else Closing("no CONNECT in time", will=False)
@@ -316,11 +322,17 @@ class Connection:
     def auth_changed(self) -> None:
         """Policies changed: decisions cached on this connection no longer hold."""
         auth = self.broker.auth
-        # A hook-decided client is not checked per delivery: the hook allowed the filter,
-        # and an HTTP call per message pushed would stall delivery.
+        # A hook-decided client's deliveries are asked of the hook instead (awaited, so
+        # in the delivery task only: _hook_refuses).
         self._check_delivery = bool(
             auth.enabled and self.subject is not None and not auth.is_super(self.subject)
             and not self._ask_hook)
+
+    def _auth_deadline(self) -> float:
+        """The trio time this connection's credentials lapse (a token's exp, a hook's
+        expire_at); inf when they never do."""
+        expires = self.subject.expires if self.subject is not None else None
+        return math.inf if expires is None else trio.current_time() + expires - time.time()
 
     def _may(self, action: str, name: str, is_filter: bool = False) -> bool:
         if self.subject is None:
@@ -329,6 +341,12 @@ class Connection:
             self._auth_cache = DecisionCache()
         return self.broker.auth.authorize(self.subject, "Topic", name, action,
                                           is_filter=is_filter, cache=self._auth_cache)
+
+    async def _hook_refuses(self, topic: str) -> bool:
+        """Whether the HTTP hook refuses this delivery to a client it decides for: a
+        filter it allowed may catch topics it denies (answers are cached per topic).
+        Callers test `_ask_hook` first: no coroutine per delivery for everyone else."""
+        return not await self._may_ask("SUB", topic)
 
     async def _may_ask(self, action: str, name: str, is_filter: bool = False) -> bool:
         """`_may`, or the HTTP hook's answer for a client it decides for."""
@@ -432,15 +450,16 @@ class Connection:
         self._cancel.deadline = trio.current_time() + self.config.connect_timeout
         packets = await self._connect(nursery)
         while True:
+            # The credentials' end is a deadline of the connection's scope, as the
+            # keepalive is: nothing polls. _close tells the two apart.
+            self._cancel.deadline = self._expires
             for packet in packets:
                 await self._dispatch(packet)
             await self._flush_publishes()
-            if self.keepalive:  # see _cancel; _close tells a keepalive timeout apart
-                self._cancel.deadline = trio.current_time() + self.keepalive * 1.5
-                packets = await self._receive()
-                self._cancel.deadline = math.inf
-            else:
-                packets = await self._receive()
+            if self.keepalive:  # see _cancel
+                self._cancel.deadline = min(self._expires,
+                                            trio.current_time() + self.keepalive * 1.5)
+            packets = await self._receive()
 
     async def _connect(self, nursery: trio.Nursery) -> list[Any]:
         """Read the CONNECT and answer it; returns the packets that came after it. Every
@@ -657,10 +676,12 @@ class Connection:
                 await self._refuse(v, rc.NOT_AUTHORIZED, 5, "not authorized")
             await self._refuse(v, rc.BAD_USER_NAME_OR_PASSWORD, 4, "bad user name or password")
         self._ask_hook = broker.auth.asks_hook(self.subject)
+        self._expires = self._auth_deadline()
         if p.will is not None:
             await self._check_will(p.will, v)
             await self._check_will_topic(p.will.topic, v)
         self.auth_changed()
+        self.decoder.max_packet_size = self.config.max_packet_size
         return auth_data
 
     async def _enhanced_connect(self, p: Connect, authenticator: Authenticator, ip: str,
@@ -668,6 +689,10 @@ class Connection:
         """The CONNECT's AUTH exchange (§4.12): AUTH 0x18 both ways until the method
         decides. AuthError when it fails."""
         auth, method = self.broker.auth, authenticator.method
+        # The exchange's AUTH packets come from nobody yet: bounded as the CONNECT was
+        # (--max-connect-packet) until _admit lifts it. Data a client pipelined behind
+        # its CONNECT was read already, within the node's read budget, as for any client.
+        self.decoder.max_packet_size = self.decoder.first_packet_max
         await auth.enhanced_wait(ip)
         step = authenticator.start(p.properties.get("authentication_data"))
         deadline = trio.current_time() + self.config.connect_timeout
@@ -733,6 +758,7 @@ class Connection:
         if subject.name != self.subject.name:  # the session and its rights are the first's
             raise Closing("re-authenticated as another user", True, rc.NOT_AUTHORIZED)
         self.subject = subject
+        self._expires = self._auth_deadline()
         self._auth_cache = None
         self.auth_changed()
         await self.send(mqtt.encode(self._auth_packet(rc.SUCCESS, step.data), 5))
@@ -809,8 +835,11 @@ class Connection:
             await self._refuse_publish(p, topic[:100], "past --max-topic-levels or "
                                        "--max-topic-length", rc.TOPIC_NAME_INVALID)
             return
+        props = {k: v for k, v in p.properties.items() if k != "topic_alias"} \
+            if p.properties else {}
         if p.retain and p.payload:
-            why = self.broker.retained.admit(topic, s.client_id, len(p.payload))
+            why = self.broker.retained.admit(topic, s.client_id,
+                                             stored_size(topic, p.payload, props))
             if why is not None:
                 self.broker.stats.limit_refusals += 1
                 await self._refuse_publish(p, topic, why, rc.QUOTA_EXCEEDED)
@@ -839,8 +868,6 @@ class Connection:
             await self._flush_publishes()
             await self._to_acker(rc.PAYLOAD_FORMAT_INVALID, p)
             return
-        props = {k: v for k, v in p.properties.items() if k != "topic_alias"} \
-            if p.properties else {}
         self._batch_msgs.append(Message(
             topic, p.payload, p.qos, p.retain, s.client_id, props,
             born_ts=time.time_ns() // 1_000_000,
@@ -1106,7 +1133,8 @@ class Connection:
         todo = []
         for sub in subs:
             for r in await self.broker.retained_for(sub.topic_filter):
-                if self._check_delivery and not self._may("SUB", r.topic):
+                if self._check_delivery and not self._may("SUB", r.topic) \
+                        or self._ask_hook and await self._hook_refuses(r.topic):
                     continue
                 qos = min(r.qos, sub.options.qos)
                 sids = [sub.subscription_id] if sub.subscription_id else None
@@ -1247,7 +1275,7 @@ class Connection:
 
     async def _deliver(self, s: Session, queue: str, msg: Message) -> None:
         plan = self._plan(s, queue, msg)
-        if plan is not None:
+        if plan is not None and not (self._ask_hook and await self._hook_refuses(msg.topic)):
             qos, retain, sids, offset = plan
             await self._push(msg, qos, retain, sids, queue, offset, buffered=True)
 
@@ -1287,8 +1315,8 @@ class Connection:
         At low rates each message woke the delivery task: a scheduler pass and a task
         step per message, half the broker's CPU. False: the delivery task must do it."""
         if (not self._idle or self._fd < 0 or self._writing or s.dirty
-                or s.restored_upto or queue not in s.subscriptions):
-            return False
+                or s.restored_upto or queue not in s.subscriptions or self._ask_hook):
+            return False  # (a hook's answer is awaited: the delivery task's work)
         if self._cancel.cancel_called:
             # Closing (a DISCONNECT was read, a kick): the delivery task is cancelled but
             # not yet unwound. A message sent now would be in flight on a connection that
@@ -1376,7 +1404,8 @@ class Connection:
         qos = min(msg.qos, sub.options.qos)
         sids = [sub.subscription_id] if sub.subscription_id and self.version == 5 else None
         offset = msg.offset_in(group.queue)
-        if self._check_delivery and not self._may("SUB", msg.topic):
+        if self._check_delivery and not self._may("SUB", msg.topic) \
+                or self._ask_hook and await self._hook_refuses(msg.topic):
             group.acked(offset)  # not for this member's user: dropped, logged in audit
             return True
         sent = await self._push(msg, qos, False, sids, None, offset, group, buffered)

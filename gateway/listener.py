@@ -13,24 +13,25 @@ import os
 import socket
 import ssl
 from dataclasses import dataclass
+from functools import partial
 
 import trio
-from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
+from wsproto import WSConnection
+from wsproto.events import AcceptConnection, Request
 
-from gateway.broker import Broker
+from gateway.broker import Broker, GatewayConfig
 from gateway.connection import Connection
-from gateway.transports import ServerTLS, WatchedStream, WebSocketStream
+from gateway.mqtt import Decoder
+from gateway.transports import ServerTLS, WebSocketStream, receive_upgrade, reject_upgrade
+from serving.read_budget import ReadBudget, read_fd
 from serving.startup import StartupError, listening, split_hostport
 
 log = logging.getLogger("lightgate.gateway.listener")
-# trio-websocket logs every socket read and frame at DEBUG; our own lines say what matters.
-logging.getLogger("trio-websocket").setLevel(logging.INFO)
 
 BACKLOG = 4096
 WS_HANDSHAKE_TIMEOUT = 10.0  # from TCP accept (after TLS, for wss) to the HTTP upgrade
 WS_SUBPROTOCOLS = ("mqtt", "mqttv3.1")  # MQTT 3.1.1/5.0's name, then MQTT 3.1 clients'
 WS_MESSAGE_SLACK = 64 * 1024  # a message may carry more than one packet, a little over
-WS_RECEIVE_BUFFER = 64 * 1024  # bytes per socket read, as Connection reads TCP
 
 
 @dataclass
@@ -80,9 +81,12 @@ async def _open(addr: str, name: str = "mqtt") -> tuple[list[trio.SocketListener
 async def handle_connection(
     broker: Broker, stream: trio.abc.Stream, peer: str, cert_identity: str | None = None
 ) -> None:
-    conn = Connection(broker, stream, peer, cert_identity=cert_identity)
+    await run_connection(Connection(broker, stream, peer, cert_identity=cert_identity))
+
+
+async def run_connection(conn: Connection) -> None:
     if conn.cert_identity is not None:
-        log.debug("TLS client %s: certificate identity %r", peer, conn.cert_identity)
+        log.debug("TLS client %s: certificate identity %r", conn.peer, conn.cert_identity)
     try:
         await conn.run()
     except Exception:  # contained: one connection never takes the server down
@@ -156,82 +160,75 @@ async def serve_mqtt_ws(
 async def _serve_websocket(
     broker: Broker, stream: trio.abc.Stream, peer: str, identity: str | None
 ) -> None:
-    """One WebSocket connection, with trio-websocket's reader task kept apart: it runs
-    shielded until the session is over, so that Connection's close handshake (which
-    needs the reader to see the peer's answer) completes even while the server shuts
-    down, instead of waiting out its timeout; it is cancelled right after."""
-    finished = trio.Event()
-
-    async def session(reader: trio.Nursery) -> None:
-        try:
-            await _websocket_session(broker, reader, stream, peer, identity)
-        finally:
-            finished.set()
-
-    async with trio.open_nursery() as tasks, trio.open_nursery() as reader:
-        reader.cancel_scope.shield = True
-        tasks.start_soon(session, reader)
-        await finished.wait()  # always set: session() sets it on every way out
-        reader.cancel_scope.cancel()
-
-
-async def _websocket_session(
-    broker: Broker, reader: trio.Nursery, stream: trio.abc.Stream, peer: str,
-    identity: str | None,
-) -> None:
     """The WebSocket upgrade (subprotocol `mqtt` required, any path), then MQTT."""
-    request = await _upgrade_request(reader, WatchedStream(stream), broker, peer)
-    if request is None:
+    upgrade = await _upgrade_request(stream, peer)
+    if upgrade is None:
         return
-    offered = request.proposed_subprotocols
-    chosen = next((p for p in WS_SUBPROTOCOLS if p in offered), None)
+    ws, request = upgrade
+    chosen = next((p for p in WS_SUBPROTOCOLS if p in request.subprotocols), None)
     if chosen is None:
         # MQTT 6.0: the server must select "mqtt"; without it this is not MQTT.
         log.info("websocket client %s (path %s) offered subprotocols %s, not mqtt: rejected",
-                 peer, request.path, list(offered))
-        await request.reject(400, body=b"MQTT over WebSocket needs subprotocol mqtt\n")
+                 peer, request.target, request.subprotocols)
+        await reject_upgrade(stream, ws, 400, b"MQTT over WebSocket needs subprotocol mqtt\n")
         return
-    ws = await request.accept(subprotocol=chosen)
-    await handle_connection(broker, WebSocketStream(ws), peer, identity)
+    await stream.send_all(ws.send(AcceptConnection(subprotocol=chosen)))
+    ws_stream = WebSocketStream(stream, ws, peer)
+    conn = Connection(broker, ws_stream, peer, cert_identity=identity)
+    _attach(ws_stream, stream, conn.decoder, broker)
+    await run_connection(conn)
 
 
-async def _upgrade_request(
-    nursery: trio.Nursery, stream: WatchedStream, broker: Broker, peer: str
-) -> WebSocketRequest | None:
+def _attach(ws_stream: WebSocketStream, transport: trio.abc.Stream, decoder: Decoder,
+            broker: Broker) -> None:
+    """What a WebSocket stream asks of the Connection reading it, asked of that
+    Connection's decoder: a reference cycle through the Connection would keep a closed
+    one's buffers until the collector's next full run."""
+    ws_stream.message_limit = partial(_message_limit, broker.config, decoder)
+    if type(transport) is trio.SocketStream:  # ws:// (wss:// reads through TLS)
+        ws_stream.read = partial(_read_counted, transport.socket.fileno(),
+                                 broker.read_budget, decoder)
+
+
+async def _read_counted(fd: int, budget: ReadBudget, decoder: Decoder, max_bytes: int
+                        ) -> bytes:
+    """A read of a WebSocket's plain socket as Connection reads TCP (read_fd): its bytes
+    count in the node's read budget until they reach the decoder, so that many
+    connections reading at once cannot each see the budget as it was before the
+    others' reads. Its size is the budget's (what Connection asked, `max_bytes`, comes
+    from the same holding: the decoder's), taken when the data is there."""
+    return await read_fd(fd, budget, decoder.buffered)
+
+
+def _message_limit(cfg: GatewayConfig, decoder: Decoder) -> tuple[int, str]:
+    """How large a WebSocket message may be, and the setting that says so: until a
+    CONNECT is decoded no larger than that first packet may be (a message may hold the
+    CONNECT and more, but nobody is authenticated yet); after it, a packet and a
+    little."""
+    if decoder.version is None:
+        return cfg.max_connect_packet, "--max-connect-packet"
+    return cfg.max_packet_size + WS_MESSAGE_SLACK, "--max-packet-size"
+
+
+async def _upgrade_request(stream: trio.abc.Stream, peer: str
+                           ) -> tuple[WSConnection, Request] | None:
     """The client's upgrade request; None if it takes too long or the peer goes away
     first (closed, or sent something that is not an upgrade: answered 400 already)."""
-    got: list[WebSocketRequest] = []
-
-    async def upgrade() -> None:
-        got.append(await wrap_server_stream(
-            nursery, stream,
-            # Bounded memory: no message larger than the largest packet we accept.
-            max_message_size=broker.config.max_packet_size + WS_MESSAGE_SLACK,
-            receive_buffer_size=WS_RECEIVE_BUFFER,
-        ))
-        race.cancel_scope.cancel()
-
-    async def gone() -> None:
-        await stream.ended.wait()
-        race.cancel_scope.cancel()
-
+    got = None
     with trio.move_on_after(WS_HANDSHAKE_TIMEOUT) as timeout:
-        async with trio.open_nursery() as race:
-            race.start_soon(upgrade)
-            race.start_soon(gone)
+        got = await receive_upgrade(stream)
     if timeout.cancelled_caught:
         log.info("websocket handshake with %s timed out", peer)
-    elif not got:
+    elif got is None:
         log.info("websocket handshake with %s failed: no upgrade request", peer)
-    return got[0] if got else None
+    return got
 
 
 def _is_disconnect(exc: BaseException) -> bool:
     """Whether `exc` (or every part of a group) is only the peer going away."""
     if isinstance(exc, BaseExceptionGroup):
         return all(_is_disconnect(e) for e in exc.exceptions)
-    return isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError,
-                            ConnectionClosed, OSError))
+    return isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError, OSError))
 
 
 def _server_tls(cfg: ListenerConfig) -> ServerTLS | None:

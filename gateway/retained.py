@@ -2,7 +2,8 @@
 
 A retained message outlives its publisher, so a client publishing retained messages to
 ever new topics fills the store for good. The budget keeps, per topic, who set it and
-its size (a few dozen bytes a topic, not the bodies), loaded from the store when the
+its size as stored (topic, properties and payload: a 1-byte payload may carry hundreds
+of kB of MQTT 5 user properties), not the message itself, loaded from the store when the
 gateway starts and kept current by this gateway's own writes. In separated mode other
 gateways' writes are seen on the next start: each gateway enforces the budget over what
 it knows, so a cluster may hold up to the budget per gateway.
@@ -11,8 +12,10 @@ it knows, so a cluster may hold up to the budget per gateway.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.reserved import is_broker_statistic
+from store.api import encode_properties
 
 
 @dataclass
@@ -23,19 +26,25 @@ class RetainedLimits:
     per_client_bytes: int = 0
 
 
+def stored_size(topic: str, body: bytes, properties: dict[str, Any]) -> int:
+    """What a retained message takes in the store: its topic, its properties (encoded as
+    the store keeps them) and its payload."""
+    return len(topic.encode()) + len(encode_properties(properties)) + len(body)
+
+
 class RetainedBudget:
     def __init__(self, limits: RetainedLimits) -> None:
         self.limits = limits
-        self.topics: dict[str, tuple[str, int]] = {}  # topic -> (client id, body size)
+        self.topics: dict[str, tuple[str, int]] = {}  # topic -> (client id, stored size)
         self.count = 0
         self.bytes = 0
         self.per_client: dict[str, list[int]] = {}  # client id -> [count, bytes]
         self.refused = 0
 
     def admit(self, topic: str, client_id: str, size: int) -> str | None:
-        """Why setting `topic`'s retained message (`size` body bytes) by `client_id`
-        would exceed a budget, or None (then it is counted at once, so that publishes
-        still on their way to the store count too)."""
+        """Why setting `topic`'s retained message (`size` bytes, see stored_size) by
+        `client_id` would exceed a budget, or None (then it is counted at once, so that
+        publishes still on their way to the store count too)."""
         lim = self.limits
         old = self.topics.get(topic)
         d_count = 0 if old else 1

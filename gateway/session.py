@@ -110,6 +110,9 @@ class Session:
     # acknowledged or is being resent with DUP, so it is not sent again.
     _restored_upto: dict[str, int] | None = None
     _groups: set[Any] | None = None  # SharedGroups this session is in
+    # Who made it, with auth on ("backend:name"): only they resume it. None: a session
+    # stored before sessions had owners (the first to resume it claims it), or auth off.
+    owner: str | None = None
 
     def has_state(self) -> bool:
         """Subscriptions, messages in flight or shared groups: a delivery task is due."""

@@ -1,5 +1,7 @@
 """Transports under MQTT: a server TLS context that follows its files on disk, the TLS
-handshake with certificate identity, and a WebSocket connection seen as a byte stream.
+handshake with certificate identity, and the WebSocket upgrade and a WebSocket
+connection seen as a byte stream (on wsproto, which does no I/O of its own: the reads
+are Connection's, so they obey its budgets).
 
 The listeners in `gateway.listener` put these together; `Connection` only ever sees a
 `trio.abc.Stream`.
@@ -7,17 +9,35 @@ The listeners in `gateway.listener` put these together; `Connection` only ever s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import ssl
+from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection
+from wsproto import ConnectionState, ConnectionType, WSConnection
+from wsproto.events import (
+    BytesMessage,
+    CloseConnection,
+    Event,
+    Ping,
+    RejectConnection,
+    RejectData,
+    Request,
+    TextMessage,
+)
+from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 log = logging.getLogger("lightgate.gateway.tls")
+ws_log = logging.getLogger("lightgate.gateway.websocket")
 
 TLS_HANDSHAKE_TIMEOUT = 10.0  # a stalled client gives up its slot after this long
+WS_RECEIVE_BUFFER = 64 * 1024  # bytes per socket read when the caller names no size
+WS_CLOSE_TIMEOUT = 1.0  # for the peer's part of a close handshake
+WS_CLOSE_DRAIN = 256 * 1024  # bytes read past while waiting for the peer's close frame
 CLIENT_AUTH_MODES = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL,
                      "required": ssl.CERT_REQUIRED}
 USERNAME_SOURCES = ("none", "cn", "san")
@@ -141,83 +161,179 @@ class ServerTLS:
         return None
 
 
+async def receive_upgrade(stream: trio.abc.Stream) -> tuple[WSConnection, Request] | None:
+    """The client's HTTP upgrade request on a new connection, with the WebSocket state
+    it opens; None if the peer leaves first or sends something else (answered 400). h11
+    under wsproto bounds the request's head (16 KiB); the caller bounds the time."""
+    ws = WSConnection(ConnectionType.SERVER)
+    while True:
+        try:
+            data = await stream.receive_some(WS_RECEIVE_BUFFER)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return None
+        if not data:
+            return None
+        try:
+            ws.receive_data(data)
+            request = next((e for e in ws.events() if isinstance(e, Request)), None)
+        except RemoteProtocolError as exc:
+            if exc.event_hint is not None:
+                await _send_quietly(stream, ws, exc.event_hint)
+            return None
+        if request is not None:
+            return ws, request
+
+
+async def reject_upgrade(stream: trio.abc.Stream, ws: WSConnection, status: int,
+                         body: bytes) -> None:
+    headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))]
+    await _send_quietly(stream, ws, RejectConnection(status_code=status, headers=headers,
+                                                     has_body=True))
+    await _send_quietly(stream, ws, RejectData(data=body))
+
+
+async def _send_quietly(stream: trio.abc.Stream, ws: WSConnection, event: Event) -> None:
+    """An answer to a client that may be gone already: nothing to do if it is."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError,
+                             LocalProtocolError):
+        await stream.send_all(ws.send(event))
+
+
 class WebSocketStream(trio.abc.Stream):
     """An accepted MQTT WebSocket connection as a byte stream, for `Connection`.
 
-    MQTT 6.0: packets travel in binary messages and need not be aligned with them, so
-    reads hand out message bytes (keeping the rest for the next read) and every write
-    is one binary message."""
+    MQTT 6.0: packets travel in binary messages and need not be aligned with them, so a
+    read hands out message bytes as they arrive and no message is held whole: what a
+    client sent of a packet waits in Connection's decoder, counted in the node's read
+    budget (--max-partial-bytes) as for TCP, and a read takes no more from the socket
+    than Connection asks for, so a connection that budget holds back is not read. A
+    message longer than `message_limit()` allows (asked as it starts) is refused with
+    close code 1009. Every write is one binary message."""
 
     # Closes that are the peer simply going away; others are reported as a broken stream.
     _NORMAL_CLOSES = (1000, 1001, 1005)
 
-    def __init__(self, ws: WebSocketConnection) -> None:
-        self.ws = ws
-        self._buf = b""
-        self._pos = 0
+    def __init__(self, transport: trio.abc.Stream, ws: WSConnection, peer: str) -> None:
+        self.transport = transport
+        self.peer = peer
+        self._ws = ws
+        # These two depend on the Connection reading this stream, so whoever makes both
+        # sets them. The bytes a message may have and the setting that says so (until
+        # set, no message is let through);
+        self.message_limit: Callable[[], tuple[int, str]] = lambda: (0, "not set up")
+        # and a read of at most that many bytes of frames (a plain socket's may count
+        # them in the node's read budget meanwhile, as Connection's reads of TCP do).
+        self.read: Callable[[int], Awaitable[bytes]] = transport.receive_some
+        self._limit: tuple[int, str] | None = None  # of the message under way, if any
+        self._message_size = 0  # bytes of it so far
+        self._ready: deque[bytes] = deque()  # message bytes not yet handed out
+        self._peer_closed: int | None = None  # the code of the peer's close frame
+        self._send_lock = trio.StrictFIFOLock()  # the reader answers pings and closes
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        while self._pos >= len(self._buf):
-            try:
-                message = await self.ws.get_message()
-            except ConnectionClosed as exc:
-                if exc.reason is None or exc.reason.code in self._NORMAL_CLOSES:
+        while not self._ready:
+            if self._peer_closed is not None:
+                if self._peer_closed in self._NORMAL_CLOSES:
                     return b""
-                raise trio.BrokenResourceError(f"websocket closed: {exc.reason}") from exc
-            if isinstance(message, str):  # MQTT-6.0.0-1: text frames close the connection
-                with trio.move_on_after(1):  # a peer that never answers the close
-                    await self.ws.aclose(1003, "MQTT needs binary frames")
-                raise trio.BrokenResourceError("text frame on an MQTT websocket")
-            self._buf, self._pos = message, 0
-        end = len(self._buf) if max_bytes is None else min(len(self._buf), self._pos + max_bytes)
-        data = self._buf[self._pos:end]  # the whole message is not copied (bytes slice)
-        self._pos = end
-        return data
+                raise trio.BrokenResourceError(f"websocket closed: {self._peer_closed}")
+            data = await self.read(max_bytes or WS_RECEIVE_BUFFER)
+            if not data:
+                raise trio.BrokenResourceError("websocket closed without a close frame")
+            self._ws.receive_data(data)
+            for event in self._ws.events():
+                await self._on_event(event)
+        return self._take(max_bytes)
+
+    async def _on_event(self, event: Event) -> None:
+        if isinstance(event, BytesMessage):
+            await self._on_message_bytes(event)
+        elif isinstance(event, TextMessage):  # MQTT-6.0.0-1: text frames close it
+            await self._close(1003, "MQTT needs binary frames")
+            raise trio.BrokenResourceError("text frame on an MQTT websocket")
+        elif isinstance(event, Ping):
+            await self._send(event.response())
+        elif isinstance(event, CloseConnection):
+            if self._ws.state is ConnectionState.REMOTE_CLOSING:
+                await self._send_quietly(event.response())
+            else:  # a frame wsproto could not parse, told as a close: ours
+                await self._close(event.code, event.reason or "")
+            self._peer_closed = event.code
+
+    async def _on_message_bytes(self, event: BytesMessage) -> None:
+        if self._limit is None:
+            self._limit = self.message_limit()
+        limit, setting = self._limit
+        self._message_size += len(event.data)
+        if self._message_size > limit:
+            ws_log.warning("websocket client %s closed: a message of more than %d bytes "
+                           "(%s)", self.peer, limit, setting)
+            await self._close(1009, f"message over {limit} bytes")
+            raise trio.BrokenResourceError(f"websocket message over {limit} bytes ({setting})")
+        if event.message_finished:
+            self._limit, self._message_size = None, 0
+        if event.data:
+            self._ready.append(bytes(event.data))
+
+    def _take(self, max_bytes: int | None) -> bytes:
+        """Up to `max_bytes` of the bytes received, in one piece."""
+        out: list[bytes] = []
+        n = 0
+        while self._ready and (max_bytes is None or n < max_bytes):
+            chunk = self._ready.popleft()
+            if max_bytes is not None and n + len(chunk) > max_bytes:
+                keep = max_bytes - n
+                self._ready.appendleft(chunk[keep:])
+                chunk = chunk[:keep]
+            out.append(chunk)
+            n += len(chunk)
+        return out[0] if len(out) == 1 else b"".join(out)
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        try:
-            await self.ws.send_message(bytes(data))
-        except ConnectionClosed as exc:
-            raise trio.BrokenResourceError(f"websocket closed: {exc.reason}") from exc
+        await self._send(BytesMessage(data=bytes(data)))
 
     async def wait_send_all_might_not_block(self) -> None:
         return  # messages go straight to the transport; send_all is where it waits
 
-    async def aclose(self) -> None:
-        await self.ws.aclose()  # close handshake, then the TCP/TLS stream under it
+    async def _send(self, event: Event) -> None:
+        async with self._send_lock:  # frames go out whole and in the order made
+            try:
+                data = self._ws.send(event)
+            except LocalProtocolError as exc:  # closing: nothing more goes out
+                raise trio.ClosedResourceError(f"websocket closing: {exc}") from None
+            await self.transport.send_all(data)
 
+    async def _send_quietly(self, event: Event) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._send(event)
 
-class WatchedStream(trio.abc.Stream):
-    """A stream that sets `ended` once it reads EOF, breaks or is closed.
-
-    trio-websocket's reader stops quietly when the peer leaves or sends something other
-    than an upgrade request; this lets the listener stop waiting for the upgrade then,
-    rather than holding the connection's task until the handshake timeout."""
-
-    def __init__(self, inner: trio.abc.Stream) -> None:
-        self.inner = inner
-        self.ended = trio.Event()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        try:
-            data = await self.inner.receive_some(max_bytes)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.ended.set()
-            raise
-        if not data:
-            self.ended.set()
-        return data
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        try:
-            await self.inner.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.ended.set()
-            raise
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
+    async def _close(self, code: int, reason: str) -> None:
+        """Start the close handshake (aclose waits for the answer)."""
+        with trio.move_on_after(WS_CLOSE_TIMEOUT):  # a peer that reads nothing
+            await self._send_quietly(CloseConnection(code=code, reason=reason))
 
     async def aclose(self) -> None:
-        self.ended.set()
-        await self.inner.aclose()
+        """The close handshake, then the TCP/TLS stream under it. Waiting for the peer's
+        close frame (reading past what it still sends) before closing the socket keeps
+        unread bytes from turning the close into a reset that loses our close frame."""
+        try:
+            if self._ws.state is ConnectionState.OPEN:
+                await self._close(1000, "")
+            if self._ws.state is ConnectionState.LOCAL_CLOSING:
+                with trio.move_on_after(WS_CLOSE_TIMEOUT):
+                    await self._await_close_frame()
+        finally:
+            await trio.aclose_forcefully(self.transport)
+
+    async def _await_close_frame(self) -> None:
+        drained = 0
+        while drained < WS_CLOSE_DRAIN:
+            try:
+                data = await self.transport.receive_some(WS_RECEIVE_BUFFER)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            drained += len(data)
+            self._ws.receive_data(data)
+            if any(isinstance(e, CloseConnection) for e in self._ws.events()):
+                return

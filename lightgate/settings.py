@@ -87,10 +87,12 @@ GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
     *LISTENER_SETTINGS,
     ("max-inflight", int, 32, "unacknowledged QoS 1/2 messages per client"),
     ("max-packet-size", int, 1024 * 1024, "largest MQTT packet accepted, in bytes"),
-    ("max-connect-packet", int, 64 * 1024, "largest first packet (CONNECT, will included) "
-     "before the client is authenticated"),
+    ("max-connect-packet", int, 64 * 1024, "largest packet (the CONNECT with its will, a "
+     "SCRAM AUTH) before the client is authenticated, and largest WebSocket message begun "
+     "before it"),
     ("max-partial-bytes", int, 64 * 1024 * 1024, "bytes of partly received packets the node "
-     "holds; past it the clients holding the most stop being read (0: no budget)"),
+     "holds, over TCP, TLS and WebSocket; past it the clients holding the most stop being "
+     "read (0: no budget)"),
     ("partial-timeout-s", float, 10.0, "close a client held back by --max-partial-bytes "
      "for this long"),
     ("max-pending-publishes", int, 64, "publishes per client in the store pipeline at once"),
@@ -107,10 +109,12 @@ GATEWAY_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("max-topic-levels", int, 128, "levels of a topic name or filter (0: no limit)"),
     ("max-topic-length", int, 4096, "characters of a topic name or filter (0: no limit)"),
     ("max-retained", int, 100_000, "retained messages held (0: no limit)"),
-    ("max-retained-bytes", int, 256 * 1024 * 1024, "bytes of retained messages held"),
+    ("max-retained-bytes", int, 256 * 1024 * 1024,
+     "bytes of retained messages held, as stored: topic, properties and payload"),
     ("max-retained-per-client", int, 1000, "retained messages one client id may set"),
     ("max-retained-bytes-per-client", int, 16 * 1024 * 1024,
-     "bytes of retained messages one client id may set"),
+     "bytes of retained messages one client id may set (counted as for "
+     "--max-retained-bytes)"),
     ("v3-session-expiry-s", float, 7200.0, "MQTT 3.1.1 persistent sessions end this long "
      "after the client left (0: never)"),
     ("max-sessions", int, 100_000, "persistent sessions held; new ones past it are refused "

@@ -35,7 +35,7 @@ from store.common import (
 )
 from store.http import store_routes, topic_rows
 from store.http_auth import auth_app
-from store.record import Message
+from store.record import Message, encode_properties
 from store.service import EmbeddedStore, StoreConfig
 
 __all__ = [
@@ -45,7 +45,7 @@ __all__ = [
     "NativeClient", "PullResult", "QueueSeek", "RemoteStore", "Store", "StoreClosedError",
     "StoreConfig", "StoreError",
     "StoreFullError", "StoreNode", "StoreUnavailable", "Subject", "audit_to_file", "auth_app",
-    "await_future", "store_node", "store_routes", "topic_rows",
+    "await_future", "encode_properties", "store_node", "store_routes", "topic_rows",
 ]
 
 

@@ -80,6 +80,8 @@ async def store_node(
             repl = Replication(store, repl_cfg, native)
             store.replication = repl
             store.auth_reload = auth.load
+            auth.reload_on_copy(store.meta)  # a replica: as users and policies arrive
+            nursery.start_soon(auth.run_copy_reloads)
             server.register(REPL_FETCH, repl.handle_fetch)
             server.write_refusal = repl.write_refusal
             server.hello_extra = repl.hello

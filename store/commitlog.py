@@ -399,14 +399,16 @@ class CommitLog:
         for req in accepted:
             req.future.set_result(req.messages)
 
-    def _write_chunks(self, chunks: list[list[bytes]]) -> None:
-        """Write each chunk to its segment (a new chunk = a roll); undo everything on error."""
+    def _write_chunks(self, chunks: list[list[bytes]], roll_first: bool = False) -> None:
+        """Write each chunk to its segment (a new chunk = a roll; `roll_first`: the first
+        chunk too); undo everything on error. The one write path of the log: a master's
+        appends and a replica's copies of them."""
         with self._tail_lock:
             start_pos = self._write_pos
             start_segments = len(self._segments)
             try:
                 for i, parts in enumerate(chunks):
-                    if i > 0:
+                    if i > 0 or roll_first:
                         self._roll()
                     data = b"".join(parts)
                     view = memoryview(data)
@@ -828,20 +830,9 @@ class CommitLog:
                 msg = record.decode(data, pos, offset + pos)
                 msgs.append(msg)
                 pos += msg.size
-            with self._tail_lock:
-                if base == offset and self._segments[-1].base != offset and offset > 0:
-                    self._roll()
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(self._wfd, view):]
-                self._write_pos += len(data)
-                self.stats["bytes_written"] += len(data)
-                if self.flush_mode == "sync":
-                    self._fsync_tail()
-                elif not self._flush_due:
-                    self._flush_due = True
-                    self._dirty_since = time.monotonic()
-                    self._requests.put(_WAKE)
+            # The master's segment starts here: roll so that offsets map to the same files.
+            roll = base == offset and self._segments[-1].base != offset and offset > 0
+            self._write_chunks([[data]], roll_first=roll)  # on error the log is as it was
             self._dispatch(msgs)
             self.stats["messages"] += len(msgs)
             if self.on_dispatched and msgs:

@@ -41,9 +41,13 @@ class Metadata:
     """Named column families of JSON values (bytes allowed inside, stored as base64).
 
     `on_change`, when set (a store group's master), hears every change as ops, after it
-    is written: what replicas copy (store.replication.metalog)."""
+    is written: what replicas copy (store.replication.metalog). `on_copied`, when set
+    (a store group's node), hears which column families a copy of the master's changes
+    wrote (`apply`, `load_page`), from the thread that wrote them: what a replica keeps
+    in memory from them (users, policies) is reloaded then."""
 
     on_change: Callable[[list[MetaOp]], None] | None = None
+    on_copied: Callable[[set[str]], None] | None = None
 
     def __init__(self, path: str | Path, cache_mb: int = CACHE_MB,
                  memtable_mb: int = MEMTABLE_MB) -> None:
@@ -124,6 +128,7 @@ class Metadata:
                     batch.delete_prefix(cf, key)
                 else:
                     raise ValueError(f"unknown metadata op {op!r}")
+        self._copied({cf for _, cf, _, _ in ops})
 
     def page(self, cursor: tuple[str, str] | None, max_bytes: int
              ) -> tuple[list[tuple[str, str, Any]], tuple[str, str] | None]:
@@ -160,6 +165,11 @@ class Metadata:
                     batch.delete_prefix(cf, "")
             for cf, key, value in items:
                 batch.put(cf, key, value)
+        self._copied(set(COLUMN_FAMILIES) if first else {cf for cf, _, _ in items})
+
+    def _copied(self, cfs: set[str]) -> None:
+        if self.on_copied is not None and cfs:
+            self.on_copied(cfs)
 
     def memory(self) -> dict[str, int]:
         """What RocksDB holds in memory over all column families (see

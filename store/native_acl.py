@@ -1,10 +1,12 @@
 """What each native-protocol request needs to be allowed (ACL 2.0 covers every API).
 
 - Server apps: SEND needs PUB on the first-level topic and on any MQTT topic it
-  addresses; PULL/QUEUE_* need SUB (or GET) on the queue's topic; HISTORY needs SUB (or
+  addresses; PULL/QUEUE_* need SUB (or GET) on the queue's topic, and PULL hands out
+  only the messages whose own topic the reader may SUB (or GET); HISTORY needs SUB (or
   GET) on the whole filter, as an MQTT SUBSCRIBE does, and hands out only the messages
-  whose own topic the reader may SUB (or GET); consumer groups need SUB on the group;
-  TOPIC_CREATE needs CREATE; STATS, message lookup, gateway lists need Cluster GET.
+  whose own topic the reader may read, with PULL's check; consumer groups need SUB on
+  the group (NACK also the right to pull the message it names); TOPIC_CREATE needs
+  CREATE; STATS, message lookup, gateway lists need Cluster GET.
 - Nodes: a gateway authenticates as a user allowed Cluster UPDATE; that right covers
   the requests only nodes make (PUBLISH routed on behalf of devices, whose own rights
   the gateway checked; metadata; wildcard registration; gateway heartbeats).
@@ -37,7 +39,7 @@ _NODE_CODES = {p.REPL_FETCH, p.PUBLISH, p.WILDCARD_ADD, p.GATEWAY_HEARTBEAT, p.M
 _SUPER_CODES = {p.USER_ADD, p.USER_UPDATE, p.USER_DELETE, p.USER_LIST, p.ACL_ADD,
                 p.ACL_DELETE, p.ACL_LIST}
 _CLUSTER_GET = {p.STATS, p.CLUSTER, p.GATEWAY_LIST, p.GET_MESSAGE, p.FIND_KEY}
-_GROUP_CODES = {p.COMMIT, p.FETCH_OFFSETS, p.NACK}
+_GROUP_CODES = {p.COMMIT, p.FETCH_OFFSETS}
 
 
 def queue_need(queue: str, actions: tuple[str, ...] = ("SUB", "GET")) -> Need:
@@ -87,6 +89,9 @@ def needs(frame: p.Frame, mqtt_topics: list[str] | None = None) -> list[Need] | 
                 Need("Topic", str(h.get("topic", "")), ("SUB",))]
     if code in _GROUP_CODES:
         return [Need("Group", str(h.get("group", "")), ("SUB",))]
+    if code == p.NACK:  # and the message's own topic, checked by the handler
+        return [Need("Group", str(h.get("group", "")), ("SUB",)),
+                queue_need(str(h.get("queue", "")))]
     if code == p.TOPIC_CREATE:
         return [Need("Topic", str(h.get("topic", "")), ("CREATE",))]
     if code == p.TOPIC_DESCRIBE:

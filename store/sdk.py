@@ -365,15 +365,11 @@ class AsyncConsumer:
 
     async def nack(self, msg: ReceivedMessage) -> bool:
         """Processing failed: try again later; True if it went to the dead-letter queue."""
-        original = Message(msg.mqtt_topic, msg.body, msg.qos, False, msg.client_id,
-                           dict(msg.properties), key=msg.key)
-        original.phys_offset = -1
-        metas, body = p.pack_messages([original])
-        metas[0]["props"] = dict(msg.properties, lg_origin=msg.properties.get("lg_origin")
-                                 or msg.msg_id)
         with span("lightgate nack", group=self.group, msg_id=msg.msg_id):
-            header, _ = await self._request(p.NACK, {"group": self.group, "message": metas[0],
-                                                     "max_attempts": self.max_attempts}, body)
+            # The store copies the message it holds there into the retry queue.
+            header, _ = await self._request(p.NACK, {
+                "group": self.group, "queue": msg.queue, "offset": msg.offset,
+                "max_attempts": self.max_attempts})
         await self.ack(msg)  # handled: its copy lives on in the retry or dead-letter queue
         return bool(header["dead"])
 

@@ -412,7 +412,7 @@ class NativeServer:
                         await ev.wait()
             if not res.messages:
                 res = await pull(queue, offset, max_count)
-        metas, body = p.pack_messages(res.messages)
+        metas, body = p.pack_messages(self._readable(ctx, res.messages))
         return {"messages": metas, "next_offset": res.next_offset,
                 "min_offset": res.min_offset, "max_offset": res.max_offset}, body
 
@@ -510,14 +510,18 @@ class NativeServer:
         return {"offsets": out}, b""
 
     async def _nack(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
-        """Give a failed message another try later, or dead-letter it."""
-        group = str(f.header["group"])
-        [msg] = p.unpack_messages([f.header["message"]], f.body)
-        validate_message(msg, mqtt=False)  # its copy is stored
+        """Give a message the reader received another try later, or dead-letter it. It
+        is named by queue and offset and copied from the store: a reader may put back
+        only what it could pull, never a body (or an attempt count) of its own."""
+        h = f.header
+        if "queue" not in h or "offset" not in h:
+            raise BadRequest("NACK names the received message by queue and offset")
+        group = str(h["group"])
+        msg = await self._message_at(ctx, str(h["queue"]), int(h["offset"]))
         attempt = int(msg.properties.get("lg_attempt", 0)) + 1
         props = dict(msg.properties, lg_attempt=attempt,
                      lg_origin=msg.properties.get("lg_origin") or msg.msg_id)
-        max_attempts = int(f.header.get("max_attempts", MAX_ATTEMPTS))
+        max_attempts = int(h.get("max_attempts", MAX_ATTEMPTS))
         dead = attempt >= max_attempts
         if not dead:
             props["lg_not_before"] = int((time.time() + backoff(attempt)) * 1000)
@@ -525,6 +529,18 @@ class NativeServer:
         copy = Message(msg.topic, msg.body, msg.qos, False, msg.client_id, props, key=msg.key)
         [stored] = await self.store.append([copy], [[target]])
         return {"queue": target, "attempt": attempt, "dead": dead, "msg_id": stored.msg_id}, b""
+
+    async def _message_at(self, ctx: ConnCtx, queue: str, offset: int) -> Message:
+        """The message at `offset` of `queue`, if this reader may pull it (the queue's
+        right was checked in _check; the message's own topic here)."""
+        pull = self.store.pull if self.read_limit is None else self._pull_acked
+        res = await pull(queue, offset, 1)
+        msg = res.messages[0] if res.messages else None
+        if msg is None or msg.offset_in(queue) != offset:
+            raise NotFound(f"no message at offset {offset} of {queue!r}")
+        if not self._readable(ctx, [msg]):
+            raise Forbidden(f"denied: SUB/GET on Topic:{msg.topic}")
+        return msg
 
     async def _get_message(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         try:

@@ -178,6 +178,24 @@ def server(tmp_path: Path) -> Iterator[Server]:
         assert srv.stop() == 0, srv.logs()[-3000:]
 
 
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs, to fill up: skipped where it cannot be mounted."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 @pytest.fixture(scope="module")
 def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = Server(tmp_path_factory.mktemp("shared") / "data").start()

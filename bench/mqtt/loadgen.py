@@ -214,6 +214,50 @@ def w_publishers(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
     return {"sent": sent}
 
 
+def w_devices(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
+              topics: list[str], per_device: int, seconds: float) -> dict[str, Any]:
+    """Devices as a fleet publishes: one connection per topic, each sending a QoS 1
+    PUBLISH and waiting for its PUBACK before the next (one message in flight each), all
+    at once from one selector."""
+    socks = [connect(port, f"dev-{wid}-{i}-{os.getpid()}") for i in range(len(topics))]
+    payload = b"x" * PAYLOAD
+    pkts = {s: [mqtt.encode_publish(t, payload, 1, False, False, pid, 4) for pid in (1, 2)]
+            for s, t in zip(socks, topics, strict=True)}
+    sel = selectors.DefaultSelector()
+    sent: dict[socket.socket, int] = {}
+    rest: dict[socket.socket, bytes] = {}
+    for s in socks:
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ)
+        sent[s], rest[s] = 0, b""
+    ready()
+    t0 = _await_go(go_evt)
+    deadline = t0 + seconds
+    for s in socks:
+        s.send(pkts[s][0])
+        sent[s] = 1
+    acked = 0
+    total = per_device * len(socks)
+    report = t0 + 2
+    while acked < total and time.monotonic() < deadline:
+        if time.monotonic() > report:
+            progress(f"  devices w{wid}: {acked}/{total} acked")
+            report = time.monotonic() + 2
+        for key, _ in sel.select(timeout=0.2):
+            s = key.fileobj  # type: ignore[assignment]
+            try:
+                data = s.recv(4096)
+            except BlockingIOError:
+                continue
+            n, rest[s] = acks_in(rest[s], data)
+            acked += n
+            if n and sent[s] < per_device:
+                s.send(pkts[s][sent[s] % 2])  # the next one, now that this one is acked
+                sent[s] += 1
+    globals()["_held"] = socks  # connected until the subscriber is done (see w_publishers)
+    return {"sent": sum(sent.values()), "acked": acked}
+
+
 def w_latency_pub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, rate: int,
                   total: int, qos: int = 0) -> dict[str, Any]:
     """Publish `total` messages at `rate`/s, each stamped with its send time. QoS 1:

@@ -15,6 +15,7 @@ from . import CORES, PAYLOAD
 from .brokers import Broker
 from .loadgen import (
     Crew,
+    w_devices,
     w_idle,
     w_latency_pub,
     w_latency_sub,
@@ -82,6 +83,33 @@ def sc_fanout(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
     res["notes"] = (f"{n} subscribers x {size['fanout_msgs']} messages; msgs_per_s counts "
                     f"deliveries; " + res.get("notes", "")).rstrip("; ")
     return res
+
+
+def sc_device_fanin(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    """The load a fleet makes: 20 devices, each publishing QoS 1 and waiting for its
+    PUBACK before the next (every message its own wake-up), one QoS 1 subscriber."""
+    n = 20
+    topics = [f"dev/{i}/t" for i in range(n)]
+    per_device = size["device_msgs"] // n
+    crew = Crew()
+    try:
+        crew.add(w_subscribers, b.port, "dev/+/t", 1, 1, per_device * n, size["seconds"])
+        crew.add(w_devices, b.port, topics, per_device, size["seconds"])
+        crew.start(setup_timeout=60)
+        time.sleep(0.3)
+        crew.go()
+        sub, dev = crew.results(size["seconds"] + 60)
+    finally:
+        crew.close()
+    span = sub["last"] - sub["first"] if sub["first"] else 0.0
+    out: dict[str, Any] = {"received": sub["count"], "expected": per_device * n,
+                           "sent": dev["sent"], "acked": dev["acked"],
+                           "msgs_per_s": round(sub["count"] / span) if span > 0 else None,
+                           "notes": f"{n} QoS 1 devices, one message in flight each, one "
+                                    "QoS 1 subscriber"}
+    if not sub["count"]:
+        out["error"] = "nothing delivered"
+    return out
 
 
 def _fixed_rate(b: Broker, rate: int, seconds: float, qos: int) -> dict[str, Any]:
@@ -212,6 +240,7 @@ SCENARIOS: dict[str, tuple[Callable[[Broker, dict[str, Any]], dict[str, Any]], s
     "qos0_1to1": (sc_qos0, "msgs_per_s", True),
     "qos1_1to1": (sc_qos1, "msgs_per_s", True),
     "fanin_100to1": (sc_fanin, "msgs_per_s", True),
+    "device_fanin": (sc_device_fanin, "msgs_per_s", True),
     "fanout_1to1000": (sc_fanout, "msgs_per_s", True),
     "idle_conns": (sc_idle, "kb_per_conn", False),
     "latency_fixed_rate": (sc_latency, "p99_ms", False),
@@ -224,13 +253,13 @@ SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"msgs": 2000, "qos1_msgs": 1000, "seconds": 8, "fanout_subs": 10,
              "fanout_msgs": 50, "idle_conns": 100, "idle_seconds": 10, "latency_rate": 200,
              "latency_seconds": 1, "storm_clients": 10, "storm_msgs": 4, "cpu_rate": 200,
-             "cpu_seconds": 1},
+             "cpu_seconds": 1, "device_msgs": 1000},
     "quick": {"msgs": 100_000, "qos1_msgs": 25_000, "seconds": 15, "fanout_subs": 200,
               "fanout_msgs": 500, "idle_conns": 2000, "idle_seconds": 30,
               "latency_rate": 2000, "latency_seconds": 5, "storm_clients": 500,
-              "storm_msgs": 10, "cpu_rate": 2000, "cpu_seconds": 5},
+              "storm_msgs": 10, "cpu_rate": 2000, "cpu_seconds": 5, "device_msgs": 40_000},
     "full": {"msgs": 500_000, "qos1_msgs": 100_000, "seconds": 45, "fanout_subs": 1000,
              "fanout_msgs": 1000, "idle_conns": 100_000, "idle_seconds": 120,
              "latency_rate": 20_000, "latency_seconds": 10, "storm_clients": 5000,
-             "storm_msgs": 20, "cpu_rate": 2000, "cpu_seconds": 10},
+             "storm_msgs": 20, "cpu_rate": 2000, "cpu_seconds": 10, "device_msgs": 200_000},
 }

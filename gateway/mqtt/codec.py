@@ -363,10 +363,9 @@ class Decoder:
             try:
                 will_topic, p = read_str(data, p, end)
             except ProtocolError as exc:
-                if "truncated" in exc.message:
-                    raise
-                # Not UTF-8 (or U+0000): a will topic the server cannot accept, 0x90.
-                raise ProtocolError(TOPIC_NAME_INVALID, f"will topic: {exc.message}") from None
+                # Ill-formed UTF-8 or U+0000 makes the packet malformed (MQTT 5 §1.5.4),
+                # 0x81; 0x90 is for a will topic that is well-formed but not accepted.
+                raise ProtocolError(exc.reason_code, f"will topic: {exc.message}") from None
             try:
                 validate_topic_name(will_topic)
             except TopicError as exc:

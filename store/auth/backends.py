@@ -32,11 +32,12 @@ class Decision:
     acl: TopicAcl | None = None  # the identity's own ACL, instead of the policies
     super_user: bool = False
     disabled: bool = False  # a known user that is switched off (CONNACK Not authorized)
+    expires: float | None = None  # epoch seconds the allow lapses (a token's exp); None: never
 
     @classmethod
     def allow(cls, reason: str, *, name: str | None = None, acl: TopicAcl | None = None,
-              super_user: bool = False) -> Decision:
-        return cls(ALLOW, reason, name, acl, super_user)
+              super_user: bool = False, expires: float | None = None) -> Decision:
+        return cls(ALLOW, reason, name, acl, super_user, expires=expires)
 
     @classmethod
     def deny(cls, reason: str, disabled: bool = False) -> Decision:

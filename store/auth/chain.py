@@ -8,10 +8,12 @@ the AuthManager (`build_backends`).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 log = logging.getLogger("lightgate.auth")
 
@@ -109,6 +111,11 @@ class BackendConfig:
         if self.jwt_jwks:
             from store.auth.jwt_backend import is_url, parse_jwks
 
+            if self.jwt_jwks.startswith("http://") and not _loopback(self.jwt_jwks):
+                raise ValueError(f"--auth-jwt-jwks {self.jwt_jwks}: keys over plain http "
+                                 "can be swapped on the way, and any token signed with "
+                                 "them would pass: use https:// (http only to loopback)")
+
             if not is_url(self.jwt_jwks):  # a URL may be down at start: it is retried
                 try:
                     parse_jwks(Path(self.jwt_jwks).read_bytes())
@@ -135,6 +142,17 @@ class BackendConfig:
             raise ValueError("--auth-http-cache-s must be 0 (no cache) or more")
         if self.http_on_error not in ON_ERROR:
             raise ValueError(f"--auth-http-on-error must be one of {', '.join(ON_ERROR)}")
+
+
+def _loopback(url: str) -> bool:
+    """Whether the URL's host is this machine (localhost, 127.0.0.0/8, ::1)."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def split_list(value: Any) -> tuple[str, ...] | None:

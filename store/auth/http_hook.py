@@ -8,18 +8,23 @@ Request: `POST --auth-http-url` with a JSON body (field names as EMQX's placehol
 Answer:
   200 or 204 with an empty body      -> allow
   200 with a JSON object             -> its "result": allow | deny | ignore (ask the next
-                                        backend); on connect also "is_superuser" and "acl"
-                                        ({pub, sub, all} lists with %c/%u)
+                                        backend); on connect also "is_superuser", "acl"
+                                        ({pub, sub, all} lists with %c/%u) and
+                                        "expire_at" (epoch seconds, as EMQX's: the
+                                        connection is closed then, and a new CONNECT
+                                        asks again)
   401 or 403                         -> deny
   anything else, a timeout, no answer -> --auth-http-on-error: deny (default) | allow | next
 Definite answers are cached for --auth-http-cache-s (keyed by a hash of the whole
-request), so a fleet reconnecting at once asks the service once per device.
+request; never past their expire_at), so a fleet reconnecting at once asks the service
+once per device.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from collections import OrderedDict
 from typing import Any
@@ -54,11 +59,13 @@ class TtlCache:
             return None
         return item[1]
 
-    def put(self, key: bytes, value: Any) -> None:
-        if self.ttl <= 0:
+    def put(self, key: bytes, value: Any, until: float | None = None) -> None:
+        """Remember `value` for the ttl, or until the epoch time `until` if sooner."""
+        ttl = self.ttl if until is None else min(self.ttl, until - time.time())
+        if ttl <= 0:
             return
         self._items.pop(key, None)
-        self._items[key] = (time.monotonic() + self.ttl, value)
+        self._items[key] = (time.monotonic() + ttl, value)
         while len(self._items) > CACHE_MAX:
             self._items.popitem(last=False)
 
@@ -118,7 +125,7 @@ class HttpHook:
         if self._failing:
             self._failing = False
             log.warning("auth hook %s answers again", self.url)
-        self.cache.put(key, decision)
+        self.cache.put(key, decision, decision.expires)
         return decision
 
     @staticmethod
@@ -150,7 +157,8 @@ class HttpHook:
                 acl = TopicAcl.parse(answer["acl"], client_id, username)
             except ValueError as exc:
                 raise ValueError(f"answered a bad acl: {exc}") from None
-        return Decision.allow(reason, acl=acl, super_user=answer.get("is_superuser") is True)
+        return Decision.allow(reason, acl=acl, super_user=answer.get("is_superuser") is True,
+                              expires=_expire_at(answer.get("expire_at")))
 
     def _failed(self, why: str) -> Decision:
         """The service is away or confused: --auth-http-on-error says what that means."""
@@ -165,3 +173,12 @@ class HttpHook:
         if self.on_error == "next":
             return Decision.ignore(reason)
         return Decision.deny(reason)
+
+
+def _expire_at(value: Any) -> float | None:
+    """The answer's expire_at (epoch seconds), or None; ValueError if it is no time."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"answered expire_at={value!r} (expected epoch seconds)")
+    return float(value)

@@ -6,9 +6,12 @@ re-read every --auth-jwt-jwks-refresh-s and, for a key id it does not know (a ro
 key), at most every few seconds. `exp` and `nbf` are checked when present.
 
 Answers: a password that is not a token -> ignore (the next backend may know it); a
-token that does not verify -> deny. Optional claims bind the token: `username` and
-`clientid` must equal the CONNECT's; `acl` ({pub, sub, all} lists, %c/%u) becomes the
-connection's ACL.
+token that does not verify, or is malformed in any way -> deny. The identity is the
+token's: its `username` claim, else its `sub`; a token naming neither is refused, and so
+is a CONNECT username that differs from it (the username is then only a claim the token
+must back, never an identity of its own). `clientid` binds the token to a client id;
+`acl` ({pub, sub, all} lists, %c/%u with %u the token's identity) becomes the
+connection's ACL; `exp` also ends the connection when it passes.
 """
 
 from __future__ import annotations
@@ -153,6 +156,8 @@ class JwtBackend:
             header = jwt.get_unverified_header(token)
         except jwt.DecodeError:
             return Decision.ignore("jwt: the password is not a token")
+        except jwt.InvalidTokenError as exc:  # token-shaped, with a bad header (a kid that
+            return Decision.deny(f"jwt: bad header: {exc}")  # is no string, a crit...)
         alg = header.get("alg")
         if alg not in self.algorithms:
             return Decision.deny(f"jwt: algorithm {alg!r} not accepted (--auth-jwt-algorithms)")
@@ -179,19 +184,21 @@ class JwtBackend:
 
     @staticmethod
     def _admit(claims: dict[str, Any], creds: Credentials) -> Decision:
-        bound_user = claims.get("username")
-        if bound_user is not None and creds.username and bound_user != creds.username:
+        name = claims.get("username", claims.get("sub"))
+        if not isinstance(name, str) or not name:
+            return Decision.deny("jwt: the token names no user (a string sub or username "
+                                 "claim)")
+        if creds.username and creds.username != name:
             return Decision.deny("jwt: the token is for another username")
         bound_client = claims.get("clientid")
         if bound_client is not None and bound_client != creds.client_id:
             return Decision.deny("jwt: the token is for another client id")
-        name = creds.username or bound_user or claims.get("sub") or ""
-        if not isinstance(name, str):
-            return Decision.deny("jwt: username/sub claim is not a string")
         acl = None
         if "acl" in claims:
             try:
                 acl = TopicAcl.parse(claims["acl"], creds.client_id, name)
             except ValueError as exc:
                 return Decision.deny(f"jwt: bad acl claim: {exc}")
-        return Decision.allow("jwt token", name=name, acl=acl)
+        exp = claims.get("exp")  # an integer when present: PyJWT checked it
+        return Decision.allow("jwt token", name=name, acl=acl,
+                              expires=None if exp is None else float(exp))

@@ -30,6 +30,7 @@ from store.auth.topic_acl import TopicAcl
 log = logging.getLogger("lightgate.auth")
 
 AUTH_EVENT = "\x00auth"  # a notify name no topic can have (MQTT forbids U+0000)
+STORED_IN = ("users", "acl")  # the metadata column families users and policies live in
 ANONYMOUS = "anonymous"  # the policy subject of clients without a username
 RESERVED_NAMES = (EVERYONE, ANONYMOUS, "")
 # The policy subject an outside identity is decided as when it brings no ACL of its own:
@@ -84,6 +85,7 @@ class Subject:
     client_id: str = ""
     acl: TopicAcl | None = None  # its own ACL (token claim, hook answer) instead of policies
     super_user: bool = False  # the hook said is_superuser
+    expires: float | None = None  # epoch seconds its credentials lapse (a token's exp)
 
     @property
     def outsider(self) -> bool:
@@ -165,6 +167,7 @@ class AuthManager:
         self.denials = 0
         self._checker = PasswordChecker()
         self._listeners: list[Callable[[], None]] = []
+        self._copy_landed: trio.Event | None = None  # see reload_on_copy
         self.builtin = BuiltinUsers(self)
         # MQTT clients meet this chain; the native protocol and the HTTP API, only the
         # built-in users (server apps and operators are not devices).
@@ -236,6 +239,36 @@ class AuthManager:
                 await self.load()
             except Exception as exc:  # the store may be away; keep the last copy
                 log.debug("auth reload failed: %s", exc)
+
+    def reload_on_copy(self, meta: Any) -> None:
+        """A store group's node: reload when its copy of the master's metadata writes
+        users or policies (a replica makes no changes of its own, so `_changed` never
+        runs there). Reloads run in `run_copy_reloads`, one at a time, so an older read
+        never lands after a newer one; copies that land meanwhile make one more."""
+        token = trio.lowlevel.current_trio_token()
+        self._copy_landed = trio.Event()
+
+        def copied(cfs: set[str]) -> None:  # in the thread that wrote the copy
+            if not cfs.isdisjoint(STORED_IN):
+                try:
+                    token.run_sync_soon(self._wake_copy_reload)
+                except trio.RunFinishedError:
+                    pass
+
+        meta.on_copied = copied
+
+    def _wake_copy_reload(self) -> None:
+        if self._copy_landed is not None:
+            self._copy_landed.set()
+
+    async def run_copy_reloads(self) -> None:
+        while self._copy_landed is not None:
+            await self._copy_landed.wait()
+            self._copy_landed = trio.Event()
+            try:
+                await self.load()
+            except Exception as exc:  # noqa: BLE001 - kept: the next copy retries
+                log.warning("reloading copied users and policies failed: %s", exc)
 
     # -- users ------------------------------------------------------------------------
     async def add_user(self, name: str, password: str, *, super_user: bool = False) -> User:
@@ -334,15 +367,17 @@ class AuthManager:
         """Ask the backends in order; the first allow or deny decides."""
         ignored = []
         for backend in self.chain if via == "mqtt" else (self.builtin,):
-            d = await backend.authenticate(creds)
+            d = await _ask(backend, creds)
             if d.outcome == IGNORE:
                 ignored.append(d.reason)
                 continue
             if d.outcome != ALLOW:
                 raise AuthError(d.reason, disabled=d.disabled)
+            if d.expires is not None and d.expires <= time.time():  # a cached hook answer
+                raise AuthError(f"{backend.name}: credentials expired")
             name = d.name if d.name is not None else creds.username or ""
             return Subject(name, creds.ip, via, backend.name, creds.client_id, d.acl,
-                           d.super_user), d.reason
+                           d.super_user, d.expires), d.reason
         if not creds.username and not creds.cert_cn and self.allow_anonymous:
             return Subject("", creds.ip, via, client_id=creds.client_id), ""
         # No definite answer: what the first backend saw ("bad username or password", or
@@ -472,6 +507,17 @@ class AuthManager:
         if policy is None:
             return False, f"{subject.backend} client without acl, no '*' policy (default deny)"
         return ok, _describe(policy)
+
+
+async def _ask(backend: Any, creds: Credentials) -> Decision:
+    """The backend's answer; a deny if it fails. Whatever a client sends must end in a
+    refusal it can read (and the audit line and the back-off), never in a closed socket."""
+    try:
+        return await backend.authenticate(creds)
+    except Exception as exc:  # noqa: BLE001 - a backend's bug, not the client's
+        log.error("auth backend %s failed on a CONNECT from %s", backend.name, creds.ip,
+                  exc_info=exc)
+        return Decision.deny(f"{backend.name}: internal error ({type(exc).__name__})")
 
 
 def _describe(policy: Policy) -> str:

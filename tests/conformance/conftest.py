@@ -33,3 +33,9 @@ def auth_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture
 def port(broker: Server) -> int:
     return broker.port
+
+
+@pytest.fixture
+def ws_port(broker: Server) -> int:
+    """The same broker's MQTT over WebSocket listener (`--ws`)."""
+    return int(broker.addrs["ws"].rsplit(":", 1)[1])

@@ -1,13 +1,21 @@
-"""The normative statements of MQTT 5.0 (OASIS Standard, 7 March 2019), chapters 3 and 4,
-as data: identifier, text (abridged to one line), and whom it binds.
+"""The normative statements of MQTT 5.0 (OASIS Standard, 7 March 2019), chapters 1 to 4
+and 6, as data: identifier, text (abridged to one line), and whom it binds; and the MQTT
+3.1.1 (OASIS Standard, 29 October 2014) statements where 3.1.1 differs, and those of its
+chapters 1, 2 and 6.
 
 `binds` is "server", "client" or "both". A statement addressed to the Client still counts
 as server-side when the Server has an observable duty because of it (a Client that breaks
 it sends a Malformed Packet or a Protocol Error, which the Server must refuse); those say
 so in their text after "Server:".
 
+A few requirements of the normative text carry no [MQTT-x.y.z-n] identifier (a Variable
+Byte Integer has four bytes at most; an unknown property is a Malformed Packet; a property
+twice is a Protocol Error). They are listed under their section with a letter,
+`§1.5.5/a`, and their test is named `test_spec_1_5_5_a`.
+
 A statement with neither `na` nor `untestable` must have a test named after it
-(`MQTT-3.3.2-8` -> `test_mqtt_3_3_2_8`) in this directory; `report.py` checks both ways.
+(`MQTT-3.3.2-8` -> `test_mqtt_3_3_2_8`, in 3.1.1 `test_mqtt311_3_3_2_8`) in this
+directory; `report.py` checks both ways.
 """
 
 from __future__ import annotations
@@ -25,11 +33,18 @@ class Statement:
     untestable: str = ""  # why a test from outside cannot observe it
 
     @property
-    def section(self) -> str:
-        return self.id.removeprefix("MQTT-").rsplit("-", 1)[0]
+    def chapter(self) -> str:
+        return self.id.removeprefix("MQTT-").removeprefix("§").split(".", 1)[0]
+
+    @property
+    def numbered(self) -> bool:
+        """False for a requirement the specification gives no identifier (`§1.5.5/a`)."""
+        return self.id.startswith("MQTT-")
 
     @property
     def test_name(self) -> str:
+        if not self.numbered:
+            return "test_spec_" + re.sub(r"[^0-9a-z]+", "_", self.id[1:].lower()).strip("_")
         return "test_" + re.sub(r"[.-]", "_", self.id.lower())
 
     @property
@@ -39,11 +54,46 @@ class Statement:
 
 S = Statement
 CLIENT = "binds the Client only; the Server has nothing observable to do"
-NO_ENHANCED_AUTH = ("no enhanced authentication method is offered: the Server refuses "
-                    "any Authentication Method (0x8C) and never sends AUTH")
-NO_USER_PROPS = "the Server never puts User Properties on this packet"
+NO_USER_PROPS = "the Server never puts User Properties on this packet (test_claims.py)"
+NO_REASON = "the Server never puts a Reason String on this packet (test_claims.py)"
+WS_CLIENT = ("binds the Client only: the specification asks nothing of the Server about a "
+             "Client that does not offer \"mqtt\" (this one refuses the upgrade, 400: "
+             "test_ch6_websocket.py::test_an_upgrade_without_mqtt_is_refused)")
 
 STATEMENTS: tuple[Statement, ...] = (
+    # 1.5 Data representation
+    S("MQTT-1.5.4-1", "both", "A UTF-8 Encoded String MUST be well-formed UTF-8, with no "
+      "encoding of U+D800..U+DFFF. Server: ill-formed UTF-8 makes a Malformed Packet (0x81)."),
+    S("MQTT-1.5.4-2", "both", "A UTF-8 Encoded String MUST NOT include U+0000. Server: one "
+      "that does makes a Malformed Packet (0x81)."),
+    S("MQTT-1.5.4-3", "both", "0xEF 0xBB 0xBF is always U+FEFF and MUST NOT be skipped over "
+      "or stripped off by a receiver."),
+    S("MQTT-1.5.5-1", "both", "A Variable Byte Integer MUST be encoded in the fewest bytes. "
+      "Server: its own are; a Client's that are not make a Malformed Packet (0x81)."),
+    S("§1.5.5/a", "both", "A Variable Byte Integer has four bytes at most. Server: a longer "
+      "one makes a Malformed Packet (0x81)."),
+    S("MQTT-1.5.7-1", "both", "Both strings of a UTF-8 String Pair MUST follow the rules of "
+      "UTF-8 Encoded Strings. Server: a pair that does not makes a Malformed Packet (0x81)."),
+    # 2 MQTT Control Packet format
+    S("MQTT-2.1.3-1", "both", "Reserved fixed header flags MUST have the values of Table 2-2. "
+      "Server: other values make a Malformed Packet (0x81)."),
+    S("MQTT-2.2.1-2", "both", "A QoS 0 PUBLISH MUST NOT contain a Packet Identifier (a "
+      "Client's would be read as the start of its properties: the Server's are tested)."),
+    S("MQTT-2.2.1-3", "client", "A Client's new SUBSCRIBE, UNSUBSCRIBE and QoS 1/2 PUBLISH "
+      "MUST carry a non-zero Packet Identifier not in use. Server: 0 is refused."),
+    S("MQTT-2.2.1-4", "server", "A Server's new QoS 1/2 PUBLISH MUST carry a non-zero Packet "
+      "Identifier not in use."),
+    S("MQTT-2.2.1-5", "both", "PUBACK, PUBREC, PUBREL and PUBCOMP MUST carry the Packet "
+      "Identifier of their PUBLISH."),
+    S("MQTT-2.2.1-6", "server", "SUBACK and UNSUBACK MUST carry the Packet Identifier of their "
+      "SUBSCRIBE and UNSUBSCRIBE."),
+    S("MQTT-2.2.2-1", "both", "No properties MUST be written as a Property Length of 0. "
+      "Server: a PUBLISH without it reads its payload as properties (here: malformed)."),
+    S("§2.2.2.2/a", "both", "A property identifier not valid for the packet type, or a value "
+      "not of the property's data type, makes a Malformed Packet (0x81)."),
+    S("§2.2.2.2/b", "both", "A property other than a User Property included more than once "
+      "is a Protocol Error (0x82) (said of each property in chapter 3; a Server's PUBLISH "
+      "may repeat the Subscription Identifier)."),
     # 3.1 CONNECT
     S("MQTT-3.1.0-1", "both", "The first packet from Client to Server MUST be CONNECT. "
       "Server: close a connection that starts otherwise."),
@@ -105,7 +155,8 @@ STATEMENTS: tuple[Statement, ...] = (
     S("MQTT-3.1.2-27", "server", "If the Client's Topic Alias Maximum is absent or 0, the "
       "Server MUST NOT send Topic Aliases."),
     S("MQTT-3.1.2-28", "server", "Request Response Information 0: the Server MUST NOT return "
-      "Response Information."),
+      "Response Information.", na="the Server never returns Response Information, asked "
+      "for or not (test_claims.py)"),
     S("MQTT-3.1.2-29", "server", "Request Problem Information 0: the Server MUST NOT send a "
       "Reason String or User Properties on packets other than PUBLISH, CONNACK, DISCONNECT."),
     S("MQTT-3.1.2-30", "client", "A Client that sets an Authentication Method MUST NOT send "
@@ -293,12 +344,12 @@ STATEMENTS: tuple[Statement, ...] = (
     S("MQTT-3.6.2-1", "both", "The sender of PUBREL MUST use a PUBREL Reason Code."),
     S("MQTT-3.6.2-2", "both", "A PUBREL Reason String MUST NOT be sent if it would exceed the "
       "receiver's Maximum Packet Size.",
-      na="the Server sends PUBREL without properties (0x92 included)"),
+      na=NO_REASON),
     S("MQTT-3.6.2-3", "both", "PUBREL User Properties MUST NOT be sent if they would exceed "
       "the receiver's Maximum Packet Size.", na=NO_USER_PROPS),
     S("MQTT-3.7.2-1", "both", "The sender of PUBCOMP MUST use a PUBCOMP Reason Code."),
     S("MQTT-3.7.2-2", "both", "A PUBCOMP Reason String MUST NOT be sent if it would exceed the "
-      "receiver's Maximum Packet Size."),
+      "receiver's Maximum Packet Size.", na=NO_REASON),
     S("MQTT-3.7.2-3", "both", "PUBCOMP User Properties MUST NOT be sent if they would exceed "
       "the receiver's Maximum Packet Size.", na=NO_USER_PROPS),
     # 3.8 - 3.11 SUBSCRIBE .. UNSUBACK
@@ -326,7 +377,7 @@ STATEMENTS: tuple[Statement, ...] = (
     S("MQTT-3.8.4-8", "server", "Delivered QoS MUST be the minimum of the published QoS and "
       "the granted QoS."),
     S("MQTT-3.9.2-1", "server", "A SUBACK Reason String MUST NOT be sent if it would exceed "
-      "the Client's Maximum Packet Size."),
+      "the Client's Maximum Packet Size.", na=NO_REASON),
     S("MQTT-3.9.2-2", "server", "SUBACK User Properties MUST NOT be sent if they would exceed "
       "the Client's Maximum Packet Size.", na=NO_USER_PROPS),
     S("MQTT-3.9.3-1", "server", "SUBACK Reason Codes MUST be in the order of the Topic "
@@ -350,7 +401,7 @@ STATEMENTS: tuple[Statement, ...] = (
     S("MQTT-3.10.4-6", "server", "An UNSUBSCRIBE with several filters MUST be handled as a "
       "sequence, with one UNSUBACK."),
     S("MQTT-3.11.2-1", "server", "An UNSUBACK Reason String MUST NOT be sent if it would exceed "
-      "the Client's Maximum Packet Size."),
+      "the Client's Maximum Packet Size.", na=NO_REASON),
     S("MQTT-3.11.2-2", "server", "UNSUBACK User Properties MUST NOT be sent if they would "
       "exceed the Client's Maximum Packet Size.", na=NO_USER_PROPS),
     S("MQTT-3.11.3-1", "server", "UNSUBACK Reason Codes MUST be in the order of the Topic "
@@ -378,7 +429,7 @@ STATEMENTS: tuple[Statement, ...] = (
       "the connection closed."),
     S("MQTT-3.15.2-1", "both", "The sender of AUTH MUST use an Authenticate Reason Code."),
     S("MQTT-3.15.2-2", "both", "An AUTH Reason String MUST NOT be sent if it would exceed the "
-      "receiver's Maximum Packet Size."),
+      "receiver's Maximum Packet Size.", na=NO_REASON),
     S("MQTT-3.15.2-3", "both", "AUTH User Properties MUST NOT be sent if they would exceed the "
       "receiver's Maximum Packet Size.", na=NO_USER_PROPS),
     # 4.1 Session State
@@ -389,7 +440,7 @@ STATEMENTS: tuple[Statement, ...] = (
     S("MQTT-4.2-1", "both", "Client and Server MUST use a transport giving an ordered, "
       "lossless, two-way stream of bytes.",
       na="a property of the transports offered (TCP, TLS, WebSocket), not of the broker's "
-         "behaviour; every test here runs over TCP"),
+         "behaviour; the tests here run over TCP and WebSocket"),
     # 4.3 QoS
     S("MQTT-4.3.1-1", "both", "QoS 0: the sender MUST send PUBLISH with QoS 0 and DUP 0."),
     S("MQTT-4.3.2-1", "both", "QoS 1: the sender MUST assign an unused Packet Identifier to "
@@ -507,11 +558,42 @@ STATEMENTS: tuple[Statement, ...] = (
       "given, the Server MUST close the connection."),
     S("MQTT-4.13.2-1", "both", "After a CONNACK or DISCONNECT with a Reason Code of 0x80 or "
       "more, the connection MUST be closed."),
+    # 6 WebSocket
+    S("MQTT-6.0.0-1", "both", "MQTT Control Packets MUST be sent in WebSocket binary data "
+      "frames; on any other data frame the receiver MUST close the Network Connection."),
+    S("MQTT-6.0.0-2", "both", "The receiver MUST NOT assume that MQTT Control Packets are "
+      "aligned on WebSocket frame boundaries."),
+    S("MQTT-6.0.0-3", "client", "The Client MUST include \"mqtt\" in the WebSocket "
+      "subprotocols it offers.", na=WS_CLIENT),
+    S("MQTT-6.0.0-4", "server", "The WebSocket subprotocol the Server selects and returns "
+      "MUST be \"mqtt\"."),
 )
 
 # MQTT 3.1.1 statements where 3.1.1 differs from 5.0 (return codes, CleanSession, no
-# properties); each has a `test_mqtt311_*` test in test_v311.py.
+# properties), and those of chapters 1, 2 and 6 (3.1.1 numbers them differently: its 1.5.3
+# is 5.0's 1.5.4, its 2.2.2 and 2.3.1 are 5.0's 2.1.3 and 2.2.1); each has a
+# `test_mqtt311_*` test.
 STATEMENTS_311: tuple[Statement, ...] = (
+    S("MQTT-1.5.3-1", "both", "A UTF-8 encoded string MUST be well-formed UTF-8, with no "
+      "U+D800..U+DFFF. Server: on ill-formed UTF-8 it MUST close the connection."),
+    S("MQTT-1.5.3-2", "both", "A UTF-8 encoded string MUST NOT include U+0000. Server: on "
+      "U+0000 it MUST close the connection."),
+    S("MQTT-1.5.3-3", "both", "0xEF 0xBB 0xBF is always U+FEFF and MUST NOT be skipped over "
+      "or stripped off by a receiver."),
+    S("MQTT-2.2.2-1", "both", "Reserved fixed header flags MUST have the values of Table 2.2."),
+    S("MQTT-2.2.2-2", "server", "On invalid flags the receiver MUST close the connection."),
+    S("MQTT-2.3.1-1", "client", "SUBSCRIBE, UNSUBSCRIBE and QoS 1/2 PUBLISH MUST carry a "
+      "non-zero Packet Identifier. Server: 0 closes the connection."),
+    S("MQTT-2.3.1-2", "client", "A Client MUST give each new such packet a Packet Identifier "
+      "not in use.", na=CLIENT),
+    S("MQTT-2.3.1-3", "client", "A Client MUST re-send a packet with the same Packet "
+      "Identifier; it is free again once acknowledged.", na=CLIENT),
+    S("MQTT-2.3.1-4", "server", "The same holds for the Server's QoS 1/2 PUBLISH."),
+    S("MQTT-2.3.1-5", "both", "A QoS 0 PUBLISH MUST NOT contain a Packet Identifier."),
+    S("MQTT-2.3.1-6", "both", "PUBACK, PUBREC and PUBREL MUST carry the Packet Identifier of "
+      "their PUBLISH."),
+    S("MQTT-2.3.1-7", "server", "SUBACK and UNSUBACK MUST carry the Packet Identifier of "
+      "their SUBSCRIBE and UNSUBSCRIBE."),
     S("MQTT-3.1.2-2", "server", "An unsupported Protocol Level MUST be answered with CONNACK "
       "return code 0x01 and the connection closed."),
     S("MQTT-3.1.2-4", "server", "CleanSession 0: the Server MUST resume the Session for the "
@@ -537,4 +619,12 @@ STATEMENTS_311: tuple[Statement, ...] = (
       "reserved and MUST NOT be used."),
     S("MQTT-3.14.1-1", "server", "The Server MUST validate that DISCONNECT's reserved bits are "
       "0 and disconnect the Client if not."),
+    S("MQTT-6.0.0-1", "both", "MQTT Control Packets MUST be sent in WebSocket binary data "
+      "frames; on any other data frame the receiver MUST close the connection."),
+    S("MQTT-6.0.0-2", "both", "The receiver MUST NOT assume that Control Packets are aligned "
+      "on WebSocket frame boundaries."),
+    S("MQTT-6.0.0-3", "client", "The Client MUST include \"mqtt\" in the WebSocket "
+      "subprotocols it offers.", na=WS_CLIENT),
+    S("MQTT-6.0.0-4", "server", "The WebSocket subprotocol the Server selects and returns "
+      "MUST be \"mqtt\"."),
 )

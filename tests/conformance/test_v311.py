@@ -1,10 +1,31 @@
-"""MQTT 3.1.1 statements where 3.1.1 differs from 5.0: return codes instead of reason
-codes, CleanSession instead of Clean Start and Session Expiry, no properties."""
+"""MQTT 3.1.1 statements where 3.1.1 differs from 5.0 (return codes instead of reason
+codes, CleanSession instead of Clean Start and Session Expiry, no properties), and the
+3.1.1 statements of chapters 1 and 2. Chapter 6's are in test_ch6_websocket.py."""
 
 from __future__ import annotations
 
 from gateway import mqtt
-from tests.conformance.wire import Peer, connect_bytes, subscribe_bytes, uid
+from tests.conformance.reader import (
+    Connack,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Unsuback,
+)
+from tests.conformance.wire import (
+    Peer,
+    connect_bytes,
+    connected,
+    publish_bytes,
+    s,
+    subscribe_bytes,
+    sweep,
+    uid,
+    unsubscribe_bytes,
+)
 
 
 def v4(port: int) -> Peer:
@@ -94,7 +115,7 @@ def test_mqtt311_3_2_2_4(auth_broker) -> None:
     Present 0."""
     c = v4(auth_broker.port)
     c.send(mqtt.Connect(uid(), 4, clean_start=False, username="alice", password=b"bad"))
-    ack = c.expect(mqtt.Connack)
+    ack = c.expect(Connack)
     assert (ack.session_present, ack.return_code) == (False, 0x04)
 
 
@@ -112,7 +133,7 @@ def test_mqtt311_3_9_3_2(port: int) -> None:
     c.connect(uid())
     c.send_raw(subscribe_bytes(1, [(uid("v/"), 2), (uid("v/"), 0), (uid("v/"), 1)],
                                version=4))
-    assert c.expect(mqtt.Suback).reason_codes == [2, 0, 1]
+    assert c.expect(Suback).reason_codes == [2, 0, 1]
 
 
 def test_mqtt311_3_14_1_1(port: int) -> None:
@@ -123,3 +144,134 @@ def test_mqtt311_3_14_1_1(port: int) -> None:
     c.send_raw(b"\xe2\x00")
     assert c.closed()
     assert not c.pending
+
+
+# -- chapters 1 and 2 in 3.1.1: no reason codes, so a refusal is a close with nothing sent
+
+
+def closes_silently(c: Peer, data: bytes) -> None:
+    """Send `data`: the Server closes the connection and sends nothing more."""
+    before = len(c.log)
+    c.send_raw(data)
+    assert c.closed()
+    assert c.log[before:] == [], c.log[before:]
+
+
+def test_mqtt311_1_5_3_1(port: int) -> None:
+    """[MQTT-1.5.3-1] (3.1.1) Ill-formed UTF-8 (a surrogate, an overlong form, 0xFF) in a
+    ClientId, a Topic Name or a Topic Filter: the connection is closed."""
+    for bad in (b"\xed\xa0\x80", b"\xc0\xaf", b"\xff"):
+        closes_silently(v4(port), connect_bytes(b"c" + bad, level=4))
+        closes_silently(connected(port, version=4), publish_bytes(b"t/" + bad, version=4))
+        closes_silently(connected(port, version=4),
+                        subscribe_bytes(1, [(b"t/" + bad, 0)], version=4))
+
+
+def test_mqtt311_1_5_3_2(port: int) -> None:
+    """[MQTT-1.5.3-2] (3.1.1) U+0000 in a ClientId, a Topic Name or a Topic Filter: the
+    connection is closed."""
+    closes_silently(v4(port), connect_bytes(b"c\x00", level=4))
+    closes_silently(connected(port, version=4), publish_bytes(b"t/\x00", version=4))
+    closes_silently(connected(port, version=4), subscribe_bytes(1, [(b"t/\x00", 0)], version=4))
+
+
+def test_mqtt311_1_5_3_3(port: int) -> None:
+    """[MQTT-1.5.3-3] (3.1.1) 0xEF 0xBB 0xBF is U+FEFF, not stripped: a topic starting
+    with it is another topic, and it reaches the subscriber as sent."""
+    base = uid("bom/")
+    exact, plain = connected(port, version=4), connected(port, version=4)
+    exact.subscribe("\ufeff" + base, 0)
+    plain.subscribe(base, 0)
+    connected(port, version=4).publish("\ufeff" + base, b"x")
+    assert exact.messages(1)[0].topic == "\ufeff" + base
+    assert plain.quiet(0.4)
+
+
+FLAGS_311 = {"CONNACK": 0, "PUBACK": 0, "PUBREC": 0, "PUBREL": 0b0010, "PUBCOMP": 0,
+             "SUBACK": 0, "UNSUBACK": 0, "PINGRESP": 0}
+
+
+def test_mqtt311_2_2_2_1(port: int) -> None:
+    """[MQTT-2.2.2-1] (3.1.1) Reserved flags have the values of Table 2.2 on every type
+    of packet the Server sends."""
+    sent = {(type(p).__name__.upper(), p.raw[0] & 0x0F) for p in sweep(port, version=4)
+            if not isinstance(p, Publish)}
+    assert sent == set(FLAGS_311.items())
+
+
+def test_mqtt311_2_2_2_2(port: int) -> None:
+    """[MQTT-2.2.2-2] (3.1.1) A packet with invalid flags closes the connection: CONNECT,
+    PUBACK, PUBREC, PUBREL, PUBCOMP, SUBSCRIBE, UNSUBSCRIBE, PINGREQ, DISCONNECT."""
+    closes_silently(v4(port), b"\x11" + connect_bytes(uid(), level=4)[1:])
+    for data in (b"\x41\x02\x00\x01", b"\x52\x02\x00\x01", b"\x60\x02\x00\x01",
+                 b"\x78\x02\x00\x01", subscribe_bytes(1, [("a/b", 0)], b0=0x80, version=4),
+                 unsubscribe_bytes(1, ["a/b"], b0=0xA3, version=4), b"\xc4\x00", b"\xe1\x00"):
+        closes_silently(connected(port, version=4), data)
+
+
+def test_mqtt311_2_3_1_1(port: int) -> None:
+    """[MQTT-2.3.1-1] (3.1.1) SUBSCRIBE, UNSUBSCRIBE and QoS 1/2 PUBLISH carry a non-zero
+    Packet Identifier: the Server closes a connection that sends 0."""
+    for data in (subscribe_bytes(0, [("a/b", 0)], version=4),
+                 unsubscribe_bytes(0, ["a/b"], version=4),
+                 publish_bytes("a/b", b"x", 1, pid=0, version=4),
+                 publish_bytes("a/b", b"x", 2, pid=0, version=4)):
+        closes_silently(connected(port, version=4), data)
+
+
+def test_mqtt311_2_3_1_4(port: int) -> None:
+    """[MQTT-2.3.1-4] (3.1.1) The Server's QoS 1/2 PUBLISHes carry non-zero identifiers
+    not in use, and a re-sent one (on reconnect) its first identifier."""
+    cid, topic = uid(), uid("v/")
+    c = v4(port)
+    c.connect(cid, clean=False)
+    c.subscribe(topic, 2)
+    p = connected(port, version=4)
+    for i in range(4):
+        p.publish(topic, b"%d" % i, 1 + i % 2, pid=i + 1)
+    first = c.messages(4, ack=False)
+    ids = [m.packet_id for m in first]
+    assert len(set(ids)) == 4 and 0 not in ids
+    c.close()
+    c = v4(port)
+    assert c.connect(cid, clean=False).session_present
+    again = c.messages(4, ack=False)
+    assert [(m.packet_id, m.dup) for m in again] == [(i, True) for i in ids]
+
+
+def test_mqtt311_2_3_1_5(port: int) -> None:
+    """[MQTT-2.3.1-5] (3.1.1) A QoS 0 PUBLISH has no Packet Identifier: the Server's is
+    byte for byte fixed header, Topic Name, payload."""
+    topic = uid("v/")
+    c = connected(port, version=4)
+    c.subscribe(topic, 0)
+    connected(port, version=4).publish(topic, b"two", 2)
+    assert c.messages(1)[0].raw == bytes([0x30, 2 + len(topic) + 3]) + s(topic) + b"two"
+
+
+def test_mqtt311_2_3_1_6(port: int) -> None:
+    """[MQTT-2.3.1-6] (3.1.1) PUBACK, PUBREC and PUBREL carry the identifier of their
+    PUBLISH: the Server's answers to a Client's, and its PUBREL to its own."""
+    topic = uid("v/")
+    w = connected(port, version=4)
+    w.subscribe(topic, 2)
+    c = connected(port, version=4)
+    assert c.publish(topic, b"x", 1, pid=0xFFFF) == Puback(0xFFFF)
+    c.send(mqtt.Publish(topic, b"x", 2, packet_id=0x8001))
+    assert c.expect(Pubrec) == Pubrec(0x8001)
+    c.send(mqtt.Pubrel(0x8001))
+    c.expect(Pubcomp)
+    w.messages(1)
+    m = w.messages(1, ack=False)[0]
+    w.send(mqtt.Pubrec(m.packet_id))
+    assert w.expect(Pubrel) == Pubrel(m.packet_id)
+
+
+def test_mqtt311_2_3_1_7(port: int) -> None:
+    """[MQTT-2.3.1-7] (3.1.1) SUBACK and UNSUBACK carry the identifier of their SUBSCRIBE
+    and UNSUBSCRIBE."""
+    c = connected(port, version=4)
+    for pid in (1, 0x1234, 0xFFFF):
+        assert c.subscribe(uid("v/"), 0, pid=pid).packet_id == pid
+        c.send(mqtt.Unsubscribe(pid, [uid("v/")]))
+        assert c.expect(Unsuback) == Unsuback(pid)

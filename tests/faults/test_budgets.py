@@ -6,6 +6,7 @@ are chosen so that without the budget the growth would be several times the boun
 
 from __future__ import annotations
 
+import base64
 import multiprocessing
 import os
 import re
@@ -24,6 +25,7 @@ import pytest
 
 from tests.conftest import Server
 from tests.mqtt.paho_client import Client
+from tests.security.test_tls import SecureClient
 
 MiB = 1024 * 1024
 ATTACKERS = int(os.environ.get("LIGHTGATE_BUDGET_ATTACKERS", "1000"))
@@ -224,6 +226,114 @@ def test_partial_publishes_stay_within_the_read_budget(tmp_path: Path) -> None:
         srv.stop()
 
 
+# Sockets trickling a WebSocket message each; buffered whole, 250 grew the server 258 MiB.
+WS_ATTACKERS = int(os.environ.get("LIGHTGATE_BUDGET_WS_ATTACKERS", "250"))
+
+
+def _ws_open(addr: str) -> socket.socket:
+    """A WebSocket connection to `addr` (subprotocol mqtt), upgraded by hand."""
+    host, port = addr.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    key = base64.b64encode(os.urandom(16)).decode()
+    s.sendall(f"GET /mqtt HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\n"
+              f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+              "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: mqtt\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = s.recv(4096)
+        assert chunk, "closed during the upgrade"
+        head += chunk
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return s
+
+
+def _ws_frame_head(length: int) -> bytes:
+    """A client's binary frame (FIN) announcing `length` payload bytes, masked with a
+    zero key: the payload goes as is."""
+    return b"\x82\xff" + length.to_bytes(8, "big") + b"\0\0\0\0"
+
+
+def _ws_attacker(addr: str, n: int, ready: Any, done: Any, release: Any) -> None:
+    """In its own process: open `n` WebSocket connections and start on each a binary
+    message announcing 1 MiB, its payload a 64 KiB CONNECT (the most allowed before
+    CONNECT); then send each 31 chunks of 32 KiB, 0.1 s apart: just under 1 MiB, so that
+    the message never ends. A socket the server stopped reading or closed is skipped."""
+    _raise_nofile()
+    socks = []
+    for _ in range(n):
+        s = _ws_open(addr)
+        s.setblocking(False)
+        s.send(_ws_frame_head(MiB) + b"\x10" + _varint(64 * 1024 - 4))
+        socks.append(s)
+    ready.set()
+    body = b"\x00" * 32 * 1024
+    for _ in range(31):
+        for s in socks:
+            try:
+                s.send(body)
+            except OSError:
+                pass
+        time.sleep(0.1)
+    done.set()
+    release.wait(120)
+
+
+def _legit_ws_round_trip(srv: Server, n: int = 5) -> None:
+    """A new WebSocket client (paho) connects, subscribes, and gets its own n QoS 1
+    messages back."""
+    tag = os.urandom(4).hex()
+    c = SecureClient(int(srv.addrs["ws"].rsplit(":", 1)[1]), f"okws-{tag}",
+                     transport="websockets")
+    c.subscribe(f"okws/{tag}", 1)
+    for i in range(n):
+        c.publish(f"okws/{tag}", b"%d" % i, 1)
+    assert [m.payload for m in c.expect(n)] == [b"%d" % i for i in range(n)]
+    c.disconnect()
+
+
+@pytest.mark.timeout(180)
+def test_partial_websocket_messages_stay_within_the_read_budget(tmp_path: Path) -> None:
+    """WebSocket clients before CONNECT obey the budgets TCP clients do: bytes buffered
+    for an unfinished message count in --max-partial-bytes, and a message is bounded by
+    --max-connect-packet."""
+    budget = 8 * MiB
+    srv = Server(tmp_path, "--max-partial-bytes", str(budget), "--partial-timeout-s", "3"
+                 ).start()
+    ctx = multiprocessing.get_context("fork")
+    ready, done, release = ctx.Event(), ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_ws_attacker, args=(srv.addrs["ws"], WS_ATTACKERS, ready, done,
+                                                  release), daemon=True)
+    try:
+        _legit_round_trip(srv.port)  # warm: what any client costs is in the base
+        _legit_ws_round_trip(srv)
+        base = _rss(srv.proc.pid)
+        peak = RssPeak(srv.proc.pid)
+        proc.start()
+        assert ready.wait(60), "the attacker did not open its sockets"
+        used, legit = 0.0, 0
+        while not done.is_set() or legit < 3:
+            used = max(used, _metric(_metrics(srv), "lightgate_budget_used",
+                                     "partial_packet_bytes"))
+            _legit_round_trip(srv.port)
+            _legit_ws_round_trip(srv)
+            legit += 1
+        time.sleep(0.5)
+        grown = peak.stop() - base
+        held_peak = _metric(_metrics(srv), "lightgate_budget_peak", "partial_packet_bytes")
+        print(f"websocket attack: {WS_ATTACKERS} sockets, {legit} legit round trips "
+              f"meanwhile; RSS +{grown / MiB:.1f} MiB (base {base / MiB:.0f} MiB), partial "
+              f"bytes used {used / MiB:.1f} MiB at most when sampled, peak "
+              f"{held_peak / MiB:.1f} MiB, budget {budget / MiB:.0f} MiB")
+        assert used > 0  # the bytes held for WebSocket clients are in the budget
+        assert held_peak <= budget + WS_ATTACKERS * OVERSHOOT_PER_CONNECTION
+        assert grown < budget + FIXED_BASE
+    finally:
+        release.set()
+        if proc.pid is not None:
+            proc.join(10)
+        srv.stop()
+
+
 def test_a_connect_larger_than_the_pre_connect_limit_is_refused_at_once(
         shared_server: Server) -> None:
     s = socket.create_connection(("127.0.0.1", shared_server.port), timeout=5)
@@ -350,7 +460,7 @@ def test_retained_flood_is_capped_by_count_and_bytes(tmp_path: Path) -> None:
     srv = Server(tmp_path, "--max-retained", "150", "--max-retained-per-client", "100",
                  "--max-retained-bytes", "400000", "--max-retained-bytes-per-client",
                  "250000").start()
-    big = b"x" * 100_000
+    big = b"x" * 99_993  # with its topic ("big/c/0"): 100 kB stored
     try:
         c = Client(srv.port, "c", version=5)
         # Per client bytes: the third 100 kB message would make 300 kB of 250 kB.
@@ -385,6 +495,63 @@ def test_retained_flood_is_capped_by_count_and_bytes(tmp_path: Path) -> None:
         a = Client(srv.port, "a2", version=5)
         assert _retain_all(a, ["many/a2/0"], b"1") == [0x97]
         a.disconnect()
+    finally:
+        srv.stop()
+
+
+def _user_properties(total: int, packet: int = 0) -> Any:
+    """MQTT 5 properties of a PUBLISH (or a will: `packet`) carrying about `total` bytes
+    of user properties, in values of at most 60,000 (an MQTT string holds 65,535)."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    props = Properties(packet or PacketTypes.PUBLISH)
+    props.UserProperty = [(f"k{i}", "v" * min(60_000, total - i * 60_000))
+                          for i in range(-(-total // 60_000))]
+    return props
+
+
+def _retain_with_properties(c: Client, topics: list[str], props: Any) -> list[int]:
+    """Publish a 1-byte payload retained (QoS 1) with `props` to each topic; the codes."""
+    mids = [c.publish(t, b"1", 1, retain=True, properties=props) for t in topics]
+    return [int(getattr(c.pub_codes[m], "value", c.pub_codes[m])) for m in mids]
+
+
+@pytest.mark.timeout(120)
+def test_retained_bytes_count_what_is_stored(tmp_path: Path) -> None:
+    """The store keeps a retained message's topic and properties beside its payload: a
+    1-byte payload with 420 kB of user properties takes 420 kB, not 1 byte."""
+    budget = 64 * 1024
+    srv = Server(tmp_path, "--max-retained-bytes", str(budget),
+                 "--max-retained-bytes-per-client", str(budget)).start()
+    try:
+        c = Client(srv.port, "props", version=5)
+        before = _dir_bytes(tmp_path)
+        huge = _user_properties(420_000)
+        assert _retain_with_properties(c, [f"props/huge/{i}" for i in range(20)], huge) \
+            == [0x97] * 20
+        assert _dir_bytes(tmp_path) - before < MiB  # refused: not stored either
+        # 20 kB of properties each: three fit in 64 KiB, a fourth does not.
+        some = _user_properties(20_000)
+        assert _retain_with_properties(c, [f"props/some/{i}" for i in range(5)], some) \
+            == [0, 0, 0, 0x97, 0x97]
+        used = _metric(_metrics(srv), "lightgate_budget_used", "retained_bytes")
+        assert 3 * 20_000 < used <= budget
+        # A will counts the same way: retained past the budget it is published only.
+        from paho.mqtt.packettypes import PacketTypes
+
+        w = Client(srv.port, "willing", version=5, will=(
+            "props/will", b"1", 1, True, _user_properties(30_000, PacketTypes.WILLMESSAGE)))
+        w.drop()
+        assert srv.wait_log("will of 'willing' on 'props/will' not retained")
+        c.disconnect()
+        # Counted from the store on start the same way as when it was set.
+        srv.stop()
+        srv.start()
+        assert _metric(_metrics(srv), "lightgate_budget_used", "retained_bytes") == used
+        c = Client(srv.port, "props", version=5)
+        assert _retain_with_properties(c, ["props/some/9"], some) == [0x97]
+        c.disconnect()
     finally:
         srv.stop()
 

@@ -3,32 +3,11 @@ nothing stored before is damaged, and service comes back once space is freed."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
-import pytest
-
 from gateway import mqtt
-from tests.conftest import Server
+from tests.conftest import Server, free_bytes
 from tests.mqtt.raw import RawClient
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 def test_disk_full_refuses_clearly_keeps_data_and_recovers(small_fs: Path) -> None:

@@ -91,6 +91,6 @@ async def test_jwt_backend_answers() -> None:
     assert await outcome(jwt.encode({"exp": now - 1}, secret, "HS256")) == DENY
     assert await outcome(jwt.encode({"nbf": now + 60}, secret, "HS256")) == DENY
     # iat only says when it was made: an issuer's clock running ahead must not fail it
-    assert await outcome(jwt.encode({"iat": now + 60}, secret, "HS256")) == ALLOW
-    bad_acl = jwt.encode({"acl": {"pub": "a/#/b"}}, secret, "HS256")
+    assert await outcome(jwt.encode({"sub": "x", "iat": now + 60}, secret, "HS256")) == ALLOW
+    bad_acl = jwt.encode({"sub": "x", "acl": {"pub": "a/#/b"}}, secret, "HS256")
     assert await outcome(bad_acl) == DENY

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
+from gateway import mqtt
 from tests.conftest import ROOT, Server
 from tests.mqtt.paho_client import Client
 from tests.mqtt.raw import RawClient
-from tests.security.helpers import ADMIN, auth_server
+from tests.security.helpers import ADMIN, add_user, allow, auth_server
 from tests.security.http_service import Answer, HttpService, closed_port_url
 
 BAD_CREDENTIALS_V5 = 0x86
@@ -40,14 +41,20 @@ def operator_service(method: str, path: str, body: Any) -> Answer:
             return 200, {"result": "allow", "acl": {"pub": ["devices/%c/up"]}}, 0
         if user == "boss":
             return 200, {"result": "allow", "is_superuser": True}, 0
-        if user in ("acl-dev", "anyone"):
+        if user in ("acl-dev", "anyone", "home-dev"):
             return 200, {"result": "allow"}, 0
+        if user == "expiring":  # allowed for two seconds from now
+            return 200, {"result": "allow", "expire_at": time.time() + 2}, 0
+        if user == "bad-expiry":
+            return 200, {"result": "allow", "expire_at": "tomorrow"}, 0
         return 200, {"result": "ignore"}, 0
     if user == "acl-dev":  # publish / subscribe: only under devices/<client id>/
         mine = body["topic"].startswith(f"devices/{body['clientid']}/")
         return 200, {"result": "allow" if mine else "deny"}, 0
     if user == "claims":
         return 200, {"result": "ignore"}, 0  # the ACL given on connect decides
+    if user == "home-dev" and action == "subscribe":  # all of home/ but its secret
+        return 200, {"result": "deny" if body["topic"] == "home/secret" else "allow"}, 0
     return 403, None, 0
 
 
@@ -163,6 +170,84 @@ def test_an_acl_in_the_connect_answer_and_a_superuser(srv: Server) -> None:
     assert boss.pub_codes[mid] == 0
     for c in (dev, boss):
         c.disconnect()
+
+
+def test_a_connection_ends_at_the_hooks_expire_at(srv: Server, hook: HttpService) -> None:
+    raw = RawClient(srv.port, 5, timeout=10)
+    try:
+        assert raw.connect("dev-expiring", keepalive=0, username="expiring",
+                           password=b"x").reason_code == 0
+        started = time.monotonic()
+        bye = raw.recv()
+        assert isinstance(bye, mqtt.Disconnect), bye
+        assert bye.reason_code == 0xA0  # Maximum connect time
+        assert time.monotonic() - started < 4
+    finally:
+        raw.close()
+    # The answer is not cached past its expire_at: the next CONNECT asks the hook again.
+    asked = len(hook.bodies(action="connect", username="expiring"))
+    assert connack(srv.port, "dev-expiring", "expiring", "x") == 0
+    assert len(hook.bodies(action="connect", username="expiring")) == asked + 1
+    # An expire_at that is no time is a confused hook: --auth-http-on-error (deny).
+    assert connack(srv.port, "dev-bad-expiry", "bad-expiry", "x") == BAD_CREDENTIALS_V5
+    assert srv.wait_log("reason=http: answered expire_at='tomorrow' (expected epoch seconds)")
+    assert connack(srv.port, "reset", "plain", "x") == 0
+
+
+def test_the_hook_decides_each_delivered_topic_too(srv: Server, hook: HttpService) -> None:
+    """A filter the hook allowed may catch topics it denies: each delivery is asked
+    about (answers cached), as a policy client's deliveries are checked."""
+    dev = Client(srv.port, "home-1", version=5, username="home-dev", password="x")
+    assert [c.value for c in dev.subscribe([("home/#", 1)])] == [1]
+    admin = Client(srv.port, "home-admin", username=ADMIN[0], password=ADMIN[1])
+    admin.subscribe("home/#", 1)  # something that gets both, to know both went out
+    for topic in ("home/secret", "home/open", "home/secret"):
+        admin.publish(topic, topic.encode(), qos=1)
+    admin.expect(3)
+    assert [m.topic for m in dev.expect(1)] == ["home/open"]
+    dev.expect_none(0.5)
+    assert hook.bodies(action="subscribe", clientid="home-1", topic="home/secret")
+    assert srv.wait_log("[AUTHORIZATION] user=home-dev ip=127.0.0.1 action=SUB "
+                        "resource=Topic:home/secret result=deny reason=http: deny")
+    for c in (dev, admin):
+        c.disconnect()
+
+
+def test_a_session_resumed_by_another_user_starts_clean(srv: Server) -> None:
+    """Same client id, another identity: the session (its subscriptions, what it had in
+    flight, what it missed) is not handed over; the newcomer starts with a fresh one."""
+    add_user(srv, "alice", "alice-pw")
+    allow(srv, "alice", "Topic:private/#", "SUB")
+    add_user(srv, "bob", "bob-pw")  # no rights at all
+    props = {"session_expiry_interval": 300}
+    admin = Client(srv.port, "private-admin", username=ADMIN[0], password=ADMIN[1])
+    for who, password in (("bob", "bob-pw"), ("anyone", "x")):  # built-in, then hook
+        alice = RawClient(srv.port, 5)
+        assert alice.connect("handover", clean=False, username="alice",
+                             password=b"alice-pw", properties=props).reason_code == 0
+        alice.subscribe("private/#", 1)
+        admin.publish("private/a", b"in flight", qos=1)
+        got = alice.recv()
+        assert isinstance(got, mqtt.Publish) and got.payload == b"in flight"
+        alice.close()  # gone without PUBACK: in flight, resent on resume
+        admin.publish("private/b", b"missed", qos=1)
+        other = RawClient(srv.port, 5, timeout=2)
+        try:
+            ack = other.connect("handover", clean=False, username=who,
+                                password=password.encode(), properties=props)
+            assert ack.reason_code == 0 and not ack.session_present, who
+            with pytest.raises(TimeoutError):
+                other.recv()  # neither the in-flight message nor the missed one
+        finally:
+            other.close()
+        again = RawClient(srv.port, 5, timeout=2)  # alice's session went with it
+        try:
+            ack = again.connect("handover", clean=False, username="alice",
+                                password=b"alice-pw", properties=props)
+            assert ack.reason_code == 0 and not ack.session_present
+        finally:
+            again.close()
+    admin.disconnect()
 
 
 @pytest.mark.parametrize("on_error", [None, "next", "allow"])

@@ -3,6 +3,9 @@ clients and a real JWKS endpoint on loopback; tokens signed here with PyJWT."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import subprocess
 import sys
@@ -15,6 +18,7 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
+from gateway import mqtt
 from tests.conftest import ROOT, Server
 from tests.mqtt.paho_client import Client
 from tests.mqtt.raw import RawClient
@@ -108,7 +112,7 @@ def test_rs256_and_es256_with_keys_from_the_jwks_url(srv: Server, keys: Keys,
                                                      jwks: HttpService) -> None:
     for alg, key, kid in (("RS256", keys.rsa, "rsa1"), ("ES256", keys.ec, "ec1")):
         c = Client(srv.port, f"dev-{alg}", version=5, username=f"dev-{alg}",
-                   password=token(key, alg, kid))
+                   password=token(key, alg, kid, sub=f"dev-{alg}"))
         assert c.connack[1] == 0, alg
         c.disconnect()
     assert any(path == "/jwks.json" for _, path, _ in jwks.requests)
@@ -122,7 +126,7 @@ def test_expired_and_not_yet_valid_tokens_are_refused(srv: Server) -> None:
     early = token(SECRET, nbf=int(time.time()) + 3600, sub="early")
     assert refused(srv, "early", "early", early) == BAD_CREDENTIALS_V5
     assert srv.wait_log("reason=jwt: token not valid yet (nbf)")
-    ok = Client(srv.port, "on-time", username="on-time", password=token(SECRET))
+    ok = Client(srv.port, "on-time", username="on-time", password=token(SECRET, sub="on-time"))
     ok.disconnect()  # a success resets the failed-login delay for the next tests
 
 
@@ -142,7 +146,7 @@ def test_a_token_signed_with_the_wrong_key_is_refused(srv: Server, keys: Keys) -
     unsigned = jwt.encode({"sub": "mallory"}, None, algorithm="none")
     assert refused(srv, "m4", "mallory", unsigned) == BAD_CREDENTIALS_V5
     assert srv.wait_log("reason=jwt: algorithm 'none' not accepted")
-    ok = Client(srv.port, "after-forgery", username="x", password=token(SECRET))
+    ok = Client(srv.port, "after-forgery", username="x", password=token(SECRET, sub="x"))
     ok.disconnect()
 
 
@@ -164,7 +168,7 @@ def test_the_acl_claim_allows_and_denies_publish_and_subscribe(srv: Server, keys
     key, kid = (SECRET, None) if alg == "HS256" else (keys.ec, "ec1")
     cid, user = f"dev-{alg.lower()}", f"carol{alg.lower()}"
     dev = Client(srv.port, cid, version=5, username=user,
-                 password=token(key, alg, kid, acl=acl))
+                 password=token(key, alg, kid, sub=user, acl=acl))
     watcher = Client(srv.port, f"watch-{alg}", username=ADMIN[0], password=ADMIN[1])
     watcher.subscribe("devices/#", 1)
 
@@ -193,7 +197,7 @@ def test_the_acl_claim_allows_and_denies_publish_and_subscribe(srv: Server, keys
 def test_a_placeholder_never_widens_the_acl(srv: Server) -> None:
     """A client id of '+' must not turn devices/%c/up into every device's topic."""
     dev = Client(srv.port, "+", version=5, username="plus",
-                 password=token(SECRET, acl={"pub": ["devices/%c/up"]}))
+                 password=token(SECRET, sub="plus", acl={"pub": ["devices/%c/up"]}))
     mid = dev.publish("devices/victim/up", b"x", qos=1)
     assert dev.pub_codes[mid] == 0x87
     dev.disconnect()
@@ -208,7 +212,8 @@ def test_a_rotated_key_is_picked_up_from_the_jwks_url(srv: Server, keys: Keys) -
             raw = RawClient(srv.port, 5, timeout=15)
             try:
                 code = raw.connect("rotated", username="rot",
-                                   password=token(new_key, "RS256", "rsa2").encode()).reason_code
+                                   password=token(new_key, "RS256", "rsa2",
+                                                  sub="rot").encode()).reason_code
             finally:
                 raw.close()
             if code == 0 or time.monotonic() > deadline:
@@ -230,10 +235,11 @@ def test_a_jwt_backend_alone_turns_auth_on_with_a_jwks_file(tmp_path: Path, keys
             assert raw.connect("nobody").reason_code == 5  # auth is on: anonymous refused
         finally:
             raw.close()
-        c = Client(s.port, "es", username="es", password=token(keys.ec, "ES256", "ec1"))
+        c = Client(s.port, "es", username="es",
+                   password=token(keys.ec, "ES256", "ec1", sub="es"))
         c.disconnect()
         # HS256 was not asked for (a JWKS alone means RS256,ES256)
-        assert refused(s, "hs", "hs", token(SECRET)) == BAD_CREDENTIALS_V5
+        assert refused(s, "hs", "hs", token(SECRET, sub="hs")) == BAD_CREDENTIALS_V5
         assert s.wait_log("reason=jwt: algorithm 'HS256' not accepted")
         # jwt first, then the built-in users: a plain password is no token, builtin decides
         admin = Client(s.port, "adm", username=ADMIN[0], password=ADMIN[1])
@@ -248,6 +254,10 @@ def test_a_jwt_backend_alone_turns_auth_on_with_a_jwks_file(tmp_path: Path, keys
     (["--auth-jwt-secret", "s", "--auth-jwt-algorithms", "RS256"],
      "--auth-jwt-algorithms RS256 needs --auth-jwt-jwks"),
     (["--auth-order", "builtin,ldap"], "--auth-order takes a comma list"),
+    # keys fetched in the clear could be swapped on the way: only loopback may be plain
+    (["--auth-jwt-jwks", "http://idp.example/jwks.json"],
+     "--auth-jwt-jwks http://idp.example/jwks.json: keys over plain http"),
+    (["--auth-jwt-jwks", "http://[::2]:8080/jwks.json"], "use https://"),
     # valid settings, but a backend turns auth on and nobody could run the store's side
     (["--auth-jwt-secret", SECRET], "needs a Super user"),
 ])
@@ -271,7 +281,7 @@ def test_a_separated_gateway_takes_jwt_settings_of_its_own(tmp_path: Path) -> No
         gw = Server(None, "--store", store.native, "--store-auth", f"{ADMIN[0]}:{ADMIN[1]}",
                     "--auth-jwt-secret", SECRET, command="gateway").start()
         dev = Client(gw.port, "gw-dev", version=5, username="gw-dev",
-                     password=token(SECRET, acl={"pub": ["devices/%c/#"]}))
+                     password=token(SECRET, sub="gw-dev", acl={"pub": ["devices/%c/#"]}))
         ok = dev.publish("devices/gw-dev/up", b"x", qos=1)
         no = dev.publish("devices/other/up", b"x", qos=1)
         assert dev.pub_codes[ok] == 0 and dev.pub_codes[no] == 0x87
@@ -285,3 +295,95 @@ def test_a_separated_gateway_takes_jwt_settings_of_its_own(tmp_path: Path) -> No
         if gw is not None:
             assert gw.stop() == 0, gw.logs()[-3000:]
         assert store.stop() == 0, store.logs()[-3000:]
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def hand_made_token(header: dict[str, Any], claims: dict[str, Any],
+                    secret: str = SECRET) -> str:
+    """An HS256 token signed with the right secret but laid out by hand: PyJWT will not
+    encode the malformed headers a stranger may send."""
+    signing_input = f"{_b64(json.dumps(header).encode())}.{_b64(json.dumps(claims).encode())}"
+    mac = hmac.new(secret.encode(), signing_input.encode(), hashlib.sha256).digest()
+    return f"{signing_input}.{_b64(mac)}"
+
+
+@pytest.mark.parametrize("header", [
+    {"alg": "HS256", "kid": 7},  # a key id that is no string
+    {"alg": "HS256", "kid": ["a"]},
+    {"alg": "HS256", "crit": ["x-unknown"]},
+    {"alg": "HS256", "crit": "x"},
+])
+def test_a_malformed_token_header_is_refused_like_any_bad_password(srv: Server,
+                                                                   header: dict) -> None:
+    ok = Client(srv.port, "reset-bad-header", username="r", password=token(SECRET, sub="r"))
+    ok.disconnect()  # no earlier failure slows these down
+    bad = hand_made_token(header, {"sub": "stranger", "exp": int(time.time()) + 60})
+    assert refused(srv, "bad-header-5", "stranger", bad) == BAD_CREDENTIALS_V5
+    assert srv.wait_log("user=stranger ip=127.0.0.1 via=mqtt result=failure reason=jwt: bad "
+                        "header")
+    raw = RawClient(srv.port, 4, timeout=15)
+    try:
+        started = time.monotonic()
+        code = raw.connect("bad-header-4", username="stranger",
+                           password=bad.encode()).reason_code
+        waited = time.monotonic() - started
+    finally:
+        raw.close()
+    assert code == 4  # 3.1.1: bad user name or password
+    assert waited >= 0.15, "the failed-login back-off must slow the next attempt"
+    assert "Traceback" not in srv.logs()
+
+
+def test_the_identity_is_the_tokens_and_a_different_username_is_refused(srv: Server) -> None:
+    alice = token(SECRET, sub="alice", acl={"sub": ["users/%u/#"]})
+    assert refused(srv, "as-oscar", "oscar", alice) == BAD_CREDENTIALS_V5
+    assert srv.wait_log("user=oscar ip=127.0.0.1 via=mqtt result=failure reason=jwt: the token "
+                        "is for another username")
+    raw = RawClient(srv.port, 4, timeout=15)
+    try:
+        assert raw.connect("as-oscar-4", username="oscar", password=alice.encode()).reason_code == 4
+    finally:
+        raw.close()
+    # No username, or the token's own: the token's identity, and %u is it.
+    for client_id, username in (("as-nobody", ""), ("as-alice", "alice")):
+        c = Client(srv.port, client_id, version=5, username=username, password=alice)
+        codes = c.subscribe([("users/alice/inbox", 1), ("users/oscar/inbox", 1)])
+        assert [x.value for x in codes] == [1, 0x87]
+        c.disconnect()
+    assert srv.wait_log("[AUTHENTICATION] user=alice ip=127.0.0.1 via=mqtt result=success",
+                        count=2)
+    assert "user=oscar ip=127.0.0.1 via=mqtt result=success" not in srv.logs()
+    # A token that names nobody vouches for no one.
+    assert refused(srv, "as-whoever", "carl", token(SECRET)) == BAD_CREDENTIALS_V5
+    assert srv.wait_log("reason=jwt: the token names no user")
+    ok = Client(srv.port, "reset-identity", username="r", password=token(SECRET, sub="r"))
+    ok.disconnect()
+
+
+def test_a_connection_ends_when_its_token_expires(srv: Server) -> None:
+    """MQTT 5: DISCONNECT 0xA0 (Maximum connect time) at the token's exp; 3.1.1: closed.
+    Keepalive 0: only the expiry can end them."""
+    v5 = RawClient(srv.port, 5, timeout=10)
+    v4 = RawClient(srv.port, 4, timeout=10)
+    try:
+        short = token(SECRET, ttl=2, sub="short-lived")
+        assert v5.connect("short-5", keepalive=0, username="short-lived",
+                          password=short.encode()).reason_code == 0
+        assert v4.connect("short-4", keepalive=0, username="short-lived",
+                          password=short.encode()).reason_code == 0
+        started = time.monotonic()
+        v5.send(mqtt.Pingreq())
+        assert isinstance(v5.recv(), mqtt.Pingresp)  # alive before its exp
+        bye = v5.recv()
+        assert isinstance(bye, mqtt.Disconnect), bye
+        assert bye.reason_code == 0xA0
+        assert time.monotonic() - started < 4
+        assert v4.closed_by_server()
+        assert time.monotonic() - started < 5
+    finally:
+        v5.close()
+        v4.close()
+    assert srv.wait_log("disconnected: credentials expired")

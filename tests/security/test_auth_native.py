@@ -8,9 +8,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import trio
 
 from store import protocol as p
-from store.client import AuthFailed
+from store.client import AuthFailed, NativeClient
+from store.record import Message
 from store.sdk import Consumer, Producer
 from tests.conftest import ROOT, Server
 from tests.mqtt.paho_client import Client
@@ -120,3 +122,97 @@ def test_gateway_with_node_credentials_serves_devices(srv: Server) -> None:
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+def _pull_bodies(srv: Server, queue: str, creds: tuple[str, str]) -> list[tuple[str, bytes]]:
+    """(topic, body) of every message of `queue` a PULL as `creds` hands out."""
+
+    async def pull_all() -> list[tuple[str, bytes]]:
+        out: list[tuple[str, bytes]] = []
+        async with NativeClient.open(srv.native, credentials=creds) as client:
+            offset = 0
+            while True:
+                header, body = await client.request(p.PULL, {"queue": queue,
+                                                             "offset": offset, "max": 64})
+                out += [(m.topic, m.body) for m in p.unpack_messages(header["messages"], body)]
+                if header["next_offset"] == offset:
+                    return out
+                offset = header["next_offset"]
+
+    return trio.run(pull_all)
+
+
+def test_a_pull_hands_out_only_messages_the_reader_may_read(srv: Server) -> None:
+    """Allow home/# and Deny home/secret: over MQTT home/secret is filtered out; a PULL
+    of the wildcard queue home/# (or of home's partitions) must filter it too."""
+    add_user(srv, "reader", "reader-pw")
+    allow(srv, "reader", "Topic:home/#", "SUB")
+    allow(srv, "reader", "Topic:home/secret", "SUB", deny=True)
+    watcher = Client(srv.port, "home-watch", username=ADMIN[0], password=ADMIN[1])
+    watcher.subscribe("home/#", 1)  # registers the wildcard queue home/#
+    mqtt_reader = Client(srv.port, "home-reader", version=5, username="reader",
+                         password="reader-pw")
+    mqtt_reader.subscribe("home/#", 1)
+    watcher.publish("home/open", b"for everyone", qos=1)
+    watcher.publish("home/secret", b"for admins", qos=1)
+    watcher.expect(2)
+    assert [m.topic for m in mqtt_reader.expect(1)] == ["home/open"]
+    mqtt_reader.expect_none(0.5)
+    watcher.disconnect()
+    mqtt_reader.disconnect()
+
+    reader = ("reader", "reader-pw")
+    assert _pull_bodies(srv, "home/#", ADMIN) == [("home/open", b"for everyone"),
+                                                 ("home/secret", b"for admins")]
+    assert _pull_bodies(srv, "home/#", reader) == [("home/open", b"for everyone")]
+    partitions = [m for q in range(4) for m in _pull_bodies(srv, f"home#{q}", reader)]
+    assert partitions == [("home/open", b"for everyone")]
+    with pytest.raises(p.RemoteError) as err:  # the topic itself was refused already
+        native(srv, "PULL", {"queue": "home/secret"}, creds=reader)
+    assert err.value.status == 403
+    assert srv.wait_log("[AUTHORIZATION] user=reader ip=127.0.0.1 action=SUB "
+                        "resource=Topic:home/secret result=deny")
+
+
+def test_nack_takes_only_a_message_the_reader_received(srv: Server) -> None:
+    """NACK needs SUB on the group; it must name a message the reader could pull (queue
+    and offset) and copy that, never store a body the client makes up."""
+    app = ("app", "app-pw")
+    forged = Message("payroll", b"forged", 1, False, "", {"lg_attempt": 0})
+    forged.phys_offset = -1
+    metas, body = p.pack_messages([forged])
+    with pytest.raises(p.RemoteError) as err:
+        native_with_body(srv, "NACK", {"group": "billing", "message": metas[0]}, body, app)
+    assert err.value.status in (400, 403)  # no queue and offset: nothing it may pull
+    assert b"forged" not in b"".join(b for _, b in _pull_bodies(srv, "billing#retry", ADMIN))
+
+    with Producer(srv.native, username="app", password="app-pw") as producer:
+        producer.send("orders", b"to-retry", key="r")
+    queue, offset = next((f"orders#{q}", i) for q in range(4)
+                         for i, (_, b) in enumerate(_pull_bodies(srv, f"orders#{q}", app))
+                         if b == b"to-retry")
+    reply = native(srv, "NACK", {"group": "billing", "queue": queue, "offset": offset},
+                   creds=app)
+    assert reply["queue"] == "billing#retry" and reply["attempt"] == 1
+    assert (("orders", b"to-retry") in _pull_bodies(srv, "billing#retry", ADMIN))
+    for bad in ({"queue": "payroll#0", "offset": 0},  # a queue it may not read
+                {"queue": queue, "offset": 10_000}):  # nothing there
+        with pytest.raises(p.RemoteError) as err:
+            native(srv, "NACK", {"group": "billing", **bad}, creds=app)
+        assert err.value.status in (403, 404), bad
+
+
+def native_with_body(srv: Server, code: str, header: dict, body: bytes,
+                     creds: tuple[str, str]) -> dict:
+    async def call() -> dict | Exception:
+        async with NativeClient.open(srv.native, credentials=creds) as client:
+            try:
+                reply, _ = await client.request(getattr(p, code), header, body)
+            except p.RemoteError as exc:
+                return exc
+            return reply
+
+    out = trio.run(call)
+    if isinstance(out, Exception):
+        raise out
+    return out

@@ -198,3 +198,32 @@ def test_user_without_a_verifier_fails_with_a_reason() -> None:
             assert "no SCRAM verifier" in last.reason and "set it again" in last.reason
         else:
             client.verify(last.data or b"")
+
+
+def test_packets_before_the_exchange_ends_are_bounded_like_the_connect(srv: Server) -> None:
+    """Until a client is authenticated, every packet is bounded by --max-connect-packet
+    (64 KiB), not --max-packet-size (1 MiB): an AUTH announcing 200 kB is refused as soon
+    as its length is read, before the server holds any of it."""
+    c = RawClient(srv.port, 5)
+    try:
+        scram = ScramClient("carol", "carol-pw")
+        c.send(mqtt.Connect(client_id="scram-big", protocol_level=5, clean_start=True,
+                            keepalive=60, properties={"authentication_method": METHOD,
+                                                      "authentication_data": scram.first()}))
+        challenge = c.recv()
+        assert isinstance(challenge, mqtt.Auth) and challenge.reason_code == 0x18
+        size = 200_000  # an AUTH's remaining length, as a variable byte integer
+        length = bytes([size & 0x7F | 0x80, size >> 7 & 0x7F | 0x80, size >> 14])
+        c.send_raw(b"\xf0" + length + b"\x18" + b"\x00" * 1000)  # and the rest never comes
+        ack = c.recv()
+        assert isinstance(ack, mqtt.Connack), ack
+        assert ack.reason_code == 0x95  # Packet too large
+        assert c.closed_by_server()
+    finally:
+        c.close()
+    # Once authenticated, --max-packet-size holds.
+    ok, ack = scram_connect(srv.port, "scram-big-ok", "carol", "carol-pw")
+    assert ack.reason_code == 0
+    ok.send(mqtt.Publish("scram/big", b"x" * 200_000, qos=1, packet_id=1))
+    assert isinstance(ok.recv(), mqtt.Puback)
+    ok.close()

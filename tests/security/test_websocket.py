@@ -138,6 +138,17 @@ def test_packets_split_over_and_packed_into_messages(ws_server: Server) -> None:
         assert receive_bytes(ws, 4) == PINGRESP * 2
 
 
+def test_pings_and_fragmented_messages(ws_server: Server) -> None:
+    connect_packet = mqtt.encode(mqtt.Connect(client_id=uid("frag"), keepalive=30), 4)
+    with ws_connect(ws_server) as ws:
+        assert ws.ping().wait(5)  # answered before CONNECT too
+        ws.send([connect_packet[:3], connect_packet[3:7], connect_packet[7:]])  # 3 frames
+        assert receive_bytes(ws, 4) == CONNACK_OK
+        ws.send([PINGREQ[:1], PINGREQ[1:] + PINGREQ])
+        assert ws.ping().wait(5)
+        assert receive_bytes(ws, 4) == PINGRESP * 2
+
+
 def test_text_frames_close_the_connection(ws_server: Server) -> None:
     with ws_connect(ws_server) as ws:
         ws.send(mqtt.encode(mqtt.Connect(client_id=uid("txt")), 4))
@@ -148,19 +159,50 @@ def test_text_frames_close_the_connection(ws_server: Server) -> None:
         assert info.value.rcvd is not None and info.value.rcvd.code == 1003
 
 
+def _close_code(ws: ClientConnection) -> int | None:
+    """Read until the server closes; the code of its close frame."""
+    with pytest.raises(ConnectionClosed) as info:
+        while True:
+            ws.recv(timeout=5)
+    return info.value.rcvd.code if info.value.rcvd is not None else None
+
+
 def test_messages_beyond_the_packet_size_limit_close_the_connection(tmp_path: Path) -> None:
     srv = Server(tmp_path / "data", "--max-packet-size", "1024").start()
     try:
         with ws_connect(srv, max_size=None) as ws:
             ws.send(mqtt.encode(mqtt.Connect(client_id=uid("big")), 4))
             assert receive_bytes(ws, 4) == CONNACK_OK
-            ws.send(b"\x00" * (200 * 1024))  # far over 1 KiB + slack: never buffered whole
-            with pytest.raises(ConnectionClosed) as info:
-                ws.recv(timeout=5)
-            assert info.value.rcvd is not None and info.value.rcvd.code == 1009
+            # Well-formed packets, but far over 1 KiB + slack in one message.
+            ws.send(PINGREQ * (100 * 1024))
+            assert _close_code(ws) == 1009
+        with ws_connect(srv, max_size=None) as ws:
+            ws.send(mqtt.encode(mqtt.Connect(client_id=uid("junk")), 4))
+            assert receive_bytes(ws, 4) == CONNACK_OK
+            ws.send(b"\x00" * (200 * 1024))  # not MQTT: closed as it arrives
+            _close_code(ws)
         with ws_connect(srv) as ws:  # others still welcome
             ws.send(mqtt.encode(mqtt.Connect(client_id=uid("small")), 4))
             assert receive_bytes(ws, 4) == CONNACK_OK
+    finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+def test_before_connect_a_message_is_bounded_by_the_connect_limit(tmp_path: Path) -> None:
+    srv = Server(tmp_path / "data", "--max-connect-packet", "4096").start()
+    try:
+        connect_packet = mqtt.encode(mqtt.Connect(client_id=uid("early")), 4)
+        with ws_connect(srv) as ws:
+            # Packets need not align with messages, so a CONNECT and 3,000 PINGREQs may
+            # share one; begun before CONNECT, it may be no larger than a CONNECT may.
+            ws.send(connect_packet + PINGREQ * 3000)
+            assert _close_code(ws) == 1009
+        assert srv.wait_log("--max-connect-packet")
+        with ws_connect(srv) as ws:  # after CONNECT, --max-packet-size bounds a message
+            ws.send(connect_packet)
+            assert receive_bytes(ws, 4) == CONNACK_OK
+            ws.send(PINGREQ * 3000)
+            assert receive_bytes(ws, 6000) == PINGRESP * 3000
     finally:
         assert srv.stop() == 0, srv.logs()[-3000:]
 

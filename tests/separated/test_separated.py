@@ -193,7 +193,7 @@ def test_gateway_started_before_its_store_waits_and_then_serves(tmp_path,
         store.start()
         starter.join(30)
         assert not starter.is_alive() and not failed, failed
-        assert "waiting for the store" in gw.logs()
+        assert gw.wait_log("waiting for the store")  # read by a thread: a moment later
         sub = Client(gw.port, uid("sub"))
         sub.subscribe("late/+", 1)
         pub = Client(gw.port, uid("pub"))
