@@ -197,11 +197,6 @@ class _Out:
         return (len(self.messages) >= self.max_count or self.nbytes >= self.max_bytes
                 or self.looked >= SCAN_BUDGET)
 
-    def add(self, msg: Message, offset: int) -> None:
-        self.messages.append(msg)
-        self.ends[msg.topic] = offset + 1
-        self.nbytes += len(msg.body)
-
 
 class HistoryReader:
     """Reads histories from one store's CommitLog and index (any thread; no state but
