@@ -122,9 +122,11 @@ class NativeClient:
     timeout) and publishes fail at once."""
 
     def __init__(self, addr: str, *, credentials: tuple[str, str] | None = None,
-                 connect_timeout: float = 5.0) -> None:
+                 connect_timeout: float = 5.0,
+                 node: tuple[str, bytes] | None = None) -> None:
         self.addr = addr
         self.credentials = credentials
+        self.node = node  # a store node of the group: (its name, the group secret)
         self.hello: dict[str, Any] = {}  # the master's answer: version, auth, user, node
         self.fatal: Exception | None = None
         self._settled = trio.Event()  # first connection made, or failed for good
@@ -332,13 +334,26 @@ class NativeClient:
 
     async def _hello(self, addr: Addr, stream: trio.SocketStream) -> _Answer:
         """HELLO first on every connection (with credentials when given): the store
-        handles it before anything else the connection sends."""
+        handles it before anything else the connection sends. A store node then answers
+        the connection's challenge with the group secret, in a second HELLO."""
         header: dict[str, Any] = {"sdk": "lightgate-python"}
-        if self.credentials:
+        if self.node is not None:
+            header["node"] = self.node[0]  # the challenge first: no credentials
+        elif self.credentials:
             header["username"], header["password"] = self.credentials
+        decoder = p.FrameDecoder()
+        answer = await self._hello_once(stream, decoder, header)
+        if self.node is not None:
+            name, secret = self.node
+            proof = p.node_proof(secret, str(answer.get("challenge", "")), name)
+            answer = await self._hello_once(stream, decoder,
+                                            {"node": name, "node_proof": proof})
+        return _Answer(addr, stream, decoder, answer)
+
+    async def _hello_once(self, stream: trio.SocketStream, decoder: p.FrameDecoder,
+                          header: dict[str, Any]) -> dict[str, Any]:
         rid = next(self._ids)
         await stream.send_all(p.encode_frame(p.Frame(p.REQUEST, p.HELLO, rid, header)))
-        decoder = p.FrameDecoder()
         while True:
             data = await stream.receive_some(65536)
             if not data:
@@ -349,7 +364,7 @@ class NativeClient:
                 if frame.kind == p.ERROR:
                     raise AuthFailed(int(frame.header.get("status", 500)),
                                      str(frame.header.get("error", "error")))
-                return _Answer(addr, stream, decoder, frame.header)
+                return frame.header
 
     # -- one connection to the master ------------------------------------------------------
     async def _session(self, stream: trio.SocketStream, decoder: p.FrameDecoder) -> None:

@@ -140,6 +140,6 @@ def test_a_reader_gets_only_the_topics_it_may_read(auth_srv: Server) -> None:
     with pytest.raises(p.RemoteError) as err:
         remote(auth_srv, lambda s: s.seek_time("garden/t", 0), creds)
     assert err.value.status == 403
-    # A node (the gateway) reads everything: it checks each of its clients itself.
+    # A Super user (as a node, the gateway) reads everything: a gateway checks its clients.
     every = read_all(auth_srv, "home/#", creds=("admin", "admin-secret"), max_count=10)
     assert len([m for b in every for m in b.messages]) == 6
