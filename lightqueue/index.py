@@ -322,9 +322,9 @@ class ConsumeQueueIndex:
         """The first offset whose message was stored at or after `ms` (store time, ms
         since the epoch), or the queue's end when none was: a binary search over the
         runs, a seek and a value per probe (~20 at 1M single-entry runs), never a scan.
-        Store times are taken as non-decreasing along the queue, as RocketMQ's
-        getOffsetInQueueByTime takes them; after the clock stepped back the answer is
-        some offset between the two readings."""
+        Store times are taken as non-decreasing along the queue (each append stamps its
+        batch with the clock); after the clock stepped back the answer is some offset
+        between the two readings."""
         return self._bisect(queue, ms, _TS_AT)
 
     def offset_at_position(self, queue: str, phys: int) -> int:

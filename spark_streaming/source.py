@@ -118,8 +118,7 @@ def resolve_offsets(spec: str | None, ranges: dict[str, tuple[int, int]],
 
 
 def starting_timestamp(options: dict[str, str]) -> int | None:
-    """The `startingTimestamp` option: ms since the epoch, as Spark's Kafka source takes
-    it (None when not given)."""
+    """The `startingTimestamp` option: ms since the epoch (None when not given)."""
     raw = options.get("startingtimestamp")
     if raw is None:
         return None
@@ -131,8 +130,8 @@ def starting_timestamp(options: dict[str, str]) -> int | None:
 def starting_offsets(options: dict[str, str], ranges: dict[str, tuple[int, int]],
                      default: str) -> Offsets:
     """Where each queue starts: at the first offset stored at or after startingTimestamp
-    when it is given (it wins over startingOffsets, as in the Kafka source; a queue with
-    nothing that late starts at its end), else as startingOffsets says."""
+    when it is given (it wins over startingOffsets; a queue with nothing that late
+    starts at its end), else as startingOffsets says."""
     ms = starting_timestamp(options)
     if ms is None:
         return resolve_offsets(options.get("startingoffsets"), ranges, default)

@@ -20,9 +20,8 @@ What a client can rely on:
   partitions and wildcards, cost a quarter of the time).
 - **cut**: the store no longer holds everything from the start asked for (retention
   removed older segments and the start lies before the oldest record kept).
-- **Seek by time** assumes store times rise along the log, as RocketMQ's
-  getOffsetInQueueByTime does; after a clock step back a start lands between the two
-  readings.
+- **Seek by time** assumes store times rise along the log (each append stamps its batch
+  with the clock); after a clock step back a start lands between the two readings.
 
 How it reads (the answer is the same whichever way is taken; only the cost differs):
 - **topics**: a topic, or a filter over at most MERGE_MAX_QUEUES topics: their

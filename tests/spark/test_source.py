@@ -159,7 +159,7 @@ def test_stream_reader_keeps_one_connection_and_pickles_without_it(lg: Server) -
 
 def test_starting_timestamp(spark: Any, lg: Server, tmp_path: Any) -> None:
     """Each queue starts at its first record stored at or after the time, batch and
-    stream alike, and the option wins over startingOffsets (as in the Kafka source)."""
+    stream alike, and the option wins over startingOffsets."""
     import time
 
     _publish(lg.native, 30)
