@@ -19,7 +19,15 @@ import trio
 
 from serving.startup import first_of, split_hostport
 from store import protocol as p
-from store.common import PullResult, StoreError, StoreFullError, StoreUnavailable, await_future
+from store.common import (
+    HistoryBatch,
+    PullResult,
+    QueueSeek,
+    StoreError,
+    StoreFullError,
+    StoreUnavailable,
+    await_future,
+)
 from store.record import Message
 from store.streams import batched_writer
 
@@ -555,6 +563,37 @@ class RemoteStore:
         header, _ = await self.client.request(
             p.QUEUE_TAIL, {"queue": queue, "start": start, "max_bytes": max_bytes})
         return int(header["start"])
+
+    async def seek_time(self, queue: str, ms: int) -> QueueSeek:
+        header, _ = await self._asked(p.QUEUE_SEEK, {"queue": queue, "time": int(ms)})
+        return QueueSeek(int(header["offset"]), int(header["min_offset"]),
+                         int(header["max_offset"]), bool(header["cut"]))
+
+    async def history(self, topic_filter: str, since: object = "earliest", *,
+                      until: str | int | None = None, cursor: str | None = None,
+                      max_count: int = 1024, max_bytes: int = 4 << 20) -> HistoryBatch:
+        """EmbeddedStore.history over the wire (the store parses `since`, on its clock)."""
+        header: dict[str, Any] = {"filter": topic_filter, "max": max_count,
+                                  "max_bytes": max_bytes}
+        if cursor is not None:
+            header["cursor"] = cursor
+        else:
+            header["since"] = str(since)  # a Since prints as the text that parses back
+            if until is not None:
+                header["until"] = until
+        answer, body = await self._asked(p.HISTORY, header)
+        return HistoryBatch(p.unpack_messages(answer["messages"], body),
+                            {str(t): int(o) for t, o in answer["ends"].items()},
+                            answer["cursor"], bool(answer["cut"]), int(answer["end"]))
+
+    async def _asked(self, code: int, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """A request whose bad input raises ValueError, as the embedded store's does."""
+        try:
+            return await self.client.request(code, header)
+        except p.RemoteError as exc:
+            if exc.status == 400:
+                raise ValueError(exc.message) from None
+            raise
 
     async def add_wildcard(self, topic_filter: str) -> None:
         await self.client.request(p.WILDCARD_ADD, {"filter": topic_filter})

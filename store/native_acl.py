@@ -2,9 +2,11 @@
 
 - Server apps: SEND needs PUB on the first-level topic and on any MQTT topic it
   addresses; PULL/QUEUE_* need SUB (or GET) on the queue's topic, and PULL hands out
-  only the messages whose own topic the reader may SUB (or GET); consumer groups need
-  SUB on the group (NACK also the right to pull the message it names); TOPIC_CREATE
-  needs CREATE; STATS, message lookup, gateway lists need Cluster GET.
+  only the messages whose own topic the reader may SUB (or GET); HISTORY needs SUB (or
+  GET) on the whole filter, as an MQTT SUBSCRIBE does, and hands out only the messages
+  whose own topic the reader may read, with PULL's check; consumer groups need SUB on
+  the group (NACK also the right to pull the message it names); TOPIC_CREATE needs
+  CREATE; STATS, message lookup, gateway lists need Cluster GET.
 - Nodes: a gateway authenticates as a node user (`lightgate user add NAME --node`, a role
   no policy grants); that covers the requests only nodes make (PUBLISH routed on behalf
   of devices, whose own rights the gateway checked; metadata, users' included: the
@@ -82,7 +84,10 @@ def needs(frame: p.Frame, mqtt_topics: list[str] | None = None) -> list[Need] | 
         out = [Need("Topic", topic, ("PUB",))]
         out += [Need("Topic", t, ("PUB",)) for t in set(mqtt_topics or ()) if t != topic]
         return out
-    if code == p.PULL or code == p.QUEUE_RANGE or code == p.QUEUE_TAIL:
+    if code == p.HISTORY:
+        topic_filter = str(h.get("filter", ""))
+        return [Need("Topic", topic_filter, ("SUB", "GET"), is_wildcard(topic_filter))]
+    if code in (p.PULL, p.QUEUE_RANGE, p.QUEUE_TAIL, p.QUEUE_SEEK):
         return [queue_need(str(h.get("queue", "")))]
     if code == p.QUEUE_ENDS:
         return [queue_need(str(q)) for q in h.get("queues", [])]

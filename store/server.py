@@ -134,6 +134,8 @@ class NativeServer:
             p.QUEUE_RANGE: self._queue_range,
             p.QUEUE_ENDS: self._queue_ends,
             p.QUEUE_TAIL: self._queue_tail,
+            p.HISTORY: self._history,
+            p.QUEUE_SEEK: self._queue_seek,
             p.HEARTBEAT: self._heartbeat,
             p.COMMIT: self._commit,
             p.FETCH_OFFSETS: self._fetch_offsets,
@@ -491,6 +493,32 @@ class NativeServer:
 
     def _limit(self) -> int | None:
         return self.read_limit() if self.read_limit is not None else None
+
+    async def _history(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        """A batch of a filter's history (store.history). The filter's right was checked
+        in _check; each message's topic is checked here, and the topics of the messages
+        left out are left out of `ends` too."""
+        h = f.header
+        until = h.get("until")
+        cursor = h.get("cursor")
+        batch = await self.store.history(
+            str(h["filter"]), str(h.get("since", "earliest")),
+            until=until if until is None or type(until) is int else str(until),
+            cursor=None if cursor is None else str(cursor), max_count=int(h.get("max", 1024)),
+            max_bytes=int(h.get("max_bytes", 4 << 20)), read_limit=self._limit())
+        msgs = self._readable(ctx, batch.messages)
+        ends = batch.ends
+        if len(msgs) < len(batch.messages):
+            shown = {m.topic for m in msgs}
+            ends = {t: o for t, o in ends.items() if t in shown}
+        metas, body = p.pack_messages(msgs)
+        return {"messages": metas, "ends": ends, "cursor": batch.cursor, "cut": batch.cut,
+                "end": batch.end}, body
+
+    async def _queue_seek(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        seek = await self.store.seek_time(str(f.header["queue"]), int(f.header["time"]))
+        return {"offset": seek.offset, "min_offset": seek.min_offset,
+                "max_offset": seek.max_offset, "cut": seek.cut}, b""
 
     async def _queue_tail(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         h = f.header
