@@ -28,13 +28,17 @@ from gateway.broker import Broker
 from gateway.metrics import STORE_STATS_TIMEOUT_S, metrics_route
 from gateway.session import NUL, Session
 from lightqueue.routing import split_partition_queue
+from lightqueue.since import parse_since, parse_time
+from lightqueue.topic import validate_topic_filter
 from serving.http import paginate
-from store.api import Store, StoreError, topic_rows
+from store.api import AuthManager, DecisionCache, Message, Store, StoreError, Subject, topic_rows
 
 DASHBOARD = Path(__file__).with_name("dashboard")  # served from the package: no CDN
 MSG_ID = re.compile(r"[0-9A-Fa-f]{16}")
 ALERTS = "alerts/#"
 ALERTS_SHOWN = 50
+HISTORY_LIMIT = 100  # messages a page of GET /api/v1/messages holds by default
+HISTORY_MAX_LIMIT = 1000
 PROTOCOLS = {3: "3.1", 4: "3.1.1", 5: "5.0"}
 Handler = Callable[[Request], Awaitable[Any]]
 
@@ -79,6 +83,55 @@ def _body_json(body: bytes) -> dict[str, Any]:
 def _props_json(props: dict[str, Any]) -> dict[str, Any]:
     return {k: (base64.b64encode(v).decode() if isinstance(v, bytes) else v)
             for k, v in props.items()}
+
+
+def _history_row(m: Message) -> dict[str, Any]:
+    """One message of GET /api/v1/messages. `offset` is its offset in its topic's queue
+    (a history message carries that queue alone)."""
+    try:
+        payload, b64 = m.body.decode("utf-8"), False
+    except UnicodeDecodeError:
+        payload, b64 = base64.b64encode(m.body).decode(), True
+    return {"topic": m.topic, "payload": payload, "payload_base64": b64, "qos": m.qos,
+            "retain": m.retain, "time": m.store_ts,
+            "offset": m.queues[0][1] if m.queues else None, "client_id": m.client_id,
+            "properties": _props_json(m.properties), "msg_id": m.msg_id}
+
+
+def _history_args(request: Request) -> tuple[str, str, str | None, int, str | None]:
+    """(filter, since, until, limit, cursor) of GET /api/v1/messages, checked here so a
+    mistake gets a 400 that names it (the store checks them again, on its own clock)."""
+    q = request.query_params
+    topic_filter = q.get("filter", "")
+    try:
+        validate_topic_filter(topic_filter)
+    except ValueError as exc:
+        raise HTTPException(400, f"filter: {exc} (a topic, or a filter with + and #)") from None
+    try:
+        limit = int(q.get("limit", HISTORY_LIMIT))
+    except ValueError:
+        raise HTTPException(400, "limit must be an integer") from None
+    if not 1 <= limit <= HISTORY_MAX_LIMIT:
+        raise HTTPException(400, f"limit must be between 1 and {HISTORY_MAX_LIMIT}")
+    since, until, cursor = q.get("since", "earliest"), q.get("until") or None, q.get("cursor")
+    try:
+        if cursor is None:
+            parse_since(since)
+        if until is not None:
+            parse_time(until)
+    except ValueError as exc:
+        raise HTTPException(400, str(exc)) from None
+    return topic_filter, since, until, limit, cursor
+
+
+def _may_read(auth: AuthManager, subject: Subject | None, topic: str, *,
+              is_filter: bool = False, cache: DecisionCache | None = None) -> bool:
+    """SUB (or GET) on a topic or a whole filter, as the store's HISTORY asks of native
+    readers; a disabled auth, or a Super user, may read everything."""
+    if not auth.enabled or subject is None or auth.is_super(subject):
+        return True
+    return any(auth.authorize(subject, "Topic", topic, action, is_filter=is_filter,
+                              cache=cache) for action in ("SUB", "GET"))
 
 
 def _count_tasks(task: Any) -> int:
@@ -254,6 +307,27 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
             "delivered_to": delivered, "not_yet_delivered_to": pending, **_body_json(msg.body),
         })
 
+    async def messages(request: Request) -> JSONResponse:
+        """A page of a topic filter's stored messages, in store order: `filter`, `since`
+        (earliest, last, RFC 3339, -15m, epoch ms), `until`, `limit`, and `cursor` (the
+        previous page's `next`). With --auth the caller needs SUB on the whole filter,
+        and topics it may not read are left out. `cut`: retention removed part of what
+        was asked for. A page may hold fewer than `limit` while `next` is not null (the
+        store bounds one request's work)."""
+        topic_filter, since, until, limit, cursor = _history_args(request)
+        auth, subject = broker.auth, getattr(request.state, "subject", None)
+        if not _may_read(auth, subject, topic_filter, is_filter=True):
+            raise HTTPException(403, f"reading {topic_filter!r} needs SUB on all of it")
+        try:
+            batch = await store.history(topic_filter, since, until=until, cursor=cursor,
+                                        max_count=limit)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        cache = DecisionCache()
+        rows = [_history_row(m) for m in batch.messages
+                if _may_read(auth, subject, m.topic, cache=cache)]
+        return JSONResponse({"messages": rows, "next": batch.cursor, "cut": batch.cut})
+
     async def config(request: Request) -> JSONResponse:
         out = {"gateway": _config_json(broker.config)}
         if store_config is not None:
@@ -330,5 +404,6 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
         Route("/api/v1/retained", _store_away_is_503(retained)),
         Route("/api/v1/retained/{topic:path}", _store_away_is_503(retained_delete),
               methods=["DELETE"]),
+        Route("/api/v1/messages", _store_away_is_503(messages)),
         Route("/api/v1/messages/{msg_id}", _store_away_is_503(message)),
     ]

@@ -63,7 +63,7 @@ class GatewayOptions:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
     http: str = "127.0.0.1:18083"
-    store_auth: str | None = None  # NAME:PASSWORD of a user allowed Cluster UPDATE
+    store_auth: str | None = None  # NAME:PASSWORD of a node user (or a Super user)
     auth_strategy: str = "stateful"
     audit_log: str | None = None
     auth_backends: BackendConfig = field(default_factory=BackendConfig)  # jwt, http hook
@@ -111,8 +111,8 @@ async def _replica_auth(store: RemoteStore, hello: dict, opts: GatewayOptions) -
     if hello.get("auth") and not hello.get("node"):
         raise StartupError(
             "the store has authentication on and did not accept this gateway as "
-            "a node: give --store-auth NAME:PASSWORD of a Super user or one allowed Cluster "
-            "UPDATE")
+            "a node: give --store-auth NAME:PASSWORD of a node user (lightgate user add "
+            "NAME --node) or a Super user")
     if opts.audit_log:
         audit_to_file(opts.audit_log)
     auth = AuthManager(store, enabled=bool(hello.get("auth")) or opts.auth_backends.external,

@@ -376,7 +376,7 @@ def cmd_user(args: argparse.Namespace) -> int:
     op = args.user_op
     if op == "add":
         out = _admin_request(args, "USER_ADD", {"name": args.name, "password": args.password,
-                                                "super": args.super})
+                                                "super": args.super, "node": args.node})
     elif op == "passwd":
         out = _admin_request(args, "USER_UPDATE", {"name": args.name, "password": args.password})
     elif op in ("enable", "disable"):
@@ -416,6 +416,8 @@ def _add_auth_commands(sub: Any, client_flags: argparse.ArgumentParser) -> None:
     add.add_argument("name")
     add.add_argument("--password", required=True)
     add.add_argument("--super", action="store_true", help="a Super user (all rights)")
+    add.add_argument("--node", action="store_true",
+                     help="a node: what a gateway joins the store as (--store-auth)")
     passwd = user_ops.add_parser("passwd", parents=[client_flags], help="set a password")
     passwd.add_argument("name")
     passwd.add_argument("--password", required=True)

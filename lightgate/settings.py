@@ -50,8 +50,8 @@ REPLICATION_SETTINGS: list[tuple[str, Any, Any, str]] = [
     ("raft-advertise", str, None, "HOST:PORT the other nodes reach this node's Raft port at "
      "(default: --raft; set it behind NAT, a proxy or a Kubernetes Service)"),
     ("raft-secret", str, None, "VALUE or @FILE: the group secret every node of the group "
-     "shares; Raft messages without it are dropped unread. Required unless --raft is a "
-     "loopback address"),
+     "shares: Raft messages without it are dropped unread, and a replica proves it to fetch "
+     "the master's log. Required with --group-peers"),
     ("group-peers", str, None, "every store node's Raft address (as advertised), comma list; "
      "this node's own may be listed too. Turns on the controller and automatic failover"),
     ("node-id", str, None, "this node's name in the group (default: its Raft address)"),
@@ -61,8 +61,9 @@ REPLICATION_SETTINGS: list[tuple[str, Any, Any, str]] = [
      "the controller last heard from it; then it steps down"),
     ("failover-after-s", float, 4.0, "the controller elects a new master once the master "
      "has not reported for this long (at least --controller-lease-s + 0.5)"),
-    ("replica-auth", str, None, "NAME:PASSWORD a replica authenticates to its master with "
-     "(a node user, when the group runs with --auth)"),
+    ("replica-auth", str, None, "NAME:PASSWORD of a Super user a replica without the group "
+     "secret (--replica-of, no --raft-secret) fetches from its master with, when it runs "
+     "with --auth"),
 ]
 HTTP_SETTING = ("http", str, "127.0.0.1:18083", "HTTP (dashboard, admin API, metrics) HOST:PORT")
 HTTP_BODY_SETTING = ("http-max-body", int, 1024 * 1024, "largest HTTP request body (413 past it)")
@@ -154,7 +155,8 @@ AUTH_BACKEND_SETTINGS: list[tuple[str, Any, Any, str]] = [
      "clients it let in"),
 ]
 GATEWAY_AUTH_SETTINGS: list[tuple[str, Any, Any, str]] = [
-    ("store-auth", str, None, "NAME:PASSWORD this gateway authenticates to the store with"),
+    ("store-auth", str, None, "NAME:PASSWORD this gateway authenticates to the store with "
+     "(a node user: lightgate user add NAME --node)"),
     ("auth-strategy", str, "stateful", "stateful or stateless ACL decisions"),
 ]
 

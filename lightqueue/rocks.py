@@ -15,7 +15,7 @@ import functools
 import logging
 import sys
 
-from rocksdict import BlockBasedOptions, Cache, Options, Rdict
+from rocksdict import BlockBasedIndexType, BlockBasedOptions, Cache, Options, Rdict
 
 log = logging.getLogger("lightgate.store.rocks")
 
@@ -89,6 +89,12 @@ def bounded_options(write_buffer_mb: int, cache: Cache | None = None) -> Options
     table.set_block_cache(cache if cache is not None else Cache(32 * 1024 * 1024))
     table.set_cache_index_and_filter_blocks(True)  # charged to the cache, not unbounded
     table.set_pin_l0_filter_and_index_blocks_in_cache(True)
+    # A partitioned index: a file's index in 4 KiB blocks under a small top level, pinned.
+    # One index block per file grows with the file (746 KB at 1M entries), more than a
+    # shard of the block cache holds (capacity / 64), so it was read from the file again
+    # for every new iterator and every get: 0.4 ms each, a queue's end 0.8 ms.
+    table.set_index_type(BlockBasedIndexType.two_level_index_search())
+    table.set_pin_top_level_index_and_filter(True)
     opts.set_block_based_table_factory(table)
     return opts
 

@@ -132,6 +132,11 @@ class StoreClient:
         header, _ = self.request(p.QUEUE_RANGE, {"queue": queue})
         return int(header["min_offset"]), int(header["max_offset"])
 
+    def seek_time(self, queue: str, ms: int) -> int:
+        """The first offset of `queue` stored at or after `ms` (its end when none was)."""
+        header, _ = self.request(p.QUEUE_SEEK, {"queue": queue, "time": ms})
+        return int(header["offset"])
+
     def pull(self, queue: str, offset: int, max_count: int = PULL_BATCH,
              wait_ms: int = 0) -> tuple[list[Message], int]:
         header, body = self.request(

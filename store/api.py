@@ -24,7 +24,9 @@ from store.auth.manager import DecisionCache
 from store.client import AuthFailed, NativeClient, RemoteStore
 from store.common import (
     FutureLike,
+    HistoryBatch,
     PullResult,
+    QueueSeek,
     StoreClosedError,
     StoreError,
     StoreFullError,
@@ -39,8 +41,9 @@ from store.service import EmbeddedStore, StoreConfig
 __all__ = [
     "AUTH_EVENT", "CONTINUE", "FAILURE", "AuthConfig", "AuthError", "AuthFailed",
     "AuthManager", "AuthStep", "Authenticator", "BackendConfig",
-    "DecisionCache", "EmbeddedStore", "FutureLike", "LocalStore", "Message", "NativeClient",
-    "PullResult", "RemoteStore", "Store", "StoreClosedError", "StoreConfig", "StoreError",
+    "DecisionCache", "EmbeddedStore", "FutureLike", "HistoryBatch", "LocalStore", "Message",
+    "NativeClient", "PullResult", "QueueSeek", "RemoteStore", "Store", "StoreClosedError",
+    "StoreConfig", "StoreError",
     "StoreFullError", "StoreNode", "StoreUnavailable", "Subject", "audit_to_file", "auth_app",
     "await_future", "encode_properties", "store_node", "store_routes", "topic_rows",
 ]
@@ -79,6 +82,22 @@ class Store(Protocol):
 
     async def queue_tail_start(self, queue: str, start: int, max_bytes: int) -> int:
         """Where a reader at `start` resumes if it may be at most `max_bytes` behind."""
+        ...
+
+    # -- replay (store.history) ---------------------------------------------------------
+    async def seek_time(self, queue: str, ms: int) -> QueueSeek:
+        """The first offset of `queue` stored at or after `ms` (ms since the epoch)."""
+        ...
+
+    async def history(self, topic_filter: str, since: Any = "earliest", *,
+                      until: str | int | None = None, cursor: str | None = None,
+                      max_count: int = 1024, max_bytes: int = 4 << 20) -> HistoryBatch:
+        """A batch of the stored messages of every topic `topic_filter` matches, from
+        `since` (lightqueue.since: earliest, last, RFC 3339, -15m, epoch ms) to `until`,
+        in store order. The first batch fixes the end once every append submitted
+        before it is written; pass `cursor` (with the same filter) for the next.
+        `ends`: each topic's next offset in its exact-topic queue, for a live reader to
+        take over there. ValueError for bad input (filter, since, cursor)."""
         ...
 
     # -- wildcard queues ---------------------------------------------------------------

@@ -83,6 +83,8 @@ async def store_node(
             auth.reload_on_copy(store.meta)  # a replica: as users and policies arrive
             nursery.start_soon(auth.run_copy_reloads)
             server.register(REPL_FETCH, repl.handle_fetch)
+            if repl_cfg.raft_secret:  # replicas prove they hold it to fetch the log
+                server.node_secret = repl_cfg.raft_secret.encode()
             server.write_refusal = repl.write_refusal
             server.hello_extra = repl.hello
             server.read_limit = repl.read_limit

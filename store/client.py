@@ -19,7 +19,15 @@ import trio
 
 from serving.startup import first_of, split_hostport
 from store import protocol as p
-from store.common import PullResult, StoreError, StoreFullError, StoreUnavailable, await_future
+from store.common import (
+    HistoryBatch,
+    PullResult,
+    QueueSeek,
+    StoreError,
+    StoreFullError,
+    StoreUnavailable,
+    await_future,
+)
 from store.record import Message
 from store.streams import batched_writer
 
@@ -114,9 +122,11 @@ class NativeClient:
     timeout) and publishes fail at once."""
 
     def __init__(self, addr: str, *, credentials: tuple[str, str] | None = None,
-                 connect_timeout: float = 5.0) -> None:
+                 connect_timeout: float = 5.0,
+                 node: tuple[str, bytes] | None = None) -> None:
         self.addr = addr
         self.credentials = credentials
+        self.node = node  # a store node of the group: (its name, the group secret)
         self.hello: dict[str, Any] = {}  # the master's answer: version, auth, user, node
         self.fatal: Exception | None = None
         self._settled = trio.Event()  # first connection made, or failed for good
@@ -324,13 +334,26 @@ class NativeClient:
 
     async def _hello(self, addr: Addr, stream: trio.SocketStream) -> _Answer:
         """HELLO first on every connection (with credentials when given): the store
-        handles it before anything else the connection sends."""
+        handles it before anything else the connection sends. A store node then answers
+        the connection's challenge with the group secret, in a second HELLO."""
         header: dict[str, Any] = {"sdk": "lightgate-python"}
-        if self.credentials:
+        if self.node is not None:
+            header["node"] = self.node[0]  # the challenge first: no credentials
+        elif self.credentials:
             header["username"], header["password"] = self.credentials
+        decoder = p.FrameDecoder()
+        answer = await self._hello_once(stream, decoder, header)
+        if self.node is not None:
+            name, secret = self.node
+            proof = p.node_proof(secret, str(answer.get("challenge", "")), name)
+            answer = await self._hello_once(stream, decoder,
+                                            {"node": name, "node_proof": proof})
+        return _Answer(addr, stream, decoder, answer)
+
+    async def _hello_once(self, stream: trio.SocketStream, decoder: p.FrameDecoder,
+                          header: dict[str, Any]) -> dict[str, Any]:
         rid = next(self._ids)
         await stream.send_all(p.encode_frame(p.Frame(p.REQUEST, p.HELLO, rid, header)))
-        decoder = p.FrameDecoder()
         while True:
             data = await stream.receive_some(65536)
             if not data:
@@ -341,7 +364,7 @@ class NativeClient:
                 if frame.kind == p.ERROR:
                     raise AuthFailed(int(frame.header.get("status", 500)),
                                      str(frame.header.get("error", "error")))
-                return _Answer(addr, stream, decoder, frame.header)
+                return frame.header
 
     # -- one connection to the master ------------------------------------------------------
     async def _session(self, stream: trio.SocketStream, decoder: p.FrameDecoder) -> None:
@@ -540,6 +563,37 @@ class RemoteStore:
         header, _ = await self.client.request(
             p.QUEUE_TAIL, {"queue": queue, "start": start, "max_bytes": max_bytes})
         return int(header["start"])
+
+    async def seek_time(self, queue: str, ms: int) -> QueueSeek:
+        header, _ = await self._asked(p.QUEUE_SEEK, {"queue": queue, "time": int(ms)})
+        return QueueSeek(int(header["offset"]), int(header["min_offset"]),
+                         int(header["max_offset"]), bool(header["cut"]))
+
+    async def history(self, topic_filter: str, since: object = "earliest", *,
+                      until: str | int | None = None, cursor: str | None = None,
+                      max_count: int = 1024, max_bytes: int = 4 << 20) -> HistoryBatch:
+        """EmbeddedStore.history over the wire (the store parses `since`, on its clock)."""
+        header: dict[str, Any] = {"filter": topic_filter, "max": max_count,
+                                  "max_bytes": max_bytes}
+        if cursor is not None:
+            header["cursor"] = cursor
+        else:
+            header["since"] = str(since)  # a Since prints as the text that parses back
+            if until is not None:
+                header["until"] = until
+        answer, body = await self._asked(p.HISTORY, header)
+        return HistoryBatch(p.unpack_messages(answer["messages"], body),
+                            {str(t): int(o) for t, o in answer["ends"].items()},
+                            answer["cursor"], bool(answer["cut"]), int(answer["end"]))
+
+    async def _asked(self, code: int, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """A request whose bad input raises ValueError, as the embedded store's does."""
+        try:
+            return await self.client.request(code, header)
+        except p.RemoteError as exc:
+            if exc.status == 400:
+                raise ValueError(exc.message) from None
+            raise
 
     async def add_wildcard(self, topic_filter: str) -> None:
         await self.client.request(p.WILDCARD_ADD, {"filter": topic_filter})

@@ -281,6 +281,20 @@ class CommitLog:
             i = j
         return out
 
+    def read_bytes(self, pos: int, size: int) -> tuple[bytes, int]:
+        """Up to `size` bytes of the log from any position `pos` (a record start or not),
+        clipped to its segment and the log's end, and that segment's end: what a search
+        for records by position (the history reader's seek by time) reads. b"" past the
+        end or where retention removed the segment."""
+        seg = self._segment_for(pos)
+        if seg is None or not seg.acquire():
+            return b"", pos
+        try:
+            seg_end = min(seg.base + seg.size(), self._write_pos)
+            return seg.pread(max(0, min(size, seg_end - pos)), pos - seg.base), seg_end
+        finally:
+            seg.release()
+
     def scan(self, start: int, end: int | None = None) -> Iterator[Message]:
         """Every record from `start` (a record boundary) to `end`, verified."""
         end = self._write_pos if end is None else end

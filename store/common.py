@@ -39,6 +39,31 @@ class PullResult:
     max_offset: int  # one past the last entry in the queue
 
 
+@dataclass
+class HistoryBatch:
+    """One batch of a topic filter's history (see store.history for what it holds)."""
+
+    messages: list[Message]
+    ends: dict[str, int]  # topic -> offset in its exact-topic queue after the last one here
+    cursor: str | None  # continue with it; None when the history is done
+    cut: bool  # older messages than the start asked for existed and retention removed them
+    end: int  # the log position the history stops at (fixed by the first batch)
+
+    @property
+    def done(self) -> bool:
+        return self.cursor is None
+
+
+@dataclass
+class QueueSeek:
+    """Where a queue's messages stored at or after a time begin."""
+
+    offset: int  # the first offset stored at or after the time (max_offset: none was)
+    min_offset: int  # the first offset the queue keeps
+    max_offset: int  # its end
+    cut: bool  # the time lies before what retention kept of this queue
+
+
 class FutureLike(Protocol):
     """What `await_future` uses of a future: a concurrent.futures.Future (the remote
     store, the CommitLog writer thread) or the CommitLog's InlineFuture."""

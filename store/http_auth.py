@@ -201,7 +201,8 @@ def _management_routes(auth: AuthManager) -> list[Route]:
         body = await _json(request)
         try:
             user = await auth.add_user(str(body.get("name", "")), str(body.get("password", "")),
-                                       super_user=bool(body.get("super")))
+                                       super_user=bool(body.get("super")),
+                                       node=bool(body.get("node")))
         except ValueError as exc:
             raise HTTPException(409 if "exists" in str(exc) else 400, str(exc)) from None
         return JSONResponse(user.public(), status_code=201)
@@ -215,7 +216,8 @@ def _management_routes(auth: AuthManager) -> list[Route]:
             body = await _json(request)
             updated = await auth.update_user(name, password=body.get("password"),
                                              enabled=body.get("enabled"),
-                                             super_user=body.get("super"))
+                                             super_user=body.get("super"),
+                                             node=body.get("node"))
         except KeyError as exc:
             raise HTTPException(404, str(exc.args[0])) from None
         return JSONResponse(updated.public())

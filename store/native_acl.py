@@ -2,12 +2,17 @@
 
 - Server apps: SEND needs PUB on the first-level topic and on any MQTT topic it
   addresses; PULL/QUEUE_* need SUB (or GET) on the queue's topic, and PULL hands out
-  only the messages whose own topic the reader may SUB (or GET); consumer groups need
-  SUB on the group (NACK also the right to pull the message it names); TOPIC_CREATE
-  needs CREATE; STATS, message lookup, gateway lists need Cluster GET.
-- Nodes: a gateway authenticates as a user allowed Cluster UPDATE; that right covers
-  the requests only nodes make (PUBLISH routed on behalf of devices, whose own rights
-  the gateway checked; metadata; wildcard registration; gateway heartbeats).
+  only the messages whose own topic the reader may SUB (or GET); HISTORY needs SUB (or
+  GET) on the whole filter, as an MQTT SUBSCRIBE does, and hands out only the messages
+  whose own topic the reader may read, with PULL's check; consumer groups need SUB on
+  the group (NACK also the right to pull the message it names); TOPIC_CREATE needs
+  CREATE; STATS, message lookup, gateway lists need Cluster GET.
+- Nodes: a gateway authenticates as a node user (`lightgate user add NAME --node`, a role
+  no policy grants); that covers the requests only nodes make (PUBLISH routed on behalf
+  of devices, whose own rights the gateway checked; metadata, users' included: the
+  gateway checks MQTT passwords itself; wildcard registration; gateway heartbeats).
+- Store nodes: a replica fetches the master's log (REPL_FETCH) only after proving it
+  holds the group secret (a HELLO answering the connection's challenge).
 - Users and policies (USER_*, ACL_*, metadata writes to `users`/`acl`): Super only.
 """
 
@@ -28,11 +33,12 @@ class Need:
     is_filter: bool = False
 
 
-NODE = "node"  # marker: only a node (Cluster UPDATE) or a Super user
+NODE = "node"  # marker: only a node user or a Super user
 SUPER = "super"  # marker: only a Super user
+STORE_NODE = "store node"  # marker: only a store node of the group (the group secret)
 
 AUTH_CFS = ("users", "acl")
-_NODE_CODES = {p.REPL_FETCH, p.PUBLISH, p.WILDCARD_ADD, p.GATEWAY_HEARTBEAT, p.META_GET,
+_NODE_CODES = {p.PUBLISH, p.WILDCARD_ADD, p.GATEWAY_HEARTBEAT, p.META_GET,
                p.META_ITEMS}
 _SUPER_CODES = {p.USER_ADD, p.USER_UPDATE, p.USER_DELETE, p.USER_LIST, p.ACL_ADD,
                 p.ACL_DELETE, p.ACL_LIST}
@@ -59,10 +65,13 @@ def message_need(topic: str) -> Need:
 
 
 def needs(frame: p.Frame, mqtt_topics: list[str] | None = None) -> list[Need] | str:
-    """The rights `frame` needs: a list of Need (all required), NODE or SUPER."""
+    """The rights `frame` needs: a list of Need (all required), NODE, SUPER or
+    STORE_NODE."""
     code, h = frame.code, frame.header
     if code in _SUPER_CODES:
         return SUPER
+    if code == p.REPL_FETCH:
+        return STORE_NODE
     if code in (p.META_PUT, p.META_DELETE, p.META_WRITE):
         cfs = [str(op[1]) for op in h.get("ops", [])] if code == p.META_WRITE else [h.get("cf")]
         return SUPER if any(cf in AUTH_CFS for cf in cfs) else NODE
@@ -75,7 +84,10 @@ def needs(frame: p.Frame, mqtt_topics: list[str] | None = None) -> list[Need] | 
         out = [Need("Topic", topic, ("PUB",))]
         out += [Need("Topic", t, ("PUB",)) for t in set(mqtt_topics or ()) if t != topic]
         return out
-    if code == p.PULL or code == p.QUEUE_RANGE or code == p.QUEUE_TAIL:
+    if code == p.HISTORY:
+        topic_filter = str(h.get("filter", ""))
+        return [Need("Topic", topic_filter, ("SUB", "GET"), is_wildcard(topic_filter))]
+    if code in (p.PULL, p.QUEUE_RANGE, p.QUEUE_TAIL, p.QUEUE_SEEK):
         return [queue_need(str(h.get("queue", "")))]
     if code == p.QUEUE_ENDS:
         return [queue_need(str(q)) for q in h.get("queues", [])]

@@ -10,6 +10,8 @@ Properties inside the header may hold bytes (JSON-wrapped, see store.record.dump
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,8 @@ PULL = 20
 QUEUE_RANGE = 21
 QUEUE_ENDS = 22
 QUEUE_TAIL = 23  # where a reader resumes that may lag a number of bytes
+HISTORY = 24  # a topic filter's stored messages from a start, in batches (store.history)
+QUEUE_SEEK = 25  # the first offset of a queue stored at or after a time
 HEARTBEAT = 30  # consumer group membership -> assignment
 COMMIT = 31
 FETCH_OFFSETS = 32
@@ -186,3 +190,11 @@ def unpack_messages(metas: list[dict[str, Any]], body: bytes) -> list[Message]:
     if pos != len(body):
         raise ProtocolError("message sizes do not match the body")
     return out
+
+
+def node_proof(secret: bytes, challenge: str, node: str) -> str:
+    """What a store node sends to prove it holds the group secret: the HMAC-SHA256 of the
+    server's one-time challenge (its HELLO answer's) and the node's own name, so that a
+    proof fits no other connection and no other node."""
+    msg = b"lightgate store node\0" + challenge.encode() + b"\0" + node.encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()

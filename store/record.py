@@ -182,8 +182,12 @@ def frame_length(buf: bytes | memoryview, pos: int = 0) -> tuple[int, int]:
     return magic, total
 
 
-def decode(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1) -> Message:
-    """Decode and verify the record at `buf[pos:]`; raise CorruptRecord if it is not valid."""
+def decode(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1,
+           max_queues: int | None = None) -> Message:
+    """Decode and verify the record at `buf[pos:]`; raise CorruptRecord if it is not valid.
+    `max_queues`: decode only the first that many of its queues (a history reader needs
+    the exact-topic queue, which routing puts first; each further queue cost ~0.3 us of
+    a ~2.5 us decode). The CRC still covers the whole record."""
     if len(buf) - pos < HEADER_SIZE:
         raise CorruptRecord("truncated header")
     magic, total, crc = FRAME.unpack_from(buf, pos)
@@ -219,7 +223,9 @@ def decode(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1) -> Mess
         p += lb
         queues = []
         unpack_len, unpack_offset = QNAME_LEN.unpack_from, QOFFSET.unpack_from
-        for _ in range(nq):
+        count = nq if max_queues is None or max_queues >= nq else max_queues
+        partial = count < nq
+        for _ in range(count):
             ln = unpack_len(buf, p)[0]
             p += 2
             name = str(buf[p : p + ln], "utf-8")
@@ -228,7 +234,7 @@ def decode(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1) -> Mess
             p += 8
     except (ValueError, TypeError, struct.error) as exc:  # JSON, UTF-8, $b64 included
         raise CorruptRecord(f"undecodable fields: {exc}") from exc
-    if p != end:
+    if (p > end) if partial else (p != end):
         raise CorruptRecord("field lengths disagree with the record length")
     return Message(topic, body, qos, bool(flags & FLAG_RETAIN), client, props, born_ts, key,
                    store_ts, phys_offset, total, queues)

@@ -21,12 +21,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import trio
 
 from store import protocol as p
 from store.client import DEFAULT_TIMEOUT, NativeClient
+from store.groups import retry_queue
 from store.record import Message
 
 log = logging.getLogger("lightgate.sdk")
@@ -77,6 +79,16 @@ class ReceivedMessage:
     def attempt(self) -> int:
         """How many times processing failed before (0 on the first delivery)."""
         return int(self.properties.get("lg_attempt", 0))
+
+
+def epoch_ms(when: datetime | int | float) -> int:
+    """ms since the epoch: a datetime (a naive one is local time, as datetime.timestamp()
+    takes it) or a number already in ms."""
+    if isinstance(when, datetime):
+        return int(when.timestamp() * 1000)
+    if isinstance(when, bool) or not isinstance(when, int | float):
+        raise TypeError(f"a time is a datetime or ms since the epoch, not {when!r}")
+    return int(when)
 
 
 def _received(m: Message, queue_name: str, offset: int) -> ReceivedMessage:
@@ -245,6 +257,28 @@ class AsyncConsumer:
     async def _queue_end(self, q: str) -> int:
         header, _ = await self._request(p.QUEUE_RANGE, {"queue": q})
         return int(header["max_offset"])
+
+    async def seek(self, when: datetime | int | float) -> dict[str, int]:
+        """Start every topic queue this member reads (not the group's retry queue: what
+        waits there is the group's unfinished work) from its first message stored at or
+        after `when` (a datetime or ms since the epoch), back or forward; each found by a
+        search of the queue's index, not a scan. Messages handed out before and not yet
+        acked are forgotten. With auto_commit the new positions are committed at once,
+        so a restart, or a member the queue moves to, goes on from there. Returns the
+        queues and their new offsets."""
+        ms = epoch_ms(when)
+        moved: dict[str, int] = {}
+        for q in [q for q in self._states if q != retry_queue(self.group)]:
+            header, _ = await self._request(p.QUEUE_SEEK, {"queue": q, "time": ms})
+            if q in self._states:  # (not rebalanced away meanwhile)
+                moved[q] = int(header["offset"])
+                self._states[q] = _QueueState(moved[q], committed=moved[q])
+        self._held = [(m, o) for m, o in self._held if m.queue not in moved]
+        if moved:
+            self._uncommitted = True
+            if self.auto_commit:
+                await self.commit()
+        return moved
 
     # -- consuming ----------------------------------------------------------------------
     async def poll(self, timeout: float = 1.0, max_messages: int = 32) -> list[ReceivedMessage]:
@@ -454,6 +488,12 @@ class Consumer:
     def commit(self) -> None:
         self._flush_acks()
         self._portal.call(self._portal.obj.commit)
+
+    def seek(self, when: datetime | int | float) -> dict[str, int]:
+        """See AsyncConsumer.seek: this member's topic queues start from the first
+        message stored at or after `when` (a datetime or ms since the epoch)."""
+        self._flush_acks()
+        return self._portal.call(self._portal.obj.seek, when)
 
     def __iter__(self) -> Iterator[ReceivedMessage]:
         while True:

@@ -8,8 +8,10 @@ responses follow when the store acknowledges them.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +23,7 @@ from lightqueue.routing import validate_first_level
 from serving.read_budget import read_fd
 from serving.startup import NATIVE_LISTENER, listening, split_hostport
 from store import protocol as p
-from store.auth import AuthError, AuthManager, Policy, Subject
+from store.auth import AuthError, AuthManager, Policy, Subject, audit
 from store.auth.manager import DecisionCache
 from store.common import PullResult, StoreError, StoreFullError, await_future
 from store.groups import (
@@ -32,7 +34,7 @@ from store.groups import (
     offset_key,
     retry_queue,
 )
-from store.native_acl import NODE, SUPER, Need, message_need, needs
+from store.native_acl import NODE, STORE_NODE, SUPER, Need, message_need, needs
 from store.record import Message
 from store.service import EmbeddedStore
 from store.streams import batched_writer
@@ -67,6 +69,8 @@ class ConnCtx:
         self.ip = peer_ip
         self.subject: Subject | None = None
         self.cache = DecisionCache()
+        self.challenge = ""  # a store node answers it with the group secret (HELLO)
+        self.store_node: str | None = None  # a store node of the group, once proven
 
 
 class NotFound(BadRequest):
@@ -119,6 +123,8 @@ class NativeServer:
         # and what its HELLO says of its role, so clients find the master.
         self.write_refusal: Callable[[int], str | None] | None = None
         self.hello_extra: Callable[[], dict[str, Any]] | None = None
+        # The group secret: a store node proves it holds it to fetch the log (REPL_FETCH).
+        self.node_secret: bytes | None = None
         # Sync replication: readers see a message only once the group acknowledged it (its
         # queue offset is then never given to another message after a failover).
         self.read_limit: Callable[[], int | None] | None = None
@@ -128,6 +134,8 @@ class NativeServer:
             p.QUEUE_RANGE: self._queue_range,
             p.QUEUE_ENDS: self._queue_ends,
             p.QUEUE_TAIL: self._queue_tail,
+            p.HISTORY: self._history,
+            p.QUEUE_SEEK: self._queue_seek,
             p.HEARTBEAT: self._heartbeat,
             p.COMMIT: self._commit,
             p.FETCH_OFFSETS: self._fetch_offsets,
@@ -277,39 +285,74 @@ class NativeServer:
 
     # -- authentication and authorisation ---------------------------------------------
     async def _hello(self, f: p.Frame, ctx: ConnCtx) -> bytes:
-        auth = self.auth
-        username = f.header.get("username")
-        if username is not None or ctx.subject is None:
-            try:
-                ctx.subject = await auth.authenticate(
-                    None if username is None else str(username),
-                    str(f.header.get("password") or ""), ctx.ip, "native")
-            except AuthError:
-                ctx.subject = None
+        auth, h = self.auth, f.header
+        if h.get("node_proof") is not None:
+            if not self._node_proven(ctx, str(h.get("node", "")), str(h["node_proof"])):
                 return _error(f, 401, "authentication failed")
+        elif h.get("node") is not None:
+            pass  # a store node asks for its challenge: it answers in the next HELLO
+        else:
+            username = h.get("username")
+            if username is not None or ctx.subject is None:
+                try:
+                    ctx.subject = await auth.authenticate(
+                        None if username is None else str(username),
+                        str(h.get("password") or ""), ctx.ip, "native")
+                except AuthError:
+                    ctx.subject = None
+                    return _error(f, 401, "authentication failed")
+        if not ctx.challenge:
+            ctx.challenge = os.urandom(16).hex()
         header = {"version": p.VERSION, "server": "lightgate-store", "max_frame": p.MAX_FRAME,
                   "auth": auth.enabled, "allow_anonymous": auth.allow_anonymous,
-                  "user": ctx.subject.name, "node": self._is_node(ctx)}
+                  "user": ctx.subject.name if ctx.subject else "",
+                  "node": self._is_node(ctx), "challenge": ctx.challenge}
         if self.hello_extra is not None:
             header.update(self.hello_extra())
         return p.encode_frame(p.Frame(p.RESPONSE, f.code, f.request_id, header))
 
+    def _node_proven(self, ctx: ConnCtx, node: str, proof: str) -> bool:
+        """A store node's HELLO: the HMAC of this connection's challenge under the group
+        secret (see node_proof). The challenge is used once."""
+        challenge, ctx.challenge = ctx.challenge, ""
+        if not self.node_secret or not challenge or not node:
+            audit.authentication(f"store node {node}", ctx.ip, "native", False,
+                                 "no group secret or no challenge")
+            return False
+        if not hmac.compare_digest(p.node_proof(self.node_secret, challenge, node), proof):
+            audit.authentication(f"store node {node}", ctx.ip, "native", False,
+                                 "wrong group secret")
+            return False
+        ctx.store_node = node
+        ctx.subject = Subject(f"store node {node}", ctx.ip, "native", backend="group",
+                              super_user=True)
+        audit.authentication(ctx.subject.name, ctx.ip, "native", True, "group secret")
+        return True
+
     def _is_node(self, ctx: ConnCtx) -> bool:
-        assert ctx.subject is not None
-        return self.auth.is_super(ctx.subject) or self.auth.authorize(
-            ctx.subject, "Cluster", "", "UPDATE", cache=ctx.cache)
+        if ctx.store_node is not None:
+            return True
+        return ctx.subject is not None and self.auth.is_node(ctx.subject)
 
     def _check(self, frame: p.Frame, ctx: ConnCtx, mqtt_topics: list[str] | None = None) -> None:
         """Raise Forbidden unless this connection may make this request."""
         auth = self.auth
-        if not auth.enabled:
+        required = needs(frame, mqtt_topics)
+        name = p.CODE_NAMES.get(frame.code, str(frame.code))
+        if required == STORE_NODE and (self.node_secret or auth.enabled):
+            # The whole log and metadata: a store node of the group, proven with the
+            # group secret (a Super user too, with --auth); no policy grants it.
+            if ctx.store_node is None and not (ctx.subject is not None and auth.enabled
+                                               and auth.is_super(ctx.subject)):
+                raise Forbidden(f"{name} is for the store nodes of the group (the group "
+                                "secret)")
+            return
+        if not auth.enabled or ctx.store_node is not None:
             return
         if ctx.subject is None:
             raise Unauthenticated("authenticate first: HELLO with username and password")
         if not auth.still_valid(ctx.subject):
             raise Forbidden(f"user {ctx.subject.name!r} is disabled or deleted")
-        required = needs(frame, mqtt_topics)
-        name = p.CODE_NAMES.get(frame.code, str(frame.code))
         if required == SUPER:
             if not auth.is_super(ctx.subject):
                 auth.authorize(ctx.subject, "Cluster", "", "UPDATE")  # audit the refusal
@@ -317,7 +360,8 @@ class NativeServer:
             return
         if required == NODE:
             if not self._is_node(ctx):
-                raise Forbidden(f"{name} is for nodes: needs Cluster UPDATE")
+                raise Forbidden(f"{name} is for nodes: a node user (lightgate user add NAME "
+                                "--node) or a Super user")
             return
         assert isinstance(required, list)
         if required and self._is_node(ctx):
@@ -449,6 +493,32 @@ class NativeServer:
 
     def _limit(self) -> int | None:
         return self.read_limit() if self.read_limit is not None else None
+
+    async def _history(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        """A batch of a filter's history (store.history). The filter's right was checked
+        in _check; each message's topic is checked here, and the topics of the messages
+        left out are left out of `ends` too."""
+        h = f.header
+        until = h.get("until")
+        cursor = h.get("cursor")
+        batch = await self.store.history(
+            str(h["filter"]), str(h.get("since", "earliest")),
+            until=until if until is None or type(until) is int else str(until),
+            cursor=None if cursor is None else str(cursor), max_count=int(h.get("max", 1024)),
+            max_bytes=int(h.get("max_bytes", 4 << 20)), read_limit=self._limit())
+        msgs = self._readable(ctx, batch.messages)
+        ends = batch.ends
+        if len(msgs) < len(batch.messages):
+            shown = {m.topic for m in msgs}
+            ends = {t: o for t, o in ends.items() if t in shown}
+        metas, body = p.pack_messages(msgs)
+        return {"messages": metas, "ends": ends, "cursor": batch.cursor, "cut": batch.cut,
+                "end": batch.end}, body
+
+    async def _queue_seek(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        seek = await self.store.seek_time(str(f.header["queue"]), int(f.header["time"]))
+        return {"offset": seek.offset, "min_offset": seek.min_offset,
+                "max_offset": seek.max_offset, "cut": seek.cut}, b""
 
     async def _queue_tail(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         h = f.header
@@ -607,7 +677,8 @@ class NativeServer:
     # -- users and policies (Super only; checked in _check) ---------------------------
     async def _user_add(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         user = await self.auth.add_user(str(f.header["name"]), str(f.header["password"]),
-                                        super_user=bool(f.header.get("super")))
+                                        super_user=bool(f.header.get("super")),
+                                        node=bool(f.header.get("node")))
         return {"user": user.public()}, b""
 
     async def _user_update(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
@@ -615,7 +686,7 @@ class NativeServer:
         try:
             user = await self.auth.update_user(
                 str(h["name"]), password=h.get("password"), enabled=h.get("enabled"),
-                super_user=h.get("super"))
+                super_user=h.get("super"), node=h.get("node"))
         except KeyError as exc:
             raise NotFound(str(exc.args[0])) from None
         return {"user": user.public()}, b""
@@ -666,3 +737,4 @@ def _peer_ip(stream: trio.SocketStream) -> str:
 def _error(frame: p.Frame, status: int, message: str) -> bytes:
     return p.encode_frame(p.Frame(p.ERROR, frame.code, frame.request_id,
                                   {"status": status, "error": message}))
+

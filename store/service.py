@@ -23,12 +23,14 @@ from lightqueue import index as index_sizes
 from lightqueue.index import ConsumeQueueIndex
 from lightqueue.rocks import HEAP_TRIM_INTERVAL_S, trim_heap
 from lightqueue.routing import Router, split_partition_queue, validate_first_level
+from lightqueue.since import Since, now_ms, parse_since, parse_time
 from lightqueue.topic import validate_topic_filter, validate_topic_name
 from serving.read_budget import ReadBudget
 from store import metadata as meta_sizes
 from store import recent as recent_sizes
 from store.commitlog import CommitLog, InlineFuture, RecoveryReport
-from store.common import PullResult, await_future
+from store.common import HistoryBatch, PullResult, QueueSeek, await_future
+from store.history import HistoryReader
 from store.metadata import Metadata
 from store.recent import RecentMessages
 from store.record import Message, parse_msg_id
@@ -107,6 +109,7 @@ class EmbeddedStore:
             on_dispatched=self._on_dispatched,
             full_verify=config.full_verify,
         )
+        self.history_reader = HistoryReader(self.commitlog, self.index)
         self._pending = trio.Semaphore(config.max_pending_appends)
         self._wildcard_seen: dict[str, float] = {}  # filter -> monotonic time last used
         self.wildcards_dropped = 0
@@ -311,6 +314,42 @@ class EmbeddedStore:
         if read_limit is None:
             return self.index.max_offset(queue)
         return self.index.end_within(queue, read_limit)
+
+    # -- replay -----------------------------------------------------------------------
+    async def seek_time(self, queue: str, ms: int) -> QueueSeek:
+        """The first offset of `queue` stored at or after `ms` (store time, ms since the
+        epoch): a binary search over its index entries, never a scan."""
+        return await trio.to_thread.run_sync(self.history_reader.seek, queue, int(ms))
+
+    async def history(self, topic_filter: str, since: str | Since = "earliest", *,
+                      until: str | int | None = None, cursor: str | None = None,
+                      max_count: int = 1024, max_bytes: int = 4 << 20,
+                      read_limit: int | None = None) -> HistoryBatch:
+        """A batch of the stored messages of every topic `topic_filter` matches, from
+        `since` (see lightqueue.since; durations count back on this store's clock) to
+        `until`, in store order; pass the batch's cursor back (with the same filter) for
+        the next one. The first batch fixes the end after every append submitted before
+        it is written. `read_limit`: a log position readers may not pass (the
+        acknowledged offset in sync replication). See store.history for the guarantees.
+        ValueError (a CursorError, a SinceError) for bad input."""
+        reader = self.history_reader
+        if cursor is not None:
+            return await trio.to_thread.run_sync(reader.next, cursor, topic_filter,
+                                                 max_count, max_bytes, read_limit)
+        now = now_ms()
+        start = since if isinstance(since, Since) else parse_since(since, now)
+        end_ms = until if until is None or isinstance(until, int) else parse_time(until, now)
+        await self._written()
+        return await trio.to_thread.run_sync(reader.first, topic_filter, start, end_ms,
+                                             self.index.checkpoint(), max_count, max_bytes,
+                                             read_limit)
+
+    async def _written(self) -> None:
+        """Return once every append submitted before is written and indexed. Inline
+        appends are by the time they return; the writer thread takes requests in order,
+        so an empty one comes back after all before it."""
+        if not self.commitlog.inline:
+            await await_future(self.commitlog.append([], []))
 
     async def get_message(self, msg_id: str) -> Message:
         return await trio.to_thread.run_sync(self.commitlog.read, parse_msg_id(msg_id))

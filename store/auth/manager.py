@@ -68,10 +68,14 @@ class User:
     # SCRAM-SHA-256 verifier, made with the password; None for users whose password was
     # set before SCRAM support (SCRAM fails for them until it is set again)
     scram: str | None = None
+    # A node (a gateway joining the store): it makes the requests only nodes make, reads
+    # users and policies (it checks MQTT passwords itself) and every queue. A role of its
+    # own, so that no policy (an operator's Cluster UPDATE) ever makes one by accident.
+    node: bool = False
 
     def public(self) -> dict[str, Any]:
-        return {"name": self.name, "super": self.super, "enabled": self.enabled,
-                "created": self.created}
+        return {"name": self.name, "super": self.super, "node": self.node,
+                "enabled": self.enabled, "created": self.created}
 
 
 @dataclass(frozen=True)
@@ -271,7 +275,8 @@ class AuthManager:
                 log.warning("reloading copied users and policies failed: %s", exc)
 
     # -- users ------------------------------------------------------------------------
-    async def add_user(self, name: str, password: str, *, super_user: bool = False) -> User:
+    async def add_user(self, name: str, password: str, *, super_user: bool = False,
+                       node: bool = False) -> User:
         _check_name(name)
         if not password:
             raise ValueError("a password is needed")
@@ -279,14 +284,16 @@ class AuthManager:
             raise ValueError(f"user {name!r} exists")
         hashed = await trio.to_thread.run_sync(hash_password, password)
         verifier = await trio.to_thread.run_sync(make_verifier, password)
-        user = User(name, hashed, super_user, scram=verifier)
+        user = User(name, hashed, super_user, scram=verifier, node=node)
         await self.store.meta_put("users", name, asdict(user))
         await self._changed()
-        log.info("user %r added (%s)", name, "super" if super_user else "normal")
+        log.info("user %r added (%s)", name,
+                 "super" if super_user else "node" if node else "normal")
         return user
 
     async def update_user(self, name: str, *, password: str | None = None,
-                          enabled: bool | None = None, super_user: bool | None = None) -> User:
+                          enabled: bool | None = None, super_user: bool | None = None,
+                          node: bool | None = None) -> User:
         user = replace(self._user(name))  # a copy: `load` sees the change
         if password:
             user.password = await trio.to_thread.run_sync(hash_password, password)
@@ -295,6 +302,8 @@ class AuthManager:
             user.enabled = enabled
         if super_user is not None:
             user.super = super_user
+        if node is not None:
+            user.node = node
         await self.store.meta_put("users", name, asdict(user))
         await self._changed()
         return user
@@ -424,6 +433,13 @@ class AuthManager:
             return subject.super_user
         user = self.users.get(subject.name) if subject.name else None
         return user is not None and user.enabled and user.super
+
+    def is_node(self, subject: Subject) -> bool:
+        """A Super user, or a user made a node (`lightgate user add NAME --node`)."""
+        if self.is_super(subject):
+            return True
+        user = self.users.get(subject.name) if subject.name and not subject.outsider else None
+        return user is not None and user.enabled and user.node
 
     def still_valid(self, subject: Subject) -> bool:
         """False once the subject's user is deleted or disabled: its sessions must end."""

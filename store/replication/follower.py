@@ -60,7 +60,10 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
     restart: list[Any] | None = None  # starting over amid floors pages: offset, last queue
     while True:
         try:
+            secret = repl.cfg.raft_secret
             async with NativeClient.open(master_addr, credentials=repl.cfg.credentials,
+                                         node=(repl.node_id, secret.encode()) if secret
+                                         else None,
                                          connect_timeout=2.0) as client:
                 check = True
                 while True:

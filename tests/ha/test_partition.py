@@ -119,6 +119,11 @@ def _round(g: Group, net: netns.Net, load: Load, kind: str) -> dict[str, Any]:
                truncated_bytes=cluster(g.nodes[m])["truncated_bytes"])
     if kind != "one_replica":
         assert master != m or cluster(g.nodes[m])["epoch"] > epoch, out
+    # One history of masterships on every node, and the master's own epoch last in it:
+    # an answer of the old master that lands after an election does not rewrite it.
+    histories = wait_for(lambda: len({str(cluster(n)["epochs"]) for n in g.nodes}) == 1
+                         and cluster(g.nodes[master])["epochs"], 10, "one epoch history")
+    assert histories[-1][0] == cluster(g.nodes[master])["epoch"], histories
     return out
 
 

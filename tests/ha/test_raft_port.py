@@ -174,3 +174,33 @@ def test_a_node_reached_through_a_proxy_advertises_the_proxys_address(tmp_path: 
                 n.kill()
         for p in proxies:
             p.close()
+
+
+def test_the_log_goes_to_store_nodes_that_prove_the_group_secret(group: Group) -> None:
+    """REPL_FETCH hands out the whole log and metadata: only to a node of the group,
+    which answers the connection's one-time challenge with the group secret (the store
+    runs without --auth here: the group secret guards the log all the same)."""
+    import trio
+
+    from store import protocol as p
+    from store.client import AuthFailed, NativeClient
+
+    m = group.master(10)
+    addr = group.nodes[m].native
+    secret = group.secret.read_text().strip().encode()
+    fetch = {"node": "s-x", "offset": 0, "wait_ms": 0}
+
+    async def attempt(node: tuple[str, bytes] | None) -> int:
+        try:
+            async with NativeClient.open(addr, node=node, connect_timeout=3.0) as c:
+                try:  # returned, not raised: the client's nursery would wrap it
+                    await c.request(p.REPL_FETCH, fetch)
+                except p.RemoteError as exc:
+                    return exc.status
+                return 200
+        except AuthFailed as exc:
+            return exc.status
+
+    assert trio.run(attempt, None) == 403  # anyone else: refused
+    assert trio.run(attempt, ("s-x", b"a guess")) == 401  # a wrong secret: refused
+    assert trio.run(attempt, ("s-x", secret)) == 200

@@ -74,7 +74,7 @@ def add_dev(master: str) -> None:
 
 def test_a_replica_applies_user_changes_as_it_copies_them(tmp_path: Path) -> None:
     root = ":".join(ROOT_USER)
-    g = Group(tmp_path, 3, "--auth", "--init-user", root, "--replica-auth", root).start()
+    g = Group(tmp_path, 3, "--auth", "--init-user", root).start()  # replicas: the secret
     try:
         m = wait_for(lambda: next((i + 1 for i, n in enumerate(g.nodes)
                                    if role(n) == "master"), None), 20, "a master") - 1

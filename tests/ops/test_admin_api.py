@@ -223,7 +223,7 @@ def test_overview_runtime_and_dashboard_files(busy) -> None:
     status, html = call(srv, "/")
     assert status == 200 and "<canvas" in html and "/static/app.js" in html
     assert "http" not in html.split("<footer>")[0].replace("http-equiv", "")  # nothing remote
-    for name in ("app.js", "chart.js", "style.css"):
+    for name in ("app.js", "chart.js", "history.js", "style.css"):
         assert call(srv, f"/static/{name}")[0] == 200
 
 

@@ -37,8 +37,10 @@ def native(server: Server, code: str, header: dict[str, Any] | None = None,
     return out
 
 
-def add_user(server: Server, name: str, password: str, *, super_user: bool = False) -> None:
-    native(server, "USER_ADD", {"name": name, "password": password, "super": super_user})
+def add_user(server: Server, name: str, password: str, *, super_user: bool = False,
+             node: bool = False) -> None:
+    native(server, "USER_ADD", {"name": name, "password": password, "super": super_user,
+                                "node": node})
 
 
 def allow(server: Server, user: str, resource: str, actions: str, **kw: Any) -> None:

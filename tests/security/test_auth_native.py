@@ -25,8 +25,10 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     add_user(s, "app", "app-pw")
     allow(s, "app", "Topic:orders", "PUB,SUB")
     allow(s, "app", "Group:billing", "SUB")
-    add_user(s, "gw", "gw-pw")
-    allow(s, "gw", "Cluster", "UPDATE,GET")
+    add_user(s, "gw", "gw-pw", node=True)
+    allow(s, "gw", "Cluster", "GET")
+    add_user(s, "ops", "ops-pw")  # an operator who may kick clients: no node
+    allow(s, "ops", "Cluster", "UPDATE,GET")
     yield s
     assert s.stop() == 0, s.logs()[-3000:]
 
@@ -75,6 +77,25 @@ def test_node_and_super_requests(srv: Server) -> None:
     assert err.value.status == 403
     topics = native(srv, "TOPIC_LIST", creds=("app", "app-pw"))["topics"]
     assert set(topics) <= {"orders"}
+
+
+def test_nodes_have_an_identity_of_their_own(srv: Server) -> None:
+    """Cluster UPDATE (an operator's right to kick clients) once made a user a node: it
+    read every password hash and SCRAM verifier and could fetch the whole log. A node is
+    now a role no policy grants, and the log goes to store nodes of the group alone."""
+    ops = ("ops", "ops-pw")
+    for code, header in (("META_ITEMS", {"cf": "users"}), ("META_GET", {"cf": "users",
+                                                                       "key": "app"}),
+                         ("REPL_FETCH", {"node": "x", "offset": 0})):
+        with pytest.raises(p.RemoteError) as err:
+            native(srv, code, header, creds=ops)
+        assert err.value.status == 403, code
+    users = native(srv, "META_ITEMS", {"cf": "users"}, creds=("gw", "gw-pw"))["items"]
+    assert any(name == "app" for name, _ in users)  # a node checks MQTT passwords itself
+    with pytest.raises(p.RemoteError) as err:  # a node user is not a store node
+        native(srv, "REPL_FETCH", {"node": "x", "offset": 0}, creds=("gw", "gw-pw"))
+    assert err.value.status == 403
+    assert "node" in native(srv, "USER_LIST", {})["users"][0]
 
 
 def _gateway(srv: Server, *extra: str) -> subprocess.Popen:

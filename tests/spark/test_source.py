@@ -111,7 +111,9 @@ def test_reader_and_writer_with_auth(spark: Any, tmp_path: Any) -> None:
     srv = auth_server(tmp_path)
     try:
         add_user(srv, "spark", "spark-pw")
-        allow(srv, "spark", "Topic:devices", "SUB")
+        # The first-level topic and the MQTT topics its messages carry: a reader gets
+        # only the messages whose topic it may read, as an MQTT subscriber does.
+        allow(srv, "spark", "Topic:devices", "SUB", match="prefixed")
         allow(srv, "spark", "Topic:results", "PUB,SUB")
         with Producer(srv.native, username="admin", password="admin-secret") as p:
             p.send_batch("devices", [b"%d" % i for i in range(5)], mqtt_topic="devices/d1")
@@ -155,3 +157,35 @@ def test_stream_reader_keeps_one_connection_and_pickles_without_it(lg: Server) -
     assert copy._store is None and copy.topic == "devices"
     reader.stop()
     assert reader._store is None
+
+
+def test_starting_timestamp(spark: Any, lg: Server, tmp_path: Any) -> None:
+    """Each queue starts at its first record stored at or after the time, batch and
+    stream alike, and the option wins over startingOffsets."""
+    import time
+
+    _publish(lg.native, 30)
+    time.sleep(0.05)
+    mark = int(time.time() * 1000)
+    time.sleep(0.05)
+    _publish(lg.native, 12)
+
+    def reader() -> Any:
+        return (spark.read.format("lightgate").option("server", lg.native)
+                .option("topic", "devices").option("startingOffsets", "earliest"))
+
+    rows = reader().option("startingTimestamp", str(mark)).load().collect()
+    assert len(rows) == 12
+    assert min(r.store_time.timestamp() * 1000 for r in rows) >= mark
+    assert reader().option("startingTimestamp", "0").load().count() == 42
+    assert reader().option("startingTimestamp", str(mark + 3_600_000)).load().count() == 0
+    with pytest.raises(Exception, match="'startingTimestamp' must be ms since the epoch"):
+        reader().option("startingTimestamp", "2025-01-01").load().count()
+
+    q = (spark.readStream.format("lightgate").option("server", lg.native)
+         .option("topic", "devices").option("startingTimestamp", str(mark)).load()
+         .writeStream.format("memory").queryName("since_mark")
+         .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())
+    assert q.awaitTermination(120), progress_summary(q)
+    assert q.exception() is None, progress_summary(q)
+    assert spark.sql("select count(*) from since_mark").first()[0] == 12

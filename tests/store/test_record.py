@@ -42,6 +42,21 @@ def test_round_trip_keeps_every_field() -> None:
     assert back.offset_in("home/+/temp") == 3
 
 
+def test_a_partial_decode_stops_after_the_first_queues_and_still_checks_the_crc() -> None:
+    msg = make()
+    raw = record.encode(msg)
+    full = record.decode(raw, 0, 64)
+    for n in (0, 1, 2, 3, 9):
+        part = record.decode(raw, 0, 64, max_queues=n)
+        assert part.queues == msg.queues[:n]
+        part.queues = full.queues
+        assert part == full
+    flipped = bytearray(raw)
+    flipped[-3] ^= 0xFF  # inside the last queue's offset, never decoded with max_queues=1
+    with pytest.raises(CorruptRecord, match="CRC"):
+        record.decode(bytes(flipped), 0, max_queues=1)
+
+
 def test_empty_fields_round_trip() -> None:
     msg = Message(topic="t", body=b"", queues=[])
     back = record.decode(record.encode(msg))
