@@ -1,10 +1,6 @@
-"""Gateway processes.
-
-- `lightgate serve`: embedded mode, every part in one process: the store with its native
-  server, an in-process notify bus, the MQTT gateway and HTTP.
-- `lightgate gateway --store HOST:PORT --notify redis://...`: separated mode; the same
-  gateway code over the native-protocol client.
-"""
+"""The gateway process of the separated mode: `lightgate gateway --store HOST:PORT
+--notify redis://...`, the same gateway code as `lightgate serve` runs (see
+lightgate/embedded.py) over the native-protocol client."""
 
 from __future__ import annotations
 
@@ -21,38 +17,24 @@ import trio
 from gateway.admin import gateway_routes
 from gateway.broker import Broker, GatewayConfig
 from gateway.listener import ListenerConfig, start_listeners
-from notify import LocalBus, open_bus
+from notify import open_bus
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
 from serving.startup import StartupError, shutdown_signals, stop_on_signal
 from store.api import (
-    AuthConfig,
     AuthFailed,
     AuthManager,
     BackendConfig,
     NativeClient,
     RemoteStore,
-    StoreConfig,
     StoreUnavailable,
     audit_to_file,
     auth_app,
-    store_node,
-    store_routes,
 )
 
 log = logging.getLogger("lightgate.serve")
 
 STORE_QUIET_S = 1.0  # a store that answers within this at start: nothing to log
-
-
-@dataclass
-class ServeOptions:
-    store: StoreConfig = field(default_factory=StoreConfig)
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    listeners: ListenerConfig = field(default_factory=ListenerConfig)
-    auth: AuthConfig = field(default_factory=AuthConfig)
-    native: str = "127.0.0.1:10911"
-    http: str = "127.0.0.1:18083"
 
 
 @dataclass
@@ -67,32 +49,6 @@ class GatewayOptions:
     auth_strategy: str = "stateful"
     audit_log: str | None = None
     auth_backends: BackendConfig = field(default_factory=BackendConfig)  # jwt, http hook
-
-
-async def run_serve(opts: ServeOptions) -> None:
-    with shutdown_signals() as signals:
-        await _serve(opts, signals)
-
-
-async def _serve(opts: ServeOptions, signals: Any) -> None:
-    async with (
-        LocalBus(window=0) as bus,  # the store appends in batches: nothing to wait for
-        store_node(opts.store, opts.native, bus.publish_from_thread, opts.auth) as node,
-        trio.open_nursery() as nursery,
-    ):
-        broker = Broker(node.store, opts.gateway, node.auth)
-        nursery.start_soon(broker.run_notify, bus)
-        await nursery.start(broker.run_connections)
-        await nursery.start(broker.run_housekeeping)
-        bound = await start_listeners(nursery, broker, opts.listeners)
-        app = auth_app([*store_routes(node.store), *gateway_routes(broker, opts.store)],
-                       node.auth)
-        bound["native"] = node.native_addr
-        bound["http"] = await nursery.start(
-            partial(serve_http, max_body=opts.gateway.http_max_body), app, opts.http)
-        tune_for_serving()
-        print(_ready_line(bound), flush=True)
-        await stop_on_signal(signals, nursery)
 
 
 def _credentials(spec: str | None) -> tuple[str, str] | None:
@@ -124,7 +80,8 @@ async def _replica_auth(store: RemoteStore, hello: dict, opts: GatewayOptions) -
     return auth
 
 
-def _ready_line(bound: dict[str, str]) -> str:
+def ready_line(bound: dict[str, str]) -> str:
+    """The line a server prints once every listener accepts."""
     return "ready " + " ".join(f"{name}={addr}" for name, addr in bound.items())
 
 
@@ -170,7 +127,7 @@ async def _gateway(opts: GatewayOptions, signals: Any) -> None:
             nursery.start_soon(_announce, store, gateway_id, dict(bound))
             bound["store"] = opts.store
             tune_for_serving()
-            print(_ready_line(bound), flush=True)
+            print(ready_line(bound), flush=True)
             await stop_on_signal(signals, nursery)
 
 

@@ -197,6 +197,8 @@ class Broker:
             max_keepalive=cfg.max_keepalive, connect_timeout=cfg.connect_timeout,
             v3_session_expiry=int(cfg.v3_session_expiry_s) or NEVER_EXPIRES)
         self.inbound = Inbound(self)
+        # Deliveries news reached within a pass of the reactor: run at the pass's end.
+        self.deferred: set[Any] | None = None
         self._retaining: dict[str, Message] = {}  # stored, their retained record to come
         # Tasks connections start on demand (their lanes, deliveries, writers, ends).
         self.connection_nursery: trio.Nursery | None = None

@@ -37,6 +37,7 @@ class Host(Protocol):
     config: Any  # gateway.broker.GatewayConfig
     stats: Any
     queue_subs: dict[str, set[Session]]
+    deferred: set[Any] | None  # deliveries held for the end of a reactor pass
 
     def template(self, msg: Message) -> PublishTemplate: ...
 
@@ -97,9 +98,15 @@ class Delivery:
             s.wakeup.set()
 
     def notify(self, queue: str) -> None:
-        """`queue` grew (the broker's notify callback)."""
+        """`queue` grew (the broker's notify callback). Within a pass of the reactor the
+        delivery waits for the pass's end: the pass's appends are all in the gateway's
+        cache by then, and one write takes them all."""
         s = self.session
         s.dirty.add(queue)
+        later = self.broker.deferred
+        if later is not None:
+            later.add(self)
+            return
         self.pump()
 
     def window_freed(self) -> None:

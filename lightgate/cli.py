@@ -193,7 +193,7 @@ def _listener_ports(listeners: Any) -> list[tuple[str, str, str | None]]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from gateway.app import ServeOptions, run_serve
+    from lightgate.embedded import ServeOptions, run_serve
 
     values = resolve(args, SERVE_SETTINGS)
     opts = ServeOptions(

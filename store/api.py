@@ -1,12 +1,13 @@
-"""The store's one public face (DESIGN.md: "the gateway talks to the store through one
-async interface with two implementations"), as RocketMQ's broker codes against
-`MessageStore`.
+"""The store's one public face: the gateway talks to the store through one async
+interface with two implementations, as RocketMQ's broker codes against `MessageStore`.
 
 Other rooms import the store from here only (tests/test_architecture.py holds the
-gateway to it): the `Store` protocol and its two implementations, `EmbeddedStore`
-(in-process) and `RemoteStore` (the native-protocol client); the message type; the
-error family; the auth subject and manager a gateway decides with; and what a process
-needs to run a store node beside a gateway (`store_node`, the store's HTTP routes).
+gateway to it): the `Store` protocol and its remote implementation, `RemoteStore` (the
+native-protocol client); the message type; the error family; the auth subject and
+manager a gateway decides with; the store's HTTP routes. No engine: the in-process
+store (store.service.EmbeddedStore, started by store.app.store_node) is wired to a
+gateway on the command line's side (lightgate/embedded.py), so that a gateway process
+of the separated mode never loads RocksDB, the CommitLog or the Raft controller.
 The modules behind it import one another directly and may change shape freely.
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from store.app import StoreNode, store_node
 from store.auth import AUTH_EVENT, AuthConfig, AuthError, AuthManager, Subject
 from store.auth.audit import to_file as audit_to_file
 from store.auth.chain import BackendConfig
@@ -36,16 +36,14 @@ from store.common import (
 from store.http import store_routes, topic_rows
 from store.http_auth import auth_app
 from store.record import Message, encode_properties
-from store.service import EmbeddedStore, StoreConfig
 
 __all__ = [
     "AUTH_EVENT", "CONTINUE", "FAILURE", "AuthConfig", "AuthError", "AuthFailed",
     "AuthManager", "AuthStep", "Authenticator", "BackendConfig",
-    "DecisionCache", "EmbeddedStore", "FutureLike", "HistoryBatch", "LocalStore", "Message",
+    "DecisionCache", "FutureLike", "HistoryBatch", "LocalStore", "Message",
     "NativeClient", "PullResult", "QueueSeek", "RemoteStore", "Store", "StoreClosedError",
-    "StoreConfig", "StoreError",
-    "StoreFullError", "StoreNode", "StoreUnavailable", "Subject", "audit_to_file", "auth_app",
-    "await_future", "encode_properties", "store_node", "store_routes", "topic_rows",
+    "StoreError", "StoreFullError", "StoreUnavailable", "Subject", "audit_to_file",
+    "auth_app", "await_future", "encode_properties", "store_routes", "topic_rows",
 ]
 
 

@@ -221,7 +221,8 @@ class CommitLog:
         if self.inline:
             done = InlineFuture()
             with self._write_lock:
-                self._write_batch([_Append(messages, queues, done)])
+                written = self._write_batch([_Append(messages, queues, done)])
+            self._announce(written)
             return done
         fut: Future = Future()
         self._requests.put(_Append(messages, queues, fut))
@@ -333,15 +334,17 @@ class CommitLog:
             appends = [b for b in batch if b is not _STOP and b is not _WAKE]
             if appends:
                 with self._write_lock:
-                    self._write_batch(appends)
+                    written = self._write_batch(appends)
+                self._announce(written)
             if stop:
                 return
 
-    def _write_batch(self, batch: list[_Append]) -> None:
+    def _write_batch(self, batch: list[_Append]) -> list[_Append]:
+        """Write and index a batch of appends; the ones written, for `_announce`."""
         if self._failed:
             for req in batch:
                 req.future.set_exception(StoreClosedError(f"commitlog failed: {self._failed}"))
-            return
+            return []
         now = _now_ms()
         accepted: list[_Append] = []
         chunks: list[tuple[Segment | None, list[bytes]]] = [(None, [])]  # None = active
@@ -372,7 +375,7 @@ class CommitLog:
             assigned_all.extend(assigned_req)
             accepted.append(req)
         if not accepted:
-            return
+            return []
         try:
             self._write_chunks([c for _, c in chunks])
         except OSError as exc:
@@ -385,18 +388,26 @@ class CommitLog:
             log.error("append of %d requests failed: %s", len(accepted), exc)
             for req in accepted:
                 req.future.set_exception(err)
-            return
+            return []
         msgs = [m for req in accepted for m in req.messages]
         self._dispatch(msgs)
         self.stats["batches"] += 1
         self.stats["appends"] += len(accepted)
         self.stats["messages"] += len(msgs)
+        return accepted
+
+    def _announce(self, written: list[_Append]) -> None:
+        """Tell readers what a batch appended (`on_dispatched`), then settle its futures:
+        outside the write lock, so that what readers do (a gateway writing to its
+        subscribers' sockets) never holds up the next append or fsync."""
+        if not written:
+            return
         if self.on_dispatched:  # before the acks: readers hear of it as early as possible
             try:
-                self.on_dispatched(msgs)
+                self.on_dispatched([m for req in written for m in req.messages])
             except Exception:
                 log.exception("on_dispatched callback failed")
-        for req in accepted:
+        for req in written:
             req.future.set_result(req.messages)
 
     def _write_chunks(self, chunks: list[list[bytes]], roll_first: bool = False) -> None:

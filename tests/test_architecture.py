@@ -163,3 +163,39 @@ def test_rooms_import_downwards() -> None:
         if (room := module.split(".")[0]) in MAY_IMPORT
         and (other := target.split(".")[0]) != room and other not in MAY_IMPORT[room])
     assert not wrong, "imports against DESIGN.md's direction:\n  " + "\n  ".join(wrong)
+
+
+def test_the_mqtt_rules_are_sans_io() -> None:
+    """gateway/mqtt/ (the codec and the connection's rules) takes bytes and values and
+    returns bytes and events: no trio, no sockets, no store, no clock of its own."""
+    banned = {"trio", "socket", "select", "asyncio", "store", "time"}
+    wrong = []
+    for path in sorted((ROOT / "gateway" / "mqtt").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            wrong += [f"{path.name} imports {n}" for n in names if n.split(".")[0] in banned]
+    assert not wrong, wrong
+
+
+def test_the_connection_is_a_thin_driver() -> None:
+    """gateway/connection.py drives the rules over a socket; the rules themselves, and
+    each part of what a connection does, live in modules of their own."""
+    lines = len((ROOT / "gateway" / "connection.py").read_text().splitlines())
+    assert lines <= 430, f"gateway/connection.py has {lines} lines"
+
+
+def test_a_gateway_loads_no_storage_engine() -> None:
+    """A gateway of the separated mode talks to the store over the network: importing
+    the gateway loads neither RocksDB nor the Raft controller."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gateway.app, gateway.connection, gateway.listener, gateway.admin; "
+            "print(sorted(m for m in ('rocksdict', 'pysyncobj', 'store.service', "
+            "'store.commitlog') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,62 @@
+"""`lightgate serve`, the embedded mode: the store, its native server, an in-process
+notify bus, the MQTT gateway and HTTP in one process. Wiring only: the store's engine
+and the gateway meet here, on the command line's side, so that neither room needs the
+other's insides (a separated gateway imports no storage engine at all)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import trio
+
+from gateway.admin import gateway_routes
+from gateway.app import ready_line
+from gateway.broker import Broker, GatewayConfig
+from gateway.listener import ListenerConfig, start_listeners
+from notify import LocalBus
+from serving.gc_tuning import tune_for_serving
+from serving.http import serve_http
+from serving.startup import shutdown_signals, stop_on_signal
+from store.api import AuthConfig, auth_app, store_routes
+from store.app import store_node
+from store.service import StoreConfig
+
+
+@dataclass
+class ServeOptions:
+    store: StoreConfig = field(default_factory=StoreConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    listeners: ListenerConfig = field(default_factory=ListenerConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    native: str = "127.0.0.1:10911"
+    http: str = "127.0.0.1:18083"
+
+
+
+
+async def run_serve(opts: ServeOptions) -> None:
+    with shutdown_signals() as signals:
+        await _serve(opts, signals)
+
+
+async def _serve(opts: ServeOptions, signals: Any) -> None:
+    async with (
+        LocalBus(window=0) as bus,  # the store appends in batches: nothing to wait for
+        store_node(opts.store, opts.native, bus.publish_from_thread, opts.auth) as node,
+        trio.open_nursery() as nursery,
+    ):
+        broker = Broker(node.store, opts.gateway, node.auth)
+        nursery.start_soon(broker.run_notify, bus)
+        await nursery.start(broker.run_connections)
+        await nursery.start(broker.run_housekeeping)
+        bound = await start_listeners(nursery, broker, opts.listeners)
+        app = auth_app([*store_routes(node.store), *gateway_routes(broker, opts.store)],
+                       node.auth)
+        bound["native"] = node.native_addr
+        bound["http"] = await nursery.start(
+            partial(serve_http, max_body=opts.gateway.http_max_body), app, opts.http)
+        tune_for_serving()
+        print(ready_line(bound), flush=True)
+        await stop_on_signal(signals, nursery)
