@@ -128,6 +128,12 @@ def _start(b: Broker) -> None:
                         "log_dest stderr\nlog_type error\n")
         _spawn(b, [str(MOSQUITTO), "-c", str(conf)], "mosquitto", False)
         _wait_port(b, b.port)
+    elif name == "trio-floor":
+        # What trio itself costs a message, stored (bench/floors.py: a task per
+        # connection, each PUBLISH stored and indexed, then forwarded): QoS 0 only.
+        _spawn(b, [sys.executable, str(ROOT / "bench" / "floors.py"), "serve", "taskstore",
+                   str(b.port)], "trio-floor", False)
+        _wait_port(b, b.port)
     elif name == "amqtt":
         p = _spawn(b, [sys.executable, str(ROOT / "bench" / "amqtt_broker.py"), str(b.port)],
                    "amqtt", True)

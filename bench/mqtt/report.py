@@ -57,14 +57,16 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'scenario':<20} {'broker':<20} {'main figure':>22} {'vs mosquitto':>12} "
-             f"{'CPU us/msg':>10}"]
+             f"{'CPU us/msg':>10} {'vs trio floor':>13}"]
     for r in rows:
         figure = SCENARIOS[r["scenario"]][1]
         value = r.get(figure)
         ratio = r.get("ratio_vs_mosquitto")
         shown = f"{figure}={value}" if value is not None else f"error: {r.get('error', '?')}"
         cpu = r.get("cpu_us_per_msg")
+        floor = r.get("ratio_vs_trio_floor")
         lines.append(f"{r['scenario']:<20} {r['broker']:<20} {shown[:60]:>22} "
                      f"{(f'{ratio:.3f}x' if ratio is not None else '-'):>12} "
-                     f"{(f'{cpu:.1f}' if cpu is not None else '-'):>10}")
+                     f"{(f'{cpu:.1f}' if cpu is not None else '-'):>10} "
+                     f"{(f'{floor:.2f}x' if floor is not None else ''):>13}")
     return "\n".join(lines)
