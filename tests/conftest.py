@@ -78,17 +78,22 @@ class Server:
             self._args(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
+        # Read its log from the start: what it says while it waits (for a store, say)
+        # is visible before it is ready, and a chatty start never fills the pipe.
+        before = len(self.log)
+        drain = threading.Thread(target=self._drain, args=(self.proc,), daemon=True)
+        drain.start()
         line = self.proc.stdout.readline()
         if not line.startswith("ready "):
             self.proc.wait(10)
-            raise RuntimeError(f"server did not start: {line!r} {self.proc.stderr.read()}")
+            drain.join(5)
+            raise RuntimeError(f"server did not start: {line!r} {''.join(self.log[before:])}")
         self.addrs = dict(part.split("=", 1) for part in line.split()[1:])
         # Keep the ports on restart, as clients of a real broker would expect.
         if "mqtt" in self.addrs:
             self.mqtt_port = int(self.addrs["mqtt"].rsplit(":", 1)[1])
         if "native" in self.addrs:
             self.native_port = int(self.addrs["native"].rsplit(":", 1)[1])
-        threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
         return self
 
     def _drain(self, proc: subprocess.Popen) -> None:

@@ -149,7 +149,11 @@ def test_gateway_started_before_its_group_has_a_master_serves_once_it_has(
         t0 = time.monotonic()
         starter = threading.Thread(target=lambda: started.append(_start(gw)), daemon=True)
         starter.start()
-        time.sleep(8.0)
+        # Until it says it waits (its start-up takes seconds on a busy machine), then
+        # some more: it must neither exit nor call itself ready without a master.
+        wait_for(lambda: any(WAITING.search(ln) for ln in gw.logs().splitlines()), 30,
+                 "the gateway saying it waits for a master")
+        time.sleep(3.0)
         assert gw.proc is not None and gw.proc.poll() is None, gw.logs()[-3000:]
         assert not started, "ready without a store master"
         g.nodes[1].start()

@@ -211,9 +211,19 @@ def test_unsubscribe_stops_delivery(shared_server) -> None:
 def test_sys_topics_report_broker_state(shared_server) -> None:
     sub = Client(shared_server.port, uid("s"))
     sub.subscribe("$SYS/broker/#", 0)
+    pub = Client(shared_server.port, uid("p"))
+    pub.publish(uid("stored"), b"x", 1)  # something in the store, whatever ran before
+    pub.disconnect()
     got: dict[str, bytes] = {}
-    deadline = time.monotonic() + 5
-    while len(got) < 9 and time.monotonic() < deadline:  # retained first, then live values
+
+    def counted() -> bool:
+        return (len(got) >= 9 and int(got["$SYS/broker/clients/connected"]) >= 1
+                and int(got["$SYS/broker/store/bytes"]) > 0)
+
+    # Retained values first (the last update's: it may predate this client and the
+    # publish), then the next updates, which count them.
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not counted():
         m = sub.expect(1, timeout=deadline - time.monotonic())[0]
         got[m.topic] = m.payload
     assert got["$SYS/broker/uptime"].endswith(b"seconds")
