@@ -158,6 +158,7 @@ class Replay:
         w = s.cursors.get(queue)
         if w is None:  # (restored without an offsets record) live goes on from here
             s.cursors[queue] = w = w2
+        w_start = w
         topics: set[str] = set()
         while w < w2:
             res = await store.pull(queue, w, min(256, w2 - w))
@@ -167,6 +168,9 @@ class Replay:
             w = res.next_offset
         self.w2 = w2
         self.overlap = {t: self.ends.get(t, 0) for t in topics}
+        log.debug("replay of %r for %r: live from %d, %d messages over %d topics may also "
+                  "be in its history", queue, s.client_id, s.cursors[queue], w2 - w_start,
+                  len(topics))
 
     # -- live, after the history ---------------------------------------------------------------
     def replayed(self, s: Session, queue: str, offset: int, msg: Message) -> bool:
