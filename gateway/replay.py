@@ -44,6 +44,7 @@ FIRST_BATCH = 256  # read during SUBSCRIBE: small, so the first message goes out
 BATCH = 4096  # the store's largest
 BATCH_BYTES = 4 << 20
 FLUSH_BYTES = 256 << 10  # encoded bytes kept before they go to the socket
+CHECKPOINT = 256  # messages between snapshots of a persistent session's replay
 CUT = "replay-cut"  # SUBACK user property: this replay's history was cut by retention
 
 
@@ -259,6 +260,7 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
     checks, hook = conn.checks_delivery, conn.asks_hook
     keep = s.persistent  # what was sent, for the snapshot's acknowledgements
     n, i = len(msgs), r.pos
+    checkpoint = i + CHECKPOINT
     while i < n:
         msg = msgs[i]
         topic = msg.topic
@@ -293,6 +295,9 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
         i += 1
         if core.pending_output > FLUSH_BYTES:
             conn.flush()
+        if keep and i >= checkpoint:
+            r.checkpoint(s, queue)
+            checkpoint = i + CHECKPOINT
     r.pos = n
     conn.flush()
     return True
