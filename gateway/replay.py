@@ -32,6 +32,8 @@ import logging
 from collections import deque
 from typing import Any, Protocol
 
+import trio
+
 from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
 from gateway.session import SHARE_PREFIX, Session, Subscription, parse_replay
@@ -71,7 +73,7 @@ class Replay:
     """One replay subscription's history, as far as it has gone."""
 
     __slots__ = ("since", "cursor", "batch", "pos", "ends", "w2", "overlap", "done", "cut",
-                 "saved", "pending", "sent", "started", "opening")
+                 "saved", "pending", "sent", "started", "opening", "ahead")
 
     def __init__(self, since: Since) -> None:
         self.since = since  # resolved: a duration is a time by now
@@ -90,6 +92,7 @@ class Replay:
         self.sent: list[mp.Outgoing] = []  # QoS 1/2 sends since the last snapshot
         self.started = False  # a first batch was read (the first is the smaller)
         self.opening = False  # its SUBSCRIBE reads the first batch: not the task
+        self.ahead: tuple[str, HistoryBatch] | None = None  # the next batch, read early
 
     # -- the snapshot a persistent session keeps --------------------------------------------
     def to_meta(self) -> dict[str, Any]:
@@ -143,6 +146,8 @@ class Replay:
                                         max_bytes=BATCH_BYTES)
             self.started = True
             await self._note_overlap(store, s, queue)
+        elif self.ahead is not None and self.ahead[0] == self.cursor:
+            batch, self.ahead = self.ahead[1], None
         else:
             batch = await store.history(queue, cursor=self.cursor, max_count=BATCH,
                                         max_bytes=BATCH_BYTES)
@@ -151,6 +156,15 @@ class Replay:
                      queue, s.client_id)
         self.cut = self.cut or batch.cut
         self.batch, self.pos = batch, 0
+
+    async def read_ahead(self, store: Store, queue: str, cursor: str) -> None:
+        """The batch after the current one, read while the current one goes out: the
+        store's thread and this one take turns instead of waiting for each other."""
+        try:
+            self.ahead = (cursor, await store.history(queue, cursor=cursor, max_count=BATCH,
+                                                      max_bytes=BATCH_BYTES))
+        except (ValueError, StoreError):
+            pass  # read again in its turn, which tells what is wrong
 
     async def _note_overlap(self, store: Store, s: Session, queue: str) -> None:
         """F's end now that the history's end is fixed, and the topics of its entries
@@ -230,11 +244,15 @@ async def step(d: Deliverer, queue: str, r: Replay) -> None:
     sub = s.subscriptions.get(queue)
     if sub is None:
         return
-    if not await _hand_out(d, queue, sub, r):
-        r.checkpoint(s, queue)  # stopped (or unsubscribed) part way
-        return
     batch = r.batch
     assert batch is not None
+    async with trio.open_nursery() as nursery:
+        if batch.cursor is not None and r.ahead is None:
+            nursery.start_soon(r.read_ahead, store, queue, batch.cursor)
+        handed = await _hand_out(d, queue, sub, r)
+    if not handed:
+        r.checkpoint(s, queue)  # stopped (or unsubscribed) part way
+        return
     if batch.cursor is None:
         r.done = True
         log.debug("replay of %r for %r: history done, live from here", queue, s.client_id)
@@ -259,22 +277,25 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
     sids = [sub.subscription_id] if sub.subscription_id and core.version == 5 else None
     checks, hook = conn.checks_delivery, conn.asks_hook
     keep = s.persistent  # what was sent, for the snapshot's acknowledgements
+    again = bool(ends)  # the batch is read again: what was handed out is skipped
     n, i = len(msgs), r.pos
     checkpoint = i + CHECKPOINT
+    full = d._blocked(0)  # the socket's backlog: it changes when written (a flush)
     while i < n:
         msg = msgs[i]
         topic = msg.topic
         q = msg.queues  # a history message carries its exact-topic queue alone
         exact = q[0][1] if q and q[0][0] == topic else msg.offset_in(topic)
-        if exact < ends.get(topic, 0):  # handed out before (the batch is read again)
+        if again and exact < ends.get(topic, 0):
             i += 1
             continue
         qos = msg.qos if msg.qos < sub_qos else sub_qos
-        if d._blocked(qos):
+        if full or (qos and d._blocked(qos)):
             r.pos = i
             await d._wait_room(qos)
             if d._stopped or s._replays is None or s._replays.get(queue) is not r:
                 return False
+            full = d._blocked(0)
             continue
         if (no_local is None or msg.client_id != no_local) and not (
                 checks and not conn.may("SUB", topic)):
@@ -293,11 +314,13 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
         if overlap and topic in overlap:
             overlap[topic] = exact + 1
         i += 1
-        if core.pending_output > FLUSH_BYTES:
-            conn.flush()
-        if keep and i >= checkpoint:
-            r.checkpoint(s, queue)
-            checkpoint = i + CHECKPOINT
+        if not i & 63:
+            if core.pending_output > FLUSH_BYTES:
+                conn.flush()
+                full = d._blocked(0)
+            if keep and i >= checkpoint:
+                r.checkpoint(s, queue)
+                checkpoint = i + CHECKPOINT
     r.pos = n
     conn.flush()
     return True
