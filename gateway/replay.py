@@ -29,6 +29,7 @@ A gateway restart resumes from it; a reconnect to the same gateway resumes exact
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any, Protocol
 
@@ -45,7 +46,11 @@ log = logging.getLogger("lightgate.gateway.replay")
 FIRST_BATCH = 256  # read during SUBSCRIBE: small, so the first message goes out soon
 BATCH = 4096  # the store's largest
 BATCH_BYTES = 4 << 20
-FLUSH_BYTES = 256 << 10  # encoded bytes kept before they go to the socket
+QUIET = 300e-6  # CPU s other tasks of this thread may take in one turn: more is live load
+GIVE_WAY = 8  # turns a replay lets go by while the other tasks keep having work
+BUSY_BATCH = 512  # a busy gateway's replay reads smaller batches, and none ahead
+BUSY_TURN = 128  # ... and hands out fewer messages per turn
+TURN = 1024  # messages handed out between turns of the other tasks (and socket writes)
 CHECKPOINT = 256  # messages between snapshots of a persistent session's replay
 CUT = "replay-cut"  # SUBACK user property: this replay's history was cut by retention
 
@@ -73,7 +78,8 @@ class Replay:
     """One replay subscription's history, as far as it has gone."""
 
     __slots__ = ("since", "cursor", "batch", "pos", "ends", "w2", "overlap", "done", "cut",
-                 "saved", "pending", "sent", "started", "opening", "ahead")
+                 "saved", "pending", "sent", "started", "opening", "ahead",
+                 "busy")
 
     def __init__(self, since: Since) -> None:
         self.since = since  # resolved: a duration is a time by now
@@ -93,6 +99,7 @@ class Replay:
         self.started = False  # a first batch was read (the first is the smaller)
         self.opening = False  # its SUBSCRIBE reads the first batch: not the task
         self.ahead: tuple[str, HistoryBatch] | None = None  # the next batch, read early
+        self.busy = False  # live traffic kept the gateway's loop busy at the last turn
 
     # -- the snapshot a persistent session keeps --------------------------------------------
     def to_meta(self) -> dict[str, Any]:
@@ -149,13 +156,27 @@ class Replay:
         elif self.ahead is not None and self.ahead[0] == self.cursor:
             batch, self.ahead = self.ahead[1], None
         else:
-            batch = await store.history(queue, cursor=self.cursor, max_count=BATCH,
+            batch = await store.history(queue, cursor=self.cursor,
+                                        max_count=BUSY_BATCH if self.busy else BATCH,
                                         max_bytes=BATCH_BYTES)
         if batch.cut and not self.cut:
             log.info("replay of %r for %r: retention removed part of its history",
                      queue, s.client_id)
         self.cut = self.cut or batch.cut
         self.batch, self.pos = batch, 0
+
+    async def give_way(self) -> None:
+        """A turn for the other tasks (the reactor's live traffic, other sessions), and
+        more while they keep having work: a replay takes what live traffic leaves of
+        the gateway. Their work is this thread's CPU time while this task waits (a wall
+        clock would also count the store's thread holding the GIL, and other processes)."""
+        for _ in range(GIVE_WAY):
+            before = time.thread_time()
+            await trio.lowlevel.checkpoint()
+            if time.thread_time() - before < QUIET:
+                self.busy = False
+                return
+        self.busy = True
 
     async def read_ahead(self, store: Store, queue: str, cursor: str) -> None:
         """The batch after the current one, read while the current one goes out: the
@@ -247,7 +268,7 @@ async def step(d: Deliverer, queue: str, r: Replay) -> None:
     batch = r.batch
     assert batch is not None
     async with trio.open_nursery() as nursery:
-        if batch.cursor is not None and r.ahead is None:
+        if batch.cursor is not None and r.ahead is None and not r.busy:
             nursery.start_soon(r.read_ahead, store, queue, batch.cursor)
         handed = await _hand_out(d, queue, sub, r)
     if not handed:
@@ -281,6 +302,7 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
     n, i = len(msgs), r.pos
     checkpoint = i + CHECKPOINT
     full = d._blocked(0)  # the socket's backlog: it changes when written (a flush)
+    turn = i + (BUSY_TURN if r.busy else TURN)
     while i < n:
         msg = msgs[i]
         topic = msg.topic
@@ -314,13 +336,17 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
         if overlap and topic in overlap:
             overlap[topic] = exact + 1
         i += 1
-        if not i & 63:
-            if core.pending_output > FLUSH_BYTES:
-                conn.flush()
-                full = d._blocked(0)
-            if keep and i >= checkpoint:
-                r.checkpoint(s, queue)
-                checkpoint = i + CHECKPOINT
+        if keep and i >= checkpoint:
+            r.checkpoint(s, queue)
+            checkpoint = i + CHECKPOINT
+        if i >= turn:
+            conn.flush()
+            r.pos = i
+            await r.give_way()
+            if d._stopped or s._replays is None or s._replays.get(queue) is not r:
+                return False
+            full = d._blocked(0)
+            turn = i + (BUSY_TURN if r.busy else TURN)
     r.pos = n
     conn.flush()
     return True
