@@ -301,7 +301,8 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
     again = bool(ends)  # the batch is read again: what was handed out is skipped
     n, i = len(msgs), r.pos
     checkpoint = i + CHECKPOINT
-    full = d._blocked(0)  # the socket's backlog: it changes when written (a flush)
+    send, blocked = d._send, d._blocked
+    full = blocked(0)  # the socket's backlog: it changes when written (a flush)
     turn = i + (BUSY_TURN if r.busy else TURN)
     while i < n:
         msg = msgs[i]
@@ -312,12 +313,12 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
             i += 1
             continue
         qos = msg.qos if msg.qos < sub_qos else sub_qos
-        if full or (qos and d._blocked(qos)):
+        if full or (qos and blocked(qos)):
             r.pos = i
             await d._wait_room(qos)
             if d._stopped or s._replays is None or s._replays.get(queue) is not r:
                 return False
-            full = d._blocked(0)
+            full = blocked(0)
             continue
         if (no_local is None or msg.client_id != no_local) and not (
                 checks and not conn.may("SUB", topic)):
@@ -329,7 +330,7 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
             else:
                 refused = False
             if not refused:
-                o = d._send(msg, qos, rap and msg.retain, sids, None, -1)
+                o = send(msg, qos, rap and msg.retain, sids, None, -1)
                 if keep and o is not True and o is not False:
                     r.sent.append(o)
         ends[topic] = exact + 1
@@ -345,7 +346,7 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
             await r.give_way()
             if d._stopped or s._replays is None or s._replays.get(queue) is not r:
                 return False
-            full = d._blocked(0)
+            full = blocked(0)
             turn = i + (BUSY_TURN if r.busy else TURN)
     r.pos = n
     conn.flush()
