@@ -4,7 +4,9 @@ Metadata layout (column family: key -> value):
     sessions:      client_id -> {"version", "expiry", "disconnected_at"}
     subscriptions: client_id NUL filter -> {"qos", "nl", "rap", "rh", "sid"}
     offsets:       "mqtt" NUL client_id NUL queue -> {"acked": first unacknowledged offset,
-                                                      "next": first offset not yet sent}
+                                                      "next": first offset not yet sent,
+                                                      "replay": a replay's progress, while
+                                                      it lasts (gateway.replay)}
     inflight:      client_id NUL "out" NUL packet_id -> {"queue", "offset", "state"}
                    client_id NUL "in" NUL packet_id -> {"phys"}   (QoS 2 stored, awaiting
                    PUBREL; the record's position) or {"done": phys} (released: a later DUP
