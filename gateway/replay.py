@@ -48,9 +48,11 @@ BATCH = 4096  # the store's largest
 BATCH_BYTES = 4 << 20
 QUIET = 300e-6  # CPU s other tasks of this thread may take in one turn: more is live load
 GIVE_WAY = 8  # turns a replay lets go by while the other tasks keep having work
-BUSY_BATCH = 512  # a busy gateway's replay reads smaller batches, and none ahead
-BUSY_TURN = 128  # ... and hands out fewer messages per turn
 TURN = 1024  # messages handed out between turns of the other tasks (and socket writes)
+# With publishes coming in, a replay reads smaller batches and none ahead (a read holds
+# the interpreter, which live messages then wait for) and hands out fewer per turn;
+# fewer still while the gateway is busy.
+LIVE_BATCH, LIVE_TURN, BUSY_TURN = 512, 256, 128
 CHECKPOINT = 256  # messages between snapshots of a persistent session's replay
 CUT = "replay-cut"  # SUBACK user property: this replay's history was cut by retention
 
@@ -79,7 +81,7 @@ class Replay:
 
     __slots__ = ("since", "cursor", "batch", "pos", "ends", "w2", "overlap", "done", "cut",
                  "saved", "pending", "sent", "started", "opening", "ahead",
-                 "busy")
+                 "busy", "live", "seen")
 
     def __init__(self, since: Since) -> None:
         self.since = since  # resolved: a duration is a time by now
@@ -100,6 +102,8 @@ class Replay:
         self.opening = False  # its SUBSCRIBE reads the first batch: not the task
         self.ahead: tuple[str, HistoryBatch] | None = None  # the next batch, read early
         self.busy = False  # live traffic kept the gateway's loop busy at the last turn
+        self.live = False  # publishes came in since the turn before the last
+        self.seen = 0  # publishes the gateway had taken by the last turn
 
     # -- the snapshot a persistent session keeps --------------------------------------------
     def to_meta(self) -> dict[str, Any]:
@@ -157,7 +161,7 @@ class Replay:
             batch, self.ahead = self.ahead[1], None
         else:
             batch = await store.history(queue, cursor=self.cursor,
-                                        max_count=BUSY_BATCH if self.busy else BATCH,
+                                        max_count=LIVE_BATCH if self.live else BATCH,
                                         max_bytes=BATCH_BYTES)
         if batch.cut and not self.cut:
             log.info("replay of %r for %r: retention removed part of its history",
@@ -165,11 +169,15 @@ class Replay:
         self.cut = self.cut or batch.cut
         self.batch, self.pos = batch, 0
 
-    async def give_way(self) -> None:
+    async def give_way(self, stats: Any) -> None:
         """A turn for the other tasks (the reactor's live traffic, other sessions), and
         more while they keep having work: a replay takes what live traffic leaves of
         the gateway. Their work is this thread's CPU time while this task waits (a wall
-        clock would also count the store's thread holding the GIL, and other processes)."""
+        clock would also count the store's thread holding the GIL, and other processes).
+        `stats`: the gateway's (gateway.broker.Stats), whose count of publishes tells
+        whether live traffic comes in."""
+        took = stats.messages_in
+        self.live, self.seen = took != self.seen, took
         for _ in range(GIVE_WAY):
             before = time.thread_time()
             await trio.lowlevel.checkpoint()
@@ -177,6 +185,11 @@ class Replay:
                 self.busy = False
                 return
         self.busy = True
+
+    @property
+    def pace(self) -> int:
+        """Messages to hand out before the next turn."""
+        return BUSY_TURN if self.busy else LIVE_TURN if self.live else TURN
 
     async def read_ahead(self, store: Store, queue: str, cursor: str) -> None:
         """The batch after the current one, read while the current one goes out: the
@@ -268,7 +281,7 @@ async def step(d: Deliverer, queue: str, r: Replay) -> None:
     batch = r.batch
     assert batch is not None
     async with trio.open_nursery() as nursery:
-        if batch.cursor is not None and r.ahead is None and not r.busy:
+        if batch.cursor is not None and r.ahead is None and not r.live:
             nursery.start_soon(r.read_ahead, store, queue, batch.cursor)
         handed = await _hand_out(d, queue, sub, r)
     if not handed:
@@ -303,7 +316,7 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
     checkpoint = i + CHECKPOINT
     send, blocked = d._send, d._blocked
     full = blocked(0)  # the socket's backlog: it changes when written (a flush)
-    turn = i + (BUSY_TURN if r.busy else TURN)
+    turn = i + r.pace
     while i < n:
         msg = msgs[i]
         topic = msg.topic
@@ -343,11 +356,11 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
         if i >= turn:
             conn.flush()
             r.pos = i
-            await r.give_way()
+            await r.give_way(d.broker.stats)
             if d._stopped or s._replays is None or s._replays.get(queue) is not r:
                 return False
             full = blocked(0)
-            turn = i + (BUSY_TURN if r.busy else TURN)
+            turn = i + r.pace
     r.pos = n
     conn.flush()
     return True
