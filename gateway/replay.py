@@ -110,7 +110,11 @@ async def step(d: Deliverer, queue: str, r: Replay) -> None:
     batch = r.batch
     assert batch is not None
     async with trio.open_nursery() as nursery:
-        if batch.cursor is not None and r.ahead is None and not r.live:
+        # A remote store reads the next batch while this one goes out; an in-process
+        # one (LocalStore) would read it in a thread of this process, under the same
+        # interpreter lock: no faster, and live messages wait for it.
+        if (batch.cursor is not None and r.ahead is None and not r.live
+                and getattr(store, "pull_now", None) is None):
             nursery.start_soon(r.read_ahead, store, queue, batch.cursor)
         handed = await _hand_out(d, queue, sub, r)
     if not handed:

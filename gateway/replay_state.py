@@ -147,8 +147,8 @@ class Replay:
         return BUSY_TURN if self.busy else LIVE_TURN if self.live else TURN
 
     async def read_ahead(self, store: Store, queue: str, cursor: str) -> None:
-        """The batch after the current one, read while the current one goes out: the
-        store's thread and this one take turns instead of waiting for each other."""
+        """The batch after the current one, read while the current one goes out: a
+        remote store works meanwhile instead of waiting for the next request."""
         try:
             self.ahead = (cursor, await store.history(queue, cursor=cursor, max_count=BATCH,
                                                       max_bytes=BATCH_BYTES))
