@@ -36,10 +36,10 @@ import trio
 
 from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
-from gateway.replay_state import Replay
+from gateway.replay_state import Replay, Stats
 from gateway.session import SHARE_PREFIX, Session, Subscription, parse_replay
 from lightqueue.since import SinceError, parse_since
-from store.api import HistoryBatch, Message, StoreError
+from store.api import HistoryBatch, Message, Store, StoreError
 
 log = logging.getLogger("lightgate.gateway.replay")
 
@@ -47,13 +47,40 @@ CHECKPOINT = 256  # messages between snapshots of a persistent session's replay
 CUT = "replay-cut"  # SUBACK user property: this replay's history was cut by retention
 
 
+class Host(Protocol):
+    """The broker, as a replay sees it (gateway.broker.Broker)."""
+
+    store: Store
+    stats: Stats
+
+    async def subscribe(self, s: Session, sub: Subscription) -> bool: ...
+
+    async def unsubscribe(self, s: Session, topic_filter: str) -> bool: ...
+
+    async def flush_offsets(self, s: Session) -> None: ...
+
+
+class Client(Protocol):
+    """The connection, as a replay sees it (gateway.connection.Connection)."""
+
+    @property
+    def checks_delivery(self) -> bool: ...
+
+    @property
+    def asks_hook(self) -> bool: ...
+
+    def may(self, action: str, name: str, is_filter: bool = False) -> bool: ...
+
+    def flush(self) -> None: ...
+
+
 class Deliverer(Protocol):
     """What a replay uses of gateway.delivery.Delivery (its one delivery path)."""
 
     session: Session
-    conn: Any
+    conn: Client
     core: mp.MqttProtocol
-    broker: Any
+    broker: Host
     _stopped: bool
 
     def _blocked(self, qos: int) -> bool: ...
@@ -200,7 +227,7 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
 
 
 # -- SUBSCRIBE ------------------------------------------------------------------------------
-async def take_place(broker: Any, s: Session, sub: Subscription) -> None:
+async def take_place(broker: Host, s: Session, sub: Subscription) -> None:
     """A session reads a filter once: a subscription to F (`F`, `$replay/<since>/F`)
     takes the place of its other one to F, and starts anew."""
     old = s.subscriptions.get(sub.key)
@@ -208,10 +235,9 @@ async def take_place(broker: Any, s: Session, sub: Subscription) -> None:
         await broker.unsubscribe(s, old.topic_filter)
 
 
-async def subscribe(broker: Any, s: Session, sub: Subscription) -> tuple[int, str, bool]:
-    """Make the replay subscription `sub` (`broker`: gateway.broker.Broker): (0 or a
-    SUBACK failure code, why it failed, whether its history was cut). Raises
-    StoreError (the store is away)."""
+async def subscribe(broker: Host, s: Session, sub: Subscription) -> tuple[int, str, bool]:
+    """Make the replay subscription `sub`: (0 or a SUBACK failure code, why it failed,
+    whether its history was cut). Raises StoreError (the store is away)."""
     assert sub.replay is not None
     queue = sub.queue
     if s.subscription(sub.topic_filter) is not None:  # the same again: it keeps its place

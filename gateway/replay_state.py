@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -29,6 +29,12 @@ TURN = 1024  # messages handed out between turns of the other tasks (and socket 
 # the interpreter, which live messages then wait for) and hands out fewer per turn;
 # fewer still while the gateway is busy.
 LIVE_BATCH, LIVE_TURN, BUSY_TURN = 512, 256, 128
+
+
+class Stats(Protocol):
+    """The gateway's counters (gateway.broker.Stats), as a replay reads them."""
+
+    messages_in: int  # publishes taken: live traffic is coming in while it grows
 
 
 class Replay:
@@ -124,13 +130,12 @@ class Replay:
         self.cut = self.cut or batch.cut
         self.batch, self.pos = batch, 0
 
-    async def give_way(self, stats: Any) -> None:
+    async def give_way(self, stats: Stats) -> None:
         """A turn for the other tasks (the reactor's live traffic, other sessions), and
         more while they keep having work: a replay takes what live traffic leaves of
         the gateway. Their work is this thread's CPU time while this task waits (a wall
         clock would also count the store's thread holding the GIL, and other processes).
-        `stats`: the gateway's (gateway.broker.Stats), whose count of publishes tells
-        whether live traffic comes in."""
+        Whether live traffic comes in, the gateway's count of publishes tells."""
         took = stats.messages_in
         self.live, self.seen = took != self.seen, took
         for _ in range(GIVE_WAY):
