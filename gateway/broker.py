@@ -16,6 +16,7 @@ from typing import Any
 
 import trio
 
+from gateway import replay
 from gateway.cache import QueueCache
 from gateway.inbound import Inbound
 from gateway.limits import SourceRateLimiter
@@ -410,6 +411,7 @@ class Broker:
             if sub.shared:
                 continue
             pos = await self.store.meta_get("offsets", offset_key(client_id, sub.queue))
+            replay.restore(s, sub, pos)
             if pos is not None:
                 # Resume at the first unacknowledged offset; what lies between it and the
                 # next unsent one was acknowledged or is resent from the in-flight state.
@@ -518,7 +520,7 @@ class Broker:
         return new
 
     async def unsubscribe(self, s: Session, topic_filter: str) -> bool:
-        sub = s.subscriptions.get(topic_filter)
+        sub = s.subscription(topic_filter)
         if sub is None:
             return False
         s.remove_subscription(topic_filter)
@@ -693,6 +695,8 @@ class Broker:
             acked = s.acked_offset(queue)
             if acked is not None and queue in s.subscriptions:
                 pos = {"acked": acked, "next": s.cursors.get(queue, acked)}
+                if s._replays and (progress := replay.meta(s, queue)) is not None:
+                    pos["replay"] = progress
                 ops.append(("put", "offsets", offset_key(s.client_id, queue), pos))
         if ops:
             await self.store.meta_write(ops)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import trio
 
+from gateway import replay
 from gateway.mqtt import PublishTemplate
 from gateway.mqtt import protocol as mp
 from gateway.session import Session, Subscription
@@ -114,6 +115,8 @@ class Delivery:
         s = self.session
         if s.wakeup is not None:
             s.wakeup.set()  # a task waiting for room (retained messages, a resend)
+        if s._replays:
+            replay.acked(s)
         if s._dirty:
             self.pump()
 
@@ -145,6 +148,8 @@ class Delivery:
     # -- the synchronous path -------------------------------------------------------------
     def _drain_now(self, queue: str) -> int:
         s, conn = self.session, self.conn
+        if s._replays and replay.holds(s, queue):
+            return NEEDS_TASK  # its history goes first, from the task
         if (queue not in s.subscriptions or s._restored_upto or conn.asks_hook
                 or not conn.alive):
             return DONE if queue not in s.subscriptions else NEEDS_TASK
@@ -217,6 +222,8 @@ class Delivery:
                 if offset <= upto:
                     return None  # sent before a restart: acked, or resent with DUP
                 del s.restored_upto[queue]
+        if s._replays and replay.replayed(s, queue, offset, msg):
+            return None  # live, but the replay before it handed it out
         subs = _only_reader(s, queue) or s.matching(msg.topic)
         if not subs:
             return None
@@ -264,6 +271,9 @@ class Delivery:
 
     async def _drain(self, queue: str) -> None:
         s, cache = self.session, self.broker.cache
+        if s._replays and (r := replay.holds(s, queue)) is not None:
+            await replay.step(self, queue, r)  # a batch of its history
+            return
         while queue in s.subscriptions and not self._stopped:
             cursor = s.cursors.get(queue)
             if cursor is None:
@@ -448,5 +458,5 @@ def _only_reader(s: Session, queue: str) -> list[Subscription] | None:
     construction, no trie walk needed."""
     if len(s.subscriptions) != 1:
         return None
-    sub = next(iter(s.subscriptions.values()))
-    return [sub] if sub.shared is None and sub.topic_filter == queue else None
+    sub = s.subscriptions.get(queue)  # (keyed by the queue a subscription reads)
+    return [sub] if sub is not None and sub.shared is None else None

@@ -4,7 +4,9 @@ Metadata layout (column family: key -> value):
     sessions:      client_id -> {"version", "expiry", "disconnected_at"}
     subscriptions: client_id NUL filter -> {"qos", "nl", "rap", "rh", "sid"}
     offsets:       "mqtt" NUL client_id NUL queue -> {"acked": first unacknowledged offset,
-                                                      "next": first offset not yet sent}
+                                                      "next": first offset not yet sent,
+                                                      "replay": a replay's progress, while
+                                                      it lasts (gateway.replay)}
     inflight:      client_id NUL "out" NUL packet_id -> {"queue", "offset", "state"}
                    client_id NUL "in" NUL packet_id -> {"phys"}   (QoS 2 stored, awaiting
                    PUBREL; the record's position) or {"done": phys} (released: a later DUP
@@ -20,6 +22,7 @@ from typing import Any
 
 from gateway.mqtt import SubscriptionOptions, Will
 from gateway.mqtt.protocol import NEVER_EXPIRES, Outgoing
+from lightqueue.since import REPLAY_PREFIX, SinceError, split_replay
 from lightqueue.trie import TopicTrie
 
 NUL = "\x00"
@@ -39,18 +42,45 @@ def parse_shared(topic_filter: str) -> tuple[str, str] | None:
     return group, real
 
 
+def parse_replay(topic_filter: str) -> tuple[str, str] | None:
+    """('-1h', 'plant/#') for '$replay/-1h/plant/#'; None for any other filter. Raises
+    ValueError (a SinceError) when it starts so but is not one (the since is not parsed
+    here: gateway.replay does, against a clock)."""
+    return split_replay(topic_filter) if topic_filter.startswith(REPLAY_PREFIX) else None
+
+
+def subscription_key(topic_filter: str) -> str:
+    """Where a subscription sits in Session.subscriptions: the queue it reads (so a
+    session reads each filter once, `F` or `$replay/<since>/F`), or a shared
+    subscription's whole filter (its group reads the queue, not the session)."""
+    if topic_filter.startswith(REPLAY_PREFIX):
+        try:
+            return split_replay(topic_filter)[1]
+        except SinceError:
+            return topic_filter
+    return topic_filter
+
+
 @dataclass(slots=True)
 class Subscription:
     topic_filter: str  # as subscribed, '$share/{group}/{filter}' for a shared one
     options: SubscriptionOptions
     subscription_id: int | None = None
     shared: tuple[str, str] | None = None  # (group, filter) of a shared subscription
+    replay: tuple[str, str] | None = None  # (since, filter) of '$replay/{since}/{filter}'
 
     @property
     def queue(self) -> str:
         # A subscription reads the light queue named by its filter: the exact-topic queue
         # for a plain topic, the wildcard queue for a wildcard filter.
-        return self.shared[1] if self.shared else self.topic_filter
+        if self.shared:
+            return self.shared[1]
+        return self.replay[1] if self.replay else self.topic_filter
+
+    @property
+    def key(self) -> str:
+        """Its place in Session.subscriptions (see subscription_key)."""
+        return self.topic_filter if self.shared else self.queue
 
     def to_meta(self) -> dict[str, Any]:
         o = self.options
@@ -61,7 +91,8 @@ class Subscription:
     def from_meta(cls, topic_filter: str, d: dict[str, Any]) -> Subscription:
         opts = SubscriptionOptions(d["qos"], d.get("nl", False), d.get("rap", False),
                                    d.get("rh", 0))
-        return cls(topic_filter, opts, d.get("sid"), parse_shared(topic_filter))
+        return cls(topic_filter, opts, d.get("sid"), parse_shared(topic_filter),
+                   parse_replay(topic_filter))
 
 
 @dataclass(eq=False, slots=True)  # identity: sessions live in sets; slots: 100k of them
@@ -93,6 +124,7 @@ class Session:
     # acknowledged or is being resent with DUP, so it is not sent again.
     _restored_upto: dict[str, int] | None = None
     _groups: set[Any] | None = None  # SharedGroups this session is in
+    _replays: dict[str, Any] | None = None  # queue -> gateway.replay.Replay under way
     # Who made it, with auth on ("backend:name"): only they resume it. None: a session
     # stored before sessions had owners (the first to resume it claims it), or auth off.
     owner: str | None = None
@@ -164,23 +196,39 @@ class Session:
             self._groups = set()
         return self._groups
 
+    @property
+    def replays(self) -> dict[str, Any]:
+        if self._replays is None:
+            self._replays = {}
+        return self._replays
+
     # -- subscriptions ----------------------------------------------------------------
     def add_subscription(self, sub: Subscription) -> bool:
         """True if new (a replaced subscription keeps its queue position)."""
-        new = sub.topic_filter not in self.subscriptions
-        self.subscriptions[sub.topic_filter] = sub
+        key = sub.key
+        new = key not in self.subscriptions
+        self.subscriptions[key] = sub
         if sub.shared is None:  # shared ones are read by their group, not the session
-            self.trie.add(sub.topic_filter, sub.topic_filter)
+            self.trie.add(key, key)
         return new
 
+    def subscription(self, topic_filter: str) -> Subscription | None:
+        """The subscription made with exactly this filter, if any."""
+        sub = self.subscriptions.get(subscription_key(topic_filter))
+        return sub if sub is not None and sub.topic_filter == topic_filter else None
+
     def remove_subscription(self, topic_filter: str) -> bool:
-        sub = self.subscriptions.pop(topic_filter, None)
+        sub = self.subscription(topic_filter)
         if sub is None:
             return False
+        key = sub.key
+        del self.subscriptions[key]
         if sub.shared is None:
-            self.trie.remove(topic_filter, topic_filter)
+            self.trie.remove(key, key)
             self.cursors.pop(sub.queue, None)
             self.dirty.discard(sub.queue)
+            if self._replays:
+                self._replays.pop(sub.queue, None)
         return True
 
     def reading(self) -> list[str]:

@@ -312,7 +312,7 @@ class HistoryReader:
         """Read these entries' records (in log order) into `out` until it is full; the
         position moves past what was looked at. Records that lie back to back are read
         with one pread; a record whose topic is not wanted is not decoded."""
-        decode, peek, read = record.decode, _PEEK.unpack_from, self.log.read_bytes
+        decode, peek, read = record.decode_first, _PEEK.unpack_from, self.log.read_bytes
         seen, learn = (keep.seen, keep.learn) if keep is not None else ({}, None)
         messages, ends = out.messages, out.ends
         room, nbytes = out.max_count - len(messages), out.nbytes
@@ -338,7 +338,7 @@ class HistoryReader:
                     hit = seen.get(raw)
                     if not (learn(raw) if hit is None else hit):
                         continue
-                msg = decode(data, rel, phys, 1)
+                msg = decode(data, rel, phys)
                 queues = msg.queues
                 if queues and queues[0][0] == msg.topic:
                     exact = queues[0][1]
@@ -374,7 +374,7 @@ class HistoryReader:
         keep = self._matcher(state.filter)
         seen, learn = keep.seen, keep.learn
         until = _NEVER if state.until is None else state.until
-        decode, scan, head = record.decode, _SCAN.unpack_from, _HEAD.unpack_from
+        decode, scan, head = record.decode_first, _SCAN.unpack_from, _HEAD.unpack_from
         messages, ends = out.messages, out.ends
         room, nbytes = out.max_count - len(messages), out.nbytes
         pos = self._log_start(state)
@@ -405,7 +405,7 @@ class HistoryReader:
                 hit = seen.get(raw)
                 if not (learn(raw) if hit is None else hit):
                     continue
-                msg = decode(data, at, pos + at, 1)
+                msg = decode(data, at, pos + at)
                 queues = msg.queues
                 if queues and queues[0][0] == msg.topic:
                     exact = queues[0][1]

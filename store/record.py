@@ -174,6 +174,48 @@ def encode(msg: Message) -> bytes:
     return FRAME.pack(magic, total, zlib.crc32(rest)) + rest
 
 
+_HEAD_FIXED = struct.Struct(">III" + FIXED.format[1:])  # FRAME and FIXED in one unpack
+
+
+def decode_first(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1) -> Message:
+    """`decode(buf, pos, phys_offset, max_queues=1)`, the history reader's hot path
+    (a replay decodes a million records): the same checks in fewer steps, a quarter
+    faster. Records of the wide kind, or that look wrong, take `decode` itself."""
+    if len(buf) - pos < HEADER_SIZE:
+        raise CorruptRecord("truncated header")
+    (magic, total, crc, store_ts, born_ts, qos, flags, lc, lt, lk, lp, lb,
+     nq) = _HEAD_FIXED.unpack_from(buf, pos)
+    end = pos + total
+    if magic != MAGIC or total < HEADER_SIZE or total > MAX_RECORD or end > len(buf):
+        return decode(buf, pos, phys_offset, 1)  # raises what is wrong
+    if zlib.crc32(buf[pos + FRAME.size:end]) != crc:
+        raise CorruptRecord("CRC mismatch")
+    p = pos + HEADER_SIZE
+    try:
+        client = str(buf[p : p + lc], "utf-8")
+        p += lc
+        topic = str(buf[p : p + lt], "utf-8")
+        p += lt
+        key = str(buf[p : p + lk], "utf-8") if lk else ""
+        p += lk
+        props = decode_properties(bytes(buf[p : p + lp])) if lp else {}
+        p += lp
+        body = bytes(buf[p : p + lb])
+        p += lb
+        queues = []
+        if nq:
+            ln = QNAME_LEN.unpack_from(buf, p)[0]
+            p += 2
+            queues.append((str(buf[p : p + ln], "utf-8"), QOFFSET.unpack_from(buf, p + ln)[0]))
+            p += ln + 8
+    except (ValueError, TypeError, struct.error) as exc:  # JSON, UTF-8, $b64 included
+        raise CorruptRecord(f"undecodable fields: {exc}") from exc
+    if p > end or (nq <= 1 and p != end):
+        raise CorruptRecord("field lengths disagree with the record length")
+    return Message(topic, body, qos, bool(flags & FLAG_RETAIN), client, props, born_ts, key,
+                   store_ts, phys_offset, total, queues)
+
+
 def frame_length(buf: bytes | memoryview, pos: int = 0) -> tuple[int, int]:
     """(magic, total_len) of the record starting at `pos`."""
     if len(buf) - pos < FRAME.size:

@@ -15,6 +15,7 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from lightqueue.since import REPLAY_PREFIX
 from lightqueue.topic import TopicError, validate_topic_filter, validate_topic_name
 
 from .packets import (
@@ -133,6 +134,11 @@ def _protocol(msg: str) -> ProtocolError:
 def _filter_problem(topic_filter: str) -> str | None:
     """Why `topic_filter` is not a valid filter (including `$share/<name>/<filter>`)."""
     try:
+        if topic_filter.startswith(REPLAY_PREFIX):
+            # Its <since> may hold a '+' (an RFC 3339 offset): the gateway judges it, and
+            # answers a bad one in the SUBACK (0x8F) instead of closing the connection.
+            since, sep, rest = topic_filter[len(REPLAY_PREFIX):].partition("/")
+            topic_filter = REPLAY_PREFIX + "s" + sep + rest
         validate_topic_filter(topic_filter)
         if topic_filter.startswith("$share/"):
             parts = topic_filter.split("/", 2)

@@ -712,12 +712,21 @@ class MqttProtocol:
         return SubscribeReceived(p, sid, self._ticket())
 
     def subscribed(self, packet_id: int, ticket: int, codes: list[int],
-                   then: list[bytes] | None = None) -> None:
+                   then: list[bytes] | None = None, text: str = "",
+                   user: list[tuple[str, str]] | None = None) -> None:
         """SUBACK with one code per filter (3.1.1: failures as 0x80); `then`: deliveries
-        that must follow it (retained messages), already encoded by `deliver`."""
+        that must follow it (retained messages), already encoded by `deliver`. v5: `text`
+        a reason string, `user` user properties, both left out when the client asked
+        for no problem information or they would pass its Maximum Packet Size."""
         if self.version < 5:
             codes = [c if c < 0x80 else 0x80 for c in codes]
-        self._decide(ticket, encode(Suback(packet_id, codes), self.version))
+        props: dict[str, Any] = self.reason(text) if text else {}
+        if user and self.version == 5 and self.problem_info:
+            props["user_property"] = user
+        data = encode(Suback(packet_id, codes, props), self.version)
+        if props and len(data) > self.client_max_packet:
+            data = encode(Suback(packet_id, codes), self.version)
+        self._decide(ticket, data)
         if then:
             self._send(b"".join(then))
 

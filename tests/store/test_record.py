@@ -57,6 +57,23 @@ def test_a_partial_decode_stops_after_the_first_queues_and_still_checks_the_crc(
         record.decode(bytes(flipped), 0, max_queues=1)
 
 
+def test_decode_first_is_decode_of_the_first_queue() -> None:
+    """The history reader's faster decode: the same message, the same refusals."""
+    msgs = [make(), make(key="", properties={}), make(queues=[]), Message("t", b""),
+            make(queues=[(f"q{i}", i) for i in range(record.MAX_QUEUES + 1)])]  # wide
+    for msg in msgs:
+        raw = b"pad" + record.encode(msg) + b"more"
+        assert record.decode_first(raw, 3, 64) == record.decode(raw, 3, 64, max_queues=1)
+    raw = bytearray(record.encode(make()))
+    for i in range(len(raw)):
+        bad = bytearray(raw)
+        bad[i] ^= 0x40
+        with pytest.raises(CorruptRecord):
+            record.decode_first(bytes(bad), 0)
+    with pytest.raises(CorruptRecord, match="length"):
+        record.decode_first(bytes(raw[:-1]), 0)
+
+
 def test_empty_fields_round_trip() -> None:
     msg = Message(topic="t", body=b"", queues=[])
     back = record.decode(record.encode(msg))

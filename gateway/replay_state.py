@@ -1,0 +1,197 @@
+"""Where a replay subscription stands (gateway.replay runs it): the history cursor
+and the current batch, what of it was handed out per topic, the overlap with live
+reading, the snapshot a persistent session keeps, and the pace it goes at beside live
+traffic. Reads the store through the Store face; sends nothing itself."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any, Protocol
+
+import trio
+
+from gateway.mqtt import protocol as mp
+from gateway.session import Session
+from lightqueue.since import TIME, Since
+from store.api import HistoryBatch, Message, Store, StoreError
+
+log = logging.getLogger("lightgate.gateway.replay")
+
+FIRST_BATCH = 256  # read during SUBSCRIBE: small, so the first message goes out soon
+BATCH = 4096  # the store's largest
+BATCH_BYTES = 4 << 20
+QUIET = 300e-6  # CPU s other tasks of this thread may take in one turn: more is live load
+GIVE_WAY = 8  # turns a replay lets go by while the other tasks keep having work
+TURN = 1024  # messages handed out between turns of the other tasks (and socket writes)
+# With publishes coming in, a replay reads smaller batches and none ahead (a read holds
+# the interpreter, which live messages then wait for) and hands out fewer per turn;
+# fewer still while the gateway is busy.
+LIVE_BATCH, LIVE_TURN, BUSY_TURN = 512, 256, 128
+
+
+class Stats(Protocol):
+    """The gateway's counters (gateway.broker.Stats), as a replay reads them."""
+
+    messages_in: int  # publishes taken: live traffic is coming in while it grows
+
+
+class Replay:
+    """One replay subscription's history, as far as it has gone."""
+
+    __slots__ = ("since", "cursor", "batch", "pos", "ends", "w2", "overlap", "done", "cut",
+                 "saved", "pending", "sent", "started", "opening", "ahead",
+                 "busy", "live", "seen")
+
+    def __init__(self, since: Since) -> None:
+        self.since = since  # resolved: a duration is a time by now
+        self.cursor: str | None = None  # where the current batch starts (None: at since)
+        self.batch: HistoryBatch | None = None  # the current batch, once read
+        self.pos = 0  # messages of it looked at
+        self.ends: dict[str, int] = {}  # topic -> its queue offset after the last handed out
+        #                                 (of the current batch: it is re-read from cursor)
+        self.w2: int | None = None  # F's end once the history's end was fixed
+        self.overlap: dict[str, int] = {}  # topics of F's [w, w2) -> offset after the last
+        #                                    of theirs the history handed out
+        self.done = False  # the history is over: F is read live (overlap dropped)
+        self.cut = False  # retention removed part of it
+        self.saved: dict[str, Any] = self.to_meta()  # the acknowledged snapshot (persistent)
+        self.pending: deque[tuple[list[mp.Outgoing], dict[str, Any]]] = deque()
+        self.sent: list[mp.Outgoing] = []  # QoS 1/2 sends since the last snapshot
+        self.started = False  # a first batch was read (the first is the smaller)
+        self.opening = False  # its SUBSCRIBE reads the first batch: not the task
+        self.ahead: tuple[str, HistoryBatch] | None = None  # the next batch, read early
+        self.busy = False  # live traffic kept the gateway's loop busy at the last turn
+        self.live = False  # publishes came in since the turn before the last
+        self.seen = 0  # publishes the gateway had taken by the last turn
+
+    # -- the snapshot a persistent session keeps --------------------------------------------
+    def to_meta(self) -> dict[str, Any]:
+        since = self.since.ms if self.since.kind == TIME else self.since.kind
+        return {"since": since, "cursor": self.cursor, "ends": dict(self.ends),
+                "w2": self.w2, "overlap": dict(self.overlap), "done": self.done}
+
+    @classmethod
+    def from_meta(cls, d: dict[str, Any]) -> Replay:
+        since = d["since"]
+        r = cls(Since(TIME, since) if isinstance(since, int) else Since(since))
+        r.cursor, r.ends, r.w2 = d.get("cursor"), dict(d.get("ends") or {}), d.get("w2")
+        r.overlap, r.done = dict(d.get("overlap") or {}), bool(d.get("done"))
+        r.saved = d
+        return r
+
+    def checkpoint(self, s: Session, queue: str) -> None:
+        """A snapshot of where the replay stands, saved once what was sent before it is
+        acknowledged (persistent sessions only: nothing else survives the connection)."""
+        if not s.persistent:
+            return
+        outgoing = s.outgoing
+        unacked = [o for o in self.sent if outgoing.get(o.packet_id) is o]
+        self.sent = []
+        self.pending.append((unacked, self.to_meta()))
+        self.settle(s, queue)
+
+    def settle(self, s: Session, queue: str) -> None:
+        """Move the saved snapshot on past every acknowledged one."""
+        outgoing, moved = s.outgoing, False
+        while self.pending and not any(outgoing.get(o.packet_id) is o
+                                       for o in self.pending[0][0]):
+            self.saved = self.pending.popleft()[1]
+            moved = True
+        if moved:
+            s.offsets_dirty.add(queue)
+
+    def finish(self, s: Session, queue: str, cursor: int) -> None:
+        """Gone, once live reading is past the overlap and every snapshot is saved."""
+        if (self.done and not self.pending and self.w2 is not None and cursor >= self.w2
+                and s.replays.get(queue) is self):
+            del s.replays[queue]
+            s.offsets_dirty.add(queue)  # its record loses the snapshot
+
+    # -- reading the store -------------------------------------------------------------------
+    async def fetch(self, store: Store, s: Session, queue: str) -> None:
+        """The batch at `cursor` (the first: at `since`, then the overlap is noted)."""
+        if self.cursor is None:
+            size = BATCH if self.started else FIRST_BATCH
+            batch = await store.history(queue, self.since, max_count=size,
+                                        max_bytes=BATCH_BYTES)
+            self.started = True
+            await self._note_overlap(store, s, queue)
+        elif self.ahead is not None and self.ahead[0] == self.cursor:
+            batch, self.ahead = self.ahead[1], None
+        else:
+            batch = await store.history(queue, cursor=self.cursor,
+                                        max_count=LIVE_BATCH if self.live else BATCH,
+                                        max_bytes=BATCH_BYTES)
+        if batch.cut and not self.cut:
+            log.info("replay of %r for %r: retention removed part of its history",
+                     queue, s.client_id)
+        self.cut = self.cut or batch.cut
+        self.batch, self.pos = batch, 0
+
+    async def give_way(self, stats: Stats) -> None:
+        """A turn for the other tasks (the reactor's live traffic, other sessions), and
+        more while they keep having work: a replay takes what live traffic leaves of
+        the gateway. Their work is this thread's CPU time while this task waits (a wall
+        clock would also count the store's thread holding the GIL, and other processes).
+        Whether live traffic comes in, the gateway's count of publishes tells."""
+        took = stats.messages_in
+        self.live, self.seen = took != self.seen, took
+        for _ in range(GIVE_WAY):
+            before = time.thread_time()
+            await trio.lowlevel.checkpoint()
+            if time.thread_time() - before < QUIET:
+                self.busy = False
+                return
+        self.busy = True
+
+    @property
+    def pace(self) -> int:
+        """Messages to hand out before the next turn."""
+        return BUSY_TURN if self.busy else LIVE_TURN if self.live else TURN
+
+    async def read_ahead(self, store: Store, queue: str, cursor: str) -> None:
+        """The batch after the current one, read while the current one goes out: a
+        remote store works meanwhile instead of waiting for the next request."""
+        try:
+            self.ahead = (cursor, await store.history(queue, cursor=cursor, max_count=BATCH,
+                                                      max_bytes=BATCH_BYTES))
+        except (ValueError, StoreError):
+            pass  # read again in its turn, which tells what is wrong
+
+    async def _note_overlap(self, store: Store, s: Session, queue: str) -> None:
+        """F's end now that the history's end is fixed, and the topics of its entries
+        since `w` (the live cursor, held there while the history lasts)."""
+        w2 = await store.queue_end(queue)
+        w = s.cursors.get(queue)
+        if w is None:  # (restored without an offsets record) live goes on from here
+            s.cursors[queue] = w = w2
+        w_start = w
+        topics: set[str] = set()
+        while w < w2:
+            res = await store.pull(queue, w, min(256, w2 - w))
+            topics.update(m.topic for m in res.messages if m.offset_in(queue) < w2)
+            if res.next_offset <= w:
+                break
+            w = res.next_offset
+        self.w2 = w2
+        self.overlap = {t: self.ends.get(t, 0) for t in topics}
+        log.debug("replay of %r for %r: live from %d, %d messages over %d topics may also "
+                  "be in its history", queue, s.client_id, s.cursors[queue], w2 - w_start,
+                  len(topics))
+
+    # -- live, after the history ---------------------------------------------------------------
+    def replayed(self, s: Session, queue: str, offset: int, msg: Message) -> bool:
+        """Whether a live message of F (at `offset`) was handed out by the history."""
+        w2 = self.w2
+        if w2 is None or offset >= w2:
+            self.finish(s, queue, offset + 1)
+            return False
+        last = self.overlap.get(msg.topic)
+        if last is None:
+            return False
+        try:
+            return msg.offset_in(msg.topic) < last
+        except KeyError:  # in no exact-topic queue: never in a history
+            return False
