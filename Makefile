@@ -8,11 +8,13 @@ SUM := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # done too: `make serve` after `make test` installs nothing).
 RUN_STAMP := $(VENV)/.installed-$(SUM)-run
 STAMP := $(VENV)/.installed-$(SUM)-test
+# `make docs` needs only mkdocs and its theme (the `docs` extra); the test extra has them too.
+DOCS_STAMP := $(VENV)/.installed-$(SUM)-docs
 # `make test` also installs the spark extra (pyspark, pyarrow, pandas: ~700 MB) so that CI
 # runs the Spark end-to-end tests; the other targets do not need it.
 SPARK_STAMP := $(VENV)/.installed-$(SUM)-spark
 
-.PHONY: serve test soak lint bench bench-full clean redis chromium java mosquitto netfaults
+.PHONY: serve test docs soak lint bench bench-full clean redis chromium java mosquitto netfaults
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,7 +26,11 @@ $(RUN_STAMP): $(BIN)/python pyproject.toml
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench]'
-	touch $(STAMP) $(RUN_STAMP)
+	touch $(STAMP) $(RUN_STAMP) $(DOCS_STAMP)
+
+$(DOCS_STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP) $(RUN_STAMP)
 
 $(SPARK_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[test,bench,spark]'
@@ -32,6 +38,11 @@ $(SPARK_STAMP): $(STAMP)
 
 serve: $(RUN_STAMP)
 	$(BIN)/lightgate serve
+
+# The documentation site (mkdocs.yml, docs/) at http://127.0.0.1:8000/, rebuilt on every
+# change; the configuration page is generated from lightgate/settings.py as it builds.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 # Debian packages the tests drive for real: Redis (notify), Chromium (the dashboard),
 # Mosquitto (an edge broker bridging to Lightgate, tests/mqtt/test_bridge.py), iproute2
@@ -53,9 +64,13 @@ java:
 	@[ -x "$$JAVA_HOME/bin/java" ] || command -v java >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null)
 
 # LIGHTGATE_REQUIRE_SPARK / _NETNS: the Spark and partition tests fail, not skip, if
-# pyspark, Java, network namespaces or libfaketime are missing.
+# pyspark, Java, network namespaces or libfaketime are missing. The docs site is built
+# first, strictly: a broken link, a page left out of the nav or a setting the generated
+# configuration page cannot render fails the run (into site/, which git ignores; no
+# --quiet: it would hide the warnings --strict counts).
 test: $(SPARK_STAMP) redis chromium java mosquitto netfaults
 	$(BIN)/ruff check .
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 	LIGHTGATE_REQUIRE_SPARK=1 LIGHTGATE_REQUIRE_NETNS=1 $(BIN)/pytest -q
 
 # The long forms: 1M inputs to each fuzzer (codec, connection), 1M messages past a stuck
@@ -82,4 +97,4 @@ bench-full: $(STAMP) redis
 	$(BIN)/python bench/native_bench.py
 
 clean:
-	rm -rf $(VENV) data .pytest_cache
+	rm -rf $(VENV) data .pytest_cache site
