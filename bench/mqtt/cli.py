@@ -49,8 +49,12 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS), help="where latest.json and PNGs go")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="py-spy record each Lightgate broker; top self time per row")
+    parser.add_argument("--idle-conns", type=int, default=None, metavar="N",
+                        help="idle_conns: hold N connections (default: the size's)")
     args = parser.parse_args()
-    size = SIZES["tiny" if args.tiny else "quick" if args.quick else "full"]
+    size = dict(SIZES["tiny" if args.tiny else "quick" if args.quick else "full"])
+    if args.idle_conns:
+        size["idle_conns"] = args.idle_conns
     scenarios = (args.scenarios.split(",") if args.scenarios else
                  QUICK_SCENARIOS if args.quick or args.tiny else list(SCENARIOS))
     brokers = args.brokers.split(",")
