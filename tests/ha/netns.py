@@ -56,12 +56,23 @@ def available() -> str | None:
     return None
 
 
+def _free_net() -> int:
+    """A second octet no other test network on this host uses: each pytest worker draws
+    from its own range (tests in one worker run one at a time), skipping any in use."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = 100 + 30 * (int(worker) % 5 if worker.isdigit() else 0)
+    out = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True,
+                         timeout=10).stdout
+    free = [n for n in range(base, base + 30) if f" 10.{n}." not in out]
+    return random.choice(free or list(range(base, base + 30)))
+
+
 @dataclass
 class Net:
     """`n` namespaces on a bridge; `cut`/`heal` between them and the host side."""
 
     n: int
-    net: int = field(default_factory=lambda: random.randrange(100, 250))
+    net: int = field(default_factory=_free_net)
     tag: str = field(default_factory=lambda: f"{os.getpid() % 100000}{random.randrange(100)}")
     cuts: set[tuple[int, int, str]] = field(default_factory=set)
 
