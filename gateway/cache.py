@@ -1,4 +1,5 @@
-"""Per-gateway message cache: N subscribers of one queue cost one store read.
+"""Per-gateway message cache: N subscribers of one queue cost one store read, and one
+encoding of a message serves them all (`Templates`).
 
 Each queue keeps a window of its most recent messages by offset. Sessions pulling the
 same queue at nearby offsets (the normal case right after a notify event) are served
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 
 import trio
 
+from gateway.mqtt import PublishTemplate
+from gateway.mqtt.properties import publish_properties
 from store.api import Message, Store
 
 
@@ -122,3 +125,28 @@ class QueueCache:
     def hit_ratio(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
+
+
+class Templates:
+    """Encode once per message, stamp per subscriber: the encodings of the most recent
+    messages, by their place in the log."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._by_phys: OrderedDict[int, PublishTemplate] = OrderedDict()
+
+    def __call__(self, msg: Message) -> PublishTemplate:
+        if msg.phys_offset < 0:  # not from the log (no identity to cache it by)
+            return _template(msg)
+        t = self._by_phys.get(msg.phys_offset)
+        if t is None:
+            t = self._by_phys[msg.phys_offset] = _template(msg)
+            if len(self._by_phys) > self.size:
+                self._by_phys.popitem(last=False)
+        return t
+
+
+def _template(msg: Message) -> PublishTemplate:
+    # App properties become user properties: worked out once per message.
+    return PublishTemplate(msg.topic, msg.body, msg.qos, msg.retain,
+                           publish_properties(msg.properties))

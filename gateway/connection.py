@@ -33,17 +33,12 @@ from gateway.mqtt.protocol import Closing, MqttProtocol, Refused
 from gateway.output import Output
 from gateway.publishing import PublishRules
 from gateway.session import Session
+from gateway.shared import SharedGroup
 from gateway.stream_reader import StreamReading
 from gateway.subscribing import SubscribeRules
-from store.api import (
-    Authenticator,
-    DecisionCache,
-    Message,
-    Subject,
-)
+from store.api import Authenticator, DecisionCache, Message, Subject
 
 log = logging.getLogger("lightgate.gateway.conn")
-
 
 
 class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Ending):
@@ -128,6 +123,14 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
             self._detached = trio.Event()
         await self._detached.wait()
 
+    def drain_now(self, queue: str) -> bool:
+        """`queue` grew: deliver from it, right here when it can (gateway.delivery).
+        False before CONNACK, when nothing delivers yet: the session keeps the news."""
+        if self.delivery is None:
+            return False
+        self.delivery.notify(queue)
+        return True
+
     def auth_changed(self) -> None:
         """Policies changed: decisions cached on this connection no longer hold."""
         auth = self.broker.auth
@@ -158,7 +161,8 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
     def has_window(self) -> bool:
         return self.delivery is not None and self.delivery.has_window()
 
-    async def push_shared(self, group: Any, msg: Message, buffered: bool = False) -> bool:
+    async def push_shared(self, group: SharedGroup, msg: Message, buffered: bool = False
+                          ) -> bool:
         if self.delivery is None or not self.alive:
             return False
         return await self.delivery.push_shared(group, msg)

@@ -115,8 +115,8 @@ class PublishRules:
             b.stats.topic_refusals += 1
             return "past --max-topic-levels or --max-topic-length", rc.TOPIC_NAME_INVALID
         if p.retain and p.payload:
-            why = b.retained.admit(topic, s.client_id,
-                                   stored_size(topic, p.payload, _props(p)))
+            why = b.retained.budget.admit(topic, s.client_id,
+                                          stored_size(topic, p.payload, _props(p)))
             if why is not None:
                 b.stats.limit_refusals += 1
                 return why, rc.QUOTA_EXCEEDED
