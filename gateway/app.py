@@ -87,7 +87,7 @@ def ready_line(bound: dict[str, str]) -> str:
 
 async def _announce(store: RemoteStore, gateway_id: str, info: dict) -> None:
     """Tell the store this gateway exists: gateways find each other there, with no
-    static node list to keep in step (rocketmq-mqtt #217)."""
+    static node list to keep in step."""
     while True:
         try:
             await store.gateway_heartbeat(gateway_id, info)
