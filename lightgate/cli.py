@@ -1,4 +1,6 @@
-"""The `lightgate` command line. Parsing and wiring only; the logic lives in the rooms.
+"""The `lightgate` command line: flags, environment and config file turned into the
+options each command's module runs with (the logic lives in gateway/, store/ and the
+other packages, not here).
 
 Every setting comes, in order of precedence, from a flag, an environment variable
 (`LIGHTGATE_<NAME>`, e.g. LIGHTGATE_HTTP=0.0.0.0:18083), the TOML file given with
@@ -33,6 +35,29 @@ from serving.startup import (
     first_of,
     read_secret,
 )
+
+DESCRIPTION = """\
+Lightgate: an MQTT 3.1.1 and 5.0 broker that keeps every message in a log, where
+devices' messages can be replayed, and read by server applications and Spark.
+
+`lightgate serve` runs everything in one process. To run storage and MQTT on separate
+machines, run `lightgate store` on one and `lightgate gateway` on others. Every server
+setting may also come from a LIGHTGATE_<NAME> environment variable or a TOML file
+(--config FILE; `lightgate config --example` prints one with every setting)."""
+
+COMMANDS = {  # name: (one line for the list, what `lightgate NAME --help` explains)
+    "serve": ("run the broker: storage, MQTT and the web console in one process",
+              "Run Lightgate in one process: the message store (in --data-dir), the MQTT "
+              "listeners and HTTP (dashboard, admin API, Prometheus metrics)."),
+    "store": ("run a storage node, for gateways on other machines",
+              "Run a storage node: the message log and metadata that gateways (`lightgate "
+              "gateway`) and applications reach over the native protocol. Nodes listed in "
+              "--group-peers form a store group with replication and automatic failover."),
+    "gateway": ("run MQTT listeners in front of a store on another machine",
+                "Run an MQTT gateway on a store that runs elsewhere (--store HOST:PORT). Run "
+                "as many as the clients need; with --notify redis://... they hear of new "
+                "messages at once, without it they poll the store."),
+}
 
 
 def _add_settings(
@@ -449,18 +474,18 @@ def _add_auth_commands(sub: Any, client_flags: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="lightgate", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default=os.environ.get("LIGHTGATE_LOG_LEVEL", "INFO"))
+    parser = _Parser(prog="lightgate", description=DESCRIPTION,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default=os.environ.get("LIGHTGATE_LOG_LEVEL", "INFO"),
+                        help="debug, info, warning or error (default: INFO, or "
+                             "LIGHTGATE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    for name, func, settings, help_text in (
-        ("serve", cmd_serve, SERVE_SETTINGS,
-         "embedded mode: store + gateway + HTTP in one process"),
-        ("store", cmd_store, STORE_CMD_SETTINGS, "a storage node (separated mode)"),
-        ("gateway", cmd_gateway, GATEWAY_CMD_SETTINGS,
-         "an MQTT gateway on a remote store (separated mode)"),
-    ):
-        cmd = sub.add_parser(name, help=help_text)
+    for name, func, settings in (("serve", cmd_serve, SERVE_SETTINGS),
+                                 ("store", cmd_store, STORE_CMD_SETTINGS),
+                                 ("gateway", cmd_gateway, GATEWAY_CMD_SETTINGS)):
+        help_text, description = COMMANDS[name]
+        cmd = sub.add_parser(name, help=help_text, description=description)
         cmd.add_argument("--config", help="TOML file with settings (keys named like the flags)")
         _add_settings(cmd, settings)
         cmd.set_defaults(func=func)
@@ -495,8 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_room_commands(sub: Any) -> None:
-    """Commands that live with their room (e.g. `analytics`, `simulate` in spark_streaming):
-    each room may offer `add_commands(subparsers)` in its `cli` module."""
+    """Commands that live with their package (`analytics`, `simulate` in spark_streaming):
+    each may offer `add_commands(subparsers)` in its `cli` module."""
     import importlib
 
     for room in ("spark_streaming",):
