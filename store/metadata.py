@@ -118,6 +118,11 @@ class Metadata:
 
     def apply(self, ops: Sequence[MetaOp]) -> None:
         """Apply ops atomically (a replica copying the master's changes)."""
+        self.write(ops)
+        self._copied({cf for _, cf, _, _ in ops})
+
+    def write(self, ops: Sequence[MetaOp]) -> None:
+        """Apply ("put"|"delete"|"delete_prefix", cf, key, value) ops atomically."""
         with self.batch() as batch:
             for op, cf, key, value in ops:
                 if op == "put":
@@ -128,7 +133,6 @@ class Metadata:
                     batch.delete_prefix(cf, key)
                 else:
                     raise ValueError(f"unknown metadata op {op!r}")
-        self._copied({cf for _, cf, _, _ in ops})
 
     def page(self, cursor: tuple[str, str] | None, max_bytes: int
              ) -> tuple[list[tuple[str, str, Any]], tuple[str, str] | None]:

@@ -387,16 +387,7 @@ class EmbeddedStore:
 
     async def meta_write(self, ops: Sequence[tuple[str, str, str, Any]]) -> None:
         """Apply ("put"|"delete"|"delete_prefix", cf, key, value) ops atomically."""
-        with self.meta.batch() as batch:
-            for op, cf, key, value in ops:
-                if op == "put":
-                    batch.put(cf, key, value)
-                elif op == "delete":
-                    batch.delete(cf, key)
-                elif op == "delete_prefix":
-                    batch.delete_prefix(cf, key)
-                else:
-                    raise ValueError(f"unknown metadata op {op!r}")
+        self.meta.write(ops)
 
     async def add_wildcard(self, topic_filter: str) -> None:
         self.register_wildcard(topic_filter)
