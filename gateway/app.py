@@ -10,7 +10,6 @@ import signal
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 import trio
 
@@ -20,7 +19,7 @@ from gateway.listener import ListenerConfig, start_listeners
 from notify import open_bus
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
-from serving.startup import StartupError, shutdown_signals, stop_on_signal
+from serving.startup import Signals, StartupError, shutdown_signals, stop_on_signal
 from store.api import (
     AuthFailed,
     AuthManager,
@@ -101,7 +100,7 @@ async def run_gateway(opts: GatewayOptions) -> None:
         await _gateway(opts, signals)
 
 
-async def _gateway(opts: GatewayOptions, signals: Any) -> None:
+async def _gateway(opts: GatewayOptions, signals: Signals) -> None:
     if not opts.notify:
         log.warning("no --notify: this gateway polls the store for new messages")
     async with NativeClient.open(opts.store, credentials=_credentials(opts.store_auth),
@@ -131,7 +130,8 @@ async def _gateway(opts: GatewayOptions, signals: Any) -> None:
             await stop_on_signal(signals, nursery)
 
 
-async def _wait_for_store(client: NativeClient, opts: GatewayOptions, signals: Any) -> bool:
+async def _wait_for_store(client: NativeClient, opts: GatewayOptions, signals: Signals
+                          ) -> bool:
     """Wait for the store (a group: its master) before listening; False if a signal
     came first. A store not there yet is a normal moment (a group electing, a compose
     file starting everything at once), so the gateway waits, saying so once and then

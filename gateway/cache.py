@@ -16,7 +16,7 @@ import trio
 
 from gateway.mqtt import PublishTemplate
 from gateway.mqtt.properties import publish_properties
-from store.api import Message, Store
+from store.api import LocalStore, Message, Store
 
 
 @dataclass
@@ -37,9 +37,10 @@ class _Window:
 class QueueCache:
     def __init__(self, store: Store, *, window: int = 512, max_queues: int = 10_000) -> None:
         self.store = store
-        self._peek = getattr(store, "pull_now", None)  # the embedded store, no waiting
+        local = isinstance(store, LocalStore)  # the embedded store: no waiting
+        self._peek = store.pull_now if local else None
         # After the peek said no, the embedded store's ring need not be asked again.
-        self._fetch = store.pull_stored if self._peek else store.pull
+        self._fetch = store.pull_stored if local else store.pull
         self.window = window
         self.max_queues = max_queues
         self._queues: OrderedDict[str, _Window] = OrderedDict()

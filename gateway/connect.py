@@ -8,21 +8,27 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import trio
 
 from gateway import mqtt
 from gateway.broker import Broker, SessionLimitReached
+from gateway.config import GatewayConfig
 from gateway.delivery import Delivery
 from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing, MqttProtocol
+from gateway.output import Poller
 from gateway.reserved import refusal as reserved_refusal
 from gateway.session import Session
 from store.api import CONTINUE, FAILURE, Authenticator, AuthError, AuthStep, StoreError, Subject
 
 log = logging.getLogger("lightgate.gateway.conn")
+
+# The lane's work, in arrival order: events the rules returned, or a step to await.
+LaneItem = mp.Event | Callable[[], Awaitable[object]]
 
 
 class ConnectRules:
@@ -33,18 +39,18 @@ class ConnectRules:
 
     broker: Broker
     core: MqttProtocol
-    config: Any
+    config: GatewayConfig
     peer: str
     cert_identity: str | None
     subject: Subject | None
     session: Session | None
     connected_at: float | None
     delivery: Delivery | None
-    reactor: Any
+    reactor: Poller | None
     _authenticator: Authenticator | None
     _pending_connect: mp.ConnectReceived | None
     _ask_hook: bool
-    _lane: deque[Any] | None
+    _lane: deque[LaneItem] | None
 
     if TYPE_CHECKING:  # the connection's own, used here
         def flush(self) -> None: ...

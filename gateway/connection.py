@@ -23,14 +23,14 @@ import trio
 
 from gateway import mqtt
 from gateway.broker import Broker
-from gateway.connect import ConnectRules
+from gateway.connect import ConnectRules, LaneItem
 from gateway.delivery import Delivery
 from gateway.ending import Ending
 from gateway.limits import PublishLimits
 from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing, MqttProtocol, Refused
-from gateway.output import Output
+from gateway.output import Output, Poller
 from gateway.publishing import PublishRules
 from gateway.session import Session
 from gateway.shared import SharedGroup
@@ -52,14 +52,14 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
         "_pending_connect", "_unpaused",
     )
 
-    def __init__(self, broker: Broker, stream: Any, peer: str, *,
+    def __init__(self, broker: Broker, stream: trio.abc.Stream | None, peer: str, *,
                  cert_identity: str | None = None, fd: int = -1) -> None:
         self.broker = broker
         self.config = broker.config
         self.core = MqttProtocol(broker.limits, trio.current_time())
         self.stream = stream  # a trio stream (TLS, WebSocket) or None (the reactor's fd)
         self.fd = fd  # a plain TCP socket's fd: written directly
-        self.reactor: Any = None  # the reactor that reads `fd`, if any
+        self.reactor: Poller | None = None  # the reactor that reads `fd`, if any
         self.peer = peer
         self.cert_identity = cert_identity  # from a verified client certificate
         self.subject: Subject | None = None  # who authenticated on this connection
@@ -76,7 +76,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
         self.connected_at: float | None = None
         self.out = Output(self, fd, stream, self.config.write_timeout, broker.stats)
         # The lane: work that must wait, in arrival order (events, or callables).
-        self._lane: deque[Any] | None = None
+        self._lane: deque[LaneItem] | None = None
         self._lane_busy = False
         self._closing: Closing | None = None
         self._closed = False  # close() ran
@@ -244,7 +244,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
     def eof(self) -> None:
         self.close(Closing("connection closed by the client"))
 
-    def _handle(self, events: list[Any]) -> None:
+    def _handle(self, events: list[mp.Event]) -> None:
         """Answer the events that need no waiting; from the first that does, the rest
         go to the lane in order."""
         lane = self._lane
@@ -264,7 +264,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
                 self._to_lane(events[i:])
                 return
 
-    def _to_lane(self, items: list[Any]) -> None:
+    def _to_lane(self, items: list[LaneItem]) -> None:
         if self._lane is None:
             self._lane = deque()
         self._lane.extend(items)
@@ -306,7 +306,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
         return not self._paused
 
     # -- events answered at once ------------------------------------------------------
-    def _now(self, ev: Any) -> bool:
+    def _now(self, ev: LaneItem) -> bool:
         """Handle `ev` if nothing needs waiting for; False: the lane must (`_later`)."""
         t = type(ev)
         if t is mp.PublishReceived:
@@ -331,7 +331,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
             return True
         return False  # CONNECT, AUTH, SUBSCRIBE, UNSUBSCRIBE: the lane's
 
-    async def _later(self, ev: Any) -> None:
+    async def _later(self, ev: LaneItem) -> None:
         t = type(ev)
         if t is mp.ConnectReceived:
             await self._on_connect(ev)

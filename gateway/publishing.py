@@ -9,6 +9,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import trio
+
 from gateway.broker import Broker
 from gateway.inbound import Inbound
 from gateway.limits import PublishLimits
@@ -41,7 +43,7 @@ class PublishRules:
     if TYPE_CHECKING:  # the connection's own, used here
         def may(self, action: str, name: str, is_filter: bool = False) -> bool: ...
         async def may_ask(self, action: str, name: str, is_filter: bool = False) -> bool: ...
-        def close(self, closing: Closing, nursery: Any = None) -> None: ...
+        def close(self, closing: Closing, nursery: trio.Nursery | None = None) -> None: ...
 
     def _on_publish(self, ev: mp.PublishReceived) -> bool:
         """Check and stage a publish for the next append; False if the lane must (an

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 import trio
 
@@ -18,7 +17,7 @@ from gateway.listener import ListenerConfig, start_listeners
 from notify import LocalBus
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
-from serving.startup import shutdown_signals, stop_on_signal
+from serving.startup import Signals, shutdown_signals, stop_on_signal
 from store.api import AuthConfig, auth_app, store_routes
 from store.app import store_node
 from store.service import StoreConfig
@@ -41,7 +40,7 @@ async def run_serve(opts: ServeOptions) -> None:
         await _serve(opts, signals)
 
 
-async def _serve(opts: ServeOptions, signals: Any) -> None:
+async def _serve(opts: ServeOptions, signals: Signals) -> None:
     async with (
         LocalBus(window=0) as bus,  # the store appends in batches: nothing to wait for
         store_node(opts.store, opts.native, bus.publish_from_thread, opts.auth) as node,

@@ -12,10 +12,10 @@ import errno
 import logging
 import signal
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import trio
 
@@ -104,13 +104,17 @@ def split_hostport(addr: str, default_host: str = "0.0.0.0") -> tuple[str, int]:
     return host, number
 
 
-def shutdown_signals() -> Any:
+# SIGTERM/SIGINT as they arrive (signal numbers), from `shutdown_signals`.
+Signals = AsyncIterator[int]
+
+
+def shutdown_signals() -> AbstractContextManager[Signals]:
     """Catch SIGTERM/SIGINT from the very start, so that one arriving while the server
     starts (before `ready`) still ends in a clean stop, not a kill."""
     return trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
 
 
-async def stop_on_signal(signals: Any, nursery: trio.Nursery) -> None:
+async def stop_on_signal(signals: Signals, nursery: trio.Nursery) -> None:
     async for signum in signals:
         log.info("signal %s: shutting down", signal.Signals(signum).name)
         nursery.cancel_scope.cancel()

@@ -14,7 +14,7 @@ The modules behind it import one another directly and may change shape freely.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from store.auth import AUTH_EVENT, AuthConfig, AuthError, AuthManager, Subject
 from store.auth.audit import to_file as audit_to_file
@@ -128,9 +128,10 @@ class Store(Protocol):
         ...
 
 
+@runtime_checkable
 class LocalStore(Store, Protocol):
     """What the in-process store adds: reads answered without waiting when they can be.
-    The gateway's cache looks for `pull_now` and uses these when it is there."""
+    The gateway's cache uses these when its store is one (isinstance)."""
 
     def pull_now(self, queue: str, offset: int, max_count: int = 32) -> PullResult | None:
         """`pull` in this thread if it can be answered at once, else None."""

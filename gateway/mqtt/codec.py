@@ -903,8 +903,11 @@ def _enc_publish(p: Publish, version: int) -> bytes:
                           p.properties)
 
 
-def _ack_encoder(ptype: int, b0: int, reasons: frozenset[int]) -> Callable[[Any, int], bytes]:
-    def encode_ack(p: Any, version: int) -> bytes:
+Ack = Puback | Pubrec | Pubrel | Pubcomp
+
+
+def _ack_encoder(ptype: int, b0: int, reasons: frozenset[int]) -> Callable[[Ack, int], bytes]:
+    def encode_ack(p: Ack, version: int) -> bytes:
         packet_id = _check_packet_id(p.packet_id)
         code = p.reason_code
         if not p.properties:

@@ -31,6 +31,7 @@ from .packets import (
     Connack,
     Connect,
     Disconnect,
+    Packet,
     Pingreq,
     Pingresp,
     Puback,
@@ -97,8 +98,8 @@ class Outgoing:
     data: bytes  # the encoded PUBLISH without DUP (resent with DUP on reconnect)
     qos: int
     state: str = "publish"  # "publish": awaiting PUBACK/PUBREC; "pubrel": awaiting PUBCOMP
-    group: Any = None  # the shared group it was handed out by, if any
-    message: Any = None  # to re-encode for a new connection, or hand back to a group
+    group: Handout | None = None  # the shared group it was handed out by, if any
+    message: Stored | None = None  # to re-encode for a new connection, or hand back
     version: int = 4  # protocol version `data` was encoded for
 
 
@@ -125,6 +126,15 @@ class Stored(Protocol):
     qos: int
     properties: dict[str, Any]
     store_ts: int
+
+
+class Handout(Protocol):
+    """Who handed a message out to this one member (gateway.shared.SharedGroup): told
+    when it is done, or given it back."""
+
+    def acked(self, offset: int) -> None: ...
+
+    def take_back(self, msg: Stored) -> None: ...
 
 
 # -- events: what the driver is asked to do ---------------------------------------------
@@ -248,7 +258,7 @@ class MqttProtocol:
         self.bridge = False
         self.keepalive = 0
         self.client_id = ""
-        self.flows: Any = None  # the session's Flows, once accepted
+        self.flows: Flows | None = None  # the session's, once accepted
         self.receive_maximum = limits.max_inflight  # the client's, for our sends
         self.client_max_packet = MAX_PACKET
         self.problem_info = True
@@ -265,7 +275,7 @@ class MqttProtocol:
         # QoS 1 until its PUBACK, a QoS 2 until its PUBCOMP (ids in _inbound_qos2).
         self._inbound_unacked = 0
         self._inbound_qos2: set[int] | None = None
-        self._held: list[Any] | None = None  # packets read behind a CONNECT not yet accepted
+        self._held: list[Packet] | None = None  # read behind a CONNECT not yet accepted
         self.deadline = now + limits.connect_timeout  # the next timer (see `timeout`)
         self._read_at = now
         self.auth_method: str | None = None
@@ -354,7 +364,7 @@ class MqttProtocol:
             return Refused(f"protocol error: {exc.message}")
         return Closing(f"protocol error: {exc.message}", True, exc.reason_code)
 
-    def handle(self, packets: list[Any], now: float) -> list[Event]:
+    def handle(self, packets: list[Packet], now: float) -> list[Event]:
         """Decoded packets (the fuzzer and tests may feed these directly). A packet that
         ends the connection ends the list with Closed; those before it stand."""
         events: list[Event] = []
@@ -411,7 +421,7 @@ class MqttProtocol:
                             else float("inf"))
 
     # -- CONNECT -----------------------------------------------------------------------
-    def _on_connect(self, p: Any, now: float) -> ConnectReceived:
+    def _on_connect(self, p: Packet, now: float) -> ConnectReceived:
         if not isinstance(p, Connect):
             raise Refused("first packet is not CONNECT")
         self.version = v = p.protocol_level
@@ -457,7 +467,7 @@ class MqttProtocol:
                 self.deadline = now + self.limits.connect_timeout
         self._send(encode(self._auth(rc.CONTINUE_AUTHENTICATION, data), 5))
 
-    def _in_exchange(self, p: Any) -> AuthReceived:
+    def _in_exchange(self, p: Packet) -> AuthReceived:
         """A packet while the CONNECT's exchange runs: AUTH 0x18 with its method."""
         if isinstance(p, Disconnect):
             raise Refused("DISCONNECT during authentication")
@@ -519,7 +529,7 @@ class MqttProtocol:
         return self.handle(held, now) if held else []
 
     # -- packets after CONNECT -----------------------------------------------------------
-    def _dispatch(self, p: Any) -> Event | None:
+    def _dispatch(self, p: Packet) -> Event | None:
         t = type(p)
         if t is Publish:
             return self._on_publish(p)
@@ -751,7 +761,7 @@ class MqttProtocol:
         return OutgoingReleased(o)
 
     def deliver(self, msg: Stored, qos: int, retain: bool, sids: list[int] | None,
-                queue: str | None, offset: int, group: Any = None,
+                queue: str | None, offset: int, group: Handout | None = None,
                 template: PublishTemplate | None = None, now_s: float = 0.0,
                 buffer: list[bytes] | None = None) -> Outgoing | bool:
         """Send a stored message at `qos` (the caller checked `window` for QoS 1/2).
