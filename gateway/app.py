@@ -14,6 +14,7 @@ from functools import partial
 import trio
 
 from gateway.admin import gateway_routes
+from gateway.auth import BackendConfig
 from gateway.broker import Broker, GatewayConfig
 from gateway.listener import ListenerConfig, start_listeners
 from notify import open_bus
@@ -23,7 +24,6 @@ from serving.startup import Signals, StartupError, shutdown_signals, stop_on_sig
 from store.api import (
     AuthFailed,
     AuthManager,
-    BackendConfig,
     NativeClient,
     RemoteStore,
     StoreUnavailable,
@@ -72,7 +72,7 @@ async def _replica_auth(store: RemoteStore, hello: dict, opts: GatewayOptions) -
         audit_to_file(opts.audit_log)
     auth = AuthManager(store, enabled=bool(hello.get("auth")) or opts.auth_backends.external,
                        allow_anonymous=bool(hello.get("allow_anonymous")),
-                       strategy=opts.auth_strategy, backends=opts.auth_backends)
+                       strategy=opts.auth_strategy)
     if auth.enabled:
         await auth.load()
         log.info("MQTT authentication backends %s", ",".join(opts.auth_backends.chain))
@@ -110,7 +110,7 @@ async def _gateway(opts: GatewayOptions, signals: Signals) -> None:
         async with open_bus(opts.notify) as bus, trio.open_nursery() as nursery:
             store = RemoteStore(client)
             auth = await _replica_auth(store, client.hello, opts)
-            broker = Broker(store, opts.gateway, auth)
+            broker = Broker(store, opts.gateway, auth, opts.auth_backends)
             if auth.enabled:
                 nursery.start_soon(broker.run_auth_refresh)
             if opts.notify:

@@ -12,6 +12,8 @@ import uuid
 
 import trio
 
+from gateway.auth.chain import BackendConfig
+from gateway.auth.mqtt import MqttAuth
 from gateway.background import Background
 from gateway.cache import QueueCache, Templates
 from gateway.config import GatewayConfig
@@ -41,11 +43,13 @@ __all__ = ["APPEND_BUCKETS", "Broker", "GatewayConfig", "RetainedMessage",
 
 class Broker:
     def __init__(self, store: Store, config: GatewayConfig | None = None,
-                 auth: AuthManager | None = None) -> None:
+                 auth: AuthManager | None = None, backends: BackendConfig | None = None
+                 ) -> None:
         self.store = store
         self.config = cfg = config or GatewayConfig()
         self.auth = auth or AuthManager(store)  # disabled unless configured
         self.auth.on_change(self._auth_changed)
+        self.mqtt_auth = MqttAuth(self.auth, backends)  # how MQTT clients prove who they are
         self.connect_limiter = SourceRateLimiter(cfg.max_connect_rate)
         self.read_budget = ReadBudget(cfg.max_partial_bytes, cfg.partial_timeout_s)
         # 0 in the config means no limit.

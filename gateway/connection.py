@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from gateway import mqtt
+from gateway.auth.enhanced import Authenticator
 from gateway.broker import Broker
 from gateway.connect import ConnectRules, LaneItem
 from gateway.delivery import Delivery
@@ -36,7 +37,7 @@ from gateway.session import Session
 from gateway.shared import SharedGroup
 from gateway.stream_reader import StreamReading
 from gateway.subscribing import SubscribeRules
-from store.api import Authenticator, DecisionCache, Message, Subject
+from store.api import DecisionCache, Message, Subject
 
 log = logging.getLogger("lightgate.gateway.conn")
 
@@ -153,8 +154,8 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
     async def may_ask(self, action: str, name: str, is_filter: bool = False) -> bool:
         """`may`, or the HTTP hook's answer for a client it decides for."""
         if self._ask_hook and self.subject is not None:
-            return await self.broker.auth.authorize_by_hook(self.subject, name, action,
-                                                            is_filter=is_filter)
+            return await self.broker.mqtt_auth.authorize_by_hook(
+                self.subject, name, action, is_filter=is_filter)
         return self.may(action, name, is_filter)
 
     # -- a member of shared groups (gateway.shared.Member) -----------------------------

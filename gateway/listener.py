@@ -25,7 +25,8 @@ from gateway.mqtt import Decoder
 from gateway.reactor import Reactor
 from gateway.transports import ServerTLS, WebSocketStream, receive_upgrade, reject_upgrade
 from serving.read_budget import ReadBudget, read_fd
-from serving.startup import StartupError, listening, split_hostport
+from serving.startup import StartupError, listening
+from serving.values import split_hostport
 
 log = logging.getLogger("lightgate.gateway.listener")
 

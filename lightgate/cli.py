@@ -181,7 +181,7 @@ def _config(cls: Any, values: dict[str, Any], **special: Any) -> Any:
 
 
 def _backend_config(values: dict[str, Any]) -> Any:
-    from store.auth.chain import BackendConfig, split_list
+    from gateway.auth import BackendConfig, split_list
 
     if "auth_order" not in values:  # `lightgate store`: its clients are not MQTT devices
         return BackendConfig()
@@ -201,14 +201,15 @@ def _backend_config(values: dict[str, Any]) -> Any:
     return cfg
 
 
-def _auth_config(values: dict[str, Any]) -> Any:
+def _auth_config(values: dict[str, Any], backends: Any) -> Any:
+    """The store's auth settings; `backends` (MQTT's, _backend_config) may turn it on."""
     from store.auth import AuthConfig
 
     if values["auth_strategy"] not in ("stateful", "stateless"):
         raise StartupError("--auth-strategy must be stateful or stateless")
     return AuthConfig(enabled=bool(values["auth"]), allow_anonymous=bool(values["allow_anonymous"]),
                       strategy=values["auth_strategy"], init_user=values["init_user"],
-                      audit_log=values.get("audit_log"), backends=_backend_config(values))
+                      audit_log=values.get("audit_log"), mqtt_chain=backends.chain)
 
 
 def _listener_ports(listeners: Any) -> list[tuple[str, str, str | None]]:
@@ -221,10 +222,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lightgate.embedded import ServeOptions, run_serve
 
     values = resolve(args, SERVE_SETTINGS)
+    backends = _backend_config(values)
     opts = ServeOptions(
         store=_store_config(values), gateway=_gateway_config(values),
-        listeners=_listener_config(values), auth=_auth_config(values),
-        native=values["native"], http=values["http"],
+        listeners=_listener_config(values), auth=_auth_config(values, backends),
+        auth_backends=backends, native=values["native"], http=values["http"],
     )
     check_ports([*_listener_ports(opts.listeners), (*NATIVE_LISTENER, opts.native),
                  (*HTTP_LISTENER, opts.http)])
@@ -295,7 +297,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     check_ports([(*NATIVE_LISTENER, values["native"]), (*HTTP_LISTENER, values["http"]),
                  *raft])
     trio.run(_store_main, _store_config(values), values["native"], values["http"],
-             values["notify"], _auth_config(values), repl)
+             values["notify"], _auth_config(values, _backend_config(values)), repl)
     return 0
 
 

@@ -12,6 +12,7 @@ import trio
 
 from gateway.admin import gateway_routes
 from gateway.app import ready_line
+from gateway.auth import BackendConfig
 from gateway.broker import Broker, GatewayConfig
 from gateway.listener import ListenerConfig, start_listeners
 from notify import LocalBus
@@ -29,6 +30,7 @@ class ServeOptions:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    auth_backends: BackendConfig = field(default_factory=BackendConfig)  # MQTT's: jwt, http
     native: str = "127.0.0.1:10911"
     http: str = "127.0.0.1:18083"
 
@@ -46,7 +48,7 @@ async def _serve(opts: ServeOptions, signals: Signals) -> None:
         store_node(opts.store, opts.native, bus.publish_from_thread, opts.auth) as node,
         trio.open_nursery() as nursery,
     ):
-        broker = Broker(node.store, opts.gateway, node.auth)
+        broker = Broker(node.store, opts.gateway, node.auth, opts.auth_backends)
         nursery.start_soon(broker.run_notify, bus)
         await nursery.start(broker.run_connections)
         await nursery.start(broker.run_housekeeping)

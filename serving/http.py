@@ -18,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from serving.startup import HTTP_LISTENER, listening, split_hostport
+from serving.startup import HTTP_LISTENER, listening
+from serving.values import split_hostport
 
 log = logging.getLogger("lightgate.http")
 

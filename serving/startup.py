@@ -19,6 +19,8 @@ from typing import TypeVar
 
 import trio
 
+from serving.values import split_hostport
+
 log = logging.getLogger("lightgate.serving")
 
 E = TypeVar("E", bound=BaseException)
@@ -87,21 +89,6 @@ def first_of(exc: BaseException, kind: type[E]) -> E | None:
             if found is not None:
                 return found
     return None
-
-
-def split_hostport(addr: str, default_host: str = "0.0.0.0") -> tuple[str, int]:
-    """'127.0.0.1:1883' -> ('127.0.0.1', 1883); ':1883' and '1883' use `default_host`."""
-    host, sep, port = addr.rpartition(":")
-    if not sep:
-        host, port = "", addr
-    host = host.strip("[]") or default_host
-    try:
-        number = int(port)
-    except ValueError:
-        raise ValueError(f"bad address {addr!r}: expected HOST:PORT") from None
-    if not 0 <= number <= 65535:
-        raise ValueError(f"bad port in {addr!r}")
-    return host, number
 
 
 # SIGTERM/SIGINT as they arrive (signal numbers), from `shutdown_signals`.

@@ -17,7 +17,8 @@ from typing import Any
 
 import trio
 
-from serving.startup import first_of, split_hostport
+from serving.startup import first_of
+from serving.values import split_hostport
 from store import protocol as p
 from store.common import (
     HistoryBatch,

@@ -201,3 +201,19 @@ def test_a_gateway_loads_no_storage_engine() -> None:
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_mqtt_authentication_lives_with_mqtt() -> None:
+    """JWTs, the HTTP auth hook and enhanced authentication are how MQTT clients prove who
+    they are (gateway/auth): the store keeps users, policies and its own clients' auth,
+    and needs neither PyJWT nor an HTTP client for it."""
+    banned = {"jwt", "httpx"}
+    wrong = []
+    for path in sorted((ROOT / "store").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            wrong += [f"{path.relative_to(ROOT)} imports {n}" for n in names
+                      if n.split(".")[0] in banned]
+    assert not wrong, wrong

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from store.api import Backend
+
 log = logging.getLogger("lightgate.auth")
 
 BACKENDS = ("builtin", "jwt", "http")
@@ -109,7 +111,7 @@ class BackendConfig:
         if self.jwt_jwks_refresh_s <= 0:
             raise ValueError("--auth-jwt-jwks-refresh-s must be above 0")
         if self.jwt_jwks:
-            from store.auth.jwt_backend import is_url, parse_jwks
+            from gateway.auth.jwt_backend import is_url, parse_jwks
 
             if self.jwt_jwks.startswith("http://") and not _loopback(self.jwt_jwks):
                 raise ValueError(f"--auth-jwt-jwks {self.jwt_jwks}: keys over plain http "
@@ -130,7 +132,7 @@ class BackendConfig:
             log.warning("--auth-jwt-secret is %d bytes: HS256 wants at least 32", len(secret))
 
     def _check_http(self) -> None:
-        from store.auth.http_hook import ON_ERROR
+        from gateway.auth.http_hook import ON_ERROR
 
         assert self.http_url is not None
         if not self.http_url.startswith(("http://", "https://")):
@@ -163,20 +165,20 @@ def split_list(value: Any) -> tuple[str, ...] | None:
     return tuple(i.strip() for i in items if i.strip())
 
 
-def build_backends(cfg: BackendConfig, builtin: Any) -> list[Any]:
+def build_backends(cfg: BackendConfig, builtin: Backend) -> list[Backend]:
     """The backends in `cfg.chain` order; `builtin` is the manager's own. Imported here,
     not at the top: PyJWT and httpx load only when a deployment uses them."""
-    out: list[Any] = []
+    out: list[Backend] = []
     for name in cfg.chain:
         if name == "builtin":
             out.append(builtin)
         elif name == "jwt":
-            from store.auth.jwt_backend import JwksSource, JwtBackend
+            from gateway.auth.jwt_backend import JwksSource, JwtBackend
 
             jwks = JwksSource(cfg.jwt_jwks, cfg.jwt_jwks_refresh_s) if cfg.jwt_jwks else None
             out.append(JwtBackend(cfg.secret_bytes(), jwks, cfg.algorithms))
         elif name == "http":
-            from store.auth.http_hook import HttpHook
+            from gateway.auth.http_hook import HttpHook
 
             assert cfg.http_url is not None
             out.append(HttpHook(cfg.http_url, timeout_s=cfg.http_timeout_s,
