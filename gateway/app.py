@@ -8,20 +8,21 @@ import logging
 import math
 import signal
 import uuid
-from dataclasses import dataclass, field
 from functools import partial
 
 import trio
 
 from gateway.admin import gateway_routes
-from gateway.auth import BackendConfig
-from gateway.broker import Broker, GatewayConfig
-from gateway.listener import ListenerConfig, start_listeners
+from gateway.broker import Broker
+from gateway.config import GatewayOptions
+from gateway.listener import start_listeners
 from notify import open_bus
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
 from serving.startup import Signals, StartupError, shutdown_signals, stop_on_signal
+from serving.values import split_credentials
 from store.api import (
+    AuthConfig,
     AuthFailed,
     AuthManager,
     NativeClient,
@@ -36,27 +37,13 @@ log = logging.getLogger("lightgate.serve")
 STORE_QUIET_S = 1.0  # a store that answers within this at start: nothing to log
 
 
-@dataclass
-class GatewayOptions:
-    store: str = "127.0.0.1:10911"
-    store_wait_s: float = 0.0  # at start, for the store's master; 0: for good
-    notify: str | None = None
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    listeners: ListenerConfig = field(default_factory=ListenerConfig)
-    http: str = "127.0.0.1:18083"
-    store_auth: str | None = None  # NAME:PASSWORD of a node user (or a Super user)
-    auth_strategy: str = "stateful"
-    audit_log: str | None = None
-    auth_backends: BackendConfig = field(default_factory=BackendConfig)  # jwt, http hook
-
-
 def _credentials(spec: str | None) -> tuple[str, str] | None:
     if not spec:
         return None
-    name, sep, password = spec.partition(":")
-    if not sep or not name:
-        raise StartupError("--store-auth takes NAME:PASSWORD")
-    return name, password
+    try:
+        return split_credentials(spec, "--store-auth")
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
 
 
 async def _replica_auth(store: RemoteStore, hello: dict, opts: GatewayOptions) -> AuthManager:
@@ -72,7 +59,7 @@ async def _replica_auth(store: RemoteStore, hello: dict, opts: GatewayOptions) -
         audit_to_file(opts.audit_log)
     auth = AuthManager(store, enabled=bool(hello.get("auth")) or opts.auth_backends.external,
                        allow_anonymous=bool(hello.get("allow_anonymous")),
-                       strategy=opts.auth_strategy)
+                       strategy=opts.auth_strategy or AuthConfig.strategy)
     if auth.enabled:
         await auth.load()
         log.info("MQTT authentication backends %s", ",".join(opts.auth_backends.chain))

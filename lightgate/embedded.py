@@ -12,16 +12,18 @@ import trio
 
 from gateway.admin import gateway_routes
 from gateway.app import ready_line
-from gateway.auth import BackendConfig
-from gateway.broker import Broker, GatewayConfig
-from gateway.listener import ListenerConfig, start_listeners
+from gateway.auth.chain import BackendConfig
+from gateway.broker import Broker
+from gateway.config import GatewayConfig, ListenerConfig
+from gateway.listener import start_listeners
 from notify import LocalBus
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
 from serving.startup import Signals, shutdown_signals, stop_on_signal
+from serving.values import HTTP_ADDR, NATIVE_ADDR
 from store.api import AuthConfig, auth_app, store_routes
 from store.app import store_node
-from store.service import StoreConfig
+from store.config import StoreConfig
 
 
 @dataclass
@@ -31,8 +33,8 @@ class ServeOptions:
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     auth_backends: BackendConfig = field(default_factory=BackendConfig)  # MQTT's: jwt, http
-    native: str = "127.0.0.1:10911"
-    http: str = "127.0.0.1:18083"
+    native: str = NATIVE_ADDR
+    http: str = HTTP_ADDR
 
 
 

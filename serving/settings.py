@@ -33,11 +33,12 @@ def setting(default: Any = None, help: str = "", *, flag: str | None = None,
     return dataclasses.field(default=default, metadata=meta)
 
 
-def settings_of(cls: type, *names: str) -> list[Setting]:
-    """The settings of `cls`'s fields, in field order; `names`: only those, in that order."""
-    fields = {f.name: f for f in dataclasses.fields(cls) if _KEY in f.metadata}
+def settings_of(cls: type, *names: str, prefix: str = "") -> list[Setting]:
+    """The settings of `cls`'s fields, in field order (`names`: only those, in that
+    order); `prefix` goes before each flag (`auth-` for the auth backends')."""
+    fields = _flagged(cls)
     chosen = [fields[n] for n in names] if names else list(fields.values())
-    return [_row(f) for f in chosen]
+    return [_row(f, prefix) for f in chosen]
 
 
 def setting_of(cls: type, name: str) -> Setting:
@@ -45,13 +46,23 @@ def setting_of(cls: type, name: str) -> Setting:
     return row
 
 
-def _row(f: dataclasses.Field[Any]) -> Setting:
+def flag_values(cls: type, values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Field name -> value, from resolved settings keyed like the flags (with "_")."""
+    return {name: values[_row(f, prefix)[0].replace("-", "_")]
+            for name, f in _flagged(cls).items()}
+
+
+def _flagged(cls: type) -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(cls) if _KEY in f.metadata}
+
+
+def _row(f: dataclasses.Field[Any], prefix: str = "") -> Setting:
     meta: _Flag = f.metadata[_KEY]
     typ = meta.type or _annotated_type(f)
     default = None if f.default is dataclasses.MISSING else f.default
     if default is not None and typ is str:
         default = str(default)  # a Path's default, as the flag takes it
-    return (meta.flag or f.name.replace("_", "-"), typ, default, meta.help)
+    return (prefix + (meta.flag or f.name.replace("_", "-")), typ, default, meta.help)
 
 
 def _annotated_type(f: dataclasses.Field[Any]) -> type:

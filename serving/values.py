@@ -1,11 +1,13 @@
-"""The shapes of values settings and clients take, each parsed in one place: HOST:PORT
-addresses and NAME:PASSWORD credentials. Pure functions: the Spark workers use them too."""
+"""Values several commands share, written once: the default addresses and the HTTP body
+limit, and the shapes settings and clients take, each parsed in one place (HOST:PORT,
+NAME:PASSWORD). No imports: the Spark workers use them too."""
 
 from __future__ import annotations
 
 # Where a store listens for the native protocol, and where its clients look, by default.
 NATIVE_ADDR = "127.0.0.1:10911"
 HTTP_ADDR = "127.0.0.1:18083"  # the dashboard, admin API and metrics
+HTTP_MAX_BODY = 1024 * 1024  # bytes of an HTTP request body (413 past it)
 
 
 def split_hostport(addr: str, default_host: str = "0.0.0.0") -> tuple[str, int]:

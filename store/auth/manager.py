@@ -22,6 +22,7 @@ from store.auth.backoff import FailureBackoff
 from store.auth.passwords import PasswordChecker, hash_password, make_verifier
 from store.auth.policy import EVERYONE, Policy, decide
 from store.auth.topic_acl import TopicAcl
+from store.config import AuthConfig
 
 log = logging.getLogger("lightgate.auth")
 
@@ -33,22 +34,6 @@ RESERVED_NAMES = (EVERYONE, ANONYMOUS, "")
 # a name no user can have, so only the "*" policies match it.
 OUTSIDER = "\0outsider"
 _DUMMY_HASH = hash_password("not a password")  # equal work for unknown users
-
-
-@dataclass
-class AuthConfig:
-    enabled: bool = False  # --auth
-    allow_anonymous: bool = False  # clients without a username get ANONYMOUS's policies
-    strategy: str = "stateful"  # stateless: decide every request afresh
-    init_user: str | None = None  # NAME:PASSWORD, a Super user created on first start
-    audit_log: str | None = None  # a file for the audit lines alone
-    # The backends MQTT clients meet, in order (--auth-order): any but the built-in users
-    # turns authentication on, and then the store's own clients need a Super user too.
-    mqtt_chain: tuple[str, ...] = ("builtin",)
-
-    @property
-    def on(self) -> bool:
-        return self.enabled or any(name != "builtin" for name in self.mqtt_chain)
 
 
 class AuthError(Exception):
