@@ -138,7 +138,14 @@ def _store_config(values: dict[str, Any]) -> Any:
         if values[size] < 1:
             raise StartupError(f"--{size.replace('_', '-')} must be at least 1, not "
                                f"{values[size]}")
-    return _config(StoreConfig, values, data_dir=Path(values["data_dir"]))
+    return _config(StoreConfig, values, data_dir=Path(values["data_dir"]),
+                   http_max_body=values["http_max_body"])
+
+
+def _gateway_config(values: dict[str, Any]) -> GatewayConfig:
+    # --http-max-body is every command's (no one config's setting): given here.
+    cfg: GatewayConfig = _config(GatewayConfig, values, http_max_body=values["http_max_body"])
+    return cfg
 
 
 def _listener_config(values: dict[str, Any]) -> ListenerConfig:
@@ -190,7 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     values = resolve(args, SERVE_SETTINGS)
     backends = _backend_config(values)
     opts = ServeOptions(
-        store=_store_config(values), gateway=_config(GatewayConfig, values),
+        store=_store_config(values), gateway=_gateway_config(values),
         listeners=_listener_config(values), auth=_auth_config(values, backends),
         auth_backends=backends, native=values["native"], http=values["http"],
     )
@@ -265,7 +272,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     values = resolve(args, GATEWAY_CMD_SETTINGS)
     opts = _config(GatewayOptions, values, notify=values["notify"],
-                   gateway=_config(GatewayConfig, values), listeners=_listener_config(values),
+                   gateway=_gateway_config(values), listeners=_listener_config(values),
                    http=values["http"], auth_strategy=values["auth_strategy"],
                    audit_log=values["audit_log"], auth_backends=_backend_config(values))
     check_ports([*_listener_ports(opts.listeners), (*HTTP_LISTENER, opts.http)])

@@ -19,12 +19,11 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from serving.startup import HTTP_LISTENER, listening
-from serving.values import split_hostport
+from serving.values import HTTP_MAX_BODY, split_hostport
 
 log = logging.getLogger("lightgate.http")
 
 
-HTTP_MAX_BODY = 1024 * 1024  # a policy, a user, a Spark rule file: all far smaller
 HTTP_READ_TIMEOUT_S = 30.0
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 # Where a store listens for the native protocol, and where its clients look, by default.
 NATIVE_ADDR = "127.0.0.1:10911"
 HTTP_ADDR = "127.0.0.1:18083"  # the dashboard, admin API and metrics
-HTTP_MAX_BODY = 1024 * 1024  # bytes of an HTTP request body (413 past it)
+# Bytes of an HTTP request body (413 past it): a policy, a user, a Spark rule file are
+# all far smaller.
+HTTP_MAX_BODY = 1024 * 1024
 
 
 def split_hostport(addr: str, default_host: str = "0.0.0.0") -> tuple[str, int]:

@@ -65,9 +65,16 @@ def test_the_shared_rows_have_the_configs_defaults() -> None:
 def test_no_flags_build_the_default_configs() -> None:
     """What the command line makes of the defaults is what the dataclasses make."""
     values = {key: row[2] for key, row in settings.all_settings().items()}
-    assert cli._config(GatewayConfig, values) == GatewayConfig()
+    assert cli._gateway_config(values) == GatewayConfig()
     assert cli._listener_config(values) == ListenerConfig()
     assert cli._store_config(values) == StoreConfig()
     assert cli._backend_config(values) == BackendConfig()
     assert cli._auth_config(values, BackendConfig()) == AuthConfig()
     assert cli._replication_config(values) == ReplicationConfig()
+
+
+def test_a_shared_row_reaches_every_config_that_takes_it() -> None:
+    values = {key: row[2] for key, row in settings.all_settings().items()}
+    values["http_max_body"] = 4096
+    assert cli._gateway_config(values).http_max_body == 4096
+    assert cli._store_config(values).http_max_body == 4096
