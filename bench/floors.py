@@ -1,5 +1,5 @@
 """What Python and trio themselves cost per message and per idle connection, with none of
-Lightgate's code: the floors under issue 18's goals.
+Lightgate's code: the floors beneath any figure Lightgate's own code can reach.
 
     .venv/bin/python bench/floors.py cpu     # CPU us/msg at 2,000 msg/s, six forwarders
     .venv/bin/python bench/floors.py idle    # Python heap per idle connection under trio

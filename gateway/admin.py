@@ -55,8 +55,8 @@ def _client_row(s: Session) -> dict[str, Any]:
         "expiry": s.expiry,
         "subscriptions": len(s.subscriptions),
         "inflight": len(s.outgoing),
-        "keepalive": getattr(conn, "keepalive", None),
-        "connected_since": getattr(conn, "connected_at", None),
+        "keepalive": conn.keepalive if conn is not None else None,
+        "connected_since": conn.connected_at if conn is not None else None,
         "disconnected_at": s.disconnected_at,
     }
 
@@ -134,7 +134,7 @@ def _may_read(auth: AuthManager, subject: Subject | None, topic: str, *,
                               cache=cache) for action in ("SUB", "GET"))
 
 
-def _count_tasks(task: Any) -> int:
+def _count_tasks(task: trio.lowlevel.Task) -> int:
     n = 1
     for nursery in task.child_nurseries:
         for child in nursery.child_tasks:
@@ -142,7 +142,10 @@ def _count_tasks(task: Any) -> int:
     return n
 
 
-def _config_json(cfg: Any) -> Any:
+def _config_json(cfg: object) -> dict[str, Any]:
+    """A settings dataclass as JSON: numbers, strings and flags as they are, the rest
+    (paths) as text."""
+    assert dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)
     return {k: v if isinstance(v, int | float | str | bool | type(None)) else str(v)
             for k, v in dataclasses.asdict(cfg).items()}
 
@@ -208,34 +211,73 @@ def _queue_kind(queue: str) -> str:
     return "wildcard" if "+" in queue or "#" in queue else "topic"
 
 
-def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mount]:
-    store = broker.store
+def gateway_routes(broker: Broker, store_config: object | None = None) -> list[Route | Mount]:
+    """The dashboard, /metrics and the admin API of `broker`; `store_config`: the
+    in-process store's settings, shown beside the gateway's."""
+    return GatewayApi(broker, store_config).routes()
 
-    def session_or_404(request: Request) -> Session:
-        s = broker.sessions.get(request.path_params["client_id"])
+
+class GatewayApi:
+    """The admin API's routes as methods: each takes a Request and answers JSON, and can
+    be called on its own (tests do)."""
+
+    def __init__(self, broker: Broker, store_config: object | None = None) -> None:
+        self.broker = broker
+        self.store = broker.store
+        self.store_config = store_config
+        self._alerts_registered = False  # routes are built before the loop: register lazily
+
+    def routes(self) -> list[Route | Mount]:
+        guard = _store_away_is_503
+        return [
+            Route("/", self.index),
+            Mount("/static", StaticFiles(directory=DASHBOARD), name="static"),
+            metrics_route(self.broker),
+            Route("/api/v1/overview", self.overview),
+            Route("/api/v1/cluster", self.cluster),
+            Route("/api/v1/alerts", guard(self.alerts)),
+            Route("/api/v1/runtime", self.runtime),
+            Route("/api/v1/config", self.config),
+            Route("/api/v1/clients", self.clients),
+            Route("/api/v1/clients/{client_id:path}/kick", self.kick, methods=["POST"]),
+            Route("/api/v1/clients/{client_id:path}", self.client),
+            Route("/api/v1/sessions", guard(self.sessions)),
+            Route("/api/v1/subscriptions", self.subscriptions),
+            Route("/api/v1/topics", guard(self.topics)),
+            Route("/api/v1/lag", guard(self.lag)),
+            Route("/api/v1/retained", guard(self.retained)),
+            Route("/api/v1/retained/{topic:path}", guard(self.retained_delete),
+                  methods=["DELETE"]),
+            Route("/api/v1/messages", guard(self.messages)),
+            Route("/api/v1/messages/{msg_id}", guard(self.message)),
+        ]
+
+    def _session(self, request: Request) -> Session:
+        s = self.broker.sessions.get(request.path_params["client_id"])
         if s is None:
             raise HTTPException(404, "no such client on this gateway")
         return s
 
-    async def clients(request: Request) -> JSONResponse:
-        rows = [_client_row(s) for s in broker.sessions.values() if s.connection is not None]
+    async def clients(self, request: Request) -> JSONResponse:
+        rows = [_client_row(s) for s in self.broker.sessions.values()
+                if s.connection is not None]
         return paginate(request, rows, "client_id", "peer")
 
-    async def client(request: Request) -> JSONResponse:
-        return JSONResponse(_client_detail(session_or_404(request)))
+    async def client(self, request: Request) -> JSONResponse:
+        return JSONResponse(_client_detail(self._session(request)))
 
-    async def kick(request: Request) -> JSONResponse:
-        s = session_or_404(request)
+    async def kick(self, request: Request) -> JSONResponse:
+        s = self._session(request)
         if s.connection is None:
             raise HTTPException(409, "client is not connected")
         s.connection.kick()  # the session stays (if persistent); the will goes out
         return JSONResponse({"kicked": s.client_id})
 
-    async def sessions(request: Request) -> JSONResponse:
+    async def sessions(self, request: Request) -> JSONResponse:
         """Live sessions and offline persistent ones, which only the store knows."""
         rows = []
-        for cid, info in await store.meta_items("sessions"):
-            live = broker.sessions.get(cid)
+        for cid, info in await self.store.meta_items("sessions"):
+            live = self.broker.sessions.get(cid)
             rows.append({"client_id": cid, "connected": bool(live and live.connection),
                          "persistent": True, "expiry": info.get("expiry"),
                          "protocol": info.get("version"),
@@ -244,25 +286,25 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
         rows += [{"client_id": s.client_id, "connected": s.connection is not None,
                   "persistent": s.persistent, "expiry": s.expiry, "protocol": s.version,
                   "disconnected_at": s.disconnected_at}
-                 for s in broker.sessions.values() if s.client_id not in known]
+                 for s in self.broker.sessions.values() if s.client_id not in known]
         return paginate(request, rows, "client_id")
 
-    async def subscriptions(request: Request) -> JSONResponse:
+    async def subscriptions(self, request: Request) -> JSONResponse:
         rows = [{"client_id": s.client_id, "filter": sub.topic_filter, "qos": sub.options.qos,
                  "queue": sub.queue, "shared": sub.shared is not None}
-                for s in broker.sessions.values() for sub in s.subscriptions.values()]
+                for s in self.broker.sessions.values() for sub in s.subscriptions.values()]
         return paginate(request, rows, "client_id", "filter")
 
-    async def topics(request: Request) -> JSONResponse:
+    async def topics(self, request: Request) -> JSONResponse:
         # Separated mode: topics the store's metadata knows. With the store in-process,
         # store_routes' /api/v1/topics comes first and also finds devices' topics.
-        return paginate(request, await topic_rows(store), "topic")
+        return paginate(request, await topic_rows(self.store), "topic")
 
-    async def lag(request: Request) -> JSONResponse:
+    async def lag(self, request: Request) -> JSONResponse:
         """Consumer lag per queue and reader: MQTT sessions (end - cursor), shared
         subscription groups, and server apps' consumer groups (committed offsets)."""
-        readers = await _readers(broker)
-        ends = await store.queue_ends(sorted({q for _, q, _ in readers})) if readers else {}
+        readers = await _readers(self.broker)
+        ends = await self.store.queue_ends(sorted({q for _, q, _ in readers})) if readers else {}
         rows = [{"reader": who, "queue": q, "offset": off, "end": ends.get(q, off),
                  "lag": max(0, ends.get(q, off) - off),
                  "kind": _queue_kind(q)}
@@ -270,30 +312,30 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
         rows.sort(key=lambda r: -r["lag"])  # the ones falling behind first
         return paginate(request, rows, "queue", "reader")
 
-    async def retained(request: Request) -> JSONResponse:
+    async def retained(self, request: Request) -> JSONResponse:
         rows = [{"topic": t, "qos": d["qos"], "ts": d.get("ts"), "client_id": d.get("client_id"),
-                 **_body_json(d["body"])} for t, d in await store.meta_items("retained")]
+                 **_body_json(d["body"])} for t, d in await self.store.meta_items("retained")]
         return paginate(request, rows, "topic")
 
-    async def retained_delete(request: Request) -> JSONResponse:
+    async def retained_delete(self, request: Request) -> JSONResponse:
         topic = request.path_params["topic"]
-        if await store.meta_get("retained", topic) is None:
+        if await self.store.meta_get("retained", topic) is None:
             raise HTTPException(404, "no retained message on that topic")
-        await broker.delete_retained(topic)
+        await self.broker.delete_retained(topic)
         return JSONResponse({"deleted": topic})
 
-    async def message(request: Request) -> JSONResponse:
+    async def message(self, request: Request) -> JSONResponse:
         """One message by id, with where it went: stored when, in which queues, and which
         sessions on this gateway have been past it (delivered) or not yet."""
         msg_id = request.path_params["msg_id"]
         if not MSG_ID.fullmatch(msg_id):
             raise HTTPException(400, "a message id is 16 hex digits (its CommitLog offset)")
         try:
-            msg = await store.get_message(msg_id)
+            msg = await self.store.get_message(msg_id)
         except (KeyError, ValueError) as exc:  # past the log, retained away, not a record
             raise HTTPException(404, f"no message {msg_id}: {exc}") from None
         delivered, pending = [], []
-        for s in broker.sessions.values():
+        for s in self.broker.sessions.values():
             for queue, off in msg.queues:
                 cursor = s.cursors.get(queue)
                 if cursor is not None:
@@ -307,7 +349,7 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
             "delivered_to": delivered, "not_yet_delivered_to": pending, **_body_json(msg.body),
         })
 
-    async def messages(request: Request) -> JSONResponse:
+    async def messages(self, request: Request) -> JSONResponse:
         """A page of a topic filter's stored messages, in store order: `filter`, `since`
         (earliest, last, RFC 3339, -15m, epoch ms), `until`, `limit`, and `cursor` (the
         previous page's `next`). With --auth the caller needs SUB on the whole filter,
@@ -315,11 +357,11 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
         was asked for. A page may hold fewer than `limit` while `next` is not null (the
         store bounds one request's work)."""
         topic_filter, since, until, limit, cursor = _history_args(request)
-        auth, subject = broker.auth, getattr(request.state, "subject", None)
+        auth, subject = self.broker.auth, getattr(request.state, "subject", None)
         if not _may_read(auth, subject, topic_filter, is_filter=True):
             raise HTTPException(403, f"reading {topic_filter!r} needs SUB on all of it")
         try:
-            batch = await store.history(topic_filter, since, until=until, cursor=cursor,
+            batch = await self.store.history(topic_filter, since, until=until, cursor=cursor,
                                         max_count=limit)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
@@ -328,25 +370,25 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
                 if _may_read(auth, subject, m.topic, cache=cache)]
         return JSONResponse({"messages": rows, "next": batch.cursor, "cut": batch.cut})
 
-    async def config(request: Request) -> JSONResponse:
-        out = {"gateway": _config_json(broker.config)}
-        if store_config is not None:
-            out["store"] = _config_json(store_config)
+    async def config(self, request: Request) -> JSONResponse:
+        out = {"gateway": _config_json(self.broker.config)}
+        if self.store_config is not None:
+            out["store"] = _config_json(self.store_config)
         return JSONResponse(out)
 
-    async def runtime(request: Request) -> JSONResponse:
+    async def runtime(self, request: Request) -> JSONResponse:
         """Live tasks and open file descriptors: what a leak would show first."""
         return JSONResponse({
             "tasks": _count_tasks(trio.lowlevel.current_root_task()),
             "open_fds": len(os.listdir("/proc/self/fd")),
-            "sessions": len(broker.sessions),
-            "connections": broker.stats.connections,
+            "sessions": len(self.broker.sessions),
+            "connections": self.broker.stats.connections,
         })
 
-    async def overview(request: Request) -> JSONResponse:
+    async def overview(self, request: Request) -> JSONResponse:
         """Counters for the dashboard; it turns them into rates itself."""
-        st = broker.stats
-        sessions = list(broker.sessions.values())
+        st = self.broker.stats
+        sessions = list(self.broker.sessions.values())
         return JSONResponse({
             "time": time.time(), "uptime": time.time() - st.started,
             "connections": st.connections, "sessions": len(sessions),
@@ -354,56 +396,31 @@ def gateway_routes(broker: Broker, store_config: Any = None) -> list[Route | Mou
             "inflight": sum(len(s.outgoing) for s in sessions),
             "messages_in": st.messages_in, "messages_out": st.messages_out,
             "bytes_in": st.bytes_in, "bytes_out": st.bytes_out, "dropped": st.dropped,
-            "expired": st.expired, "store": _store_summary(await _store_stats(store)),
+            "expired": st.expired, "store": _store_summary(await _store_stats(self.store)),
         })
 
-    async def cluster(request: Request) -> JSONResponse:
+    async def cluster(self, request: Request) -> JSONResponse:
         """The store group as the store sees it (the dashboard's Store panel): one row
         per store node (address, role, epoch, replicated offset, lag, in sync). The
         embedded store is a single master row."""
         try:
-            view = await store.cluster()
+            view = await self.store.cluster()
         except Exception as exc:  # noqa: BLE001 - no master right now (a failover)
             return JSONResponse({"up": False, "error": str(exc), "nodes": []}, status_code=503)
         view["up"] = True
         return JSONResponse(view)
 
-    alerts_registered: list[bool] = []  # routes are built before the loop: register lazily
-
-    async def alerts(request: Request) -> JSONResponse:
+    async def alerts(self, request: Request) -> JSONResponse:
         """The latest messages on alerts/# (its wildcard queue), newest first."""
-        if not alerts_registered:
-            await store.add_wildcard(ALERTS)  # idempotent; indexes alerts from now on
-            alerts_registered.append(True)
-        end = await store.queue_end(ALERTS)
-        res = await store.pull(ALERTS, max(0, end - ALERTS_SHOWN), ALERTS_SHOWN)
+        if not self._alerts_registered:
+            await self.store.add_wildcard(ALERTS)  # idempotent; indexes alerts from now on
+            self._alerts_registered = True
+        end = await self.store.queue_end(ALERTS)
+        res = await self.store.pull(ALERTS, max(0, end - ALERTS_SHOWN), ALERTS_SHOWN)
         rows = [{"msg_id": m.msg_id, "topic": m.topic, "store_time": m.store_ts,
                  "client_id": m.client_id, **_body_json(m.body)}
                 for m in reversed(res.messages)]
         return JSONResponse({"items": rows, "queue": ALERTS, "end": end})
 
-    async def index(request: Request) -> FileResponse:
+    async def index(self, request: Request) -> FileResponse:
         return FileResponse(DASHBOARD / "index.html")
-
-    return [
-        Route("/", index),
-        Mount("/static", StaticFiles(directory=DASHBOARD), name="static"),
-        metrics_route(broker),
-        Route("/api/v1/overview", overview),
-        Route("/api/v1/cluster", cluster),
-        Route("/api/v1/alerts", _store_away_is_503(alerts)),
-        Route("/api/v1/runtime", runtime),
-        Route("/api/v1/config", config),
-        Route("/api/v1/clients", clients),
-        Route("/api/v1/clients/{client_id:path}/kick", kick, methods=["POST"]),
-        Route("/api/v1/clients/{client_id:path}", client),
-        Route("/api/v1/sessions", _store_away_is_503(sessions)),
-        Route("/api/v1/subscriptions", subscriptions),
-        Route("/api/v1/topics", _store_away_is_503(topics)),
-        Route("/api/v1/lag", _store_away_is_503(lag)),
-        Route("/api/v1/retained", _store_away_is_503(retained)),
-        Route("/api/v1/retained/{topic:path}", _store_away_is_503(retained_delete),
-              methods=["DELETE"]),
-        Route("/api/v1/messages", _store_away_is_503(messages)),
-        Route("/api/v1/messages/{msg_id}", _store_away_is_503(message)),
-    ]

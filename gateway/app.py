@@ -8,23 +8,23 @@ import logging
 import math
 import signal
 import uuid
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 import trio
 
 from gateway.admin import gateway_routes
-from gateway.broker import Broker, GatewayConfig
-from gateway.listener import ListenerConfig, start_listeners
+from gateway.broker import Broker
+from gateway.config import GatewayOptions
+from gateway.listener import start_listeners
 from notify import open_bus
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
-from serving.startup import StartupError, shutdown_signals, stop_on_signal
+from serving.startup import Signals, StartupError, shutdown_signals, stop_on_signal
+from serving.values import split_credentials
 from store.api import (
+    AuthConfig,
     AuthFailed,
     AuthManager,
-    BackendConfig,
     NativeClient,
     RemoteStore,
     StoreUnavailable,
@@ -37,27 +37,13 @@ log = logging.getLogger("lightgate.serve")
 STORE_QUIET_S = 1.0  # a store that answers within this at start: nothing to log
 
 
-@dataclass
-class GatewayOptions:
-    store: str = "127.0.0.1:10911"
-    store_wait_s: float = 0.0  # at start, for the store's master; 0: for good
-    notify: str | None = None
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    listeners: ListenerConfig = field(default_factory=ListenerConfig)
-    http: str = "127.0.0.1:18083"
-    store_auth: str | None = None  # NAME:PASSWORD of a node user (or a Super user)
-    auth_strategy: str = "stateful"
-    audit_log: str | None = None
-    auth_backends: BackendConfig = field(default_factory=BackendConfig)  # jwt, http hook
-
-
 def _credentials(spec: str | None) -> tuple[str, str] | None:
     if not spec:
         return None
-    name, sep, password = spec.partition(":")
-    if not sep or not name:
-        raise StartupError("--store-auth takes NAME:PASSWORD")
-    return name, password
+    try:
+        return split_credentials(spec, "--store-auth")
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
 
 
 async def _replica_auth(store: RemoteStore, hello: dict, opts: GatewayOptions) -> AuthManager:
@@ -73,7 +59,7 @@ async def _replica_auth(store: RemoteStore, hello: dict, opts: GatewayOptions) -
         audit_to_file(opts.audit_log)
     auth = AuthManager(store, enabled=bool(hello.get("auth")) or opts.auth_backends.external,
                        allow_anonymous=bool(hello.get("allow_anonymous")),
-                       strategy=opts.auth_strategy, backends=opts.auth_backends)
+                       strategy=opts.auth_strategy or AuthConfig.strategy)
     if auth.enabled:
         await auth.load()
         log.info("MQTT authentication backends %s", ",".join(opts.auth_backends.chain))
@@ -87,7 +73,7 @@ def ready_line(bound: dict[str, str]) -> str:
 
 async def _announce(store: RemoteStore, gateway_id: str, info: dict) -> None:
     """Tell the store this gateway exists: gateways find each other there, with no
-    static node list to keep in step (rocketmq-mqtt #217)."""
+    static node list to keep in step."""
     while True:
         try:
             await store.gateway_heartbeat(gateway_id, info)
@@ -101,7 +87,7 @@ async def run_gateway(opts: GatewayOptions) -> None:
         await _gateway(opts, signals)
 
 
-async def _gateway(opts: GatewayOptions, signals: Any) -> None:
+async def _gateway(opts: GatewayOptions, signals: Signals) -> None:
     if not opts.notify:
         log.warning("no --notify: this gateway polls the store for new messages")
     async with NativeClient.open(opts.store, credentials=_credentials(opts.store_auth),
@@ -111,7 +97,7 @@ async def _gateway(opts: GatewayOptions, signals: Any) -> None:
         async with open_bus(opts.notify) as bus, trio.open_nursery() as nursery:
             store = RemoteStore(client)
             auth = await _replica_auth(store, client.hello, opts)
-            broker = Broker(store, opts.gateway, auth)
+            broker = Broker(store, opts.gateway, auth, opts.auth_backends)
             if auth.enabled:
                 nursery.start_soon(broker.run_auth_refresh)
             if opts.notify:
@@ -131,7 +117,8 @@ async def _gateway(opts: GatewayOptions, signals: Any) -> None:
             await stop_on_signal(signals, nursery)
 
 
-async def _wait_for_store(client: NativeClient, opts: GatewayOptions, signals: Any) -> bool:
+async def _wait_for_store(client: NativeClient, opts: GatewayOptions, signals: Signals
+                          ) -> bool:
     """Wait for the store (a group: its master) before listening; False if a signal
     came first. A store not there yet is a normal moment (a group electing, a compose
     file starting everything at once), so the gateway waits, saying so once and then

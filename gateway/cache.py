@@ -1,4 +1,5 @@
-"""Per-gateway message cache: N subscribers of one queue cost one store read.
+"""Per-gateway message cache: N subscribers of one queue cost one store read, and one
+encoding of a message serves them all (`Templates`).
 
 Each queue keeps a window of its most recent messages by offset. Sessions pulling the
 same queue at nearby offsets (the normal case right after a notify event) are served
@@ -13,7 +14,9 @@ from dataclasses import dataclass, field
 
 import trio
 
-from store.api import Message, Store
+from gateway.mqtt import PublishTemplate
+from gateway.mqtt.properties import publish_properties
+from store.api import LocalStore, Message, Store
 
 
 @dataclass
@@ -34,9 +37,10 @@ class _Window:
 class QueueCache:
     def __init__(self, store: Store, *, window: int = 512, max_queues: int = 10_000) -> None:
         self.store = store
-        self._peek = getattr(store, "pull_now", None)  # the embedded store, no waiting
+        local = isinstance(store, LocalStore)  # the embedded store: no waiting
+        self._peek = store.pull_now if local else None
         # After the peek said no, the embedded store's ring need not be asked again.
-        self._fetch = store.pull_stored if self._peek else store.pull
+        self._fetch = store.pull_stored if local else store.pull
         self.window = window
         self.max_queues = max_queues
         self._queues: OrderedDict[str, _Window] = OrderedDict()
@@ -122,3 +126,28 @@ class QueueCache:
     def hit_ratio(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
+
+
+class Templates:
+    """Encode once per message, stamp per subscriber: the encodings of the most recent
+    messages, by their place in the log."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._by_phys: OrderedDict[int, PublishTemplate] = OrderedDict()
+
+    def __call__(self, msg: Message) -> PublishTemplate:
+        if msg.phys_offset < 0:  # not from the log (no identity to cache it by)
+            return _template(msg)
+        t = self._by_phys.get(msg.phys_offset)
+        if t is None:
+            t = self._by_phys[msg.phys_offset] = _template(msg)
+            if len(self._by_phys) > self.size:
+                self._by_phys.popitem(last=False)
+        return t
+
+
+def _template(msg: Message) -> PublishTemplate:
+    # App properties become user properties: worked out once per message.
+    return PublishTemplate(msg.topic, msg.body, msg.qos, msg.retain,
+                           publish_properties(msg.properties))

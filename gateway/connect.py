@@ -8,21 +8,28 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import trio
 
 from gateway import mqtt
+from gateway.auth.enhanced import CONTINUE, FAILURE, Authenticator, AuthStep
 from gateway.broker import Broker, SessionLimitReached
+from gateway.config import GatewayConfig
 from gateway.delivery import Delivery
 from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing, MqttProtocol
+from gateway.output import Poller
 from gateway.reserved import refusal as reserved_refusal
 from gateway.session import Session
-from store.api import CONTINUE, FAILURE, Authenticator, AuthError, AuthStep, StoreError, Subject
+from store.api import AuthError, StoreError, Subject
 
 log = logging.getLogger("lightgate.gateway.conn")
+
+# The lane's work, in arrival order: events the rules returned, or a step to await.
+LaneItem = mp.Event | Callable[[], Awaitable[object]]
 
 
 class ConnectRules:
@@ -33,18 +40,18 @@ class ConnectRules:
 
     broker: Broker
     core: MqttProtocol
-    config: Any
+    config: GatewayConfig
     peer: str
     cert_identity: str | None
     subject: Subject | None
     session: Session | None
     connected_at: float | None
     delivery: Delivery | None
-    reactor: Any
+    reactor: Poller | None
     _authenticator: Authenticator | None
     _pending_connect: mp.ConnectReceived | None
     _ask_hook: bool
-    _lane: deque[Any] | None
+    _lane: deque[LaneItem] | None
 
     if TYPE_CHECKING:  # the connection's own, used here
         def flush(self) -> None: ...
@@ -63,7 +70,7 @@ class ConnectRules:
         authenticator = None
         if ev.auth_method is not None:
             # Enhanced authentication: the methods the AuthManager offers.
-            authenticator = broker.auth.enhanced(ev.auth_method)
+            authenticator = broker.mqtt_auth.enhanced(ev.auth_method)
             if authenticator is None:
                 raise core.refuse(rc.BAD_AUTHENTICATION_METHOD, None,
                                   f"authentication method {ev.auth_method!r} is not supported")
@@ -83,14 +90,14 @@ class ConnectRules:
             self._pending_connect = ev
             # Its AUTH packets come from nobody yet: bounded as the CONNECT was.
             core.decoder.max_packet_size = core.decoder.first_packet_max
-            await broker.auth.enhanced_wait(ip)
+            await broker.mqtt_auth.enhanced_wait(ip)
             step = authenticator.start(p.properties.get("authentication_data"))
             await self._exchange(step)
             return
         password = p.password.decode("utf-8", "surrogateescape") if p.password else None
         try:
-            subject = await broker.auth.authenticate(
-                p.username, password, ip, "mqtt", self.cert_identity, ev.client_id)
+            subject = await broker.mqtt_auth.authenticate(
+                p.username, password, ip, self.cert_identity, ev.client_id)
         except AuthError as exc:
             if exc.disabled or (not p.username and not self.cert_identity):
                 raise core.refuse(rc.NOT_AUTHORIZED, 5, "not authorized") from None
@@ -101,7 +108,7 @@ class ConnectRules:
     async def _exchange(self, step: AuthStep) -> None:
         """One round of the CONNECT's enhanced exchange decided: ask for another, or
         admit (or refuse) the client."""
-        core, auth = self.core, self.broker.auth
+        core, auth = self.core, self.broker.mqtt_auth
         ev, authenticator = self._pending_connect, self._authenticator
         assert ev is not None and authenticator is not None
         if step.outcome == CONTINUE:
@@ -116,7 +123,7 @@ class ConnectRules:
         self._authenticator = None
         try:
             subject = auth.enhanced_result(authenticator.method, step,
-                                           self.peer.rsplit(":", 1)[0], "mqtt", ev.client_id)
+                                           self.peer.rsplit(":", 1)[0], ev.client_id)
         except AuthError:
             raise core.refuse(rc.BAD_USER_NAME_OR_PASSWORD, 4,
                               "bad user name or password") from None
@@ -127,7 +134,7 @@ class ConnectRules:
         """An authenticated client: the will's rights, then its session and CONNACK."""
         p, core, broker = ev.packet, self.core, self.broker
         self.subject = subject
-        self._ask_hook = broker.auth.asks_hook(subject)
+        self._ask_hook = broker.mqtt_auth.asks_hook(subject)
         if p.will is not None:
             self._check_will(p.will)
             await self._check_will_topic(p.will.topic)
@@ -207,7 +214,7 @@ class ConnectRules:
             assert self._authenticator is not None and self._pending_connect is not None
             await self._exchange(self._authenticator.step(data))
             return
-        auth, core, ip = self.broker.auth, self.core, self.peer.rsplit(":", 1)[0]
+        auth, core, ip = self.broker.mqtt_auth, self.core, self.peer.rsplit(":", 1)[0]
         method = core.auth_method
         assert method is not None and self.session is not None and self.subject is not None
         if ev.packet.reason_code == rc.RE_AUTHENTICATE:
@@ -226,7 +233,7 @@ class ConnectRules:
             return
         self._authenticator = None
         try:
-            subject = auth.enhanced_result(method, step, ip, "mqtt", self.session.client_id)
+            subject = auth.enhanced_result(method, step, ip, self.session.client_id)
         except AuthError as exc:
             raise Closing(f"re-authentication failed: {exc.reason}", True,
                           rc.NOT_AUTHORIZED) from None

@@ -22,28 +22,24 @@ from typing import Any
 import trio
 
 from gateway import mqtt
+from gateway.auth.enhanced import Authenticator
 from gateway.broker import Broker
-from gateway.connect import ConnectRules
+from gateway.connect import ConnectRules, LaneItem
 from gateway.delivery import Delivery
 from gateway.ending import Ending
 from gateway.limits import PublishLimits
 from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing, MqttProtocol, Refused
-from gateway.output import Output
+from gateway.output import Output, Poller
 from gateway.publishing import PublishRules
 from gateway.session import Session
+from gateway.shared import SharedGroup
 from gateway.stream_reader import StreamReading
 from gateway.subscribing import SubscribeRules
-from store.api import (
-    Authenticator,
-    DecisionCache,
-    Message,
-    Subject,
-)
+from store.api import DecisionCache, Message, Subject
 
 log = logging.getLogger("lightgate.gateway.conn")
-
 
 
 class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Ending):
@@ -57,14 +53,14 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
         "_pending_connect", "_unpaused",
     )
 
-    def __init__(self, broker: Broker, stream: Any, peer: str, *,
+    def __init__(self, broker: Broker, stream: trio.abc.Stream | None, peer: str, *,
                  cert_identity: str | None = None, fd: int = -1) -> None:
         self.broker = broker
         self.config = broker.config
         self.core = MqttProtocol(broker.limits, trio.current_time())
         self.stream = stream  # a trio stream (TLS, WebSocket) or None (the reactor's fd)
         self.fd = fd  # a plain TCP socket's fd: written directly
-        self.reactor: Any = None  # the reactor that reads `fd`, if any
+        self.reactor: Poller | None = None  # the reactor that reads `fd`, if any
         self.peer = peer
         self.cert_identity = cert_identity  # from a verified client certificate
         self.subject: Subject | None = None  # who authenticated on this connection
@@ -81,7 +77,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
         self.connected_at: float | None = None
         self.out = Output(self, fd, stream, self.config.write_timeout, broker.stats)
         # The lane: work that must wait, in arrival order (events, or callables).
-        self._lane: deque[Any] | None = None
+        self._lane: deque[LaneItem] | None = None
         self._lane_busy = False
         self._closing: Closing | None = None
         self._closed = False  # close() ran
@@ -128,6 +124,14 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
             self._detached = trio.Event()
         await self._detached.wait()
 
+    def drain_now(self, queue: str) -> bool:
+        """`queue` grew: deliver from it, right here when it can (gateway.delivery).
+        False before CONNACK, when nothing delivers yet: the session keeps the news."""
+        if self.delivery is None:
+            return False
+        self.delivery.notify(queue)
+        return True
+
     def auth_changed(self) -> None:
         """Policies changed: decisions cached on this connection no longer hold."""
         auth = self.broker.auth
@@ -150,15 +154,16 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
     async def may_ask(self, action: str, name: str, is_filter: bool = False) -> bool:
         """`may`, or the HTTP hook's answer for a client it decides for."""
         if self._ask_hook and self.subject is not None:
-            return await self.broker.auth.authorize_by_hook(self.subject, name, action,
-                                                            is_filter=is_filter)
+            return await self.broker.mqtt_auth.authorize_by_hook(
+                self.subject, name, action, is_filter=is_filter)
         return self.may(action, name, is_filter)
 
     # -- a member of shared groups (gateway.shared.Member) -----------------------------
     def has_window(self) -> bool:
         return self.delivery is not None and self.delivery.has_window()
 
-    async def push_shared(self, group: Any, msg: Message, buffered: bool = False) -> bool:
+    async def push_shared(self, group: SharedGroup, msg: Message, buffered: bool = False
+                          ) -> bool:
         if self.delivery is None or not self.alive:
             return False
         return await self.delivery.push_shared(group, msg)
@@ -240,7 +245,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
     def eof(self) -> None:
         self.close(Closing("connection closed by the client"))
 
-    def _handle(self, events: list[Any]) -> None:
+    def _handle(self, events: list[mp.Event]) -> None:
         """Answer the events that need no waiting; from the first that does, the rest
         go to the lane in order."""
         lane = self._lane
@@ -260,7 +265,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
                 self._to_lane(events[i:])
                 return
 
-    def _to_lane(self, items: list[Any]) -> None:
+    def _to_lane(self, items: list[LaneItem]) -> None:
         if self._lane is None:
             self._lane = deque()
         self._lane.extend(items)
@@ -302,7 +307,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
         return not self._paused
 
     # -- events answered at once ------------------------------------------------------
-    def _now(self, ev: Any) -> bool:
+    def _now(self, ev: LaneItem) -> bool:
         """Handle `ev` if nothing needs waiting for; False: the lane must (`_later`)."""
         t = type(ev)
         if t is mp.PublishReceived:
@@ -327,7 +332,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
             return True
         return False  # CONNECT, AUTH, SUBSCRIBE, UNSUBSCRIBE: the lane's
 
-    async def _later(self, ev: Any) -> None:
+    async def _later(self, ev: LaneItem) -> None:
         t = type(ev)
         if t is mp.ConnectReceived:
             await self._on_connect(ev)

@@ -17,10 +17,14 @@ from typing import Any, Protocol
 import trio
 
 from gateway import replay
+from gateway.cache import QueueCache
+from gateway.config import GatewayConfig
 from gateway.mqtt import PublishTemplate
 from gateway.mqtt import protocol as mp
+from gateway.retained import RetainedMessage
 from gateway.session import Session, Subscription
 from gateway.shared import SharedGroup
+from gateway.stats import Stats
 from store.api import Message, Store, StoreError
 
 log = logging.getLogger("lightgate.gateway.delivery")
@@ -34,17 +38,17 @@ class Host(Protocol):
     """The broker, as delivery sees it (gateway.broker.Broker)."""
 
     store: Store
-    cache: Any  # gateway.cache.QueueCache
-    config: Any  # gateway.broker.GatewayConfig
-    stats: Any
+    cache: QueueCache
+    config: GatewayConfig
+    stats: Stats
     queue_subs: dict[str, set[Session]]
-    deferred: set[Any] | None  # deliveries held for the end of a reactor pass
+    deferred: set[Delivery] | None  # deliveries held for the end of a reactor pass
 
     def template(self, msg: Message) -> PublishTemplate: ...
 
     async def persist_outgoing(self, s: Session, o: mp.Outgoing) -> None: ...
 
-    async def retained_for(self, topic_filter: str) -> list[Any]: ...
+    async def retained_for(self, topic_filter: str) -> list[RetainedMessage]: ...
 
 
 class Client(Protocol):

@@ -8,14 +8,13 @@ detached (kept, or dropped with a clean one)."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import trio
 
 from gateway.broker import Broker
 from gateway.delivery import Delivery
 from gateway.mqtt.protocol import Closing, MqttProtocol, Refused
-from gateway.output import Output
+from gateway.output import Output, Poller
 from gateway.session import Session
 
 log = logging.getLogger("lightgate.gateway.conn")
@@ -35,7 +34,7 @@ class Ending:
     peer: str
     session: Session | None
     delivery: Delivery | None
-    reactor: Any
+    reactor: Poller | None
     alive: bool
     _closed: bool
     _closing: Closing | None

@@ -19,9 +19,12 @@ from typing import Any, Protocol
 
 import trio
 
+from gateway.cache import QueueCache
 from gateway.mqtt import Publish
 from gateway.mqtt import reason as rc
-from store.api import Message, Store, StoreError, StoreFullError
+from gateway.session import Session
+from gateway.stats import Stats
+from store.api import FutureLike, Message, Store, StoreError, StoreFullError
 
 log = logging.getLogger("lightgate.gateway.inbound")
 
@@ -32,7 +35,7 @@ MAX_BATCH = 1024  # messages per append, at most
 class Publisher(Protocol):
     """A client connection, as the pipeline sees it (gateway.connection.Connection)."""
 
-    session: Any  # its gateway.session.Session, once connected
+    session: Session | None  # once connected
 
     def stored(self, p: Publish, ticket: int, code: int, text: str = "") -> None: ...
 
@@ -43,14 +46,14 @@ class Host(Protocol):
     """The broker, as the pipeline sees it (gateway.broker.Broker)."""
 
     store: Store
-    stats: Any
-    cache: Any
+    stats: Stats
+    cache: QueueCache
 
     def retaining(self, msg: Message) -> None: ...
 
     async def set_retained(self, msg: Message) -> None: ...
 
-    async def remember_incoming_qos2(self, s: Any, pid: int, done: bool,
+    async def remember_incoming_qos2(self, s: Session, pid: int, done: bool,
                                      phys: int = -1) -> None: ...
 
 
@@ -113,7 +116,7 @@ class Inbound:
             self._settled(batch, fut, started)
             return
 
-        def done(_: Any) -> None:
+        def done(_: FutureLike) -> None:
             if threading.get_ident() == self._thread:
                 self._settled(batch, fut, started)
             elif self._token is not None:
@@ -124,7 +127,7 @@ class Inbound:
 
         fut.add_done_callback(done)
 
-    def _settled(self, batch: list[Staged], fut: Any, started: float) -> None:
+    def _settled(self, batch: list[Staged], fut: FutureLike, started: float) -> None:
         try:
             stored: list[Message] = fut.result()
         except Exception as exc:  # noqa: BLE001 - a StoreError, or anything: refused

@@ -12,20 +12,21 @@ import logging
 import os
 import socket
 import ssl
-from dataclasses import dataclass
 from functools import partial
 
 import trio
 from wsproto import WSConnection
 from wsproto.events import AcceptConnection, Request
 
-from gateway.broker import Broker, GatewayConfig
+from gateway.broker import Broker
+from gateway.config import GatewayConfig, ListenerConfig
 from gateway.connection import Connection
 from gateway.mqtt import Decoder
 from gateway.reactor import Reactor
 from gateway.transports import ServerTLS, WebSocketStream, receive_upgrade, reject_upgrade
 from serving.read_budget import ReadBudget, read_fd
-from serving.startup import StartupError, listening, split_hostport
+from serving.startup import StartupError, listening
+from serving.values import split_hostport
 
 log = logging.getLogger("lightgate.gateway.listener")
 
@@ -33,19 +34,6 @@ BACKLOG = 4096
 WS_HANDSHAKE_TIMEOUT = 10.0  # from TCP accept (after TLS, for wss) to the HTTP upgrade
 WS_SUBPROTOCOLS = ("mqtt", "mqttv3.1")  # MQTT 3.1.1/5.0's name, then MQTT 3.1 clients'
 WS_MESSAGE_SLACK = 64 * 1024  # a message may carry more than one packet, a little over
-
-
-@dataclass
-class ListenerConfig:
-    mqtt: str | None = "0.0.0.0:1883"
-    mqtt_tls: str | None = None  # on only when a certificate is given
-    ws: str | None = "0.0.0.0:8083"
-    wss: str | None = None  # on only when a certificate is given
-    tls_cert: str | None = None  # PEM certificate chain
-    tls_key: str | None = None  # PEM private key
-    tls_ca: str | None = None  # CA bundle for client certificates
-    tls_client_auth: str = "none"  # none | optional | required
-    tls_username_from: str = "none"  # none | cn | san: client certificate -> username
 
 
 def peer_of(stream: trio.SocketStream) -> str:
@@ -248,7 +236,7 @@ def _is_disconnect(exc: BaseException) -> bool:
 
 def _server_tls(cfg: ListenerConfig) -> ServerTLS | None:
     """The shared TLS state for mqtt_tls and wss, if either is on."""
-    if not (cfg.mqtt_tls or cfg.wss):
+    if not (cfg.address("mqtt_tls") or cfg.address("wss")):
         return None
     if not (cfg.tls_cert and cfg.tls_key):
         raise StartupError("the TLS listeners (--mqtt-tls, --wss) need --tls-cert and --tls-key")
@@ -273,12 +261,12 @@ async def start_listeners(
     """Start every configured listener; returns {name: bound host:port} for `ready`."""
     tls = _server_tls(cfg)  # a bad certificate stops start-up here, before any accept
     bound: dict[str, str] = {}
-    if cfg.mqtt:
-        bound["mqtt"] = await nursery.start(serve_mqtt_tcp, broker, cfg.mqtt)
-    if cfg.mqtt_tls and tls is not None:
-        bound["mqtt_tls"] = await nursery.start(serve_mqtt_tls, broker, cfg.mqtt_tls, tls)
-    if cfg.ws:
-        bound["ws"] = await nursery.start(serve_mqtt_ws, broker, cfg.ws, None)
-    if cfg.wss and tls is not None:
-        bound["wss"] = await nursery.start(serve_mqtt_ws, broker, cfg.wss, tls)
+    if addr := cfg.address("mqtt"):
+        bound["mqtt"] = await nursery.start(serve_mqtt_tcp, broker, addr)
+    if (addr := cfg.address("mqtt_tls")) and tls is not None:
+        bound["mqtt_tls"] = await nursery.start(serve_mqtt_tls, broker, addr, tls)
+    if addr := cfg.address("ws"):
+        bound["ws"] = await nursery.start(serve_mqtt_ws, broker, addr, None)
+    if (addr := cfg.address("wss")) and tls is not None:
+        bound["wss"] = await nursery.start(serve_mqtt_ws, broker, addr, tls)
     return bound

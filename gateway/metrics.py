@@ -18,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.broker import APPEND_BUCKETS, Broker
+from gateway.broker import Broker
+from gateway.stats import APPEND_BUCKETS
 
 # A scraper waits no longer than this for the store's figures (Prometheus' own timeout
 # is 10 s by default): without them it still gets the gateway's.
@@ -124,7 +125,7 @@ class BrokerCollector:
 
 def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
     """Each budget: what it holds now, its limit (0: none) and how often it said no."""
-    st, rb, ret, cfg = b.stats, b.read_budget, b.retained, b.config
+    st, rb, ret, cfg = b.stats, b.read_budget, b.retained.budget, b.config
     used = GaugeMetricFamily("lightgate_budget_used", "What a budget holds now",
                              labels=["budget"])
     limit = GaugeMetricFamily("lightgate_budget_limit", "A budget's limit (0: no limit)",

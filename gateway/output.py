@@ -13,11 +13,28 @@ from typing import Any, Protocol
 
 import trio
 
+from gateway.stats import Stats
+
+
+class Poller(Protocol):
+    """The node's reactor as a connection sees it (gateway.reactor.Reactor): it reads
+    and writes plain TCP sockets, one task for them all."""
+
+    def want_write(self, conn: Owner) -> None: ...  # tell when the socket takes more
+
+    def pause(self, conn: Owner) -> None: ...  # read no more until `resume`
+
+    def resume(self, conn: Owner) -> None: ...
+
+    def rearm(self, conn: Owner) -> None: ...  # its deadline moved
+
+    def forget(self, conn: Owner) -> None: ...  # closed
+
 
 class Owner(Protocol):
     """The connection the output belongs to (gateway.connection.Connection)."""
 
-    reactor: Any  # gateway.reactor.Reactor, for a plain TCP socket
+    reactor: Poller | None  # for a plain TCP socket
 
     def lost(self) -> None: ...  # the socket failed
 
@@ -32,8 +49,8 @@ class Output:
     __slots__ = ("owner", "fd", "stream", "write_timeout", "stats", "_waiting", "_bytes",
                  "_since", "_writer")
 
-    def __init__(self, owner: Owner, fd: int, stream: Any, write_timeout: float,
-                 stats: Any) -> None:
+    def __init__(self, owner: Owner, fd: int, stream: trio.abc.Stream | None,
+                 write_timeout: float, stats: Stats) -> None:
         self.owner = owner
         self.fd = fd  # a plain TCP socket (-1: none)
         self.stream = stream  # a trio stream (TLS, WebSocket), or None

@@ -9,6 +9,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import trio
+
 from gateway.broker import Broker
 from gateway.inbound import Inbound
 from gateway.limits import PublishLimits
@@ -41,7 +43,7 @@ class PublishRules:
     if TYPE_CHECKING:  # the connection's own, used here
         def may(self, action: str, name: str, is_filter: bool = False) -> bool: ...
         async def may_ask(self, action: str, name: str, is_filter: bool = False) -> bool: ...
-        def close(self, closing: Closing, nursery: Any = None) -> None: ...
+        def close(self, closing: Closing, nursery: trio.Nursery | None = None) -> None: ...
 
     def _on_publish(self, ev: mp.PublishReceived) -> bool:
         """Check and stage a publish for the next append; False if the lane must (an
@@ -115,8 +117,8 @@ class PublishRules:
             b.stats.topic_refusals += 1
             return "past --max-topic-levels or --max-topic-length", rc.TOPIC_NAME_INVALID
         if p.retain and p.payload:
-            why = b.retained.admit(topic, s.client_id,
-                                   stored_size(topic, p.payload, _props(p)))
+            why = b.retained.budget.admit(topic, s.client_id,
+                                          stored_size(topic, p.payload, _props(p)))
             if why is not None:
                 b.stats.limit_refusals += 1
                 return why, rc.QUOTA_EXCEEDED

@@ -283,7 +283,7 @@ def parse(topic_filter: str, shared: tuple[str, str] | None) -> tuple[str, str] 
     return replay
 
 
-# -- persistent sessions (gateway.broker) ---------------------------------------------------
+# -- persistent sessions (gateway.sessions) ---------------------------------------------------
 def meta(s: Session, queue: str) -> dict[str, Any] | None:
     """The saved snapshot of `queue`'s replay, for its offsets record."""
     r = s._replays.get(queue) if s._replays else None

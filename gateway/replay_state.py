@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Protocol
 
 import trio
 
 from gateway.mqtt import protocol as mp
-from gateway.session import Session
 from lightqueue.since import TIME, Since
 from store.api import HistoryBatch, Message, Store, StoreError
 
@@ -31,8 +30,28 @@ TURN = 1024  # messages handed out between turns of the other tasks (and socket 
 LIVE_BATCH, LIVE_TURN, BUSY_TURN = 512, 256, 128
 
 
+class Session(Protocol):
+    """A session, as a replay's state reads and marks it (gateway.session.Session, which
+    holds its replays: this keeps the two modules from importing each other)."""
+
+    client_id: str
+    persistent: bool
+
+    @property
+    def cursors(self) -> dict[str, int]: ...
+
+    @property
+    def outgoing(self) -> OrderedDict[int, mp.Outgoing]: ...
+
+    @property
+    def offsets_dirty(self) -> set[str]: ...
+
+    @property
+    def replays(self) -> dict[str, Replay]: ...
+
+
 class Stats(Protocol):
-    """The gateway's counters (gateway.broker.Stats), as a replay reads them."""
+    """The gateway's counters (gateway.stats.Stats), as a replay reads them."""
 
     messages_in: int  # publishes taken: live traffic is coming in while it grows
 

@@ -1,4 +1,5 @@
-"""Budgets for retained messages: how many, and how many bytes, in total and per client.
+"""Retained messages: their records in the store, those on their way there, and the
+budgets over them (how many, and how many bytes, in total and per client).
 
 A retained message outlives its publisher, so a client publishing retained messages to
 ever new topics fills the store for good. The budget keeps, per topic, who set it and
@@ -11,11 +12,15 @@ it knows, so a cluster may hold up to the budget per gateway.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.reserved import is_broker_statistic
-from store.api import encode_properties
+from lightqueue.topic import is_wildcard, matches
+from store.api import Message, Store, StoreError, encode_properties
+
+log = logging.getLogger("lightgate.gateway")
 
 
 @dataclass
@@ -93,3 +98,111 @@ class RetainedBudget:
         mine[1] -= size
         if not mine[0]:
             del self.per_client[client_id]
+
+
+@dataclass
+class RetainedMessage:
+    topic: str
+    body: bytes
+    qos: int
+    properties: dict[str, Any]
+    client_id: str
+    ts: int
+    phys_offset: int = -1  # where it is in the CommitLog (while retention keeps it)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"body": self.body, "qos": self.qos, "props": self.properties,
+                "client_id": self.client_id, "ts": self.ts, "phys": self.phys_offset}
+
+    @classmethod
+    def from_meta(cls, topic: str, d: dict[str, Any]) -> RetainedMessage:
+        return cls(topic, d["body"], d["qos"], d.get("props") or {}, d.get("client_id", ""),
+                   d.get("ts", 0), d.get("phys", -1))
+
+    @classmethod
+    def of(cls, msg: Message) -> RetainedMessage:
+        return cls(msg.topic, msg.body, msg.qos, msg.properties, msg.client_id,
+                   msg.store_ts, msg.phys_offset)
+
+    def to_message(self) -> Message:
+        return Message(self.topic, self.body, self.qos, True, self.client_id, self.properties,
+                       store_ts=self.ts, phys_offset=self.phys_offset)
+
+
+class Retained:
+    """The retained messages as subscribers find them: the store's `retained` records,
+    plus those stored whose record is still to be written (`retaining`)."""
+
+    def __init__(self, store: Store, limits: RetainedLimits) -> None:
+        self.store = store
+        self.budget = RetainedBudget(limits)
+        self._retaining: dict[str, Message] = {}  # stored, their retained record to come
+
+    async def publish(self, msg: Message) -> Message:
+        """Store one message the gateway makes (a will) and keep it retained if flagged."""
+        [stored] = await self.store.publish([msg])
+        if msg.retain:
+            await self.set(stored)
+        return stored
+
+    def retaining(self, msg: Message) -> None:
+        """A retained publish is stored; its retained record follows (`set`). Meanwhile a
+        new subscription finds it here: it came too late for the live delivery and too
+        early for the record."""
+        self._retaining[msg.topic] = msg
+
+    async def set(self, msg: Message) -> None:
+        try:
+            await self._set(msg)
+        finally:
+            if self._retaining.get(msg.topic) is msg:
+                del self._retaining[msg.topic]
+
+    async def _set(self, msg: Message) -> None:
+        if msg.body:
+            await self.store.meta_put("retained", msg.topic, RetainedMessage.of(msg).to_meta())
+            self.budget.set(msg.topic, msg.client_id,
+                            stored_size(msg.topic, msg.body, msg.properties))
+        else:  # an empty retained payload clears the topic's retained message
+            await self.delete(msg.topic)
+
+    async def delete(self, topic: str) -> None:
+        await self.store.meta_delete("retained", topic)
+        self.budget.remove(topic)
+
+    async def load_budget(self) -> None:
+        """The retained messages the store already holds count from the start."""
+        try:
+            for topic, d in await self.store.meta_items("retained"):
+                size = stored_size(topic, d["body"], d.get("props") or {})
+                self.budget.set(topic, d.get("client_id", ""), size)
+        except StoreError as exc:  # separated mode, store away
+            log.warning("retained messages not counted: %s", exc)
+
+    async def matching(self, topic_filter: str) -> list[RetainedMessage]:
+        found = await self._stored(topic_filter)
+        if not self._retaining:
+            return found
+        by_topic = {r.topic: r for r in found}
+        for topic, msg in list(self._retaining.items()):
+            if matches(topic_filter, topic):  # newer than what the store holds
+                if msg.body:
+                    by_topic[topic] = RetainedMessage.of(msg)
+                else:
+                    by_topic.pop(topic, None)
+        return list(by_topic.values())
+
+    async def _stored(self, topic_filter: str) -> list[RetainedMessage]:
+        if not is_wildcard(topic_filter):
+            d = await self.store.meta_get("retained", topic_filter)
+            return [RetainedMessage.from_meta(topic_filter, d)] if d else []
+        # Scan only the literal prefix before the first wildcard level.
+        literal = []
+        for level in topic_filter.split("/"):
+            if level in ("+", "#"):
+                break
+            literal.append(level)
+        prefix = "/".join(literal)  # 'a/#' matches 'a' itself: no trailing slash
+        return [RetainedMessage.from_meta(topic, d)
+                for topic, d in await self.store.meta_items("retained", prefix)
+                if matches(topic_filter, topic)]

@@ -18,15 +18,70 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
 
 from gateway.mqtt import SubscriptionOptions, Will
 from gateway.mqtt.protocol import NEVER_EXPIRES, Outgoing
 from lightqueue.since import REPLAY_PREFIX, SinceError, split_replay
 from lightqueue.trie import TopicTrie
+from store.api import Message, Subject
+
+if TYPE_CHECKING:  # the replay's state refers to its session: a name only, no import
+    from gateway.replay_state import Replay
 
 NUL = "\x00"
 SHARE_PREFIX = "$share/"
+
+
+class Group(Protocol):
+    """A shared group a session is in (gateway.shared.SharedGroup)."""
+
+    queue: str
+
+    @property
+    def name(self) -> str: ...  # $share/{group}/{filter}
+
+    def wake(self) -> None: ...
+
+    def acked(self, offset: int) -> None: ...
+
+    def take_back(self, msg: Message) -> None: ...
+
+
+class Client(Protocol):
+    """A session's live connection, as the broker, the admin API and the session's
+    shared groups talk to it (gateway.connection.Connection)."""
+
+    peer: str
+    alive: bool
+    subject: Subject | None  # who authenticated on it
+    connected_at: float | None
+
+    @property
+    def keepalive(self) -> int: ...
+
+    def kick(self, why: str = ..., not_authorized: bool = False) -> None:
+        """Close it with a DISCONNECT saying so (v5)."""
+
+    async def take_over(self) -> None:
+        """A new connection claims the client id: close, and return once detached."""
+
+    def auth_changed(self) -> None:
+        """Users or policies changed: decisions it cached no longer hold."""
+
+    def drain_now(self, queue: str) -> bool:
+        """`queue` grew: deliver from it (right here when it can). False: nothing
+        delivers yet (before CONNACK), the session keeps the news."""
+        ...
+
+    def has_window(self) -> bool: ...
+
+    async def push_shared(self, group: Group, msg: Message, buffered: bool = False
+                          ) -> bool: ...
+
+    async def flush_out(self) -> None: ...
 
 
 def parse_shared(topic_filter: str) -> tuple[str, str] | None:
@@ -107,9 +162,9 @@ class Session:
     expiry: int = 0  # seconds after disconnect (v5); persistent 3.1.1 sessions: NEVER
     subscriptions: dict[str, Subscription] = field(default_factory=dict)
     will: Will | None = None
-    connection: Any = None  # the live Connection, or None while offline
+    connection: Client | None = None  # None while offline
     disconnected_at: float | None = None
-    wakeup: Any = None  # the delivery task's event while it waits (gateway.delivery)
+    wakeup: trio.Event | None = None  # the delivery task's, while it waits (gateway.delivery)
     next_packet_id: int = 1
     _trie: TopicTrie[str] | None = None
     _cursors: dict[str, int] | None = None  # queue -> next offset to send
@@ -123,8 +178,8 @@ class Session:
     # resume reads from the first unacked offset; everything up to here was either
     # acknowledged or is being resent with DUP, so it is not sent again.
     _restored_upto: dict[str, int] | None = None
-    _groups: set[Any] | None = None  # SharedGroups this session is in
-    _replays: dict[str, Any] | None = None  # queue -> gateway.replay.Replay under way
+    _groups: set[Group] | None = None  # shared groups this session is in
+    _replays: dict[str, Replay] | None = None  # queue -> a replay under way (gateway.replay)
     # Who made it, with auth on ("backend:name"): only they resume it. None: a session
     # stored before sessions had owners (the first to resume it claims it), or auth off.
     owner: str | None = None
@@ -191,13 +246,13 @@ class Session:
         return self._restored_upto
 
     @property
-    def groups(self) -> set[Any]:
+    def groups(self) -> set[Group]:
         if self._groups is None:
             self._groups = set()
         return self._groups
 
     @property
-    def replays(self) -> dict[str, Any]:
+    def replays(self) -> dict[str, Replay]:
         if self._replays is None:
             self._replays = {}
         return self._replays

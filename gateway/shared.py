@@ -15,8 +15,9 @@ from typing import Protocol
 
 import trio
 
+from gateway.background import Background
 from gateway.session import NUL, Session
-from store.api import Message, StoreError
+from store.api import Message, Store, StoreError
 
 log = logging.getLogger("lightgate.gateway.shared")
 
@@ -177,3 +178,65 @@ class SharedGroup:
                     if conn.alive:
                         return  # this member refused it: retry on the next wake-up, no spin
                     break
+
+
+class SharedGroups:
+    """The gateway's shared groups, by (group, filter) and by queue: made when a first
+    member joins, each with its reader task; gone with their position when the last
+    one leaves."""
+
+    def __init__(self, store: Store, cache: GroupCache, background: Background) -> None:
+        self.store = store
+        self.cache = cache
+        self.background = background
+        self.groups: dict[tuple[str, str], SharedGroup] = {}
+        self.by_queue: dict[str, set[SharedGroup]] = {}
+        self._scopes: dict[tuple[str, str], trio.CancelScope] = {}
+
+    async def join(self, s: Session, shared: tuple[str, str]) -> SharedGroup:
+        g = await self._group(*shared)
+        g.add(s)
+        s.groups.add(g)
+        return g
+
+    async def _group(self, group: str, topic_filter: str) -> SharedGroup:
+        key = (group, topic_filter)
+        g = self.groups.get(key)
+        if g is not None:
+            return g
+        pos = await self.store.meta_get("offsets", group_key(group, topic_filter))
+        cursor = pos["acked"] if pos else await self.store.queue_end(topic_filter)
+        g = self.groups[key] = SharedGroup(self.cache, group, topic_filter, cursor)
+        self.by_queue.setdefault(topic_filter, set()).add(g)
+        scope = self._scopes[key] = trio.CancelScope()
+        self.background.start(_run_group, g, scope)
+        return g
+
+    async def leave(self, s: Session, shared: tuple[str, str]) -> None:
+        g = self.groups.get(shared)
+        if g is None:
+            return
+        g.remove(s)
+        s.groups.discard(g)
+        if not g.members:  # nobody left: the group and its position go
+            del self.groups[shared]
+            self.by_queue[g.queue].discard(g)
+            if not self.by_queue[g.queue]:
+                del self.by_queue[g.queue]
+            self._scopes.pop(shared).cancel()
+            await self.store.meta_delete("offsets", group_key(*shared))
+
+    async def flush_offsets(self) -> None:
+        ops = []
+        for g in self.groups.values():
+            if g.dirty:
+                g.dirty = False
+                ops.append(("put", "offsets", group_key(g.group, g.filter),
+                            {"acked": g.acked_offset(), "next": g.cursor}))
+        if ops:
+            await self.store.meta_write(ops)
+
+
+async def _run_group(g: SharedGroup, scope: trio.CancelScope) -> None:
+    with scope:
+        await g.run()

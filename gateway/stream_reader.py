@@ -5,7 +5,7 @@ TCP sockets, within the node's read budget and the connection's deadlines."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -24,7 +24,7 @@ class StreamReading:
 
     broker: Broker
     core: MqttProtocol
-    stream: Any
+    stream: trio.abc.Stream
     peer: str
     _closed: bool
     _paused: bool

@@ -1,4 +1,6 @@
-"""The `lightgate` command line. Parsing and wiring only; the logic lives in the rooms.
+"""The `lightgate` command line: flags, environment and config file turned into the
+options each command's module runs with (the logic lives in gateway/, store/ and the
+other packages, not here).
 
 Every setting comes, in order of precedence, from a flag, an environment variable
 (`LIGHTGATE_<NAME>`, e.g. LIGHTGATE_HTTP=0.0.0.0:18083), the TOML file given with
@@ -8,7 +10,6 @@ Every setting comes, in order of precedence, from a flag, an environment variabl
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -19,12 +20,15 @@ from typing import Any, NoReturn
 
 import trio
 
+from gateway.auth.chain import BackendConfig, split_list
+from gateway.config import GatewayConfig, GatewayOptions, ListenerConfig
 from lightgate.settings import (
     GATEWAY_CMD_SETTINGS,
     SERVE_SETTINGS,
     STORE_CMD_SETTINGS,
     all_settings,
 )
+from serving.settings import flag_values
 from serving.startup import (
     HTTP_LISTENER,
     NATIVE_LISTENER,
@@ -33,6 +37,31 @@ from serving.startup import (
     first_of,
     read_secret,
 )
+from serving.values import NATIVE_ADDR, split_credentials
+from store.config import AuthConfig, ReplicationConfig, StoreConfig
+
+DESCRIPTION = """\
+Lightgate: an MQTT 3.1.1 and 5.0 broker that keeps every message in a log, where
+devices' messages can be replayed, and read by server applications and Spark.
+
+`lightgate serve` runs everything in one process. To run storage and MQTT on separate
+machines, run `lightgate store` on one and `lightgate gateway` on others. Every server
+setting may also come from a LIGHTGATE_<NAME> environment variable or a TOML file
+(--config FILE; `lightgate config --example` prints one with every setting)."""
+
+COMMANDS = {  # name: (one line for the list, what `lightgate NAME --help` explains)
+    "serve": ("run the broker: storage, MQTT and the web console in one process",
+              "Run Lightgate in one process: the message store (in --data-dir), the MQTT "
+              "listeners and HTTP (dashboard, admin API, Prometheus metrics)."),
+    "store": ("run a storage node, for gateways on other machines",
+              "Run a storage node: the message log and metadata that gateways (`lightgate "
+              "gateway`) and applications reach over the native protocol. Nodes listed in "
+              "--group-peers form a store group with replication and automatic failover."),
+    "gateway": ("run MQTT listeners in front of a store on another machine",
+                "Run an MQTT gateway on a store that runs elsewhere (--store HOST:PORT). Run "
+                "as many as the clients need; with --notify redis://... they hear of new "
+                "messages at once, without it they poll the store."),
+}
 
 
 def _add_settings(
@@ -102,8 +131,6 @@ def load_config(path: str) -> dict[str, Any]:
 
 
 def _store_config(values: dict[str, Any]) -> Any:
-    from store.service import StoreConfig
-
     if values["flush"] not in ("sync", "async"):
         raise StartupError(f"--flush must be sync or async, not {values['flush']!r}")
     for size in ("index_cache_mb", "index_memtable_mb", "metadata_cache_mb",
@@ -112,63 +139,17 @@ def _store_config(values: dict[str, Any]) -> Any:
             raise StartupError(f"--{size.replace('_', '-')} must be at least 1, not "
                                f"{values[size]}")
     return _config(StoreConfig, values, data_dir=Path(values["data_dir"]),
-                   default_partitions=values["partitions"],
-                   full_verify=bool(values["full_verify"]))
+                   http_max_body=values["http_max_body"])
 
 
-def _listener_config(values: dict[str, Any]) -> Any:
-    from gateway.listener import ListenerConfig
-
-    def addr(name: str, needs_cert: bool = False) -> str | None:
-        value = values[name]
-        if not value or value == "off" or (needs_cert and not values["tls_cert"]):
-            return None
-        return value
-
-    if values["tls_client_auth"] not in ("none", "optional", "required"):
-        raise StartupError("--tls-client-auth must be none, optional or required")
-    if values["tls_username_from"] not in ("none", "cn", "san"):
-        raise StartupError("--tls-username-from must be none, cn or san")
-    if values["tls_cert"] and not values["tls_key"]:
-        raise StartupError("--tls-cert needs --tls-key")
-    if values["tls_client_auth"] != "none" and not values["tls_ca"]:
-        raise StartupError("--tls-client-auth optional|required needs --tls-ca (the CA that "
-                           "signs client certificates)")
-    return ListenerConfig(
-        mqtt=addr("mqtt"), mqtt_tls=addr("mqtt_tls", True), ws=addr("ws"),
-        wss=addr("wss", True), tls_cert=values["tls_cert"], tls_key=values["tls_key"],
-        tls_ca=values["tls_ca"], tls_client_auth=values["tls_client_auth"],
-        tls_username_from=values["tls_username_from"],
-    )
+def _gateway_config(values: dict[str, Any]) -> GatewayConfig:
+    # --http-max-body is every command's (no one config's setting): given here.
+    cfg: GatewayConfig = _config(GatewayConfig, values, http_max_body=values["http_max_body"])
+    return cfg
 
 
-def _gateway_config(values: dict[str, Any]) -> Any:
-    from gateway.broker import GatewayConfig
-
-    return _config(GatewayConfig, values)
-
-
-def _config(cls: Any, values: dict[str, Any], **special: Any) -> Any:
-    """A config dataclass from resolved settings: each field takes the setting of the
-    same name, but for those given in `special` (renamed or converted)."""
-    names = {f.name for f in dataclasses.fields(cls)} - special.keys()
-    return cls(**{k: v for k, v in values.items() if k in names}, **special)
-
-
-def _backend_config(values: dict[str, Any]) -> Any:
-    from store.auth.chain import BackendConfig, split_list
-
-    if "auth_order" not in values:  # `lightgate store`: its clients are not MQTT devices
-        return BackendConfig()
-    cfg = BackendConfig(
-        order=split_list(values["auth_order"]),
-        jwt_secret=values["auth_jwt_secret"], jwt_jwks=values["auth_jwt_jwks"],
-        jwt_jwks_refresh_s=values["auth_jwt_jwks_refresh_s"],
-        jwt_algorithms=split_list(values["auth_jwt_algorithms"]),
-        http_url=values["auth_http_url"], http_timeout_s=values["auth_http_timeout_s"],
-        http_cache_s=values["auth_http_cache_s"], http_on_error=values["auth_http_on_error"],
-        http_acl=bool(values["auth_http_acl"]),
-    )
+def _listener_config(values: dict[str, Any]) -> ListenerConfig:
+    cfg = _config(ListenerConfig, values)
     try:
         cfg.check()
     except ValueError as exc:
@@ -176,30 +157,49 @@ def _backend_config(values: dict[str, Any]) -> Any:
     return cfg
 
 
-def _auth_config(values: dict[str, Any]) -> Any:
-    from store.auth import AuthConfig
+def _config(cls: Any, values: dict[str, Any], prefix: str = "", **special: Any) -> Any:
+    """A config dataclass from resolved settings: each field that is a setting takes the
+    value of its flag, but for those given in `special` (converted)."""
+    given = flag_values(cls, values, prefix)
+    return cls(**{k: v for k, v in given.items() if k not in special}, **special)
 
+
+def _backend_config(values: dict[str, Any]) -> BackendConfig:
+    if "auth_order" not in values:  # `lightgate store`: its clients are not MQTT devices
+        return BackendConfig()
+    cfg = _config(BackendConfig, values, "auth-", order=split_list(values["auth_order"]),
+                  jwt_algorithms=split_list(values["auth_jwt_algorithms"]))
+    try:
+        cfg.check()
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    return cfg
+
+
+def _auth_config(values: dict[str, Any], backends: BackendConfig) -> AuthConfig:
+    """The store's auth settings; `backends` (MQTT's, _backend_config) may turn it on."""
     if values["auth_strategy"] not in ("stateful", "stateless"):
         raise StartupError("--auth-strategy must be stateful or stateless")
-    return AuthConfig(enabled=bool(values["auth"]), allow_anonymous=bool(values["allow_anonymous"]),
-                      strategy=values["auth_strategy"], init_user=values["init_user"],
-                      audit_log=values.get("audit_log"), backends=_backend_config(values))
+    cfg: AuthConfig = _config(AuthConfig, values, audit_log=values.get("audit_log"),
+                              mqtt_chain=backends.chain)
+    return cfg
 
 
-def _listener_ports(listeners: Any) -> list[tuple[str, str, str | None]]:
+def _listener_ports(listeners: ListenerConfig) -> list[tuple[str, str, str | None]]:
     from gateway.listener import LISTENERS
 
-    return [(*label, getattr(listeners, name)) for name, label in LISTENERS.items()]
+    return [(*label, listeners.address(name)) for name, label in LISTENERS.items()]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from lightgate.embedded import ServeOptions, run_serve
 
     values = resolve(args, SERVE_SETTINGS)
+    backends = _backend_config(values)
     opts = ServeOptions(
         store=_store_config(values), gateway=_gateway_config(values),
-        listeners=_listener_config(values), auth=_auth_config(values),
-        native=values["native"], http=values["http"],
+        listeners=_listener_config(values), auth=_auth_config(values, backends),
+        auth_backends=backends, native=values["native"], http=values["http"],
     )
     check_ports([*_listener_ports(opts.listeners), (*NATIVE_LISTENER, opts.native),
                  (*HTTP_LISTENER, opts.http)])
@@ -219,9 +219,7 @@ async def _store_main(cfg: Any, native: str, http: str, notify: str | None,
         await run_store(cfg, native, http, None, auth, repl)
 
 
-def _replication_config(values: dict[str, Any]) -> Any:
-    from store.replication.node import ReplicationConfig
-
+def _replication_config(values: dict[str, Any]) -> ReplicationConfig:
     mode = values["replication"]
     if mode not in ("sync", "async"):
         raise StartupError(f"--replication must be sync or async, not {mode!r}")
@@ -250,17 +248,12 @@ def _replication_config(values: dict[str, Any]) -> Any:
                            "same on every node (Raft messages without it are dropped)")
     creds = None
     if values["replica_auth"]:
-        name, sep, password = values["replica_auth"].partition(":")
-        if not sep:
-            raise StartupError("--replica-auth must be NAME:PASSWORD")
-        creds = (name, password)
-    return ReplicationConfig(
-        node_id=values["node_id"] or "", replica_of=values["replica_of"], mode=mode,
-        min_insync=values["min_insync"], max_lag_bytes=values["max_lag_bytes"],
-        max_lag_s=values["max_lag_s"], raft=raft, raft_advertise=advertise,
-        raft_secret=secret, group_peers=peers,
-        lease_s=values["controller_lease_s"], dead_s=values["failover_after_s"],
-        credentials=creds, advertise=values["native_advertise"])
+        try:
+            creds = split_credentials(values["replica_auth"], "--replica-auth")
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+    return _config(ReplicationConfig, values, raft_advertise=advertise, raft_secret=secret,
+                   group_peers=peers, credentials=creds)
 
 
 def cmd_store(args: argparse.Namespace) -> int:
@@ -270,20 +263,18 @@ def cmd_store(args: argparse.Namespace) -> int:
     check_ports([(*NATIVE_LISTENER, values["native"]), (*HTTP_LISTENER, values["http"]),
                  *raft])
     trio.run(_store_main, _store_config(values), values["native"], values["http"],
-             values["notify"], _auth_config(values), repl)
+             values["notify"], _auth_config(values, _backend_config(values)), repl)
     return 0
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from gateway.app import GatewayOptions, run_gateway
+    from gateway.app import run_gateway
 
     values = resolve(args, GATEWAY_CMD_SETTINGS)
-    opts = GatewayOptions(store=values["store"], store_wait_s=values["store_wait_s"],
-                          notify=values["notify"],
-                          gateway=_gateway_config(values), listeners=_listener_config(values),
-                          http=values["http"], store_auth=values["store_auth"],
-                          auth_strategy=values["auth_strategy"], audit_log=values["audit_log"],
-                          auth_backends=_backend_config(values))
+    opts = _config(GatewayOptions, values, notify=values["notify"],
+                   gateway=_gateway_config(values), listeners=_listener_config(values),
+                   http=values["http"], auth_strategy=values["auth_strategy"],
+                   audit_log=values["audit_log"], auth_backends=_backend_config(values))
     check_ports([*_listener_ports(opts.listeners), (*HTTP_LISTENER, opts.http)])
     trio.run(run_gateway, opts)
     return 0
@@ -300,7 +291,10 @@ def _credentials(args: argparse.Namespace) -> dict[str, str]:
     auth = getattr(args, "as_user", None) or os.environ.get("LIGHTGATE_AUTH")
     if not auth:
         return {}
-    name, _, password = auth.partition(":")
+    try:
+        name, password = split_credentials(auth, "--as (or LIGHTGATE_AUTH)")
+    except ValueError as exc:
+        raise SystemExit(f"lightgate: {exc}") from None
     return {"username": name, "password": password}
 
 
@@ -449,24 +443,24 @@ def _add_auth_commands(sub: Any, client_flags: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="lightgate", description=__doc__.split("\n")[0])
-    parser.add_argument("--log-level", default=os.environ.get("LIGHTGATE_LOG_LEVEL", "INFO"))
+    parser = _Parser(prog="lightgate", description=DESCRIPTION,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default=os.environ.get("LIGHTGATE_LOG_LEVEL", "INFO"),
+                        help="debug, info, warning or error (default: INFO, or "
+                             "LIGHTGATE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    for name, func, settings, help_text in (
-        ("serve", cmd_serve, SERVE_SETTINGS,
-         "embedded mode: store + gateway + HTTP in one process"),
-        ("store", cmd_store, STORE_CMD_SETTINGS, "a storage node (separated mode)"),
-        ("gateway", cmd_gateway, GATEWAY_CMD_SETTINGS,
-         "an MQTT gateway on a remote store (separated mode)"),
-    ):
-        cmd = sub.add_parser(name, help=help_text)
+    for name, func, settings in (("serve", cmd_serve, SERVE_SETTINGS),
+                                 ("store", cmd_store, STORE_CMD_SETTINGS),
+                                 ("gateway", cmd_gateway, GATEWAY_CMD_SETTINGS)):
+        help_text, description = COMMANDS[name]
+        cmd = sub.add_parser(name, help=help_text, description=description)
         cmd.add_argument("--config", help="TOML file with settings (keys named like the flags)")
         _add_settings(cmd, settings)
         cmd.set_defaults(func=func)
 
     client_flags = argparse.ArgumentParser(add_help=False)
-    client_flags.add_argument("--server", default="127.0.0.1:10911",
+    client_flags.add_argument("--server", default=NATIVE_ADDR,
                               help="the store's native HOST:PORT")
     client_flags.add_argument("--as", dest="as_user", metavar="NAME:PASSWORD",
                               help="credentials (or env LIGHTGATE_AUTH)")
@@ -495,8 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_room_commands(sub: Any) -> None:
-    """Commands that live with their room (e.g. `analytics`, `simulate` in spark_streaming):
-    each room may offer `add_commands(subparsers)` in its `cli` module."""
+    """Commands that live with their package (`analytics`, `simulate` in spark_streaming):
+    each may offer `add_commands(subparsers)` in its `cli` module."""
     import importlib
 
     for room in ("spark_streaming",):

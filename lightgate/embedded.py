@@ -7,21 +7,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 import trio
 
 from gateway.admin import gateway_routes
 from gateway.app import ready_line
-from gateway.broker import Broker, GatewayConfig
-from gateway.listener import ListenerConfig, start_listeners
+from gateway.auth.chain import BackendConfig
+from gateway.broker import Broker
+from gateway.config import GatewayConfig, ListenerConfig
+from gateway.listener import start_listeners
 from notify import LocalBus
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
-from serving.startup import shutdown_signals, stop_on_signal
+from serving.startup import Signals, shutdown_signals, stop_on_signal
+from serving.values import HTTP_ADDR, NATIVE_ADDR
 from store.api import AuthConfig, auth_app, store_routes
 from store.app import store_node
-from store.service import StoreConfig
+from store.config import StoreConfig
 
 
 @dataclass
@@ -30,8 +32,9 @@ class ServeOptions:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
-    native: str = "127.0.0.1:10911"
-    http: str = "127.0.0.1:18083"
+    auth_backends: BackendConfig = field(default_factory=BackendConfig)  # MQTT's: jwt, http
+    native: str = NATIVE_ADDR
+    http: str = HTTP_ADDR
 
 
 
@@ -41,13 +44,13 @@ async def run_serve(opts: ServeOptions) -> None:
         await _serve(opts, signals)
 
 
-async def _serve(opts: ServeOptions, signals: Any) -> None:
+async def _serve(opts: ServeOptions, signals: Signals) -> None:
     async with (
         LocalBus(window=0) as bus,  # the store appends in batches: nothing to wait for
         store_node(opts.store, opts.native, bus.publish_from_thread, opts.auth) as node,
         trio.open_nursery() as nursery,
     ):
-        broker = Broker(node.store, opts.gateway, node.auth)
+        broker = Broker(node.store, opts.gateway, node.auth, opts.auth_backends)
         nursery.start_soon(broker.run_notify, bus)
         await nursery.start(broker.run_connections)
         await nursery.start(broker.run_housekeeping)

@@ -31,6 +31,7 @@ from typing import Protocol
 from rocksdict import Cache, Rdict, ReadOptions, WriteBatch, WriteOptions
 
 from lightqueue.rocks import bounded_options, memory_usage, uncache_obsolete_files
+from lightqueue.sizes import CACHE_MB, MEMTABLE_MB
 
 ENTRY = struct.Struct(">QIQ")
 U64 = struct.Struct(">Q")
@@ -41,10 +42,6 @@ _MAX_U64 = b"\xff" * 8
 _MAX_KEY = b"\xff"  # above every key (they start with b"\x00", b"f", b"k" or b"q")
 RUN_MAX = 4096  # entries in one run at most (80 KiB): a read of one offset stays small
 _PHYS_AT, _TS_AT = 0, 12  # where an entry's phys offset and store time sit in its bytes
-# Memory bounds by default (the store's --index-cache-mb and --index-memtable-mb): block
-# cache, index and filter blocks included, and each of the (at most two) memtables.
-CACHE_MB = 32
-MEMTABLE_MB = 16
 
 
 class StoredRecord(Protocol):

@@ -1,4 +1,5 @@
-"""Which light queues one message belongs to (DESIGN.md, data path step 2).
+"""Which light queues one message belongs to: the store indexes each message into every
+one of them as it appends it, and readers of any of them find it there.
 
 Queue names:
 - exact topic queue: the MQTT topic itself, `home/bath/temp`;

@@ -1,6 +1,7 @@
 """Notify: topic-name events ("queue X has new data"), merged per short window and
-broadcast to every gateway (DESIGN.md step 5). In-process (`LocalBus`) for one node,
-Redis pub/sub (`RedisBus`) across nodes; `open_bus(url)` picks one.
+broadcast to every gateway, so that sessions reading a queue are woken instead of
+polling it. In-process (`LocalBus`) for one node, Redis pub/sub (`RedisBus`) across
+nodes; `open_bus(url)` picks one.
 
 `open_bus` lives here, the one module that knows every transport: `bus.py` defines what
 a transport is and the transports build on it, so none of them imports another's user.

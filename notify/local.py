@@ -1,5 +1,5 @@
-"""In-process notify bus (DESIGN.md step 5): topic-name events merged per short window and
-broadcast to every subscriber of this process.
+"""In-process notify bus: topic-name events ("queue X has new data") merged per short
+window and broadcast to every subscriber of this process (a gateway in the store's process).
 
     async with LocalBus() as bus:
         bus.publish_from_thread({"home/bath/temp"})   # the store's writer thread

@@ -1,4 +1,5 @@
-"""Notify across nodes through Redis pub/sub (separated mode, DESIGN.md step 5).
+"""Notify across nodes through Redis pub/sub (separated mode): the store's "queue X has
+new data" events reach the gateways of other processes and machines.
 
 redis-py's asyncio client does not run on trio, so its sync client runs in two threads
 the bus owns:

@@ -6,7 +6,7 @@ tracks, that live a few seconds and are then freed by reference counting, not by
 collector. With CPython's defaults (700, 10, 10) they are promoted to the old generation
 in bursts, and a full collection, which walks every tracked object (130-160k here), ran
 about once a second at 20,000 msg/s: 35-85 ms each, every connection stalled. That was
-all of the p99 at that rate (55-63 ms; issue 18).
+all of the p99 at that rate (55-63 ms).
 
 Measured at 20,000 msg/s QoS 0 for 40 s (`bench/mqtt_bench.py --scenarios
 latency_fixed_rate`, full size), p50 / p99 / max:

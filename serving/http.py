@@ -18,12 +18,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from serving.startup import HTTP_LISTENER, listening, split_hostport
+from serving.startup import HTTP_LISTENER, listening
+from serving.values import HTTP_MAX_BODY, split_hostport
 
 log = logging.getLogger("lightgate.http")
 
 
-HTTP_MAX_BODY = 1024 * 1024  # a policy, a user, a Spark rule file: all far smaller
 HTTP_READ_TIMEOUT_S = 30.0
 
 

@@ -12,12 +12,14 @@ import errno
 import logging
 import signal
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import trio
+
+from serving.values import split_hostport
 
 log = logging.getLogger("lightgate.serving")
 
@@ -89,28 +91,17 @@ def first_of(exc: BaseException, kind: type[E]) -> E | None:
     return None
 
 
-def split_hostport(addr: str, default_host: str = "0.0.0.0") -> tuple[str, int]:
-    """'127.0.0.1:1883' -> ('127.0.0.1', 1883); ':1883' and '1883' use `default_host`."""
-    host, sep, port = addr.rpartition(":")
-    if not sep:
-        host, port = "", addr
-    host = host.strip("[]") or default_host
-    try:
-        number = int(port)
-    except ValueError:
-        raise ValueError(f"bad address {addr!r}: expected HOST:PORT") from None
-    if not 0 <= number <= 65535:
-        raise ValueError(f"bad port in {addr!r}")
-    return host, number
+# SIGTERM/SIGINT as they arrive (signal numbers), from `shutdown_signals`.
+Signals = AsyncIterator[int]
 
 
-def shutdown_signals() -> Any:
+def shutdown_signals() -> AbstractContextManager[Signals]:
     """Catch SIGTERM/SIGINT from the very start, so that one arriving while the server
     starts (before `ready`) still ends in a clean stop, not a kill."""
     return trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
 
 
-async def stop_on_signal(signals: Any, nursery: trio.Nursery) -> None:
+async def stop_on_signal(signals: Signals, nursery: trio.Nursery) -> None:
     async for signum in signals:
         log.info("signal %s: shutting down", signal.Signals(signum).name)
         nursery.cancel_scope.cancel()

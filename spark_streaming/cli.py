@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from serving.values import NATIVE_ADDR, split_credentials
 from spark_streaming.jobs import JOBS
 
 
@@ -21,7 +22,7 @@ def add_commands(sub: Any) -> None:
     run = asub.add_parser("run", help="run a job until stopped (Ctrl-C / SIGTERM)",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     run.add_argument("job", choices=JOBS)
-    run.add_argument("--server", default="127.0.0.1:10911", help="the store's native HOST:PORT")
+    run.add_argument("--server", default=NATIVE_ADDR, help="the store's native HOST:PORT")
     run.add_argument("--master", default="local[2]", help="local[N], spark://HOST:PORT, …")
     run.add_argument("--checkpoint", help="checkpoint directory (default ./checkpoints/JOB)")
     run.add_argument("--rules", help="alerts: the rules file (TOML)")
@@ -79,8 +80,10 @@ def _credentials(args: argparse.Namespace) -> tuple[str | None, str | None]:
     spec = getattr(args, "as_user", None) or os.environ.get("LIGHTGATE_AUTH")
     if not spec:
         return None, None
-    name, _, password = spec.partition(":")
-    return name, password
+    try:
+        return split_credentials(spec, "--as (or LIGHTGATE_AUTH)")
+    except ValueError as exc:
+        raise SystemExit(f"lightgate: {exc}") from None
 
 
 def cmd_analytics_run(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from serving.values import split_hostport
 from store import protocol as p
 from store.record import Message
 
@@ -21,13 +22,6 @@ DEFAULT_TIMEOUT = 30.0
 PULL_BATCH = 1024  # the store's MAX_PULL
 SEND_BATCH = 500  # rows per SEND request (one CommitLog write each)
 PIPELINE_DEPTH = 2  # PULL requests in flight per connection (pull_ranges)
-
-
-def split_addr(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep:
-        host, port = "", addr
-    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 class StoreClient:
@@ -41,7 +35,8 @@ class StoreClient:
                  username: str | None = None, password: str | None = None) -> None:
         self.addr = addr
         # A store group: "a:1,b:2,c:3"; the client talks to whichever says it is master.
-        self.addrs = [split_addr(a.strip()) for a in addr.split(",") if a.strip()]
+        self.addrs = [split_hostport(a.strip(), "127.0.0.1") for a in addr.split(",")
+                      if a.strip()]
         self.host, self.port = self.addrs[0]
         self._turn = 0
         self.timeout = timeout

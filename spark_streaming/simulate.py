@@ -14,6 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from serving.values import split_hostport
+
 
 @dataclass
 class SimConfig:
@@ -36,7 +38,7 @@ def run(cfg: SimConfig, progress: bool = True) -> int:
     import paho.mqtt.client as paho
     from paho.mqtt.enums import CallbackAPIVersion
 
-    host, _, port = cfg.mqtt.rpartition(":")
+    host, port = split_hostport(cfg.mqtt, "127.0.0.1")
     rng = random.Random(cfg.seed)
     clients = []
     for i in range(1, cfg.devices + 1):
@@ -44,7 +46,7 @@ def run(cfg: SimConfig, progress: bool = True) -> int:
         if cfg.username:
             c.username_pw_set(cfg.username, cfg.password)
         c.max_queued_messages_set(10_000)
-        c.connect(host or "127.0.0.1", int(port))
+        c.connect(host, port)
         c.loop_start()
         clients.append(c)
     temps = [cfg.hot_temp if i < cfg.hot else cfg.base + rng.uniform(-2, 2)

@@ -33,6 +33,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from serving.values import NATIVE_ADDR
 from spark_streaming.native import SEND_BATCH, StoreClient
 from store.protocol import ProtocolError
 from store.record import Message, format_msg_id
@@ -50,7 +51,7 @@ except ImportError:  # pragma: no cover - Spark 4.0/4.1
 
 SCHEMA = ("mqtt_topic string, client_id string, qos int, properties string, payload binary, "
           "store_time timestamp, born_time timestamp, queue string, offset long, msg_id string")
-DEFAULT_SERVER = "127.0.0.1:10911"
+DEFAULT_SERVER = NATIVE_ADDR
 EARLIEST, LATEST = -2, -1  # as in Spark's Kafka source JSON offsets
 
 Offsets = dict[str, int]

@@ -4,23 +4,27 @@ interface with two implementations, as RocketMQ's broker codes against `MessageS
 Other rooms import the store from here only (tests/test_architecture.py holds the
 gateway to it): the `Store` protocol and its remote implementation, `RemoteStore` (the
 native-protocol client); the message type; the error family; the auth subject and
-manager a gateway decides with; the store's HTTP routes. No engine: the in-process
-store (store.service.EmbeddedStore, started by store.app.store_node) is wired to a
-gateway on the command line's side (lightgate/embedded.py), so that a gateway process
-of the separated mode never loads RocksDB, the CommitLog or the Raft controller.
+manager a gateway decides with, and what its own authentication backends answer in
+(Credentials, Decision, TopicAcl, the stored SCRAM verifiers); the store's HTTP routes.
+No engine: the in-process store (store.service.EmbeddedStore, started by
+store.app.store_node) is wired to a gateway on the command line's side
+(lightgate/embedded.py), so that a gateway process of the separated mode never loads
+RocksDB, the CommitLog or the Raft controller.
 The modules behind it import one another directly and may change shape freely.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from store.auth import AUTH_EVENT, AuthConfig, AuthError, AuthManager, Subject
 from store.auth.audit import to_file as audit_to_file
-from store.auth.chain import BackendConfig
-from store.auth.enhanced import CONTINUE, FAILURE, Authenticator, AuthStep
+from store.auth.backends import ALLOW, DENY, IGNORE, Backend, Credentials, Decision
 from store.auth.manager import DecisionCache
+from store.auth.passwords import SCRAM_ITERATIONS, SCRAM_METHOD
+from store.auth.passwords import parse_verifier as parse_scram_verifier
+from store.auth.topic_acl import TopicAcl
 from store.client import AuthFailed, NativeClient, RemoteStore
 from store.common import (
     FutureLike,
@@ -38,12 +42,13 @@ from store.http_auth import auth_app
 from store.record import Message, encode_properties
 
 __all__ = [
-    "AUTH_EVENT", "CONTINUE", "FAILURE", "AuthConfig", "AuthError", "AuthFailed",
-    "AuthManager", "AuthStep", "Authenticator", "BackendConfig",
-    "DecisionCache", "FutureLike", "HistoryBatch", "LocalStore", "Message",
+    "ALLOW", "AUTH_EVENT", "DENY", "IGNORE", "SCRAM_ITERATIONS", "SCRAM_METHOD",
+    "AuthConfig", "AuthError", "AuthFailed", "AuthManager", "Backend", "Credentials",
+    "Decision", "DecisionCache", "FutureLike", "HistoryBatch", "LocalStore", "Message",
     "NativeClient", "PullResult", "QueueSeek", "RemoteStore", "Store", "StoreClosedError",
-    "StoreError", "StoreFullError", "StoreUnavailable", "Subject", "audit_to_file",
-    "auth_app", "await_future", "encode_properties", "store_routes", "topic_rows",
+    "StoreError", "StoreFullError", "StoreUnavailable", "Subject", "TopicAcl",
+    "audit_to_file", "auth_app", "await_future", "encode_properties",
+    "parse_scram_verifier", "store_routes", "topic_rows",
 ]
 
 
@@ -128,9 +133,10 @@ class Store(Protocol):
         ...
 
 
+@runtime_checkable
 class LocalStore(Store, Protocol):
     """What the in-process store adds: reads answered without waiting when they can be.
-    The gateway's cache looks for `pull_now` and uses these when it is there."""
+    The gateway's cache uses these when its store is one (isinstance)."""
 
     def pull_now(self, queue: str, offset: int, max_count: int = 32) -> PullResult | None:
         """`pull` in this thread if it can be answered at once, else None."""

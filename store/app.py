@@ -18,12 +18,13 @@ from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
 from serving.startup import StartupError, shutdown_signals, stop_on_signal
 from store.auth import AuthConfig, AuthManager
+from store.config import StoreConfig
 from store.http import store_routes
 from store.http_auth import auth_app
 from store.protocol import REPL_FETCH
 from store.replication.node import META_CODES, Replication, ReplicationConfig
 from store.server import NativeServer
-from store.service import EmbeddedStore, StoreConfig
+from store.service import EmbeddedStore
 
 log = logging.getLogger("lightgate.store.app")
 

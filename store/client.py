@@ -17,7 +17,8 @@ from typing import Any
 
 import trio
 
-from serving.startup import first_of, split_hostport
+from serving.startup import first_of
+from serving.values import split_hostport
 from store import protocol as p
 from store.common import (
     HistoryBatch,
@@ -50,6 +51,11 @@ SUSPECT_GRACE_S = 0.3
 SEARCH_PAUSE_S = (0.1, 0.5)  # between rounds of the search: from, doubling up to
 SEARCH_LOG_S = 5.0  # while no master is found: one line this often, not one a round
 WATCH_TICK_S = 0.25
+# Frames written to the connection but not yet taken by its writer task (as the store's
+# server bounds its own). Requests that can wait (`request`) wait for room; a submission
+# that cannot (`submit`: an append started from the trio thread) fails as unavailable
+# rather than grow memory without end while the store does not read.
+SEND_QUEUE = 256
 # Requests sent again when their connection was lost (reads, and registrations that mean
 # the same twice): they wait for the next master within their timeout. Writes are
 # failed back to the caller, who knows whether a second copy is harmless (a device
@@ -368,29 +374,31 @@ class NativeClient:
 
     # -- one connection to the master ------------------------------------------------------
     async def _session(self, stream: trio.SocketStream, decoder: p.FrameDecoder) -> None:
-        send, recv = trio.open_memory_channel[bytes](math.inf)
+        send, recv = trio.open_memory_channel[bytes](SEND_QUEUE)
         error: Exception | None = None
         self._last_heard = trio.current_time()
         self._recheck = False
         lost: list[str] = []  # why the watchdog ended the session
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(batched_writer, stream, recv, nursery.cancel_scope)
-            nursery.start_soon(self._watch, nursery.cancel_scope, lost)
-            self._send = send
-            self._connected.set()
-            self._settled.set()
-            try:
-                while True:
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        raise trio.BrokenResourceError("store closed the connection")
-                    self._last_heard = trio.current_time()
-                    for frame in decoder.feed(data):
-                        self._answered(frame)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError,
-                    p.ProtocolError) as exc:
-                error = exc
-            nursery.cancel_scope.cancel()
+        # On the way out, requests still waiting for room fail (and may go to the next master).
+        with recv:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(batched_writer, stream, recv, nursery.cancel_scope)
+                nursery.start_soon(self._watch, nursery.cancel_scope, lost)
+                self._send = send
+                self._connected.set()
+                self._settled.set()
+                try:
+                    while True:
+                        data = await stream.receive_some(65536)
+                        if not data:
+                            raise trio.BrokenResourceError("store closed the connection")
+                        self._last_heard = trio.current_time()
+                        for frame in decoder.feed(data):
+                            self._answered(frame)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError,
+                        p.ProtocolError) as exc:
+                    error = exc
+                nursery.cancel_scope.cancel()
         if lost:
             raise StoreUnavailable(lost[0])
         if error is not None:
@@ -455,17 +463,49 @@ class NativeClient:
                 fut.set_exception(exc)
 
     def submit(self, code: int, header: dict[str, Any], body: bytes = b"") -> Future:
-        """Send now (from the trio thread), without waiting; the future gets the reply."""
+        """Send now (from the trio thread), without waiting; the future gets the reply,
+        or StoreUnavailable when not connected or SEND_QUEUE frames wait already."""
         fut: Future = Future()
         if self._send is None:
             fut.set_exception(StoreUnavailable(
                 f"not connected to the store {self.addr} (looking for its master)"))
             return fut
+        rid, frame = self._expect(code, header, body, fut)
+        try:
+            self._send.send_nowait(frame)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self._forget(rid)
+            fut.set_exception(StoreUnavailable(
+                f"the connection to the store {self.addr} is not taking requests "
+                f"({SEND_QUEUE} wait to be written)"))
+        return fut
+
+    async def _send_waiting(self, code: int, header: dict[str, Any], body: bytes,
+                            fut: Future) -> None:
+        """Send, waiting while SEND_QUEUE frames are ahead (the writer is behind)."""
+        send = self._send
+        assert send is not None
+        rid, frame = self._expect(code, header, body, fut)
+        try:
+            await send.send(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):  # the session ended
+            self._forget(rid)
+            raise StoreUnavailable(f"connection to the store {self.addr} lost") from None
+        except BaseException:  # cancelled while waiting: never sent, no answer to expect
+            self._forget(rid)
+            raise
+
+    def _expect(self, code: int, header: dict[str, Any], body: bytes, fut: Future
+                ) -> tuple[int, bytes]:
+        """A new request id whose answer goes to `fut`, and the request's frame."""
         rid = next(self._ids)
         self._waiting[rid] = fut
         self._due[rid] = trio.current_time() + int(header.get("wait_ms") or 0) / 1000
-        self._send.send_nowait(p.encode_frame(p.Frame(p.REQUEST, code, rid, header, body)))
-        return fut
+        return rid, p.encode_frame(p.Frame(p.REQUEST, code, rid, header, body))
+
+    def _forget(self, rid: int) -> None:
+        self._waiting.pop(rid, None)
+        self._due.pop(rid, None)
 
     async def request(
         self, code: int, header: dict[str, Any], body: bytes = b"",
@@ -497,7 +537,8 @@ class NativeClient:
             await self._connected.wait()
         if self.fatal is not None:
             raise self.fatal
-        fut = self.submit(code, header, body)
+        fut: Future = Future()
+        await self._send_waiting(code, header, body, fut)
         try:
             frame: p.Frame = await await_future(fut)
         except trio.Cancelled:

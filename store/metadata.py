@@ -13,6 +13,7 @@ from typing import Any
 from rocksdict import Cache, Rdict, ReadOptions, WriteBatch, WriteBufferManager
 
 from lightqueue.rocks import bounded_options, memory_usage, uncache_obsolete_files
+from store.config import METADATA_CACHE_MB, METADATA_MEMTABLE_MB
 from store.record import dumps_json as dumps
 from store.record import loads_json as loads
 
@@ -28,10 +29,8 @@ COLUMN_FAMILIES = (
     "users",
     "acl",
 )
-# Memory bounds by default (the store's --metadata-cache-mb and --metadata-memtable-mb):
-# one block cache and the memtables of every column family together.
-CACHE_MB = 16
-MEMTABLE_MB = 4
+# Memory bounds by default (the store's --metadata-cache-mb and --metadata-memtable-mb).
+CACHE_MB, MEMTABLE_MB = METADATA_CACHE_MB, METADATA_MEMTABLE_MB
 
 
 MetaOp = tuple[str, str, str, Any]  # ("put"|"delete"|"delete_prefix", cf, key, value)
@@ -118,6 +117,11 @@ class Metadata:
 
     def apply(self, ops: Sequence[MetaOp]) -> None:
         """Apply ops atomically (a replica copying the master's changes)."""
+        self.write(ops)
+        self._copied({cf for _, cf, _, _ in ops})
+
+    def write(self, ops: Sequence[MetaOp]) -> None:
+        """Apply ("put"|"delete"|"delete_prefix", cf, key, value) ops atomically."""
         with self.batch() as batch:
             for op, cf, key, value in ops:
                 if op == "put":
@@ -128,7 +132,6 @@ class Metadata:
                     batch.delete_prefix(cf, key)
                 else:
                     raise ValueError(f"unknown metadata op {op!r}")
-        self._copied({cf for _, cf, _, _ in ops})
 
     def page(self, cursor: tuple[str, str] | None, max_bytes: int
              ) -> tuple[list[tuple[str, str, Any]], tuple[str, str] | None]:

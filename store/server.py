@@ -21,7 +21,8 @@ import trio
 
 from lightqueue.routing import validate_first_level
 from serving.read_budget import read_fd
-from serving.startup import NATIVE_LISTENER, listening, split_hostport
+from serving.startup import NATIVE_LISTENER, listening
+from serving.values import split_hostport
 from store import protocol as p
 from store.auth import AuthError, AuthManager, Policy, Subject, audit
 from store.auth.manager import DecisionCache

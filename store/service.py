@@ -19,17 +19,15 @@ from typing import IO, Any
 
 import trio
 
-from lightqueue import index as index_sizes
 from lightqueue.index import ConsumeQueueIndex
 from lightqueue.rocks import HEAP_TRIM_INTERVAL_S, trim_heap
 from lightqueue.routing import Router, split_partition_queue, validate_first_level
 from lightqueue.since import Since, now_ms, parse_since, parse_time
 from lightqueue.topic import validate_topic_filter, validate_topic_name
 from serving.read_budget import ReadBudget
-from store import metadata as meta_sizes
-from store import recent as recent_sizes
 from store.commitlog import CommitLog, InlineFuture, RecoveryReport
 from store.common import HistoryBatch, PullResult, QueueSeek, await_future
+from store.config import StoreConfig
 from store.history import HistoryReader
 from store.metadata import Metadata
 from store.recent import RecentMessages
@@ -44,37 +42,6 @@ WILDCARD_GC_S = 60.0  # how often idle wildcard queues are looked for
 
 
 NATIVE_PARTIAL_TIMEOUT_S = 10.0  # a native connection held back this long is closed
-
-
-@dataclass
-class StoreConfig:
-    data_dir: Path = Path("data")
-    segment_size: int = 1 << 30
-    flush: str = "async"
-    flush_interval_ms: int = 500
-    flush_bytes: int = 16 << 20
-    retention_hours: float | None = 72.0
-    retention_bytes: int | None = None
-    retention_check_s: float = 60.0
-    default_partitions: int = 4
-    max_pending_appends: int = 10_000
-    # Bytes of partly received native frames the store holds over all its connections
-    # (see serving/read_budget.py). 0: no budget.
-    native_max_partial_bytes: int = 256 * 1024 * 1024
-    http_max_body: int = 1024 * 1024  # the store's HTTP API (413 past it)
-    full_verify: bool = False
-    # A registered wildcard queue that no gateway has touched for this long and that no
-    # stored reader position names (persistent sessions, shared groups) is unregistered:
-    # every message was indexed into every wildcard filter ever used. 0: never.
-    wildcard_idle_s: float = 600.0
-    # Memory: RocksDB block caches and memtables, and the ring of recent messages that
-    # readers at the head of a queue are served from (store.recent).
-    index_cache_mb: int = index_sizes.CACHE_MB
-    index_memtable_mb: int = index_sizes.MEMTABLE_MB
-    metadata_cache_mb: int = meta_sizes.CACHE_MB
-    metadata_memtable_mb: int = meta_sizes.MEMTABLE_MB
-    recent_cache_mb: int = recent_sizes.MAX_BYTES >> 20
-    recent_per_queue: int = recent_sizes.PER_QUEUE
 
 
 @dataclass
@@ -387,16 +354,7 @@ class EmbeddedStore:
 
     async def meta_write(self, ops: Sequence[tuple[str, str, str, Any]]) -> None:
         """Apply ("put"|"delete"|"delete_prefix", cf, key, value) ops atomically."""
-        with self.meta.batch() as batch:
-            for op, cf, key, value in ops:
-                if op == "put":
-                    batch.put(cf, key, value)
-                elif op == "delete":
-                    batch.delete(cf, key)
-                elif op == "delete_prefix":
-                    batch.delete_prefix(cf, key)
-                else:
-                    raise ValueError(f"unknown metadata op {op!r}")
+        self.meta.write(ops)
 
     async def add_wildcard(self, topic_filter: str) -> None:
         self.register_wildcard(topic_filter)

@@ -1,4 +1,5 @@
-"""The house rules of DESIGN.md ("Rooms ... and who may import whom"), read from the source:
+"""The house rules of the code's layout (its rooms, and who may import whom), read from
+the source:
 
 - no import circle among the project's own modules, counting every import in a file
   (function-level and TYPE_CHECKING ones too: a circle hidden in a function is still a
@@ -139,15 +140,16 @@ def test_gateway_uses_the_store_only_through_its_face() -> None:
         for target in graph[module]
         if (target == "store" or target.startswith("store.")) and target not in STORE_FACE)
     assert not wrong, ("the gateway must import the store from store.api only "
-                       "(DESIGN.md: one interface):\n  " + "\n  ".join(wrong))
+                       "(one interface, whichever store is behind it):\n  " + "\n  ".join(wrong))
 
 
-# Who may import whom (DESIGN.md), room by room; serving/ is shared plumbing any server
-# room may use. lightgate/ is the wiring and may import every room.
+# Who may import whom, room by room (downwards: the gateway on the store, never back);
+# serving/ is shared plumbing any server room may use. lightgate/ is the wiring and may
+# import every room.
 MAY_IMPORT = {
     "gateway": {"store", "notify", "lightqueue", "serving"},
     "store": {"lightqueue", "serving"},
-    "spark_streaming": {"store"},
+    "spark_streaming": {"store", "serving"},  # serving.values: pure, as the workers need
     "notify": set(),
     "lightqueue": set(),
     "serving": set(),
@@ -162,7 +164,7 @@ def test_rooms_import_downwards() -> None:
         for target in targets
         if (room := module.split(".")[0]) in MAY_IMPORT
         and (other := target.split(".")[0]) != room and other not in MAY_IMPORT[room])
-    assert not wrong, "imports against DESIGN.md's direction:\n  " + "\n  ".join(wrong)
+    assert not wrong, "imports against the rooms' direction:\n  " + "\n  ".join(wrong)
 
 
 def test_the_mqtt_rules_are_sans_io() -> None:
@@ -199,3 +201,19 @@ def test_a_gateway_loads_no_storage_engine() -> None:
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_mqtt_authentication_lives_with_mqtt() -> None:
+    """JWTs, the HTTP auth hook and enhanced authentication are how MQTT clients prove who
+    they are (gateway/auth): the store keeps users, policies and its own clients' auth,
+    and needs neither PyJWT nor an HTTP client for it."""
+    banned = {"jwt", "httpx"}
+    wrong = []
+    for path in sorted((ROOT / "store").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            wrong += [f"{path.relative_to(ROOT)} imports {n}" for n in names
+                      if n.split(".")[0] in banned]
+    assert not wrong, wrong

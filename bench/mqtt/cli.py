@@ -15,7 +15,7 @@ messages and in seconds.
     python bench/mqtt_bench.py --quick --scenarios qos0_1to1 --profile /tmp/prof
     python -m bench.mqtt --quick                # the same, from the repository root
 
-Prints one JSON list of rows (INTERFACES.md, Benchmarks; bench/README.md explains them)
+Prints one JSON list of rows (bench/README.md, "Reading the JSON", explains them)
 and writes bench/results/latest.json plus a PNG per scenario.
 """
 

@@ -66,6 +66,7 @@ from .properties import (
     encode_varint,
     read_bin,
     read_str,
+    varint_or_none,
 )
 from .reason import (
     AUTH_REASONS,
@@ -154,24 +155,6 @@ def _check_filter(topic_filter: str) -> None:
     problem = _filter_problem(topic_filter)
     if problem is not None:
         raise ProtocolError(TOPIC_FILTER_INVALID, problem)
-
-
-def _long_length(data: bytes, p: int, n: int) -> tuple[int, int] | None:
-    """Remaining length of 2..4 bytes at `p`; None if more bytes are needed."""
-    rl = 0
-    shift = 0
-    for i in range(4):
-        if p >= n:
-            return None
-        b = data[p]
-        p += 1
-        rl |= (b & 0x7F) << shift
-        if b < 0x80:
-            if b == 0 and i:
-                raise _malformed("remaining length not minimally encoded")
-            return rl, p
-        shift += 7
-    raise _malformed("remaining length longer than 4 bytes")
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,7 +254,7 @@ class Decoder:
             rl = data[p]
             p += 1
             if rl >= 0x80:
-                got = _long_length(data, p - 1, n)
+                got = varint_or_none(data, p - 1, n, "remaining length")
                 if got is None:
                     self._stash(data, pos, n - pos + 1)
                     return
@@ -926,8 +909,11 @@ def _enc_publish(p: Publish, version: int) -> bytes:
                           p.properties)
 
 
-def _ack_encoder(ptype: int, b0: int, reasons: frozenset[int]) -> Callable[[Any, int], bytes]:
-    def encode_ack(p: Any, version: int) -> bytes:
+Ack = Puback | Pubrec | Pubrel | Pubcomp
+
+
+def _ack_encoder(ptype: int, b0: int, reasons: frozenset[int]) -> Callable[[Ack, int], bytes]:
+    def encode_ack(p: Ack, version: int) -> bytes:
         packet_id = _check_packet_id(p.packet_id)
         code = p.reason_code
         if not p.properties:

@@ -177,20 +177,29 @@ def _malformed(msg: str) -> ProtocolError:
 
 def read_varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
     """A variable byte integer (at most 4 bytes, minimally encoded)."""
+    got = varint_or_none(data, pos, end, "variable byte integer")
+    if got is None:
+        raise _malformed("truncated variable byte integer")
+    return got
+
+
+def varint_or_none(data: bytes, pos: int, end: int, what: str) -> tuple[int, int] | None:
+    """`read_varint`, but None when `end` comes first: a stream decoder (codec.py, the
+    remaining length) waits for more bytes instead. `what` names it in errors."""
     value = 0
     shift = 0
     for i in range(4):
         if pos >= end:
-            raise _malformed("truncated variable byte integer")
+            return None
         b = data[pos]
         pos += 1
         value |= (b & 0x7F) << shift
         if b < 0x80:
             if b == 0 and i:
-                raise _malformed("variable byte integer not minimally encoded")
+                raise _malformed(f"{what} not minimally encoded")
             return value, pos
         shift += 7
-    raise _malformed("variable byte integer longer than 4 bytes")
+    raise _malformed(f"{what} longer than 4 bytes")
 
 
 def read_str(data: bytes, pos: int, end: int) -> tuple[str, int]:

@@ -16,21 +16,47 @@ Maximum Packet Size), the keepalive and connect deadlines, and how a connection 
 limits). What does not: who may do what (ACL), sessions and subscriptions in the store,
 retained messages, wills: those are the broker's (gateway.broker).
 
-Everything that affects this state machine is in this file."""
+Every rule of this state machine is in this file; the values it takes and gives (the
+limits, `Outgoing`, the events) are in events.py, and are found here too."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from . import reason as rc
 from .codec import Decoder, PublishTemplate, encode, encode_publish
+from .events import (
+    ALIAS,
+    MAX_PACKET,
+    NEVER_EXPIRES,
+    REASON_OVERHEAD,
+    AuthReceived,
+    Closed,
+    Closing,
+    ConnectReceived,
+    DecodeError,
+    Event,
+    Flows,
+    Handout,
+    Limits,
+    Outgoing,
+    OutgoingDone,
+    OutgoingReleased,
+    PublishReceived,
+    PubrelReceived,
+    Refused,
+    Stored,
+    SubscribeReceived,
+    UnsubscribeReceived,
+)
 from .packets import (
     Auth,
     Connack,
     Connect,
     Disconnect,
+    Packet,
     Pingreq,
     Pingresp,
     Puback,
@@ -45,176 +71,6 @@ from .packets import (
 )
 from .properties import publish_properties
 from .reason import ProtocolError, UnsupportedProtocolError
-
-NEVER_EXPIRES = 0xFFFFFFFF
-MAX_PACKET = 268_435_455  # the largest Remaining Length the encoding allows
-REASON_OVERHEAD = 16  # fixed header, packet id, reason code, property lengths
-ALIAS = "topic_alias"
-
-
-class Closing(Exception):
-    """End this connection; `will` says whether the will message goes out,
-    `reason_code` what a v5 client is told (DISCONNECT), `internal` that it is a server
-    bug, not anything the client did."""
-
-    def __init__(self, why: str, will: bool = True, reason_code: int | None = None) -> None:
-        super().__init__(why)
-        self.will = will
-        self.reason_code = reason_code
-        self.internal = False
-
-
-class Refused(Closing):
-    """A CONNECT turned down, before any session (so no will): the client has been told
-    (a CONNACK return code) when it could be."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__(why, will=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """The server's settings the rules need (gateway.broker.GatewayConfig has them)."""
-
-    max_packet_size: int = MAX_PACKET
-    max_connect_packet: int = 64 * 1024  # until the client is authenticated
-    max_qos: int = 2
-    topic_alias_maximum: int = 0  # aliases a client may set (ours for it)
-    max_inflight: int = 32  # our sends unacknowledged per client, at most
-    receive_maximum: int = 64  # the client's QoS 1/2 publishes unacknowledged, at most
-    max_keepalive: int = 0  # 0: the client's own; else at most this (v5: Server Keep Alive)
-    connect_timeout: float = 10.0  # from the connection to its CONNECT
-    v3_session_expiry: int = NEVER_EXPIRES  # a persistent 3.1.1 session's expiry
-
-
-@dataclass(slots=True)
-class Outgoing:
-    """A QoS 1/2 PUBLISH sent and not yet completed."""
-
-    packet_id: int
-    queue: str | None  # None for retained messages sent on subscribe
-    offset: int
-    data: bytes  # the encoded PUBLISH without DUP (resent with DUP on reconnect)
-    qos: int
-    state: str = "publish"  # "publish": awaiting PUBACK/PUBREC; "pubrel": awaiting PUBCOMP
-    group: Any = None  # the shared group it was handed out by, if any
-    message: Any = None  # to re-encode for a new connection, or hand back to a group
-    version: int = 4  # protocol version `data` was encoded for
-
-
-class Flows(Protocol):
-    """What the rules keep in the session, so that it survives this connection."""
-
-    client_id: str
-    persistent: bool
-    expiry: int
-    next_packet_id: int
-
-    @property
-    def outgoing(self) -> dict[int, Outgoing]: ...
-
-    @property
-    def incoming_qos2(self) -> set[int]: ...
-
-
-class Stored(Protocol):
-    """A stored message as delivery needs it (store.record.Message)."""
-
-    topic: str
-    body: bytes
-    qos: int
-    properties: dict[str, Any]
-    store_ts: int
-
-
-# -- events: what the driver is asked to do ---------------------------------------------
-@dataclass(slots=True)
-class ConnectReceived:
-    """Admit (limits, authentication, the will's rights) and open the session, then
-    `accept` or `refuse`. `client_id` is "" when the server must assign one."""
-
-    packet: Connect
-    client_id: str
-    expiry: int
-    auth_method: str | None
-    assigned: bool = False  # the driver assigned `client_id` (CONNACK tells the client)
-
-
-@dataclass(slots=True)
-class AuthReceived:
-    """An AUTH of the enhanced exchange (at CONNECT, or a re-authentication): hand its
-    data to the method, then `auth_continue` or `auth_done`."""
-
-    packet: Auth
-    reauth: bool
-
-
-@dataclass(slots=True)
-class PublishReceived:
-    """A PUBLISH that passed the protocol's checks: decide it (rights, limits), store it
-    and call `publish_done`, or refuse it with `publish_done` and a code."""
-
-    packet: Publish
-    topic: str  # with its alias resolved
-    ticket: int  # the place of its ack among this client's answers (-1: QoS 0)
-
-
-@dataclass(slots=True)
-class PubrelReceived:
-    """A PUBREL for a QoS 2 publish the session holds: forget the packet id (persistent
-    sessions: in the store), then `release_done`."""
-
-    packet_id: int
-    ticket: int
-
-
-@dataclass(slots=True)
-class OutgoingDone:
-    """The client completed one of our QoS 1/2 sends (PUBACK, PUBCOMP, or a v5 PUBREC
-    refusing it): its window slot is free."""
-
-    outgoing: Outgoing
-
-
-@dataclass(slots=True)
-class OutgoingReleased:
-    """PUBREC for one of our QoS 2 sends: PUBREL went out; a persistent session keeps
-    that state."""
-
-    outgoing: Outgoing
-
-
-@dataclass(slots=True)
-class SubscribeReceived:
-    packet: Subscribe
-    subscription_id: int | None
-    ticket: int
-
-
-@dataclass(slots=True)
-class UnsubscribeReceived:
-    packet: Unsubscribe
-    ticket: int
-
-
-@dataclass(slots=True)
-class Closed:
-    """The connection ends, after the events before this one (a DISCONNECT, a
-    protocol error): `closing` says why and whether the will goes."""
-
-    closing: Closing
-
-
-@dataclass(slots=True)
-class DecodeError:
-    """The bytes after the packets before this one are malformed: once those are
-    answered, `protocol_error` says how the connection ends."""
-
-    error: ProtocolError
-
-
-Event = (ConnectReceived | AuthReceived | PublishReceived | PubrelReceived | OutgoingDone
-         | OutgoingReleased | SubscribeReceived | UnsubscribeReceived | Closed | DecodeError)
 
 # Phases
 AWAIT_CONNECT, CONNECTING, CONNECTED, CLOSED = range(4)
@@ -248,7 +104,7 @@ class MqttProtocol:
         self.bridge = False
         self.keepalive = 0
         self.client_id = ""
-        self.flows: Any = None  # the session's Flows, once accepted
+        self.flows: Flows | None = None  # the session's, once accepted
         self.receive_maximum = limits.max_inflight  # the client's, for our sends
         self.client_max_packet = MAX_PACKET
         self.problem_info = True
@@ -265,7 +121,7 @@ class MqttProtocol:
         # QoS 1 until its PUBACK, a QoS 2 until its PUBCOMP (ids in _inbound_qos2).
         self._inbound_unacked = 0
         self._inbound_qos2: set[int] | None = None
-        self._held: list[Any] | None = None  # packets read behind a CONNECT not yet accepted
+        self._held: list[Packet] | None = None  # read behind a CONNECT not yet accepted
         self.deadline = now + limits.connect_timeout  # the next timer (see `timeout`)
         self._read_at = now
         self.auth_method: str | None = None
@@ -354,7 +210,7 @@ class MqttProtocol:
             return Refused(f"protocol error: {exc.message}")
         return Closing(f"protocol error: {exc.message}", True, exc.reason_code)
 
-    def handle(self, packets: list[Any], now: float) -> list[Event]:
+    def handle(self, packets: list[Packet], now: float) -> list[Event]:
         """Decoded packets (the fuzzer and tests may feed these directly). A packet that
         ends the connection ends the list with Closed; those before it stand."""
         events: list[Event] = []
@@ -411,7 +267,7 @@ class MqttProtocol:
                             else float("inf"))
 
     # -- CONNECT -----------------------------------------------------------------------
-    def _on_connect(self, p: Any, now: float) -> ConnectReceived:
+    def _on_connect(self, p: Packet, now: float) -> ConnectReceived:
         if not isinstance(p, Connect):
             raise Refused("first packet is not CONNECT")
         self.version = v = p.protocol_level
@@ -457,7 +313,7 @@ class MqttProtocol:
                 self.deadline = now + self.limits.connect_timeout
         self._send(encode(self._auth(rc.CONTINUE_AUTHENTICATION, data), 5))
 
-    def _in_exchange(self, p: Any) -> AuthReceived:
+    def _in_exchange(self, p: Packet) -> AuthReceived:
         """A packet while the CONNECT's exchange runs: AUTH 0x18 with its method."""
         if isinstance(p, Disconnect):
             raise Refused("DISCONNECT during authentication")
@@ -519,7 +375,7 @@ class MqttProtocol:
         return self.handle(held, now) if held else []
 
     # -- packets after CONNECT -----------------------------------------------------------
-    def _dispatch(self, p: Any) -> Event | None:
+    def _dispatch(self, p: Packet) -> Event | None:
         t = type(p)
         if t is Publish:
             return self._on_publish(p)
@@ -760,7 +616,7 @@ class MqttProtocol:
         return OutgoingReleased(o)
 
     def deliver(self, msg: Stored, qos: int, retain: bool, sids: list[int] | None,
-                queue: str | None, offset: int, group: Any = None,
+                queue: str | None, offset: int, group: Handout | None = None,
                 template: PublishTemplate | None = None, now_s: float = 0.0,
                 buffer: list[bytes] | None = None) -> Outgoing | bool:
         """Send a stored message at `qos` (the caller checked `window` for QoS 1/2).
@@ -903,3 +759,30 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+__all__ = [
+    "ALIAS",
+    "AuthReceived",
+    "Closed",
+    "Closing",
+    "ConnectReceived",
+    "DecodeError",
+    "Event",
+    "Flows",
+    "Handout",
+    "Limits",
+    "MAX_PACKET",
+    "NEVER_EXPIRES",
+    "Outgoing",
+    "OutgoingDone",
+    "OutgoingReleased",
+    "PublishReceived",
+    "PubrelReceived",
+    "REASON_OVERHEAD",
+    "Refused",
+    "Stored",
+    "SubscribeReceived",
+    "UnsubscribeReceived",
+    "MqttProtocol",
+]

@@ -1,4 +1,5 @@
-"""The alert rules file (TOML), as INTERFACES.md defines it, checked before Spark starts."""
+"""The alert rules file (TOML), checked before Spark starts: a bad rule stops the job with
+the rule and field named, rather than failing on the executors."""
 
 from __future__ import annotations
 

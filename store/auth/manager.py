@@ -8,24 +8,21 @@ gateway node it is a replica, reloaded on that event and every few seconds.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import trio
 
+from serving.values import split_credentials
 from store.auth import audit
-from store.auth.backends import ALLOW, IGNORE, Credentials, Decision
+from store.auth.backends import ALLOW, IGNORE, Backend, Credentials, Decision
 from store.auth.backoff import FailureBackoff
-from store.auth.chain import BackendConfig, build_backends
-from store.auth.enhanced import SUCCESS, Authenticator, AuthStep
-from store.auth.passwords import PasswordChecker, hash_password
+from store.auth.passwords import PasswordChecker, hash_password, make_verifier
 from store.auth.policy import EVERYONE, Policy, decide
-from store.auth.scram import METHOD as SCRAM_METHOD
-from store.auth.scram import ScramSha256, make_verifier
 from store.auth.topic_acl import TopicAcl
+from store.config import AuthConfig
 
 log = logging.getLogger("lightgate.auth")
 
@@ -37,16 +34,6 @@ RESERVED_NAMES = (EVERYONE, ANONYMOUS, "")
 # a name no user can have, so only the "*" policies match it.
 OUTSIDER = "\0outsider"
 _DUMMY_HASH = hash_password("not a password")  # equal work for unknown users
-
-
-@dataclass
-class AuthConfig:
-    enabled: bool = False  # --auth
-    allow_anonymous: bool = False  # clients without a username get ANONYMOUS's policies
-    strategy: str = "stateful"  # stateless: decide every request afresh
-    init_user: str | None = None  # NAME:PASSWORD, a Super user created on first start
-    audit_log: str | None = None  # a file for the audit lines alone
-    backends: BackendConfig = field(default_factory=BackendConfig)  # --auth-order, jwt, http
 
 
 class AuthError(Exception):
@@ -154,8 +141,7 @@ class BuiltinUsers:
 class AuthManager:
     def __init__(self, store: Any, *, enabled: bool = False, allow_anonymous: bool = False,
                  strategy: str = "stateful",
-                 notify: Callable[[set[str]], None] | None = None,
-                 backends: BackendConfig | None = None) -> None:
+                 notify: Callable[[set[str]], None] | None = None) -> None:
         if strategy not in ("stateful", "stateless"):
             raise ValueError("auth strategy must be stateful or stateless")
         self.store = store
@@ -172,18 +158,9 @@ class AuthManager:
         self._checker = PasswordChecker()
         self._listeners: list[Callable[[], None]] = []
         self._copy_landed: trio.Event | None = None  # see reload_on_copy
+        # The native protocol and the HTTP API know only the built-in users (server apps
+        # and operators are not devices); MQTT clients may meet more (gateway.auth).
         self.builtin = BuiltinUsers(self)
-        # MQTT clients meet this chain; the native protocol and the HTTP API, only the
-        # built-in users (server apps and operators are not devices).
-        self.chain: list[Any] = build_backends(backends or BackendConfig(), self.builtin)
-        hooks = [b for b in self.chain if b.name == "http" and b.acl]
-        self.acl_hook: Any = hooks[0] if hooks else None  # --auth-http-acl
-        # MQTT 5 enhanced authentication methods (§4.12), by name: one new exchange each.
-        # They prove built-in users, so they are offered only while builtin is in the chain.
-        self._scram_secret = os.urandom(32)
-        self.enhanced_methods: dict[str, Callable[[], Authenticator]] = {
-            SCRAM_METHOD: lambda: ScramSha256(self._scram_verifier, self._scram_secret),
-        }
 
     @classmethod
     async def start(cls, store: Any, cfg: AuthConfig,
@@ -191,15 +168,15 @@ class AuthManager:
         """The storage node's manager: loaded, with the initial user, checked usable."""
         if cfg.audit_log:
             audit.to_file(cfg.audit_log)
-        enabled = cfg.enabled or cfg.backends.external  # a backend implies auth on
+        enabled = cfg.on
         auth = cls(store, enabled=enabled, allow_anonymous=cfg.allow_anonymous,
-                   strategy=cfg.strategy, notify=notify, backends=cfg.backends)
+                   strategy=cfg.strategy, notify=notify)
         await auth.load()
         if cfg.init_user:
             await auth.ensure_super_user(cfg.init_user)
         if enabled and not any(u.super and u.enabled for u in auth.users.values()):
             why = "--auth" if cfg.enabled else (
-                f"--auth-order {','.join(cfg.backends.chain)} turns authentication on and")
+                f"--auth-order {','.join(cfg.mqtt_chain)} turns authentication on and")
             raise ValueError(f"{why} needs a Super user (the native port and the dashboard "
                              "know only built-in users): start once with "
                              "--init-user NAME:PASSWORD")
@@ -207,7 +184,7 @@ class AuthManager:
             log.info("authentication on: %d users, %d policies, %s, anonymous %s, MQTT "
                      "backends %s", len(auth.users), len(auth.policies), cfg.strategy,
                      "allowed" if cfg.allow_anonymous else "refused",
-                     ",".join(cfg.backends.chain))
+                     ",".join(cfg.mqtt_chain))
         return auth
 
     # -- loading and change -----------------------------------------------------------
@@ -323,8 +300,8 @@ class AuthManager:
 
     async def ensure_super_user(self, spec: str) -> None:
         """`--init-user NAME:PASSWORD`: create this Super user unless it exists."""
-        name, sep, password = spec.partition(":")
-        if not sep or not name or not password:
+        name, password = split_credentials(spec, "--init-user")
+        if not password:
             raise ValueError("--init-user takes NAME:PASSWORD")
         if name not in self.users:
             await self.add_user(name, password, super_user=True)
@@ -353,8 +330,10 @@ class AuthManager:
     # -- decisions --------------------------------------------------------------------
     async def authenticate(self, username: str | None, password: str | None, ip: str,
                            via: str, cert_identity: str | None = None,
-                           client_id: str = "") -> Subject:
-        """The subject for these credentials, or AuthError (after the brute-force delay)."""
+                           client_id: str = "", chain: Sequence[Backend] = ()) -> Subject:
+        """The subject for these credentials, or AuthError (after the brute-force delay).
+        `chain`: the backends to ask in order (MQTT's, gateway.auth); the built-in users
+        alone when empty."""
         if not self.enabled:
             return Subject(username or "", ip, via)
         delay = self.backoff.delay(ip)
@@ -362,7 +341,8 @@ class AuthManager:
             await trio.sleep(delay)
         try:
             subject, reason = await self._authenticate(
-                Credentials(client_id, username, password, ip, cert_identity), via)
+                Credentials(client_id, username, password, ip, cert_identity), via,
+                chain or (self.builtin,))
         except AuthError as exc:
             self.backoff.failed(ip)
             self.auth_failures += 1
@@ -372,10 +352,11 @@ class AuthManager:
         audit.authentication(subject.name, ip, via, True, reason)
         return subject
 
-    async def _authenticate(self, creds: Credentials, via: str) -> tuple[Subject, str]:
+    async def _authenticate(self, creds: Credentials, via: str, chain: Sequence[Backend]
+                            ) -> tuple[Subject, str]:
         """Ask the backends in order; the first allow or deny decides."""
         ignored = []
-        for backend in self.chain if via == "mqtt" else (self.builtin,):
+        for backend in chain:
             d = await _ask(backend, creds)
             if d.outcome == IGNORE:
                 ignored.append(d.reason)
@@ -393,34 +374,30 @@ class AuthManager:
         # "anonymous access is off"), then the others'.
         raise AuthError("; ".join(dict.fromkeys(ignored)) or "no backend knows this client")
 
-    # -- enhanced authentication (MQTT 5 AUTH) -------------------------------------------
-    def enhanced(self, method: str) -> Authenticator | None:
-        """A new exchange for `method`, or None when it is not offered (0x8C)."""
-        factory = self.enhanced_methods.get(method)
-        if factory is None or not self.enabled or self.builtin not in self.chain:
-            return None
-        return factory()
-
-    def _scram_verifier(self, name: str) -> str | None:
+    # -- proofs made elsewhere (MQTT 5 enhanced authentication, gateway.auth) --------
+    def scram_verifier(self, name: str) -> str | None:
+        """The user's SCRAM verifier; "" for a user whose password was set before there
+        were verifiers; None for no such user."""
         user = self.users.get(name)
         return None if user is None else user.scram or ""
 
-    async def enhanced_wait(self, ip: str) -> None:
-        """The brute-force delay before an exchange, as before a password check."""
+    async def backoff_wait(self, ip: str) -> None:
+        """The brute-force delay before a proof from `ip`, as before a password check."""
         delay = self.backoff.delay(ip)
         if delay:
             await trio.sleep(delay)
 
-    def enhanced_result(self, method: str, step: AuthStep, ip: str, via: str,
-                        client_id: str = "") -> Subject:
-        """The subject an exchange's last step proved, or AuthError; audited."""
-        user = self.users.get(step.user or "") if step.outcome == SUCCESS else None
-        if step.outcome != SUCCESS or user is None or not user.enabled:
-            reason = step.reason or (f"{method}: user disabled" if user is not None
-                                     else f"{method}: user unknown")
+    def proved(self, method: str, user_name: str | None, ok: bool, reason: str, ip: str,
+               via: str, client_id: str = "") -> Subject:
+        """The subject an exchange (`method`) proved to be built-in user `user_name`, or
+        AuthError; audited and counted for the brute-force delay like a password."""
+        user = self.users.get(user_name or "") if ok else None
+        if user is None or not user.enabled:
+            reason = reason or (f"{method}: user disabled" if user is not None
+                                else f"{method}: user unknown")
             self.backoff.failed(ip)
             self.auth_failures += 1
-            audit.authentication(step.user or "", ip, via, False, reason)
+            audit.authentication(user_name or "", ip, via, False, reason)
             raise AuthError(reason, disabled=user is not None and not user.enabled)
         self.backoff.succeeded(ip)
         audit.authentication(user.name, ip, via, True, method)
@@ -459,41 +436,24 @@ class AuthManager:
             hit = cache.entries.get(key)
             if hit is not None:
                 return hit
-        ok, reason = self._decide(subject, rtype, name, action, is_filter)
-        if not ok:
-            self.denials += 1
-        resource = rtype if rtype == "Cluster" else f"{rtype}:{name}"
-        audit.authorization(subject.name, subject.ip, action, resource, ok, reason)
+        ok, reason = self.explain(subject, rtype, name, action, is_filter)
+        self.decided(subject, action, rtype if rtype == "Cluster" else f"{rtype}:{name}",
+                     ok, reason)
         if cache is not None and self.stateful:
             cache.put(key, ok)
         return ok
 
-    def asks_hook(self, subject: Subject) -> bool:
-        """Whether the HTTP hook decides this subject's PUB/SUB (--auth-http-acl): then
-        `authorize_by_hook`, which awaits, instead of `authorize`."""
-        return self.acl_hook is not None and subject.backend == "http"
-
-    async def authorize_by_hook(self, subject: Subject, name: str, action: str, *,
-                                is_filter: bool = False) -> bool:
-        """PUB or SUB on a topic, asked of the HTTP hook. Its answers are cached for
-        --auth-http-cache-s (by the hook), not per connection: the operator's service
-        may change its mind, whatever --auth-strategy says."""
-        if not self.enabled or subject.super_user:
-            return True
-        d = await self.acl_hook.authorize(subject.client_id, subject.name, subject.ip,
-                                          action, name)
-        if d.outcome == IGNORE:  # as if there were no hook: the subject's ACL, or "*"
-            ok, reason = self._decide(subject, "Topic", name, action, is_filter)
-            reason = f"{d.reason}, then {reason}"
-        else:
-            ok, reason = d.outcome == ALLOW, d.reason
+    def decided(self, subject: Subject, action: str, resource: str, ok: bool,
+                reason: str) -> bool:
+        """Count and audit a decision made (here, or by an outside service); `ok`."""
         if not ok:
             self.denials += 1
-        audit.authorization(subject.name, subject.ip, action, f"Topic:{name}", ok, reason)
+        audit.authorization(subject.name, subject.ip, action, resource, ok, reason)
         return ok
 
-    def _decide(self, subject: Subject, rtype: str, name: str, action: str,
+    def explain(self, subject: Subject, rtype: str, name: str, action: str,
                 is_filter: bool) -> tuple[bool, str]:
+        """What the policies (or the subject's own ACL) say, and why; not audited."""
         if subject.outsider:
             return self._decide_outsider(subject, rtype, name, action, is_filter)
         if subject.name:

@@ -12,7 +12,6 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ import trio
 
 from store import protocol as p
 from store.common import StoreError
+from store.config import ReplicationConfig
 from store.replication.controller import HEARTBEAT_S, Controller, RaftConfig
 from store.replication.epochs import Epoch, EpochFile, fork_point, implicit
 from store.replication.follower import follow
@@ -53,25 +53,6 @@ WRITE_CODES = frozenset({
 META_CODES = (p.COMMIT, p.TOPIC_CREATE, p.META_PUT, p.META_DELETE, p.META_WRITE,
               p.WILDCARD_ADD, p.USER_ADD, p.USER_UPDATE, p.USER_DELETE, p.ACL_ADD,
               p.ACL_DELETE)
-
-
-@dataclass
-class ReplicationConfig:
-    node_id: str = ""  # default: the native address
-    replica_of: str | None = None  # a fixed master (no controller)
-    mode: str = "async"  # sync: acks wait for every node of the in-sync set
-    min_insync: int = 1  # sync: writes are refused while the in-sync set is smaller
-    max_lag_bytes: int = 64 << 20  # a replica further behind leaves the in-sync set
-    max_lag_s: float = 2.0  # ... or one that has not fetched for this long
-    ack_timeout_s: float = 5.0  # a sync append not replicated by then fails
-    raft: str | None = None  # this node's Raft bind HOST:PORT (with group_peers)
-    raft_advertise: str | None = None  # the Raft HOST:PORT peers dial (default: raft)
-    raft_secret: str | None = None  # the group secret Raft messages are checked with
-    group_peers: list[str] = field(default_factory=list)  # the other nodes' Raft addresses
-    lease_s: float = 3.0  # a master acknowledges only this long after a committed report
-    dead_s: float = 4.0  # the controller elects a new master after this long
-    credentials: tuple[str, str] | None = None  # to fetch from a master with --auth
-    advertise: str | None = None  # the native HOST:PORT others dial (default: as bound)
 
 
 class Replication:

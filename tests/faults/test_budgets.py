@@ -1,5 +1,5 @@
 """Hostile clients against a real `lightgate serve`: each budget holds, and well-behaved
-clients keep working while it does (issue 22).
+clients keep working while it does.
 
 Memory is the server's RSS from /proc, sampled while the attack runs; the attack sizes
 are chosen so that without the budget the growth would be several times the bound."""

@@ -1,6 +1,7 @@
 """kill -9 `lightgate serve --flush sync` under QoS 2 load at random moments: each
 message a QoS 2 publisher sends (and, after reconnecting, resends with DUP until its
-PUBCOMP) is stored exactly once, however the crash cut the exchange (issue 19 item 9)."""
+PUBCOMP) is stored exactly once, however the crash cut the exchange (MQTT's exactly-once
+promise, kept across a crash)."""
 
 from __future__ import annotations
 

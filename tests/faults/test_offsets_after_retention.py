@@ -1,4 +1,4 @@
-"""Issue 23, item 3, end to end with paho clients: a queue's offsets keep rising after
+"""End to end with paho clients: a queue's offsets keep rising after
 retention removed every record of it and the server restarted, so a persistent
 subscriber that was past the old offsets gets the new messages. Also when the index (it
 is derived data) was lost meanwhile and is rebuilt from the trimmed log."""

@@ -1,4 +1,5 @@
-"""The native-protocol inputs that found issue 23's defects: the corpus that
+"""The native-protocol inputs that found past defects (tests/native/test_defects_native.py
+holds their regressions): the corpus that
 fuzz_native.py starts from (kept apart from it, which instruments what it imports)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Runs the coverage-guided native-protocol fuzzer for a bounded number of inputs, from
-the inputs that found issue 23's defects (see fuzz_native.SEED_INPUTS).
+the inputs that found past defects (see fuzz_native.SEED_INPUTS).
 
 `make test` runs a short burst; `make soak` runs 1,000,000 inputs (LIGHTGATE_FUZZ_RUNS)."""
 

@@ -1,4 +1,4 @@
-"""Regressions for issue 23's gateway defects, each driven over a real socket (or, where a
+"""Regressions for defects found in the gateway, each driven over a real socket (or, where a
 message that the store would now refuse must be injected, over an in-memory stream in
 front of a real Broker and EmbeddedStore)."""
 

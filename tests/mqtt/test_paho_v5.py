@@ -124,7 +124,7 @@ def test_topic_alias_server_to_client(shared_server) -> None:
     assert second.topic == "" and second.properties["topic_alias"] == 1  # alias alone
     # (paho 2.2 does not map aliases it receives, so this is checked at the byte level.)
     # QoS 1/2 messages get aliases too (a resend on a later connection goes without:
-    # see test_spec_issue19).
+    # see test_spec_musts).
     raw.subscribe(topic + "/q1", 1, packet_id=2)
     pub.publish(topic + "/q1", b"c", 1)
     third = raw.recv()

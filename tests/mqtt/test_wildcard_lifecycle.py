@@ -1,4 +1,4 @@
-"""Wildcard queues follow live filters, end to end on `lightgate serve` (issue 18): a
+"""Wildcard queues follow live filters, end to end on `lightgate serve`: a
 filter a connected client reads stays registered however long it is quiet (the gateway
 touches it), one an offline persistent session holds stays too, and one nobody holds
 any more is unregistered, so messages stop being indexed into it."""

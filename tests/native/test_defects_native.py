@@ -1,4 +1,4 @@
-"""Regressions for issue 23's native-protocol and record defects, against a real
+"""Regressions for defects found in the native protocol and the record format, against a real
 `lightgate serve` (raw frames over a socket), and the record format itself."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """deploy/ cannot run here (no Docker engine, no cluster): check what can be checked.
 Every file parses, every `lightgate` flag it uses exists in `lightgate CMD --help`, every
 metric the Grafana dashboard queries is one /metrics serves, and ports match
-INTERFACES.md's defaults."""
+the defaults of the settings (lightgate.settings)."""
 
 from __future__ import annotations
 

@@ -10,10 +10,10 @@ import jwt
 import pytest
 import trio
 
+from gateway.auth.chain import BackendConfig
+from gateway.auth.http_hook import HttpHook
+from gateway.auth.jwt_backend import JwtBackend
 from store.auth.backends import ALLOW, DENY, IGNORE, Credentials
-from store.auth.chain import BackendConfig
-from store.auth.http_hook import HttpHook
-from store.auth.jwt_backend import JwtBackend
 from store.auth.topic_acl import TopicAcl
 from tests.security.http_service import HttpService
 

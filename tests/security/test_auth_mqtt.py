@@ -130,7 +130,7 @@ def test_brute_force_is_slowed(srv: Server) -> None:
 
 
 def test_publish_before_connect_is_rejected(srv: Server) -> None:
-    """rocketmq-mqtt #312: a PUBLISH as the first packet must not be stored."""
+    """A PUBLISH as the first packet (before CONNECT) must not be stored."""
     watcher = Client(srv.port, "watch-312", username=ADMIN[0], password=ADMIN[1])
     watcher.subscribe("early/#", 0)
     raw = RawClient(srv.port, 4)

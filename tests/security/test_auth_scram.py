@@ -13,8 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from gateway import mqtt
-from store.auth.enhanced import CONTINUE, FAILURE
-from store.auth.scram import ScramSha256, make_verifier
+from gateway.auth.enhanced import CONTINUE, FAILURE
+from gateway.auth.scram import ScramSha256
+from store.auth.passwords import make_verifier
 from tests.conftest import Server
 from tests.mqtt.raw import RawClient
 from tests.security.helpers import ADMIN, add_user, allow, auth_server, native

@@ -1,5 +1,5 @@
-"""The per-connection ACL decision cache is bounded (issue 23 suspicion, confirmed:
-keyed by client-chosen topic names, it grew with every topic a client used)."""
+"""The per-connection ACL decision cache is bounded: keyed by client-chosen topic names,
+it once grew with every topic a client used."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, Server
+from tests.conftest import ROOT
 
 NEEDS = [m for m in ("pyspark", "pyarrow", "pandas") if importlib.util.find_spec(m) is None]
 SKIP_REASON = (f"{', '.join(NEEDS)} not installed: pip install 'lightgate[spark]'"
@@ -72,14 +72,6 @@ def spark() -> Iterator[Any]:
     for q in session.streams.active:
         q.stop()
     session.stop()
-
-
-@pytest.fixture
-def lg(tmp_path: Path) -> Iterator[Server]:
-    srv = Server(tmp_path / "data").start()
-    yield srv
-    if srv.proc is not None:
-        assert srv.stop() == 0, srv.logs()[-3000:]
 
 
 # -- the store side ------------------------------------------------------------------------

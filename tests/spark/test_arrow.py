@@ -71,10 +71,10 @@ def test_arrow_schema_is_what_spark_expects(spark: Any) -> None:
     assert to_arrow_schema(schema, timezone="UTC").equals(ARROW_SCHEMA)
 
 
-def test_arrow_rows_equal_tuple_rows(lg: Server) -> None:
-    _fill(lg.native)
-    opts = {"server": lg.native, "topic": "devices"}
-    queues = _queues(lg.native)
+def test_arrow_rows_equal_tuple_rows(server: Server) -> None:
+    _fill(server.native)
+    opts = {"server": server.native, "topic": "devices"}
+    queues = _queues(server.native)
     total = 0
     for q, (lo, hi) in queues.items():
         for start, end in ((lo, hi), (lo + 1, hi - 1), (lo, lo + 1), (hi, hi)):
@@ -94,15 +94,15 @@ def test_arrow_rows_equal_tuple_rows(lg: Server) -> None:
     assert bare[1] == "" and bare[3] is None and bare[6] is None and bare[5] is not None
 
 
-def test_pipelined_pulls_chunks_partial_answers_and_reconnect(lg: Server) -> None:
-    with Producer(lg.native) as p:  # one key: every message in one partition queue
+def test_pipelined_pulls_chunks_partial_answers_and_reconnect(server: Server) -> None:
+    with Producer(server.native) as p:  # one key: every message in one partition queue
         for i in range(0, 2600, 500):
             p.send_batch("devices", [b"%d" % j for j in range(i, min(i + 500, 2600))],
                          key="same")
-    queues = _queues(lg.native)
+    queues = _queues(server.native)
     q, (lo, hi) = max(queues.items(), key=lambda kv: kv[1][1] - kv[1][0])
     assert hi - lo == 2600
-    with StoreClient(lg.native) as c:
+    with StoreClient(server.native) as c:
         want = [(off, m.body) for off, m in c.read_range(q, lo, hi)]
 
         def collect(drop: bool = False, **kw: Any) -> list[tuple[int, bytes]]:
@@ -138,12 +138,12 @@ def test_arrow_batch_keeps_only_the_chunk() -> None:
         arrow_batch("t#0", 0, 9, metas, b"abc")
 
 
-def test_spark_reads_the_same_rows(spark: Any, lg: Server) -> None:
-    _fill(lg.native)
-    opts = {"server": lg.native, "topic": "devices"}
-    want = [r for q, (lo, hi) in _queues(lg.native).items()
+def test_spark_reads_the_same_rows(spark: Any, server: Server) -> None:
+    _fill(server.native)
+    opts = {"server": server.native, "topic": "devices"}
+    want = [r for q, (lo, hi) in _queues(server.native).items()
             for r in read_queue(opts, QueueRange(q, lo, hi))]
-    rows = spark.read.format("lightgate").option("server", lg.native) \
+    rows = spark.read.format("lightgate").option("server", server.native) \
         .option("topic", "devices").load().orderBy("queue", "offset").collect()
 
     def plain(v: Any) -> Any:

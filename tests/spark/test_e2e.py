@@ -32,20 +32,20 @@ threshold = 80
 """
 
 
-def test_alerts_end_to_end(lg: Server, tmp_path: Path) -> None:
+def test_alerts_end_to_end(server: Server, tmp_path: Path) -> None:
     rules = tmp_path / "rules.toml"
     rules.write_text(RULES)
-    sub = Client(lg.port, "alert-watcher")
+    sub = Client(server.port, "alert-watcher")
     sub.subscribe("alerts/#", qos=1)
-    app = Consumer(lg.native, "alert-app", "alerts")
+    app = Consumer(server.native, "alert-app", "alerts")
     ck = tmp_path / "ck"
-    job = Job("analytics", "run", "alerts", "--server", lg.native, "--rules", str(rules),
+    job = Job("analytics", "run", "alerts", "--server", server.native, "--rules", str(rules),
               "--checkpoint", str(ck), "--master", "local[2]",
               "--trigger", "0.5 seconds", "--starting-offsets", "earliest")
     devices: dict[str, Client] = {}
     try:
         job.wait_for("analytics alerts running", 240)
-        devices = {name: Client(lg.port, f"sensor-{name}")
+        devices = {name: Client(server.port, f"sensor-{name}")
                    for name in ("dev-1", "dev-2", "dev-3")}
         now = int(time.time() * 1000)
         for step in range(3):
@@ -65,8 +65,8 @@ def test_alerts_end_to_end(lg: Server, tmp_path: Path) -> None:
 
         # None for the others: once the job has committed a batch reaching the end of
         # `devices`, every alert it will ever send for these readings is in the store.
-        job.wait_committed(ck / "alerts-threshold", lg.native, "devices", 120)
-        assert read_topic(lg.native, "alerts") == [("alerts/dev-2", alert)]
+        job.wait_committed(ck / "alerts-threshold", server.native, "devices", 120)
+        assert read_topic(server.native, "alerts") == [("alerts/dev-2", alert)]
         sub.expect_none(0.5)  # and no duplicate on its way to the subscriber
 
         # A server app consuming `alerts` with the SDK receives the same.

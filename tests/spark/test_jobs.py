@@ -59,17 +59,17 @@ def _final_counts(spark: Any, addr: str) -> Counter:
     return out
 
 
-def test_aggregates_restart_no_loss_no_duplicates(spark: Any, lg: Server,
+def test_aggregates_restart_no_loss_no_duplicates(spark: Any, server: Server,
                                                   tmp_path: Path) -> None:
-    cfg = JobConfig(server=lg.native, checkpoint=str(tmp_path / "ck"),
+    cfg = JobConfig(server=server.native, checkpoint=str(tmp_path / "ck"),
                     starting_offsets="earliest", trigger="0.5 seconds", watermark="1 hour",
                     max_offsets_per_trigger=LIMIT)
     ts = int(time.time() * 1000)
-    with Producer(lg.native) as p:
+    with Producer(server.native) as p:
         sent = _publish(p, 0, 30, ts)
         [q] = aggregates.start(spark, cfg, window="10 seconds")
         try:
-            wait_caught_up(q, lg.native, "devices")
+            wait_caught_up(q, server.native, "devices")
             before = sum(processed_offsets(q).values())
             assert before == 30, progress_summary(q)
             sent += _publish(p, 30, 45, ts)
@@ -93,9 +93,9 @@ def test_aggregates_restart_no_loss_no_duplicates(spark: Any, lg: Server,
     cfg.max_offsets_per_trigger = None
     [q] = aggregates.start(spark, cfg, window="10 seconds")
     try:
-        wait_caught_up(q, lg.native, "devices", timeout=240)
+        wait_caught_up(q, server.native, "devices", timeout=240)
     finally:
         q.stop()
     assert q.exception() is None, progress_summary(q)
-    counts = _final_counts(spark, lg.native)
+    counts = _final_counts(spark, server.native)
     assert counts == sent and sum(counts.values()) == 105

@@ -60,12 +60,12 @@ class Chatter(threading.Thread):
             self.client.disconnect()
 
 
-def test_offline_and_back_online(spark: Any, lg: Server, tmp_path: Path) -> None:
-    sub = Client(lg.port, "offline-watcher")
+def test_offline_and_back_online(spark: Any, server: Server, tmp_path: Path) -> None:
+    sub = Client(server.port, "offline-watcher")
     sub.subscribe("alerts/#", qos=1)
-    quiet = Client(lg.port, "sensor-quiet")
-    chatty = Chatter(lg.port)
-    cfg = JobConfig(server=lg.native, checkpoint=str(tmp_path / "ck"),
+    quiet = Client(server.port, "sensor-quiet")
+    chatty = Chatter(server.port)
+    cfg = JobConfig(server=server.native, checkpoint=str(tmp_path / "ck"),
                     starting_offsets="earliest", trigger="0.5 seconds")
     chatty.start()
     _reading(quiet, "dev-quiet", 21.0)
@@ -114,7 +114,7 @@ def test_offline_and_back_online(spark: Any, lg: Server, tmp_path: Path) -> None
     assert q.exception() is None, progress_summary(q)
     # dev-chatty never went quiet: everything the query wrote is in the store by now, and
     # it is exactly these two alerts; MQTT delivered nothing else.
-    stored = read_topic(lg.native, "alerts")
+    stored = read_topic(server.native, "alerts")
     assert [(t, b["rule"], b["device"]) for t, b in stored] == [
         ("alerts/dev-quiet", "offline", "dev-quiet"),
         ("alerts/dev-quiet", "online", "dev-quiet")], stored

@@ -49,16 +49,16 @@ def _publish(addr: str, n: int, devices: int = 3) -> None:
                    .encode(), mqtt_topic=f"devices/d{d}/temp", qos=1)
 
 
-def test_batch_reader_offsets(spark: Any, lg: Server) -> None:
-    _publish(lg.native, 40)
-    with StoreClient(lg.native) as c:
+def test_batch_reader_offsets(spark: Any, server: Server) -> None:
+    _publish(server.native, 40)
+    with StoreClient(server.native) as c:
         queues = {q["queue"]: (q["min_offset"], q["max_offset"]) for q in c.describe("devices")}
         every = {(q, off): m.body for q, (lo, hi) in queues.items()
                  for off, m in c.read_range(q, lo, hi)}
     assert len(every) == 40
     start = {q: min(1, hi) for q, (lo, hi) in queues.items()}
     end = {q: max(start[q], hi - 1) for q, (lo, hi) in queues.items()}
-    df = (spark.read.format("lightgate").option("server", lg.native).option("topic", "devices")
+    df = (spark.read.format("lightgate").option("server", server.native).option("topic", "devices")
           .option("startingOffsets", json.dumps(start))
           .option("endingOffsets", json.dumps(end)).load())
     rows = df.collect()
@@ -69,13 +69,13 @@ def test_batch_reader_offsets(spark: Any, lg: Server) -> None:
     assert r.mqtt_topic.startswith("devices/d") and r.qos == 1 and len(r.msg_id) == 16
     assert r.store_time is not None and r.born_time is not None
     # Defaults: earliest to latest, every record once.
-    assert spark.read.format("lightgate").option("server", lg.native) \
+    assert spark.read.format("lightgate").option("server", server.native) \
         .option("topic", "devices").load().count() == 40
 
 
-def test_stream_rate_limit_and_batch_sink(spark: Any, lg: Server, tmp_path: Any) -> None:
-    _publish(lg.native, 60)
-    q = (spark.readStream.format("lightgate").option("server", lg.native)
+def test_stream_rate_limit_and_batch_sink(spark: Any, server: Server, tmp_path: Any) -> None:
+    _publish(server.native, 60)
+    q = (spark.readStream.format("lightgate").option("server", server.native)
          .option("topic", "devices").option("startingOffsets", "earliest")
          .option("maxOffsetsPerTrigger", "25").load()
          .writeStream.format("memory").queryName("ratelimited")
@@ -93,9 +93,9 @@ def test_stream_rate_limit_and_batch_sink(spark: Any, lg: Server, tmp_path: Any)
     (out.withColumn("mqtt_topic", out.mqtt_topic)
      .selectExpr("case when mqtt_topic is null then null else mqtt_topic end as mqtt_topic",
                  "value", "key", "properties")
-     .write.format("lightgate").option("server", lg.native).option("topic", "cmd")
+     .write.format("lightgate").option("server", server.native).option("topic", "cmd")
      .mode("append").save())
-    back = (spark.read.format("lightgate").option("server", lg.native).option("topic", "cmd")
+    back = (spark.read.format("lightgate").option("server", server.native).option("topic", "cmd")
             .load().collect())
     by_body = {bytes(r.payload): r for r in back}
     assert set(by_body) == {b"on", b"plain"}
@@ -136,13 +136,13 @@ def test_reader_and_writer_with_auth(spark: Any, tmp_path: Any) -> None:
         assert srv.stop() == 0
 
 
-def test_stream_reader_keeps_one_connection_and_pickles_without_it(lg: Server) -> None:
+def test_stream_reader_keeps_one_connection_and_pickles_without_it(server: Server) -> None:
     import pickle
 
     from spark_streaming.source import LightgateStreamReader
 
-    _publish(lg.native, 8)
-    reader = LightgateStreamReader({"server": lg.native, "topic": "devices",
+    _publish(server.native, 8)
+    reader = LightgateStreamReader({"server": server.native, "topic": "devices",
                                     "startingoffsets": "earliest"})
     start = reader.initialOffset()
     ends = reader.latestOffset(start, None)
@@ -150,7 +150,7 @@ def test_stream_reader_keeps_one_connection_and_pickles_without_it(lg: Server) -
     store = reader._store
     assert store is not None
     assert reader.reportLatestOffset() == ends  # what latestOffset just saw
-    _publish(lg.native, 2)
+    _publish(server.native, 2)
     assert sum(reader.latestOffset(ends, None).values()) == sum(ends.values()) + 2
     assert reader._store is store  # the same connection, trigger after trigger
     copy = pickle.loads(pickle.dumps(reader))  # as Spark ships it to executors
@@ -159,19 +159,19 @@ def test_stream_reader_keeps_one_connection_and_pickles_without_it(lg: Server) -
     assert reader._store is None
 
 
-def test_starting_timestamp(spark: Any, lg: Server, tmp_path: Any) -> None:
+def test_starting_timestamp(spark: Any, server: Server, tmp_path: Any) -> None:
     """Each queue starts at its first record stored at or after the time, batch and
     stream alike, and the option wins over startingOffsets."""
     import time
 
-    _publish(lg.native, 30)
+    _publish(server.native, 30)
     time.sleep(0.05)
     mark = int(time.time() * 1000)
     time.sleep(0.05)
-    _publish(lg.native, 12)
+    _publish(server.native, 12)
 
     def reader() -> Any:
-        return (spark.read.format("lightgate").option("server", lg.native)
+        return (spark.read.format("lightgate").option("server", server.native)
                 .option("topic", "devices").option("startingOffsets", "earliest"))
 
     rows = reader().option("startingTimestamp", str(mark)).load().collect()
@@ -182,7 +182,7 @@ def test_starting_timestamp(spark: Any, lg: Server, tmp_path: Any) -> None:
     with pytest.raises(Exception, match="'startingTimestamp' must be ms since the epoch"):
         reader().option("startingTimestamp", "2025-01-01").load().count()
 
-    q = (spark.readStream.format("lightgate").option("server", lg.native)
+    q = (spark.readStream.format("lightgate").option("server", server.native)
          .option("topic", "devices").option("startingTimestamp", str(mark)).load()
          .writeStream.format("memory").queryName("since_mark")
          .option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start())

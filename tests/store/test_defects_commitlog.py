@@ -1,4 +1,4 @@
-"""Regressions for issue 23's CommitLog and queue defects: offsets after retention and a
+"""Regressions for defects found in the CommitLog and the queues: offsets after retention and a
 restart (store level and end to end over MQTT), the segment list shared by the writer
 and retention, and the directory fsync after a segment roll."""
 

@@ -1,4 +1,5 @@
-"""flush async appends inline, in the caller's thread (issue 18): the future is done when
+"""flush async appends inline, in the caller's thread (a hop to the writer thread per
+append cost more than the write): the future is done when
 `append` returns, the writer thread is only a flusher, and the flusher still keeps its
 promise (fsync every flush interval, at once past flush_bytes) whatever rolls happen."""
 

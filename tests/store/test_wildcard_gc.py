@@ -1,4 +1,4 @@
-"""Wildcard queues follow live filters (issue 18): every message is indexed into every
+"""Wildcard queues follow live filters: every message is indexed into every
 registered wildcard filter, so one nobody reads any more is unregistered after
 `wildcard_idle_s` unless a gateway touched it or a stored reader position names it."""
 

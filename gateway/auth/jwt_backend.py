@@ -27,8 +27,7 @@ import httpx
 import jwt
 import trio
 
-from store.auth.backends import Credentials, Decision
-from store.auth.topic_acl import TopicAcl
+from store.api import Credentials, Decision, TopicAcl
 
 log = logging.getLogger("lightgate.auth.jwt")
 

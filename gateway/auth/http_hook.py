@@ -33,8 +33,7 @@ import httpx
 import orjson
 import trio
 
-from store.auth.backends import ALLOW, DENY, IGNORE, Credentials, Decision
-from store.auth.topic_acl import TopicAcl
+from store.api import ALLOW, DENY, IGNORE, Credentials, Decision, TopicAcl
 
 log = logging.getLogger("lightgate.auth.http")
 

@@ -1,14 +1,13 @@
 """SCRAM-SHA-256 (RFC 5802, RFC 7677) as an MQTT 5 enhanced authentication method, on
 the `scramp` library (the message grammar, SASLprep and the proof check).
 
-The server keeps a verifier per user, never the password: salt, iteration count,
-StoredKey and ServerKey, made when the password is set (`make_verifier`). No channel
-binding (gs2 header "n,,"): MQTT carries no TLS binding data in AUTH.
+The store keeps a verifier per user, never the password: salt, iteration count,
+StoredKey and ServerKey, made when the password is set (store.auth.passwords). No
+channel binding (gs2 header "n,,"): MQTT carries no TLS binding data in AUTH.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
 import os
@@ -17,32 +16,11 @@ from typing import Any
 
 import scramp
 
-from store.auth.enhanced import CONTINUE, SUCCESS, AuthStep
+from gateway.auth.enhanced import CONTINUE, SUCCESS, AuthStep
+from store.api import SCRAM_ITERATIONS, SCRAM_METHOD, parse_scram_verifier
 
-METHOD = "SCRAM-SHA-256"
-SCHEME = "scram-sha-256"
-ITERATIONS = 4096  # RFC 7677's minimum: the device does the same PBKDF2 work per connect
+METHOD = SCRAM_METHOD
 _MECH = scramp.ScramMechanism(METHOD)
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def make_verifier(password: str, iterations: int = ITERATIONS) -> str:
-    """`scram-sha-256$I$SALT$STOREDKEY$SERVERKEY` (base64): what the user record keeps.
-    Blocking (PBKDF2): call from a worker thread."""
-    salt, stored_key, server_key, i = _MECH.make_auth_info(password, iterations)
-    return f"{SCHEME}${i}${_b64(salt)}${_b64(stored_key)}${_b64(server_key)}"
-
-
-def parse_verifier(encoded: str) -> tuple[bytes, bytes, bytes, int]:
-    """(salt, stored_key, server_key, iterations), as scramp's auth_fn returns them."""
-    scheme, i, salt, stored, server = encoded.split("$")
-    if scheme != SCHEME:
-        raise ValueError(f"not a {SCHEME} verifier")
-    return (base64.b64decode(salt), base64.b64decode(stored), base64.b64decode(server),
-            int(i))
 
 
 class ScramSha256:
@@ -69,7 +47,7 @@ class ScramSha256:
                             "set it again)"
         if encoded:
             try:
-                verifier = parse_verifier(encoded)
+                verifier = parse_scram_verifier(encoded)
                 self._known = True
                 return verifier
             except ValueError:
@@ -78,7 +56,7 @@ class ScramSha256:
         # cannot tell them from wrong passwords; the salt is stable per name for the same
         # reason. Random keys: no proof can match them.
         salt = hmac.new(self._secret, self._user.encode(), hashlib.sha256).digest()[:16]
-        return salt, os.urandom(32), os.urandom(32), ITERATIONS
+        return salt, os.urandom(32), os.urandom(32), SCRAM_ITERATIONS
 
     def start(self, data: bytes | None) -> AuthStep:
         if self._server is not None:

@@ -1,4 +1,4 @@
-"""Issue 19: behaviours the OASIS MQTT 5.0 / 3.1.1 standards require, driven from raw
+"""Behaviours the OASIS MQTT 5.0 / 3.1.1 standards require (their MUSTs), driven from raw
 sockets (exact bytes through our codec) or paho against a real `lightgate serve`."""
 
 from __future__ import annotations

@@ -12,8 +12,13 @@ import ipaddress
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+from serving.settings import setting
+
+if TYPE_CHECKING:  # the command line reads these settings without loading the store
+    from store.api import Backend
 
 log = logging.getLogger("lightgate.auth")
 
@@ -25,16 +30,30 @@ PUBLIC_KEY_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "
 
 @dataclass
 class BackendConfig:
-    order: tuple[str, ...] | None = None  # None: builtin, then whatever is configured
-    jwt_secret: str | None = None  # VALUE or @FILE
-    jwt_jwks: str | None = None  # a file or an http(s) URL
-    jwt_jwks_refresh_s: float = 300.0
-    jwt_algorithms: tuple[str, ...] | None = None  # None: HS256 and/or RS256,ES256
-    http_url: str | None = None
-    http_timeout_s: float = 5.0
-    http_cache_s: float = 30.0
-    http_on_error: str = "deny"
-    http_acl: bool = False
+    """The settings of MQTT's authentication backends; each flag is `--auth-` and the
+    field's name (lightgate.settings)."""
+
+    order: tuple[str, ...] | None = setting(  # None: builtin, then whatever is configured
+        None, "MQTT authentication backends in order, first definite answer wins: "
+        "builtin,jwt,http (default: builtin, then each one configured); any but builtin "
+        "turns authentication on", type=str)
+    jwt_secret: str | None = setting(
+        None, "JWT in the password, HS256 with this secret (VALUE or @FILE)")
+    jwt_jwks: str | None = setting(
+        None, "JWT in the password, RS256/ES256 with the keys of this JWKS file or "
+        "http(s) URL")
+    jwt_jwks_refresh_s: float = setting(300.0, "re-read the JWKS this often")
+    jwt_algorithms: tuple[str, ...] | None = setting(  # None: HS256 and/or RS256,ES256
+        None, "accepted JWT algorithms, comma list (default: HS256 with a secret, "
+        "RS256,ES256 with a JWKS)", type=str)
+    http_url: str | None = setting(None, "POST CONNECTs (JSON) to this auth hook URL")
+    http_timeout_s: float = setting(5.0, "how long to wait for the auth hook")
+    http_cache_s: float = setting(30.0, "remember the hook's answers this long (0: never)")
+    http_on_error: str = setting(
+        "deny", "when the hook fails or times out: deny, allow or next (ask the next "
+        "backend)")
+    http_acl: bool = setting(
+        False, "also ask the hook for each PUBLISH/SUBSCRIBE of the clients it let in")
 
     @property
     def chain(self) -> tuple[str, ...]:
@@ -109,7 +128,7 @@ class BackendConfig:
         if self.jwt_jwks_refresh_s <= 0:
             raise ValueError("--auth-jwt-jwks-refresh-s must be above 0")
         if self.jwt_jwks:
-            from store.auth.jwt_backend import is_url, parse_jwks
+            from gateway.auth.jwt_backend import is_url, parse_jwks
 
             if self.jwt_jwks.startswith("http://") and not _loopback(self.jwt_jwks):
                 raise ValueError(f"--auth-jwt-jwks {self.jwt_jwks}: keys over plain http "
@@ -130,7 +149,7 @@ class BackendConfig:
             log.warning("--auth-jwt-secret is %d bytes: HS256 wants at least 32", len(secret))
 
     def _check_http(self) -> None:
-        from store.auth.http_hook import ON_ERROR
+        from gateway.auth.http_hook import ON_ERROR
 
         assert self.http_url is not None
         if not self.http_url.startswith(("http://", "https://")):
@@ -163,20 +182,20 @@ def split_list(value: Any) -> tuple[str, ...] | None:
     return tuple(i.strip() for i in items if i.strip())
 
 
-def build_backends(cfg: BackendConfig, builtin: Any) -> list[Any]:
+def build_backends(cfg: BackendConfig, builtin: Backend) -> list[Backend]:
     """The backends in `cfg.chain` order; `builtin` is the manager's own. Imported here,
     not at the top: PyJWT and httpx load only when a deployment uses them."""
-    out: list[Any] = []
+    out: list[Backend] = []
     for name in cfg.chain:
         if name == "builtin":
             out.append(builtin)
         elif name == "jwt":
-            from store.auth.jwt_backend import JwksSource, JwtBackend
+            from gateway.auth.jwt_backend import JwksSource, JwtBackend
 
             jwks = JwksSource(cfg.jwt_jwks, cfg.jwt_jwks_refresh_s) if cfg.jwt_jwks else None
             out.append(JwtBackend(cfg.secret_bytes(), jwks, cfg.algorithms))
         elif name == "http":
-            from store.auth.http_hook import HttpHook
+            from gateway.auth.http_hook import HttpHook
 
             assert cfg.http_url is not None
             out.append(HttpHook(cfg.http_url, timeout_s=cfg.http_timeout_s,

@@ -1,0 +1,369 @@
+"""The gateway's sessions: opened for a CONNECT (taking over the client id's live
+connection, resuming what the store holds), detached when the connection ends, expired
+or discarded; and what they keep in the store on the way (subscriptions, where each
+queue resumes, messages in flight). Layout of the records: gateway.session."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import trio
+
+from gateway import replay
+from gateway.background import Background
+from gateway.cache import Templates
+from gateway.locks import ClientLocks
+from gateway.session import (
+    NEVER_EXPIRES,
+    NUL,
+    Client,
+    Outgoing,
+    Session,
+    Subscription,
+    in_key,
+    offset_key,
+    out_key,
+    qos2_key,
+    sub_key,
+)
+from gateway.shared import SharedGroups
+from gateway.stats import Stats
+from gateway.wills import Wills
+from lightqueue.topic import is_wildcard
+from store.api import AuthManager, Store, StoreError
+
+log = logging.getLogger("lightgate.gateway")
+
+
+class SessionLimitReached(Exception):
+    """No new persistent session: the node holds --max-sessions already."""
+
+
+class SessionRegistry:
+    def __init__(self, store: Store, auth: AuthManager, stats: Stats, max_sessions: int, *,
+                 wills: Wills, groups: SharedGroups, templates: Templates,
+                 background: Background, locks: ClientLocks) -> None:
+        self.store = store
+        self.auth = auth
+        self.stats = stats
+        self.max_sessions = max_sessions  # persistent ones; 0: no limit
+        self.wills = wills
+        self.groups = groups
+        self.templates = templates
+        self.background = background
+        self.locks = locks
+        self.by_id: dict[str, Session] = {}
+        self.by_queue: dict[str, set[Session]] = {}  # who reads each queue itself
+        # Persistent sessions in the store: counted by each expiry sweep, plus those
+        # made and discarded here since.
+        self.persistent = 0
+
+    # -- opening ----------------------------------------------------------------------
+    async def open(self, client_id: str, clean_start: bool, expiry: int, version: int,
+                   connection: Client | None = None) -> tuple[Session, bool]:
+        """The session for a new connection, attached to `connection`, and whether one was
+        present. CONNECTs with the same client id are taken one at a time, in order, so
+        the last one wins: two at once both stayed connected, holding one session."""
+        async with self.locks.hold(client_id):
+            session, present = await self._open(client_id, clean_start, expiry, version,
+                                                self._owner(connection))
+            if connection is not None:
+                session.connection = connection
+            return session, present
+
+    def _owner(self, connection: Client | None) -> str | None:
+        """The identity a session made on `connection` belongs to (None: auth off)."""
+        subject = connection.subject if connection is not None else None
+        if not self.auth.enabled or subject is None:
+            return None
+        return f"{subject.backend}:{subject.name}"
+
+    async def _open(self, client_id: str, clean_start: bool, expiry: int, version: int,
+                    owner: str | None = None) -> tuple[Session, bool]:
+        session = self.by_id.get(client_id)
+        if session is not None and session.connection is not None:
+            await session.connection.take_over()  # closed, will sent, session detached
+            session = self.by_id.get(client_id)
+        await self.wills.client_back(client_id, clean_start)
+        if clean_start:
+            if session is not None or await self.store.meta_get("sessions", client_id):
+                await self.discard(client_id)
+            session, present = None, False
+        elif session is not None:
+            present = True
+        else:
+            session = await self._load(client_id)
+            present = session is not None
+        if session is not None and owner is not None and session.owner not in (None, owner):
+            # Another identity with the same client id: its subscriptions, what it had
+            # in flight and what it missed were allowed for the other one. A fresh start.
+            log.info("client id %r: session of %s not resumed by %s: starting clean",
+                     client_id, session.owner, owner)
+            await self.discard(client_id)
+            session, present = None, False
+        if session is None:
+            session = self._new(client_id, expiry, version)
+        session.persistent = expiry > 0
+        session.expiry = expiry
+        session.version = version
+        session.disconnected_at = None
+        if owner is not None:
+            session.owner = owner
+        if session.persistent:
+            await self.store.meta_put("sessions", client_id, {"version": version,
+                                                               "expiry": expiry,
+                                                               "owner": session.owner})
+        return session, present
+
+    def _new(self, client_id: str, expiry: int, version: int) -> Session:
+        if expiry > 0 and self.max_sessions and self.persistent >= self.max_sessions:
+            self.stats.limit_refusals += 1
+            self.stats.sessions_refused += 1
+            raise SessionLimitReached(
+                f"{self.persistent} persistent sessions held (--max-sessions)")
+        session = Session(client_id, persistent=expiry > 0, version=version, expiry=expiry)
+        self.by_id[client_id] = session
+        if expiry > 0:
+            self.persistent += 1
+        return session
+
+    async def _load(self, client_id: str) -> Session | None:
+        info = await self.store.meta_get("sessions", client_id)
+        if info is None:
+            return None
+        s = Session(client_id, persistent=True, version=info.get("version", 4),
+                    expiry=info.get("expiry", NEVER_EXPIRES), owner=info.get("owner"))
+        for key, value in await self.store.meta_items("subscriptions", client_id + NUL):
+            sub = Subscription.from_meta(key.split(NUL, 1)[1], value)
+            s.add_subscription(sub)
+            if sub.shared:
+                await self.groups.join(s, sub.shared)
+            else:
+                self._index(s, sub.queue)
+        for sub in s.subscriptions.values():
+            if sub.shared:
+                continue
+            pos = await self.store.meta_get("offsets", offset_key(client_id, sub.queue))
+            replay.restore(s, sub, pos)
+            if pos is not None:
+                # Resume at the first unacknowledged offset; what lies between it and the
+                # next unsent one was acknowledged or is resent from the in-flight state.
+                s.cursors[sub.queue] = pos["acked"]
+                if pos["next"] > pos["acked"]:
+                    s.restored_upto[sub.queue] = pos["next"] - 1
+        for key, value in await self.store.meta_items("inflight", client_id + NUL):
+            _, direction, pid = key.split(NUL)
+            if direction == "in":
+                if "done" not in value:
+                    s.incoming_qos2.add(int(pid))
+                    if "phys" in value:
+                        s.incoming_phys[int(pid)] = value["phys"]
+            else:
+                await self._restore_outgoing(s, int(pid), value)
+        self.by_id[client_id] = s
+        log.info("session %r restored from the store (%d subscriptions, %d in flight)",
+                 client_id, len(s.subscriptions), len(s.outgoing))
+        return s
+
+    async def _restore_outgoing(self, s: Session, pid: int, value: dict[str, Any]) -> None:
+        queue, offset, state = value["queue"], value["offset"], value["state"]
+        res = await self.store.pull(queue, offset, 1)
+        if not res.messages or res.messages[0].offset_in(queue) != offset:
+            return  # gone by retention: nothing to resend
+        msg = res.messages[0]
+        qos = value.get("qos", msg.qos)
+        data = self.templates(msg).for_subscriber(pid, False, version=s.version, qos=qos,
+                                                  retain=False)
+        s.outgoing[pid] = Outgoing(pid, queue, offset, data, qos, state, message=msg,
+                                   version=s.version)
+        s.restored_upto[queue] = max(offset, s.restored_upto.get(queue, -1))
+        s.next_packet_id = pid % 65535 + 1
+
+    # -- ending -----------------------------------------------------------------------
+    async def discard(self, client_id: str) -> None:
+        s = self.by_id.pop(client_id, None)
+        if s is None or s.persistent:
+            self.persistent = max(0, self.persistent - 1)
+        if s is not None:
+            for o in s.outgoing.values():
+                if o.group is not None:  # a QoS 2 kept for it: nobody else gets it
+                    o.group.acked(o.offset)
+            for sub in list(s.subscriptions.values()):
+                if sub.shared:
+                    await self.groups.leave(s, sub.shared)
+                else:
+                    self._unindex(s, sub.queue)
+        await self.store.meta_write([
+            ("delete", "sessions", client_id, None),
+            ("delete_prefix", "subscriptions", client_id + NUL, None),
+            ("delete_prefix", "offsets", offset_key(client_id, ""), None),
+            ("delete_prefix", "inflight", client_id + NUL, None),
+        ])
+
+    async def detached(self, session: Session) -> None:
+        """The connection of `session` closed; keep or drop the session per its expiry."""
+        session.connection = None
+        session.disconnected_at = time.time()
+        if not session.persistent:
+            if self.by_id.get(session.client_id) is session:
+                await self.discard(session.client_id)
+            return
+        await self.flush_offsets(session)
+        info: dict[str, Any] = {"version": session.version, "expiry": session.expiry,
+                                "disconnected_at": session.disconnected_at,
+                                "owner": session.owner}
+        will = self.wills.record(session.client_id)
+        if will is not None:  # kept with the session: published after a restart too
+            info["will"] = will
+        await self.store.meta_put("sessions", session.client_id, info)
+        if session.expiry != NEVER_EXPIRES:
+            self.background.spawn(self._expire_later, session)
+
+    async def _expire_later(self, s: Session) -> None:
+        await trio.sleep(s.expiry)
+        if self.by_id.get(s.client_id) is s and s.expired():
+            log.info("session %r expired after %ds offline", s.client_id, s.expiry)
+            try:
+                await self.discard(s.client_id)
+                self.stats.sessions_expired += 1
+            except StoreError as exc:  # the periodic expiry check will try again
+                log.warning("expired session %r not removed yet: %s", s.client_id, exc)
+
+    async def expire(self) -> int:
+        """Discard every session past its expiry, live here or only in the store; the
+        count of persistent sessions is taken afresh on the way."""
+        now = time.time()
+        gone = 0
+        items = await self.store.meta_items("sessions")
+        for client_id, info in items:
+            s = self.by_id.get(client_id)
+            if s is not None:
+                if s.expired(now):
+                    await self.discard(client_id)
+                    gone += 1
+                continue
+            at, expiry = info.get("disconnected_at"), info.get("expiry", NEVER_EXPIRES)
+            if at is not None and expiry != NEVER_EXPIRES and now - at >= expiry:
+                await self.discard(client_id)
+                gone += 1
+        self.persistent = len(items) - gone
+        self.stats.sessions_expired += gone
+        return gone
+
+    # -- subscriptions ----------------------------------------------------------------
+    def _index(self, s: Session, queue: str) -> None:
+        self.by_queue.setdefault(queue, set()).add(s)
+
+    def _unindex(self, s: Session, queue: str) -> None:
+        subs = self.by_queue.get(queue)
+        if subs is not None:
+            subs.discard(s)
+            if not subs:
+                del self.by_queue[queue]
+
+    async def subscribe(self, s: Session, sub: Subscription) -> bool:
+        """Add or replace a subscription; a new one starts at its queue's end."""
+        if is_wildcard(sub.queue):
+            # Wildcard queues are registered by their first subscriber: no admin step.
+            await self.store.add_wildcard(sub.queue)
+        new = s.add_subscription(sub)
+        if sub.shared:
+            await self.groups.join(s, sub.shared)
+        else:
+            if new:
+                s.cursors[sub.queue] = await self.store.queue_end(sub.queue)
+                s.offsets_dirty.add(sub.queue)
+            self._index(s, sub.queue)
+        if s.persistent:
+            await self.store.meta_put("subscriptions", sub_key(s.client_id, sub.topic_filter),
+                                      sub.to_meta())
+            await self.flush_offsets(s)
+        return new
+
+    async def unsubscribe(self, s: Session, topic_filter: str) -> bool:
+        sub = s.subscription(topic_filter)
+        if sub is None:
+            return False
+        s.remove_subscription(topic_filter)
+        if sub.shared:
+            await self.groups.leave(s, sub.shared)
+        else:
+            self._unindex(s, sub.queue)
+        if s.persistent:
+            await self.store.meta_write([
+                ("delete", "subscriptions", sub_key(s.client_id, topic_filter), None),
+                ("delete", "offsets", offset_key(s.client_id, sub.queue), None),
+            ])
+        return True
+
+    # -- what a persistent session keeps in the store ---------------------------------
+    async def flush_offsets(self, s: Session) -> None:
+        """Persist where each queue of `s` resumes: the first unacknowledged offset."""
+        if not s.persistent or not s.has_dirty_offsets():
+            return
+        ops = []
+        for queue in s.offsets_dirty:
+            acked = s.acked_offset(queue)
+            if acked is not None and queue in s.subscriptions:
+                pos = {"acked": acked, "next": s.cursors.get(queue, acked)}
+                if s._replays and (progress := replay.meta(s, queue)) is not None:
+                    pos["replay"] = progress
+                ops.append(("put", "offsets", offset_key(s.client_id, queue), pos))
+        if ops:
+            await self.store.meta_write(ops)
+        s.offsets_dirty.clear()
+
+    async def flush_all_offsets(self) -> None:
+        """Where every session resumes; a failure keeps them dirty, so the next round
+        flushes them."""
+        for s in list(self.by_id.values()):
+            if s.has_dirty_offsets():
+                await self.flush_offsets(s)
+
+    async def persist_outgoing(self, s: Session, o: Outgoing) -> None:
+        if s.persistent and o.queue is not None:
+            await self.store.meta_put("inflight", out_key(s.client_id, o.packet_id),
+                                      {"queue": o.queue, "offset": o.offset, "state": o.state,
+                                       "qos": o.qos})
+
+    async def forget_outgoing(self, s: Session, o: Outgoing) -> None:
+        if s.persistent and o.queue is not None:
+            try:
+                await self.store.meta_delete("inflight", out_key(s.client_id, o.packet_id))
+            except StoreError as exc:  # the store is away (a failover): the client's ack
+                # stands; the stale record only means a resend with DUP after a restart
+                log.warning("in-flight record of %r not removed: %s", s.client_id, exc)
+            s.offsets_dirty.add(o.queue)
+
+    async def remember_incoming_qos2(self, s: Session, pid: int, done: bool,
+                                     phys: int = -1) -> None:
+        """`phys`: where the publish's record is (its key is qos2_key). Released, the
+        marker keeps that position: a crash may leave a later publish with this id stored
+        but unmarked, and `stored_qos2` tells the two apart by it."""
+        if not s.persistent:
+            return
+        if done:
+            phys = s.incoming_phys.pop(pid, -1)
+            if phys >= 0:
+                await self.store.meta_put("inflight", in_key(s.client_id, pid), {"done": phys})
+            else:
+                await self.store.meta_delete("inflight", in_key(s.client_id, pid))
+        else:
+            if phys >= 0:
+                s.incoming_phys[pid] = phys
+            await self.store.meta_put("inflight", in_key(s.client_id, pid),
+                                      {"phys": phys} if phys >= 0 else {})
+
+    async def stored_qos2(self, s: Session, pid: int) -> int | None:
+        """For a DUP QoS 2 PUBLISH of a packet id the session has no exchange for: the
+        position of the record an earlier attempt stored before a crash cut the exchange
+        (then it is a duplicate), or None (a new message, to store)."""
+        last = await self.store.last_key_offset(qos2_key(s.client_id, pid))
+        if last is None:
+            return None
+        mark = await self.store.meta_get("inflight", in_key(s.client_id, pid))
+        if mark is not None and mark.get("done", -1) >= last:
+            return None  # that record's exchange was completed
+        return last

@@ -1,0 +1,44 @@
+"""The gateway's counters: what $SYS, the metrics endpoint and the dashboard report."""
+
+from __future__ import annotations
+
+import time
+
+APPEND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.messages_in_qos = [0, 0, 0]
+        self.messages_out_qos = [0, 0, 0]
+        self.notify_events = 0
+        # Store append latency as the gateway sees it (submit -> durable ack), cumulative
+        # bucket counts for a Prometheus histogram.
+        self.append_buckets = [0] * len(APPEND_BUCKETS)
+        self.append_count = 0
+        self.append_sum = 0.0
+        self.connections = 0
+        self.connects_total = 0
+        self.messages_in = 0
+        self.messages_out = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.dropped = 0
+        self.expired = 0
+        self.publish_errors = 0
+        self.wills = 0
+        self.stuck_disconnects = 0
+        self.limit_refusals = 0  # connects, publishes, subscribes refused by a limit
+        self.sessions_refused = 0  # new persistent sessions past --max-sessions
+        self.sessions_expired = 0
+        self.offline_dropped = 0  # skipped past --max-offline-messages / -bytes
+        self.topic_refusals = 0  # topics past --max-topic-levels / --max-topic-length
+        self.store_errors = 0  # store calls of background work that failed (retried later)
+
+    def observe_append(self, seconds: float) -> None:
+        self.append_count += 1
+        self.append_sum += seconds
+        for i, bound in enumerate(APPEND_BUCKETS):
+            if seconds <= bound:
+                self.append_buckets[i] += 1
