@@ -7,7 +7,8 @@ PUBACK latency (p50, p99) for the same load.
 
 Everything runs on 127.0.0.1 on free ports, in fresh temporary data directories; every
 loop is bounded by message count and by a deadline. Prints one JSON list on stdout and
-writes bench/results/ha.json. The machine must be otherwise idle (see README.md)."""
+writes bench/results/ha.json. The machine must be otherwise idle (docs/benchmarks.md,
+"Running them")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`lightgate config --example`: a TOML file with every setting of the server commands,
-made from the settings tables (settings.py), so the example (and the README's copy, which
-a test compares with them) cannot miss a key."""
+made from the settings tables (settings.py), so the example (and the configuration page
+of the docs, which renders it at build time) cannot miss a key."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from store.config import AuthConfig, ReplicationConfig, StoreConfig
 
 # `serve` and `store`: the storage node's (data directory, retention, memory ...).
 STORE_SETTINGS: list[Setting] = settings_of(StoreConfig)
-# A store group (README, "Store groups and high availability"): `lightgate store` only.
+# A store group (docs/store-groups.md): `lightgate store` only.
 REPLICATION_SETTINGS: list[Setting] = settings_of(ReplicationConfig)
 HTTP_SETTING = ("http", str, HTTP_ADDR, "HTTP (dashboard, admin API, metrics) HOST:PORT")
 HTTP_BODY_SETTING = ("http-max-body", int, HTTP_MAX_BODY,

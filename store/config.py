@@ -48,7 +48,7 @@ class StoreConfig:
     wildcard_idle_s: float = setting(
         600.0, "unregister a wildcard queue no session has used for this long, so "
         "messages stop being indexed into it (0: never)")
-    # Memory (README, "Sizing"): RocksDB block caches and memtables, and the ring of
+    # Memory (docs/configuration.md, "Sizing"): RocksDB block caches and memtables, and the ring of
     # recent messages that readers at the head of a queue are served from (store.recent).
     # A small device may halve them all, a big node raise them.
     index_cache_mb: int = setting(

@@ -1,6 +1,6 @@
 """Authorisation policies (ACL 2.0): subject x resource x actions x source IP x decision.
 
-Priority when several policies match a request (documented in the README):
+Priority when several policies match a request (documented in docs/security.md, "Policies"):
 1. the most specific resource wins: LITERAL name (3) > PREFIXED or an MQTT-wildcard
    pattern (2, the longer literal part first) > ANY (1);
 2. on a tie, Deny wins over Allow.

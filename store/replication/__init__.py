@@ -1,2 +1,2 @@
 """Store groups: CommitLog and metadata replication, in-sync replicas, epochs, and the
-embedded Raft controller (pysyncobj) that elects the master. See README, "Store groups"."""
+embedded Raft controller (pysyncobj) that elects the master. See docs/store-groups.md."""

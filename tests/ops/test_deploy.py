@@ -93,7 +93,7 @@ def test_ports_match_the_interfaces() -> None:
     text = "\n".join(p.read_text() for p in DEPLOY.rglob("*") if p.is_file())
     for port in re.findall(r"(?:--mqtt|--native|--http|containerPort:|port:)\D{0,20}(\d{4,5})",
                            text):
-        # 7900: a store group's Raft port (--raft; no default, README "Store groups")
+        # 7900: a store group's Raft port (--raft; no default, docs/store-groups.md)
         assert int(port) in {*PORTS.values(), 6379, 7077, 8080, 9090, 3000, 7900}, port
     assert "1883" in text and "10911" in text and "18083" in text
 
