@@ -183,8 +183,9 @@ class Delivery:
                     self._send(msg, qos, retain, sids, queue, offset)
                 s.cursors[queue] = msg.offset_in(queue) + 1
                 s.offsets_dirty.add(queue)
-            if len(msgs) < batch:
-                return DONE
+            # A short answer is not the queue's end: the cache's window may stop short of
+            # it (a reader's fill started it mid-burst, and appends past the gap are not
+            # added to it). Only an empty answer, from the store's side, says "caught up".
 
     def _blocked(self, qos: int) -> bool:
         """No room: the client's window (QoS 1/2), or too much waiting for its socket."""

@@ -98,7 +98,7 @@ class Output:
         """The socket takes more (the reactor says): write what waits; True when all of
         it is out."""
         waiting = self._waiting
-        while waiting:
+        if waiting:
             data = waiting[0] if len(waiting) == 1 else b"".join(waiting)
             try:
                 sent = os.write(self.fd, data)
@@ -108,14 +108,14 @@ class Output:
                 self.owner.lost()
                 return True
             if sent < len(data):
-                self._waiting = waiting = [data[sent:]]
+                self._waiting = [data[sent:]]
                 self._bytes = len(data) - sent
                 if sent:
                     self._since = trio.current_time()
                 return False
             self._waiting, self._bytes = None, 0
-        self.owner.drained()
-        return True
+        self.owner.drained()  # may write more: it goes out at once, or waits anew
+        return self._waiting is None
 
     def stuck_for(self, now: float) -> float:
         return now - self._since if self._waiting else 0.0
