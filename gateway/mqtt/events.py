@@ -1,7 +1,7 @@
 """What the MQTT rules of a connection (protocol.py) take and give: the server's limits,
 a QoS 1/2 send in flight (`Outgoing`), what the rules need of the session and of a stored
-message, and the events the driver is asked to act on. Values only: every rule is in
-protocol.py."""
+message, and the events the driver is asked to act on. Values only: the rules are in
+protocol.py (with handshake.py and outbound.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ NEVER_EXPIRES = 0xFFFFFFFF
 MAX_PACKET = 268_435_455  # the largest Remaining Length the encoding allows
 REASON_OVERHEAD = 16  # fixed header, packet id, reason code, property lengths
 ALIAS = "topic_alias"
+# A connection's phases: before its CONNECT, negotiating it, connected, ended.
+AWAIT_CONNECT, CONNECTING, CONNECTED, CLOSED = range(4)
 
 
 class Closing(Exception):

@@ -16,8 +16,11 @@ Maximum Packet Size), the keepalive and connect deadlines, and how a connection 
 limits). What does not: who may do what (ACL), sessions and subscriptions in the store,
 retained messages, wills: those are the broker's (gateway.broker).
 
-Every rule of this state machine is in this file; the values it takes and gives (the
-limits, `Outgoing`, the events) are in events.py, and are found here too."""
+The rules of the state machine are in this class; two parts of it have files of their
+own, mixed in: how a connection begins (handshake.py: CONNECT, CONNACK, AUTH) and what
+it sends of its own accord (outbound.py: deliveries, packet ids, the client's window,
+acks of our sends, resends). The values they take and give (the limits, `Outgoing`,
+the events) are in events.py, and are found here too."""
 
 from __future__ import annotations
 
@@ -26,9 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import reason as rc
-from .codec import Decoder, PublishTemplate, encode, encode_publish
+from .codec import Decoder, encode
 from .events import (
     ALIAS,
+    AWAIT_CONNECT,
+    CLOSED,
+    CONNECTED,
+    CONNECTING,
     MAX_PACKET,
     NEVER_EXPIRES,
     REASON_OVERHEAD,
@@ -51,6 +58,8 @@ from .events import (
     SubscribeReceived,
     UnsubscribeReceived,
 )
+from .handshake import Handshake
+from .outbound import Outbound
 from .packets import (
     Auth,
     Connack,
@@ -69,11 +78,7 @@ from .packets import (
     Unsuback,
     Unsubscribe,
 )
-from .properties import publish_properties
 from .reason import ProtocolError, UnsupportedProtocolError
-
-# Phases
-AWAIT_CONNECT, CONNECTING, CONNECTED, CLOSED = range(4)
 
 
 @dataclass(slots=True)
@@ -84,7 +89,7 @@ class _Answer:
     after: list[bytes] | None = None  # deliveries that must follow it (retained)
 
 
-class MqttProtocol:
+class MqttProtocol(Handshake, Outbound):
     """One connection's MQTT state. Not thread-safe; one driver calls it."""
 
     __slots__ = (
@@ -266,114 +271,6 @@ class MqttProtocol:
         self.deadline = min(ka, self.expires_at if self.expires_at is not None
                             else float("inf"))
 
-    # -- CONNECT -----------------------------------------------------------------------
-    def _on_connect(self, p: Packet, now: float) -> ConnectReceived:
-        if not isinstance(p, Connect):
-            raise Refused("first packet is not CONNECT")
-        self.version = v = p.protocol_level
-        self.bridge = p.bridge
-        self.connect_id = p.client_id
-        props = p.properties
-        method = None
-        if v == 5:
-            # Before any answer: each must fit [MQTT-3.2.2-19].
-            self.client_max_packet = int(props.get("maximum_packet_size", MAX_PACKET))
-            self.receive_maximum = int(props.get("receive_maximum", 65535))
-            self.alias_out_max = int(props.get("topic_alias_maximum", 0))
-            self.problem_info = bool(props.get("request_problem_information", 1))
-            method = props.get("authentication_method")
-            expiry = int(props.get("session_expiry_interval", 0))
-        else:
-            # 3.1.1 sessions never end by themselves; ours do, after the configured time.
-            expiry = 0 if p.clean_start else self.limits.v3_session_expiry
-        if not p.client_id and v < 5 and not p.clean_start:
-            # 3.1.1: a zero-byte id needs CleanSession=1 (return code 2)
-            self._send(encode(Connack(False, 2), v))
-            raise Refused("empty client id with a persistent session")
-        self.auth_method = method
-        self.keepalive = p.keepalive
-        self.phase = CONNECTING
-        return ConnectReceived(p, p.client_id, expiry, method)
-
-    def refuse(self, code5: int, code3: int | None, why: str) -> Refused:
-        """A CONNACK refusing the CONNECT (3.1.1: `code3`, None for a plain close). The
-        driver raises what this returns."""
-        code = code5 if self.version == 5 else code3
-        if code is not None:
-            props = self.reason(why) if self.version == 5 else {}
-            self._send(encode(Connack(False, code, props), self.version))
-        return Refused(why)
-
-    def auth_continue(self, data: bytes | None, now: float | None = None) -> None:
-        """The method needs another round of the exchange: AUTH 0x18 to the client
-        (`now`: at CONNECT, the exchange gets the connect timeout from here)."""
-        if self.phase == CONNECTING:
-            self.exchanging = True
-            if now is not None:
-                self.deadline = now + self.limits.connect_timeout
-        self._send(encode(self._auth(rc.CONTINUE_AUTHENTICATION, data), 5))
-
-    def _in_exchange(self, p: Packet) -> AuthReceived:
-        """A packet while the CONNECT's exchange runs: AUTH 0x18 with its method."""
-        if isinstance(p, Disconnect):
-            raise Refused("DISCONNECT during authentication")
-        if (not isinstance(p, Auth) or p.reason_code != rc.CONTINUE_AUTHENTICATION
-                or p.properties.get("authentication_method") != self.auth_method):
-            raise self.refuse(rc.PROTOCOL_ERROR, 0, f"expected AUTH 0x18 for {self.auth_method}")
-        self.exchanging = False  # until the method asks for another round
-        return AuthReceived(p, False)
-
-    def _auth(self, code: int, data: bytes | None) -> Auth:
-        props: dict[str, Any] = {"authentication_method": self.auth_method}
-        if data is not None:
-            props["authentication_data"] = data
-        return Auth(code, props)
-
-    def authenticated(self) -> None:
-        """The client is who it says: its packets may now be as large as
-        --max-packet-size (before, --max-connect-packet bounds each)."""
-        self.decoder.first_packet_max = None
-
-    def accept(self, flows: Flows, client_id: str, present: bool, now: float,
-               assigned: bool = False, auth_data: bytes | None = None) -> list[Event]:
-        """The session is open: CONNACK, then the packets that came behind the CONNECT."""
-        v = self.version
-        self.flows, self.client_id, self.phase = flows, client_id, CONNECTED
-        self.exchanging = False
-        self.authenticated()
-        connect_keepalive = self.keepalive
-        max_ka = self.limits.max_keepalive
-        server_keepalive = None
-        if max_ka and (connect_keepalive == 0 or connect_keepalive > max_ka) and v == 5:
-            self.keepalive = server_keepalive = max_ka
-        self._read_at = now
-        self._arm()
-        props: dict[str, Any] = {}
-        if v == 5:
-            lim = self.limits
-            props = {
-                "receive_maximum": lim.receive_maximum,
-                "maximum_packet_size": lim.max_packet_size,
-                "retain_available": 1,
-                "wildcard_subscription_available": 1,
-                "shared_subscription_available": 1,
-                "subscription_identifier_available": 1,
-                "topic_alias_maximum": lim.topic_alias_maximum,
-            }
-            if lim.max_qos < 2:
-                props["maximum_qos"] = lim.max_qos
-            if assigned:
-                props["assigned_client_identifier"] = client_id
-            if server_keepalive is not None:
-                props["server_keep_alive"] = server_keepalive
-            if self.auth_method is not None:
-                props["authentication_method"] = self.auth_method
-                if auth_data is not None:
-                    props["authentication_data"] = auth_data
-        self._send(encode(Connack(present, 0, props), v))
-        held, self._held = self._held, None
-        return self.handle(held, now) if held else []
-
     # -- packets after CONNECT -----------------------------------------------------------
     def _dispatch(self, p: Packet) -> Event | None:
         t = type(p)
@@ -412,25 +309,6 @@ class MqttProtocol:
             s.expiry = new
             s.persistent = new > 0
         return Closing("DISCONNECT", will=p.reason_code == rc.DISCONNECT_WITH_WILL_MESSAGE)
-
-    def _on_auth(self, p: Auth) -> AuthReceived:
-        """Re-authentication (§4.12.1): AUTH 0x19 with the CONNECT's method, then the
-        same exchange; `auth_done` answers it."""
-        method = self.auth_method
-        if method is None:
-            raise ProtocolError(rc.PROTOCOL_ERROR, "AUTH without an authentication method")
-        if p.properties.get("authentication_method") != method:
-            raise ProtocolError(rc.PROTOCOL_ERROR, f"AUTH with a method other than {method}")
-        if p.reason_code == rc.RE_AUTHENTICATE:
-            self._reauth = True
-        elif p.reason_code != rc.CONTINUE_AUTHENTICATION or not self._reauth:
-            raise ProtocolError(rc.PROTOCOL_ERROR, f"unexpected AUTH 0x{p.reason_code:02X}")
-        return AuthReceived(p, True)
-
-    def reauth_done(self, data: bytes | None) -> None:
-        """A re-authentication succeeded: AUTH 0x00 (a failure is a Closing, 0x87)."""
-        self._reauth = False
-        self._answer_now(encode(self._auth(rc.SUCCESS, data), 5))
 
     # -- inbound publishes ---------------------------------------------------------------
     def _on_publish(self, p: Publish) -> PublishReceived | None:
@@ -588,152 +466,6 @@ class MqttProtocol:
 
     def unsubscribed(self, packet_id: int, ticket: int, codes: list[int]) -> None:
         self._decide(ticket, encode(Unsuback(packet_id, codes), self.version))
-
-    # -- outbound flows ------------------------------------------------------------------
-    @property
-    def window(self) -> int:
-        """How many more QoS 1/2 sends the client takes now."""
-        return min(self.receive_maximum, self.limits.max_inflight) - len(self.flows.outgoing)
-
-    def _on_ack(self, pid: int, qos: int) -> OutgoingDone | None:
-        o = self.flows.outgoing.get(pid)
-        if o is None or o.qos != qos or (qos == 2 and o.state != "pubrel"):
-            return None  # unknown: late, or a duplicate; nothing to do
-        del self.flows.outgoing[pid]
-        return OutgoingDone(o)
-
-    def _on_pubrec(self, p: Pubrec) -> OutgoingDone | OutgoingReleased | None:
-        o = self.flows.outgoing.get(p.packet_id)
-        if o is None or o.qos != 2:
-            code = rc.PACKET_IDENTIFIER_NOT_FOUND if self.version == 5 else 0
-            self._send(encode(Pubrel(p.packet_id, code), self.version))
-            return None
-        if p.reason_code >= 0x80:  # v5: the receiver refused it; the exchange ends here
-            del self.flows.outgoing[p.packet_id]
-            return OutgoingDone(o)
-        o.state = "pubrel"
-        self._send(encode(Pubrel(p.packet_id), self.version))
-        return OutgoingReleased(o)
-
-    def deliver(self, msg: Stored, qos: int, retain: bool, sids: list[int] | None,
-                queue: str | None, offset: int, group: Handout | None = None,
-                template: PublishTemplate | None = None, now_s: float = 0.0,
-                buffer: list[bytes] | None = None) -> Outgoing | bool:
-        """Send a stored message at `qos` (the caller checked `window` for QoS 1/2).
-        Returns the Outgoing taken for it (QoS 1/2), True (QoS 0 sent), or False when
-        it must be dropped (expired, or larger than the client takes). `template`: the
-        message encoded once for many subscribers; `now_s`: wall-clock seconds, for
-        Message Expiry; `buffer`: where the bytes go (default: the outbox)."""
-        pid = None
-        if qos:
-            pid = self._packet_id()
-        data = self._encode(msg, pid, qos, retain, sids, template, now_s)
-        if data is None:
-            return False
-        (self._out if buffer is None else buffer).append(data)
-        if buffer is None:
-            self._out_bytes += len(data)
-        if pid is None:
-            return True
-        o = Outgoing(pid, queue, offset, data, qos, group=group, message=msg,
-                     version=self.version)
-        self.flows.outgoing[pid] = o
-        return o
-
-    def _packet_id(self) -> int:
-        s = self.flows
-        outgoing = s.outgoing
-        for _ in range(65535):
-            pid = s.next_packet_id
-            s.next_packet_id = pid % 65535 + 1
-            if pid not in outgoing:
-                return pid
-        raise RuntimeError("no free packet id")  # the window prevents this
-
-    def _encode(self, msg: Stored, pid: int | None, qos: int, retain: bool,
-                sids: list[int] | None, template: PublishTemplate | None,
-                now_s: float) -> bytes | None:
-        v = self.version
-        props = None
-        if v == 5:
-            expiry = msg.properties.get("message_expiry_interval")
-            if expiry is not None:
-                left = expiry - int(now_s - msg.store_ts / 1000)
-                if left <= 0:
-                    return None  # expired messages are not delivered
-                props = dict(publish_properties(msg.properties), message_expiry_interval=left)
-            elif self.alias_out_max:
-                props = dict(publish_properties(msg.properties))
-        if props is None:
-            if template is not None:
-                data = template.for_subscriber(pid, False, version=v, qos=qos, retain=retain,
-                                               subscription_ids=sids)
-            else:
-                if msg.qos not in (0, 1, 2):  # as the template checks: a bad record
-                    raise ValueError(f"stored message has QoS {msg.qos}")
-                p5 = None
-                if v == 5:
-                    p5 = publish_properties(msg.properties)
-                    if sids:
-                        p5 = dict(p5, subscription_identifier=sids)
-                data = encode_publish(msg.topic, msg.body, qos, retain, False, pid, v,
-                                      p5 or None)
-            return data if len(data) <= self.client_max_packet else None
-        return self._encode_aliased(msg, pid, qos, retain, sids, props)
-
-    def _encode_aliased(self, msg: Stored, pid: int | None, qos: int, retain: bool,
-                        sids: list[int] | None, props: dict[str, Any]) -> bytes | None:
-        topic, new_alias = msg.topic, False
-        if self.alias_out_max:
-            # On QoS 1/2 too: what is in flight when this connection ends loses its alias
-            # (`unalias_outgoing`), as a resend on another connection must carry the topic.
-            if self._aliases_out is None:
-                self._aliases_out = {}
-            alias = self._aliases_out.get(topic)
-            if alias is None and len(self._aliases_out) < self.alias_out_max:
-                alias = self._aliases_out[topic] = len(self._aliases_out) + 1
-                props[ALIAS] = alias  # first use: topic and alias together
-                new_alias = True
-            elif alias is not None:
-                props[ALIAS] = alias
-                topic = ""  # later uses: the alias alone
-        if sids:
-            props["subscription_identifier"] = sids
-        data = encode_publish(topic, msg.body, qos, retain, False, pid, 5, props)
-        if len(data) > self.client_max_packet:
-            if new_alias:  # the client never sees the packet that would have told it
-                assert self._aliases_out is not None
-                del self._aliases_out[msg.topic]
-            return None
-        return data
-
-    def resend(self, o: Outgoing, template: PublishTemplate | None = None) -> None:
-        """Send again what the session had in flight (a resumed session): PUBREL for one
-        awaiting PUBCOMP, else the PUBLISH with DUP, re-encoded for this connection's
-        protocol version if the session came back on another."""
-        if o.state == "pubrel":
-            self._send(encode(Pubrel(o.packet_id), self.version))
-            return
-        if o.version != self.version and o.message is not None:
-            tpl = template or PublishTemplate(o.message.topic, o.message.body, o.message.qos,
-                                              False, publish_properties(o.message.properties))
-            o.data = tpl.for_subscriber(o.packet_id, False, version=self.version, qos=o.qos,
-                                        retain=False)
-            o.version = self.version
-        self._send(bytes([o.data[0] | 0x08]) + o.data[1:])
-
-    def unalias_outgoing(self) -> None:
-        """The Topic Alias mapping belongs to one network connection (MQTT 5 §3.3.2.3.4):
-        what this one sent and may be resent on the next carries its topic name."""
-        if not self._aliases_out or self.flows is None:
-            return
-        for o in self.flows.outgoing.values():
-            if o.version == 5 and o.message is not None and o.state == "publish":
-                [p] = Decoder(server=False, version=5).feed(o.data)
-                if ALIAS in p.properties:
-                    props = {k: val for k, val in p.properties.items() if k != ALIAS}
-                    o.data = encode(Publish(o.message.topic, p.payload, p.qos, p.retain,
-                                            False, p.packet_id, props), 5)
 
     # -- the end ---------------------------------------------------------------------------
     def close(self, closing: Closing) -> bytes:
