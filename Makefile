@@ -96,6 +96,8 @@ lint: $(STAMP)
 # Benchmarks print JSON and write bench/results/ (a PNG per MQTT scenario beside it).
 bench: $(STAMP) redis
 	$(BIN)/python bench/mqtt_bench.py --quick
+	$(BIN)/python bench/replay_bench.py
+	$(BIN)/python bench/replay_bench.py --mqtt
 
 bench-full: $(STAMP) redis
 	$(BIN)/python bench/mqtt_bench.py
