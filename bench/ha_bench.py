@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -34,9 +35,17 @@ PY = sys.executable
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, below the ephemeral range: a port from bind(0) can be
+    taken by another process's outgoing connection before the store binds it."""
+    for _ in range(1000):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def start(args: list[str]) -> tuple[subprocess.Popen, dict[str, str]]:
@@ -119,7 +128,8 @@ def run(kind: str, pubs: int, count: int, window: int, limit_s: float) -> dict:
                 p, a = start(["store", "--data-dir", str(tmp / f"s{i}"),
                               "--native", "127.0.0.1:0", "--http", "127.0.0.1:0",
                               "--raft", raft[i], "--group-peers", ",".join(raft),
-                              "--replication", "sync", "--min-insync", "2"])
+                              "--replication", "sync", "--min-insync", "2",
+                              "--raft-secret", "ha-bench-group"])
                 procs.append(p)
                 natives.append(a["native"])
                 https.append(a["http"])
