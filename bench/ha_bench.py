@@ -183,7 +183,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['store']:>7}: {r['msgs_per_s']:>9} msg/s  p50 {r['ack_p50_ms']} ms  "
               f"p99 {r['ack_p99_ms']} ms  ({r['acked']}/{r['messages']} acked)", file=sys.stderr)
-    out = ROOT / "bench" / "results"
+    out = Path(os.environ.get("LIGHTGATE_BENCH_RESULTS", ROOT / "bench" / "results"))
     out.mkdir(exist_ok=True)
     if not a.smoke:
         (out / "ha.json").write_text(json.dumps(rows, indent=1))

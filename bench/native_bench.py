@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from lightgate import Consumer, Producer  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
+RESULTS = Path(os.environ.get("LIGHTGATE_BENCH_RESULTS", ROOT / "bench" / "results"))
 
 
 def progress(text: str) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -40,7 +41,8 @@ from lightqueue.since import TIME, Since  # noqa: E402
 from store.record import Message  # noqa: E402
 from store.service import EmbeddedStore, StoreConfig  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("LIGHTGATE_BENCH_RESULTS",
+                              Path(__file__).resolve().parent / "results"))
 BATCH = 100  # messages per append (a gateway's read of many publishes)
 SEEK_QUEUE = "seek/one"
 

@@ -27,7 +27,8 @@ from lightqueue.index import ConsumeQueueIndex  # noqa: E402
 from store.commitlog import CommitLog  # noqa: E402
 from store.record import Message  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("LIGHTGATE_BENCH_RESULTS",
+                              Path(__file__).resolve().parent / "results"))
 
 
 def progress(text: str) -> None:
@@ -90,10 +91,12 @@ def bench_append(root: Path, flush: str, size: int, total: int, per_request: int
 def bench_dispatch(root: Path, entries: int) -> float:
     shutil.rmtree(root / "d", ignore_errors=True)
     index = ConsumeQueueIndex(root / "d")
-    rows = [(f"dev/{i % 10_000}/t", i // 10_000, i * 100, 100, 1) for i in range(entries)]
+    # One entry per stored message, 10,000 queues, as the CommitLog's dispatch writes them.
+    rows = [Message("dev/t", b"", store_ts=1, phys_offset=i * 100, size=100,
+                    queues=[(f"dev/{i % 10_000}/t", i // 10_000)]) for i in range(entries)]
     t0 = time.perf_counter()
     for j in range(0, entries, 4000):
-        index.write(rows[j : j + 4000], [], j)
+        index.write_messages(rows[j : j + 4000], j)
     rate = entries / (time.perf_counter() - t0)
     index.close()
     return rate
