@@ -312,7 +312,7 @@ class HistoryReader:
         """Read these entries' records (in log order) into `out` until it is full; the
         position moves past what was looked at. Records that lie back to back are read
         with one pread; a record whose topic is not wanted is not decoded."""
-        decode, peek, read = record.decode_first, _PEEK.unpack_from, self.log.read_bytes
+        decode, peek, read = _decode_exact, _PEEK.unpack_from, self.log.read_bytes
         seen, learn = (keep.seen, keep.learn) if keep is not None else ({}, None)
         messages, ends = out.messages, out.ends
         room, nbytes = out.max_count - len(messages), out.nbytes
@@ -338,14 +338,10 @@ class HistoryReader:
                     hit = seen.get(raw)
                     if not (learn(raw) if hit is None else hit):
                         continue
-                msg = decode(data, rel, phys)
-                queues = msg.queues
-                if queues and queues[0][0] == msg.topic:
-                    exact = queues[0][1]
-                elif (found := _exact(data, rel, phys)) is not None:
-                    msg, exact = found
-                else:
+                found = decode(data, rel, phys)
+                if found is None:
                     continue
+                msg, exact = found
                 messages.append(msg)
                 ends[msg.topic] = exact + 1
                 nbytes += len(msg.body)
@@ -374,7 +370,7 @@ class HistoryReader:
         keep = self._matcher(state.filter)
         seen, learn = keep.seen, keep.learn
         until = _NEVER if state.until is None else state.until
-        decode, scan, head = record.decode_first, _SCAN.unpack_from, _HEAD.unpack_from
+        decode, scan, head = _decode_exact, _SCAN.unpack_from, _HEAD.unpack_from
         messages, ends = out.messages, out.ends
         room, nbytes = out.max_count - len(messages), out.nbytes
         pos = self._log_start(state)
@@ -405,14 +401,10 @@ class HistoryReader:
                 hit = seen.get(raw)
                 if not (learn(raw) if hit is None else hit):
                     continue
-                msg = decode(data, at, pos + at)
-                queues = msg.queues
-                if queues and queues[0][0] == msg.topic:
-                    exact = queues[0][1]
-                elif (found := _exact(data, at, pos + at)) is not None:
-                    msg, exact = found
-                else:
+                found = decode(data, at, pos + at)
+                if found is None:
                     continue
+                msg, exact = found
                 messages.append(msg)
                 ends[msg.topic] = exact + 1
                 nbytes += len(msg.body)
@@ -605,10 +597,15 @@ class HistoryReader:
         return start, size, ts
 
 
-def _exact(data: bytes, rel: int, phys: int) -> tuple[Message, int] | None:
-    """The record at data[rel:] and its exact-topic offset, when its first queue is not
-    the exact one (routing puts it first; a record written otherwise is still found),
-    its queues cut to that one as every history message's are; None if it has none."""
+def _decode_exact(data: bytes, rel: int, phys: int) -> tuple[Message, int] | None:
+    """The record at data[rel:] and its exact-topic offset, its queues cut to that one as
+    every history message's are; None if it is in no exact-topic queue. Routing puts the
+    exact queue first, so the common record decodes that queue alone; a record written
+    otherwise is decoded whole and still found."""
+    msg = record.decode_first(data, rel, phys)
+    queues = msg.queues
+    if queues and queues[0][0] == msg.topic:
+        return msg, queues[0][1]
     msg = record.decode(data, rel, phys)
     exact = exact_offset(msg)
     if exact is None:
