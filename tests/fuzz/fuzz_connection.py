@@ -23,8 +23,6 @@ packet sequences; this one reaches the rules' corners at a few thousand inputs a
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,27 +35,7 @@ with atheris.instrument_imports():
     from gateway.mqtt import protocol as mp
     from gateway.mqtt.reason import ProtocolError
 
-
-@dataclass
-class Flows:
-    """A session's share of the state (gateway.session.Session has the real one)."""
-
-    client_id: str = ""
-    persistent: bool = False
-    expiry: int = 0
-    next_packet_id: int = 1
-    outgoing: OrderedDict[int, mp.Outgoing] = field(default_factory=OrderedDict)
-    incoming_qos2: set[int] = field(default_factory=set)
-
-
-@dataclass
-class Stored:
-    topic: str
-    body: bytes
-    qos: int
-    properties: dict[str, Any]
-    store_ts: int = 0
-
+from tests.gateway.core_state import Flows, Stored  # noqa: E402
 
 LIMITS = mp.Limits(max_packet_size=64 * 1024, max_connect_packet=4096, topic_alias_maximum=4,
                    max_inflight=4, receive_maximum=8, max_keepalive=60)

@@ -4,8 +4,6 @@ part by answering the core's events, and reads what the core has to send."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -16,26 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from gateway import mqtt
 from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
-
-
-@dataclass
-class Flows:
-    client_id: str = ""
-    persistent: bool = False
-    expiry: int = 0
-    next_packet_id: int = 1
-    outgoing: OrderedDict[int, mp.Outgoing] = field(default_factory=OrderedDict)
-    incoming_qos2: set[int] = field(default_factory=set)
-
-
-@dataclass
-class Stored:
-    topic: str
-    body: bytes
-    qos: int = 1
-    properties: dict[str, Any] = field(default_factory=dict)
-    store_ts: int = 0
-
+from tests.gateway.core_state import Flows, Stored
 
 LIMITS = mp.Limits(max_packet_size=4096, max_connect_packet=1024, topic_alias_maximum=2,
                    max_inflight=3, receive_maximum=4, max_keepalive=0, connect_timeout=5.0)
