@@ -43,14 +43,6 @@ def take(raw: RawClient, n: int, ack: bool = True) -> list[mqtt.Publish]:
     return out
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    srv = Server(tmp_path / "data").start()
-    yield srv
-    if srv.proc is not None:
-        assert srv.stop() == 0, srv.logs()[-3000:]
-
-
 def test_a_reconnect_mid_replay_goes_on_where_it_stopped(server: Server) -> None:
     """Acknowledged messages are not sent again; what was in flight is, with DUP; the
     rest follows, then live."""

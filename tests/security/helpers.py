@@ -20,13 +20,14 @@ def auth_server(tmp_path: Path, *extra: str) -> Server:
 
 
 def native(server: Server, code: str, header: dict[str, Any] | None = None,
-           creds: tuple[str, str] | None = ADMIN) -> dict[str, Any]:
-    """One native request as `creds`; raises p.RemoteError on refusal."""
+           creds: tuple[str, str] | None = ADMIN, body: bytes = b"") -> dict[str, Any]:
+    """One native request as `creds` (with `body`, for the requests that carry one);
+    raises p.RemoteError on refusal."""
 
     async def call() -> dict[str, Any] | Exception:
         async with NativeClient.open(server.native, credentials=creds) as client:
             try:  # returned, not raised: the client's nursery would wrap it in a group
-                reply, _ = await client.request(getattr(p, code), header or {})
+                reply, _ = await client.request(getattr(p, code), header or {}, body)
             except p.RemoteError as exc:
                 return exc
             return reply

@@ -203,7 +203,7 @@ def test_nack_takes_only_a_message_the_reader_received(srv: Server) -> None:
     forged.phys_offset = -1
     metas, body = p.pack_messages([forged])
     with pytest.raises(p.RemoteError) as err:
-        native_with_body(srv, "NACK", {"group": "billing", "message": metas[0]}, body, app)
+        native(srv, "NACK", {"group": "billing", "message": metas[0]}, app, body)
     assert err.value.status in (400, 403)  # no queue and offset: nothing it may pull
     assert b"forged" not in b"".join(b for _, b in _pull_bodies(srv, "billing#retry", ADMIN))
 
@@ -221,19 +221,3 @@ def test_nack_takes_only_a_message_the_reader_received(srv: Server) -> None:
         with pytest.raises(p.RemoteError) as err:
             native(srv, "NACK", {"group": "billing", **bad}, creds=app)
         assert err.value.status in (403, 404), bad
-
-
-def native_with_body(srv: Server, code: str, header: dict, body: bytes,
-                     creds: tuple[str, str]) -> dict:
-    async def call() -> dict | Exception:
-        async with NativeClient.open(srv.native, credentials=creds) as client:
-            try:
-                reply, _ = await client.request(getattr(p, code), header, body)
-            except p.RemoteError as exc:
-                return exc
-            return reply
-
-    out = trio.run(call)
-    if isinstance(out, Exception):
-        raise out
-    return out
