@@ -12,7 +12,8 @@ function fmtNum(v) {
   return a >= 10 || v === 0 ? String(Math.round(v)) : v.toFixed(1);
 }
 
-function drawChart(canvas, series, colors, labels, fmt = fmtNum, floor = 1) {
+// A canvas sized for the screen's pixel ratio, cleared: its context and CSS size.
+function prepareCanvas(canvas) {
   const dpr = window.devicePixelRatio || 1;
   const cssW = canvas.clientWidth || canvas.width, cssH = canvas.clientHeight || canvas.height;
   if (canvas.width !== Math.round(cssW * dpr)) {
@@ -20,8 +21,13 @@ function drawChart(canvas, series, colors, labels, fmt = fmtNum, floor = 1) {
   }
   const ctx = canvas.getContext("2d");
   ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-  const w = cssW, h = cssH, left = 52, top = 18, bottom = 6;
-  ctx.clearRect(0, 0, w, h);
+  ctx.clearRect(0, 0, cssW, cssH);
+  return { ctx, w: cssW, h: cssH };
+}
+
+function drawChart(canvas, series, colors, labels, fmt = fmtNum, floor = 1) {
+  const { ctx, w, h } = prepareCanvas(canvas);
+  const left = 52, top = 18, bottom = 6;
   const max = Math.max(floor, ...series.flat()) * 1.1;  // floor: a flat zero line stays readable
   ctx.font = "10px system-ui, sans-serif"; ctx.lineWidth = 1;
   for (let i = 0; i <= 4; i++) {
@@ -52,15 +58,8 @@ function drawChart(canvas, series, colors, labels, fmt = fmtNum, floor = 1) {
 // Values over time: series of {label, color, points: [[ms, value], ...]}, x from the first
 // to the last point of all series, y from their lowest to their highest value.
 function drawTimeChart(canvas, series) {
-  const dpr = window.devicePixelRatio || 1;
-  const cssW = canvas.clientWidth || canvas.width, cssH = canvas.clientHeight || canvas.height;
-  if (canvas.width !== Math.round(cssW * dpr)) {
-    canvas.width = Math.round(cssW * dpr); canvas.height = Math.round(cssH * dpr);
-  }
-  const ctx = canvas.getContext("2d");
-  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-  const w = cssW, h = cssH, left = 52, right = 8, top = 18, bottom = 18;
-  ctx.clearRect(0, 0, w, h);
+  const { ctx, w, h } = prepareCanvas(canvas);
+  const left = 52, right = 8, top = 18, bottom = 18;
   const all = series.flatMap((s) => s.points);
   let [t0, t1] = [Math.min(...all.map((p) => p[0])), Math.max(...all.map((p) => p[0]))];
   let [lo, hi] = [Math.min(...all.map((p) => p[1])), Math.max(...all.map((p) => p[1]))];
