@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.results_dir import RESULTS  # noqa: E402
 from gateway import mqtt  # noqa: E402
 
 PY = sys.executable
@@ -183,7 +184,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['store']:>7}: {r['msgs_per_s']:>9} msg/s  p50 {r['ack_p50_ms']} ms  "
               f"p99 {r['ack_p99_ms']} ms  ({r['acked']}/{r['messages']} acked)", file=sys.stderr)
-    out = Path(os.environ.get("LIGHTGATE_BENCH_RESULTS", ROOT / "bench" / "results"))
+    out = RESULTS
     out.mkdir(exist_ok=True)
     if not a.smoke:
         (out / "ha.json").write_text(json.dumps(rows, indent=1))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,9 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.results_dir import RESULTS  # noqa: E402
 from lightgate import Consumer, Producer  # noqa: E402
-
-RESULTS = Path(os.environ.get("LIGHTGATE_BENCH_RESULTS", ROOT / "bench" / "results"))
 
 
 def progress(text: str) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import statistics
@@ -37,12 +36,11 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results_dir import RESULTS  # noqa: E402
 from lightqueue.since import TIME, Since  # noqa: E402
 from store.record import Message  # noqa: E402
 from store.service import EmbeddedStore, StoreConfig  # noqa: E402
 
-RESULTS = Path(os.environ.get("LIGHTGATE_BENCH_RESULTS",
-                              Path(__file__).resolve().parent / "results"))
 BATCH = 100  # messages per append (a gateway's read of many publishes)
 SEEK_QUEUE = "seek/one"
 

@@ -23,12 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results_dir import RESULTS  # noqa: E402
 from lightqueue.index import ConsumeQueueIndex  # noqa: E402
 from store.commitlog import CommitLog  # noqa: E402
 from store.record import Message  # noqa: E402
-
-RESULTS = Path(os.environ.get("LIGHTGATE_BENCH_RESULTS",
-                              Path(__file__).resolve().parent / "results"))
 
 
 def progress(text: str) -> None:
