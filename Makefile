@@ -14,17 +14,21 @@ DOCS_STAMP := $(VENV)/.installed-$(SUM)-docs
 # runs the Spark end-to-end tests; the other targets do not need it.
 SPARK_STAMP := $(VENV)/.installed-$(SUM)-spark
 
-.PHONY: serve test docs soak lint bench bench-full clean redis chromium java mosquitto netfaults
+.PHONY: serve test docs soak lint bench bench-full clean redis chromium java mosquitto netfaults \
+	native-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(RUN_STAMP): $(BIN)/python pyproject.toml
+# The native data plane (native/, Rust) is built by the install: its sources count too.
+NATIVE_SRC := native/Cargo.toml native/Cargo.lock $(wildcard native/src/*.rs native/src/*/*.rs)
+
+$(RUN_STAMP): $(BIN)/python pyproject.toml $(NATIVE_SRC)
 	$(BIN)/pip install -q -e .
 	touch $(RUN_STAMP)
 
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml $(NATIVE_SRC)
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $(STAMP) $(RUN_STAMP) $(DOCS_STAMP)
 
@@ -76,6 +80,7 @@ TEST_WORKERS ?= -n 3 --dist loadfile
 # --quiet: it would hide the warnings --strict counts).
 test: $(SPARK_STAMP) redis chromium java mosquitto netfaults
 	$(BIN)/ruff check .
+	$(MAKE) native-check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 	LIGHTGATE_REQUIRE_SPARK=1 LIGHTGATE_REQUIRE_NETNS=1 $(BIN)/pytest -q $(TEST_WORKERS)
 
@@ -92,6 +97,14 @@ soak: $(STAMP) redis netfaults
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(MAKE) native-check
+
+# The native crate on its own: clippy with warnings as errors (with and without the
+# Python crossing) and its tests (unit and property tests; no interpreter needed).
+native-check:
+	cd native && cargo clippy --quiet --all-targets -- -D warnings
+	cd native && cargo clippy --quiet --all-targets --features python -- -D warnings
+	cd native && cargo test --quiet
 
 # Benchmarks print JSON and write bench/results/ (a PNG per MQTT scenario beside it).
 bench: $(STAMP) redis
@@ -105,4 +118,4 @@ bench-full: $(STAMP) redis
 	$(BIN)/python bench/native_bench.py
 
 clean:
-	rm -rf $(VENV) data .pytest_cache site
+	rm -rf $(VENV) data .pytest_cache site native/target lightgate_native.*.so

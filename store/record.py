@@ -24,6 +24,10 @@ from typing import Any
 
 import orjson
 
+from serving import plane
+
+_native_encode = plane.NATIVE.encode_record if plane.NATIVE is not None else None
+
 MAGIC = 0x4C47_4D31  # "LGM1"
 # The same record with a u32 queue count, written only for a message that more than
 # 65,535 queues take (that many registered wildcard filters match its topic).
@@ -145,7 +149,22 @@ def _qname(name: str) -> bytes:
 
 
 def encode(msg: Message) -> bytes:
-    """Encode `msg` (its store_ts and queues must be set) into one record."""
+    """Encode `msg` (its store_ts and queues must be set) into one record: by the native
+    data plane when it runs (the same bytes, a fifth of the time), else `encode_python`."""
+    if _native_encode is None:
+        return encode_python(msg)
+    props = encode_properties(msg.properties) if msg.properties else b""
+    if props and b'"$b64"' in props:
+        decode_properties(props)  # as encode_python checks it
+    try:
+        return _native_encode(msg.store_ts, msg.born_ts, msg.qos, msg.retain, msg.client_id,
+                              msg.topic, msg.key, props, msg.body, msg.queues)
+    except (OverflowError, TypeError, ValueError):
+        return encode_python(msg)  # what the native encoder refuses: Python's error says why
+
+
+def encode_python(msg: Message) -> bytes:
+    """The record's encoding, the specification the native encoder is held to."""
     client = msg.client_id.encode()
     topic = msg.topic.encode()
     key = msg.key.encode() if msg.key else b""

@@ -1,0 +1,17 @@
+//! Lightgate's native data plane: the parts of the per-message path that an interpreter
+//! makes slow, as a library the Python side calls through one crossing (`py`).
+//!
+//! The modules mirror the Python rooms they implement, so a reader can go from one to
+//! the other; the Python code stays the reference for every rule:
+//! - `record`: the CommitLog record (`store/record.py`), byte for byte.
+//! - `codec`: MQTT framing, decoding and encoding (`gateway/mqtt/codec.py`).
+//!
+//! Everything outside `py` is plain, safe Rust with no Python in it: `cargo test` runs
+//! it without an interpreter.
+
+#![forbid(unsafe_code)]
+
+pub mod record;
+
+#[cfg(feature = "python")]
+mod py;

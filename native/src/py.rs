@@ -1,0 +1,49 @@
+//! The crossing: the one place where Python calls in. Nothing here decides anything; it
+//! converts Python values to the Rust modules' types and back.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::record::{self, Record};
+
+/// One CommitLog record, byte for byte as `store.record.encode` makes it.
+#[pyfunction]
+#[pyo3(signature = (store_ts, born_ts, qos, retain, client_id, topic, key, properties, body, queues))]
+#[allow(clippy::too_many_arguments)] // the record's fields, in the order they are stored
+fn encode_record<'py>(
+    py: Python<'py>,
+    store_ts: u64,
+    born_ts: u64,
+    qos: u8,
+    retain: bool,
+    client_id: &str,
+    topic: &str,
+    key: &str,
+    properties: &[u8],
+    body: &[u8],
+    queues: Vec<(String, u64)>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let rec = Record {
+        store_ts,
+        born_ts,
+        qos,
+        retain,
+        client_id,
+        topic,
+        key,
+        properties,
+        body,
+        queues: queues.iter().map(|(n, o)| (n.as_str(), *o)).collect(),
+    };
+    let mut out = Vec::new();
+    record::encode_into(&rec, &mut out).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(PyBytes::new(py, &out))
+}
+
+#[pymodule]
+fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(encode_record, m)?)?;
+    Ok(())
+}
