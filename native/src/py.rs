@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::record::{self, Record};
+use crate::router;
 
 /// One CommitLog record, byte for byte as `store.record.encode` makes it.
 #[pyfunction]
@@ -41,9 +42,46 @@ fn encode_record<'py>(
     Ok(PyBytes::new(py, &out))
 }
 
+/// The native topic-filter trie, with integer values (subscription handles): what the
+/// differential tests hold to `lightqueue.trie.TopicTrie`.
+#[pyclass(name = "TopicTrie", module = "lightgate_native")]
+#[derive(Default)]
+struct PyTopicTrie {
+    inner: router::TopicTrie<u64>,
+}
+
+#[pymethods]
+impl PyTopicTrie {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+
+    fn add(&mut self, topic_filter: &str, value: u64) -> PyResult<bool> {
+        self.inner.add(topic_filter, value).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    fn remove(&mut self, topic_filter: &str, value: u64) -> bool {
+        self.inner.remove(topic_filter, value)
+    }
+
+    fn matching(&self, topic: &str) -> Vec<u64> {
+        self.inner.matching(topic)
+    }
+
+    fn matching_filters(&self, topic: &str) -> Vec<String> {
+        self.inner.matching_filters(topic)
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+}
+
 #[pymodule]
 fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(encode_record, m)?)?;
+    m.add_class::<PyTopicTrie>()?;
     Ok(())
 }
