@@ -4,6 +4,7 @@
 //! The modules mirror the Python rooms they implement, so a reader can go from one to
 //! the other; the Python code stays the reference for every rule:
 //! - `record`: the CommitLog record (`store/record.py`), byte for byte.
+//! - `commitlog`: the log's tail, segment writes and rolls (`store/commitlog.py`).
 //! - `router`: the topic-filter trie (`lightqueue/trie.py`): who a message goes to.
 //! - `codec`: MQTT framing, decoding and encoding (`gateway/mqtt/codec.py`).
 //!
@@ -12,6 +13,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod commitlog;
 pub mod record;
 pub mod router;
 

@@ -1,10 +1,11 @@
 //! The crossing: the one place where Python calls in. Nothing here decides anything; it
 //! converts Python values to the Rust modules' types and back.
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::commitlog;
 use crate::record::{self, Record};
 use crate::router;
 
@@ -78,10 +79,67 @@ impl PyTopicTrie {
     }
 }
 
+/// The CommitLog's tail writer; the interpreter lock is released while it writes and
+/// syncs, so the event loop goes on meanwhile.
+#[pyclass(name = "LogWriter", module = "lightgate_native")]
+struct PyLogWriter {
+    inner: commitlog::LogWriter,
+}
+
+fn os_error(e: std::io::Error) -> PyErr {
+    match e.raw_os_error() {
+        Some(code) => PyOSError::new_err((code, e.to_string())),
+        None => PyOSError::new_err(e.to_string()),
+    }
+}
+
+#[pymethods]
+impl PyLogWriter {
+    #[new]
+    fn new(directory: std::path::PathBuf, segment_size: u64, active_base: u64, write_pos: u64) -> PyResult<Self> {
+        let inner = commitlog::LogWriter::open(&directory, segment_size, active_base, write_pos)
+            .map_err(os_error)?;
+        Ok(PyLogWriter { inner })
+    }
+
+    /// Append encoded records: (their positions, the bases of the segments begun).
+    fn append(&mut self, py: Python<'_>, records: Vec<Vec<u8>>) -> PyResult<(Vec<u64>, Vec<u64>)> {
+        let inner = &mut self.inner;
+        let done = py
+            .allow_threads(|| {
+                let refs: Vec<&[u8]> = records.iter().map(Vec::as_slice).collect();
+                inner.append(&refs)
+            })
+            .map_err(os_error)?;
+        Ok((done.positions, done.new_segments))
+    }
+
+    fn sync(&mut self, py: Python<'_>) -> PyResult<u64> {
+        let inner = &mut self.inner;
+        py.allow_threads(|| inner.sync()).map_err(os_error)
+    }
+
+    #[getter]
+    fn write_pos(&self) -> u64 {
+        self.inner.write_pos()
+    }
+
+    #[getter]
+    fn flushed(&self) -> u64 {
+        self.inner.flushed()
+    }
+
+    #[getter]
+    fn active_base(&self) -> u64 {
+        self.inner.active_base()
+    }
+}
+
 #[pymodule]
 fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(encode_record, m)?)?;
     m.add_class::<PyTopicTrie>()?;
+    m.add_class::<PyLogWriter>()?;
     Ok(())
 }
