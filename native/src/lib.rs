@@ -11,6 +11,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod codec;
 pub mod record;
 
 #[cfg(feature = "python")]
