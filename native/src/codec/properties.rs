@@ -45,7 +45,8 @@ impl Spec {
         self.id == USER_PROPERTY || self.id == SUBSCRIPTION_IDENTIFIER
     }
 
-    fn boolean(&self) -> bool {
+    /// A 0/1 property (Python accepts a bool for these, and only for these).
+    pub fn boolean(&self) -> bool {
         matches!(
             self.id,
             0x01 | 0x17 | 0x19 | 0x24 | 0x25 | 0x28 | 0x29 | 0x2A
