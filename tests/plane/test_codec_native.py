@@ -18,15 +18,7 @@ from hypothesis import strategies as st
 
 from gateway.mqtt import (
     MAX_PACKET_SIZE,
-    Decoder,
-    Disconnect,
-    Pingreq,
-    ProtocolError,
     Puback,
-    Pubcomp,
-    Publish,
-    Pubrec,
-    Pubrel,
     encode,
     encode_publish,
 )
@@ -35,6 +27,7 @@ from gateway.mqtt import reason as R
 from gateway.mqtt.properties import encode_properties, encode_varint
 from serving import plane
 from tests.gateway.test_codec_fuzz import chunks, client_packet, props, text, topic_name
+from tests.plane.codec_outcomes import native_outcome, python_outcome
 
 if plane.NATIVE is None or not hasattr(plane.NATIVE, "MqttDecoder"):
     if os.environ.get("LIGHTGATE_NATIVE") == "1":
@@ -48,60 +41,8 @@ VERSION = st.sampled_from([4, 5])
 BUDGET = st.sampled_from([16, 64, 300, MAX_PACKET_SIZE])
 CUTS = st.lists(st.integers(0, 10_000), max_size=6)
 
-Outcome = tuple[list[Any], int | None, int | None]  # packets, reason code, bytes held
-
-
-def as_tuple(p: Any) -> Any:
-    """A packet as the native codec hands it over (the rest stay packets: Python's)."""
-    if type(p) is Publish:
-        return (3, p.topic, p.payload, p.qos, p.retain, p.dup, p.packet_id, p.properties)
-    if type(p) in (Puback, Pubrec, Pubrel, Pubcomp):
-        return (p.TYPE, p.packet_id, p.reason_code, p.properties)
-    if type(p) is Pingreq:
-        return (12,)
-    if type(p) is Disconnect:
-        return (14, p.reason_code, p.properties)
-    return p
-
-
-def python_outcome(parts: list[bytes], version: int, budget: int) -> Outcome:
-    dec = Decoder(max_packet_size=budget, version=version)
-    got: list[Any] = []
-    try:
-        for part in parts:
-            got += dec.feed(part)
-    except ProtocolError as exc:
-        return [as_tuple(p) for p in got + exc.packets], exc.reason_code, None
-    return [as_tuple(p) for p in got], None, dec.buffered
-
-
-def native_outcome(parts: list[bytes], version: int, budget: int) -> Outcome:
-    dec = native.MqttDecoder(version, budget)
-    got: list[Any] = []
-    error = None
-    try:
-        for part in parts:
-            got += dec.feed(part)
-    except native.MqttError as exc:
-        code, _message, before = exc.args
-        got += before
-        error = code
-    out: list[Any] = []
-    for item in got:
-        if item[0] != 0:
-            out.append(item)
-            continue
-        _, ptype, flags, body = item  # a frame left for Python: decode it as Python would
-        frame = bytes(((ptype << 4) | flags,)) + encode_varint(len(body)) + body
-        try:
-            out += Decoder(max_packet_size=budget, version=version).feed(frame)
-        except ProtocolError as exc:
-            return out, exc.reason_code, None
-    return out, error, None if error is not None else dec.buffered
-
-
 def assert_same(parts: list[bytes], version: int, budget: int) -> None:
-    assert native_outcome(parts, version, budget) == python_outcome(parts, version, budget)
+    assert native_outcome(native, parts, version, budget) == python_outcome(parts, version, budget)
 
 
 # --- what to feed ------------------------------------------------------------------------
@@ -195,7 +136,8 @@ def client_bytes(draw: st.DrawFn) -> tuple[int, bytes]:
 def test_valid_packets_decode_alike(version: int, data: st.DataObject,
                                     cuts: list[int]) -> None:
     wire = data.draw(valid_stream(version))
-    native_got, error, held = native_outcome(chunks(wire, cuts), version, MAX_PACKET_SIZE)
+    native_got, error, held = native_outcome(native, chunks(wire, cuts), version,
+                                             MAX_PACKET_SIZE)
     assert (error, held) == (None, 0)
     assert native_got == python_outcome([wire], version, MAX_PACKET_SIZE)[0]
 
@@ -228,7 +170,7 @@ def test_random_bytes_decode_alike(version: int, wire: bytes, budget: int,
 ])
 def test_known_violations(version: int, wire: bytes, code: int) -> None:
     assert python_outcome([wire], version, 64)[1] == code
-    assert native_outcome([wire], version, 64)[1] == code
+    assert native_outcome(native, [wire], version, 64)[1] == code
 
 
 def test_the_budget_counts_the_partial_tail() -> None:
