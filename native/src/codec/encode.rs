@@ -40,12 +40,22 @@ pub fn encode_publish(p: &Publish<'_>, version: u8, out: &mut Vec<u8>) -> Result
         (qos, _) => return refuse(format!("QoS must be 0, 1 or 2, got {qos}")),
     };
     check_version(version)?;
-    let mut props = Vec::new();
-    if version == 5 {
-        properties::encode(&p.properties, PUBLISH, &mut props)?;
-    } else if !p.properties.is_empty() {
-        return refuse("PUBLISH properties need MQTT 5");
-    }
+    // The property block; v5 without properties is one zero byte (no buffer for it).
+    let block = match version {
+        5 if !p.properties.is_empty() => {
+            let mut block = Vec::new();
+            properties::encode(&p.properties, PUBLISH, &mut block)?;
+            Some(block)
+        }
+        5 => None,
+        _ if !p.properties.is_empty() => return refuse("PUBLISH properties need MQTT 5"),
+        _ => None,
+    };
+    let props: &[u8] = match (&block, version) {
+        (Some(block), _) => block,
+        (None, 5) => &[0],
+        (None, _) => &[],
+    };
     let rl = 2 + p.topic.len() + if pid.is_some() { 2 } else { 0 } + props.len() + p.payload.len();
     if rl > MAX_VARINT as usize {
         return refuse(format!("PUBLISH of {rl} bytes is too large to encode"));
@@ -58,7 +68,7 @@ pub fn encode_publish(p: &Publish<'_>, version: u8, out: &mut Vec<u8>) -> Result
     if let Some(id) = pid {
         out.extend_from_slice(&id.to_be_bytes());
     }
-    out.extend_from_slice(&props);
+    out.extend_from_slice(props);
     out.extend_from_slice(p.payload);
     Ok(())
 }
