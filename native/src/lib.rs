@@ -13,6 +13,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod codec;
 pub mod commitlog;
 pub mod record;
 pub mod router;

@@ -3,8 +3,10 @@
 
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyTuple};
 
+use crate::codec::properties::{self as props, Kind};
+use crate::codec::{self, Packet, Property, Value};
 use crate::commitlog;
 use crate::record::{self, Record};
 use crate::router;
@@ -141,5 +143,289 @@ fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_record, m)?)?;
     m.add_class::<PyTopicTrie>()?;
     m.add_class::<PyLogWriter>()?;
+    m.add("MqttError", m.py().get_type::<MqttError>())?;
+    m.add_class::<MqttDecoder>()?;
+    m.add_function(wrap_pyfunction!(decode_frames, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_publish, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_puback, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_pingresp, m)?)?;
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// The MQTT codec. Decoded packets cross as plain tuples, the packet type first:
+//   (3, topic, payload, qos, retain, dup, packet_id | None, properties)   PUBLISH
+//   (4..7, packet_id, reason_code, properties)                           PUBACK..PUBCOMP
+//   (12,)                                                                PINGREQ
+//   (14, reason_code, properties)                                        DISCONNECT
+//   (0, packet_type, flags, body)                    any other packet, for Python to decode
+// `properties` is a dict as gateway.mqtt.properties decodes it (lists for the repeatable).
+// ---------------------------------------------------------------------------------------
+
+pyo3::create_exception!(
+    lightgate_native,
+    MqttError,
+    PyValueError,
+    "The peer broke the protocol: args are (reason_code, message, packets decoded before)."
+);
+
+fn value_error(err: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(err.to_string())
+}
+
+fn props_dict<'py>(py: Python<'py>, list: &[Property<'_>]) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    for prop in list {
+        let Some(spec) = props::by_id(prop.id) else {
+            continue;
+        };
+        let value = match prop.value {
+            Value::Int(v) => v.into_pyobject(py)?.into_any(),
+            Value::Str(s) => s.into_pyobject(py)?.into_any(),
+            Value::Bin(b) => PyBytes::new(py, b).into_any(),
+            Value::Pair(k, v) => (k, v).into_pyobject(py)?.into_any(),
+        };
+        if spec.repeatable() {
+            match dict.get_item(spec.name)? {
+                Some(items) => items.downcast::<PyList>()?.append(value)?,
+                None => dict.set_item(spec.name, PyList::new(py, [value])?)?,
+            }
+        } else {
+            dict.set_item(spec.name, value)?;
+        }
+    }
+    Ok(dict)
+}
+
+fn packet_tuple<'py>(py: Python<'py>, packet: &Packet<'_>) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match packet {
+        Packet::Publish(p) => (
+            codec::PUBLISH,
+            p.topic,
+            PyBytes::new(py, p.payload),
+            p.qos,
+            p.retain,
+            p.dup,
+            p.packet_id,
+            props_dict(py, &p.properties)?,
+        )
+            .into_pyobject(py)?
+            .into_any(),
+        Packet::Ack(a) => (
+            a.ptype,
+            a.packet_id,
+            a.reason_code,
+            props_dict(py, &a.properties)?,
+        )
+            .into_pyobject(py)?
+            .into_any(),
+        Packet::Pingreq => PyTuple::new(py, [codec::PINGREQ])?.into_any(),
+        Packet::Disconnect {
+            reason_code,
+            properties,
+        } => (codec::DISCONNECT, *reason_code, props_dict(py, properties)?)
+            .into_pyobject(py)?
+            .into_any(),
+        Packet::Other(f) => (0u8, f.ptype, f.flags, PyBytes::new(py, f.body))
+            .into_pyobject(py)?
+            .into_any(),
+    })
+}
+
+/// Feed `data` to `decoder`: the packets as tuples, or MqttError with the reason code.
+fn feed<'py>(
+    py: Python<'py>,
+    decoder: &mut codec::Decoder,
+    data: &[u8],
+) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(py);
+    let mut failed: Option<PyErr> = None;
+    let result = decoder.feed(data, |packet| {
+        if failed.is_none() {
+            if let Err(e) = packet_tuple(py, &packet).and_then(|t| out.append(t)) {
+                failed = Some(e);
+            }
+        }
+    });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    match result {
+        Ok(()) => Ok(out),
+        Err(e) => Err(MqttError::new_err((
+            e.reason_code(),
+            e.to_string(),
+            out.unbind(),
+        ))),
+    }
+}
+
+/// The decoder of what one client sends after its CONNACK (`gateway.mqtt.Decoder` with
+/// the version known): `feed(bytes) -> list[tuple]`, MqttError on a violation.
+#[pyclass(module = "lightgate_native")]
+struct MqttDecoder {
+    inner: codec::Decoder,
+}
+
+#[pymethods]
+impl MqttDecoder {
+    #[new]
+    #[pyo3(signature = (version, max_packet_size = codec::MAX_PACKET_SIZE))]
+    fn new(version: u8, max_packet_size: usize) -> PyResult<Self> {
+        Ok(MqttDecoder {
+            inner: codec::Decoder::new(version, max_packet_size).map_err(value_error)?,
+        })
+    }
+
+    fn feed<'py>(&mut self, py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyList>> {
+        feed(py, &mut self.inner, data)
+    }
+
+    /// Bytes of an incomplete packet held until the rest arrives.
+    #[getter]
+    fn buffered(&self) -> usize {
+        self.inner.buffered()
+    }
+}
+
+/// Decode `data` on its own: (the packets as tuples, bytes of an incomplete packet left).
+#[pyfunction]
+#[pyo3(signature = (data, version, max_packet = codec::MAX_PACKET_SIZE))]
+fn decode_frames<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    version: u8,
+    max_packet: usize,
+) -> PyResult<(Bound<'py, PyList>, usize)> {
+    let mut decoder = codec::Decoder::new(version, max_packet).map_err(value_error)?;
+    let packets = feed(py, &mut decoder, data)?;
+    Ok((packets, decoder.buffered()))
+}
+
+/// A property value taken out of Python, owned until it is encoded.
+enum Owned {
+    Int(u32),
+    Str(String),
+    Bin(Vec<u8>),
+    Pair(String, String),
+}
+
+fn owned_value(spec: &props::Spec, value: &Bound<'_, PyAny>) -> PyResult<Owned> {
+    let bad = |what: &str| value_error(format!("property {} must be {what}", spec.name));
+    Ok(match spec.kind {
+        Kind::Byte | Kind::U16 | Kind::U32 | Kind::Varint => {
+            // As Python's codec: a bool is an int only for the 0/1 properties.
+            if value.is_instance_of::<PyBool>() && !spec.boolean() {
+                return Err(bad("an int"));
+            }
+            let v: i64 = value.extract().map_err(|_| bad("an int"))?;
+            Owned::Int(u32::try_from(v).map_err(|_| bad("in range"))?)
+        }
+        Kind::Str => Owned::Str(value.extract().map_err(|_| bad("a str"))?),
+        Kind::Bin => Owned::Bin(value.extract().map_err(|_| bad("bytes"))?),
+        Kind::Pair => {
+            let (k, v): (String, String) =
+                value.extract().map_err(|_| bad("(key, value) pairs"))?;
+            Owned::Pair(k, v)
+        }
+    })
+}
+
+/// A properties dict (as gateway.mqtt.properties encodes it) as (id, value) in dict order.
+fn owned_props(dict: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(u8, Owned)>> {
+    let mut out = Vec::new();
+    let Some(dict) = dict else { return Ok(out) };
+    for (name, value) in dict.iter() {
+        let name: String = name.extract().map_err(value_error)?;
+        let spec = props::by_name(&name)
+            .ok_or_else(|| value_error(format!("unknown property {name:?}")))?;
+        if spec.repeatable() && !value.is_instance_of::<pyo3::types::PyInt>() {
+            for item in value.try_iter().map_err(value_error)? {
+                out.push((spec.id, owned_value(spec, &item?)?));
+            }
+        } else {
+            out.push((spec.id, owned_value(spec, &value)?));
+        }
+    }
+    Ok(out)
+}
+
+fn borrowed(list: &[(u8, Owned)]) -> Vec<Property<'_>> {
+    list.iter()
+        .map(|(id, v)| Property {
+            id: *id,
+            value: match v {
+                Owned::Int(i) => Value::Int(*i),
+                Owned::Str(s) => Value::Str(s),
+                Owned::Bin(b) => Value::Bin(b),
+                Owned::Pair(k, v) => Value::Pair(k, v),
+            },
+        })
+        .collect()
+}
+
+/// A PUBLISH, byte for byte as `gateway.mqtt.encode_publish` makes it (ValueError where
+/// it raises one).
+#[pyfunction]
+#[pyo3(signature = (topic, payload, qos = 0, retain = false, dup = false, packet_id = None, version = 4, properties = None))]
+#[allow(clippy::too_many_arguments)] // encode_publish's parameters, in its order
+fn encode_publish<'py>(
+    py: Python<'py>,
+    topic: &Bound<'py, PyAny>,
+    payload: &[u8],
+    qos: i64,
+    retain: bool,
+    dup: bool,
+    packet_id: Option<i64>,
+    version: u8,
+    properties: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let topic: String = topic
+        .extract()
+        .map_err(|_| value_error("topic must be a str"))?;
+    let qos =
+        u8::try_from(qos).map_err(|_| value_error(format!("QoS must be 0, 1 or 2, got {qos}")))?;
+    let packet_id = packet_id
+        .map(|id| {
+            u16::try_from(id)
+                .map_err(|_| value_error(format!("packet id must be 1..65535, got {id}")))
+        })
+        .transpose()?;
+    let owned = owned_props(properties)?;
+    let p = codec::Publish {
+        topic: &topic,
+        payload,
+        qos,
+        retain,
+        dup,
+        packet_id,
+        properties: borrowed(&owned),
+    };
+    let mut out = Vec::new();
+    codec::encode_publish(&p, version, &mut out).map_err(value_error)?;
+    Ok(PyBytes::new(py, &out))
+}
+
+/// A PUBACK as `gateway.mqtt.encode(Puback(...), version)` makes it.
+#[pyfunction]
+#[pyo3(signature = (packet_id, reason_code = 0, version = 4, properties = None))]
+fn encode_puback<'py>(
+    py: Python<'py>,
+    packet_id: u16,
+    reason_code: u8,
+    version: u8,
+    properties: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let owned = owned_props(properties)?;
+    let mut out = Vec::new();
+    codec::encode_ack(packet_id, reason_code, &borrowed(&owned), version, &mut out)
+        .map_err(value_error)?;
+    Ok(PyBytes::new(py, &out))
+}
+
+#[pyfunction]
+fn encode_pingresp(py: Python<'_>) -> Bound<'_, PyBytes> {
+    let mut out = Vec::new();
+    codec::encode_pingresp(&mut out);
+    PyBytes::new(py, &out)
 }
