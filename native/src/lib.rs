@@ -7,6 +7,7 @@
 //! - `commitlog`: the log's tail, segment writes and rolls (`store/commitlog.py`).
 //! - `router`: the topic-filter trie (`lightqueue/trie.py`): who a message goes to.
 //! - `codec`: MQTT framing, decoding and encoding (`gateway/mqtt/codec.py`).
+//! - `protocol`: one connection's steady state after CONNACK (`gateway/mqtt/protocol.py`).
 //!
 //! Everything outside `py` is plain, safe Rust with no Python in it: `cargo test` runs
 //! it without an interpreter.
@@ -15,6 +16,7 @@
 
 pub mod codec;
 pub mod commitlog;
+pub mod protocol;
 pub mod record;
 pub mod router;
 

@@ -9,6 +9,7 @@ use crate::codec::properties::{self as props, Kind};
 use crate::codec::{self, Packet, Property, Value};
 use crate::commitlog;
 use crate::record::{self, Record};
+use crate::protocol;
 use crate::router;
 
 /// One CommitLog record, byte for byte as `store.record.encode` makes it.
@@ -137,12 +138,119 @@ impl PyLogWriter {
     }
 }
 
+/// One connection's steady state (`protocol::Connection`): what the differential tests
+/// drive beside the Python core.
+#[pyclass(name = "Connection", module = "lightgate_native")]
+struct PyConnection {
+    inner: protocol::Connection,
+    /// Topics the ACL cache allows; None: every topic.
+    allowed: Option<std::collections::HashSet<String>>,
+}
+
+#[pymethods]
+impl PyConnection {
+    #[new]
+    #[pyo3(signature = (version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, now, allowed=None))]
+    #[allow(clippy::too_many_arguments)] // what CONNECT negotiated, one value each
+    fn new(
+        version: u8,
+        keepalive: u16,
+        max_packet: usize,
+        max_qos: u8,
+        topic_alias_maximum: u16,
+        receive_maximum: u32,
+        client_receive_maximum: u32,
+        max_inflight: u32,
+        client_max_packet: usize,
+        now: f64,
+        allowed: Option<std::collections::HashSet<String>>,
+    ) -> Self {
+        let settings = protocol::Settings {
+            version,
+            keepalive,
+            max_packet,
+            max_qos,
+            topic_alias_maximum,
+            receive_maximum,
+            client_receive_maximum,
+            max_inflight,
+            client_max_packet,
+        };
+        PyConnection { inner: protocol::Connection::new(settings, now), allowed }
+    }
+
+    /// Feed bytes: a list of ("publish", topic, payload, qos, packet_id, ticket),
+    /// ("acked", packet_id) and ("demote",).
+    fn receive<'py>(&mut self, py: Python<'py>, data: &[u8], now: f64) -> PyResult<Bound<'py, PyList>> {
+        let mut events = Vec::new();
+        let allowed = &self.allowed;
+        self.inner.receive(
+            data,
+            now,
+            |topic| match allowed {
+                Some(set) if !set.contains(topic) => protocol::Acl::AskPython,
+                _ => protocol::Acl::Allowed,
+            },
+            &mut events,
+        );
+        let out = PyList::empty(py);
+        for ev in events {
+            let item = match ev {
+                protocol::Event::Publish { topic, payload, qos, packet_id, ticket } => (
+                    "publish",
+                    topic,
+                    PyBytes::new(py, &payload),
+                    qos,
+                    packet_id,
+                    ticket,
+                )
+                    .into_pyobject(py)?
+                    .into_any(),
+                protocol::Event::Acked { packet_id } => ("acked", packet_id).into_pyobject(py)?.into_any(),
+                protocol::Event::Demote => ("demote",).into_pyobject(py)?.into_any(),
+            };
+            out.append(item)?;
+        }
+        Ok(out)
+    }
+
+    fn publish_done(&mut self, ticket: u64, packet_id: u16, code: u8) {
+        self.inner.publish_done(ticket, packet_id, code);
+    }
+
+    fn take_output<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.take_output())
+    }
+
+    fn unread<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, self.inner.unread())
+    }
+
+    /// The packet id taken (QoS 1), None (QoS 0); ValueError when dropped.
+    fn deliver(&mut self, topic: &str, payload: &[u8], qos: u8, retain: bool) -> PyResult<Option<u16>> {
+        self.inner
+            .deliver(topic, payload, qos, retain, (0, 0))
+            .map_err(|_| PyValueError::new_err("dropped: larger than the client takes"))
+    }
+
+    #[getter]
+    fn window(&self) -> usize {
+        self.inner.window()
+    }
+
+    #[getter]
+    fn deadline(&self) -> f64 {
+        self.inner.deadline()
+    }
+}
+
 #[pymodule]
 fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(encode_record, m)?)?;
     m.add_class::<PyTopicTrie>()?;
     m.add_class::<PyLogWriter>()?;
+    m.add_class::<PyConnection>()?;
     m.add("MqttError", m.py().get_type::<MqttError>())?;
     m.add_class::<MqttDecoder>()?;
     m.add_function(wrap_pyfunction!(decode_frames, m)?)?;
