@@ -62,10 +62,8 @@ def client_packets(draw: st.DrawFn, version: int) -> tuple[bytes, bool]:
         props: dict[str, Any] = {}
         if version == 5 and draw(st.booleans()):
             props["topic_alias"] = draw(st.integers(1, 4))
-            if draw(st.booleans()):
-                topic_sent = ""  # the alias alone (valid only once it was set)
-            else:
-                topic_sent = topic
+            # the alias alone (valid only once it was set), or with the topic
+            topic_sent = "" if draw(st.booleans()) else topic
         else:
             topic_sent = topic
         if version == 5 and draw(st.booleans()) and draw(st.booleans()):
@@ -80,7 +78,8 @@ def client_packets(draw: st.DrawFn, version: int) -> tuple[bytes, bool]:
     if kind == "puback":
         return mqtt.encode(mqtt.Puback(draw(st.integers(1, 6))), version), True
     if kind == "subscribe":
-        return mqtt.encode(mqtt.Subscribe(1, [("a/#", mqtt.SubscriptionOptions(qos=1))]), version), False
+        sub = mqtt.Subscribe(1, [("a/#", mqtt.SubscriptionOptions(qos=1))])
+        return mqtt.encode(sub, version), False
     if kind == "disconnect":
         return b"\xe0\x00", False
     return draw(st.sampled_from([b"\x30\x02\xff\xff", b"\x00\x00", b"\x62\x02\x00\x01"])), False
