@@ -8,6 +8,7 @@
 //! - `router`: the topic-filter trie (`lightqueue/trie.py`): who a message goes to.
 //! - `codec`: MQTT framing, decoding and encoding (`gateway/mqtt/codec.py`).
 //! - `protocol`: one connection's steady state after CONNACK (`gateway/mqtt/protocol.py`).
+//! - `reactor`: the threads that own promoted sockets (`gateway/reactor.py`).
 //!
 //! Everything outside `py` is plain, safe Rust with no Python in it: `cargo test` runs
 //! it without an interpreter.
@@ -17,6 +18,7 @@
 pub mod codec;
 pub mod commitlog;
 pub mod protocol;
+pub mod reactor;
 pub mod record;
 pub mod router;
 

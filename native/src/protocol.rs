@@ -48,8 +48,9 @@ pub enum Event {
         packet_id: Option<u16>,
         ticket: Option<u64>,
     },
-    /// One of our QoS 1 sends was acknowledged: the window has room again.
-    Acked { packet_id: u16 },
+    /// One of our QoS 1 sends was acknowledged: the window has room again. `source` is
+    /// what the driver gave `deliver` for it.
+    Acked { packet_id: u16, source: (u64, u64) },
     /// The packet at `unread()` is the Python side's; nothing after it was read.
     Demote,
 }
@@ -246,8 +247,8 @@ impl Connection {
             Packet::Publish(p) => self.on_publish(&p, acl, events),
             Packet::Ack(a) if a.ptype == crate::codec::PUBACK => {
                 // An unknown id is a late or duplicate ack: nothing to do (as in Python).
-                if self.outgoing.remove(&a.packet_id).is_some() {
-                    events.push(Event::Acked { packet_id: a.packet_id });
+                if let Some(o) = self.outgoing.remove(&a.packet_id) {
+                    events.push(Event::Acked { packet_id: a.packet_id, source: o.source });
                 }
                 true
             }
@@ -549,7 +550,7 @@ mod tests {
         assert_eq!(out[..2], [0x32, 6]);
         let mut ev = Vec::new();
         c.receive(&[0x40, 2, 0, 1, 0x40, 2, 0, 9], 0.0, allow, &mut ev);
-        assert_eq!(ev, vec![Event::Acked { packet_id: 1 }]);
+        assert_eq!(ev, vec![Event::Acked { packet_id: 1, source: (0, 0) }]);
         assert_eq!(c.window(), 2);
         c.settings.client_max_packet = 5;
         assert_eq!(c.deliver("t", b"too big", 1, false, (0, 3)), Err(Dropped));

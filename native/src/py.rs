@@ -206,7 +206,7 @@ impl PyConnection {
                 )
                     .into_pyobject(py)?
                     .into_any(),
-                protocol::Event::Acked { packet_id } => ("acked", packet_id).into_pyobject(py)?.into_any(),
+                protocol::Event::Acked { packet_id, .. } => ("acked", packet_id).into_pyobject(py)?.into_any(),
                 protocol::Event::Demote => ("demote",).into_pyobject(py)?.into_any(),
             };
             out.append(item)?;

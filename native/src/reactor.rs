@@ -1,0 +1,494 @@
+//! The native reactors (`gateway/reactor.py` is the Python one): `--io-threads N`
+//! threads, each with its own epoll set (mio), owning the plain-TCP connections handed
+//! to it after their CONNACK. A pass reads every socket that has data, runs each
+//! connection's steady state (`protocol`), reports what was published as one batch to
+//! the owner (`Sink`), and writes what waits. No interpreter runs here: the owner is
+//! Rust (the engine that appends and delivers), and Python hears of what needs it
+//! (a demotion, with the socket and the connection's state) through the same sink.
+//!
+//! A connection is demoted when its core hands a packet back, when its keepalive runs
+//! out, when the client closes, or when its backlog passes the budget: the reactor stops
+//! reading it, waits until every publish it took is answered, and hands the socket, the
+//! unread bytes, the unsent bytes and what is in flight to the owner.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::io::{self, Read, Write};
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use mio::net::TcpStream;
+use mio::{Events, Interest, Poll, Token, Waker};
+
+use crate::protocol::{Acl, Connection, Event, Outgoing, Settings};
+
+const WAKER: Token = Token(usize::MAX);
+const READ_SIZE: usize = 64 * 1024;
+
+/// A publish a connection made, to be appended; `ticket` is answered with
+/// `Command::PublishDone` (QoS 1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inbound {
+    pub conn: u64,
+    pub topic: String,
+    pub payload: Vec<u8>,
+    pub qos: u8,
+    pub packet_id: Option<u16>,
+    pub ticket: Option<u64>,
+}
+
+/// Why a connection went back to its owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Why {
+    /// A packet the steady state does not carry (it is first in `unread`).
+    Packet,
+    /// The keepalive ran out.
+    Timeout,
+    /// The client closed the connection, or it failed.
+    Lost(String),
+    /// More waits for the client than the budget allows.
+    Backlog,
+}
+
+/// A connection handed back, with what its owner needs to go on from here.
+#[derive(Debug)]
+pub struct Demoted {
+    pub conn: u64,
+    pub socket: OwnedFd,
+    pub why: Why,
+    pub unread: Vec<u8>,
+    pub unsent: Vec<u8>,
+    pub outgoing: BTreeMap<u16, Outgoing>,
+    pub next_packet_id: u16,
+    pub aliases_in: HashMap<u16, String>,
+    /// Deliveries accepted but not yet sent (the window was full).
+    pub held: Vec<Delivery>,
+}
+
+/// What the reactors tell their owner.
+#[derive(Debug)]
+pub enum Report {
+    Published(Vec<Inbound>),
+    Acked { conn: u64, packet_id: u16, source: (u64, u64) },
+    Demoted(Box<Demoted>),
+}
+
+pub trait Sink: Send + Sync + 'static {
+    fn report(&self, report: Report);
+}
+
+/// A message for one connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    pub topic: Arc<str>,
+    pub payload: Arc<[u8]>,
+    pub qos: u8,
+    pub retain: bool,
+    pub source: (u64, u64),
+}
+
+pub enum Command {
+    /// Take this connection over. `idle_for`: seconds since the client last sent
+    /// anything; `acl`: the topics it may publish to, or None for every topic.
+    Adopt {
+        conn: u64,
+        socket: OwnedFd,
+        settings: Settings,
+        unread: Vec<u8>,
+        idle_for: f64,
+        acl: Option<HashSet<String>>,
+    },
+    PublishDone { conn: u64, ticket: u64, packet_id: u16, code: u8 },
+    Deliver { conn: u64, delivery: Delivery },
+    Stop,
+}
+
+impl Command {
+    fn conn(&self) -> u64 {
+        match self {
+            Command::Adopt { conn, .. } | Command::PublishDone { conn, .. } | Command::Deliver { conn, .. } => *conn,
+            Command::Stop => 0,
+        }
+    }
+}
+
+struct Lane {
+    commands: Mutex<Vec<Command>>,
+    waker: Waker,
+}
+
+/// The running reactors; a connection lives on thread `conn % N`.
+pub struct Reactor {
+    lanes: Vec<Arc<Lane>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// Bytes waiting for one client past which it is handed back (a slow reader costs the
+/// store, not the gateway's memory).
+pub const BACKLOG_BUDGET: usize = 2 * 1024 * 1024;
+
+impl Reactor {
+    pub fn start(threads: usize, sink: Arc<dyn Sink>) -> io::Result<Reactor> {
+        let mut lanes = Vec::new();
+        let mut handles = Vec::new();
+        for i in 0..threads.max(1) {
+            let poll = Poll::new()?;
+            let waker = Waker::new(poll.registry(), WAKER)?;
+            let lane = Arc::new(Lane { commands: Mutex::new(Vec::new()), waker });
+            let mut worker = Worker {
+                poll,
+                lane: Arc::clone(&lane),
+                sink: Arc::clone(&sink),
+                conns: HashMap::new(),
+                tokens: HashMap::new(),
+                next_token: 0,
+                epoch: Instant::now(),
+            };
+            let handle = std::thread::Builder::new()
+                .name(format!("lightgate-io-{i}"))
+                .spawn(move || worker.run())?;
+            lanes.push(lane);
+            handles.push(handle);
+        }
+        Ok(Reactor { lanes, threads: handles })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.lanes.len()
+    }
+
+    pub fn send(&self, command: Command) {
+        let lane = &self.lanes[(command.conn() % self.lanes.len() as u64) as usize];
+        if let Ok(mut queue) = lane.commands.lock() {
+            queue.push(command);
+        }
+        let _ = lane.waker.wake();
+    }
+
+    /// Stop every thread; connections still held are dropped (closed).
+    pub fn stop(self) {
+        for lane in &self.lanes {
+            if let Ok(mut queue) = lane.commands.lock() {
+                queue.push(Command::Stop);
+            }
+            let _ = lane.waker.wake();
+        }
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Conn {
+    id: u64,
+    stream: TcpStream,
+    core: Connection,
+    unsent: Vec<u8>,
+    held: VecDeque<Delivery>,
+    acl: Option<HashSet<String>>,
+    demoting: Option<Why>,
+    writing: bool,
+}
+
+struct Worker {
+    poll: Poll,
+    lane: Arc<Lane>,
+    sink: Arc<dyn Sink>,
+    conns: HashMap<Token, Conn>,
+    tokens: HashMap<u64, Token>,
+    next_token: usize,
+    epoch: Instant,
+}
+
+impl Worker {
+    fn now(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64()
+    }
+
+    fn run(&mut self) {
+        let mut events = Events::with_capacity(512);
+        let mut buf = vec![0u8; READ_SIZE];
+        loop {
+            let timeout = self.next_timeout();
+            if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return;
+                }
+            }
+            let mut published = Vec::new();
+            let mut touched = Vec::new();
+            for ev in events.iter() {
+                let token = ev.token();
+                if token == WAKER {
+                    continue;
+                }
+                touched.push(token);
+                if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                    self.read(token, &mut buf, &mut published);
+                }
+            }
+            if !self.commands(&mut touched, &mut published) {
+                return;
+            }
+            if !published.is_empty() {
+                self.sink.report(Report::Published(published));
+            }
+            self.check_timeouts(&mut touched);
+            for token in touched {
+                self.flush(token);
+            }
+        }
+    }
+
+    fn next_timeout(&self) -> Duration {
+        let now = self.now();
+        let next = self
+            .conns
+            .values()
+            .filter(|c| c.demoting.is_none())
+            .map(|c| c.core.deadline())
+            .fold(now + 1.0, f64::min);
+        Duration::from_secs_f64((next - now).clamp(0.0, 1.0))
+    }
+
+    fn read(&mut self, token: Token, buf: &mut [u8], published: &mut Vec<Inbound>) {
+        let now = self.now();
+        let Some(c) = self.conns.get_mut(&token) else { return };
+        if c.demoting.is_some() {
+            return;
+        }
+        loop {
+            match c.stream.read(buf) {
+                Ok(0) => {
+                    c.demoting = Some(Why::Lost("connection closed by the client".into()));
+                    break;
+                }
+                Ok(n) => {
+                    Self::feed(c, &buf[..n], now, &*self.sink, published);
+                    if c.core.demoted() {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    c.demoting = Some(Why::Lost(format!("connection lost: {e}")));
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Bytes from the client through its core: publishes into this pass's batch, acks
+    /// free the window for what is held, a packet handed back starts the demotion.
+    fn feed(c: &mut Conn, data: &[u8], now: f64, sink: &dyn Sink, published: &mut Vec<Inbound>) {
+        let mut events = Vec::new();
+        let acl = &c.acl;
+        c.core.receive(
+            data,
+            now,
+            |topic| match acl {
+                Some(set) if !set.contains(topic) => Acl::AskPython,
+                _ => Acl::Allowed,
+            },
+            &mut events,
+        );
+        for ev in events {
+            match ev {
+                Event::Publish { topic, payload, qos, packet_id, ticket } => published.push(Inbound {
+                    conn: c.id,
+                    topic,
+                    payload,
+                    qos,
+                    packet_id,
+                    ticket,
+                }),
+                Event::Acked { packet_id, source } => {
+                    sink.report(Report::Acked { conn: c.id, packet_id, source });
+                    Self::send_held(c);
+                }
+                Event::Demote => {
+                    c.demoting.get_or_insert(Why::Packet);
+                }
+            }
+        }
+    }
+
+    fn send_held(c: &mut Conn) {
+        while let Some(d) = c.held.front() {
+            if d.qos > 0 && c.core.window() == 0 {
+                break;
+            }
+            let d = c.held.pop_front().expect("front exists");
+            // A delivery the client cannot take (too large) is dropped, as in Python.
+            let _ = c.core.deliver(&d.topic, &d.payload, d.qos, d.retain, d.source);
+        }
+    }
+
+    /// Apply the owner's commands; false when told to stop.
+    fn commands(&mut self, touched: &mut Vec<Token>, published: &mut Vec<Inbound>) -> bool {
+        let commands = match self.lane.commands.lock() {
+            Ok(mut queue) => std::mem::take(&mut *queue),
+            Err(_) => return false,
+        };
+        for command in commands {
+            match command {
+                Command::Stop => return false,
+                Command::Adopt { conn, socket, settings, unread, idle_for, acl } => {
+                    if let Some(token) =
+                        self.adopt(conn, socket, settings, unread, idle_for, acl, published)
+                    {
+                        touched.push(token);
+                    }
+                }
+                Command::PublishDone { conn, ticket, packet_id, code } => {
+                    if let Some(&token) = self.tokens.get(&conn) {
+                        if let Some(c) = self.conns.get_mut(&token) {
+                            c.core.publish_done(ticket, packet_id, code);
+                            touched.push(token);
+                        }
+                    }
+                }
+                Command::Deliver { conn, delivery } => {
+                    if let Some(&token) = self.tokens.get(&conn) {
+                        if let Some(c) = self.conns.get_mut(&token) {
+                            c.held.push_back(delivery);
+                            Self::send_held(c);
+                            touched.push(token);
+                        }
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    #[allow(clippy::too_many_arguments)] // the parts of an Adopt command
+    fn adopt(
+        &mut self,
+        conn: u64,
+        socket: OwnedFd,
+        settings: Settings,
+        unread: Vec<u8>,
+        idle_for: f64,
+        acl: Option<HashSet<String>>,
+        published: &mut Vec<Inbound>,
+    ) -> Option<Token> {
+        let mut stream = TcpStream::from(socket);
+        let token = Token(self.next_token);
+        self.next_token = (self.next_token + 1) % (usize::MAX - 1);
+        if self.poll.registry().register(&mut stream, token, Interest::READABLE).is_err() {
+            return None; // dropped: the socket closes, the client reconnects
+        }
+        let last_read = self.now() - idle_for.max(0.0);
+        let mut c = Conn {
+            id: conn,
+            stream,
+            core: Connection::new(settings, last_read),
+            unsent: Vec::new(),
+            held: VecDeque::new(),
+            acl,
+            demoting: None,
+            writing: false,
+        };
+        if !unread.is_empty() {
+            // What the owner read but had not parsed (a partial packet) goes first.
+            Self::feed(&mut c, &unread, last_read, &*self.sink, published);
+        }
+        self.tokens.insert(conn, token);
+        self.conns.insert(token, c);
+        Some(token)
+    }
+
+    fn check_timeouts(&mut self, touched: &mut Vec<Token>) {
+        let now = self.now();
+        for (token, c) in self.conns.iter_mut() {
+            if c.demoting.is_none() && now >= c.core.deadline() {
+                c.demoting = Some(Why::Timeout);
+                touched.push(*token);
+            }
+        }
+    }
+
+    fn flush(&mut self, token: Token) {
+        let Some(c) = self.conns.get_mut(&token) else { return };
+        let out = c.core.take_output();
+        if !out.is_empty() {
+            if c.unsent.is_empty() {
+                match write_some(&mut c.stream, &out) {
+                    Ok(n) => c.unsent.extend_from_slice(&out[n..]),
+                    Err(e) => {
+                        c.demoting.get_or_insert(Why::Lost(format!("connection lost while writing: {e}")));
+                    }
+                }
+            } else {
+                c.unsent.extend_from_slice(&out);
+            }
+        } else if !c.unsent.is_empty() {
+            match write_some(&mut c.stream, &c.unsent) {
+                Ok(n) => {
+                    c.unsent.drain(..n);
+                }
+                Err(e) => {
+                    c.demoting.get_or_insert(Why::Lost(format!("connection lost while writing: {e}")));
+                }
+            }
+        }
+        if c.unsent.len() > BACKLOG_BUDGET {
+            c.demoting.get_or_insert(Why::Backlog);
+        }
+        let want_write = !c.unsent.is_empty();
+        if c.demoting.is_some() && c.core.answers_pending() == 0 {
+            self.demote(token);
+            return;
+        }
+        let interest = match (c.demoting.is_some(), want_write) {
+            (false, false) => Some(Interest::READABLE),
+            (false, true) => Some(Interest::READABLE | Interest::WRITABLE),
+            (true, true) => Some(Interest::WRITABLE),
+            (true, false) => None,
+        };
+        if want_write != c.writing || c.demoting.is_some() {
+            c.writing = want_write;
+            let registry = self.poll.registry();
+            let _ = match interest {
+                Some(i) => registry.reregister(&mut c.stream, token, i),
+                None => registry.deregister(&mut c.stream),
+            };
+        }
+    }
+
+    fn demote(&mut self, token: Token) {
+        let Some(mut c) = self.conns.remove(&token) else { return };
+        self.tokens.remove(&c.id);
+        let _ = self.poll.registry().deregister(&mut c.stream);
+        let why = c.demoting.take().unwrap_or(Why::Packet);
+        let report = Demoted {
+            conn: c.id,
+            why,
+            unread: c.core.unread().to_vec(),
+            unsent: std::mem::take(&mut c.unsent),
+            outgoing: c.core.outgoing().clone(),
+            next_packet_id: c.core.next_packet_id(),
+            aliases_in: c.core.aliases_in().clone(),
+            held: c.held.drain(..).collect(),
+            socket: OwnedFd::from(c.stream),
+        };
+        self.sink.report(Report::Demoted(Box::new(report)));
+    }
+}
+
+fn write_some(stream: &mut TcpStream, data: &[u8]) -> io::Result<usize> {
+    let mut sent = 0;
+    while sent < data.len() {
+        match stream.write(&data[sent..]) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket closed")),
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(sent)
+}

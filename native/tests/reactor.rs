@@ -1,0 +1,181 @@
+//! The reactor over real loopback sockets: a client's publishes come out as a batch and
+//! are acknowledged once the owner says they are stored; pings are answered in order;
+//! deliveries go out within the window; a packet the steady state does not carry, a
+//! keepalive that runs out and a client that leaves each hand the socket back.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use lightgate_native::protocol::Settings;
+use lightgate_native::reactor::{Command, Delivery, Reactor, Report, Sink, Why};
+
+#[derive(Default)]
+struct Collect {
+    reports: Mutex<Vec<Report>>,
+    changed: Condvar,
+}
+
+impl Sink for Collect {
+    fn report(&self, report: Report) {
+        self.reports.lock().unwrap().push(report);
+        self.changed.notify_all();
+    }
+}
+
+impl Collect {
+    /// The first report `pick` accepts, waiting up to 5 s for it.
+    fn wait<T>(&self, mut pick: impl FnMut(&Report) -> Option<T>) -> T {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut reports = self.reports.lock().unwrap();
+        loop {
+            if let Some(i) = reports.iter().position(|r| pick(r).is_some()) {
+                let r = reports.remove(i);
+                return pick(&r).unwrap();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "no such report in 5 s");
+            reports = self.changed.wait_timeout(reports, left).unwrap().0;
+        }
+    }
+}
+
+fn take_demoted(sink: &Collect, conn: u64) -> lightgate_native::reactor::Demoted {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut reports = sink.reports.lock().unwrap();
+    loop {
+        if let Some(i) =
+            reports.iter().position(|r| matches!(r, Report::Demoted(d) if d.conn == conn))
+        {
+            if let Report::Demoted(d) = reports.remove(i) {
+                return *d;
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "connection {conn} was not handed back in 5 s");
+        reports = sink.changed.wait_timeout(reports, left).unwrap().0;
+    }
+}
+
+fn settings(keepalive: u16) -> Settings {
+    Settings {
+        version: 4,
+        keepalive,
+        max_packet: 1 << 20,
+        max_qos: 2,
+        topic_alias_maximum: 0,
+        receive_maximum: 64,
+        client_receive_maximum: 2,
+        max_inflight: 32,
+        client_max_packet: 1 << 20,
+    }
+}
+
+/// A connected pair: the client's end, and the server's end as an owned socket.
+fn pair() -> (TcpStream, OwnedFd) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (server, _) = listener.accept().unwrap();
+    server.set_nonblocking(true).unwrap();
+    client.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    (client, OwnedFd::from(server))
+}
+
+fn read_exact(client: &mut TcpStream, n: usize) -> Vec<u8> {
+    let mut buf = vec![0; n];
+    client.read_exact(&mut buf).unwrap();
+    buf
+}
+
+fn adopt(reactor: &Reactor, conn: u64, socket: OwnedFd, keepalive: u16) {
+    reactor.send(Command::Adopt {
+        conn,
+        socket,
+        settings: settings(keepalive),
+        unread: Vec::new(),
+        idle_for: 0.0,
+        acl: None,
+    });
+}
+
+#[test]
+fn publish_ack_ping_deliver_and_hand_back() {
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(2, sink.clone()).unwrap();
+    let (mut client, socket) = pair();
+    adopt(&reactor, 7, socket, 0);
+
+    // PUBLISH QoS 1 "a/b" id 9 payload "hi", then PINGREQ.
+    client.write_all(&[0x32, 0x09, 0, 3, b'a', b'/', b'b', 0, 9, b'h', b'i', 0xC0, 0]).unwrap();
+    let batch = sink.wait(|r| match r {
+        Report::Published(b) => Some(b.clone()),
+        _ => None,
+    });
+    assert_eq!(batch.len(), 1);
+    assert_eq!((batch[0].topic.as_str(), batch[0].payload.as_slice()), ("a/b", &b"hi"[..]));
+    assert_eq!((batch[0].conn, batch[0].qos, batch[0].packet_id), (7, 1, Some(9)));
+    // Nothing goes out before the store has it: the PINGRESP waits behind the PUBACK.
+    client.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    assert!(client.read(&mut [0; 8]).is_err());
+    client.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    reactor.send(Command::PublishDone { conn: 7, ticket: batch[0].ticket.unwrap(), packet_id: 9, code: 0 });
+    assert_eq!(read_exact(&mut client, 6), vec![0x40, 2, 0, 9, 0xD0, 0]);
+
+    // Deliveries: QoS 1 within the client's window of 2; the third waits for an ack.
+    for i in 0..3u8 {
+        reactor.send(Command::Deliver {
+            conn: 7,
+            delivery: Delivery {
+                topic: "c".into(),
+                payload: vec![i].into(),
+                qos: 1,
+                retain: false,
+                source: (1, u64::from(i)),
+            },
+        });
+    }
+    let first = read_exact(&mut client, 16);
+    assert_eq!(first, vec![0x32, 6, 0, 1, b'c', 0, 1, 0, 0x32, 6, 0, 1, b'c', 0, 2, 1]);
+    client.write_all(&[0x40, 2, 0, 1]).unwrap();
+    let acked = sink.wait(|r| match r {
+        Report::Acked { conn: 7, packet_id, source } => Some((*packet_id, *source)),
+        _ => None,
+    });
+    assert_eq!(acked, (1, (1, 0)));
+    assert_eq!(read_exact(&mut client, 8), vec![0x32, 6, 0, 1, b'c', 0, 3, 2]);
+
+    // SUBSCRIBE is Python's: the socket comes back with the packet unread.
+    let subscribe = [0x82, 0x06, 0, 5, 0, 1, b'x', 0];
+    client.write_all(&subscribe).unwrap();
+    let back = take_demoted(&sink, 7);
+    assert_eq!(back.why, Why::Packet);
+    assert_eq!(back.unread, subscribe.to_vec());
+    assert_eq!(back.outgoing.keys().copied().collect::<Vec<_>>(), vec![2, 3]);
+    assert_eq!(back.next_packet_id, 4);
+    // The socket still works: the owner answers on it.
+    let mut server = TcpStream::from(back.socket);
+    server.write_all(&[0x90, 3, 0, 5, 0]).unwrap();
+    assert_eq!(read_exact(&mut client, 5), vec![0x90, 3, 0, 5, 0]);
+    reactor.stop();
+}
+
+#[test]
+fn keepalive_and_a_closed_client_hand_back() {
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    let (_quiet, socket) = pair();
+    adopt(&reactor, 1, socket, 1);
+    let (gone, socket) = pair();
+    adopt(&reactor, 2, socket, 0);
+    drop(gone);
+    let lost = take_demoted(&sink, 2);
+    assert!(matches!(lost.why, Why::Lost(_)), "{:?}", lost.why);
+    let started = Instant::now();
+    let timed_out = take_demoted(&sink, 1);
+    assert_eq!(timed_out.why, Why::Timeout);
+    let waited = started.elapsed().as_secs_f64();
+    assert!((1.0..2.5).contains(&waited), "1.5 keepalives without a packet, not {waited}");
+    reactor.stop();
+}
