@@ -37,6 +37,8 @@ def run_one(scenario: str, name: str, size: dict[str, Any],
         pids = [p.pid for p in broker.procs]
         cpu0, threads0, t1 = cpu_seconds(pids), thread_times(pids), time.monotonic()
         row.update(fn(broker, size))
+        if broker.notes:
+            row["notes"] = "; ".join(filter(None, [row.get("notes"), broker.notes]))
         cpu = cpu_seconds(pids) - cpu0
         if row.get("received"):
             row["cpu_us_per_msg"] = round(cpu * 1e6 / row["received"], 2)
