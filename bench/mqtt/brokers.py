@@ -57,6 +57,7 @@ class Broker:
     tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench-")))
     groups: list[int] = field(default_factory=list)  # procs that lead a process group
     notes: str = ""  # what every row of this broker should say about how it ran
+    keepalive: int = 0  # what its clients ask for in CONNECT (0: none)
 
     @property
     def pid(self) -> int:
@@ -199,8 +200,11 @@ def _start(b: Broker) -> None:
         conf.write_text(rumqttd_config(b.port, resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
         _spawn(b, [str(RUMQTTD), "--quiet", "--config", str(conf)], "rumqttd", False)
         _wait_port(b, b.port)
+        # It refuses a CONNECT without keepalive: its clients ask for the longest.
+        b.keepalive = 0xFFFF
         b.notes = ("in memory (no persistence); its delivery window is fixed at 100 "
-                   "unacked (compiled in), no bound on queued messages but its log's segments")
+                   "unacked (compiled in), no bound on queued messages but its log's "
+                   "segments; clients keepalive 65535 s (it refuses 0)")
     else:
         raise ValueError(f"unknown broker {name}")
 

@@ -21,7 +21,15 @@ from bench.mqtt import brokers
 from bench.mqtt.cli import add_ratios
 from bench.mqtt.installs import RABBITMQ_SERVER, RUMQTTD
 from bench.mqtt.procfs import _tree, cpu_seconds, rss_kb
-from bench.mqtt.wire import acks_in, connect, puback, publish_fields, split_frames, subscribe
+from bench.mqtt.wire import (
+    acks_in,
+    connect,
+    puback,
+    publish_fields,
+    set_keepalive,
+    split_frames,
+    subscribe,
+)
 from gateway import mqtt
 
 INSTALLED = {"rabbitmq": RABBITMQ_SERVER, "rumqttd": RUMQTTD}
@@ -123,6 +131,7 @@ def test_peer_starts_passes_messages_and_stops_clean(name: str) -> None:
     b = brokers.start_broker(name)
     try:
         tree = _tree(b.pid)
+        set_keepalive(b.keepalive)  # as the runner does: rumqttd refuses keepalive 0
         _passes_messages(b.port)
         assert b.died() is None
         assert b.notes  # what its rows say about how it ran
@@ -132,6 +141,7 @@ def test_peer_starts_passes_messages_and_stops_clean(name: str) -> None:
             assert "beam.smp" in {Path(f"/proc/{p}/comm").read_text().strip() for p in tree}
             tree += _tree(b.procs[0].pid)
     finally:
+        set_keepalive(0)
         b.stop()
     time.sleep(0.5)
     left = [p for p in tree if Path(f"/proc/{p}").exists()
