@@ -10,7 +10,7 @@ connections on plain non-blocking sockets and a selector; the hot receive path s
 frames by their fixed header instead of decoding them. Every loop is bounded in
 messages and in seconds.
 
-    python bench/mqtt_bench.py --quick          # ~5 minutes: make bench
+    python bench/mqtt_bench.py --quick          # ~10 minutes: make bench
     python bench/mqtt_bench.py                  # the full set: make bench-full
     python bench/mqtt_bench.py --brokers lightgate-async,mosquitto --scenarios qos0_1to1
     python bench/mqtt_bench.py --quick --scenarios qos0_1to1 --profile /tmp/prof
@@ -41,7 +41,7 @@ RESULTS = ROOT / "bench" / "results"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="every scenario but reconnect_storm, small (~6 min)")
+                        help="every scenario but reconnect_storm, small (~10 min)")
     parser.add_argument("--tiny", action="store_true", help="a smoke run for the tests")
     parser.add_argument("--brokers", default=",".join(BROKERS),
                         help=f"comma-separated subset of {','.join(BROKERS)}")
