@@ -15,7 +15,7 @@ DOCS_STAMP := $(VENV)/.installed-$(SUM)-docs
 SPARK_STAMP := $(VENV)/.installed-$(SUM)-spark
 
 .PHONY: serve test docs soak lint bench bench-full clean redis chromium java mosquitto netfaults \
-	native-check
+	native-check bench-peers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -106,16 +106,22 @@ native-check:
 	cd native && cargo clippy --quiet --all-targets --features python -- -D warnings
 	cd native && cargo test --quiet
 
+# The MQTT benchmark's peers, before it starts (so that no row waits for a build):
+# Debian's mosquitto and rabbitmq-server (apt-get) and rumqttd built from its crate into
+# bench/.peers (a few minutes the first time); each only if missing.
+bench-peers: $(STAMP)
+	$(BIN)/python -m bench.mqtt.installs mosquitto rabbitmq rumqttd
+
 # Benchmarks print JSON and write bench/results/ (a PNG per MQTT scenario beside it).
-bench: $(STAMP) redis
+bench: $(STAMP) redis bench-peers
 	$(BIN)/python bench/mqtt_bench.py --quick
 	$(BIN)/python bench/replay_bench.py
 	$(BIN)/python bench/replay_bench.py --mqtt
 
-bench-full: $(STAMP) redis
+bench-full: $(STAMP) redis bench-peers
 	$(BIN)/python bench/mqtt_bench.py
 	$(BIN)/python bench/store_bench.py
 	$(BIN)/python bench/native_bench.py
 
 clean:
-	rm -rf $(VENV) data .pytest_cache site native/target lightgate_native.*.so
+	rm -rf $(VENV) data .pytest_cache site native/target lightgate_native.*.so bench/.peers

@@ -1,11 +1,13 @@
-"""The MQTT benchmark harness: Lightgate against Mosquitto and amqtt (bench/README.md).
+"""The MQTT benchmark harness: Lightgate against Mosquitto, RabbitMQ, rumqttd and amqtt
+(bench/README.md).
 
 Run it as `python bench/mqtt_bench.py` (what `make bench` does) or `python -m bench.mqtt`;
 cli.py has the usage. The modules, lowest first (each imports only those above it):
 
     wire       raw-socket MQTT client pieces: frame splitting, CONNECT/SUBSCRIBE, PUBACKs
     procfs     what /proc says: CPU, RSS, per-thread CPU and switches, listen overflows
-    brokers    start and stop Mosquitto, amqtt and Lightgate (embedded and separated)
+    installs   install the peers on first use (apt-get; rumqttd from its crate)
+    brokers    start and stop Mosquitto, RabbitMQ, rumqttd, amqtt and Lightgate
     loadgen    worker processes (Crew) and the client loops they run
     scenarios  each scenario as a function, their registry and the quick / full sizes
     runner     one row: start a broker, measure a scenario on it, stop it (and py-spy)

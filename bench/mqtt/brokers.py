@@ -4,8 +4,13 @@ state. A broker that fails to start raises with its log's tail."""
 
 from __future__ import annotations
 
+import base64
 import collections
+import contextlib
+import hashlib
+import json
 import os
+import resource
 import selectors
 import shutil
 import signal
@@ -19,12 +24,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import ROOT, progress
+from . import ROOT
+from .installs import (
+    EPMD,
+    MOSQUITTO,
+    RABBITMQ_SERVER,
+    RUMQTTD,
+    ensure_mosquitto,
+    ensure_rabbitmq,
+    ensure_rumqttd,
+)
 
-MOSQUITTO = Path("/usr/sbin/mosquitto")
-
-
-BROKERS = ["mosquitto", "lightgate-async", "lightgate-sync", "lightgate-separated", "amqtt"]
+BROKERS = ["mosquitto", "lightgate-async", "lightgate-sync", "lightgate-separated", "amqtt",
+           "rabbitmq", "rumqttd"]
+# The bounds every broker gets, as far as its settings allow: the Mosquitto config's.
+MAX_INFLIGHT = 32
+MAX_QUEUED = 100_000
+MAX_PACKET = 1 << 20  # Lightgate's default --max-packet-size
 
 
 def free_port() -> int:
@@ -39,6 +55,9 @@ class Broker:
     port: int = 0
     procs: list[subprocess.Popen[Any]] = field(default_factory=list)
     tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bench-")))
+    groups: list[int] = field(default_factory=list)  # procs that lead a process group
+    notes: str = ""  # what every row of this broker should say about how it ran
+    keepalive: int = 0  # what its clients ask for in CONNECT (0: none)
 
     @property
     def pid(self) -> int:
@@ -63,15 +82,24 @@ class Broker:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait(5)
+        for pgid in self.groups:
+            # Whatever outlived its group's leader (beam.smp if RabbitMQ's script was
+            # killed) goes too, so that no scenario inherits a running VM.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _spawn(b: Broker, cmd: list[str], tag: str, ready_line: bool) -> subprocess.Popen[Any]:
+def _spawn(b: Broker, cmd: list[str], tag: str, ready_line: bool,
+           env: dict[str, str] | None = None, own_group: bool = False
+           ) -> subprocess.Popen[Any]:
     log = open(b.tmp / f"{tag}.log", "w")  # noqa: SIM115 - the child owns it
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE if ready_line else log,
-                         stderr=log, text=True)
+                         stderr=log, text=True, env=env, start_new_session=own_group)
     log.close()
     b.procs.append(p)
+    if own_group:
+        b.groups.append(p.pid)
     return p
 
 
@@ -164,18 +192,112 @@ def _start(b: Broker) -> None:
                                       f"127.0.0.1:{b.port}", "--http", "127.0.0.1:0",
                                       "--max-inflight", "32"), "gateway", True)
         _wait_ready(b, gw)
+    elif name == "rabbitmq":
+        _start_rabbitmq(b)
+    elif name == "rumqttd":
+        ensure_rumqttd()
+        conf = b.tmp / "rumqttd.toml"
+        conf.write_text(rumqttd_config(b.port, resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+        _spawn(b, [str(RUMQTTD), "--quiet", "--config", str(conf)], "rumqttd", False)
+        _wait_port(b, b.port)
+        # It refuses a CONNECT without keepalive: its clients ask for the longest.
+        b.keepalive = 0xFFFF
+        b.notes = ("in memory (no persistence); its delivery window is fixed at 100 "
+                   "unacked (compiled in), no bound on queued messages but its log's "
+                   "segments; clients keepalive 65535 s (it refuses 0)")
     else:
         raise ValueError(f"unknown broker {name}")
 
 
-def ensure_mosquitto() -> None:
-    """CI machines start empty: install Debian's broker on first use."""
-    if MOSQUITTO.exists():
-        return
-    progress("installing Debian's mosquitto (apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    res = subprocess.run("apt-get update -qq && apt-get install -y -qq mosquitto", shell=True,
-                         env=env, capture_output=True, text=True, timeout=600)
-    if res.returncode != 0 or not MOSQUITTO.exists():
-        raise RuntimeError(f"could not install mosquitto: {res.stderr[-500:]}")
-    # Debian's package starts a system broker on 1883; ours get their own ports and config.
+def _start_rabbitmq(b: Broker) -> None:
+    """A node of our own (RabbitMQ 3.10, Debian's): its own epmd, node name, cookie,
+    config and directories under b.tmp, every port a free loopback one, the MQTT plugin
+    alone; its script, beam.smp and beam's helpers in a process group of their own."""
+    ensure_rabbitmq()
+    epmd_port, amqp_port, dist_port = free_port(), free_port(), free_port()
+    _spawn(b, [str(EPMD), "-port", str(epmd_port), "-address", "127.0.0.1"], "epmd", False)
+    _wait_port(b, epmd_port)
+    (b.tmp / "rabbitmq.conf").write_text(rabbitmq_config(b.port, amqp_port, b.tmp))
+    (b.tmp / "definitions.json").write_text(json.dumps(rabbitmq_definitions()))
+    (b.tmp / "enabled_plugins").write_text("[rabbitmq_mqtt].\n")
+    (b.tmp / "rabbitmq-env.conf").write_text("")  # not /etc/rabbitmq's
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    env = {**os.environ, "HOME": str(b.tmp),  # the Erlang cookie goes there
+           "RABBITMQ_NODENAME": f"bench{os.getpid()}p{b.port}@localhost",
+           "RABBITMQ_CONF_ENV_FILE": str(b.tmp / "rabbitmq-env.conf"),
+           "RABBITMQ_CONFIG_FILE": str(b.tmp / "rabbitmq.conf"),
+           "RABBITMQ_ADVANCED_CONFIG_FILE": str(b.tmp / "advanced.config"),
+           "RABBITMQ_ENABLED_PLUGINS_FILE": str(b.tmp / "enabled_plugins"),
+           "RABBITMQ_MNESIA_BASE": str(b.tmp / "mnesia"),
+           "RABBITMQ_LOG_BASE": str(b.tmp / "log"),
+           "RABBITMQ_LOGS": str(b.tmp / "rabbit.log"),
+           "RABBITMQ_PID_FILE": str(b.tmp / "rabbit.pid"),
+           "RABBITMQ_DIST_PORT": str(dist_port),
+           "ERL_EPMD_PORT": str(epmd_port), "ERL_EPMD_ADDRESS": "127.0.0.1",
+           # Distribution on loopback only; as many Erlang ports (sockets) as we have fds.
+           "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS":
+               f"-kernel inet_dist_use_interface {{127,0,0,1}} +Q {max(nofile, 1024)}"}
+    _spawn(b, [str(RABBITMQ_SERVER)], "rabbitmq", False, env=env, own_group=True)
+    # Its listeners open before the boot is over (a failed import still fails it later):
+    # ready is the script's "completed" line, then the port.
+    _wait_log(b, b.tmp / "rabbitmq.log", "Starting broker... completed", timeout=120)
+    _wait_port(b, b.port)
+    # Checked on 3.10: even a clean session's subscription queue is durable, so each
+    # QoS 1 message (published persistent) is written to disk before its confirm.
+    b.notes = ("RabbitMQ stores QoS 1 messages durably, as Lightgate does (persistent "
+               "messages in durable queues, PUBACK on the publisher confirm); QoS 0 ones "
+               "in memory")
+
+
+def rabbitmq_config(mqtt_port: int, amqp_port: int, tmp: Path) -> str:
+    # prefetch: the unacknowledged QoS 1 deliveries per subscriber (the inflight window);
+    # the queue bound is a policy in the definitions, imported at boot.
+    return (f"listeners.tcp.default = 127.0.0.1:{amqp_port}\n"
+            f"mqtt.listeners.tcp.default = 127.0.0.1:{mqtt_port}\n"
+            "mqtt.allow_anonymous = true\nmqtt.default_user = guest\n"
+            f"mqtt.default_pass = guest\nmqtt.prefetch = {MAX_INFLIGHT}\n"
+            "log.console = false\nlog.file.level = warning\n"
+            "definitions.import_backend = local_filesystem\n"
+            f"definitions.local.path = {tmp / 'definitions.json'}\n")
+
+
+def rabbitmq_definitions() -> dict[str, Any]:
+    """What a fresh node would create (vhost /, user guest, loopback only as ever) plus
+    the bound on each MQTT subscription's queue: a node that imports definitions at boot
+    creates no defaults of its own."""
+    salt = os.urandom(4)  # RabbitMQ's salted SHA-256 password hash, base64
+    digest = base64.b64encode(salt + hashlib.sha256(salt + b"guest").digest()).decode()
+    return {"vhosts": [{"name": "/"}],
+            "users": [{"name": "guest", "password_hash": digest, "tags": ["administrator"],
+                       "hashing_algorithm": "rabbit_password_hashing_sha256"}],
+            "permissions": [{"user": "guest", "vhost": "/", "configure": ".*",
+                             "write": ".*", "read": ".*"}],
+            "policies": [{"vhost": "/", "name": "bench-queue-bound",
+                          "pattern": "^mqtt-subscription-", "apply-to": "queues",
+                          "priority": 0, "definition": {"max-length": MAX_QUEUED}}]}
+
+
+def rumqttd_config(port: int, max_connections: int) -> str:
+    """rumqttd's TOML (its lib.rs: Config, RouterConfig, ServerSettings): one MQTT 3.1.1
+    listener, no console, no metrics. Accepting without its default 1 ms pause between
+    connections (next_connection_delay_ms) lets the idle scenario connect at full speed;
+    max_inflight_count is how many packets it reads from a connection at once."""
+    return (f"id = 0\n\n[router]\nid = 0\nmax_connections = {max(max_connections, 10_010)}\n"
+            "max_outgoing_packet_count = 200\nmax_segment_size = 104857600\n"
+            "max_segment_count = 10\n\n"
+            f'[v4.1]\nname = "v4-1"\nlisten = "127.0.0.1:{port}"\n'
+            "next_connection_delay_ms = 0\n"
+            "[v4.1.connections]\nconnection_timeout_ms = 60000\n"
+            f"max_payload_size = {MAX_PACKET}\nmax_inflight_count = 100\n"
+            "dynamic_filters = true\n")
+
+
+def _wait_log(b: Broker, path: Path, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (err := b.died()) is not None:
+            raise RuntimeError(err)
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{b.name}: not started within {timeout:.0f} s: {b.log_tail()}")

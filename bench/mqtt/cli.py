@@ -1,6 +1,7 @@
 """MQTT benchmarks side by side: Lightgate (embedded, flush async and sync; separated)
-against Debian's Mosquitto and the amqtt broker, each started here on loopback, one at
-a time, every broker in turn for each scenario.
+against Debian's Mosquitto, RabbitMQ's MQTT plugin (Debian's rabbitmq-server), rumqttd
+(built from its crate) and the amqtt broker, each started here on loopback, one at a
+time, every broker in turn for each scenario.
 
 The load generator is meant not to be the bottleneck: packets are encoded once with our
 sans-IO codec and written in large chunks from raw sockets; publishers and subscribers
@@ -9,7 +10,7 @@ connections on plain non-blocking sockets and a selector; the hot receive path s
 frames by their fixed header instead of decoding them. Every loop is bounded in
 messages and in seconds.
 
-    python bench/mqtt_bench.py --quick          # ~5 minutes: make bench
+    python bench/mqtt_bench.py --quick          # ~10 minutes: make bench
     python bench/mqtt_bench.py                  # the full set: make bench-full
     python bench/mqtt_bench.py --brokers lightgate-async,mosquitto --scenarios qos0_1to1
     python bench/mqtt_bench.py --quick --scenarios qos0_1to1 --profile /tmp/prof
@@ -40,7 +41,7 @@ RESULTS = ROOT / "bench" / "results"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="every scenario but reconnect_storm, small (~6 min)")
+                        help="every scenario but reconnect_storm, small (~10 min)")
     parser.add_argument("--tiny", action="store_true", help="a smoke run for the tests")
     parser.add_argument("--brokers", default=",".join(BROKERS),
                         help=f"comma-separated subset of {','.join(BROKERS)}")
@@ -81,14 +82,24 @@ def main() -> None:
             mine.append(row)
             progress(f"  -> {figure}={row.get(figure)} in {row['duration_s']} s "
                      f"{row.get('error', '')}")
-        base = next((r for r in mine if r["broker"] == "mosquitto" and r.get(figure)), None)
-        floor = next((r for r in mine if r["broker"] == "trio-floor" and r.get(figure)), None)
-        for r in mine:
-            if base and r.get(figure) is not None:
-                r["ratio_vs_mosquitto"] = round(r[figure] / base[figure], 3)
-            if floor and r.get(figure) is not None:
-                r["ratio_vs_trio_floor"] = round(r[figure] / floor[figure], 3)
+        add_ratios(mine, figure)
         rows.extend(mine)
     report.write(rows, Path(args.out))
     progress(f"done in {time.monotonic() - started:.0f} s\n{report.table(rows)}")
     print(json.dumps(rows))
+
+
+# Every row is compared with Mosquitto's (ratio_vs_mosquitto, null without it); with the
+# other peers and the trio floor only when they ran: ratio_vs_rabbitmq, ratio_vs_rumqttd.
+REFERENCES = ("mosquitto", "rabbitmq", "rumqttd", "trio-floor")
+
+
+def add_ratios(rows: list[dict[str, Any]], figure: str) -> None:
+    """Each row's main figure over each reference broker's in the same scenario."""
+    for ref in REFERENCES:
+        base = next((r for r in rows if r["broker"] == ref and r.get(figure)), None)
+        if base is None:
+            continue
+        for r in rows:
+            if r.get(figure) is not None:
+                r[f"ratio_vs_{ref.replace('-', '_')}"] = round(r[figure] / base[figure], 3)

@@ -1,5 +1,5 @@
 """What the kernel says about the brokers under test (/proc): CPU and RSS per process with
-its children, CPU and context switches per thread, the accept-queue overflows, and the
+all its descendants, CPU and context switches per thread, the accept-queue overflows, and the
 file-descriptor limit the brokers inherit. Linux only."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ def raise_nofile(want: int) -> int:
 
 
 def rss_kb(pid: int) -> int:
-    """Resident memory of a process and its children (kB)."""
+    """Resident memory of a process and its descendants (kB)."""
     total = 0
-    for p in [pid, *_children(pid)]:
+    for p in _tree(pid):
         try:
             with open(f"/proc/{p}/status") as fh:
                 total += next(int(ln.split()[1]) for ln in fh if ln.startswith("VmRSS:"))
@@ -37,12 +37,12 @@ def rss_kb(pid: int) -> int:
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of these processes and their children so far. Unlike a
+    """User + system CPU time of these processes and their descendants so far. Unlike a
     rate, CPU per message hardly moves when other work shares the machine."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for pid in pids:
-        for p in [pid, *_children(pid)]:
+        for p in _tree(pid):
             try:
                 with open(f"/proc/{p}/stat") as fh:
                     fields = fh.read().rsplit(")", 1)[1].split()
@@ -60,7 +60,7 @@ def thread_times(pids: list[int]) -> dict[str, list[float]]:
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, list[float]] = {}
     for pid in pids:
-        for p in [pid, *_children(pid)]:
+        for p in _tree(pid):
             try:
                 tids = os.listdir(f"/proc/{p}/task")
             except OSError:
@@ -116,9 +116,28 @@ def listen_overflows() -> int:
         return 0
 
 
+def _tree(pid: int) -> list[int]:
+    """The process and all its descendants: a broker may run its work a few levels down
+    (RabbitMQ: a script, beam.smp under it, beam's helpers under that)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(_children(p))
+    return out
+
+
 def _children(pid: int) -> list[int]:
+    """Children of every thread of the process (a thread that forks is their parent)."""
+    kids: list[int] = []
     try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            return [int(x) for x in fh.read().split()]
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return []
+        return kids
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                kids += [int(x) for x in fh.read().split()]
+        except OSError:
+            pass
+    return kids

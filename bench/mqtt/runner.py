@@ -16,6 +16,7 @@ from typing import Any
 from .brokers import Broker, start_broker
 from .procfs import cpu_seconds, thread_report, thread_times
 from .scenarios import SCENARIOS
+from .wire import set_keepalive
 
 FIELDS = ("msgs_per_s", "p50_ms", "p99_ms", "kb_per_conn", "connects_per_s")
 
@@ -34,9 +35,12 @@ def run_one(scenario: str, name: str, size: dict[str, Any],
         broker = start_broker(name)
         if profile_dir and name.startswith("lightgate"):
             prof = profile_start(broker, profile_dir, f"{scenario}-{name}")
+        set_keepalive(broker.keepalive)
         pids = [p.pid for p in broker.procs]
         cpu0, threads0, t1 = cpu_seconds(pids), thread_times(pids), time.monotonic()
         row.update(fn(broker, size))
+        if broker.notes:
+            row["notes"] = "; ".join(filter(None, [row.get("notes"), broker.notes]))
         cpu = cpu_seconds(pids) - cpu0
         if row.get("received"):
             row["cpu_us_per_msg"] = round(cpu * 1e6 / row["received"], 2)
@@ -47,6 +51,7 @@ def run_one(scenario: str, name: str, size: dict[str, Any],
     except Exception as exc:  # record it; the other brokers and scenarios still run
         row["error"] = f"{type(exc).__name__}: {exc}"[:1000]
     finally:
+        set_keepalive(0)
         if prof:
             row["profile_top"] = profile_stop(*prof)[:10]
         if broker:

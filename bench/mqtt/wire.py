@@ -58,8 +58,19 @@ def puback(pid: bytes) -> bytes:
     return b"\x40\x02" + pid
 
 
+# The clients' keepalive: 0 (none) unless the broker under test refuses it (rumqttd
+# does); the load generator's workers are forked, so they see what the runner set.
+_keepalive = 0
+
+
+def set_keepalive(seconds: int) -> None:
+    global _keepalive
+    _keepalive = seconds
+
+
 def connect_packet(client_id: str, clean: bool = True) -> bytes:
-    return mqtt.encode(mqtt.Connect(client_id=client_id, clean_start=clean, keepalive=0), 4)
+    return mqtt.encode(mqtt.Connect(client_id=client_id, clean_start=clean,
+                                    keepalive=_keepalive), 4)
 
 
 def _recv_until(s: socket.socket, want: type, deadline: float) -> Any:
