@@ -244,6 +244,36 @@ impl PyConnection {
     }
 }
 
+/// Message routing (`router::Routes`), held to `lightqueue.routing.Router` by tests.
+#[pyclass(name = "Routes", module = "lightgate_native")]
+struct PyRoutes {
+    inner: router::Routes,
+}
+
+#[pymethods]
+impl PyRoutes {
+    #[new]
+    fn new(default_partitions: u32) -> Self {
+        PyRoutes { inner: router::Routes::new(default_partitions) }
+    }
+
+    fn register_wildcard(&mut self, topic_filter: &str) -> PyResult<bool> {
+        self.inner.register_wildcard(topic_filter).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    fn unregister_wildcard(&mut self, topic_filter: &str) -> bool {
+        self.inner.unregister_wildcard(topic_filter)
+    }
+
+    fn set_partitions(&mut self, first_level: &str, partitions: u32) {
+        self.inner.set_partitions(first_level, partitions);
+    }
+
+    fn route(&self, topic: &str) -> Vec<String> {
+        self.inner.route(topic)
+    }
+}
+
 #[pymodule]
 fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -251,6 +281,7 @@ fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTopicTrie>()?;
     m.add_class::<PyLogWriter>()?;
     m.add_class::<PyConnection>()?;
+    m.add_class::<PyRoutes>()?;
     m.add("MqttError", m.py().get_type::<MqttError>())?;
     m.add_class::<MqttDecoder>()?;
     m.add_function(wrap_pyfunction!(decode_frames, m)?)?;

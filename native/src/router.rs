@@ -290,6 +290,50 @@ impl<V: Copy + Eq + Hash> TopicTrie<V> {
     }
 }
 
+/// Which light queues one message belongs to (`lightqueue/routing.py`'s `Router.route`):
+/// its exact-topic queue, every registered wildcard queue whose filter matches (in
+/// sorted order), and one partition `first#N` of its first-level topic, N the CRC-32 of
+/// the topic modulo that topic's partitions. Deterministic: the native append routes a
+/// message exactly as the Python store would.
+pub struct Routes {
+    wildcards: TopicTrie<()>,
+    partitions: HashMap<String, u32>,
+    default_partitions: u32,
+}
+
+impl Routes {
+    pub fn new(default_partitions: u32) -> Self {
+        Routes { wildcards: TopicTrie::new(), partitions: HashMap::new(), default_partitions: default_partitions.max(1) }
+    }
+
+    pub fn register_wildcard(&mut self, topic_filter: &str) -> Result<bool, FilterError> {
+        self.wildcards.add(topic_filter, ())
+    }
+
+    pub fn unregister_wildcard(&mut self, topic_filter: &str) -> bool {
+        self.wildcards.remove(topic_filter, ())
+    }
+
+    pub fn set_partitions(&mut self, first_level: &str, partitions: u32) {
+        self.partitions.insert(first_level.to_string(), partitions.max(1));
+    }
+
+    /// The queues of a message published on `topic`, the exact-topic queue first.
+    pub fn route(&self, topic: &str) -> Vec<String> {
+        let mut filters = self.wildcards.matching_filters(topic);
+        // Python sorts str by code point; UTF-8 byte order is the same order.
+        filters.sort_unstable();
+        let first = topic.split('/').next().unwrap_or(topic);
+        let parts = self.partitions.get(first).copied().unwrap_or(self.default_partitions);
+        let partition = crc32fast::hash(topic.as_bytes()) % parts;
+        let mut out = Vec::with_capacity(filters.len() + 2);
+        out.push(topic.to_string());
+        out.extend(filters);
+        out.push(format!("{first}#{partition}"));
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -336,6 +380,19 @@ mod tests {
         assert!(t.remove("home/bath/temp", 3));
         assert!(t.is_empty());
         assert_eq!(t.nodes.len() - t.free.len(), 1, "every node but the root pruned");
+    }
+
+    #[test]
+    fn routes_exact_wildcards_and_a_partition() {
+        let mut r = Routes::new(4);
+        r.register_wildcard("home/#").unwrap();
+        r.register_wildcard("home/+/temp").unwrap();
+        r.set_partitions("plant", 1);
+        let route = r.route("home/bath/temp");
+        assert_eq!(&route[..3], ["home/bath/temp", "home/#", "home/+/temp"]);
+        let n = crc32fast::hash(b"home/bath/temp") % 4;
+        assert_eq!(route[3], format!("home#{n}"));
+        assert_eq!(r.route("plant/x"), vec!["plant/x".to_string(), "plant#0".to_string()]);
     }
 
     #[test]

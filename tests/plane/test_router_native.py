@@ -45,3 +45,36 @@ def test_same_matches_as_python(ops: list[tuple[bool, str, int]], probes: list[s
     for topic in probes:
         assert sorted(native.matching(topic)) == sorted(python.match(topic)), topic
         assert set(native.matching_filters(topic)) == python.match_filters(topic), topic
+
+
+route_ops = st.lists(st.one_of(
+    st.tuples(st.just("wild"), filters), st.tuples(st.just("unwild"), filters),
+    st.tuples(st.just("parts"), st.sampled_from(["a", "b", "é", "$SYS"]), st.integers(1, 9))),
+    max_size=15)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=route_ops, probes=st.lists(topics, min_size=1, max_size=10),
+       default=st.integers(1, 8))
+def test_same_routes_as_python(ops: list[tuple], probes: list[str], default: int) -> None:
+    """A message is indexed into the same queues, in the same order, whichever plane
+    appends it."""
+    from lightqueue.routing import Router
+
+    native, python = plane.NATIVE.Routes(default), Router(default)
+    for op in ops:
+        if op[0] == "wild":
+            try:
+                want = python.register_wildcard(op[1])
+            except TopicError:
+                with pytest.raises(ValueError):
+                    native.register_wildcard(op[1])
+                continue
+            assert native.register_wildcard(op[1]) == want
+        elif op[0] == "unwild":
+            assert native.unregister_wildcard(op[1]) == python.unregister_wildcard(op[1])
+        else:
+            python.set_partitions(op[1], op[2])
+            native.set_partitions(op[1], op[2])
+    for topic in probes:
+        assert native.route(topic) == python.route(topic), topic
