@@ -402,8 +402,6 @@ fn props() -> impl Strategy<Value = Vec<Owned>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
-
     #[test]
     fn publish_round_trips(
         topic in topic(), payload in proptest::collection::vec(any::<u8>(), 0..300),
