@@ -474,3 +474,11 @@ proptest! {
         let _ = run(5, 1 << 16, &[&out[..cut.index(out.len())]]);
     }
 }
+
+#[test]
+fn a_decoder_can_move_to_another_thread() {
+    // The native plane runs a reactor per I/O thread; a connection's decoder goes with it.
+    fn send<T: Send + Sync>() {}
+    send::<Decoder>();
+    send::<DecodeError>();
+}
