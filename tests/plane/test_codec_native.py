@@ -35,7 +35,7 @@ if plane.NATIVE is None or not hasattr(plane.NATIVE, "MqttDecoder"):
     pytest.skip("the native MQTT codec is not installed", allow_module_level=True)
 
 native: Any = plane.NATIVE
-SETTINGS = settings(max_examples=400, deadline=None, database=None,
+SETTINGS = settings(max_examples=300, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 VERSION = st.sampled_from([4, 5])
 BUDGET = st.sampled_from([16, 64, 300, MAX_PACKET_SIZE])

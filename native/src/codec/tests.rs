@@ -402,8 +402,6 @@ fn props() -> impl Strategy<Value = Vec<Owned>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
-
     #[test]
     fn publish_round_trips(
         topic in topic(), payload in proptest::collection::vec(any::<u8>(), 0..300),
@@ -475,4 +473,12 @@ proptest! {
         let _ = run(5, 1 << 16, &[&out]);
         let _ = run(5, 1 << 16, &[&out[..cut.index(out.len())]]);
     }
+}
+
+#[test]
+fn a_decoder_can_move_to_another_thread() {
+    // The native plane runs a reactor per I/O thread; a connection's decoder goes with it.
+    fn send<T: Send + Sync>() {}
+    send::<Decoder>();
+    send::<DecodeError>();
 }
