@@ -153,14 +153,14 @@ def encode(msg: Message) -> bytes:
     data plane when it runs (the same bytes, a fifth of the time), else `encode_python`."""
     if _native_encode is None:
         return encode_python(msg)
-    props = encode_properties(msg.properties) if msg.properties else b""
-    if props and b'"$b64"' in props:
-        decode_properties(props)  # as encode_python checks it
     try:
+        props = encode_properties(msg.properties) if msg.properties else b""
+        if props and b'"$b64"' in props:
+            decode_properties(props)  # as encode_python checks it
         return _native_encode(msg.store_ts, msg.born_ts, msg.qos, msg.retain, msg.client_id,
                               msg.topic, msg.key, props, msg.body, msg.queues)
-    except (OverflowError, TypeError, ValueError):
-        return encode_python(msg)  # what the native encoder refuses: Python's error says why
+    except Exception:  # noqa: BLE001 - what either refuses, Python's error says why
+        return encode_python(msg)
 
 
 def encode_python(msg: Message) -> bytes:

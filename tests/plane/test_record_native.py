@@ -57,3 +57,12 @@ def test_too_long_a_field_gets_pythons_error() -> None:
         record.encode_python(msg)
     assert type(native.value) is type(python.value)
     assert str(native.value) == str(python.value)
+
+
+def test_pythons_error_comes_first_whatever_fails() -> None:
+    """A topic that is no UTF-8 and properties that are no record's: Python's encoder
+    fails on the topic before it looks at the properties, and so must `encode`."""
+    msg = Message("t\udc80", b"x", properties={"$b64": "\x80"}, store_ts=1)
+    msg.queues = [("t", 0)]
+    with pytest.raises(UnicodeEncodeError):
+        record.encode(msg)
