@@ -8,6 +8,8 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyTuple};
 use crate::codec::properties::{self as props, Kind};
 use crate::codec::{self, Packet, Property, Value};
 use crate::commitlog;
+use crate::engine;
+use crate::reactor::{Command as ReactorCommand, Report};
 use crate::record::{self, Record};
 use crate::protocol;
 use crate::router;
@@ -274,6 +276,152 @@ impl PyRoutes {
     }
 }
 
+/// An appended message for the index: (phys_offset, size, store_ts, queues).
+type DispatchedRow = (u64, u32, u64, Vec<(String, u64)>);
+/// A connection handed back: (conn, fd, why, unread, unsent, next_packet_id).
+type DemotedRow = (u64, i32, String, Vec<u8>, Vec<u8>, u16);
+
+/// The native per-message path (`engine::Engine`): reactors, the log's tail, routing,
+/// acks and deliveries. Python hands it sockets after their CONNACK and takes back
+/// what only Python decides.
+#[pyclass(name = "Engine", module = "lightgate_native")]
+struct PyEngine {
+    inner: Option<engine::Engine>,
+}
+
+impl PyEngine {
+    fn engine(&self) -> PyResult<&engine::Engine> {
+        self.inner.as_ref().ok_or_else(|| PyValueError::new_err("the engine is stopped"))
+    }
+}
+
+/// A socket Python gives up (`socket.detach()`): from here on Rust owns and closes it.
+#[allow(unsafe_code)]
+fn adopt_fd(fd: i32) -> PyResult<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    if fd < 0 {
+        return Err(PyValueError::new_err("not a socket"));
+    }
+    // SAFETY: the caller detached `fd` from its Python socket, so nothing else owns or
+    // closes it; it is owned exactly once from here.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+#[pymethods]
+impl PyEngine {
+    /// `queue_end(name) -> int`: where a queue the engine has not appended to ends (the
+    /// index's answer), asked once per queue.
+    #[new]
+    #[pyo3(signature = (directory, segment_size, active_base, write_pos, default_partitions, sync, io_threads, queue_end))]
+    #[allow(clippy::too_many_arguments)] // the log's tail and the engine's settings
+    fn new(
+        directory: std::path::PathBuf,
+        segment_size: u64,
+        active_base: u64,
+        write_pos: u64,
+        default_partitions: u32,
+        sync: bool,
+        io_threads: usize,
+        queue_end: PyObject,
+    ) -> PyResult<Self> {
+        let config = engine::Config { segment_size, active_base, write_pos, default_partitions, sync, io_threads };
+        let ends: engine::QueueEnd = Box::new(move |name: &str| {
+            Python::with_gil(|py| queue_end.call1(py, (name,)).and_then(|v| v.extract::<u64>(py)).unwrap_or(0))
+        });
+        let inner = engine::Engine::start(&directory, config, ends).map_err(os_error)?;
+        Ok(PyEngine { inner: Some(inner) })
+    }
+
+    /// Take a connection over after its CONNACK (`fd` from `socket.detach()`).
+    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None))]
+    #[allow(clippy::too_many_arguments)] // what CONNECT negotiated, one value each
+    fn adopt(
+        &self,
+        conn: u64,
+        fd: i32,
+        version: u8,
+        keepalive: u16,
+        max_packet: usize,
+        max_qos: u8,
+        topic_alias_maximum: u16,
+        receive_maximum: u32,
+        client_receive_maximum: u32,
+        max_inflight: u32,
+        client_max_packet: usize,
+        unread: Vec<u8>,
+        idle_for: f64,
+        acl: Option<std::collections::HashSet<String>>,
+    ) -> PyResult<()> {
+        let settings = protocol::Settings {
+            version,
+            keepalive,
+            max_packet,
+            max_qos,
+            topic_alias_maximum,
+            receive_maximum,
+            client_receive_maximum,
+            max_inflight,
+            client_max_packet,
+        };
+        let socket = adopt_fd(fd)?;
+        self.engine()?.send(ReactorCommand::Adopt { conn, socket, settings, unread, idle_for, acl });
+        Ok(())
+    }
+
+    fn subscribe(&self, conn: u64, topic_filter: &str, qos: u8) -> PyResult<()> {
+        self.engine()?.subscribe(conn, topic_filter, qos).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    fn unsubscribe(&self, conn: u64, topic_filter: &str) -> PyResult<bool> {
+        Ok(self.engine()?.unsubscribe(conn, topic_filter))
+    }
+
+    fn register_wildcard(&self, topic_filter: &str) -> PyResult<bool> {
+        self.engine()?.register_wildcard(topic_filter).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    fn set_partitions(&self, first_level: &str, partitions: u32) -> PyResult<()> {
+        self.engine()?.set_partitions(first_level, partitions);
+        Ok(())
+    }
+
+    /// What was appended since the last call: (phys_offset, size, store_ts, queues).
+    fn take_dispatched(&self) -> PyResult<Vec<DispatchedRow>> {
+        Ok(self
+            .engine()?
+            .take_dispatched()
+            .into_iter()
+            .map(|d| (d.phys_offset, d.size, d.store_ts, d.queues))
+            .collect())
+    }
+
+    /// Connections handed back: (conn, fd, why, unread, unsent, next_packet_id).
+    fn take_demoted(&self) -> PyResult<Vec<DemotedRow>> {
+        use std::os::fd::IntoRawFd;
+        let mut out = Vec::new();
+        for report in self.engine()?.take_reports() {
+            if let Report::Demoted(d) = report {
+                let why = format!("{:?}", d.why);
+                out.push((d.conn, d.socket.into_raw_fd(), why, d.unread, d.unsent, d.next_packet_id));
+            }
+        }
+        Ok(out)
+    }
+
+    #[getter]
+    fn write_pos(&self) -> PyResult<u64> {
+        Ok(self.engine()?.write_pos())
+    }
+
+    /// Stop the reactors (their sockets close) and make the log durable: its end.
+    fn stop(&mut self, py: Python<'_>) -> PyResult<u64> {
+        match self.inner.take() {
+            Some(e) => py.allow_threads(|| e.stop()).map_err(os_error),
+            None => Err(PyValueError::new_err("the engine is stopped")),
+        }
+    }
+}
+
 #[pymodule]
 fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -282,6 +430,7 @@ fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyLogWriter>()?;
     m.add_class::<PyConnection>()?;
     m.add_class::<PyRoutes>()?;
+    m.add_class::<PyEngine>()?;
     m.add("MqttError", m.py().get_type::<MqttError>())?;
     m.add_class::<MqttDecoder>()?;
     m.add_function(wrap_pyfunction!(decode_frames, m)?)?;

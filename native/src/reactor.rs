@@ -120,8 +120,46 @@ struct Lane {
 
 /// The running reactors; a connection lives on thread `conn % N`.
 pub struct Reactor {
-    lanes: Vec<Arc<Lane>>,
+    handle: Handle,
     threads: Vec<JoinHandle<()>>,
+}
+
+/// Where commands go: cloneable, for whoever must answer the reactors (the engine).
+#[derive(Clone)]
+pub struct Handle {
+    lanes: Vec<Arc<Lane>>,
+}
+
+impl Handle {
+    fn lane(&self, conn: u64) -> &Lane {
+        &self.lanes[(conn % self.lanes.len() as u64) as usize]
+    }
+
+    pub fn send(&self, command: Command) {
+        let lane = self.lane(command.conn());
+        if let Ok(mut queue) = lane.commands.lock() {
+            queue.push(command);
+        }
+        let _ = lane.waker.wake();
+    }
+
+    /// Many commands, one lock and one wake-up per thread (a fan-out's deliveries).
+    pub fn send_many(&self, commands: Vec<Command>) {
+        let n = self.lanes.len();
+        let mut per_lane: Vec<Vec<Command>> = (0..n).map(|_| Vec::new()).collect();
+        for c in commands {
+            per_lane[(c.conn() % n as u64) as usize].push(c);
+        }
+        for (lane, batch) in self.lanes.iter().zip(per_lane) {
+            if batch.is_empty() {
+                continue;
+            }
+            if let Ok(mut queue) = lane.commands.lock() {
+                queue.extend(batch);
+            }
+            let _ = lane.waker.wake();
+        }
+    }
 }
 
 /// Bytes waiting for one client past which it is handed back (a slow reader costs the
@@ -151,24 +189,24 @@ impl Reactor {
             lanes.push(lane);
             handles.push(handle);
         }
-        Ok(Reactor { lanes, threads: handles })
+        Ok(Reactor { handle: Handle { lanes }, threads: handles })
     }
 
     pub fn threads(&self) -> usize {
-        self.lanes.len()
+        self.handle.lanes.len()
+    }
+
+    pub fn handle(&self) -> Handle {
+        self.handle.clone()
     }
 
     pub fn send(&self, command: Command) {
-        let lane = &self.lanes[(command.conn() % self.lanes.len() as u64) as usize];
-        if let Ok(mut queue) = lane.commands.lock() {
-            queue.push(command);
-        }
-        let _ = lane.waker.wake();
+        self.handle.send(command);
     }
 
     /// Stop every thread; connections still held are dropped (closed).
     pub fn stop(self) {
-        for lane in &self.lanes {
+        for lane in &self.handle.lanes {
             if let Ok(mut queue) = lane.commands.lock() {
                 queue.push(Command::Stop);
             }
