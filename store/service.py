@@ -28,6 +28,7 @@ from serving.read_budget import ReadBudget
 from store.commitlog import CommitLog, InlineFuture, RecoveryReport
 from store.common import HistoryBatch, PullResult, QueueSeek, await_future
 from store.config import StoreConfig
+from store.cursor_key import node_key
 from store.history import HistoryReader
 from store.metadata import Metadata
 from store.recent import RecentMessages
@@ -76,7 +77,7 @@ class EmbeddedStore:
             on_dispatched=self._on_dispatched,
             full_verify=config.full_verify,
         )
-        self.history_reader = HistoryReader(self.commitlog, self.index)
+        self.history_reader = HistoryReader(self.commitlog, self.index, node_key(root))
         self._pending = trio.Semaphore(config.max_pending_appends)
         self._wildcard_seen: dict[str, float] = {}  # filter -> monotonic time last used
         self.wildcards_dropped = 0
