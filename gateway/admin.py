@@ -350,9 +350,18 @@ class GatewayApi:
         rows.sort(key=lambda r: -r["lag"])  # the ones falling behind first
         return paginate(request, rows, "queue", "reader")
 
+    def _reader(self, request: Request) -> Callable[[str], bool]:
+        """Whether the caller may read a message on a topic: SUB (or GET) on it, decided
+        as for history (Cluster GET alone reads no payload)."""
+        auth, subject, cache = self.broker.auth, getattr(request.state, "subject", None), \
+            DecisionCache()
+        return lambda topic: _may_read(auth, subject, topic, cache=cache)
+
     async def retained(self, request: Request) -> JSONResponse:
+        may_read = self._reader(request)
         rows = [{"topic": t, "qos": d["qos"], "ts": d.get("ts"), "client_id": d.get("client_id"),
-                 **_body_json(d["body"])} for t, d in await self.store.meta_items("retained")]
+                 **_body_json(d["body"])} for t, d in await self.store.meta_items("retained")
+                if may_read(t)]
         return paginate(request, rows, "topic")
 
     async def retained_delete(self, request: Request) -> JSONResponse:
@@ -372,6 +381,9 @@ class GatewayApi:
             msg = await self.store.get_message(msg_id)
         except (KeyError, ValueError) as exc:  # past the log, retained away, not a record
             raise HTTPException(404, f"no message {msg_id}: {exc}") from None
+        if not self._reader(request)(msg.topic):  # its topic unnamed: ids can be walked
+            raise HTTPException(403, f"reading message {msg_id} needs SUB (or GET) on its "
+                                     "topic")
         delivered, pending = [], []
         for s in self.broker.sessions.values():
             for queue, off in msg.queues:
@@ -404,9 +416,8 @@ class GatewayApi:
         except ValueError as exc:  # with a cursor, the cursor's: the rest was checked
             raise HTTPException(400, f"cursor: {exc}" if cursor is not None else str(exc)
                                 ) from None
-        cache = DecisionCache()
-        rows = [_history_row(m) for m in batch.messages
-                if _may_read(auth, subject, m.topic, cache=cache)]
+        may_read = self._reader(request)
+        rows = [_history_row(m) for m in batch.messages if may_read(m.topic)]
         return JSONResponse({"messages": rows, "next": batch.cursor, "cut": batch.cut})
 
     async def config(self, request: Request) -> JSONResponse:
@@ -456,9 +467,10 @@ class GatewayApi:
             self._alerts_registered = True
         end = await self.store.queue_end(ALERTS)
         res = await self.store.pull(ALERTS, max(0, end - ALERTS_SHOWN), ALERTS_SHOWN)
+        may_read = self._reader(request)
         rows = [{"msg_id": m.msg_id, "topic": m.topic, "store_time": m.store_ts,
                  "client_id": m.client_id, **_body_json(m.body)}
-                for m in reversed(res.messages)]
+                for m in reversed(res.messages) if may_read(m.topic)]
         return JSONResponse({"items": rows, "queue": ALERTS, "end": end})
 
     async def index(self, request: Request) -> FileResponse:

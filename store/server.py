@@ -586,19 +586,25 @@ class NativeServer:
         return msg
 
     async def _get_message(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        """A message by id (Cluster GET, checked in _check), if the reader may read its
+        topic, as a PULL would decide; its topic goes unnamed (ids can be walked)."""
+        msg_id = str(f.header["msg_id"])
         try:
-            msg = await self.store.get_message(str(f.header["msg_id"]))
+            msg = await self.store.get_message(msg_id)
         except (KeyError, ValueError) as exc:
-            raise NotFound(f"no message {f.header['msg_id']!r}: {exc}") from exc
+            raise NotFound(f"no message {msg_id!r}: {exc}") from exc
+        if not self._readable(ctx, [msg]):
+            raise Forbidden(f"reading message {msg_id} needs SUB (or GET) on its topic")
         metas, body = p.pack_messages([msg])
         return {"messages": metas}, body
 
     async def _find_key(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        """The messages with a key, those the reader may read (as PULL decides)."""
         if f.header.get("last"):  # a gateway's QoS 2 check: the newest offset alone
             return {"messages": [], "phys": await self.store.last_key_offset(
                 str(f.header["key"]))}, b""
         msgs = await self.store.find_by_key(str(f.header["key"]), int(f.header.get("max", 100)))
-        metas, body = p.pack_messages(msgs)
+        metas, body = p.pack_messages(self._readable(ctx, msgs))
         return {"messages": metas}, body
 
     async def _topic_create(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
