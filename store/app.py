@@ -114,7 +114,8 @@ async def run_store(
                 trio.open_nursery() as nursery:
             app = auth_app(store_routes(node.store), node.auth)
             http_addr = await nursery.start(
-                partial(serve_http, max_body=cfg.http_max_body), app, http)
+                partial(serve_http, max_body=cfg.http_max_body,
+                        allowed_hosts=cfg.http_allowed_hosts), app, http)
             tune_for_serving()
             print(f"ready native={node.native_addr} http={http_addr}", flush=True)
             await stop_on_signal(signals, nursery)

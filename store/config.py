@@ -69,6 +69,7 @@ class StoreConfig:
     flush_bytes: int = 16 << 20
     max_pending_appends: int = 10_000
     http_max_body: int = HTTP_MAX_BODY  # the store's HTTP API (413 past it)
+    http_allowed_hosts: tuple[str, ...] = ()  # Host names beside loopback and IPs
 
 
 @dataclass
