@@ -40,6 +40,11 @@ class StoreConfig:
     native_max_partial_bytes: int = setting(
         256 * MiB, "bytes of partly received native frames the store holds; past it the "
         "connections holding the most wait (0: no budget)")
+    # NACK copies a message into its group's retry (or dead-letter) queue: a reader with
+    # no right to publish could fill the disk (store.redelivery).
+    max_retry_messages: int = setting(
+        100_000, "messages a consumer group's retry and dead-letter queues may hold (what "
+        "retention keeps of them); a NACK past it is refused (0: no limit)")
     full_verify: bool = setting(
         False, "verify every CommitLog record on start, not just the tail")
     # A registered wildcard queue that no gateway has touched for this long and that no

@@ -27,16 +27,10 @@ from store import protocol as p
 from store.auth import AuthError, AuthManager, Policy, Subject, audit
 from store.auth.manager import DecisionCache
 from store.common import PullResult, StoreError, StoreFullError, await_future
-from store.groups import (
-    MAX_ATTEMPTS,
-    GroupRegistry,
-    backoff,
-    dlq_queue,
-    offset_key,
-    retry_queue,
-)
+from store.groups import MAX_ATTEMPTS, GroupRegistry, offset_key
 from store.native_acl import NODE, STORE_NODE, SUPER, Need, message_need, needs
 from store.record import Message
+from store.redelivery import Redelivery
 from store.service import EmbeddedStore
 from store.streams import batched_writer
 from store.validate import validate_message
@@ -117,6 +111,7 @@ class NativeServer:
         self.store = store
         self.auth = auth or AuthManager(store)  # disabled unless configured
         self.groups = GroupRegistry()
+        self.redelivery = Redelivery(store, store.config.max_retry_messages)
         self.waiters = QueueWaiters()
         self.gateways: dict[str, dict[str, Any]] = {}
         self.connections = 0
@@ -399,6 +394,8 @@ class NativeServer:
                     out = _error(frame, exc.status, str(exc))
                 except (KeyError, ValueError, TypeError, p.ProtocolError) as exc:
                     out = _error(frame, 400, f"bad request: {exc}")
+                except StoreFullError as exc:  # the disk, or a budget of it
+                    out = _error(frame, 507, str(exc))
                 except StoreError as exc:
                     out = _error(frame, 503, str(exc))
             await send.send(out)
@@ -553,25 +550,18 @@ class NativeServer:
         return {"offsets": out}, b""
 
     async def _nack(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
-        """Give a message the reader received another try later, or dead-letter it. It
-        is named by queue and offset and copied from the store: a reader may put back
-        only what it could pull, never a body (or an attempt count) of its own."""
+        """Give a message the reader received another try later, or dead-letter it
+        (store.redelivery: once per delivery, within a budget). It is named by queue and
+        offset and copied from the store: a reader may put back only what it could pull,
+        never a body (or an attempt count) of its own."""
         h = f.header
         if "queue" not in h or "offset" not in h:
             raise BadRequest("NACK names the received message by queue and offset")
-        group = str(h["group"])
-        msg = await self._message_at(ctx, str(h["queue"]), int(h["offset"]))
-        attempt = int(msg.properties.get("lg_attempt", 0)) + 1
-        props = dict(msg.properties, lg_attempt=attempt,
-                     lg_origin=msg.properties.get("lg_origin") or msg.msg_id)
-        max_attempts = int(h.get("max_attempts", MAX_ATTEMPTS))
-        dead = attempt >= max_attempts
-        if not dead:
-            props["lg_not_before"] = int((time.time() + backoff(attempt)) * 1000)
-        target = dlq_queue(group) if dead else retry_queue(group)
-        copy = Message(msg.topic, msg.body, msg.qos, False, msg.client_id, props, key=msg.key)
-        [stored] = await self.store.append([copy], [[target]])
-        return {"queue": target, "attempt": attempt, "dead": dead, "msg_id": stored.msg_id}, b""
+        queue, offset = str(h["queue"]), int(h["offset"])
+        msg = await self._message_at(ctx, queue, offset)
+        answer = await self.redelivery.nack(str(h["group"]), queue, offset, msg,
+                                            int(h.get("max_attempts", MAX_ATTEMPTS)))
+        return answer, b""
 
     async def _message_at(self, ctx: ConnCtx, queue: str, offset: int) -> Message:
         """The message at `offset` of `queue`, if this reader may pull it (the queue's

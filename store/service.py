@@ -33,6 +33,8 @@ from store.history import HistoryReader
 from store.metadata import Metadata
 from store.recent import RecentMessages
 from store.record import Message, parse_msg_id
+from store.redelivery import CF as NACK_CF
+from store.redelivery import gone_records
 from store.startup import lock_data_dir
 
 log = logging.getLogger("lightgate.store")
@@ -431,7 +433,16 @@ class EmbeddedStore:
             return
         while True:
             await trio.sleep(cfg.retention_check_s)
-            await self.enforce_retention()
+            if await self.enforce_retention():
+                await trio.to_thread.run_sync(self._drop_gone_nacks)
+
+    def _drop_gone_nacks(self) -> None:
+        """Records of NACKed deliveries whose message retention just removed."""
+        if self.replication is not None and self.replication.role != "master":
+            return  # a replica's metadata is the master's copy
+        gone = list(gone_records(self.meta, self.index.min_offset))
+        if gone:
+            self.meta.write([("delete", NACK_CF, key, None) for key in gone])
 
     async def _wildcard_gc_loop(self) -> None:
         idle = self.config.wildcard_idle_s
