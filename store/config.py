@@ -45,6 +45,11 @@ class StoreConfig:
     max_retry_messages: int = setting(
         100_000, "messages a consumer group's retry and dead-letter queues may hold (what "
         "retention keeps of them); a NACK past it is refused (0: no limit)")
+    # Bytes of a native connection's answers not yet written to it (store.outbox): past
+    # it the connection's next requests wait. 0: no budget.
+    native_max_unsent_bytes: int = setting(
+        32 * MiB, "bytes of answers a native connection may have unsent (being read, "
+        "queued, being written); past it its requests wait until it reads (0: no budget)")
     full_verify: bool = setting(
         False, "verify every CommitLog record on start, not just the tail")
     # A registered wildcard queue that no gateway has touched for this long and that no
