@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote_plus
 
 import trio
 from starlette.exceptions import HTTPException
@@ -98,15 +99,49 @@ def _history_row(m: Message) -> dict[str, Any]:
             "properties": _props_json(m.properties), "msg_id": m.msg_id}
 
 
-def _history_args(request: Request) -> tuple[str, str, str | None, int, str | None]:
-    """(filter, since, until, limit, cursor) of GET /api/v1/messages, checked here so a
-    mistake gets a 400 that names it (the store checks them again, on its own clock)."""
-    q = request.query_params
-    topic_filter = q.get("filter", "")
+# A filter typed into a URL as it is written loses its `#` (the fragment starts there and
+# is never sent) and turns its `+` into a space: it would match nothing, and answer 200.
+URL_ENCODING = ("in a URL percent-encode # as %23 and + as %2B (filter=plant%2F%23, "
+                "filter=plant%2F%2B%2Ftemp): a bare # starts the URL's fragment, which is "
+                "never sent, and a bare + is a space")
+
+
+def _raw_param(request: Request, name: str) -> str | None:
+    """A query parameter as it was sent, before percent-decoding."""
+    for part in request.scope.get("query_string", b"").decode("latin-1").split("&"):
+        key, _, value = part.partition("=")
+        if unquote_plus(key) == name:
+            return value
+    return None
+
+
+def _url_filter(request: Request) -> str:
+    """The `filter` parameter, refused where it is what a bare # or + in a URL leaves:
+    nothing, an empty last level (plant/# sent as plant/) or a + (a space). A topic that
+    does end in / is asked for with that / percent-encoded (%2F)."""
+    topic_filter = request.query_params.get("filter", "")
+    raw = _raw_param(request, "filter") or ""
+    if not topic_filter:
+        raise HTTPException(400, f"filter is empty: {URL_ENCODING}")
+    if "+" in raw:
+        raise HTTPException(400, f"filter {topic_filter!r} holds a space where a + was "
+                                 f"sent: {URL_ENCODING}")
+    if topic_filter.endswith("/") and not raw.upper().endswith("%2F"):
+        raise HTTPException(400, f"filter {topic_filter!r} ends in an empty level, as "
+                                 f"plant/# does once the # is cut off: {URL_ENCODING} (a "
+                                 "topic that ends in / is asked for with that / as %2F)")
     try:
         validate_topic_filter(topic_filter)
     except ValueError as exc:
         raise HTTPException(400, f"filter: {exc} (a topic, or a filter with + and #)") from None
+    return topic_filter
+
+
+def _history_args(request: Request) -> tuple[str, str, str | None, int, str | None]:
+    """(filter, since, until, limit, cursor) of GET /api/v1/messages, checked here so a
+    mistake gets a 400 that names it (the store checks them again, on its own clock)."""
+    q = request.query_params
+    topic_filter = _url_filter(request)
     try:
         limit = int(q.get("limit", HISTORY_LIMIT))
     except ValueError:
@@ -114,13 +149,16 @@ def _history_args(request: Request) -> tuple[str, str, str | None, int, str | No
     if not 1 <= limit <= HISTORY_MAX_LIMIT:
         raise HTTPException(400, f"limit must be between 1 and {HISTORY_MAX_LIMIT}")
     since, until, cursor = q.get("since", "earliest"), q.get("until") or None, q.get("cursor")
-    try:
-        if cursor is None:
+    if cursor is None:
+        try:
             parse_since(since)
-        if until is not None:
+        except ValueError as exc:
+            raise HTTPException(400, f"since: {exc}") from None
+    if until is not None:
+        try:
             parse_time(until)
-    except ValueError as exc:
-        raise HTTPException(400, str(exc)) from None
+        except ValueError as exc:
+            raise HTTPException(400, f"until: {exc}") from None
     return topic_filter, since, until, limit, cursor
 
 
@@ -312,9 +350,18 @@ class GatewayApi:
         rows.sort(key=lambda r: -r["lag"])  # the ones falling behind first
         return paginate(request, rows, "queue", "reader")
 
+    def _reader(self, request: Request) -> Callable[[str], bool]:
+        """Whether the caller may read a message on a topic: SUB (or GET) on it, decided
+        as for history (Cluster GET alone reads no payload)."""
+        auth, subject, cache = self.broker.auth, getattr(request.state, "subject", None), \
+            DecisionCache()
+        return lambda topic: _may_read(auth, subject, topic, cache=cache)
+
     async def retained(self, request: Request) -> JSONResponse:
+        may_read = self._reader(request)
         rows = [{"topic": t, "qos": d["qos"], "ts": d.get("ts"), "client_id": d.get("client_id"),
-                 **_body_json(d["body"])} for t, d in await self.store.meta_items("retained")]
+                 **_body_json(d["body"])} for t, d in await self.store.meta_items("retained")
+                if may_read(t)]
         return paginate(request, rows, "topic")
 
     async def retained_delete(self, request: Request) -> JSONResponse:
@@ -334,6 +381,9 @@ class GatewayApi:
             msg = await self.store.get_message(msg_id)
         except (KeyError, ValueError) as exc:  # past the log, retained away, not a record
             raise HTTPException(404, f"no message {msg_id}: {exc}") from None
+        if not self._reader(request)(msg.topic):  # its topic unnamed: ids can be walked
+            raise HTTPException(403, f"reading message {msg_id} needs SUB (or GET) on its "
+                                     "topic")
         delivered, pending = [], []
         for s in self.broker.sessions.values():
             for queue, off in msg.queues:
@@ -362,12 +412,12 @@ class GatewayApi:
             raise HTTPException(403, f"reading {topic_filter!r} needs SUB on all of it")
         try:
             batch = await self.store.history(topic_filter, since, until=until, cursor=cursor,
-                                        max_count=limit)
-        except ValueError as exc:
-            raise HTTPException(400, str(exc)) from None
-        cache = DecisionCache()
-        rows = [_history_row(m) for m in batch.messages
-                if _may_read(auth, subject, m.topic, cache=cache)]
+                                             max_count=limit)
+        except ValueError as exc:  # with a cursor, the cursor's: the rest was checked
+            raise HTTPException(400, f"cursor: {exc}" if cursor is not None else str(exc)
+                                ) from None
+        may_read = self._reader(request)
+        rows = [_history_row(m) for m in batch.messages if may_read(m.topic)]
         return JSONResponse({"messages": rows, "next": batch.cursor, "cut": batch.cut})
 
     async def config(self, request: Request) -> JSONResponse:
@@ -417,9 +467,10 @@ class GatewayApi:
             self._alerts_registered = True
         end = await self.store.queue_end(ALERTS)
         res = await self.store.pull(ALERTS, max(0, end - ALERTS_SHOWN), ALERTS_SHOWN)
+        may_read = self._reader(request)
         rows = [{"msg_id": m.msg_id, "topic": m.topic, "store_time": m.store_ts,
                  "client_id": m.client_id, **_body_json(m.body)}
-                for m in reversed(res.messages)]
+                for m in reversed(res.messages) if may_read(m.topic)]
         return JSONResponse({"items": rows, "queue": ALERTS, "end": end})
 
     async def index(self, request: Request) -> FileResponse:

@@ -108,7 +108,8 @@ async def _gateway(opts: GatewayOptions, signals: Signals) -> None:
             bound = await start_listeners(nursery, broker, opts.listeners)
             app = auth_app(gateway_routes(broker), auth, manage_auth=False)
             bound["http"] = await nursery.start(
-                partial(serve_http, max_body=opts.gateway.http_max_body), app, opts.http)
+                partial(serve_http, max_body=opts.gateway.http_max_body,
+                        allowed_hosts=opts.gateway.http_allowed_hosts), app, opts.http)
             gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
             nursery.start_soon(_announce, store, gateway_id, dict(bound))
             bound["store"] = opts.store

@@ -80,6 +80,7 @@ class GatewayConfig:
         64 * MiB, "per queue of an offline persistent session, in message bytes; older "
         "ones are dropped on reconnect (0: no limit)")
     http_max_body: int = HTTP_MAX_BODY  # admin API and dashboard (413 past it)
+    http_allowed_hosts: tuple[str, ...] = ()  # Host names beside loopback and IPs
     # How often the wildcard filters this gateway's sessions read are touched in the
     # store, which unregisters those nobody touched for its --wildcard-idle-s.
     wildcard_touch_s: float = setting(

@@ -142,6 +142,10 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
     if native:  # the store's, for its native connections
         used.add_metric(["native_partial_frame_bytes"], native["held"])
         limit.add_metric(["native_partial_frame_bytes"], native["limit"])
+    answers = store_stats.get("native_answer_budget")
+    if answers:  # held over every connection; the limit is each connection's
+        used.add_metric(["native_unsent_answer_bytes"], answers["held"])
+        limit.add_metric(["native_unsent_answer_bytes"], answers["limit"])
     yield used
     yield limit
     peak = GaugeMetricFamily("lightgate_budget_peak", "The most a budget has held at once",
@@ -149,6 +153,8 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
     peak.add_metric(["partial_packet_bytes"], rb.peak)
     if native:
         peak.add_metric(["native_partial_frame_bytes"], native["peak"])
+    if answers:  # the most one connection held
+        peak.add_metric(["native_unsent_answer_bytes"], answers["peak"])
     yield peak
     hits = CounterMetricFamily("lightgate_budget_refusals",
                                "Requests refused or connections closed by a budget",
@@ -162,6 +168,7 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
         ("offline_messages_dropped", st.offline_dropped),
         ("native_partial_frame_paused", (native or {}).get("paused", 0)),
         ("native_partial_frame_closed", (native or {}).get("closed", 0)),
+        ("native_unsent_answers_paused", (answers or {}).get("paused", 0)),
     ):
         hits.add_metric([name], n)
     yield hits

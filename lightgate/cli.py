@@ -138,14 +138,19 @@ def _store_config(values: dict[str, Any]) -> Any:
         if values[size] < 1:
             raise StartupError(f"--{size.replace('_', '-')} must be at least 1, not "
                                f"{values[size]}")
-    return _config(StoreConfig, values, data_dir=Path(values["data_dir"]),
-                   http_max_body=values["http_max_body"])
+    return _config(StoreConfig, values, data_dir=Path(values["data_dir"]), **_http(values))
 
 
 def _gateway_config(values: dict[str, Any]) -> GatewayConfig:
-    # --http-max-body is every command's (no one config's setting): given here.
-    cfg: GatewayConfig = _config(GatewayConfig, values, http_max_body=values["http_max_body"])
+    cfg: GatewayConfig = _config(GatewayConfig, values, **_http(values))
     return cfg
+
+
+def _http(values: dict[str, Any]) -> dict[str, Any]:
+    """--http-max-body and --http-allowed-hosts: every command's (no one config's
+    settings), given to each config here."""
+    return {"http_max_body": values["http_max_body"],
+            "http_allowed_hosts": split_list(values.get("http_allowed_hosts")) or ()}
 
 
 def _listener_config(values: dict[str, Any]) -> ListenerConfig:

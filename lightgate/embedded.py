@@ -59,7 +59,8 @@ async def _serve(opts: ServeOptions, signals: Signals) -> None:
                        node.auth)
         bound["native"] = node.native_addr
         bound["http"] = await nursery.start(
-            partial(serve_http, max_body=opts.gateway.http_max_body), app, opts.http)
+            partial(serve_http, max_body=opts.gateway.http_max_body,
+                    allowed_hosts=opts.gateway.http_allowed_hosts), app, opts.http)
         tune_for_serving()
         print(ready_line(bound), flush=True)
         await stop_on_signal(signals, nursery)

@@ -22,6 +22,9 @@ REPLICATION_SETTINGS: list[Setting] = settings_of(ReplicationConfig)
 HTTP_SETTING = ("http", str, HTTP_ADDR, "HTTP (dashboard, admin API, metrics) HOST:PORT")
 HTTP_BODY_SETTING = ("http-max-body", int, HTTP_MAX_BODY,
                      "largest HTTP request body (413 past it)")
+HTTP_HOSTS_SETTING = ("http-allowed-hosts", str, None,
+                      "more Host names HTTP answers to, comma list (* for any): loopback "
+                      "names, IP addresses and --http's own host always are")
 NATIVE_SETTING = ("native", str, NATIVE_ADDR, "native protocol HOST:PORT")
 NOTIFY_SETTING = ("notify", str, None, "notify between nodes: redis://HOST:PORT")
 STORE_ADDR_SETTING = setting_of(GatewayOptions, "store")
@@ -39,12 +42,13 @@ GATEWAY_AUTH_SETTINGS: list[Setting] = [setting_of(GatewayOptions, "store_auth")
                                         AUTH_STRATEGY_SETTING]
 
 SERVE_SETTINGS = [*STORE_SETTINGS, *GATEWAY_SETTINGS, *AUTH_SETTINGS, *AUTH_BACKEND_SETTINGS,
-                  NATIVE_SETTING, HTTP_SETTING, HTTP_BODY_SETTING]
+                  NATIVE_SETTING, HTTP_SETTING, HTTP_BODY_SETTING, HTTP_HOSTS_SETTING]
 STORE_CMD_SETTINGS = [*STORE_SETTINGS, *AUTH_SETTINGS, AUDIT_SETTING, NATIVE_SETTING,
-                      NOTIFY_SETTING, HTTP_SETTING, HTTP_BODY_SETTING, *REPLICATION_SETTINGS]
+                      NOTIFY_SETTING, HTTP_SETTING, HTTP_BODY_SETTING, HTTP_HOSTS_SETTING,
+                      *REPLICATION_SETTINGS]
 GATEWAY_CMD_SETTINGS = [STORE_ADDR_SETTING, STORE_WAIT_SETTING, NOTIFY_SETTING, *GATEWAY_SETTINGS,
                         *GATEWAY_AUTH_SETTINGS, *AUTH_BACKEND_SETTINGS, HTTP_SETTING,
-                        HTTP_BODY_SETTING]
+                        HTTP_BODY_SETTING, HTTP_HOSTS_SETTING]
 
 
 def all_settings() -> dict[str, tuple[str, Any, Any, str]]:

@@ -32,8 +32,9 @@ _RFC3339 = re.compile(
     r"(?:\.([0-9]{1,9}))?(?:([Zz])|([+-])([0-9]{2}):([0-9]{2}))")
 _DURATION = re.compile(r"-([0-9]{1,12})([smhd])")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_FORMS = ("earliest, last, an RFC 3339 time (2026-11-25T08:00:00Z), a duration back "
-          "(-90s, -15m, -1h, -7d) or milliseconds since the epoch")
+_TIME_FORMS = ("an RFC 3339 time (2026-11-25T08:00:00Z), a duration back (-90s, -15m, "
+               "-1h, -7d) or milliseconds since the epoch")
+_FORMS = f"earliest, last, {_TIME_FORMS}"
 
 
 class SinceError(ValueError):
@@ -64,7 +65,7 @@ def parse_since(text: str, now: int | None = None) -> Since:
     if text == LAST:
         return Since(LAST)
     now = now_ms() if now is None else now
-    ms = parse_time(text, now)
+    ms = _time(text, _FORMS, now)
     if ms > now:
         raise SinceError(f"since {text!r} is in the future ({format_ms(ms)}, now "
                          f"{format_ms(now)}): nothing is stored there yet")
@@ -75,8 +76,15 @@ def parse_time(text: str, now: int | None = None) -> int:
     """An end (or start) time in ms: the forms above but earliest and last. A time in
     the future is allowed here (an `until` may be)."""
     text = text.strip()
+    if text in (EARLIEST, LAST):
+        raise SinceError(f"{text!r} is a start, not an end: an end is {_TIME_FORMS}")
+    return _time(text, _TIME_FORMS, now)
+
+
+def _time(text: str, forms: str, now: int | None) -> int:
+    """`text` (stripped) as ms since the epoch; `forms`: what to offer when it is none."""
     if not text:
-        raise SinceError(f"a time is needed: {_FORMS}")
+        raise SinceError(f"a time is needed: {forms}")
     now = now_ms() if now is None else now
     if text.isdigit() and text.isascii():
         if len(text) > 15:
@@ -89,7 +97,7 @@ def parse_time(text: str, now: int | None = None) -> int:
         return now - back
     if (m := _RFC3339.fullmatch(text)) is not None:
         return _rfc3339_ms(text, m)
-    raise SinceError(f"{text!r} is not a time: use {_FORMS}")
+    raise SinceError(f"{text!r} is not a time: use {forms}")
 
 
 def _rfc3339_ms(text: str, m: re.Match[str]) -> int:

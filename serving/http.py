@@ -5,6 +5,7 @@ The store's endpoints live in store/http.py, the gateway's in gateway/admin.py."
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -18,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from serving.host_check import HostCheck, allowed_names
 from serving.startup import HTTP_LISTENER, listening
 from serving.values import HTTP_MAX_BODY, split_hostport
 
@@ -123,9 +125,12 @@ class BodyLimit:
 
 async def serve_http(
     app: Starlette, addr: str, *, max_body: int = HTTP_MAX_BODY,
+    allowed_hosts: Iterable[str] = (),
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Serve `app` on `addr` until cancelled; `task_status.started` gets 'host:port'."""
+    """Serve `app` on `addr` until cancelled; `task_status.started` gets 'host:port'.
+    `allowed_hosts`: Host names answered beside loopback's, IP addresses and `addr`'s
+    (serving.host_check)."""
     with listening(*HTTP_LISTENER, addr):
         host, port = split_hostport(addr, "127.0.0.1")
     config = Config()
@@ -136,7 +141,8 @@ async def serve_http(
     # request that does not arrive in time, and concurrent streams of one HTTP/2 client.
     config.read_timeout = HTTP_READ_TIMEOUT_S
     config.h2_max_concurrent_streams = 16
-    app = BodyLimit(app, max_body)  # type: ignore[assignment]
+    guarded = HostCheck(app, allowed_names(host, allowed_hosts))
+    app = BodyLimit(guarded, max_body)  # type: ignore[assignment]
 
     async with trio.open_nursery() as nursery:
         with listening(*HTTP_LISTENER, addr):

@@ -19,6 +19,7 @@ from serving.http import serve_http
 from serving.startup import StartupError, shutdown_signals, stop_on_signal
 from store.auth import AuthConfig, AuthManager
 from store.config import StoreConfig
+from store.cursor_key import group_key
 from store.http import store_routes
 from store.http_auth import auth_app
 from store.protocol import REPL_FETCH
@@ -86,6 +87,8 @@ async def store_node(
             server.register(REPL_FETCH, repl.handle_fetch)
             if repl_cfg.raft_secret:  # replicas prove they hold it to fetch the log
                 server.node_secret = repl_cfg.raft_secret.encode()
+                # A cursor one master gave out is good on the next after a failover.
+                store.history_reader.key = group_key(server.node_secret)
             server.write_refusal = repl.write_refusal
             server.hello_extra = repl.hello
             server.read_limit = repl.read_limit
@@ -111,7 +114,8 @@ async def run_store(
                 trio.open_nursery() as nursery:
             app = auth_app(store_routes(node.store), node.auth)
             http_addr = await nursery.start(
-                partial(serve_http, max_body=cfg.http_max_body), app, http)
+                partial(serve_http, max_body=cfg.http_max_body,
+                        allowed_hosts=cfg.http_allowed_hosts), app, http)
             tune_for_serving()
             print(f"ready native={node.native_addr} http={http_addr}", flush=True)
             await stop_on_signal(signals, nursery)

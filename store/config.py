@@ -40,6 +40,16 @@ class StoreConfig:
     native_max_partial_bytes: int = setting(
         256 * MiB, "bytes of partly received native frames the store holds; past it the "
         "connections holding the most wait (0: no budget)")
+    # NACK copies a message into its group's retry (or dead-letter) queue: a reader with
+    # no right to publish could fill the disk (store.redelivery).
+    max_retry_messages: int = setting(
+        100_000, "messages a consumer group's retry and dead-letter queues may hold (what "
+        "retention keeps of them); a NACK past it is refused (0: no limit)")
+    # Bytes of a native connection's answers not yet written to it (store.outbox): past
+    # it the connection's next requests wait. 0: no budget.
+    native_max_unsent_bytes: int = setting(
+        32 * MiB, "bytes of answers a native connection may have unsent (being read, "
+        "queued, being written); past it its requests wait until it reads (0: no budget)")
     full_verify: bool = setting(
         False, "verify every CommitLog record on start, not just the tail")
     # A registered wildcard queue that no gateway has touched for this long and that no
@@ -69,6 +79,7 @@ class StoreConfig:
     flush_bytes: int = 16 << 20
     max_pending_appends: int = 10_000
     http_max_body: int = HTTP_MAX_BODY  # the store's HTTP API (413 past it)
+    http_allowed_hosts: tuple[str, ...] = ()  # Host names beside loopback and IPs
 
 
 @dataclass

@@ -35,7 +35,9 @@ Records are read in whole runs (one pread for records that lie back to back) and
 record's topic is looked at before the record is decoded.
 
 A cursor is the end, `until`, the cut flag and a log position (the end of the last
-record looked at): opaque to clients, no topic names in it, checked when it comes back.
+record looked at): opaque to clients, no topic names in it, signed with the store's
+key (store.cursor_key) and checked when it comes back: one the store did not give out
+is refused before anything in it is read.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
+import hashlib
+import hmac
 import struct
 import threading
 from collections import OrderedDict
@@ -103,19 +107,45 @@ class _Read:
     mode: str = ""  # how the previous batch read (a hint; see the module's docstring)
     since: Since | None = None  # the first batch only: where each topic starts
 
-    def token(self) -> str:
+    def token(self, key: bytes) -> str:
+        """The cursor: the state, then its MAC under `key` (`STATE.MAC`, base64url)."""
         raw = orjson.dumps({"v": 1, "f": self.filter, "e": self.end, "u": self.until,
                             "c": self.cut, "p": self.pos, "l": self.last, "m": self.mode})
-        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+        state = _b64(raw)
+        return f"{state}.{_b64(_mac(key, state))}"
 
 
-def decode_cursor(token: str, topic_filter: str) -> _Read:
-    """The state a cursor carries; CursorError for anything this store did not give out
-    for `topic_filter`. Its log position is checked against the log by the reader."""
+NOT_OURS = ("not a history cursor this store gave out: pass a batch's cursor (a page's "
+            "`next`) back unchanged, with the same filter")
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _mac(key: bytes, state: str) -> bytes:
+    return hmac.new(key, b"history cursor\0" + state.encode(), hashlib.sha256).digest()[:16]
+
+
+def decode_cursor(token: str, topic_filter: str, key: bytes) -> _Read:
+    """The state a cursor carries; CursorError for anything this store (its `key`) did
+    not give out for `topic_filter`. Its log position is checked against the log by the
+    reader."""
+    if not isinstance(token, str) or len(token) > 4096 or token.count(".") != 1:
+        raise CursorError(NOT_OURS)
+    state_b64, _, mac_b64 = token.partition(".")
     try:
-        if not isinstance(token, str) or len(token) > 4096:
-            raise ValueError("too long")
-        obj = orjson.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        mac = _unb64(mac_b64)
+    except (ValueError, binascii.Error):
+        raise CursorError(NOT_OURS) from None
+    if not hmac.compare_digest(mac, _mac(key, state_b64)):
+        raise CursorError(NOT_OURS)
+    try:  # signed by us: what follows only guards against our own mistakes
+        obj = orjson.loads(_unb64(state_b64))
         if not isinstance(obj, dict) or obj.get("v") != 1:
             raise ValueError("unknown version")
         state = _Read(obj["f"], obj["e"], obj["u"], obj["c"], obj["p"], obj["l"], obj["m"])
@@ -124,8 +154,8 @@ def decode_cursor(token: str, topic_filter: str) -> _Read:
                 or type(state.last) is not bool or state.mode not in ("", TOPICS, PARTITIONS,
                                                                       LOG)):
             raise ValueError("bad fields")
-    except (ValueError, TypeError, KeyError, binascii.Error) as exc:
-        raise CursorError(f"not a history cursor of this store: {exc}") from None
+    except (ValueError, TypeError, KeyError, binascii.Error):
+        raise CursorError(NOT_OURS) from None
     if state.filter != topic_filter:
         raise CursorError(f"the cursor belongs to the filter {state.filter!r}, not "
                           f"{topic_filter!r}")
@@ -201,9 +231,10 @@ class HistoryReader:
     """Reads histories from one store's CommitLog and index (any thread; no state but
     caches)."""
 
-    def __init__(self, commitlog: CommitLog, index: ConsumeQueueIndex) -> None:
+    def __init__(self, commitlog: CommitLog, index: ConsumeQueueIndex, key: bytes) -> None:
         self.log = commitlog
         self.index = index
+        self.key = key  # cursors are signed with it (store.cursor_key)
         self._lock = threading.Lock()
         self._matchers: OrderedDict[str, _TopicMatch] = OrderedDict()
         # `last` lists every topic's newest entry; the batches after the first reuse it.
@@ -223,7 +254,7 @@ class HistoryReader:
              limit: int | None) -> HistoryBatch:
         """The batch after the one that gave `token`."""
         validate_topic_filter(topic_filter)
-        state = decode_cursor(token, topic_filter)
+        state = decode_cursor(token, topic_filter, self.key)
         state.end = min(state.end, self.index.checkpoint())  # never past the indexed log
         self._check_position(state)
         return self._read(state, max_count, max_bytes, limit)
@@ -260,7 +291,7 @@ class HistoryReader:
                 finished = self._read_queues(state, queues, out, stop)
         state.cut = state.cut or out.lost
         done = finished and (stop >= state.end or out.complete)
-        return HistoryBatch(out.messages, out.ends, None if done else state.token(),
+        return HistoryBatch(out.messages, out.ends, None if done else state.token(self.key),
                             state.cut, state.end)
 
     def _starts(self, state: _Read, queues: Iterable[str]) -> dict[str, int]:
@@ -527,8 +558,8 @@ class HistoryReader:
             self.log.read(pos)  # checks with the index that a record starts there
         except (KeyError, CorruptRecord):
             if pos >= self.log.min_offset:  # (retention may have just moved the start)
-                raise CursorError("not a history cursor of this store: no record starts "
-                                  "at its position") from None
+                raise CursorError(f"{NOT_OURS} (no record starts at its position)"
+                                  ) from None
 
     def position_at_time(self, ms: int, end: int) -> int:
         """The log position of the first record stored at or after `ms`, or `end`: a

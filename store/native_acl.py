@@ -6,7 +6,9 @@
   GET) on the whole filter, as an MQTT SUBSCRIBE does, and hands out only the messages
   whose own topic the reader may read, with PULL's check; consumer groups need SUB on
   the group (NACK also the right to pull the message it names); TOPIC_CREATE needs
-  CREATE; STATS, message lookup, gateway lists need Cluster GET.
+  CREATE; STATS, message lookup, gateway lists need Cluster GET, and a lookup
+  (GET_MESSAGE, FIND_KEY) hands out only the messages whose own topic the reader may
+  read, with PULL's check.
 - Nodes: a gateway authenticates as a node user (`lightgate user add NAME --node`, a role
   no policy grants); that covers the requests only nodes make (PUBLISH routed on behalf
   of devices, whose own rights the gateway checked; metadata, users' included: the

@@ -186,6 +186,7 @@ class AsyncConsumer:
         self.generation = -1
         self._states: dict[str, _QueueState] = {}
         self._held: list[tuple[ReceivedMessage, int]] = []  # retries not yet due
+        self._ready: list[ReceivedMessage] = []  # fetched past a poll's max: the next's
         self._stack = contextlib.AsyncExitStack()
         self.client: NativeClient | None = None
         self.rebalances = 0
@@ -241,6 +242,7 @@ class AsyncConsumer:
             for q in gone:
                 del self._states[q]
             self._held = [(m, o) for m, o in self._held if m.queue not in gone]
+            self._ready = [m for m in self._ready if m.queue not in gone]
         new = [q for q in queues if q not in self._states]
         if new:
             header, _ = await self._request(p.FETCH_OFFSETS, {"group": self.group,
@@ -274,6 +276,7 @@ class AsyncConsumer:
                 moved[q] = int(header["offset"])
                 self._states[q] = _QueueState(moved[q], committed=moved[q])
         self._held = [(m, o) for m, o in self._held if m.queue not in moved]
+        self._ready = [m for m in self._ready if m.queue not in moved]
         if moved:
             self._uncommitted = True
             if self.auto_commit:
@@ -282,31 +285,32 @@ class AsyncConsumer:
 
     # -- consuming ----------------------------------------------------------------------
     async def poll(self, timeout: float = 1.0, max_messages: int = 32) -> list[ReceivedMessage]:
-        """Messages ready now, waiting up to `timeout` for some; [] when none came."""
+        """What is ready now, up to `max_messages` from every queue this member reads;
+        if nothing is, the first that comes within `timeout` (with whatever else is
+        there by then); [] when none came."""
         deadline = trio.current_time() + timeout
         if self.auto_commit and self._uncommitted and \
                 trio.current_time() - self._last_commit >= COMMIT_INTERVAL_S:
             await self.commit()
         while True:
-            out = self._due_retries(max_messages)
-            if len(out) < max_messages:
-                out.extend(await self._fetch_all(max_messages - len(out)))
-            if out:
+            if len(self._ready) < max_messages:
+                self._ready += self._due_retries(max_messages - len(self._ready))
+            if len(self._ready) < max_messages:
+                self._ready += await self._fetch_all(max_messages - len(self._ready))
+            if self._ready:
+                out, self._ready = self._ready[:max_messages], self._ready[max_messages:]
                 return out
             left = deadline - trio.current_time()
             if left <= 0:
                 return []
             if self._states and not self._held:
-                q, st = next(iter(self._states.items()))
-                wait = int(min(left, 0.5) * 1000)
-                out = await self._fetch(q, st, max_messages, wait)
-                if out:
-                    return out
+                await self._wait_any(max_messages, int(min(left, 0.5) * 1000))
             else:
                 await trio.sleep(min(left, 0.05))
 
     async def _fetch_all(self, n: int) -> list[ReceivedMessage]:
-        """One pull per assigned queue, all at once (one round trip, not one per queue)."""
+        """One pull per assigned queue, all at once (one round trip, not one per queue);
+        up to `n` from each (what a poll does not hand out waits for the next)."""
         results: dict[str, list[ReceivedMessage]] = {}
 
         async def one(q: str, st: _QueueState) -> None:
@@ -319,6 +323,21 @@ class AsyncConsumer:
         for q in self._states:
             out.extend(results.get(q, []))
         return out
+
+    async def _wait_any(self, n: int, wait_ms: int) -> None:
+        """Long-poll every assigned queue at once until one has messages (they go to
+        `_ready`) or `wait_ms` passes. The other pulls are dropped unanswered: a queue's
+        position moves only with an answer taken in, so nothing is skipped."""
+        async with trio.open_nursery() as nursery:
+
+            async def one(q: str, st: _QueueState) -> None:
+                got = await self._fetch(q, st, n, wait_ms)
+                if got:
+                    self._ready += got
+                    nursery.cancel_scope.cancel()
+
+            for q, st in list(self._states.items()):
+                nursery.start_soon(one, q, st)
 
     async def _fetch(self, q: str, st: _QueueState, n: int, wait_ms: int) -> list:
         with span("lightgate receive", group=self.group, queue=q):

@@ -27,16 +27,12 @@ from store import protocol as p
 from store.auth import AuthError, AuthManager, Policy, Subject, audit
 from store.auth.manager import DecisionCache
 from store.common import PullResult, StoreError, StoreFullError, await_future
-from store.groups import (
-    MAX_ATTEMPTS,
-    GroupRegistry,
-    backoff,
-    dlq_queue,
-    offset_key,
-    retry_queue,
-)
+from store.groups import MAX_ATTEMPTS, GroupRegistry, offset_key
+from store.history import MAX_BYTES as HISTORY_MAX_BYTES
 from store.native_acl import NODE, STORE_NODE, SUPER, Need, message_need, needs
+from store.outbox import Outbox
 from store.record import Message
+from store.redelivery import Redelivery
 from store.service import EmbeddedStore
 from store.streams import batched_writer
 from store.validate import validate_message
@@ -45,6 +41,12 @@ log = logging.getLogger("lightgate.store.native")
 
 MAX_INFLIGHT_REQUESTS = 64
 MAX_PULL_WAIT_MS = 30_000
+# What a request that reads messages reserves of its connection's answer budget before
+# reading (store.outbox), and so the most its answer holds (one message at least).
+PULL_MAX_BYTES = 4 << 20  # unless the PULL asks for another `max_bytes`
+PULL_MAX_BYTES_LIMIT = HISTORY_MAX_BYTES
+LOOKUP_BYTES = 1 << 20  # GET_MESSAGE, FIND_KEY: what most messages fit in
+FIND_MAX = 1000  # messages FIND_KEY returns at most
 # With --auth, until a HELLO has authenticated: frames are small (a HELLO is tiny) and the
 # connection must authenticate in time, so unauthenticated peers cannot hold memory.
 PRE_AUTH_MAX_FRAME = 64 * 1024
@@ -64,10 +66,12 @@ class Forbidden(BadRequest):
 
 
 class ConnCtx:
-    """One native connection: who it is (after HELLO) and its decision cache."""
+    """One native connection: who it is (after HELLO), its decision cache and its
+    answers on their way out (store.outbox)."""
 
-    def __init__(self, peer_ip: str) -> None:
+    def __init__(self, peer_ip: str, outbox: Outbox) -> None:
         self.ip = peer_ip
+        self.outbox = outbox
         self.subject: Subject | None = None
         self.cache = DecisionCache()
         self.challenge = ""  # a store node answers it with the group secret (HELLO)
@@ -117,6 +121,7 @@ class NativeServer:
         self.store = store
         self.auth = auth or AuthManager(store)  # disabled unless configured
         self.groups = GroupRegistry()
+        self.redelivery = Redelivery(store, store.config.max_retry_messages)
         self.waiters = QueueWaiters()
         self.gateways: dict[str, dict[str, Any]] = {}
         self.connections = 0
@@ -195,9 +200,10 @@ class NativeServer:
     # -- connection -------------------------------------------------------------------
     async def _handle(self, stream: trio.SocketStream) -> None:
         self.connections += 1
-        send, recv = trio.open_memory_channel[bytes](256)
+        channel, recv = trio.open_memory_channel[bytes](256)
+        send = Outbox(channel, self.store.native_answers)  # answers within a budget
         limit = trio.Semaphore(MAX_INFLIGHT_REQUESTS)
-        ctx = ConnCtx(_peer_ip(stream))
+        ctx = ConnCtx(_peer_ip(stream), send)
         must_auth = self.auth.enabled
         decoder = p.FrameDecoder(PRE_AUTH_MAX_FRAME if must_auth else p.MAX_FRAME)
         hello_by = trio.current_time() + HELLO_TIMEOUT_S
@@ -207,9 +213,11 @@ class NativeServer:
             async with trio.open_nursery() as nursery:
                 scope = nursery.cancel_scope
                 self._scopes.add(scope)
-                nursery.start_soon(batched_writer, stream, recv, nursery.cancel_scope)
+                nursery.start_soon(batched_writer, stream, recv, nursery.cancel_scope,
+                                   send.written)
                 try:
                     while True:
+                        await send.wait_room()  # no new request while answers wait unread
                         if held and budget.must_wait(held) and not await budget.wait(held):
                             raise p.ProtocolError(
                                 "a partial frame held while the store's read budget was "
@@ -253,6 +261,7 @@ class NativeServer:
             if scope is not None:
                 self._scopes.discard(scope)
             budget.update(held, 0)
+            send.close()
             self.connections -= 1
             with trio.move_on_after(1) as scope:
                 scope.shield = True
@@ -399,6 +408,8 @@ class NativeServer:
                     out = _error(frame, exc.status, str(exc))
                 except (KeyError, ValueError, TypeError, p.ProtocolError) as exc:
                     out = _error(frame, 400, f"bad request: {exc}")
+                except StoreFullError as exc:  # the disk, or a budget of it
+                    out = _error(frame, 507, str(exc))
                 except StoreError as exc:
                     out = _error(frame, 503, str(exc))
             await send.send(out)
@@ -440,24 +451,35 @@ class NativeServer:
     # -- handlers ---------------------------------------------------------------------
 
     async def _pull(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        """Messages of a queue from an offset: at most `max` and about `max_bytes` (one
+        message at least), waiting up to `wait_ms` for the first (long polling)."""
         queue = str(f.header["queue"])
         offset = int(f.header.get("offset", 0))
         max_count = int(f.header.get("max", 32))
+        max_bytes = max(1, min(int(f.header.get("max_bytes", PULL_MAX_BYTES)),
+                               PULL_MAX_BYTES_LIMIT))
         wait_ms = min(int(f.header.get("wait_ms", 0)), MAX_PULL_WAIT_MS)
-        pull = self.store.pull if self.read_limit is None else self._pull_acked
-        res = await pull(queue, offset, max_count)
+        res = await self._pull_within(ctx, queue, offset, max_count, max_bytes)
         if not res.messages and wait_ms > 0:
             with self.waiters.waiting(queue) as ev:
                 # Re-check after registering the waiter: a message may have just landed.
-                res = await pull(queue, offset, max_count)
+                res = await self._pull_within(ctx, queue, offset, max_count, max_bytes)
                 if not res.messages:
                     with trio.move_on_after(wait_ms / 1000):
                         await ev.wait()
             if not res.messages:
-                res = await pull(queue, offset, max_count)
+                res = await self._pull_within(ctx, queue, offset, max_count, max_bytes)
         metas, body = p.pack_messages(self._readable(ctx, res.messages))
         return {"messages": metas, "next_offset": res.next_offset,
                 "min_offset": res.min_offset, "max_offset": res.max_offset}, body
+
+    async def _pull_within(self, ctx: ConnCtx, queue: str, offset: int, max_count: int,
+                           max_bytes: int) -> PullResult:
+        """One read of a PULL, with room for its answer held (store.outbox): the
+        messages it returns are queued before the next wait."""
+        pull = self.store.pull if self.read_limit is None else self._pull_acked
+        async with ctx.outbox.reserve(max_bytes):
+            return await pull(queue, offset, max_count, max_bytes)
 
     def _readable(self, ctx: ConnCtx, msgs: list[Message]) -> list[Message]:
         """The messages this reader may see, each checked as MQTT deliveries are (the
@@ -467,9 +489,10 @@ class NativeServer:
             return msgs
         return [m for m in msgs if self._allowed(ctx, message_need(m.topic))]
 
-    async def _pull_acked(self, queue: str, offset: int, max_count: int) -> PullResult:
+    async def _pull_acked(self, queue: str, offset: int, max_count: int,
+                          max_bytes: int | None = None) -> PullResult:
         """`store.pull`, cut before the first message past the read limit."""
-        res = await self.store.pull(queue, offset, max_count)
+        res = await self.store.pull(queue, offset, max_count, max_bytes)
         limit = self._limit()
         if limit is None:
             return res
@@ -502,17 +525,20 @@ class NativeServer:
         h = f.header
         until = h.get("until")
         cursor = h.get("cursor")
-        batch = await self.store.history(
-            str(h["filter"]), str(h.get("since", "earliest")),
-            until=until if until is None or type(until) is int else str(until),
-            cursor=None if cursor is None else str(cursor), max_count=int(h.get("max", 1024)),
-            max_bytes=int(h.get("max_bytes", 4 << 20)), read_limit=self._limit())
-        msgs = self._readable(ctx, batch.messages)
-        ends = batch.ends
-        if len(msgs) < len(batch.messages):
-            shown = {m.topic for m in msgs}
-            ends = {t: o for t, o in ends.items() if t in shown}
-        metas, body = p.pack_messages(msgs)
+        max_bytes = max(1, min(int(h.get("max_bytes", 4 << 20)), HISTORY_MAX_BYTES))
+        async with ctx.outbox.reserve(max_bytes):
+            batch = await self.store.history(
+                str(h["filter"]), str(h.get("since", "earliest")),
+                until=until if until is None or type(until) is int else str(until),
+                cursor=None if cursor is None else str(cursor),
+                max_count=int(h.get("max", 1024)), max_bytes=max_bytes,
+                read_limit=self._limit())
+            msgs = self._readable(ctx, batch.messages)
+            ends = batch.ends
+            if len(msgs) < len(batch.messages):
+                shown = {m.topic for m in msgs}
+                ends = {t: o for t, o in ends.items() if t in shown}
+            metas, body = p.pack_messages(msgs)
         return {"messages": metas, "ends": ends, "cursor": batch.cursor, "cut": batch.cut,
                 "end": batch.end}, body
 
@@ -553,25 +579,18 @@ class NativeServer:
         return {"offsets": out}, b""
 
     async def _nack(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
-        """Give a message the reader received another try later, or dead-letter it. It
-        is named by queue and offset and copied from the store: a reader may put back
-        only what it could pull, never a body (or an attempt count) of its own."""
+        """Give a message the reader received another try later, or dead-letter it
+        (store.redelivery: once per delivery, within a budget). It is named by queue and
+        offset and copied from the store: a reader may put back only what it could pull,
+        never a body (or an attempt count) of its own."""
         h = f.header
         if "queue" not in h or "offset" not in h:
             raise BadRequest("NACK names the received message by queue and offset")
-        group = str(h["group"])
-        msg = await self._message_at(ctx, str(h["queue"]), int(h["offset"]))
-        attempt = int(msg.properties.get("lg_attempt", 0)) + 1
-        props = dict(msg.properties, lg_attempt=attempt,
-                     lg_origin=msg.properties.get("lg_origin") or msg.msg_id)
-        max_attempts = int(h.get("max_attempts", MAX_ATTEMPTS))
-        dead = attempt >= max_attempts
-        if not dead:
-            props["lg_not_before"] = int((time.time() + backoff(attempt)) * 1000)
-        target = dlq_queue(group) if dead else retry_queue(group)
-        copy = Message(msg.topic, msg.body, msg.qos, False, msg.client_id, props, key=msg.key)
-        [stored] = await self.store.append([copy], [[target]])
-        return {"queue": target, "attempt": attempt, "dead": dead, "msg_id": stored.msg_id}, b""
+        queue, offset = str(h["queue"]), int(h["offset"])
+        msg = await self._message_at(ctx, queue, offset)
+        answer = await self.redelivery.nack(str(h["group"]), queue, offset, msg,
+                                            int(h.get("max_attempts", MAX_ATTEMPTS)))
+        return answer, b""
 
     async def _message_at(self, ctx: ConnCtx, queue: str, offset: int) -> Message:
         """The message at `offset` of `queue`, if this reader may pull it (the queue's
@@ -586,19 +605,28 @@ class NativeServer:
         return msg
 
     async def _get_message(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
-        try:
-            msg = await self.store.get_message(str(f.header["msg_id"]))
-        except (KeyError, ValueError) as exc:
-            raise NotFound(f"no message {f.header['msg_id']!r}: {exc}") from exc
-        metas, body = p.pack_messages([msg])
+        """A message by id (Cluster GET, checked in _check), if the reader may read its
+        topic, as a PULL would decide; its topic goes unnamed (ids can be walked)."""
+        msg_id = str(f.header["msg_id"])
+        async with ctx.outbox.reserve(LOOKUP_BYTES):
+            try:
+                msg = await self.store.get_message(msg_id)
+            except (KeyError, ValueError) as exc:
+                raise NotFound(f"no message {msg_id!r}: {exc}") from exc
+            if not self._readable(ctx, [msg]):
+                raise Forbidden(f"reading message {msg_id} needs SUB (or GET) on its topic")
+            metas, body = p.pack_messages([msg])
         return {"messages": metas}, body
 
     async def _find_key(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        """The messages with a key, those the reader may read (as PULL decides)."""
         if f.header.get("last"):  # a gateway's QoS 2 check: the newest offset alone
             return {"messages": [], "phys": await self.store.last_key_offset(
                 str(f.header["key"]))}, b""
-        msgs = await self.store.find_by_key(str(f.header["key"]), int(f.header.get("max", 100)))
-        metas, body = p.pack_messages(msgs)
+        async with ctx.outbox.reserve(LOOKUP_BYTES):
+            msgs = await self.store.find_by_key(str(f.header["key"]),
+                                                min(int(f.header.get("max", 100)), FIND_MAX))
+            metas, body = p.pack_messages(self._readable(ctx, msgs))
         return {"messages": metas}, body
 
     async def _topic_create(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:

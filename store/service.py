@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -28,10 +28,14 @@ from serving.read_budget import ReadBudget
 from store.commitlog import CommitLog, InlineFuture, RecoveryReport
 from store.common import HistoryBatch, PullResult, QueueSeek, await_future
 from store.config import StoreConfig
+from store.cursor_key import node_key
 from store.history import HistoryReader
 from store.metadata import Metadata
+from store.outbox import OutboxStats
 from store.recent import RecentMessages
 from store.record import Message, parse_msg_id
+from store.redelivery import CF as NACK_CF
+from store.redelivery import gone_records
 from store.startup import lock_data_dir
 
 log = logging.getLogger("lightgate.store")
@@ -52,6 +56,17 @@ class QueueStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _within(max_bytes: int, sizes: Iterable[int]) -> int:
+    """How many of the leading `sizes` fit in `max_bytes`: one at least."""
+    n = total = 0
+    for size in sizes:
+        total += size
+        if n and total > max_bytes:
+            break
+        n += 1
+    return n
+
+
 class EmbeddedStore:
     """Store in this process. Open with `async with EmbeddedStore.open(cfg) as store`."""
 
@@ -59,6 +74,8 @@ class EmbeddedStore:
         self.config = config
         # Partly received native frames, over all the native server's connections.
         self.native_budget = ReadBudget(config.native_max_partial_bytes, NATIVE_PARTIAL_TIMEOUT_S)
+        # Answers not yet written, per native connection (store.outbox).
+        self.native_answers = OutboxStats(config.native_max_unsent_bytes)
         root = Path(config.data_dir)
         self.index = ConsumeQueueIndex(root / "index", config.index_cache_mb,
                                        config.index_memtable_mb)
@@ -76,7 +93,7 @@ class EmbeddedStore:
             on_dispatched=self._on_dispatched,
             full_verify=config.full_verify,
         )
-        self.history_reader = HistoryReader(self.commitlog, self.index)
+        self.history_reader = HistoryReader(self.commitlog, self.index, node_key(root))
         self._pending = trio.Semaphore(config.max_pending_appends)
         self._wildcard_seen: dict[str, float] = {}  # filter -> monotonic time last used
         self.wildcards_dropped = 0
@@ -221,19 +238,23 @@ class EmbeddedStore:
         return self._append(messages, routes)
 
     # -- reads ------------------------------------------------------------------------
-    async def pull(self, queue: str, offset: int, max_count: int = 32) -> PullResult:
+    async def pull(self, queue: str, offset: int, max_count: int = 32,
+                   max_bytes: int | None = None) -> PullResult:
         """Messages of `queue` from `offset` (clamped to the queue's minimum). A reader at
         the head of its queue is served from memory, in this thread (see store.recent);
-        then `min_offset` is only the lowest offset held there."""
-        recent = self.pull_recent(queue, offset, max_count)
+        then `min_offset` is only the lowest offset held there. `max_bytes`: at most
+        that many bytes of messages, but one message at least."""
+        recent = self.pull_recent(queue, offset, max_count, max_bytes)
         if recent is not None:
             return recent
-        return await self.pull_stored(queue, offset, max_count)
+        return await self.pull_stored(queue, offset, max_count, max_bytes)
 
-    async def pull_stored(self, queue: str, offset: int, max_count: int = 32) -> PullResult:
+    async def pull_stored(self, queue: str, offset: int, max_count: int = 32,
+                          max_bytes: int | None = None) -> PullResult:
         """`pull` from the index and the log (a worker thread), for a caller that already
         asked the ring (`pull_now`) and was told no."""
-        return await trio.to_thread.run_sync(self.pull_sync, queue, offset, max_count)
+        return await trio.to_thread.run_sync(self.pull_sync, queue, offset, max_count,
+                                             max_bytes)
 
     def pull_now(self, queue: str, offset: int, max_count: int = 32) -> PullResult | None:
         """`pull` without waiting, when it can be answered in this thread: from the ring
@@ -248,7 +269,8 @@ class EmbeddedStore:
             return recent
         return self.pull_sync(queue, offset, max_count)
 
-    def pull_recent(self, queue: str, offset: int, max_count: int = 32) -> PullResult | None:
+    def pull_recent(self, queue: str, offset: int, max_count: int = 32,
+                    max_bytes: int | None = None) -> PullResult | None:
         """`pull` when the ring of recent messages can answer (no I/O, no waiting: safe
         to call from the event loop), else None."""
         max_count = max(1, min(max_count, MAX_PULL))
@@ -256,9 +278,12 @@ class EmbeddedStore:
         if recent is None:
             return None
         messages, end = recent
+        if max_bytes is not None:
+            messages = messages[:_within(max_bytes, (len(m.body) for m in messages))]
         return PullResult(messages, offset + len(messages), offset, end)
 
-    def pull_sync(self, queue: str, offset: int, max_count: int = 32) -> PullResult:
+    def pull_sync(self, queue: str, offset: int, max_count: int = 32,
+                  max_bytes: int | None = None) -> PullResult:
         max_count = max(1, min(max_count, MAX_PULL))
         lo = self.index.min_offset(queue)
         hi = self.index.max_offset(queue)
@@ -266,6 +291,8 @@ class EmbeddedStore:
         # those offsets back; a reader that was past them resumes at the new end.
         start = min(max(offset, lo), hi)
         entries = self.index.read(queue, start, max_count)
+        if max_bytes is not None:  # cut before reading: the sizes are in the index
+            entries = entries[:_within(max_bytes, (e.size for e in entries))]
         read = self.commitlog.read_run([(e.phys_offset, e.size) for e in entries])
         # None: removed by retention after the index read; skipped past.
         messages = [m for m in read if m is not None]
@@ -430,7 +457,16 @@ class EmbeddedStore:
             return
         while True:
             await trio.sleep(cfg.retention_check_s)
-            await self.enforce_retention()
+            if await self.enforce_retention():
+                await trio.to_thread.run_sync(self._drop_gone_nacks)
+
+    def _drop_gone_nacks(self) -> None:
+        """Records of NACKed deliveries whose message retention just removed."""
+        if self.replication is not None and self.replication.role != "master":
+            return  # a replica's metadata is the master's copy
+        gone = list(gone_records(self.meta, self.index.min_offset))
+        if gone:
+            self.meta.write([("delete", NACK_CF, key, None) for key in gone])
 
     async def _wildcard_gc_loop(self) -> None:
         idle = self.config.wildcard_idle_s
@@ -515,5 +551,6 @@ class EmbeddedStore:
             "recent": self.recent.stats(),  # reads served from memory, see store.recent
             "memory": {"index": self.index.memory(), "metadata": self.meta.memory()},
             "native_read_budget": self.native_budget.stats(),
+            "native_answer_budget": self.native_answers.stats(),
             "uptime_s": round(time.time() - self.started_at, 3),
         }

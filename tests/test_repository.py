@@ -66,3 +66,37 @@ def test_the_readme_links_only_to_files_that_exist() -> None:
     assert local, "README.md links no page of docs/"
     missing = [t for t in local if t and not (ROOT / t).exists()]
     assert not missing, f"README.md links files that do not exist: {missing}"
+
+
+def _names_left_undefined(code: str) -> set[str]:
+    """Names a Python snippet reads that it neither imports nor assigns (nor builtins)."""
+    import ast
+    import builtins
+
+    tree = ast.parse(code)
+    defined = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+    return {n.id for n in ast.walk(tree)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - defined
+
+
+def test_every_python_example_defines_what_it_uses() -> None:
+    """A reader copies an example whole: one that uses `spark` or a DataFrame it never
+    made fails at its first line."""
+    pages = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md",
+             *sorted(ROOT.glob("*/README.md"))]
+    found = []
+    for page in pages:
+        for block in re.finditer(r"```python\n(.*?)```", page.read_text(), re.S):
+            missing = _names_left_undefined(block.group(1))
+            if missing:
+                found.append(f"{page.relative_to(ROOT)}: {sorted(missing)}")
+    assert not found, "examples that use names they never define:\n  " + "\n  ".join(found)

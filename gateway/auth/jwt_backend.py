@@ -179,6 +179,8 @@ class JwtBackend:
             return Decision.deny("jwt: bad signature")
         except jwt.InvalidTokenError as exc:
             return Decision.deny(f"jwt: {exc}")
+        except OverflowError:  # int(1e400) in PyJWT releases that do not catch it
+            return Decision.deny("jwt: a time claim out of range")
         return self._admit(claims, creds)
 
     @staticmethod
@@ -198,6 +200,9 @@ class JwtBackend:
                 acl = TopicAcl.parse(claims["acl"], creds.client_id, name)
             except ValueError as exc:
                 return Decision.deny(f"jwt: bad acl claim: {exc}")
-        exp = claims.get("exp")  # an integer when present: PyJWT checked it
-        return Decision.allow("jwt token", name=name, acl=acl,
-                              expires=None if exp is None else float(exp))
+        exp = claims.get("exp")  # a number when present: PyJWT checked it
+        try:
+            expires = None if exp is None else float(exp)
+        except OverflowError:  # an integer of hundreds of digits: no time at all
+            return Decision.deny("jwt: exp out of range")
+        return Decision.allow("jwt token", name=name, acl=acl, expires=expires)

@@ -70,7 +70,9 @@ async function historyLoad(cursor) {
   $("history-error").textContent = "";
   const params = new URLSearchParams(hist.query);
   if (cursor) params.set("cursor", cursor);
-  const r = await fetch(`/api/v1/messages?${params}`);
+  // URLSearchParams writes a space as "+", which the API refuses in a filter (a "+" typed
+  // into a URL by hand is a wildcard lost): %20 is a space without doubt.
+  const r = await fetch(`/api/v1/messages?${params.toString().replace(/\+/g, "%20")}`);
   if (r.status === 401) { showLogin(); return; }
   const answer = await r.json().catch(() => ({ error: `HTTP ${r.status}` }));
   if (!r.ok) {

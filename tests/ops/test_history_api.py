@@ -89,10 +89,49 @@ def test_pages_of_a_filter_in_store_order(server: Server) -> None:
     ({"filter": "a/#", "limit": "1001"}, "limit must be between 1 and 1000"),
     ({"filter": "a/#", "limit": "ten"}, "limit must be an integer"),
     ({"filter": "a/#", "cursor": "bm9wZQ"}, "not a history cursor"),
+    ({"filter": "a/#", "until": "earliest"}, "is a start, not an end"),
 ])
 def test_bad_requests_say_what_is_wrong(shared_server: Server, params: dict, why: str) -> None:
     r = get(shared_server, **params)
     assert r.status_code == 400 and why in r.json()["error"], r.text
+
+
+@pytest.mark.parametrize(("query", "why"), [
+    # Typed into a URL as is: `#` starts the fragment (not sent), `+` is a space.
+    ("filter=plant/#", "percent-encode # as %23 and + as %2B"),
+    ("filter=#", "percent-encode # as %23 and + as %2B"),
+    ("filter=", "percent-encode # as %23 and + as %2B"),
+    ("filter=plant/+/temp", "percent-encode # as %23 and + as %2B"),
+    ("filter=plant%2F%2B/x+y", "percent-encode # as %23 and + as %2B"),
+    ("filter=a%2F%23&until=earliest", "until: 'earliest' is a start"),
+    ("filter=a%2F%23&until=last", "until: 'last' is a start"),
+    ("filter=a%2F%23&cursor=abc", "cursor: not a history cursor this store gave out"),
+    ("filter=a%2F%23&cursor=bm9wZQ.bm9wZQ", "cursor: not a history cursor this store gave"),
+])
+def test_a_url_typed_by_hand_gets_a_400_that_says_how_to_write_it(
+        shared_server: Server, query: str, why: str) -> None:
+    r = httpx.get(f"http://{shared_server.addrs['http']}/api/v1/messages?{query}", timeout=10)
+    assert r.status_code == 400 and why in r.json()["error"], r.text
+    error = r.json()["error"]
+    assert "earliest, last" not in error or "until" not in query  # no start offered as end
+    for internals in ("padding", "orjson", "JSONDecodeError", "unexpected character",
+                      "Traceback"):
+        assert internals not in error
+
+
+def test_percent_encoded_filters_and_a_topic_ending_in_a_slash_are_read(
+        shared_server: Server) -> None:
+    dev = Client(shared_server.port, "slashes", version=5)
+    dev.publish("slash/", b"empty last level", qos=1)
+    dev.publish("slash/a b", b"a space", qos=1)
+    dev.disconnect()
+    base = f"http://{shared_server.addrs['http']}/api/v1/messages"
+    for query, want in (("filter=slash%2F%23", 2), ("filter=slash%2F%2B", 2),
+                        ("filter=slash%2F", 1), ("filter=slash/%2F", 0),
+                        ("filter=slash/a%20b", 1)):  # a space of its own: %20
+        r = httpx.get(f"{base}?{query}", timeout=10)
+        assert r.status_code == 200, (query, r.text)
+        assert len(r.json()["messages"]) == want, (query, r.json())
 
 
 def test_retention_cut_is_reported(tmp_path) -> None:

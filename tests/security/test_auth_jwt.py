@@ -387,3 +387,32 @@ def test_a_connection_ends_when_its_token_expires(srv: Server) -> None:
         v5.close()
         v4.close()
     assert srv.wait_log("disconnected: credentials expired")
+
+
+def _token_with_raw_exp(exp: str, sub: str) -> str:
+    """An HS256 token whose exp is written as given: a number JSON can hold but Python's
+    float or int conversions cannot (json.dumps would never write these)."""
+    claims = f'{{"sub": "{sub}", "exp": {exp}}}'.encode()
+    header = _b64(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
+    signing_input = f"{header}.{_b64(claims)}"
+    mac = hmac.new(SECRET.encode(), signing_input.encode(), hashlib.sha256).digest()
+    return f"{signing_input}.{_b64(mac)}"
+
+
+@pytest.mark.parametrize("exp", ["1e400", "1" + "0" * 400, "-1e400"])
+def test_an_exp_out_of_any_range_is_a_bad_token(srv: Server, exp: str) -> None:
+    """1e400 is infinity once parsed, and a 400-digit integer has no float: either is a
+    bad token (CONNACK not authorized), never an exception inside the gateway."""
+    ok = Client(srv.port, "reset-huge-exp", username="r", password=token(SECRET, sub="r"))
+    ok.disconnect()  # no earlier failure slows these down
+    bad = _token_with_raw_exp(exp, "forever")
+    assert refused(srv, "huge-exp-5", "forever", bad) == BAD_CREDENTIALS_V5
+    raw = RawClient(srv.port, 4, timeout=15)
+    try:
+        assert raw.connect("huge-exp-4", username="forever",
+                           password=bad.encode()).reason_code == 4
+    finally:
+        raw.close()
+    assert srv.wait_log("user=forever ip=127.0.0.1 via=mqtt result=failure reason=jwt: ")
+    assert "Traceback" not in srv.logs()
+    assert "OverflowError" not in srv.logs()

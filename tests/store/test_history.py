@@ -179,19 +179,69 @@ async def test_cursors_not_given_out_here_are_refused(tmp_path: Path) -> None:
         batch = await store.history("#", max_count=3)
         with pytest.raises(CursorError, match="belongs to the filter '#'"):
             await store.history("a/#", cursor=batch.cursor)
-        for junk in ("", "!!!", "e30", "x" * 5000):
-            with pytest.raises(CursorError):
+        for junk in ("", "!!!", "e30", "x" * 5000, "abc", "a.b", "e30.e30"):
+            with pytest.raises(CursorError, match="not a history cursor this store gave"):
                 await store.history("#", cursor=junk)
         # A position inside a record (where a body could hide a record) is not a start.
-        state = history.decode_cursor(batch.cursor, "#")
+        key = store.history_reader.key
+        state = history.decode_cursor(batch.cursor, "#", key)
         state.pos = msgs[5].phys_offset + 7
         state.mode = history.LOG
         with pytest.raises(CursorError, match="no record starts"):
-            await store.history("#", cursor=state.token())
+            await store.history("#", cursor=state.token(key))
         with pytest.raises(ValueError, match="in the future"):
             await store.history("#", "2999-01-01T00:00:00Z")
         with pytest.raises(ValueError):
             await store.history("a/#/b")
+
+
+async def test_a_cursor_is_signed_and_a_forged_one_is_refused(tmp_path: Path) -> None:
+    """A cursor is the state and its MAC under a key kept in the data directory: changed
+    in any field, or written as an unsigned state, it is refused; the real one still
+    reads on after a restart (same key), and not on another store (another key)."""
+    import base64
+
+    import orjson
+
+    async with EmbeddedStore.open(config(tmp_path / "one")) as store:
+        await store.publish([Message("a/1/t", b"%d" % i) for i in range(20)])
+        batch = await store.history("#", max_count=3)
+    state_b64, _, mac = batch.cursor.partition(".")
+    assert mac, "a cursor carries its MAC"
+    state = orjson.loads(base64.urlsafe_b64decode(state_b64 + "=" * (-len(state_b64) % 4)))
+    forged = dict(state, p=0)  # back to the start of the log: what it held unsigned
+    forged_b64 = base64.urlsafe_b64encode(orjson.dumps(forged)).rstrip(b"=").decode()
+    async with EmbeddedStore.open(config(tmp_path / "one")) as store:
+        for bad in (f"{forged_b64}.{mac}", forged_b64, state_b64, f"{state_b64}.{mac[:-2]}"):
+            with pytest.raises(CursorError, match="not a history cursor this store gave out"):
+                await store.history("#", cursor=bad)
+        again = await store.history("#", cursor=batch.cursor, max_count=100)
+        assert [m.body for m in again.messages] == [b"%d" % i for i in range(3, 20)]
+    async with EmbeddedStore.open(config(tmp_path / "two")) as other:
+        await other.publish([Message("a/1/t", b"%d" % i) for i in range(20)])
+        with pytest.raises(CursorError, match="not a history cursor this store gave out"):
+            await other.history("#", cursor=batch.cursor)
+
+
+async def test_a_groups_nodes_share_the_cursor_key(tmp_path: Path) -> None:
+    """Nodes of a store group sign with a key derived from the group secret: a cursor the
+    master gave out reads on at a replica (the same log) that becomes master."""
+    import shutil
+
+    from store.cursor_key import KEY_FILE, group_key
+
+    async with EmbeddedStore.open(config(tmp_path / "master")) as store:
+        store.history_reader.key = group_key(b"the group secret")
+        await store.publish([Message("a/1/t", b"%d" % i) for i in range(20)])
+        batch = await store.history("#", max_count=3)
+    shutil.copytree(tmp_path / "master", tmp_path / "replica")
+    (tmp_path / "replica" / KEY_FILE).unlink()  # a node's own key is its own
+    async with EmbeddedStore.open(config(tmp_path / "replica")) as replica:
+        with pytest.raises(CursorError):
+            await replica.history("#", cursor=batch.cursor)
+        replica.history_reader.key = group_key(b"the group secret")
+        rest = await replica.history("#", cursor=batch.cursor, max_count=100)
+        assert [m.body for m in rest.messages] == [b"%d" % i for i in range(3, 20)]
 
 
 def fake_record(topic: str, ts: int) -> bytes:
