@@ -81,7 +81,7 @@ fn main() {
     println!("ready mqtt=127.0.0.1:{port}");
     let owner = Arc::clone(&engine);
     std::thread::spawn(move || loop {
-        std::thread::sleep(Duration::from_millis(1));
+        std::thread::sleep(Duration::from_millis(20));
         owner.take_dispatched(); // no index here: what it costs is Python's, later
         for report in owner.take_reports() {
             let Report::Demoted(d) = report else { continue };

@@ -14,8 +14,8 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
 use mio::net::TcpStream;
@@ -116,6 +116,17 @@ impl Command {
 struct Lane {
     commands: Mutex<Vec<Command>>,
     waker: Waker,
+    /// The lane's own thread: what it sends itself (the deliveries of a publish it just
+    /// read) needs no wake-up, as it applies its commands again before it writes.
+    thread: OnceLock<ThreadId>,
+}
+
+impl Lane {
+    fn wake(&self) {
+        if self.thread.get() != Some(&std::thread::current().id()) {
+            let _ = self.waker.wake();
+        }
+    }
 }
 
 /// The running reactors; a connection lives on thread `conn % N`.
@@ -140,7 +151,7 @@ impl Handle {
         if let Ok(mut queue) = lane.commands.lock() {
             queue.push(command);
         }
-        let _ = lane.waker.wake();
+        lane.wake();
     }
 
     /// Many commands, one lock and one wake-up per thread (a fan-out's deliveries).
@@ -157,7 +168,7 @@ impl Handle {
             if let Ok(mut queue) = lane.commands.lock() {
                 queue.extend(batch);
             }
-            let _ = lane.waker.wake();
+            lane.wake();
         }
     }
 }
@@ -173,7 +184,7 @@ impl Reactor {
         for i in 0..threads.max(1) {
             let poll = Poll::new()?;
             let waker = Waker::new(poll.registry(), WAKER)?;
-            let lane = Arc::new(Lane { commands: Mutex::new(Vec::new()), waker });
+            let lane = Arc::new(Lane { commands: Mutex::new(Vec::new()), waker, thread: OnceLock::new() });
             let mut worker = Worker {
                 poll,
                 lane: Arc::clone(&lane),
@@ -245,6 +256,7 @@ impl Worker {
     }
 
     fn run(&mut self) {
+        let _ = self.lane.thread.set(std::thread::current().id());
         let mut events = Events::with_capacity(512);
         let mut buf = vec![0u8; READ_SIZE];
         loop {
@@ -271,6 +283,14 @@ impl Worker {
             }
             if !published.is_empty() {
                 self.sink.report(Report::Published(published));
+                // What that sent this thread (acks, local deliveries) goes out now.
+                let mut more = Vec::new();
+                if !self.commands(&mut touched, &mut more) {
+                    return;
+                }
+                if !more.is_empty() {
+                    self.sink.report(Report::Published(more));
+                }
             }
             self.check_timeouts(&mut touched);
             for token in touched {
