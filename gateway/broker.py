@@ -26,7 +26,7 @@ from gateway.mqtt import Will
 from gateway.mqtt.protocol import Limits
 from gateway.retained import Retained, RetainedLimits, RetainedMessage
 from gateway.session import NEVER_EXPIRES, Client, Outgoing, Session, Subscription
-from gateway.sessions import SessionLimitReached, SessionRegistry
+from gateway.sessions import ClientIdTaken, SessionLimitReached, SessionRegistry
 from gateway.shared import SharedGroup, SharedGroups
 from gateway.stats import APPEND_BUCKETS, Stats
 from gateway.wills import Wills
@@ -38,7 +38,7 @@ log = logging.getLogger("lightgate.gateway")
 
 # Importers of the broker find these here as before.
 __all__ = ["APPEND_BUCKETS", "Broker", "GatewayConfig", "RetainedMessage",
-           "SessionLimitReached", "Stats"]
+           "ClientIdTaken", "SessionLimitReached", "Stats"]
 
 
 class Broker:
