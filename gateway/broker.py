@@ -15,6 +15,7 @@ import trio
 from gateway.auth.chain import BackendConfig
 from gateway.auth.mqtt import MqttAuth
 from gateway.background import Background
+from gateway.backpressure import WriteRules
 from gateway.cache import QueueCache, Templates
 from gateway.config import GatewayConfig
 from gateway.delivery import Delivery
@@ -52,6 +53,7 @@ class Broker:
         self.mqtt_auth = MqttAuth(self.auth, backends)  # how MQTT clients prove who they are
         self.connect_limiter = SourceRateLimiter(cfg.max_connect_rate)
         self.read_budget = ReadBudget(cfg.max_partial_bytes, cfg.partial_timeout_s)
+        self.write_rules = WriteRules.of(cfg)  # what may wait for a client's socket
         # 0 in the config means no limit.
         self.max_topic_levels = cfg.max_topic_levels or sys.maxsize
         self.max_topic_length = cfg.max_topic_length or sys.maxsize

@@ -42,8 +42,16 @@ class GatewayConfig:
     max_qos: int = 2
     max_keepalive: int = setting(
         0, "longest keepalive allowed; v5 clients get Server Keep Alive")  # 0: any
+    # What waits for a client's socket (gateway.backpressure): past the mark the client
+    # is not read and nothing is delivered to it until a quarter of it is left.
+    max_unsent_bytes: int = setting(
+        2 * MiB, "bytes waiting for a client's socket past which it is not read (and "
+        "gets no deliveries) until it has taken three quarters of them")
     write_timeout: float = setting(
-        60.0, "disconnect a client that reads nothing for this long")
+        60.0, "disconnect a client that takes less than --min-drain-bytes of what waits "
+        "for it (all of it, if less waits) within this long")
+    min_drain_bytes: int = setting(
+        64 * 1024, "bytes a client with answers waiting must take per --write-timeout")
     topic_alias_maximum: int = 64  # per connection, client to server (v5)
     # Limits; 0 means unlimited.
     max_connections: int = setting(

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import trio
 
 from gateway import replay
+from gateway.backpressure import WriteRules
 from gateway.cache import QueueCache
 from gateway.config import GatewayConfig
 from gateway.mqtt import PublishTemplate
@@ -31,7 +32,6 @@ log = logging.getLogger("lightgate.gateway.delivery")
 
 # What a synchronous drain ended with.
 DONE, BLOCKED, NEEDS_TASK = range(3)
-OUT_LIMIT = 2 * 1024 * 1024  # bytes waiting for a client's socket before deliveries wait
 
 
 class Host(Protocol):
@@ -43,6 +43,7 @@ class Host(Protocol):
     stats: Stats
     queue_subs: dict[str, set[Session]]
     deferred: set[Delivery] | None  # deliveries held for the end of a reactor pass
+    write_rules: WriteRules  # past its high-water mark deliveries wait
 
     def template(self, msg: Message) -> PublishTemplate: ...
 
@@ -73,7 +74,8 @@ class Client(Protocol):
 
 
 class Delivery:
-    __slots__ = ("conn", "core", "session", "broker", "_running", "_stopped", "_resume")
+    __slots__ = ("conn", "core", "session", "broker", "_running", "_stopped", "_resume",
+                 "_out_limit")
 
     def __init__(self, conn: Client) -> None:
         self.conn = conn
@@ -83,6 +85,7 @@ class Delivery:
         self._running = False  # the delivery task runs
         self._stopped = False
         self._resume = False
+        self._out_limit = self.broker.write_rules.high  # bytes waiting before deliveries do
 
     # -- starting -------------------------------------------------------------------------
     def start(self, resume: bool = False) -> None:
@@ -189,7 +192,7 @@ class Delivery:
 
     def _blocked(self, qos: int) -> bool:
         """No room: the client's window (QoS 1/2), or too much waiting for its socket."""
-        return bool(qos and self.core.window <= 0) or self.conn.backlog > OUT_LIMIT
+        return bool(qos and self.core.window <= 0) or self.conn.backlog > self._out_limit
 
     def _send(self, msg: Message, qos: int, retain: bool, sids: list[int] | None,
               queue: str | None, offset: int, group: SharedGroup | None = None
@@ -396,11 +399,15 @@ class Delivery:
                 sids = [sub.subscription_id] if sub.subscription_id else None
                 todo.append((r.to_message(), qos, sids))
         out: list[bytes] = []
-        sent = 0
-        while sent < len(todo) and (not todo[sent][1] or self.core.window > 0):
+        sent, size = 0, conn.backlog
+        # Within the window and the high-water mark: a SUBSCRIBE to `#` must not put
+        # every retained message before a client that does not read.
+        while sent < len(todo) and (not todo[sent][1] or self.core.window > 0) \
+                and size <= self._out_limit:
             msg, qos, sids = todo[sent]
-            self.core.deliver(msg, qos, True, sids if self.core.version == 5 else None,
-                              None, -1, buffer=out, now_s=time.time())
+            if self.core.deliver(msg, qos, True, sids if self.core.version == 5 else None,
+                                 None, -1, buffer=out, now_s=time.time()) is not False:
+                size += len(out[-1])
             self.broker.stats.messages_out += 1
             sent += 1
         if sent < len(todo):
@@ -417,7 +424,8 @@ class Delivery:
 
     # -- shared subscriptions ------------------------------------------------------------------
     def has_window(self) -> bool:
-        return self.conn.alive and self.core.window > 0 and self.conn.backlog <= OUT_LIMIT
+        return (self.conn.alive and self.core.window > 0
+                and self.conn.backlog <= self._out_limit)
 
     async def push_shared(self, group: SharedGroup, msg: Message) -> bool:
         """Deliver a message of a shared subscription this client is a member of."""
