@@ -6,7 +6,9 @@ streams), sans-IO, so that another data plane can keep to the same.
   nothing is delivered to it, until what waits is down to the low-water mark (a
   quarter of it). Every answer is to something read, so a client that does not read
   what it asked for cannot make the server hold more than the mark plus the answers
-  to one read.
+  to one read. What waits counts its bytes plus PACKET_COST per packet: an answer
+  costs the server more than its bytes (a PINGRESP is two), and a client must not make
+  it answer a million before it stops reading.
 - **Drain rate** (--min-drain-bytes per --write-timeout): while bytes wait, the client
   must take `min_drain` of them (all of them, if fewer wait) within `timeout`, then the
   next as many within the next `timeout`, and so on. A client that takes a byte now and
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
+
+PACKET_COST = 64  # what a packet waiting for the socket counts beyond its bytes
 
 
 class Settings(Protocol):
@@ -39,13 +43,13 @@ class WriteRules:
         high = cfg.max_unsent_bytes
         return cls(high, high // 4, max(1, cfg.min_drain_bytes), cfg.write_timeout)
 
-    def full(self, waiting: int) -> bool:
-        """Stop reading (and delivering): too much waits."""
-        return waiting > self.high
+    def full(self, waiting: int, packets: int) -> bool:
+        """Stop reading (and delivering): too much waits (bytes, and packets)."""
+        return waiting + PACKET_COST * packets > self.high
 
-    def room(self, waiting: int) -> bool:
+    def room(self, waiting: int, packets: int) -> bool:
         """Read again (after `full`)."""
-        return waiting <= self.low
+        return waiting + PACKET_COST * packets <= self.low
 
     def due(self, waiting: int) -> int:
         """Bytes the client must take within the next `timeout`."""

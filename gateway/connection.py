@@ -377,13 +377,10 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
     # -- writing (gateway.output) -------------------------------------------------------
     def flush(self) -> None:
         """Write what the rules have for the client."""
-        data = self.core.data_to_send()
-        if data:
-            self.out.write(data)
-
-    @property
-    def backlog(self) -> int:
-        return self.out.backlog
+        core = self.core
+        packets = core.pending_packets
+        if packets:
+            self.out.write(core.data_to_send(), packets)
 
     def writable(self) -> bool:
         return self.out.writable()

@@ -17,11 +17,11 @@ from typing import Any, Protocol
 import trio
 
 from gateway import replay
-from gateway.backpressure import WriteRules
 from gateway.cache import QueueCache
 from gateway.config import GatewayConfig
 from gateway.mqtt import PublishTemplate
 from gateway.mqtt import protocol as mp
+from gateway.output import Output
 from gateway.retained import RetainedMessage
 from gateway.session import Session, Subscription
 from gateway.shared import SharedGroup
@@ -43,7 +43,6 @@ class Host(Protocol):
     stats: Stats
     queue_subs: dict[str, set[Session]]
     deferred: set[Delivery] | None  # deliveries held for the end of a reactor pass
-    write_rules: WriteRules  # past its high-water mark deliveries wait
 
     def template(self, msg: Message) -> PublishTemplate: ...
 
@@ -62,7 +61,7 @@ class Client(Protocol):
     alive: bool
     asks_hook: bool
     checks_delivery: bool
-    backlog: int
+    out: Output  # what waits for its socket
 
     def flush(self) -> None: ...
 
@@ -74,8 +73,7 @@ class Client(Protocol):
 
 
 class Delivery:
-    __slots__ = ("conn", "core", "session", "broker", "_running", "_stopped", "_resume",
-                 "_out_limit")
+    __slots__ = ("conn", "core", "session", "broker", "_running", "_stopped", "_resume")
 
     def __init__(self, conn: Client) -> None:
         self.conn = conn
@@ -85,7 +83,6 @@ class Delivery:
         self._running = False  # the delivery task runs
         self._stopped = False
         self._resume = False
-        self._out_limit = self.broker.write_rules.high  # bytes waiting before deliveries do
 
     # -- starting -------------------------------------------------------------------------
     def start(self, resume: bool = False) -> None:
@@ -192,7 +189,7 @@ class Delivery:
 
     def _blocked(self, qos: int) -> bool:
         """No room: the client's window (QoS 1/2), or too much waiting for its socket."""
-        return bool(qos and self.core.window <= 0) or self.conn.backlog > self._out_limit
+        return bool(qos and self.core.window <= 0) or self.conn.out.over
 
     def _send(self, msg: Message, qos: int, retain: bool, sids: list[int] | None,
               queue: str | None, offset: int, group: SharedGroup | None = None
@@ -399,11 +396,11 @@ class Delivery:
                 sids = [sub.subscription_id] if sub.subscription_id else None
                 todo.append((r.to_message(), qos, sids))
         out: list[bytes] = []
-        sent, size = 0, conn.backlog
+        sent, size = 0, 0
         # Within the window and the high-water mark: a SUBSCRIBE to `#` must not put
         # every retained message before a client that does not read.
         while sent < len(todo) and (not todo[sent][1] or self.core.window > 0) \
-                and size <= self._out_limit:
+                and not conn.out.would_pass(size, len(out)):
             msg, qos, sids = todo[sent]
             if self.core.deliver(msg, qos, True, sids if self.core.version == 5 else None,
                                  None, -1, buffer=out, now_s=time.time()) is not False:
@@ -424,8 +421,7 @@ class Delivery:
 
     # -- shared subscriptions ------------------------------------------------------------------
     def has_window(self) -> bool:
-        return (self.conn.alive and self.core.window > 0
-                and self.conn.backlog <= self._out_limit)
+        return self.conn.alive and self.core.window > 0 and not self.conn.out.over
 
     async def push_shared(self, group: SharedGroup, msg: Message) -> bool:
         """Deliver a message of a shared subscription this client is a member of."""

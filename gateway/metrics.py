@@ -135,6 +135,7 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
         ("retained_messages", ret.count, cfg.max_retained),
         ("retained_bytes", ret.bytes, cfg.max_retained_bytes),
         ("persistent_sessions", b.persistent_sessions, cfg.max_sessions),
+        ("unsent_bytes", st.unsent_bytes, cfg.max_unsent_bytes),  # the limit: per client
     ):
         used.add_metric([name], now)
         limit.add_metric([name], cap)
@@ -160,6 +161,8 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
         ("persistent_sessions", st.sessions_refused),
         ("topic_levels_or_length", st.topic_refusals),
         ("offline_messages_dropped", st.offline_dropped),
+        ("unsent_bytes_held", st.unsent_held),
+        ("slow_drain_closed", st.stuck_disconnects),
         ("native_partial_frame_paused", (native or {}).get("paused", 0)),
         ("native_partial_frame_closed", (native or {}).get("closed", 0)),
     ):

@@ -53,8 +53,8 @@ class Owner(Protocol):
 
 
 class Output:
-    __slots__ = ("owner", "fd", "stream", "rules", "stats", "_buf", "_sending", "_due",
-                 "_deadline", "_writer", "_full", "_room")
+    __slots__ = ("owner", "fd", "stream", "rules", "stats", "_buf", "_packets", "_sending",
+                 "_due", "_deadline", "_writer", "_full", "_room")
 
     def __init__(self, owner: Owner, fd: int, stream: trio.abc.Stream | None,
                  rules: WriteRules, stats: Stats) -> None:
@@ -67,6 +67,7 @@ class Output:
         # One buffer: a flood of small answers as separate objects weighed 20 times
         # their bytes.
         self._buf: bytearray | None = None
+        self._packets = 0  # packets in it (as the drain goes: about)
         self._sending = 0  # bytes a stream's writer has taken from `_buf` and sends
         self._due = 0  # bytes the client must still take before `_deadline`
         self._deadline = 0.0
@@ -82,16 +83,28 @@ class Output:
 
     @property
     def full(self) -> bool:
+        """Past the high-water mark: not read until down to the low one."""
         return self._full
 
-    def write(self, data: bytes) -> None:
+    @property
+    def over(self) -> bool:
+        """Past the high-water mark now: deliveries wait."""
+        return self._buf is not None and self.rules.full(self.backlog, self._packets)
+
+    def would_pass(self, more: int, packets: int) -> bool:
+        """Whether `packets` more packets of `more` bytes would pass the mark."""
+        return self.rules.full(self.backlog + more, self._packets + packets)
+
+    def write(self, data: bytes, packets: int = 1) -> None:
         if not data or (self.fd < 0 and self.stream is None):
             return
         self.stats.bytes_out += len(data)
         buf = self._buf
         if buf is not None:  # behind what waits already
             buf += data
-            if not self._full and self.rules.full(self.backlog):
+            self._packets += packets
+            self.stats.unsent_bytes += len(data)
+            if not self._full and self.rules.full(self.backlog, self._packets):
                 self._hold(True)
             return
         if self.fd >= 0:
@@ -106,9 +119,11 @@ class Output:
                 return
             data = data[sent:]
         self._buf = bytearray(data)
+        self._packets = packets
+        self.stats.unsent_bytes += len(data)
         self._due = self.rules.due(len(data))
         self._deadline = trio.current_time() + self.rules.timeout
-        if self.rules.full(len(data)):
+        if self.rules.full(len(data), packets):
             self._hold(True)
         if self.owner.reactor is not None:
             self.owner.reactor.want_write(self.owner)
@@ -133,22 +148,26 @@ class Output:
                 self._taken(sent)
             if buf:
                 return False
-        self._buf = None
+        self._buf, self._packets = None, 0
         self.owner.drained()  # may write more: it goes out at once, or waits anew
         return self._buf is None
 
     def _taken(self, n: int) -> None:
         """The socket took `n` bytes: the drain rule's count, and the low-water mark."""
         rules, left = self.rules, self.backlog
+        self.stats.unsent_bytes -= n
+        if self._packets:  # gone in proportion to the bytes: packet boundaries are not kept
+            self._packets = self._packets * left // (left + n)
         self._due -= n
         if self._due <= 0:  # this window's share is in: the next one's clock starts
             self._due = rules.due(left)
             self._deadline = trio.current_time() + rules.timeout
-        if self._full and rules.room(left):
+        if self._full and rules.room(left, self._packets):
             self._hold(False)
 
     def _hold(self, full: bool) -> None:
         self._full = full
+        self.stats.unsent_held += full
         self.owner.hold_reading(full)
         if not full and self._room is not None:
             self._room.set()
@@ -181,22 +200,25 @@ class Output:
                     self._sending = n
                     with trio.move_on_at(self._deadline) as scope:
                         await self.stream.send_all(data)
-                    self._sending = 0
                     if scope.cancelled_caught:
                         self.owner.stuck()
                         return
+                    self._sending = 0
                     self._taken(n)
-                self._buf = None
+                self._buf, self._packets = None, 0
                 self.owner.drained()  # what it writes waits for this task: no other
         finally:
             self._writer = False
+            self._forget(self._sending)  # a send cut short: the stream is broken
+            self._sending = 0
 
     async def last_words(self) -> None:
         """At close: what still waits (a DISCONNECT), as far as the socket takes it."""
         if not self._buf:
             return
         data = bytes(self._buf)
-        self._buf = None
+        self._forget(len(data))
+        self._buf, self._packets = None, 0
         if self.stream is not None:
             with trio.move_on_after(0.5):
                 try:
@@ -210,7 +232,14 @@ class Output:
             except OSError:
                 pass
 
+    def _forget(self, n: int) -> None:
+        """`n` bytes that waited will never go out (the connection ends)."""
+        self.stats.unsent_bytes -= n
+
     async def close(self) -> None:
+        if self._buf is not None:
+            self._forget(len(self._buf))
+            self._buf, self._packets = None, 0
         if self.stream is not None:
             with trio.move_on_after(1):
                 await self.stream.aclose()

@@ -14,17 +14,32 @@ import ssl
 import statistics
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gateway import mqtt
+from tests.conftest import Server
 from tests.mqtt.raw import RawClient
 
 MiB = 1024 * 1024
 STALL_S = 0.5  # a round trip slower than this is a stall
 NO_ANSWER_S = 5.0  # the probe's wait for its own message
+
+
+def metrics(srv: Server) -> str:
+    with urllib.request.urlopen(f"http://{srv.addrs['http']}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str, label: str = "") -> float:
+    """A value of /metrics' text: `name`, with the label value `label` if given."""
+    pattern = re.escape(name) + (r'\{[^}]*"' + re.escape(label) + r'"\}' if label else "")
+    m = re.search(r"^" + pattern + r" (-?[0-9.e+]+)$", text, re.M)
+    assert m, f"{name} {label} not in /metrics"
+    return float(m.group(1))
 
 
 def rss(pid: int) -> int:

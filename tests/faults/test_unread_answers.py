@@ -9,6 +9,7 @@ server by about 9 MiB a second, and reading a little now and then kept it growin
 from __future__ import annotations
 
 import multiprocessing
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,16 @@ import pytest
 
 from gateway import mqtt
 from tests.conftest import Server
-from tests.faults.hostile import MiB, Probe, RssPeak, assert_unharmed, flood, rss
+from tests.faults.hostile import (
+    MiB,
+    Probe,
+    RssPeak,
+    assert_unharmed,
+    flood,
+    metric,
+    metrics,
+    rss,
+)
 from tests.security.test_tls import make_pki, tls_args
 
 ATTACK_S = 12.0
@@ -56,7 +66,14 @@ def _attack(srv: Server, packet: bytes, read_every: float = 0.0, read_bytes: int
                                daemon=True)
         probe.start()
         attacker.start()
+        # What waits for sockets, as /metrics says while the attack runs.
+        unsent = 0.0
+        while out.empty() and attacker.is_alive():
+            unsent = max(unsent, metric(metrics(srv), "lightgate_budget_used",
+                                        "unsent_bytes"))
+            time.sleep(0.5)
         seen = out.get(timeout=seconds + 30)
+        seen["unsent_peak"] = unsent
         attacker.join(10)
         during = probe.stop()
         grown = peak.stop() - base
@@ -74,8 +91,13 @@ def test_a_subscribe_flood_that_reads_nothing_is_not_read(tmp_path: Path,
                                                           transport: str) -> None:
     srv = _server(tmp_path, transport)
     try:
-        grown, _ = _attack(srv, SUBSCRIBE, transport=transport)
+        grown, seen = _attack(srv, SUBSCRIBE, transport=transport)
         assert grown < BOUND
+        text = metrics(srv)  # held at the mark, with what waits for it counted
+        assert metric(text, "lightgate_budget_refusals_total", "unsent_bytes_held") >= 1
+        # At the mark: 2 MiB counting 64 bytes a packet, 1.5 MiB of ~200-byte SUBACKs.
+        assert MiB < seen["unsent_peak"] <= 2 * MiB
+        assert metric(text, "lightgate_budget_limit", "unsent_bytes") == 2 * MiB
     finally:
         srv.stop()
 
@@ -110,14 +132,17 @@ def test_a_pingreq_flood_that_reads_nothing_is_not_read(tmp_path: Path) -> None:
 def test_a_client_that_drains_too_slowly_is_disconnected(tmp_path: Path,
                                                          transport: str) -> None:
     """It takes 512 KiB every 2 s, progress enough to pass a rule of "took something
-    within --write-timeout", but less than --min-drain-bytes (1 MiB) per --write-timeout
-    (3 s) of a backlog of megabytes: it is disconnected as one that reads nothing."""
+    within --write-timeout", but less than --min-drain-bytes (4 MiB: all that waits, as
+    less does) per --write-timeout (3 s): it is disconnected as one that reads nothing."""
     srv = _server(tmp_path, transport, "--write-timeout", "3", "--min-drain-bytes",
-                  str(MiB))
+                  str(4 * MiB))
     try:
         _, seen = _attack(srv, SUBSCRIBE, read_every=2.0, read_bytes=512 * 1024,
                           transport=transport)
         assert seen["closed_after"] is not None and seen["closed_after"] < 10, seen
-        assert srv.wait_log("took less than 1048576 bytes of what waits for it in 3s")
+        assert srv.wait_log("took less than 4194304 bytes of what waits for it in 3s")
+        text = metrics(srv)  # and what waited for it is given back
+        assert metric(text, "lightgate_budget_refusals_total", "slow_drain_closed") == 1
+        assert metric(text, "lightgate_budget_used", "unsent_bytes") == 0
     finally:
         srv.stop()
