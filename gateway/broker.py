@@ -25,6 +25,7 @@ from gateway.limits import SourceRateLimiter
 from gateway.locks import ClientLocks
 from gateway.mqtt import Will
 from gateway.mqtt.protocol import Limits
+from gateway.replay_budget import ReplayBudget
 from gateway.retained import Retained, RetainedLimits, RetainedMessage
 from gateway.session import NEVER_EXPIRES, Client, Outgoing, Session, Subscription
 from gateway.sessions import ClientIdTaken, SessionLimitReached, SessionRegistry
@@ -54,6 +55,8 @@ class Broker:
         self.connect_limiter = SourceRateLimiter(cfg.max_connect_rate)
         self.read_budget = ReadBudget(cfg.max_partial_bytes, cfg.partial_timeout_s)
         self.write_rules = WriteRules.of(cfg)  # what may wait for a client's socket
+        self.replay_budget = ReplayBudget(cfg.max_replay_bytes,
+                                          cfg.max_replay_bytes_per_client)
         # 0 in the config means no limit.
         self.max_topic_levels = cfg.max_topic_levels or sys.maxsize
         self.max_topic_length = cfg.max_topic_length or sys.maxsize

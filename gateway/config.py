@@ -87,6 +87,13 @@ class GatewayConfig:
     max_offline_bytes: int = setting(
         64 * MiB, "per queue of an offline persistent session, in message bytes; older "
         "ones are dropped on reconnect (0: no limit)")
+    # History read for replay subscriptions and not handed out yet (gateway.replay_budget).
+    max_replay_bytes: int = setting(
+        256 * MiB, "bytes of replay history the gateway holds for all clients (0: no "
+        "limit)")
+    max_replay_bytes_per_client: int = setting(
+        8 * MiB, "bytes of replay history the gateway holds for one client: read ahead "
+        "no further than this (0: no limit)")
     http_max_body: int = HTTP_MAX_BODY  # admin API and dashboard (413 past it)
     # How often the wildcard filters this gateway's sessions read are touched in the
     # store, which unregisters those nobody touched for its --wildcard-idle-s.

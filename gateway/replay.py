@@ -36,6 +36,7 @@ import trio
 
 from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
+from gateway.replay_budget import ReplayBudget
 from gateway.replay_state import Replay, Stats
 from gateway.session import SHARE_PREFIX, Session, Subscription, parse_replay
 from lightqueue.since import SinceError, parse_since
@@ -52,6 +53,7 @@ class Host(Protocol):
 
     store: Store
     stats: Stats
+    replay_budget: ReplayBudget
 
     async def subscribe(self, s: Session, sub: Subscription) -> bool: ...
 
@@ -121,12 +123,13 @@ async def step(d: Deliverer, queue: str, r: Replay) -> None:
     if r.opening:
         return  # the SUBACK's delivery start comes back for it
     r.settle(s, queue)
+    budget = d.broker.replay_budget
     if r.batch is None:
         try:
-            await r.fetch(store, s, queue)
+            await r.fetch(store, s, queue, budget)
         except ValueError as exc:  # a cursor the store no longer knows (its data replaced)
             log.warning("replay of %r for %r ends early: %s", queue, s.client_id, exc)
-            r.batch = HistoryBatch([], {}, None, False, 0)
+            r.keep(HistoryBatch([], {}, None, False, 0))
             if r.w2 is None:
                 await r._note_overlap(store, s, queue)
         if s._replays is None or s._replays.get(queue) is not r or d._stopped:
@@ -142,7 +145,7 @@ async def step(d: Deliverer, queue: str, r: Replay) -> None:
         # interpreter lock: no faster, and live messages wait for it.
         if (batch.cursor is not None and r.ahead is None and not r.live
                 and getattr(store, "pull_now", None) is None):
-            nursery.start_soon(r.read_ahead, store, queue, batch.cursor)
+            nursery.start_soon(r.read_ahead, store, s, queue, batch.cursor, budget)
         handed = await _hand_out(d, queue, sub, r)
     if not handed:
         r.checkpoint(s, queue)  # stopped (or unsubscribed) part way
@@ -151,7 +154,7 @@ async def step(d: Deliverer, queue: str, r: Replay) -> None:
         r.done = True
         log.debug("replay of %r for %r: history done, live from here", queue, s.client_id)
     else:
-        r.cursor, r.batch, r.ends = batch.cursor, None, {}
+        r.advance(batch.cursor)
     r.checkpoint(s, queue)
     if r.done:
         r.finish(s, queue, s.cursors.get(queue, -1))
@@ -253,7 +256,7 @@ async def subscribe(broker: Host, s: Session, sub: Subscription) -> tuple[int, s
     s.replays[queue] = r  # holds F's live reading from before it is indexed
     try:
         await broker.subscribe(s, sub)
-        await r.fetch(broker.store, s, queue)
+        await r.open(broker.store, s, queue, broker.replay_budget)
     except (ValueError, StoreError) as exc:
         s.replays.pop(queue, None)
         await broker.unsubscribe(s, sub.topic_filter)
@@ -288,6 +291,14 @@ def meta(s: Session, queue: str) -> dict[str, Any] | None:
     """The saved snapshot of `queue`'s replay, for its offsets record."""
     r = s._replays.get(queue) if s._replays else None
     return None if r is None else r.saved
+
+
+def let_go(s: Session) -> None:
+    """The session's connection ended: the history its replays read goes (read again
+    from where each stands when it is back)."""
+    if s._replays:
+        for r in s._replays.values():
+            r.unread()
 
 
 def restore(s: Session, sub: Subscription, pos: dict[str, Any] | None) -> None:

@@ -223,6 +223,7 @@ class SessionRegistry:
         """The connection of `session` closed; keep or drop the session per its expiry."""
         session.connection = None
         session.disconnected_at = time.time()
+        replay.let_go(session)
         if not session.persistent:
             if self.by_id.get(session.client_id) is session:
                 await self.discard(session.client_id)

@@ -186,18 +186,20 @@ def _open(port: int, transport: str) -> tuple[socket.socket, Callable[[bytes], b
 
 
 def flood(port: int, packet: bytes, seconds: float, read_every: float, read_bytes: int,
-          out: Any, transport: str = "tcp", version: int = 5) -> None:
-    """An attacker, in its own process: connect over `transport` (tcp, ws, tls), then
-    send `packet` over and over for `seconds`, reading `read_bytes` every `read_every`
-    seconds (0: never). Puts what happened on `out`: bytes sent, bytes read, and after
-    how long the server closed the connection (None: it did not)."""
+          out: Any, transport: str = "tcp", version: int = 5,
+          properties: dict[str, Any] | None = None, repeat: bool = True) -> None:
+    """An attacker, in its own process: connect over `transport` (tcp, ws, tls; v5 with
+    `properties`), then send `packet` over and over (once, unless `repeat`) for
+    `seconds`, reading `read_bytes` every `read_every` seconds (0: never). Puts what
+    happened on `out`: bytes sent, bytes read, and after how long the server closed the
+    connection (None: it did not)."""
     s, frame = _open(port, transport)
     s.sendall(frame(mqtt.encode(mqtt.Connect(client_id=f"flood-{os.urandom(4).hex()}",
-                                             protocol_level=version, clean_start=True),
-                                version)))
+                                             protocol_level=version, clean_start=True,
+                                             properties=properties or {}), version)))
     assert s.recv(4096), "no CONNACK"
     s.setblocking(False)
-    chunk = frame(packet * max(1, 16384 // len(packet)))
+    chunk = frame(packet * max(1, 16384 // len(packet))) if repeat else frame(packet)
     started = time.monotonic()
     deadline, next_read = started + seconds, started + read_every
     sent = got = pos = 0
@@ -219,6 +221,9 @@ def flood(port: int, packet: bytes, seconds: float, read_every: float, read_byte
                     break
                 got += len(data)
                 want -= len(data)
+        if not chunk:  # sent once: wait out the time
+            time.sleep(0.05)
+            continue
         _, writable, _ = select.select([], [s], [], 0.05)
         if writable:
             try:
@@ -230,5 +235,7 @@ def flood(port: int, packet: bytes, seconds: float, read_every: float, read_byte
                 break
             sent += n
             pos = (pos + n) % len(chunk)
+            if not repeat and sent >= len(chunk):
+                chunk = b""
     s.close()
     out.put({"sent": sent, "read": got, "closed_after": closed})
