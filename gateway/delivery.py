@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -73,7 +74,8 @@ class Client(Protocol):
 
 
 class Delivery:
-    __slots__ = ("conn", "core", "session", "broker", "_running", "_stopped", "_resume")
+    __slots__ = ("conn", "core", "session", "broker", "_running", "_stopped", "_resume",
+                 "_unsent")
 
     def __init__(self, conn: Client) -> None:
         self.conn = conn
@@ -83,6 +85,9 @@ class Delivery:
         self._running = False  # the delivery task runs
         self._stopped = False
         self._resume = False
+        # QoS 0 messages of a persistent session the socket may not have taken yet:
+        # (the output's position after it, its queue, its offset), in output order.
+        self._unsent: deque[tuple[int, str, int]] | None = None
 
     # -- starting -------------------------------------------------------------------------
     def start(self, resume: bool = False) -> None:
@@ -119,8 +124,10 @@ class Delivery:
         s = self.session
         if s.wakeup is not None:
             s.wakeup.set()  # a task waiting for room (retained messages, a resend)
+        if self._unsent and not self.conn.out.backlog:
+            self._unsent.clear()  # all of it on the socket
         if s._replays:
-            replay.acked(s)
+            replay.acked(s, self.conn.out.taken)
         if s._dirty:
             self.pump()
 
@@ -180,12 +187,47 @@ class Delivery:
                 plan = self.plan(queue, msg)
                 if plan is not None:
                     qos, retain, sids, offset = plan
-                    self._send(msg, qos, retain, sids, queue, offset)
+                    if self._send(msg, qos, retain, sids, queue, offset) and s.persistent:
+                        self._sent0(queue, offset)
                 s.cursors[queue] = msg.offset_in(queue) + 1
                 s.offsets_dirty.add(queue)
             # A short answer is not the queue's end: the cache's window may stop short of
             # it (a reader's fill started it mid-burst, and appends past the gap are not
             # added to it). Only an empty answer, from the store's side, says "caught up".
+
+    def _sent0(self, queue: str, offset: int) -> None:
+        """A QoS 0 message of a persistent session went out: until the socket takes it,
+        the session resumes there should the connection end (what was only queued for
+        the client is sent again, not lost)."""
+        out = self.conn.out
+        unsent = self._unsent
+        if unsent is None:
+            unsent = self._unsent = deque()
+        taken = out.taken
+        while unsent and unsent[0][0] <= taken:
+            unsent.popleft()
+        unsent.append((out.written + self.core.pending_output, queue, offset))
+
+    def rewind_unsent(self) -> None:
+        """The connection ended: a persistent session resumes each queue at its first
+        QoS 0 message the socket did not take, and each replay at its last snapshot the
+        socket took. (What the kernel's buffers held when it ended is lost.)"""
+        s, out = self.session, self.conn.out
+        if not s.persistent:
+            return
+        taken, first, count = out.taken, {}, {}
+        if s._replays:
+            replay.rewind(s, taken)
+        for at, queue, offset in self._unsent if out.lost and self._unsent else ():
+            if at > taken:
+                first.setdefault(queue, offset)
+                count[queue] = count.get(queue, 0) + 1
+        for queue, offset in first.items():
+            if s.cursors.get(queue, offset) > offset:
+                log.info("client %r left with %d QoS 0 messages of %r unwritten: its session "
+                         "resumes at offset %d", s.client_id, count[queue], queue, offset)
+                s.cursors[queue] = offset
+                s.offsets_dirty.add(queue)
 
     def _blocked(self, qos: int) -> bool:
         """No room: the client's window (QoS 1/2), or too much waiting for its socket."""
@@ -298,7 +340,9 @@ class Delivery:
                     if plan is not None and not (self.conn.asks_hook
                                                  and await self._hook_refuses(msg.topic)):
                         qos, retain, sids, offset = plan
-                        await self._push(msg, qos, retain, sids, queue, offset)
+                        if await self._push(msg, qos, retain, sids, queue, offset) \
+                                and not qos and s.persistent:
+                            self._sent0(queue, offset)
                     s.cursors[queue] = msg.offset_in(queue) + 1
                     s.offsets_dirty.add(queue)
             finally:

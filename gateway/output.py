@@ -53,8 +53,8 @@ class Owner(Protocol):
 
 
 class Output:
-    __slots__ = ("owner", "fd", "stream", "rules", "stats", "_buf", "_packets", "_sending",
-                 "_due", "_deadline", "_writer", "_full", "_room")
+    __slots__ = ("owner", "fd", "stream", "rules", "stats", "written", "lost", "_buf",
+                 "_packets", "_sending", "_due", "_deadline", "_writer", "_full", "_room")
 
     def __init__(self, owner: Owner, fd: int, stream: trio.abc.Stream | None,
                  rules: WriteRules, stats: Stats) -> None:
@@ -63,6 +63,8 @@ class Output:
         self.stream = stream  # a trio stream (TLS, WebSocket), or None
         self.rules = rules
         self.stats = stats
+        self.written = 0  # bytes written here over the connection's life
+        self.lost = 0  # of them, what never went out (the connection ended first)
         # What the socket has not taken yet (None: nothing waits, or no writer runs).
         # One buffer: a flood of small answers as separate objects weighed 20 times
         # their bytes.
@@ -82,6 +84,12 @@ class Output:
         return (len(buf) if buf is not None else 0) + self._sending
 
     @property
+    def taken(self) -> int:
+        """Bytes the socket has taken over the connection's life: what was written here
+        up to this position is on its way to the client (or in the kernel's buffers)."""
+        return self.written - self.backlog - self.lost
+
+    @property
     def full(self) -> bool:
         """Past the high-water mark: not read until down to the low one."""
         return self._full
@@ -99,6 +107,7 @@ class Output:
         if not data or (self.fd < 0 and self.stream is None):
             return
         self.stats.bytes_out += len(data)
+        self.written += len(data)
         buf = self._buf
         if buf is not None:  # behind what waits already
             buf += data
@@ -213,28 +222,33 @@ class Output:
             self._sending = 0
 
     async def last_words(self) -> None:
-        """At close: what still waits (a DISCONNECT), as far as the socket takes it."""
+        """At close: what still waits (a DISCONNECT), as far as the socket takes it; the
+        rest is `lost`."""
         if not self._buf:
             return
         data = bytes(self._buf)
-        self._forget(len(data))
+        self.stats.unsent_bytes -= len(data)
         self._buf, self._packets = None, 0
+        sent = 0
         if self.stream is not None:
             with trio.move_on_after(0.5):
                 try:
                     await self.stream.send_all(data)
+                    sent = len(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError,
                         trio.BusyResourceError, OSError):
                     pass
         elif self.fd >= 0:
             try:
-                os.write(self.fd, data)
+                sent = os.write(self.fd, data)
             except OSError:
                 pass
+        self.lost += len(data) - sent
 
     def _forget(self, n: int) -> None:
         """`n` bytes that waited will never go out (the connection ends)."""
         self.stats.unsent_bytes -= n
+        self.lost += n
 
     async def close(self) -> None:
         if self._buf is not None:

@@ -62,7 +62,7 @@ class Replay:
 
     __slots__ = ("since", "cursor", "batch", "pos", "ends", "w2", "overlap", "done", "cut",
                  "saved", "pending", "sent", "started", "opening", "ahead",
-                 "busy", "live", "seen", "_lease", "_ahead_lease")
+                 "busy", "live", "seen", "out_at", "_lease", "_ahead_lease")
 
     def __init__(self, since: Since) -> None:
         self.since = since  # resolved: a duration is a time by now
@@ -77,7 +77,9 @@ class Replay:
         self.done = False  # the history is over: F is read live (overlap dropped)
         self.cut = False  # retention removed part of it
         self.saved: dict[str, Any] = self.to_meta()  # the acknowledged snapshot (persistent)
-        self.pending: deque[tuple[list[mp.Outgoing], dict[str, Any]]] = deque()
+        # Snapshots not saved yet: (sends awaiting acknowledgement, the snapshot, the
+        # output's position after it).
+        self.pending: deque[tuple[list[mp.Outgoing], dict[str, Any], int]] = deque()
         self.sent: list[mp.Outgoing] = []  # QoS 1/2 sends since the last snapshot
         self.started = False  # a first batch was read (the first is the smaller)
         self.opening = False  # its SUBSCRIBE reads the first batch: not the task
@@ -85,6 +87,7 @@ class Replay:
         self.busy = False  # live traffic kept the gateway's loop busy at the last turn
         self.live = False  # publishes came in since the turn before the last
         self.seen = 0  # publishes the gateway had taken by the last turn
+        self.out_at = 0  # the output's position after the last message handed out
         self._lease: Lease | None = None  # `batch`'s bytes in the replay budget
         self._ahead_lease: Lease | None = None  # `ahead`'s
 
@@ -103,26 +106,38 @@ class Replay:
         r.saved = d
         return r
 
-    def checkpoint(self, s: Session, queue: str) -> None:
+    def checkpoint(self, s: Session, queue: str, mark: int, taken: int) -> None:
         """A snapshot of where the replay stands, saved once what was sent before it is
-        acknowledged (persistent sessions only: nothing else survives the connection)."""
+        acknowledged (QoS 1/2) and taken by the socket (QoS 0: up to `mark`, the output's
+        position after it; the socket has taken `taken`). Persistent sessions only:
+        nothing else survives the connection."""
         if not s.persistent:
             return
         outgoing = s.outgoing
         unacked = [o for o in self.sent if outgoing.get(o.packet_id) is o]
         self.sent = []
-        self.pending.append((unacked, self.to_meta()))
-        self.settle(s, queue)
+        self.pending.append((unacked, self.to_meta(), mark))
+        self.settle(s, queue, taken)
 
-    def settle(self, s: Session, queue: str) -> None:
-        """Move the saved snapshot on past every acknowledged one."""
+    def settle(self, s: Session, queue: str, taken: int) -> None:
+        """Move the saved snapshot on past every acknowledged one the socket took."""
         outgoing, moved = s.outgoing, False
-        while self.pending and not any(outgoing.get(o.packet_id) is o
-                                       for o in self.pending[0][0]):
+        while self.pending and self.pending[0][2] <= taken and not any(
+                outgoing.get(o.packet_id) is o for o in self.pending[0][0]):
             self.saved = self.pending.popleft()[1]
             moved = True
         if moved:
             s.offsets_dirty.add(queue)
+
+    def back_to_saved(self) -> None:
+        """Where the saved snapshot stands (what was handed out since may not have
+        reached the client: the connection ended with it unwritten)."""
+        d = self.saved
+        self.unread()
+        self.cursor, self.ends, self.w2 = d.get("cursor"), dict(d.get("ends") or {}), d.get("w2")
+        self.overlap, self.done = dict(d.get("overlap") or {}), bool(d.get("done"))
+        self.pending.clear()
+        self.sent = []
 
     def finish(self, s: Session, queue: str, cursor: int) -> None:
         """Gone, once live reading is past the overlap and every snapshot is saved."""
