@@ -45,8 +45,8 @@ class GatewayConfig:
     # What waits for a client's socket (gateway.backpressure): past the mark the client
     # is not read and nothing is delivered to it until a quarter of it is left.
     max_unsent_bytes: int = setting(
-        2 * MiB, "bytes waiting for a client's socket past which it is not read (and "
-        "gets no deliveries) until it has taken three quarters of them")
+        2 * MiB, "bytes waiting for a client's socket (each packet counting 64 more) past "
+        "which it is not read and gets no deliveries, until a quarter is left")
     write_timeout: float = setting(
         60.0, "disconnect a client that takes less than --min-drain-bytes of what waits "
         "for it (all of it, if less waits) within this long")
