@@ -15,6 +15,7 @@ import trio
 from gateway.auth.chain import BackendConfig
 from gateway.auth.mqtt import MqttAuth
 from gateway.background import Background
+from gateway.backpressure import WriteRules
 from gateway.cache import QueueCache, Templates
 from gateway.config import GatewayConfig
 from gateway.delivery import Delivery
@@ -24,9 +25,10 @@ from gateway.limits import SourceRateLimiter
 from gateway.locks import ClientLocks
 from gateway.mqtt import Will
 from gateway.mqtt.protocol import Limits
+from gateway.replay_budget import ReplayBudget
 from gateway.retained import Retained, RetainedLimits, RetainedMessage
 from gateway.session import NEVER_EXPIRES, Client, Outgoing, Session, Subscription
-from gateway.sessions import SessionLimitReached, SessionRegistry
+from gateway.sessions import ClientIdTaken, SessionLimitReached, SessionRegistry
 from gateway.shared import SharedGroup, SharedGroups
 from gateway.stats import APPEND_BUCKETS, Stats
 from gateway.wills import Wills
@@ -38,7 +40,7 @@ log = logging.getLogger("lightgate.gateway")
 
 # Importers of the broker find these here as before.
 __all__ = ["APPEND_BUCKETS", "Broker", "GatewayConfig", "RetainedMessage",
-           "SessionLimitReached", "Stats"]
+           "ClientIdTaken", "SessionLimitReached", "Stats"]
 
 
 class Broker:
@@ -52,6 +54,9 @@ class Broker:
         self.mqtt_auth = MqttAuth(self.auth, backends)  # how MQTT clients prove who they are
         self.connect_limiter = SourceRateLimiter(cfg.max_connect_rate)
         self.read_budget = ReadBudget(cfg.max_partial_bytes, cfg.partial_timeout_s)
+        self.write_rules = WriteRules.of(cfg)  # what may wait for a client's socket
+        self.replay_budget = ReplayBudget(cfg.max_replay_bytes,
+                                          cfg.max_replay_bytes_per_client)
         # 0 in the config means no limit.
         self.max_topic_levels = cfg.max_topic_levels or sys.maxsize
         self.max_topic_length = cfg.max_topic_length or sys.maxsize

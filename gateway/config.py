@@ -42,8 +42,16 @@ class GatewayConfig:
     max_qos: int = 2
     max_keepalive: int = setting(
         0, "longest keepalive allowed; v5 clients get Server Keep Alive")  # 0: any
+    # What waits for a client's socket (gateway.backpressure): past the mark the client
+    # is not read and nothing is delivered to it until a quarter of it is left.
+    max_unsent_bytes: int = setting(
+        2 * MiB, "bytes waiting for a client's socket (each packet counting 64 more) past "
+        "which it is not read and gets no deliveries, until a quarter is left")
     write_timeout: float = setting(
-        60.0, "disconnect a client that reads nothing for this long")
+        60.0, "disconnect a client that takes less than --min-drain-bytes of what waits "
+        "for it (all of it, if less waits) within this long")
+    min_drain_bytes: int = setting(
+        64 * 1024, "bytes a client with answers waiting must take per --write-timeout")
     topic_alias_maximum: int = 64  # per connection, client to server (v5)
     # Limits; 0 means unlimited.
     max_connections: int = setting(
@@ -79,6 +87,13 @@ class GatewayConfig:
     max_offline_bytes: int = setting(
         64 * MiB, "per queue of an offline persistent session, in message bytes; older "
         "ones are dropped on reconnect (0: no limit)")
+    # History read for replay subscriptions and not handed out yet (gateway.replay_budget).
+    max_replay_bytes: int = setting(
+        256 * MiB, "bytes of replay history the gateway holds for all clients (0: no "
+        "limit)")
+    max_replay_bytes_per_client: int = setting(
+        8 * MiB, "bytes of replay history the gateway holds for one client: read ahead "
+        "no further than this (0: no limit)")
     http_max_body: int = HTTP_MAX_BODY  # admin API and dashboard (413 past it)
     http_allowed_hosts: tuple[str, ...] = ()  # Host names beside loopback and IPs
     # How often the wildcard filters this gateway's sessions read are touched in the

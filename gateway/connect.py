@@ -15,7 +15,7 @@ import trio
 
 from gateway import mqtt
 from gateway.auth.enhanced import CONTINUE, FAILURE, Authenticator, AuthStep
-from gateway.broker import Broker, SessionLimitReached
+from gateway.broker import Broker, ClientIdTaken, SessionLimitReached
 from gateway.config import GatewayConfig
 from gateway.delivery import Delivery
 from gateway.mqtt import protocol as mp
@@ -148,6 +148,8 @@ class ConnectRules:
             log.warning("connect of %r from %s refused: %s", client_id, self.peer, exc)
             raise core.refuse(rc.QUOTA_EXCEEDED, 3, "no room for a new persistent session"
                               ) from None
+        except ClientIdTaken as exc:  # logged where it was decided
+            raise core.refuse(rc.NOT_AUTHORIZED, 5, str(exc)) from None
         except StoreError as exc:  # away (a failover): the client retries with its backoff
             log.warning("connect of %r from %s refused: %s", client_id, self.peer, exc)
             raise core.refuse(rc.SERVER_UNAVAILABLE, rc.CONNACK_SERVER_UNAVAILABLE,

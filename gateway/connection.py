@@ -33,6 +33,7 @@ from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing, MqttProtocol, Refused
 from gateway.output import Output, Poller
 from gateway.publishing import PublishRules
+from gateway.reading import ReadSwitch
 from gateway.session import Session
 from gateway.shared import SharedGroup
 from gateway.stream_reader import StreamReading
@@ -41,8 +42,11 @@ from store.api import DecisionCache, Message, Subject
 
 log = logging.getLogger("lightgate.gateway.conn")
 
+LANE_TURN = 32  # lane items handled before the other tasks get a turn
 
-class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Ending):
+
+class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamReading,
+                 Ending):
     # Slots: 100k idle devices means 100k of these; a __dict__ each would double them.
     __slots__ = (
         "broker", "core", "stream", "fd", "peer", "cert_identity", "subject",
@@ -50,7 +54,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
         "alive", "connected_at", "out", "_lane", "_lane_busy",
         "_closing", "_detached", "_taken_over", "_store_error", "_authenticator",
         "delivery", "_held", "_paused", "reactor", "_scopes", "_closed",
-        "_pending_connect", "_unpaused",
+        "_pending_connect", "_unpaused", "_full",
     )
 
     def __init__(self, broker: Broker, stream: trio.abc.Stream | None, peer: str, *,
@@ -75,7 +79,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
         self.session: Session | None = None
         self.alive = True
         self.connected_at: float | None = None
-        self.out = Output(self, fd, stream, self.config.write_timeout, broker.stats)
+        self.out = Output(self, fd, stream, broker.write_rules, broker.stats)
         # The lane: work that must wait, in arrival order (events, or callables).
         self._lane: deque[LaneItem] | None = None
         self._lane_busy = False
@@ -86,6 +90,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
         self._store_error = ""
         self._held = 0  # partial-packet bytes counted in the node's read budget
         self._paused = False  # not read while the lane works
+        self._full = False  # not read while too much waits for the socket (gateway.output)
         self._unpaused: trio.Event | None = None  # a stream reader waits on it
         self._scopes: set[trio.CancelScope] | None = None  # the lane's, delivery's, writer's
         self.delivery: Delivery | None = None
@@ -277,34 +282,23 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
     async def _run_lane(self) -> None:
         lane = self._lane
         assert lane is not None
+        done = 0
         try:
             while lane and not self._closed:
+                if self.out.full:  # answers wait for the client: the next one waits too
+                    await self.out.room()
+                    continue
                 ev = lane.popleft()
                 if not self._now(ev):
                     await self._later(ev)
                 self.flush()
+                done += 1
+                if not done % LANE_TURN:  # a flood of SUBSCRIBEs shares the thread
+                    await trio.lowlevel.checkpoint()
         finally:
             self._lane_busy = False
             if not self._closed:
                 self._resume()
-
-    def _pause(self) -> None:
-        """Read no more while the lane works (the socket's buffer holds the rest)."""
-        self._paused = True
-        if self.reactor is not None:
-            self.reactor.pause(self)
-
-    def _resume(self) -> None:
-        self._paused = False
-        if self.reactor is not None:
-            self.reactor.resume(self)
-        if self._unpaused is not None:
-            self._unpaused.set()
-            self._unpaused = None
-
-    @property
-    def reading(self) -> bool:
-        return not self._paused
 
     # -- events answered at once ------------------------------------------------------
     def _now(self, ev: LaneItem) -> bool:
@@ -383,19 +377,16 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
     # -- writing (gateway.output) -------------------------------------------------------
     def flush(self) -> None:
         """Write what the rules have for the client."""
-        data = self.core.data_to_send()
-        if data:
-            self.out.write(data)
-
-    @property
-    def backlog(self) -> int:
-        return self.out.backlog
+        core = self.core
+        packets = core.pending_packets
+        if packets:
+            self.out.write(core.data_to_send(), packets)
 
     def writable(self) -> bool:
         return self.out.writable()
 
-    def stuck_for(self, now: float) -> float:
-        return self.out.stuck_for(now)
+    def stuck_at(self, now: float) -> bool:
+        return self.out.stuck(now)
 
     def lost(self) -> None:
         self.close(Closing("connection lost while writing"))
@@ -405,10 +396,12 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, StreamReading, Endi
             self.delivery.window_freed()  # deliveries held for the backlog may go on
 
     def stuck(self) -> None:
-        """A client that stops reading: its messages wait in the store (a persistent
-        session resumes there); the connection must not hold memory."""
-        log.warning("client at %s read nothing for %.0fs: disconnecting", self.peer,
-                    self.config.write_timeout)
+        """A client that stops reading, or reads a trickle: its messages wait in the
+        store (a persistent session resumes there); the connection must not hold memory."""
+        rules = self.out.rules
+        log.warning("client at %s took less than %d bytes of what waits for it in %.0fs "
+                    "(--min-drain-bytes, --write-timeout): disconnecting", self.peer,
+                    rules.min_drain, rules.timeout)
         self.broker.stats.stuck_disconnects += 1
         self.close(Closing("connection lost while writing"))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -21,6 +22,7 @@ from gateway.cache import QueueCache
 from gateway.config import GatewayConfig
 from gateway.mqtt import PublishTemplate
 from gateway.mqtt import protocol as mp
+from gateway.output import Output
 from gateway.retained import RetainedMessage
 from gateway.session import Session, Subscription
 from gateway.shared import SharedGroup
@@ -31,7 +33,6 @@ log = logging.getLogger("lightgate.gateway.delivery")
 
 # What a synchronous drain ended with.
 DONE, BLOCKED, NEEDS_TASK = range(3)
-OUT_LIMIT = 2 * 1024 * 1024  # bytes waiting for a client's socket before deliveries wait
 
 
 class Host(Protocol):
@@ -61,7 +62,7 @@ class Client(Protocol):
     alive: bool
     asks_hook: bool
     checks_delivery: bool
-    backlog: int
+    out: Output  # what waits for its socket
 
     def flush(self) -> None: ...
 
@@ -73,7 +74,8 @@ class Client(Protocol):
 
 
 class Delivery:
-    __slots__ = ("conn", "core", "session", "broker", "_running", "_stopped", "_resume")
+    __slots__ = ("conn", "core", "session", "broker", "_running", "_stopped", "_resume",
+                 "_unsent")
 
     def __init__(self, conn: Client) -> None:
         self.conn = conn
@@ -83,6 +85,9 @@ class Delivery:
         self._running = False  # the delivery task runs
         self._stopped = False
         self._resume = False
+        # QoS 0 messages of a persistent session the socket may not have taken yet:
+        # (the output's position after it, its queue, its offset), in output order.
+        self._unsent: deque[tuple[int, str, int]] | None = None
 
     # -- starting -------------------------------------------------------------------------
     def start(self, resume: bool = False) -> None:
@@ -119,8 +124,10 @@ class Delivery:
         s = self.session
         if s.wakeup is not None:
             s.wakeup.set()  # a task waiting for room (retained messages, a resend)
+        if self._unsent and not self.conn.out.backlog:
+            self._unsent.clear()  # all of it on the socket
         if s._replays:
-            replay.acked(s)
+            replay.acked(s, self.conn.out.taken)
         if s._dirty:
             self.pump()
 
@@ -180,16 +187,51 @@ class Delivery:
                 plan = self.plan(queue, msg)
                 if plan is not None:
                     qos, retain, sids, offset = plan
-                    self._send(msg, qos, retain, sids, queue, offset)
+                    if self._send(msg, qos, retain, sids, queue, offset) and s.persistent:
+                        self._sent0(queue, offset)
                 s.cursors[queue] = msg.offset_in(queue) + 1
                 s.offsets_dirty.add(queue)
             # A short answer is not the queue's end: the cache's window may stop short of
             # it (a reader's fill started it mid-burst, and appends past the gap are not
             # added to it). Only an empty answer, from the store's side, says "caught up".
 
+    def _sent0(self, queue: str, offset: int) -> None:
+        """A QoS 0 message of a persistent session went out: until the socket takes it,
+        the session resumes there should the connection end (what was only queued for
+        the client is sent again, not lost)."""
+        out = self.conn.out
+        unsent = self._unsent
+        if unsent is None:
+            unsent = self._unsent = deque()
+        taken = out.taken
+        while unsent and unsent[0][0] <= taken:
+            unsent.popleft()
+        unsent.append((out.written + self.core.pending_output, queue, offset))
+
+    def rewind_unsent(self) -> None:
+        """The connection ended: a persistent session resumes each queue at its first
+        QoS 0 message the socket did not take, and each replay at its last snapshot the
+        socket took. (What the kernel's buffers held when it ended is lost.)"""
+        s, out = self.session, self.conn.out
+        if not s.persistent:
+            return
+        taken, first, count = out.taken, {}, {}
+        if s._replays:
+            replay.rewind(s, taken)
+        for at, queue, offset in self._unsent if out.lost and self._unsent else ():
+            if at > taken:
+                first.setdefault(queue, offset)
+                count[queue] = count.get(queue, 0) + 1
+        for queue, offset in first.items():
+            if s.cursors.get(queue, offset) > offset:
+                log.info("client %r left with %d QoS 0 messages of %r unwritten: its session "
+                         "resumes at offset %d", s.client_id, count[queue], queue, offset)
+                s.cursors[queue] = offset
+                s.offsets_dirty.add(queue)
+
     def _blocked(self, qos: int) -> bool:
         """No room: the client's window (QoS 1/2), or too much waiting for its socket."""
-        return bool(qos and self.core.window <= 0) or self.conn.backlog > OUT_LIMIT
+        return bool(qos and self.core.window <= 0) or self.conn.out.over
 
     def _send(self, msg: Message, qos: int, retain: bool, sids: list[int] | None,
               queue: str | None, offset: int, group: SharedGroup | None = None
@@ -298,7 +340,9 @@ class Delivery:
                     if plan is not None and not (self.conn.asks_hook
                                                  and await self._hook_refuses(msg.topic)):
                         qos, retain, sids, offset = plan
-                        await self._push(msg, qos, retain, sids, queue, offset)
+                        if await self._push(msg, qos, retain, sids, queue, offset) \
+                                and not qos and s.persistent:
+                            self._sent0(queue, offset)
                     s.cursors[queue] = msg.offset_in(queue) + 1
                     s.offsets_dirty.add(queue)
             finally:
@@ -396,11 +440,15 @@ class Delivery:
                 sids = [sub.subscription_id] if sub.subscription_id else None
                 todo.append((r.to_message(), qos, sids))
         out: list[bytes] = []
-        sent = 0
-        while sent < len(todo) and (not todo[sent][1] or self.core.window > 0):
+        sent, size = 0, 0
+        # Within the window and the high-water mark: a SUBSCRIBE to `#` must not put
+        # every retained message before a client that does not read.
+        while sent < len(todo) and (not todo[sent][1] or self.core.window > 0) \
+                and not conn.out.would_pass(size, len(out)):
             msg, qos, sids = todo[sent]
-            self.core.deliver(msg, qos, True, sids if self.core.version == 5 else None,
-                              None, -1, buffer=out, now_s=time.time())
+            if self.core.deliver(msg, qos, True, sids if self.core.version == 5 else None,
+                                 None, -1, buffer=out, now_s=time.time()) is not False:
+                size += len(out[-1])
             self.broker.stats.messages_out += 1
             sent += 1
         if sent < len(todo):
@@ -417,7 +465,7 @@ class Delivery:
 
     # -- shared subscriptions ------------------------------------------------------------------
     def has_window(self) -> bool:
-        return self.conn.alive and self.core.window > 0 and self.conn.backlog <= OUT_LIMIT
+        return self.conn.alive and self.core.window > 0 and not self.conn.out.over
 
     async def push_shared(self, group: SharedGroup, msg: Message) -> bool:
         """Deliver a message of a shared subscription this client is a member of."""

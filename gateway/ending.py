@@ -90,6 +90,7 @@ class Ending:
             broker.stats.connections -= 1
             if self.delivery is not None:
                 self.delivery.give_back_shared()
+                self.delivery.rewind_unsent()
             if s.persistent:
                 core.unalias_outgoing()
             will, s.will = s.will, None

@@ -135,6 +135,8 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
         ("retained_messages", ret.count, cfg.max_retained),
         ("retained_bytes", ret.bytes, cfg.max_retained_bytes),
         ("persistent_sessions", b.persistent_sessions, cfg.max_sessions),
+        ("unsent_bytes", st.unsent_bytes, cfg.max_unsent_bytes),  # the limit: per client
+        ("replay_bytes", b.replay_budget.used, cfg.max_replay_bytes),
     ):
         used.add_metric([name], now)
         limit.add_metric([name], cap)
@@ -151,6 +153,7 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
     peak = GaugeMetricFamily("lightgate_budget_peak", "The most a budget has held at once",
                              labels=["budget"])
     peak.add_metric(["partial_packet_bytes"], rb.peak)
+    peak.add_metric(["replay_bytes"], b.replay_budget.peak)
     if native:
         peak.add_metric(["native_partial_frame_bytes"], native["peak"])
     if answers:  # the most one connection held
@@ -166,6 +169,9 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
         ("persistent_sessions", st.sessions_refused),
         ("topic_levels_or_length", st.topic_refusals),
         ("offline_messages_dropped", st.offline_dropped),
+        ("unsent_bytes_held", st.unsent_held),
+        ("slow_drain_closed", st.stuck_disconnects),
+        ("replay_reads_cut", b.replay_budget.cut),
         ("native_partial_frame_paused", (native or {}).get("paused", 0)),
         ("native_partial_frame_closed", (native or {}).get("closed", 0)),
         ("native_unsent_answers_paused", (answers or {}).get("paused", 0)),

@@ -100,7 +100,7 @@ class Reactor:
 
     def resume(self, conn: Connection) -> None:
         fd = conn.fd
-        if fd in self._paused:
+        if fd in self._paused and fd not in self._over_budget:  # the budget resumes it
             self._paused.discard(fd)
             self._modify(fd)
 
@@ -257,7 +257,6 @@ class Reactor:
             return
         now = trio.current_time()
         timers, conns = self._timers, self.conns
-        write_timeout = self.broker.config.write_timeout
         while timers and timers[0][0] <= now:
             _, _, fd = heapq.heappop(timers)
             conn = conns.get(fd)
@@ -270,5 +269,5 @@ class Reactor:
                 self.rearm(conn)
         for fd in list(self._writing):
             conn = conns.get(fd)
-            if conn is not None and conn.stuck_for(now) > write_timeout:
+            if conn is not None and conn.stuck_at(now):
                 conn.stuck()

@@ -23,9 +23,11 @@ How a replay of the filter F goes:
 
 Persistent sessions keep a snapshot of the progress in F's offsets record (the
 history cursor the current batch started at, what of that batch was handed out per
-topic, the overlap), saved once the QoS 1/2 messages sent before it are acknowledged.
-A gateway restart resumes from it; a reconnect to the same gateway resumes exactly
-(what was in flight is resent by the session, with DUP)."""
+topic, the overlap), saved once the QoS 1/2 messages sent before it are acknowledged
+and what was sent before it is written to the socket, and written to the store before
+the replay goes a snapshot further. A gateway restart (or crash) resumes from it; a
+reconnect to the same gateway resumes exactly (what was in flight is resent by the
+session, with DUP), or from the snapshot when the connection ended with output unwritten."""
 
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ import trio
 
 from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
+from gateway.output import Output
+from gateway.replay_budget import ReplayBudget
 from gateway.replay_state import Replay, Stats
 from gateway.session import SHARE_PREFIX, Session, Subscription, parse_replay
 from lightqueue.since import SinceError, parse_since
@@ -43,7 +47,9 @@ from store.api import HistoryBatch, Message, Store, StoreError
 
 log = logging.getLogger("lightgate.gateway.replay")
 
-CHECKPOINT = 256  # messages between snapshots of a persistent session's replay
+# Messages between snapshots of a persistent session's replay. The one before the newest
+# is in the store before the replay goes on, so a crash repeats at most two (256).
+CHECKPOINT = 128
 CUT = "replay-cut"  # SUBACK user property: this replay's history was cut by retention
 
 
@@ -52,6 +58,7 @@ class Host(Protocol):
 
     store: Store
     stats: Stats
+    replay_budget: ReplayBudget
 
     async def subscribe(self, s: Session, sub: Subscription) -> bool: ...
 
@@ -68,6 +75,8 @@ class Client(Protocol):
 
     @property
     def asks_hook(self) -> bool: ...
+
+    out: Output  # the connection's write path: where its socket stands
 
     def may(self, action: str, name: str, is_filter: bool = False) -> bool: ...
 
@@ -105,12 +114,29 @@ def replayed(s: Session, queue: str, offset: int, msg: Message) -> bool:
     return r is not None and r.replayed(s, queue, offset, msg)
 
 
-def acked(s: Session) -> None:
-    """A QoS 1/2 send completed: snapshots waiting for it may be saved."""
+def acked(s: Session, taken: int) -> None:
+    """A QoS 1/2 send completed, or the socket took what waited (`taken`: its position):
+    snapshots waiting for them may be saved."""
     for queue, r in list(s.replays.items()):
         if r.pending:
-            r.settle(s, queue)
+            r.settle(s, queue, taken)
             r.finish(s, queue, s.cursors.get(queue, -1))
+
+
+def rewind(s: Session, taken: int) -> None:
+    """The connection ended with output unwritten (the socket took up to `taken`): a
+    replay whose messages may be in it goes back to its last snapshot the socket took."""
+    for queue, r in list(s.replays.items()):
+        r.settle(s, queue, taken)
+        if not r.done and r.out_at > taken:
+            log.info("replay of %r for %r: the client left with some of it unwritten; it "
+                     "goes on from its last snapshot the socket took", queue, s.client_id)
+            r.back_to_saved()
+
+
+def _at(d: Deliverer) -> int:
+    """The output's position after what was handed out so far (see Output.taken)."""
+    return d.conn.out.written + d.core.pending_output
 
 
 async def step(d: Deliverer, queue: str, r: Replay) -> None:
@@ -120,13 +146,14 @@ async def step(d: Deliverer, queue: str, r: Replay) -> None:
     s, store = d.session, d.broker.store
     if r.opening:
         return  # the SUBACK's delivery start comes back for it
-    r.settle(s, queue)
+    r.settle(s, queue, d.conn.out.taken)
+    budget = d.broker.replay_budget
     if r.batch is None:
         try:
-            await r.fetch(store, s, queue)
+            await r.fetch(store, s, queue, budget)
         except ValueError as exc:  # a cursor the store no longer knows (its data replaced)
             log.warning("replay of %r for %r ends early: %s", queue, s.client_id, exc)
-            r.batch = HistoryBatch([], {}, None, False, 0)
+            r.keep(HistoryBatch([], {}, None, False, 0))
             if r.w2 is None:
                 await r._note_overlap(store, s, queue)
         if s._replays is None or s._replays.get(queue) is not r or d._stopped:
@@ -142,20 +169,38 @@ async def step(d: Deliverer, queue: str, r: Replay) -> None:
         # interpreter lock: no faster, and live messages wait for it.
         if (batch.cursor is not None and r.ahead is None and not r.live
                 and getattr(store, "pull_now", None) is None):
-            nursery.start_soon(r.read_ahead, store, queue, batch.cursor)
+            nursery.start_soon(r.read_ahead, store, s, queue, batch.cursor, budget)
         handed = await _hand_out(d, queue, sub, r)
     if not handed:
-        r.checkpoint(s, queue)  # stopped (or unsubscribed) part way
+        r.checkpoint(s, queue, _at(d), d.conn.out.taken)  # stopped (or unsubscribed)
         return
     if batch.cursor is None:
         r.done = True
         log.debug("replay of %r for %r: history done, live from here", queue, s.client_id)
     else:
-        r.cursor, r.batch, r.ends = batch.cursor, None, {}
-    r.checkpoint(s, queue)
+        r.advance(batch.cursor)
+    r.checkpoint(s, queue, _at(d), d.conn.out.taken)
+    await _saved(d, queue, r)
     if r.done:
         r.finish(s, queue, s.cursors.get(queue, -1))
     s.dirty.add(queue)
+
+
+async def _saved(d: Deliverer, queue: str, r: Replay) -> None:
+    """Before the replay goes on, the snapshot before its newest is in the store (its
+    sends acknowledged, its bytes taken by the socket): a crash repeats at most the
+    messages of two snapshots, as a clean stop does."""
+    s = d.session
+    while not d._stopped:
+        d.conn.flush()  # what was handed out goes to the socket: it may take it now
+        r.settle(s, queue, d.conn.out.taken)
+        if len(r.pending) <= 1:
+            break
+        if s.wakeup is None or s.wakeup.is_set():
+            s.wakeup = trio.Event()
+        await s.wakeup.wait()  # an acknowledgement, or the socket took what waited
+    if s.persistent and queue in s.offsets_dirty and not d._stopped:
+        await d.broker.flush_offsets(s)
 
 
 async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> bool:
@@ -187,7 +232,7 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
             continue
         qos = msg.qos if msg.qos < sub_qos else sub_qos
         if full or (qos and blocked(qos)):
-            r.pos = i
+            r.pos, r.out_at = i, _at(d)
             await d._wait_room(qos)
             if d._stopped or s._replays is None or s._replays.get(queue) is not r:
                 return False
@@ -196,7 +241,7 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
         if (no_local is None or msg.client_id != no_local) and not (
                 checks and not conn.may("SUB", topic)):
             if hook:
-                r.pos = i
+                r.pos, r.out_at = i, _at(d)
                 refused = await d._hook_refuses(topic)
                 if d._stopped or s._replays is None or s._replays.get(queue) is not r:
                     return False
@@ -211,17 +256,22 @@ async def _hand_out(d: Deliverer, queue: str, sub: Subscription, r: Replay) -> b
             overlap[topic] = exact + 1
         i += 1
         if keep and i >= checkpoint:
-            r.checkpoint(s, queue)
+            r.pos, r.out_at = i, _at(d)
+            r.checkpoint(s, queue, r.out_at, conn.out.taken)
             checkpoint = i + CHECKPOINT
+            await _saved(d, queue, r)
+            if d._stopped or s._replays is None or s._replays.get(queue) is not r:
+                return False
+            full = blocked(0)
         if i >= turn:
             conn.flush()
-            r.pos = i
+            r.pos, r.out_at = i, _at(d)
             await r.give_way(d.broker.stats)
             if d._stopped or s._replays is None or s._replays.get(queue) is not r:
                 return False
             full = blocked(0)
             turn = i + r.pace
-    r.pos = n
+    r.pos, r.out_at = n, _at(d)
     conn.flush()
     return True
 
@@ -253,7 +303,7 @@ async def subscribe(broker: Host, s: Session, sub: Subscription) -> tuple[int, s
     s.replays[queue] = r  # holds F's live reading from before it is indexed
     try:
         await broker.subscribe(s, sub)
-        await r.fetch(broker.store, s, queue)
+        await r.open(broker.store, s, queue, broker.replay_budget)
     except (ValueError, StoreError) as exc:
         s.replays.pop(queue, None)
         await broker.unsubscribe(s, sub.topic_filter)
@@ -263,7 +313,7 @@ async def subscribe(broker: Host, s: Session, sub: Subscription) -> tuple[int, s
     finally:
         r.opening = False
     if s.persistent:
-        r.checkpoint(s, queue)  # where it stands once it is read from the store
+        r.checkpoint(s, queue, 0, 0)  # where it stands once it is read from the store
         await broker.flush_offsets(s)
     log.info("client %r replays %r from %s%s", s.client_id, queue, since,
              " (cut by retention)" if r.cut else "")
@@ -288,6 +338,14 @@ def meta(s: Session, queue: str) -> dict[str, Any] | None:
     """The saved snapshot of `queue`'s replay, for its offsets record."""
     r = s._replays.get(queue) if s._replays else None
     return None if r is None else r.saved
+
+
+def let_go(s: Session) -> None:
+    """The session's connection ended: the history its replays read goes (read again
+    from where each stands when it is back)."""
+    if s._replays:
+        for r in s._replays.values():
+            r.unread()
 
 
 def restore(s: Session, sub: Subscription, pos: dict[str, Any] | None) -> None:

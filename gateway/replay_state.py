@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import trio
 
 from gateway.mqtt import protocol as mp
+from gateway.replay_budget import MIN_READ, Lease, ReplayBudget, batch_bytes
 from lightqueue.since import TIME, Since
 from store.api import HistoryBatch, Message, Store, StoreError
 
@@ -61,7 +62,7 @@ class Replay:
 
     __slots__ = ("since", "cursor", "batch", "pos", "ends", "w2", "overlap", "done", "cut",
                  "saved", "pending", "sent", "started", "opening", "ahead",
-                 "busy", "live", "seen")
+                 "busy", "live", "seen", "out_at", "_lease", "_ahead_lease")
 
     def __init__(self, since: Since) -> None:
         self.since = since  # resolved: a duration is a time by now
@@ -76,7 +77,9 @@ class Replay:
         self.done = False  # the history is over: F is read live (overlap dropped)
         self.cut = False  # retention removed part of it
         self.saved: dict[str, Any] = self.to_meta()  # the acknowledged snapshot (persistent)
-        self.pending: deque[tuple[list[mp.Outgoing], dict[str, Any]]] = deque()
+        # Snapshots not saved yet: (sends awaiting acknowledgement, the snapshot, the
+        # output's position after it).
+        self.pending: deque[tuple[list[mp.Outgoing], dict[str, Any], int]] = deque()
         self.sent: list[mp.Outgoing] = []  # QoS 1/2 sends since the last snapshot
         self.started = False  # a first batch was read (the first is the smaller)
         self.opening = False  # its SUBSCRIBE reads the first batch: not the task
@@ -84,6 +87,9 @@ class Replay:
         self.busy = False  # live traffic kept the gateway's loop busy at the last turn
         self.live = False  # publishes came in since the turn before the last
         self.seen = 0  # publishes the gateway had taken by the last turn
+        self.out_at = 0  # the output's position after the last message handed out
+        self._lease: Lease | None = None  # `batch`'s bytes in the replay budget
+        self._ahead_lease: Lease | None = None  # `ahead`'s
 
     # -- the snapshot a persistent session keeps --------------------------------------------
     def to_meta(self) -> dict[str, Any]:
@@ -100,26 +106,38 @@ class Replay:
         r.saved = d
         return r
 
-    def checkpoint(self, s: Session, queue: str) -> None:
+    def checkpoint(self, s: Session, queue: str, mark: int, taken: int) -> None:
         """A snapshot of where the replay stands, saved once what was sent before it is
-        acknowledged (persistent sessions only: nothing else survives the connection)."""
+        acknowledged (QoS 1/2) and taken by the socket (QoS 0: up to `mark`, the output's
+        position after it; the socket has taken `taken`). Persistent sessions only:
+        nothing else survives the connection."""
         if not s.persistent:
             return
         outgoing = s.outgoing
         unacked = [o for o in self.sent if outgoing.get(o.packet_id) is o]
         self.sent = []
-        self.pending.append((unacked, self.to_meta()))
-        self.settle(s, queue)
+        self.pending.append((unacked, self.to_meta(), mark))
+        self.settle(s, queue, taken)
 
-    def settle(self, s: Session, queue: str) -> None:
-        """Move the saved snapshot on past every acknowledged one."""
+    def settle(self, s: Session, queue: str, taken: int) -> None:
+        """Move the saved snapshot on past every acknowledged one the socket took."""
         outgoing, moved = s.outgoing, False
-        while self.pending and not any(outgoing.get(o.packet_id) is o
-                                       for o in self.pending[0][0]):
+        while self.pending and self.pending[0][2] <= taken and not any(
+                outgoing.get(o.packet_id) is o for o in self.pending[0][0]):
             self.saved = self.pending.popleft()[1]
             moved = True
         if moved:
             s.offsets_dirty.add(queue)
+
+    def back_to_saved(self) -> None:
+        """Where the saved snapshot stands (what was handed out since may not have
+        reached the client: the connection ended with it unwritten)."""
+        d = self.saved
+        self.unread()
+        self.cursor, self.ends, self.w2 = d.get("cursor"), dict(d.get("ends") or {}), d.get("w2")
+        self.overlap, self.done = dict(d.get("overlap") or {}), bool(d.get("done"))
+        self.pending.clear()
+        self.sent = []
 
     def finish(self, s: Session, queue: str, cursor: int) -> None:
         """Gone, once live reading is past the overlap and every snapshot is saved."""
@@ -128,26 +146,116 @@ class Replay:
             del s.replays[queue]
             s.offsets_dirty.add(queue)  # its record loses the snapshot
 
+    # -- what it holds (gateway.replay_budget) ------------------------------------------------
+    @property
+    def held(self) -> int:
+        """Bytes of history read for it and not handed out (the budget's count)."""
+        return ((self._lease.n if self._lease is not None else 0)
+                + (self._ahead_lease.n if self._ahead_lease is not None else 0))
+
+    def keep(self, batch: HistoryBatch, lease: Lease | None = None) -> None:
+        """`batch` is the current one (counted in `lease`, reserved for its read)."""
+        self._release()
+        self.batch, self.pos = batch, 0
+        if lease is not None:
+            lease.resize(batch_bytes(batch))
+            self._lease = lease
+
+    def advance(self, cursor: str) -> None:
+        """The current batch is handed out: the next starts at `cursor`."""
+        self._release()
+        self.cursor, self.batch, self.ends = cursor, None, {}
+
+    def unread(self, started: bool = True) -> None:
+        """Give back what was read for it and is not being handed out: the batch read
+        ahead, and the current one (all of it unless `started`, when one it began
+        handing out is kept). Read again in its turn: from `cursor`, skipping what
+        `ends` says went out (the first batch: from `since`, its overlap noted anew)."""
+        self._drop_ahead()
+        if self.batch is not None and (started or (not self.pos and not self.ends)):
+            self._release()
+            self.batch = None
+
+    def _drop_ahead(self) -> None:
+        if self._ahead_lease is not None:
+            self._ahead_lease.release()
+            self._ahead_lease = None
+        self.ahead = None
+
+    def _release(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
     # -- reading the store -------------------------------------------------------------------
-    async def fetch(self, store: Store, s: Session, queue: str) -> None:
-        """The batch at `cursor` (the first: at `since`, then the overlap is noted)."""
-        if self.cursor is None:
-            size = BATCH if self.started else FIRST_BATCH
-            batch = await store.history(queue, self.since, max_count=size,
-                                        max_bytes=BATCH_BYTES)
-            self.started = True
-            await self._note_overlap(store, s, queue)
-        elif self.ahead is not None and self.ahead[0] == self.cursor:
-            batch, self.ahead = self.ahead[1], None
+    async def open(self, store: Store, s: Session, queue: str, budget: ReplayBudget
+                   ) -> None:
+        """SUBSCRIBE's read of the first batch, within the room the budgets leave; with
+        none, one message (it answers the SUBSCRIBE: a start the store refuses, a cut by
+        retention), given back at once: the history is read in the replay's turn."""
+        room = min(BATCH_BYTES, budget.room(held_by(s)))
+        lease = budget.lease(room) if room >= MIN_READ else None
+        try:
+            batch = await store.history(queue, self.since,
+                                        max_count=FIRST_BATCH if lease else 1,
+                                        max_bytes=max(1, room))
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        self.started = True
+        if lease is None:
+            budget.cut += 1
         else:
-            batch = await store.history(queue, cursor=self.cursor,
-                                        max_count=LIVE_BATCH if self.live else BATCH,
-                                        max_bytes=BATCH_BYTES)
+            self.keep(batch, lease)
+        await self._note_overlap(store, s, queue)
+        self._note_cut(batch, s, queue)
+
+    async def fetch(self, store: Store, s: Session, queue: str, budget: ReplayBudget
+                    ) -> None:
+        """The batch at `cursor` (the first: at `since`, then the overlap is noted),
+        within the room the budgets leave: short of a full batch, the session's other
+        replays give back what they read and did not begin to hand out; at least
+        MIN_READ whatever the budgets say, so that the replay goes on."""
+        if self.ahead is not None and self.ahead[0] == self.cursor and self.cursor:
+            batch, self.ahead = self.ahead[1], None
+            self._release()
+            self._lease, self._ahead_lease = self._ahead_lease, None
+            self.batch, self.pos = batch, 0
+            return
+        self._drop_ahead()  # read for another cursor
+        room = budget.room(held_by(s))
+        if room < BATCH_BYTES:
+            for other in s.replays.values():
+                if other is not self:
+                    other.unread(started=False)
+            room = budget.room(held_by(s))
+        if room < BATCH_BYTES:
+            budget.cut += 1
+        max_bytes = max(MIN_READ, min(BATCH_BYTES, room))
+        lease = budget.lease(max_bytes)
+        try:
+            if self.cursor is None:
+                size = BATCH if self.started else FIRST_BATCH
+                batch = await store.history(queue, self.since, max_count=size,
+                                            max_bytes=max_bytes)
+                self.started = True
+                await self._note_overlap(store, s, queue)
+            else:
+                batch = await store.history(queue, cursor=self.cursor,
+                                            max_count=LIVE_BATCH if self.live else BATCH,
+                                            max_bytes=max_bytes)
+        except BaseException:
+            lease.release()
+            raise
+        self._note_cut(batch, s, queue)
+        self.keep(batch, lease)
+
+    def _note_cut(self, batch: HistoryBatch, s: Session, queue: str) -> None:
         if batch.cut and not self.cut:
             log.info("replay of %r for %r: retention removed part of its history",
                      queue, s.client_id)
         self.cut = self.cut or batch.cut
-        self.batch, self.pos = batch, 0
 
     async def give_way(self, stats: Stats) -> None:
         """A turn for the other tasks (the reactor's live traffic, other sessions), and
@@ -170,14 +278,27 @@ class Replay:
         """Messages to hand out before the next turn."""
         return BUSY_TURN if self.busy else LIVE_TURN if self.live else TURN
 
-    async def read_ahead(self, store: Store, queue: str, cursor: str) -> None:
+    async def read_ahead(self, store: Store, s: Session, queue: str, cursor: str,
+                         budget: ReplayBudget) -> None:
         """The batch after the current one, read while the current one goes out: a
-        remote store works meanwhile instead of waiting for the next request."""
+        remote store works meanwhile instead of waiting for the next request. Only
+        with room in the budgets: the client has yet to take the current one."""
+        room = min(BATCH_BYTES, budget.room(held_by(s)))
+        if room < MIN_READ:
+            return
+        lease = budget.lease(room)
         try:
-            self.ahead = (cursor, await store.history(queue, cursor=cursor, max_count=BATCH,
-                                                      max_bytes=BATCH_BYTES))
+            batch = await store.history(queue, cursor=cursor, max_count=BATCH,
+                                        max_bytes=room)
         except (ValueError, StoreError):
-            pass  # read again in its turn, which tells what is wrong
+            lease.release()
+            return  # read again in its turn, which tells what is wrong
+        except BaseException:
+            lease.release()
+            raise
+        self._drop_ahead()
+        lease.resize(batch_bytes(batch))
+        self.ahead, self._ahead_lease = (cursor, batch), lease
 
     async def _note_overlap(self, store: Store, s: Session, queue: str) -> None:
         """F's end now that the history's end is fixed, and the topics of its entries
@@ -214,3 +335,8 @@ class Replay:
             return msg.offset_in(msg.topic) < last
         except KeyError:  # in no exact-topic queue: never in a history
             return False
+
+
+def held_by(s: Session) -> int:
+    """Bytes of history the replays of `s` hold."""
+    return sum(r.held for r in s.replays.values()) if s.replays else 0

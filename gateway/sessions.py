@@ -41,6 +41,10 @@ class SessionLimitReached(Exception):
     """No new persistent session: the node holds --max-sessions already."""
 
 
+class ClientIdTaken(Exception):
+    """The client id's session (live or kept) belongs to another identity."""
+
+
 class SessionRegistry:
     def __init__(self, store: Store, auth: AuthManager, stats: Stats, max_sessions: int, *,
                  wills: Wills, groups: SharedGroups, templates: Templates,
@@ -82,6 +86,8 @@ class SessionRegistry:
 
     async def _open(self, client_id: str, clean_start: bool, expiry: int, version: int,
                     owner: str | None = None) -> tuple[Session, bool]:
+        if owner is not None:
+            await self._check_owner(client_id, owner)
         session = self.by_id.get(client_id)
         if session is not None and session.connection is not None:
             await session.connection.take_over()  # closed, will sent, session detached
@@ -96,13 +102,6 @@ class SessionRegistry:
         else:
             session = await self._load(client_id)
             present = session is not None
-        if session is not None and owner is not None and session.owner not in (None, owner):
-            # Another identity with the same client id: its subscriptions, what it had
-            # in flight and what it missed were allowed for the other one. A fresh start.
-            log.info("client id %r: session of %s not resumed by %s: starting clean",
-                     client_id, session.owner, owner)
-            await self.discard(client_id)
-            session, present = None, False
         if session is None:
             session = self._new(client_id, expiry, version)
         session.persistent = expiry > 0
@@ -116,6 +115,24 @@ class SessionRegistry:
                                                                "expiry": expiry,
                                                                "owner": session.owner})
         return session, present
+
+    async def _check_owner(self, client_id: str, owner: str) -> None:
+        """ClientIdTaken if another identity holds the client id: a live connection's
+        session, or a persistent one kept for it. Taking it over would end the other's
+        connection and discard what it was promised (its subscriptions, what it had in
+        flight, what it missed). A session made with auth off has no owner: the first
+        identity to come back claims it."""
+        held = self.by_id.get(client_id)
+        if held is not None:
+            holder = None if held.expired() else held.owner
+        else:
+            info = await self.store.meta_get("sessions", client_id)
+            holder = None if info is None or _expired(info, time.time()) \
+                else info.get("owner")
+        if holder not in (None, owner):
+            log.warning("connect of %s with client id %r refused: its session belongs to "
+                        "%s", owner, client_id, holder)
+            raise ClientIdTaken(f"client id {client_id!r} is another user's")
 
     def _new(self, client_id: str, expiry: int, version: int) -> Session:
         if expiry > 0 and self.max_sessions and self.persistent >= self.max_sessions:
@@ -206,6 +223,7 @@ class SessionRegistry:
         """The connection of `session` closed; keep or drop the session per its expiry."""
         session.connection = None
         session.disconnected_at = time.time()
+        replay.let_go(session)
         if not session.persistent:
             if self.by_id.get(session.client_id) is session:
                 await self.discard(session.client_id)
@@ -244,8 +262,7 @@ class SessionRegistry:
                     await self.discard(client_id)
                     gone += 1
                 continue
-            at, expiry = info.get("disconnected_at"), info.get("expiry", NEVER_EXPIRES)
-            if at is not None and expiry != NEVER_EXPIRES and now - at >= expiry:
+            if _expired(info, now):
                 await self.discard(client_id)
                 gone += 1
         self.persistent = len(items) - gone
@@ -367,3 +384,9 @@ class SessionRegistry:
         if mark is not None and mark.get("done", -1) >= last:
             return None  # that record's exchange was completed
         return last
+
+
+def _expired(info: dict[str, Any], now: float) -> bool:
+    """Whether a session record (sessions: client_id -> info) is past its expiry."""
+    at, expiry = info.get("disconnected_at"), info.get("expiry", NEVER_EXPIRES)
+    return at is not None and expiry != NEVER_EXPIRES and now - at >= expiry

@@ -28,7 +28,9 @@ class Stats:
         self.expired = 0
         self.publish_errors = 0
         self.wills = 0
-        self.stuck_disconnects = 0
+        self.stuck_disconnects = 0  # clients that took less than --min-drain-bytes
+        self.unsent_bytes = 0  # waiting for clients' sockets, all connections
+        self.unsent_held = 0  # times a connection passed --max-unsent-bytes (not read)
         self.limit_refusals = 0  # connects, publishes, subscribes refused by a limit
         self.sessions_refused = 0  # new persistent sessions past --max-sessions
         self.sessions_expired = 0

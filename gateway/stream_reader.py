@@ -27,7 +27,6 @@ class StreamReading:
     stream: trio.abc.Stream
     peer: str
     _closed: bool
-    _paused: bool
     _unpaused: trio.Event | None
     _held: int
 
@@ -38,6 +37,8 @@ class StreamReading:
         def timeout(self, now: float) -> None: ...
         def eof(self) -> None: ...
         def data_received(self, data: bytes) -> None: ...
+        @property
+        def reading(self) -> bool: ...
 
     async def run_stream(self) -> None:
         """Read the stream until the connection ends (the reactor reads plain TCP)."""
@@ -58,7 +59,7 @@ class StreamReading:
     async def _read_stream(self) -> None:
         budget = self.broker.read_budget
         while not self._closed:
-            if self._paused:  # the lane works: it resumes reading when done
+            if not self.reading:  # the lane works, or answers wait: read when done
                 if self._unpaused is None:
                     self._unpaused = trio.Event()
                 await self._unpaused.wait()

@@ -35,6 +35,9 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _TIME_FORMS = ("an RFC 3339 time (2026-11-25T08:00:00Z), a duration back (-90s, -15m, "
                "-1h, -7d) or milliseconds since the epoch")
 _FORMS = f"earliest, last, {_TIME_FORMS}"
+# The times a store can hold and a date can show: from the epoch (store times are
+# unsigned) to the last millisecond of year 9999 (datetime's last year).
+_LATEST_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z
 
 
 class SinceError(ValueError):
@@ -89,15 +92,25 @@ def _time(text: str, forms: str, now: int | None) -> int:
     if text.isdigit() and text.isascii():
         if len(text) > 15:
             raise SinceError(f"{text!r} is too large for milliseconds since the epoch")
-        return int(text)
+        return _in_range(text, int(text))
     if (m := _DURATION.fullmatch(text)) is not None:
         back = int(m[1]) * _UNITS_MS[m[2]]
         if back > _MAX_BACK_MS:
             raise SinceError(f"{text!r} reaches back more than a century")
-        return now - back
+        return _in_range(text, now - back)
     if (m := _RFC3339.fullmatch(text)) is not None:
-        return _rfc3339_ms(text, m)
+        return _in_range(text, _rfc3339_ms(text, m))
     raise SinceError(f"{text!r} is not a time: use {forms}")
+
+
+def _in_range(text: str, ms: int) -> int:
+    if ms < 0:
+        raise SinceError(f"{text!r} lies before 1970-01-01T00:00:00Z, the first time a "
+                         "store can hold")
+    if ms > _LATEST_MS:
+        raise SinceError(f"{text!r} lies past year 9999 (the last time is "
+                         f"{format_ms(_LATEST_MS)})")
+    return ms
 
 
 def _rfc3339_ms(text: str, m: re.Match[str]) -> int:
@@ -122,8 +135,12 @@ def _rfc3339_ms(text: str, m: re.Match[str]) -> int:
 
 
 def format_ms(ms: int) -> str:
-    """ms since the epoch as RFC 3339 UTC with milliseconds (what the API shows)."""
-    when = datetime.fromtimestamp(ms / 1000, tz=UTC)
+    """ms since the epoch as RFC 3339 UTC with milliseconds (what the API shows); one
+    no date can show (before year 1, past year 9999) as a number of ms."""
+    try:
+        when = _EPOCH + timedelta(milliseconds=ms)
+    except OverflowError:
+        return f"{ms} ms since the epoch"
     return when.strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
 
 

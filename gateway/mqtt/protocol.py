@@ -151,6 +151,11 @@ class MqttProtocol(Handshake, Outbound):
     def pending_output(self) -> int:
         return self._out_bytes
 
+    @property
+    def pending_packets(self) -> int:
+        """Packets in the outbox (each one is sent alone into it)."""
+        return len(self._out)
+
     def _send(self, data: bytes) -> None:
         self._out.append(data)
         self._out_bytes += len(data)

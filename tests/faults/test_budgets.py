@@ -9,13 +9,10 @@ from __future__ import annotations
 import base64
 import multiprocessing
 import os
-import re
 import resource
 import socket
 import struct
-import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server
+from tests.faults.hostile import RssPeak, metric, metrics, rss
 from tests.mqtt.paho_client import Client
 from tests.security.test_tls import SecureClient
 
@@ -31,44 +29,6 @@ MiB = 1024 * 1024
 ATTACKERS = int(os.environ.get("LIGHTGATE_BUDGET_ATTACKERS", "1000"))
 # 20,000 in `make test` (about 8 s); `make soak` floods with 100,000.
 SESSIONS = int(os.environ.get("LIGHTGATE_BUDGET_SESSIONS", "20000"))
-
-
-def _rss(pid: int) -> int:
-    text = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) * 1024
-
-
-class RssPeak:
-    """The highest RSS of a process, sampled every 50 ms until stopped."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self.peak, self._stop = pid, _rss(pid), threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            try:
-                self.peak = max(self.peak, _rss(self.pid))
-            except FileNotFoundError:  # the server is gone
-                return
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join(5)
-        return self.peak
-
-
-def _metrics(srv: Server) -> str:
-    with urllib.request.urlopen(f"http://{srv.addrs['http']}/metrics", timeout=10) as r:
-        return r.read().decode()
-
-
-def _metric(text: str, name: str, label: str = "") -> float:
-    pattern = re.escape(name) + (r'\{[^}]*"' + re.escape(label) + r'"\}' if label else "")
-    m = re.search(r"^" + pattern + r" ([0-9.e+]+)$", text, re.M)
-    assert m, f"{name} {label} not in /metrics"
-    return float(m.group(1))
 
 
 def _varint(n: int) -> bytes:
@@ -137,7 +97,7 @@ def _attack(srv: Server, header: bytes, budget: int, connect: bool = False,
     large packet, then trickle its body; legitimate clients run meanwhile. The server's
     RSS growth and the read budget's peak, in bytes."""
     _legit_round_trip(srv.port)  # warm: what any client costs is in the base
-    base = _rss(srv.proc.pid)
+    base = rss(srv.proc.pid)
     peak = RssPeak(srv.proc.pid)
     ctx = multiprocessing.get_context("fork")
     ready, done, release = ctx.Event(), ctx.Event(), ctx.Event()
@@ -152,11 +112,11 @@ def _attack(srv: Server, header: bytes, budget: int, connect: bool = False,
             _legit_round_trip(srv.port)
             legit += 1
         time.sleep(0.5)
-        text = _metrics(srv)
+        text = metrics(srv)
         which = "native_partial_frame" if native else "partial_packet"
-        assert _metric(text, "lightgate_budget_refusals_total", f"{which}_paused") > 0
+        assert metric(text, "lightgate_budget_refusals_total", f"{which}_paused") > 0
         grown = peak.stop() - base
-        held_peak = int(_metric(text, "lightgate_budget_peak",
+        held_peak = int(metric(text, "lightgate_budget_peak",
                                 "native_partial_frame_bytes" if native else
                                 "partial_packet_bytes"))
         if then is not None:
@@ -176,13 +136,13 @@ def _offenders_closed(srv: Server, budget: int) -> None:
     back, while their sockets are still open; the node serves as before."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        text = _metrics(srv)
-        if _metric(text, "lightgate_budget_refusals_total", "partial_packet_closed") > 0 \
-                and _metric(text, "lightgate_budget_used", "partial_packet_bytes") < budget:
+        text = metrics(srv)
+        if metric(text, "lightgate_budget_refusals_total", "partial_packet_closed") > 0 \
+                and metric(text, "lightgate_budget_used", "partial_packet_bytes") < budget:
             break
         time.sleep(0.5)
-    assert _metric(text, "lightgate_budget_refusals_total", "partial_packet_closed") > 0
-    assert _metric(text, "lightgate_budget_used", "partial_packet_bytes") < budget
+    assert metric(text, "lightgate_budget_refusals_total", "partial_packet_closed") > 0
+    assert metric(text, "lightgate_budget_used", "partial_packet_bytes") < budget
     _legit_round_trip(srv.port)
 
 
@@ -306,20 +266,20 @@ def test_partial_websocket_messages_stay_within_the_read_budget(tmp_path: Path) 
     try:
         _legit_round_trip(srv.port)  # warm: what any client costs is in the base
         _legit_ws_round_trip(srv)
-        base = _rss(srv.proc.pid)
+        base = rss(srv.proc.pid)
         peak = RssPeak(srv.proc.pid)
         proc.start()
         assert ready.wait(60), "the attacker did not open its sockets"
         used, legit = 0.0, 0
         while not done.is_set() or legit < 3:
-            used = max(used, _metric(_metrics(srv), "lightgate_budget_used",
+            used = max(used, metric(metrics(srv), "lightgate_budget_used",
                                      "partial_packet_bytes"))
             _legit_round_trip(srv.port)
             _legit_ws_round_trip(srv)
             legit += 1
         time.sleep(0.5)
         grown = peak.stop() - base
-        held_peak = _metric(_metrics(srv), "lightgate_budget_peak", "partial_packet_bytes")
+        held_peak = metric(metrics(srv), "lightgate_budget_peak", "partial_packet_bytes")
         print(f"websocket attack: {WS_ATTACKERS} sockets, {legit} legit round trips "
               f"meanwhile; RSS +{grown / MiB:.1f} MiB (base {base / MiB:.0f} MiB), partial "
               f"bytes used {used / MiB:.1f} MiB at most when sampled, peak "
@@ -396,8 +356,8 @@ def test_anonymous_persistent_sessions_are_capped(tmp_path: Path) -> None:
         v3 = _run_flood(srv.port, SESSIONS * 9 // 10, 4)
         v5 = _run_flood(srv.port, SESSIONS - SESSIONS * 9 // 10, 5)
         took = time.monotonic() - started
-        text = _metrics(srv)
-        held = _metric(text, "lightgate_budget_used", "persistent_sessions")
+        text = metrics(srv)
+        held = metric(text, "lightgate_budget_used", "persistent_sessions")
         size = _dir_bytes(tmp_path)
         print(f"flood: {SESSIONS} CONNECTs in {took:.1f} s; v3 codes {v3}, v5 codes {v5}; "
               f"{held:.0f} sessions held; data dir {size / MiB:.1f} MiB")
@@ -406,7 +366,7 @@ def test_anonymous_persistent_sessions_are_capped(tmp_path: Path) -> None:
         assert v3.get("3", 0) == SESSIONS * 9 // 10 - v3.get("0", 0)  # server unavailable
         assert v5.get(str(0x97), 0) == SESSIONS - SESSIONS * 9 // 10 - v5.get("0", 0)
         assert held == cap
-        assert _metric(text, "lightgate_budget_refusals_total", "persistent_sessions") \
+        assert metric(text, "lightgate_budget_refusals_total", "persistent_sessions") \
             == SESSIONS - (cap - 1)
         assert size < 64 * MiB
         # The device's session works throughout: it gets what was sent while it was away.
@@ -430,11 +390,11 @@ def test_v3_sessions_expire_and_make_room(tmp_path: Path) -> None:
         # 3.1.1 sessions end after --v3-session-expiry-s; then there is room again.
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            text = _metrics(srv)
-            if _metric(text, "lightgate_budget_used", "persistent_sessions") == 0:
+            text = metrics(srv)
+            if metric(text, "lightgate_budget_used", "persistent_sessions") == 0:
                 break
             time.sleep(0.5)
-        assert _metric(text, "lightgate_sessions_expired_total") >= cap
+        assert metric(text, "lightgate_sessions_expired_total") >= cap
         assert _run_flood(srv.port, 10, 4) == {"0": 10}
     finally:
         srv.stop()
@@ -477,10 +437,10 @@ def test_retained_flood_is_capped_by_count_and_bytes(tmp_path: Path) -> None:
         _retain_all(b, [f"many/b/{i}" for i in range(60)], b"0123456789")
         assert srv.wait_log("retained message limit of 150 reached (--max-retained)", 12)
         assert _retain_all(a, ["many/a/0"], b"replaced") == [0]  # its own: no new room
-        text = _metrics(srv)
-        assert _metric(text, "lightgate_budget_used", "retained_messages") == 150
-        assert _metric(text, "lightgate_budget_used", "retained_bytes") <= 400_000
-        assert _metric(text, "lightgate_budget_refusals_total", "retained") == 64
+        text = metrics(srv)
+        assert metric(text, "lightgate_budget_used", "retained_messages") == 150
+        assert metric(text, "lightgate_budget_used", "retained_bytes") <= 400_000
+        assert metric(text, "lightgate_budget_refusals_total", "retained") == 64
         sub = Client(srv.port, "s", version=5)
         sub.subscribe("#", 0)
         got = sub.expect(150)
@@ -535,7 +495,7 @@ def test_retained_bytes_count_what_is_stored(tmp_path: Path) -> None:
         some = _user_properties(20_000)
         assert _retain_with_properties(c, [f"props/some/{i}" for i in range(5)], some) \
             == [0, 0, 0, 0x97, 0x97]
-        used = _metric(_metrics(srv), "lightgate_budget_used", "retained_bytes")
+        used = metric(metrics(srv), "lightgate_budget_used", "retained_bytes")
         assert 3 * 20_000 < used <= budget
         # A will counts the same way: retained past the budget it is published only.
         from paho.mqtt.packettypes import PacketTypes
@@ -548,7 +508,7 @@ def test_retained_bytes_count_what_is_stored(tmp_path: Path) -> None:
         # Counted from the store on start the same way as when it was set.
         srv.stop()
         srv.start()
-        assert _metric(_metrics(srv), "lightgate_budget_used", "retained_bytes") == used
+        assert metric(metrics(srv), "lightgate_budget_used", "retained_bytes") == used
         c = Client(srv.port, "props", version=5)
         assert _retain_with_properties(c, ["props/some/9"], some) == [0x97]
         c.disconnect()
@@ -566,7 +526,7 @@ def test_topic_depth_and_length_and_offline_bytes(tmp_path: Path) -> None:
         assert [int(getattr(g, "value", g)) for g in c.subscribe([(deep, 0), (long, 0)])] \
             == [0x8F, 0x8F]
         assert _retain_all(c, [deep, long], b"x") == [0x90, 0x90]
-        assert _metric(_metrics(srv), "lightgate_budget_refusals_total",
+        assert metric(metrics(srv), "lightgate_budget_refusals_total",
                        "topic_levels_or_length") == 4
         # Offline: ten 1,000-byte messages, at most 3,500 bytes kept: the newest three.
         dev = Client(srv.port, "dev", clean=False)

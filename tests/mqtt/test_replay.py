@@ -243,6 +243,31 @@ def test_bad_input_is_refused_with_a_reason(shared_server: Server, topic_filter:
     raw.close()
 
 
+# Times no store can hold and no date can show: each filter is refused on its own.
+OUT_OF_RANGE = ["999999999999999", "9999-12-31T23:59:59-23:59", "0001-01-01T00:00:00+23:59"]
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_a_since_out_of_range_is_refused_alone(shared_server: Server, version: int) -> None:
+    base = uid("range")
+    publish(shared_server.port, [(f"{base}/a", b"kept")], qos=1)
+    raw = RawClient(shared_server.port, version=version)
+    raw.connect(uid("range-"))
+    filters = [f"$replay/{since}/{base}/#" for since in OUT_OF_RANGE]
+    filters.insert(1, f"$replay/earliest/{base}/#")
+    raw.send(mqtt.Subscribe(1, [(f, mqtt.SubscriptionOptions(1)) for f in filters]))
+    ack = raw.recv()
+    refused = 0x8F if version == 5 else 0x80
+    assert isinstance(ack, mqtt.Suback)
+    assert ack.reason_codes == [refused, 1, refused, refused]
+    if version == 5:
+        assert "past year 9999" in ack.properties["reason_string"]
+    got = raw.recv()  # the good filter replays; the connection goes on
+    assert isinstance(got, mqtt.Publish) and got.payload == b"kept"
+    raw.close()
+    assert "Traceback" not in shared_server.logs()
+
+
 def test_3_1_1_refusals_are_0x80(shared_server: Server) -> None:
     sub = Client(shared_server.port, uid("sub-"))
     assert sub.subscribe("$replay/soon/a/#", 0) == [128]

@@ -213,38 +213,55 @@ def test_the_hook_decides_each_delivered_topic_too(srv: Server, hook: HttpServic
         c.disconnect()
 
 
-def test_a_session_resumed_by_another_user_starts_clean(srv: Server) -> None:
-    """Same client id, another identity: the session (its subscriptions, what it had in
-    flight, what it missed) is not handed over; the newcomer starts with a fresh one."""
+def _connack_code(port: int, client_id: str, version: int, username: str,
+                  password: str, clean: bool, **kw: Any) -> int:
+    raw = RawClient(port, version, timeout=5)
+    try:
+        ack = raw.connect(client_id, clean=clean, username=username,
+                          password=password.encode(), **kw)
+        return ack.reason_code if version == 5 else ack.return_code
+    finally:
+        raw.close()
+
+
+def test_another_user_may_not_take_a_client_id(srv: Server) -> None:
+    """Same client id, another identity: refused (v5 0x87, 3.1.1 5), whether it asks to
+    resume or to start clean, while the owner is connected or away; the owner's session
+    (its subscriptions, what it had in flight, what it missed) stays its own."""
     add_user(srv, "alice", "alice-pw")
     allow(srv, "alice", "Topic:private/#", "SUB")
     add_user(srv, "bob", "bob-pw")  # no rights at all
     props = {"session_expiry_interval": 300}
     admin = Client(srv.port, "private-admin", username=ADMIN[0], password=ADMIN[1])
     for who, password in (("bob", "bob-pw"), ("anyone", "x")):  # built-in, then hook
+        cid = f"handover-{who}"
         alice = RawClient(srv.port, 5)
-        assert alice.connect("handover", clean=False, username="alice",
-                             password=b"alice-pw", properties=props).reason_code == 0
+        assert alice.connect(cid, clean=False, username="alice", password=b"alice-pw",
+                             properties=props).reason_code == 0
         alice.subscribe("private/#", 1)
+        # While alice is connected: no takeover, and her connection goes on.
+        assert _connack_code(srv.port, cid, 5, who, password, False,
+                             properties=props) == 0x87
         admin.publish("private/a", b"in flight", qos=1)
         got = alice.recv()
         assert isinstance(got, mqtt.Publish) and got.payload == b"in flight"
         alice.close()  # gone without PUBACK: in flight, resent on resume
         admin.publish("private/b", b"missed", qos=1)
-        other = RawClient(srv.port, 5, timeout=2)
+        for version, clean, code in ((5, False, 0x87), (5, True, 0x87), (4, False, 5),
+                                     (4, True, 5)):
+            kw = {"properties": props} if version == 5 else {}
+            assert _connack_code(srv.port, cid, version, who, password, clean, **kw) \
+                == code, (who, version, clean)
+        assert srv.wait_log(f"with client id '{cid}' refused: its session belongs to "
+                            "builtin:alice")
+        again = RawClient(srv.port, 5, timeout=5)  # alice's session is all there
         try:
-            ack = other.connect("handover", clean=False, username=who,
-                                password=password.encode(), properties=props)
-            assert ack.reason_code == 0 and not ack.session_present, who
-            with pytest.raises(TimeoutError):
-                other.recv()  # neither the in-flight message nor the missed one
-        finally:
-            other.close()
-        again = RawClient(srv.port, 5, timeout=2)  # alice's session went with it
-        try:
-            ack = again.connect("handover", clean=False, username="alice",
-                                password=b"alice-pw", properties=props)
-            assert ack.reason_code == 0 and not ack.session_present
+            ack = again.connect(cid, clean=False, username="alice", password=b"alice-pw",
+                                properties=props)
+            assert ack.reason_code == 0 and ack.session_present
+            first, second = again.recv(), again.recv()
+            assert (first.payload, first.dup) == (b"in flight", True)
+            assert second.payload == b"missed"
         finally:
             again.close()
     admin.disconnect()

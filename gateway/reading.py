@@ -1,0 +1,54 @@
+"""Whether a connection is read: not while its lane works (the packets read meanwhile
+wait behind it), nor while more than the high-water mark waits for its socket
+(gateway.backpressure). The reactor (plain TCP) or the stream task (TLS, WebSocket,
+gateway.stream_reader) follows the switch."""
+
+from __future__ import annotations
+
+import trio
+
+from gateway.output import Poller
+
+
+class ReadSwitch:
+    """The read switch of gateway.connection.Connection (a mixin: what it uses of the
+    connection is declared here)."""
+
+    __slots__ = ()  # the connection's own slots hold the state
+
+    reactor: Poller | None
+    _closed: bool
+    _paused: bool  # the lane works
+    _full: bool  # too much waits for the socket
+    _unpaused: trio.Event | None  # a stream reader waits on it
+
+    def _pause(self) -> None:
+        """Read no more while the lane works (the socket's buffer holds the rest)."""
+        self._paused = True
+        self._reading_changed()
+
+    def _resume(self) -> None:
+        self._paused = False
+        self._reading_changed()
+
+    def hold_reading(self, full: bool) -> None:
+        """Too much waits for the client's socket, or no longer (gateway.output): a
+        client that does not read its answers is not read either."""
+        self._full = full
+        if not self._closed:
+            self._reading_changed()
+
+    def _reading_changed(self) -> None:
+        reading = self.reading
+        if self.reactor is not None:
+            if reading:
+                self.reactor.resume(self)
+            else:
+                self.reactor.pause(self)
+        if reading and self._unpaused is not None:
+            self._unpaused.set()
+            self._unpaused = None
+
+    @property
+    def reading(self) -> bool:
+        return not self._paused and not self._full
