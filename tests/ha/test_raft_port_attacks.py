@@ -20,21 +20,11 @@ from pathlib import Path
 import pytest
 
 from tests.ha.cluster import Group, cluster, wait_for
+from tests.proc import open_fds, rss_kb
 
 DEADLINE_S = 10.0  # the port's pre-auth deadline is 5 s: closed well within this
 PER_ADDRESS = 8  # the caps documented in docs/store-groups.md
 TOTAL = 64
-
-
-def _rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def _alive(sock: socket.socket) -> bool:
@@ -110,17 +100,17 @@ def _holding() -> Iterator[list[socket.socket]]:
 def test_silent_sockets_are_closed_at_the_pre_auth_deadline(group: Group) -> None:
     victim = _lowest(group)
     pid, addr = group.nodes[victim].proc.pid, group.raft[victim]
-    fds0 = _fds(pid)
+    fds0 = open_fds(pid)
     with _holding() as socks:
         for i in range(300):  # from 30 source addresses, 10 each
             s = _dial(addr, f"127.0.0.{10 + i % 30}")
             if s is not None:
                 socks.append(s)
         assert len(socks) >= 250
-        peak = _fds(pid)
+        peak = open_fds(pid)
         wait_for(lambda: not any(_alive(s) for s in socks), DEADLINE_S,
                  "every silent socket closed")
-        wait_for(lambda: _fds(pid) <= fds0 + 4, 5, "the node's fds back to before")
+        wait_for(lambda: open_fds(pid) <= fds0 + 4, 5, "the node's fds back to before")
     assert peak - fds0 <= TOTAL + 4, (fds0, peak)
     _whole(group)
 
@@ -128,7 +118,7 @@ def test_silent_sockets_are_closed_at_the_pre_auth_deadline(group: Group) -> Non
 def test_a_strangers_connections_are_capped_per_address_and_in_all(group: Group) -> None:
     victim = _lowest(group)
     pid, addr = group.nodes[victim].proc.pid, group.raft[victim]
-    fds0 = _fds(pid)
+    fds0 = open_fds(pid)
     with _holding() as one:  # one source address
         for _ in range(50):
             s = _dial(addr, "127.0.0.2")
@@ -136,7 +126,7 @@ def test_a_strangers_connections_are_capped_per_address_and_in_all(group: Group)
                 one.append(s)
         time.sleep(0.5)
         assert sum(map(_alive, one)) <= PER_ADDRESS
-        assert _fds(pid) - fds0 <= PER_ADDRESS + 4
+        assert open_fds(pid) - fds0 <= PER_ADDRESS + 4
     with _holding() as many:  # 40 source addresses, each within its cap
         for i in range(40 * PER_ADDRESS):
             s = _dial(addr, f"127.0.1.{10 + i % 40}")
@@ -145,7 +135,7 @@ def test_a_strangers_connections_are_capped_per_address_and_in_all(group: Group)
         time.sleep(0.5)
         alive = sum(map(_alive, many))
         assert 0 < alive <= TOTAL, alive
-        assert _fds(pid) - fds0 <= TOTAL + 4
+        assert open_fds(pid) - fds0 <= TOTAL + 4
     _whole(group)
 
 
@@ -178,7 +168,7 @@ def test_a_replayed_first_frame_does_not_authenticate(group: Group) -> None:
     first = _first_frame(secret)
     victim = _lowest(group)
     pid, addr = group.nodes[victim].proc.pid, group.raft[victim]
-    rss0 = _rss_kb(pid)
+    rss0 = rss_kb(pid)
     big = 8 << 20  # a frame a peer that authenticated could send
     chunk = b"\0" * 65536
     with _holding() as socks:
@@ -200,12 +190,12 @@ def test_a_replayed_first_frame_does_not_authenticate(group: Group) -> None:
                 s.sendall(chunk[:-1])
             except OSError:
                 pass
-        peak = _rss_kb(pid)
+        peak = rss_kb(pid)
+        print(f"replay: RSS {rss0 // 1024} -> {peak // 1024} MiB")
         silent, loud = socks[1::2], socks[::2]
         assert not any(_alive(s) for s in loud), "a replayed frame lifted the 4 KiB bound"
         wait_for(lambda: not any(_alive(s) for s in silent), DEADLINE_S,
                  "every silent replaying connection closed")
-    print(f"replay: RSS {rss0 // 1024} -> {peak // 1024} MiB")
     assert peak - rss0 < 24 * 1024, (rss0, peak)
     _whole(group)
 
@@ -263,7 +253,7 @@ def test_a_group_node_out_of_fds_rejoins_once_the_attacker_leaves(tmp_path: Path
         _whole(g)
         pid = node.proc.pid
         assert resource.prlimit(pid, resource.RLIMIT_NOFILE) == (limit, limit)
-        rss0, fds0 = _rss_kb(pid), _fds(pid)
+        rss0, fds0 = rss_kb(pid), open_fds(pid)
         targets = [g.raft[victim], node.native, node.addrs["http"]]
         rss_peak, fds_peak = rss0, fds0
         with _holding() as socks:
@@ -275,10 +265,10 @@ def test_a_group_node_out_of_fds_rejoins_once_the_attacker_leaves(tmp_path: Path
                 if s is not None:
                     socks.append(s)
                 if i % 50 == 0:
-                    rss_peak, fds_peak = max(rss_peak, _rss_kb(pid)), max(fds_peak, _fds(pid))
+                    rss_peak, fds_peak = max(rss_peak, rss_kb(pid)), max(fds_peak, open_fds(pid))
             for _ in range(10):  # held for 5 s
                 time.sleep(0.5)
-                rss_peak, fds_peak = max(rss_peak, _rss_kb(pid)), max(fds_peak, _fds(pid))
+                rss_peak, fds_peak = max(rss_peak, rss_kb(pid)), max(fds_peak, open_fds(pid))
             print(f"attack: {len(socks)} sockets, fds {fds0} -> {fds_peak} of {limit}, "
                   f"RSS {rss0 // 1024} -> {rss_peak // 1024} MiB")
             assert fds_peak < limit - 16, "the node ran out of file descriptors"

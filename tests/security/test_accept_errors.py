@@ -20,25 +20,8 @@ from gateway import mqtt
 from store.client import NativeClient
 from tests.conftest import Server
 from tests.mqtt.paho_client import Client
+from tests.proc import main_thread_cpu_s, open_fds, rss_kb
 from tests.security.test_tls import CONNACK_OK, make_pki, port_of, raw_tls_connect, tls_args
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds of the process's main thread: trio's, where every listener but the
-    Raft port's accepts (other threads, a CommitLog flush retrying, are not measured)."""
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def _mqtt_ok(port: int) -> bool:
@@ -91,12 +74,12 @@ def test_every_listener_survives_running_out_of_fds(tmp_path: Path) -> None:
         pending = []
         resource.prlimit(pid, resource.RLIMIT_NOFILE, (3, hard))  # every new fd: EMFILE
         try:
-            cpu0 = _cpu_s(pid)
+            cpu0 = main_thread_cpu_s(pid)  # trio's: every listener but the Raft port's
             for port in ports.values():  # completed by the kernel, refused by accept
                 for _ in range(2):
                     pending.append(socket.create_connection(("127.0.0.1", port), timeout=2))
             time.sleep(3.0)
-            cpu = _cpu_s(pid) - cpu0
+            cpu = main_thread_cpu_s(pid) - cpu0
         finally:
             resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
         for s in pending:
@@ -131,7 +114,7 @@ def test_clients_are_refused_before_the_node_runs_out_of_fds(tmp_path: Path) -> 
         pid = srv.proc.pid
         assert resource.prlimit(pid, resource.RLIMIT_NOFILE) == (limit, limit)
         pub = Client(srv.port, "before-the-flood")
-        rss0, fds0, peak = _rss_kb(pid), _fds(pid), 0
+        rss0, fds0, peak = rss_kb(pid), open_fds(pid), 0
         targets = [("127.0.0.1", srv.port), ("127.0.0.1", int(srv.native.rsplit(":")[1])),
                    ("127.0.0.1", int(srv.addrs["http"].rsplit(":")[1])),
                    ("127.0.0.1", int(srv.addrs["ws"].rsplit(":")[1]))]
@@ -143,9 +126,9 @@ def test_clients_are_refused_before_the_node_runs_out_of_fds(tmp_path: Path) -> 
                 except OSError:
                     pass
                 if i % 50 == 0:
-                    peak = max(peak, _fds(pid))
+                    peak = max(peak, open_fds(pid))
             time.sleep(1.0)
-            peak, rss = max(peak, _fds(pid)), _rss_kb(pid)
+            peak, rss = max(peak, open_fds(pid)), rss_kb(pid)
             print(f"flood: {len(flood)} sockets, fds {fds0} -> {peak} of {limit}, "
                   f"RSS {rss0 // 1024} -> {rss // 1024} MiB")
             assert peak < limit - 16, "the node ran out of file descriptors"
