@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from store.sdk import Producer
 from tests.ha.cluster import Group, cluster, wait_for
+from tests.latency import Prober, assert_unhurt
 from tests.proc import open_fds, rss_kb
 
 DEADLINE_S = 10.0  # the port's pre-auth deadline is 5 s: closed well within this
@@ -171,7 +173,9 @@ def test_a_replayed_first_frame_does_not_authenticate(group: Group) -> None:
     rss0 = rss_kb(pid)
     big = 8 << 20  # a frame a peer that authenticated could send
     chunk = b"\0" * 65536
-    with _holding() as socks:
+    with Prober(lambda: _http_ok(group.nodes[victim])) as before:
+        time.sleep(2.0)
+    with _holding() as socks, Prober(lambda: _http_ok(group.nodes[victim])) as during:
         for i in range(24):
             s = _dial(addr, f"127.0.2.{10 + i}")
             assert s is not None
@@ -196,7 +200,9 @@ def test_a_replayed_first_frame_does_not_authenticate(group: Group) -> None:
         assert not any(_alive(s) for s in loud), "a replayed frame lifted the 4 KiB bound"
         wait_for(lambda: not any(_alive(s) for s in silent), DEADLINE_S,
                  "every silent replaying connection closed")
+    print(f"/healthz before: {before}; during: {during}")
     assert peak - rss0 < 24 * 1024, (rss0, peak)
+    assert_unhurt(before, during)
     _whole(group)
 
 
@@ -253,10 +259,17 @@ def test_a_group_node_out_of_fds_rejoins_once_the_attacker_leaves(tmp_path: Path
         _whole(g)
         pid = node.proc.pid
         assert resource.prlimit(pid, resource.RLIMIT_NOFILE) == (limit, limit)
+        producer = Producer(g.addrs)
+
+        def send() -> None:  # acknowledged once a replica has it (sync, 2 in sync)
+            producer.send("probe", b"x")
+
+        with Prober(send) as before:
+            time.sleep(3.0)
         rss0, fds0 = rss_kb(pid), open_fds(pid)
         targets = [g.raft[victim], node.native, node.addrs["http"]]
         rss_peak, fds_peak = rss0, fds0
-        with _holding() as socks:
+        with _holding() as socks, Prober(send) as during:
             deadline = time.monotonic() + 20
             for i in range(900):
                 if time.monotonic() > deadline:
@@ -272,7 +285,9 @@ def test_a_group_node_out_of_fds_rejoins_once_the_attacker_leaves(tmp_path: Path
             print(f"attack: {len(socks)} sockets, fds {fds0} -> {fds_peak} of {limit}, "
                   f"RSS {rss0 // 1024} -> {rss_peak // 1024} MiB")
             assert fds_peak < limit - 16, "the node ran out of file descriptors"
-            assert _http_ok(node)  # room was kept for the node's own work
+        print(f"a producer's sends before: {before}; during: {during}")
+        producer.close()
+        assert_unhurt(before, during)
         wait_for(lambda: _accepts(g.raft[victim]), 10, "the Raft port accepting again")
         assert rss_peak - rss0 < 64 * 1024, (rss0, rss_peak)
         _redial(g, victim)

@@ -19,6 +19,7 @@ from websockets.sync.client import connect as ws_open
 from gateway import mqtt
 from store.client import NativeClient
 from tests.conftest import Server
+from tests.latency import Prober, assert_unhurt
 from tests.mqtt.paho_client import Client
 from tests.proc import main_thread_cpu_s, open_fds, rss_kb
 from tests.security.test_tls import CONNACK_OK, make_pki, port_of, raw_tls_connect, tls_args
@@ -106,7 +107,7 @@ def test_every_listener_survives_running_out_of_fds(tmp_path: Path) -> None:
 def test_clients_are_refused_before_the_node_runs_out_of_fds(tmp_path: Path) -> None:
     """A node with a 256-fd limit, flooded with silent client connections on every port:
     what it opens for itself (a CommitLog segment per 64 KiB here) still opens, and a
-    client connected before the flood keeps publishing."""
+    client connected before the flood keeps publishing, as fast as before."""
     limit = 256
     srv = Server(tmp_path / "data", "--segment-size", "65536",
                  prefix=["prlimit", f"--nofile={limit}:{limit}", "--"]).start()
@@ -114,25 +115,34 @@ def test_clients_are_refused_before_the_node_runs_out_of_fds(tmp_path: Path) -> 
         pid = srv.proc.pid
         assert resource.prlimit(pid, resource.RLIMIT_NOFILE) == (limit, limit)
         pub = Client(srv.port, "before-the-flood")
+
+        def publish() -> None:
+            pub.publish("probe/t", b"x", qos=1)
+
+        with Prober(publish) as before:
+            time.sleep(2.0)
         rss0, fds0, peak = rss_kb(pid), open_fds(pid), 0
+        segments_before = len(os.listdir(tmp_path / "data" / "commitlog"))
         targets = [("127.0.0.1", srv.port), ("127.0.0.1", int(srv.native.rsplit(":")[1])),
                    ("127.0.0.1", int(srv.addrs["http"].rsplit(":")[1])),
                    ("127.0.0.1", int(srv.addrs["ws"].rsplit(":")[1]))]
         flood: list[socket.socket] = []
         try:
-            for i in range(600):
-                try:
-                    flood.append(socket.create_connection(targets[i % 4], timeout=0.5))
-                except OSError:
-                    pass
-                if i % 50 == 0:
-                    peak = max(peak, open_fds(pid))
-            time.sleep(1.0)
-            peak, rss = max(peak, open_fds(pid)), rss_kb(pid)
+            with Prober(publish) as during:
+                for i in range(600):
+                    try:
+                        flood.append(socket.create_connection(targets[i % 4], timeout=0.5))
+                    except OSError:
+                        pass
+                    if i % 50 == 0:
+                        peak = max(peak, open_fds(pid))
+                time.sleep(1.0)
+                peak, rss = max(peak, open_fds(pid)), rss_kb(pid)
             print(f"flood: {len(flood)} sockets, fds {fds0} -> {peak} of {limit}, "
-                  f"RSS {rss0 // 1024} -> {rss // 1024} MiB")
+                  f"RSS {rss0 // 1024} -> {rss // 1024} MiB; publishing before: {before}; "
+                  f"during: {during}")
             assert peak < limit - 16, "the node ran out of file descriptors"
-            segments_before = len(os.listdir(tmp_path / "data" / "commitlog"))
+            assert_unhurt(before, during)
             for i in range(64):  # ~1 MiB: 16 segments or so, each a file opened
                 pub.publish("flood/t", bytes([i]) * 16384, qos=1)
             assert all(code == 0 for code in pub.pub_codes.values()), pub.pub_codes
