@@ -19,6 +19,7 @@ The check is one comparison per accepted connection; no descriptor is counted.
 from __future__ import annotations
 
 import logging
+import os
 import resource
 
 from serving.rate_limited_log import RateLimitedLog
@@ -66,6 +67,14 @@ def client_fd_ceiling() -> int:
 
 def refused_connections() -> int:
     return _budget.refused
+
+
+def open_fds() -> int:
+    """How many descriptors the process has open (for /metrics: a scrape, not an accept)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir opened
+    except OSError:
+        return 0
 
 
 def over_budget(fd: int, listener: str) -> bool:

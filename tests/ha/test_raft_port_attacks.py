@@ -261,9 +261,10 @@ def test_a_group_node_out_of_fds_rejoins_once_the_attacker_leaves(tmp_path: Path
         assert resource.prlimit(pid, resource.RLIMIT_NOFILE) == (limit, limit)
         producer = Producer(g.addrs)
 
-        def send() -> None:  # acknowledged once a replica has it (sync, 2 in sync)
-            producer.send("probe", b"x")
+        def send() -> bool:  # acknowledged once a replica has it (sync, 2 in sync)
+            return bool(producer.send("probe", b"x"))
 
+        wait_for(send, 15, "the master taking writes (a new one waits for its lease)")
         with Prober(send) as before:
             time.sleep(3.0)
         rss0, fds0 = rss_kb(pid), open_fds(pid)

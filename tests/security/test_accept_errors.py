@@ -19,6 +19,7 @@ from websockets.sync.client import connect as ws_open
 from gateway import mqtt
 from store.client import NativeClient
 from tests.conftest import Server
+from tests.faults.test_budgets import _metric, _metrics
 from tests.latency import Prober, assert_unhurt
 from tests.mqtt.paho_client import Client
 from tests.proc import main_thread_cpu_s, open_fds, rss_kb
@@ -154,6 +155,10 @@ def test_clients_are_refused_before_the_node_runs_out_of_fds(tmp_path: Path) -> 
         pub.disconnect()
         time.sleep(1.0)
         assert _mqtt_ok(srv.port) and _http_ok(srv.addrs["http"]) and _native_ok(srv.native)
+        text = _metrics(srv)
+        assert _metric(text, "lightgate_budget_limit", "client_fds") == limit // 2
+        assert _metric(text, "lightgate_budget_refusals_total", "client_fds") > 100
+        assert 0 < _metric(text, "lightgate_budget_used", "client_fds") < limit // 2
     finally:
         if srv.proc is not None:
             srv.kill()
