@@ -94,6 +94,10 @@ class GuardedConnection(TcpConnection):
             ok = super().connect(host, port)
         except OSError as exc:  # no socket to be had (EMFILE): pysyncobj retries later
             log.debug("Raft: cannot dial %s:%s: %s", host, port, exc)
+            sock = self._TcpConnection__socket  # type: ignore[attr-defined]
+            if sock is not None:  # made, then a setsockopt failed: not to be leaked
+                sock.close()
+                self._TcpConnection__socket = None
             return False
         sock = self._TcpConnection__socket  # type: ignore[attr-defined]
         if sock is not None:
