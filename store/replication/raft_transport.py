@@ -25,6 +25,8 @@ that:
   Authenticated peers' connections are never counted.
 - **The listener never stops.** An accept error rests the listener ACCEPT_BACKOFF_S
   (serving.accepting), out of the poller so that it does not spin, and it accepts again.
+  Its backlog is BACKLOG, not pysyncobj's 5, so that strangers connecting as fast as
+  they can do not leave a peer's SYN dropped (and retried only a second later).
 - TCP keepalive and TCP_USER_TIMEOUT make a link that stops carrying packets (a
   partition, a paused peer) fail within LINK_DEAD_S, so pysyncobj reconnects when the
   network heals instead of waiting on a dead connection.
@@ -63,6 +65,8 @@ MAX_FRAME_BYTES = 16 << 20  # the group state is a few kB; appends come in 64 Ki
 PRE_AUTH_DEADLINE_S = 5.0
 PRE_AUTH_PER_ADDRESS = 8
 PRE_AUTH_TOTAL = 64
+BACKLOG = 128  # pysyncobj listens with 5: a flood of strangers would crowd peers' SYNs out
+ACCEPTS_PER_WAKE = 32
 LINK_DEAD_S = 3
 
 _strangers = RateLimitedLog(log)
@@ -134,22 +138,33 @@ class GuardedConnection(TcpConnection):
 
 
 class GuardedServer(TcpServer):
-    """pysyncobj's listener, resting on accept errors instead of unbinding for good."""
+    """pysyncobj's listener, resting on accept errors instead of unbinding for good,
+    with a backlog that a flood of strangers does not fill at once, and taking every
+    connection waiting (up to ACCEPTS_PER_WAKE) when it wakes, not one."""
 
     _resume_at: float | None = None
+
+    def bind(self) -> None:
+        super().bind()
+        self._TcpServer__socket.listen(BACKLOG)  # type: ignore[attr-defined]
 
     def _TcpServer__onNewConnection(self, descr: int, event: int) -> None:  # noqa: N802
         if event & POLL_EVENT_TYPE.ERROR:
             self._rest("the listening socket reported an error")
             return
-        if not event & POLL_EVENT_TYPE.READ:
-            return
+        if event & POLL_EVENT_TYPE.READ:
+            for _ in range(ACCEPTS_PER_WAKE):
+                if not self._accept_one():
+                    return
+
+    def _accept_one(self) -> bool:
+        """Accept one connection; False when there is none left (or the listener rests)."""
         try:
             sock, addr = self._TcpServer__socket.accept()  # type: ignore[attr-defined]
         except OSError as exc:
             if must_rest(exc, "Raft"):
                 self._rest()
-            return
+            return False
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._TcpServer__sendBufferSize)  # type: ignore[attr-defined]
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._TcpServer__recvBufferSize)  # type: ignore[attr-defined]
@@ -163,9 +178,10 @@ class GuardedServer(TcpServer):
                 keepalive=self._TcpServer__keepalive)  # type: ignore[attr-defined]
         except OSError:  # gone before we got to it
             sock.close()
-            return
+            return True
         conn.peer = addr[0]
         self._TcpServer__onNewConnectionCallback(conn)  # type: ignore[attr-defined]
+        return True
 
     def _rest(self, why: str = "") -> None:
         if why:
