@@ -24,6 +24,7 @@ from gateway.connection import Connection
 from gateway.mqtt import Decoder
 from gateway.reactor import Reactor
 from gateway.transports import ServerTLS, WebSocketStream, receive_upgrade, reject_upgrade
+from serving.accepting import budgeted
 from serving.read_budget import ReadBudget, read_fd
 from serving.startup import StartupError, listening
 from serving.values import split_hostport
@@ -125,7 +126,7 @@ async def serve_mqtt_tls(
 
     listeners, bound = await _open(addr, "mqtt_tls")
     task_status.started(bound)
-    await trio.serve_listeners(handle, listeners)
+    await trio.serve_listeners(handle, budgeted(listeners, LISTENERS["mqtt_tls"][0]))
 
 
 async def serve_mqtt_ws(
@@ -155,9 +156,10 @@ async def serve_mqtt_ws(
         finally:
             await trio.aclose_forcefully(transport)
 
-    listeners, bound = await _open(addr, "ws" if tls is None else "wss")
+    name = "ws" if tls is None else "wss"
+    listeners, bound = await _open(addr, name)
     task_status.started(bound)
-    await trio.serve_listeners(handle, listeners)
+    await trio.serve_listeners(handle, budgeted(listeners, LISTENERS[name][0]))
 
 
 async def _serve_websocket(

@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from gateway.broker import Broker
 from gateway.stats import APPEND_BUCKETS
+from serving.fd_budget import client_fd_ceiling, open_fds, refused_connections
 
 # A scraper waits no longer than this for the store's figures (Prometheus' own timeout
 # is 10 s by default): without them it still gets the gateway's.
@@ -148,6 +149,8 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
     if answers:  # held over every connection; the limit is each connection's
         used.add_metric(["native_unsent_answer_bytes"], answers["held"])
         limit.add_metric(["native_unsent_answer_bytes"], answers["limit"])
+    used.add_metric(["client_fds"], open_fds())  # this process's, all of them
+    limit.add_metric(["client_fds"], client_fd_ceiling())
     yield used
     yield limit
     peak = GaugeMetricFamily("lightgate_budget_peak", "The most a budget has held at once",
@@ -177,6 +180,7 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
         ("native_unsent_answers_paused", (answers or {}).get("paused", 0)),
     ):
         hits.add_metric([name], n)
+    hits.add_metric(["client_fds"], refused_connections())
     yield hits
     yield CounterMetricFamily("lightgate_sessions_expired", "Persistent sessions expired",
                               value=st.sessions_expired)

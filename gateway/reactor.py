@@ -22,6 +22,8 @@ import trio
 
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing
+from serving.accepting import ACCEPT_BACKOFF_S, must_rest
+from serving.fd_budget import over_budget
 from serving.read_budget import ReadBudget
 
 if TYPE_CHECKING:
@@ -42,6 +44,7 @@ class Reactor:
         self.ep = select.epoll()
         self.conns: dict[int, Connection] = {}
         self._listeners: dict[int, tuple[socket.socket, str]] = {}
+        self._resting: dict[int, float] = {}  # listener fd -> when it accepts again
         self._timers: list[tuple[float, int, int]] = []  # (deadline, seq, fd)
         self._armed: dict[int, float] = {}  # fd -> the deadline in the heap for it
         self._seq = 0
@@ -64,9 +67,14 @@ class Reactor:
                 s, addr = sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and the like: the client sees a reset
-                log.warning("accept failed: %s", exc)
-                return
+            except OSError as exc:
+                if must_rest(exc, "MQTT over TCP"):
+                    self._rest(sock.fileno())
+                    return
+                continue
+            if over_budget(s.fileno(), "MQTT over TCP"):
+                s.close()
+                continue
             s.setblocking(False)
             try:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -78,6 +86,28 @@ class Reactor:
             self.conns[fd] = conn
             self.ep.register(fd, IN)
             self.rearm(conn)
+
+    def _rest(self, fd: int) -> None:
+        """Out of descriptors (or the like): the listening socket stays readable, so it
+        leaves the set for a moment instead of waking every pass (see serving.accepting)."""
+        until = trio.current_time() + ACCEPT_BACKOFF_S
+        self._resting[fd] = until
+        try:
+            self.ep.modify(fd, 0)
+        except OSError:
+            pass
+        waiting = self._waiting
+        if waiting is not None and until < waiting.deadline:
+            waiting.deadline = until
+
+    def _wake_listeners(self, now: float) -> None:
+        for fd, until in list(self._resting.items()):
+            if until <= now:
+                del self._resting[fd]
+                try:
+                    self.ep.modify(fd, select.EPOLLIN)
+                except OSError:
+                    pass
 
     def forget(self, conn: Connection) -> None:
         """The connection ends: its socket leaves the set (closed by the connection)."""
@@ -165,6 +195,8 @@ class Reactor:
             deadline = self._timers[0][0] if self._timers else float("inf")
             if self._writing:  # stuck writers are looked at every second
                 deadline = min(deadline, trio.current_time() + 1.0)
+            if self._resting:
+                deadline = min(deadline, *self._resting.values())
             with trio.move_on_at(deadline) as self._waiting:  # `rearm` may bring it nearer
                 await trio.sleep_forever()
             self._waiting = None
@@ -253,6 +285,8 @@ class Reactor:
             self.resume(conn)
 
     def _check_timers(self) -> None:
+        if self._resting:
+            self._wake_listeners(trio.current_time())
         if not self._timers and not self._writing:
             return
         now = trio.current_time()

@@ -28,6 +28,7 @@ from lightgate.settings import (
     STORE_CMD_SETTINGS,
     all_settings,
 )
+from serving.fd_budget import raise_fd_limit
 from serving.settings import flag_values
 from serving.startup import (
     HTTP_LISTENER,
@@ -208,6 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     check_ports([*_listener_ports(opts.listeners), (*NATIVE_LISTENER, opts.native),
                  (*HTTP_LISTENER, opts.http)])
+    raise_fd_limit()
     trio.run(run_serve, opts)
     return 0
 
@@ -267,6 +269,7 @@ def cmd_store(args: argparse.Namespace) -> int:
     raft = [("the store group's Raft controller", "--raft", repl.raft)] if repl.raft else []
     check_ports([(*NATIVE_LISTENER, values["native"]), (*HTTP_LISTENER, values["http"]),
                  *raft])
+    raise_fd_limit()
     trio.run(_store_main, _store_config(values), values["native"], values["http"],
              values["notify"], _auth_config(values, _backend_config(values)), repl)
     return 0
@@ -281,6 +284,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                    http=values["http"], auth_strategy=values["auth_strategy"],
                    audit_log=values["audit_log"], auth_backends=_backend_config(values))
     check_ports([*_listener_ports(opts.listeners), (*HTTP_LISTENER, opts.http)])
+    raise_fd_limit()
     trio.run(run_gateway, opts)
     return 0
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config
+from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio import serve
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -19,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from serving.accepting import quiet_trio_accept_errors
+from serving.fd_budget import over_budget
 from serving.host_check import HostCheck, allowed_names
 from serving.startup import HTTP_LISTENER, listening
 from serving.values import HTTP_MAX_BODY, split_hostport
@@ -123,6 +126,25 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+class _BudgetedTCPServer(hypercorn_run.TCPServer):
+    """hypercorn's connection handler, refusing a connection whose descriptor is in the
+    node's reserve (serving.fd_budget) before it reads a byte. hypercorn makes its own
+    listeners (trio's, which rest 0.1 s on EMFILE and the like), so the budget is checked
+    here; trio's closing of the stream follows our return."""
+
+    async def run(self) -> None:
+        stream = self.stream
+        sock = stream.socket if isinstance(stream, trio.SocketStream) else None
+        if sock is not None and over_budget(sock.fileno(), "HTTP"):
+            return
+        await super().run()
+
+
+def _budget_http_connections() -> None:
+    hypercorn_run.TCPServer = _BudgetedTCPServer  # type: ignore[misc]
+    quiet_trio_accept_errors()
+
+
 async def serve_http(
     app: Starlette, addr: str, *, max_body: int = HTTP_MAX_BODY,
     allowed_hosts: Iterable[str] = (),
@@ -143,6 +165,7 @@ async def serve_http(
     config.h2_max_concurrent_streams = 16
     guarded = HostCheck(app, allowed_names(host, allowed_hosts))
     app = BodyLimit(guarded, max_body)  # type: ignore[assignment]
+    _budget_http_connections()
 
     async with trio.open_nursery() as nursery:
         with listening(*HTTP_LISTENER, addr):

@@ -20,6 +20,7 @@ from typing import Any
 import trio
 
 from lightqueue.routing import validate_first_level
+from serving.accepting import budgeted
 from serving.read_budget import read_fd
 from serving.startup import NATIVE_LISTENER, listening
 from serving.values import split_hostport
@@ -195,7 +196,7 @@ class NativeServer:
             listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()
         task_status.started(f"{bound[0]}:{bound[1]}")
-        await trio.serve_listeners(self._handle, listeners)
+        await trio.serve_listeners(self._handle, budgeted(listeners, "native protocol"))
 
     # -- connection -------------------------------------------------------------------
     async def _handle(self, stream: trio.SocketStream) -> None:

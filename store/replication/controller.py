@@ -80,7 +80,8 @@ class GroupState(SyncObj):
         # Set before SyncObj.__init__: pysyncobj leaves these out of its snapshots.
         self._lock = threading.Lock()
         self.seen: dict[str, float] = {}  # node -> when this process applied its report
-        super().__init__(cfg.advertise, cfg.peers, conf)
+        super().__init__(cfg.advertise, cfg.peers, conf,
+                         transportClass=raft_transport.GuardedTransport)
         # Set after: the replicated state, which pysyncobj's snapshots carry.
         self.master = ""
         self.epoch = 0

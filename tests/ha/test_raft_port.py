@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import Server, reserved_port
 from tests.ha.cluster import Group, cluster, wait_for
+from tests.proc import rss_kb
 
 
 class _RunsCode:
@@ -34,13 +35,6 @@ def _frame(obj: object) -> bytes:
     """A frame as pysyncobj's unencrypted transport writes one."""
     data = zlib.compress(pickle.dumps(obj, protocol=2), 3)
     return struct.pack("i", len(data)) + data
-
-
-def _rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 @pytest.fixture
@@ -75,7 +69,7 @@ def test_a_strangers_pickle_runs_nothing(group: Group, tmp_path: Path) -> None:
 
 def test_an_oversized_frame_is_cut_off_before_it_is_buffered(group: Group) -> None:
     pids = [n.proc.pid for n in group.nodes]
-    before = [_rss_kb(pid) for pid in pids]
+    before = [rss_kb(pid) for pid in pids]
     closed = 0
     for raft in group.raft:
         host, port = raft.rsplit(":", 1)
@@ -88,7 +82,7 @@ def test_an_oversized_frame_is_cut_off_before_it_is_buffered(group: Group) -> No
             except OSError:
                 closed += 1
     assert closed == len(group.raft), "a node kept reading a stranger's oversized frame"
-    after = [_rss_kb(pid) for pid in pids]
+    after = [rss_kb(pid) for pid in pids]
     assert all(a - b < 8 * 1024 for a, b in zip(after, before, strict=True)), (before, after)
     m = group.master(10)
     assert len(group.insync(m)) == 3
