@@ -19,7 +19,8 @@ from websockets.sync.client import connect as ws_open
 from gateway import mqtt
 from store.client import NativeClient
 from tests.conftest import Server
-from tests.faults.test_budgets import _metric, _metrics
+from tests.faults.hostile import metric as _metric
+from tests.faults.hostile import metrics as _metrics
 from tests.latency import Prober, assert_unhurt
 from tests.mqtt.paho_client import Client
 from tests.proc import main_thread_cpu_s, open_fds, rss_kb
