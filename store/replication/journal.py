@@ -105,6 +105,14 @@ class _Slots:
         os.close(self._fd)
 
 
+_OPEN: dict[str, ReservedJournal] = {}  # path -> the journal open there (pysyncobj's)
+
+
+def opened(path: str) -> ReservedJournal | None:
+    """The journal pysyncobj has open at `path` (its owner asks how it is doing)."""
+    return _OPEN.get(path)
+
+
 class ReservedJournal(Journal):
     """pysyncobj's Journal interface on FileJournal's format, in reserved space."""
 
@@ -146,6 +154,7 @@ class ReservedJournal(Journal):
                                if k in meta})
         self._meta = dict(self._state.value)
         self._meta_saved = True
+        _OPEN[path] = self
 
     # -- space -----------------------------------------------------------------------
     def _reserve(self, end: int) -> None:
@@ -240,6 +249,8 @@ class ReservedJournal(Journal):
         os.fdatasync(self._fd)
 
     def _destroy(self) -> None:
+        if _OPEN.get(self.path) is self:
+            del _OPEN[self.path]
         for close in (lambda: os.close(self._fd), self._state.close):
             try:
                 close()
