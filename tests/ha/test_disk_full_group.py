@@ -131,9 +131,12 @@ def test_a_full_master_steps_down_serves_reads_and_comes_back(group: Group) -> N
     try:
         sender.wait_more(50, 20)
         filler = fill(g.disks[m])  # type: ignore[attr-defined]
+        filled = time.monotonic()
         # Another node takes over; the full one stays alive, no longer master.
         new = wait_for(lambda: [i for i in _masters(g) if i != m] or None, 20,
-                       "another master")[0]
+                       "another master", step=0.02)[0]
+        print(f"another master {time.monotonic() - filled:.2f} s after the master's disk "
+              "filled")
         sender.wait_more(50, 20)
         time.sleep(2.0)  # the full node meanwhile: it must not die
         _alive(g)
@@ -171,6 +174,10 @@ def test_all_three_full_refuse_writes_clearly_and_recover(group: Group) -> None:
             assert read_topic(node.native, TOPIC)
         for f in fillers:
             f.unlink()
+        freed = time.monotonic()
+        sender.wait_more(1, 30)
+        print(f"writes acknowledged again {sender.acked_at[acked] - freed:.2f} s after "
+              "space was freed")
         sender.wait_more(50, 30)
     finally:
         sender.stop.set()
