@@ -219,6 +219,7 @@ class Controller:
         self.lease_epoch = 0  # the epoch of the lease held ...
         self.lease_from = 0.0  # ... and when the report that renewed it was sent
         self.lease_void_before = 0.0  # reports sent before this renew nothing (dropped)
+        self._lease_lock = threading.Lock()  # the Raft thread renews, the node drops
         self.deposed_epoch = 0  # a report as master of this epoch answered False
         self.journal_error: str | None = None  # why the Raft journal cannot be written
         self._journal_path = str(data_dir / JOURNAL_FILE) if data_dir else None
@@ -305,13 +306,12 @@ class Controller:
             if err != FAIL_REASON.SUCCESS:
                 return
             self.last_commit = max(self.last_commit or 0.0, sent)
-            if sent <= self.lease_void_before:
-                return  # sent before the lease was dropped: it renews nothing
-            if result and master_epoch:
-                if master_epoch != self.lease_epoch or sent > self.lease_from:
-                    self.lease_epoch, self.lease_from = master_epoch, sent
-            elif master_epoch:
+            if master_epoch and not result:
                 self.deposed_epoch = max(self.deposed_epoch, master_epoch)
+            with self._lease_lock:  # one sent before the lease was dropped renews nothing
+                if (result and master_epoch and sent > self.lease_void_before
+                        and (master_epoch != self.lease_epoch or sent > self.lease_from)):
+                    self.lease_epoch, self.lease_from = master_epoch, sent
 
         assert self.state is not None
         try:
@@ -322,8 +322,9 @@ class Controller:
     def drop_lease(self) -> None:
         """Give up the lease now (a master stepping down by itself): no report sent
         until now renews it, even one committed later."""
-        self.lease_void_before = time.monotonic()
-        self.lease_epoch, self.lease_from = 0, 0.0
+        with self._lease_lock:
+            self.lease_void_before = time.monotonic()
+            self.lease_epoch, self.lease_from = 0, 0.0
 
     @property
     def fresh(self) -> bool:

@@ -323,9 +323,17 @@ class Replication:
 
     def synced(self, handler: Callable[[p.Frame, Any], Awaitable[tuple[dict, bytes]]]
                ) -> Callable[[p.Frame, Any], Awaitable[tuple[dict, bytes]]]:
-        """A native handler that changes metadata, answering once it is replicated."""
+        """A native handler that changes metadata, answering once it is replicated. A
+        write that finds the disk full makes this node full (RocksDB's errors are plain
+        Exceptions: answered 503 with the reason, not a connection ended)."""
         async def run(f: p.Frame, ctx: Any) -> tuple[dict, bytes]:
-            out = await handler(f, ctx)
+            try:
+                out = await handler(f, ctx)
+            except Exception as exc:
+                if not no_space(exc):
+                    raise
+                self.disk_failed(exc)
+                raise StoreFullError(f"no space left on the store's disk ({exc})") from exc
             await self.meta_synced()
             return out
         return run
@@ -670,14 +678,15 @@ class Replication:
             if ctl.fresh:  # the journal read at start may be old: wait for the group's word
                 try:
                     self._apply(ctl.view())
-                except OSError as exc:  # an epoch file on a full disk, say: next tick
+                except Exception as exc:  # a full disk (the epoch file): next tick
                     if not no_space(exc):
                         raise
                     self.disk_failed(exc)
         if self.role == MASTER or self.role == FENCED:
             self._check_lease()
             self.insync.refresh(time.monotonic(), self.store.commitlog.max_offset)
-            self._propose_insync()
+            if self.space.full is None:  # full, it stepped down: the set stays for
+                self._propose_insync()   # the election of its successor
             self._release()
             self._release_meta()
             self._expire()

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from store.sdk import Producer
+from tests.conftest import RedisServer, Server
 from tests.ha.cluster import Group, cluster, read_topic, same_log, wait_for
+from tests.ha.load import Publisher, collect, subscriber
 
 DISK_MB = 64
 TOPIC = "full"
@@ -82,13 +84,17 @@ def fill(disk: Path) -> Path:
 
 
 @pytest.fixture
-def group(tmp_path: Path) -> Iterator[Group]:
-    """Three nodes in sync mode, each with its data directory alone on a small disk."""
+def group(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Group]:
+    """Three nodes in sync mode, each with its data directory alone on a small disk (and
+    a Redis for gateways, when the test asks for `redis_server`)."""
     disks = [tmp_path / f"disk{i}" for i in range(3)]
     for disk in disks:
         _mount(disk)
+    notify = []
+    if "redis_server" in request.fixturenames:
+        notify = ["--notify", request.getfixturevalue("redis_server").url]
     g = Group(tmp_path / "group", 3, "--replication", "sync", "--min-insync", "2",
-              "--segment-size", str(1 << 20))
+              "--segment-size", str(1 << 20), *notify)
     for i, node in enumerate(g.nodes):
         node.data_dir = g.dirs[i] = disks[i] / "data"
     g.disks = disks  # type: ignore[attr-defined]
@@ -218,3 +224,54 @@ def test_a_replica_that_cannot_write_leaves_the_in_sync_set_at_once(group: Group
     time.sleep(0.5)
     _alive(g)
     _all_kept(g, m, sender.acked)
+
+
+def test_a_full_master_under_mqtt_load_loses_nothing(group: Group,
+                                                     redis_server: RedisServer) -> None:
+    """Through a gateway, with a persistent subscriber: the full master's first failed
+    writes are often the metadata's (sessions, offsets), RocksDB's, not the log's."""
+    g = group
+    m = g.master()
+    gw = Server(None, "--store", g.addrs, "--notify", redis_server.url,
+                "--max-offline-messages", "10000000", command="gateway").start()
+    stop = threading.Event()
+    try:
+        sub = subscriber(gw.port)
+        sub.subscribe("ha/#", 1)
+        pubs = [Publisher(gw.port, f"p{i}") for i in range(2)]
+        threads = [threading.Thread(target=p.run, args=(stop,), daemon=True) for p in pubs]
+        for t in threads:
+            t.start()
+
+        def acked() -> int:
+            return sum(len(p.acked) for p in pubs)
+
+        wait_for(lambda: acked() > 100, 20, "publishing under way")
+        filler = fill(g.disks[m])  # type: ignore[attr-defined]
+        new = wait_for(lambda: [i for i in _masters(g) if i != m] or None, 20,
+                       "another master")[0]
+        n = acked()
+        wait_for(lambda: acked() > n + 100, 20, "publishing to go on")
+        filler.unlink()
+        wait_for(lambda: len(g.insync(new)) == 3, 30, "the full node back in sync")
+        n = acked()
+        wait_for(lambda: acked() > n + 100, 20, "publishing to go on")
+        stop.set()
+        for t in threads:
+            t.join(20)
+        for p in pubs:
+            assert not p.error, p.error
+        delivered = collect(sub, 5.0)
+        sent = [a for p in pubs for a in p.acked]
+        lost = set(sent) - set(delivered)
+        print(f"{len(sent)} acked, {len(delivered)} delivered, {len(lost)} lost")
+        assert not lost
+        _alive(g)
+        # A metadata write on the full disk is answered with the reason; it does not
+        # end the gateway's connection with a traceback.
+        assert "native connection from 127.0.0.1 failed" not in g.nodes[m].logs()
+        sub.disconnect()
+    finally:
+        stop.set()
+        if gw.proc is not None:
+            gw.kill()
