@@ -20,7 +20,7 @@ import pytest
 from store.sdk import Producer
 from tests.conftest import RedisServer, Server
 from tests.ha.cluster import Group, cluster, read_topic, same_log, wait_for
-from tests.ha.load import Publisher, collect, subscriber
+from tests.ha.load import Load, collect, subscriber
 
 DISK_MB = 64
 TOPIC = "full"
@@ -124,10 +124,16 @@ def _committed(g: Group, master: int) -> list[str]:
     return list(cluster(g.nodes[master])["controller"]["insync"])
 
 
-def _all_kept(g: Group, node: int, acked: list[bytes]) -> None:
-    stored = set(read_topic(g.nodes[node].native, TOPIC))
-    lost = [b[:6] for b in acked if b not in stored]
+def _nothing_lost(g: Group, sender: Sender) -> int:
+    """Once the sender stopped: every node up, and every body the group acknowledged
+    in the master's log; the master's index."""
+    time.sleep(0.5)
+    _alive(g)
+    m = g.master()
+    stored = set(read_topic(g.nodes[m].native, TOPIC))
+    lost = [b[:6] for b in sender.acked if b not in stored]
     assert not lost, f"{len(lost)} acknowledged messages lost: {lost[:10]}"
+    return m
 
 
 def test_a_full_master_steps_down_serves_reads_and_comes_back(group: Group) -> None:
@@ -157,10 +163,7 @@ def test_a_full_master_steps_down_serves_reads_and_comes_back(group: Group) -> N
         sender.wait_more(50, 20)
     finally:
         sender.stop.set()
-    time.sleep(0.5)
-    _alive(g)
-    new = g.master()
-    _all_kept(g, new, sender.acked)
+    new = _nothing_lost(g, sender)
     wait_for(lambda: same_log(g.dirs[m], g.dirs[new]), 20, "the same log on both")
 
 
@@ -187,10 +190,7 @@ def test_all_three_full_refuse_writes_clearly_and_recover(group: Group) -> None:
         sender.wait_more(50, 30)
     finally:
         sender.stop.set()
-    time.sleep(0.5)
-    _alive(g)
-    m = g.master()
-    _all_kept(g, m, sender.acked)
+    m = _nothing_lost(g, sender)
     wait_for(lambda: len(g.insync(m)) == 3, 30, "all three back in sync")
 
 
@@ -221,9 +221,7 @@ def test_a_replica_that_cannot_write_leaves_the_in_sync_set_at_once(group: Group
         sender.wait_more(20, 20)
     finally:
         sender.stop.set()
-    time.sleep(0.5)
-    _alive(g)
-    _all_kept(g, m, sender.acked)
+    _nothing_lost(g, sender)
 
 
 def test_a_full_master_under_mqtt_load_loses_nothing(group: Group,
@@ -234,37 +232,25 @@ def test_a_full_master_under_mqtt_load_loses_nothing(group: Group,
     m = g.master()
     gw = Server(None, "--store", g.addrs, "--notify", redis_server.url,
                 "--max-offline-messages", "10000000", command="gateway").start()
-    stop = threading.Event()
+    load: Load | None = None
     try:
         sub = subscriber(gw.port)
         sub.subscribe("ha/#", 1)
-        pubs = [Publisher(gw.port, f"p{i}") for i in range(2)]
-        threads = [threading.Thread(target=p.run, args=(stop,), daemon=True) for p in pubs]
-        for t in threads:
-            t.start()
-
-        def acked() -> int:
-            return sum(len(p.acked) for p in pubs)
-
-        wait_for(lambda: acked() > 100, 20, "publishing under way")
+        load = Load([gw.port], 2).start()
+        wait_for(lambda: load.acked() > 100, 20, "publishing under way")
         filler = fill(g.disks[m])  # type: ignore[attr-defined]
         new = wait_for(lambda: [i for i in _masters(g) if i != m] or None, 20,
                        "another master")[0]
-        n = acked()
-        wait_for(lambda: acked() > n + 100, 20, "publishing to go on")
+        n = load.acked()
+        wait_for(lambda: load.acked() > n + 100, 20, "publishing to go on")
         filler.unlink()
         wait_for(lambda: len(g.insync(new)) == 3, 30, "the full node back in sync")
-        n = acked()
-        wait_for(lambda: acked() > n + 100, 20, "publishing to go on")
-        stop.set()
-        for t in threads:
-            t.join(20)
-        for p in pubs:
-            assert not p.error, p.error
+        n = load.acked()
+        wait_for(lambda: load.acked() > n + 100, 20, "publishing to go on")
+        load.stop()
         delivered = collect(sub, 5.0)
-        sent = [a for p in pubs for a in p.acked]
-        lost = set(sent) - set(delivered)
-        print(f"{len(sent)} acked, {len(delivered)} delivered, {len(lost)} lost")
+        lost = set(load.all_acked()) - set(delivered)
+        print(f"{load.acked()} acked, {len(delivered)} delivered, {len(lost)} lost")
         assert not lost
         _alive(g)
         # A metadata write on the full disk is answered with the reason; it does not
@@ -272,6 +258,7 @@ def test_a_full_master_under_mqtt_load_loses_nothing(group: Group,
         assert "native connection from 127.0.0.1 failed" not in g.nodes[m].logs()
         sub.disconnect()
     finally:
-        stop.set()
+        if load is not None:
+            load.stop_event.set()
         if gw.proc is not None:
             gw.kill()
