@@ -77,6 +77,7 @@ class Replication:
         self.metalog = MetaLog(self._wake_soon)
         self.space = Space()
         self.write_error: str | None = None  # as a replica: why its last copy failed
+        self._unsaved_epoch: tuple[int, int] | None = None  # mastered, not yet recorded
         self.controller: Controller | None = None
         self.drop_clients: Callable[[], None] = lambda: None  # set by the native server
         self.truncated_bytes = 0
@@ -126,7 +127,8 @@ class Replication:
         if ctl is None:
             return
         left = ctl.lease_left(self.epoch, self.cfg.lease_s)
-        if self.role == FENCED and left > 0 and self.space.full is None:
+        if (self.role == FENCED and left > 0 and self.space.full is None
+                and self._epoch_saved()):
             log.warning("lease from the controller again: master of epoch %d takes writes",
                         self.epoch)
             self.role = MASTER
@@ -153,8 +155,24 @@ class Replication:
         elif changed is False:
             log.warning("room on this store node's disk again (%d MiB free): it takes "
                         "writes and copies again", st.f_bavail * st.f_frsize >> 20)
-            if self.role == FENCED and self.controller is None:
+            if self.role == FENCED and self.controller is None and self._epoch_saved():
                 self.role = MASTER
+
+    def _epoch_saved(self) -> bool:
+        """Record the epoch this node became master of on a full disk; False while it
+        still cannot (it takes no write before)."""
+        if self._unsaved_epoch is None:
+            return True
+        epoch, start = self._unsaved_epoch
+        try:
+            self.epochs.start(epoch, start, self.store.commitlog.max_offset)
+        except Exception as exc:
+            if not no_space(exc):
+                raise
+            self.disk_failed(exc)
+            return False
+        self._unsaved_epoch = None
+        return True
 
     def disk_failed(self, exc: BaseException) -> None:
         """A write of this node failed (any thread): if for want of space, it is full."""
@@ -183,8 +201,8 @@ class Replication:
             # elects a master with room: becoming a replica then sends them there.
             self._fail_pending("no space left on the store node's disk: the write may "
                                "or may not be kept; send it again")
-            if self.controller is not None:  # now, not at the next tick: elect another
-                self.controller.report(self._report_info(), 0)
+        if self.controller is not None:  # now, not at the next tick: elect another, or
+            self.controller.report(self._report_info(), 0)  # not this one
 
     def write_failed(self, exc: BaseException) -> bool:
         """As a replica: writing what it copied failed. Said to the master with the next
@@ -378,7 +396,9 @@ class Replication:
     # -- the master's side: REPL_FETCH --------------------------------------------------
     async def handle_fetch(self, f: p.Frame, ctx: Any) -> tuple[dict[str, Any], bytes]:
         h = f.header
-        if self.role != MASTER:
+        # A master that stepped down for want of space still feeds its replicas (it is
+        # the controller's master until another is elected): their readers see on.
+        if self.role != MASTER and not (self.role == FENCED and self.space.full):
             raise StoreError(f"not the master (role {self.role}); the master is "
                              f"{self.master_addr}")
         if int(h.get("epoch") or 0) > self.epoch:  # the replica knows of a later master
@@ -476,7 +496,10 @@ class Replication:
         """Ask the controller for the in-sync set this master wants, one proposal at a
         time (sent again if unanswered). Until committed a change does not count:
         joiners are already waited for, leavers still are (see store.replication.insync).
-        Without a controller (a fixed --replica-of pair) the master's word is final."""
+        Without a controller (a fixed --replica-of pair) the master's word is final.
+        None while full: the set stays as it is for the election of a successor."""
+        if self.space.full is not None:
+            return
         isr = self.insync
         want = isr.desired(self.confirmed if self.cfg.mode == "sync" else 0)
         now = time.monotonic()
@@ -598,8 +621,17 @@ class Replication:
         self._stop_following()
         store = self.store
         log_end = store.commitlog.max_offset
+        self._unsaved_epoch = None
         if self.epochs.last_epoch != epoch:
-            self.epochs.start(epoch, log_end, log_end)
+            try:
+                self.epochs.start(epoch, log_end, log_end)
+            except Exception as exc:
+                if not no_space(exc):
+                    raise
+                # Elected with a full disk (before it said so): master, fenced, until
+                # there is room to record the epoch, before any write is taken.
+                self._unsaved_epoch = (epoch, log_end)
+                self.space.failed(exc)
         store._load_routes()
         store._keep_readers_ahead()
         store.index.forget_allocations()
@@ -685,8 +717,7 @@ class Replication:
         if self.role == MASTER or self.role == FENCED:
             self._check_lease()
             self.insync.refresh(time.monotonic(), self.store.commitlog.max_offset)
-            if self.space.full is None:  # full, it stepped down: the set stays for
-                self._propose_insync()   # the election of its successor
+            self._propose_insync()
             self._release()
             self._release_meta()
             self._expire()
