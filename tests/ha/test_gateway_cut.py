@@ -115,7 +115,9 @@ def test_a_gateway_cut_from_the_master_sends_its_clients_to_another(
         print(f"clients sent away {sent_away:.1f} s after the cut")
 
         proxies[m].heal()
+        healed = time.monotonic()
         wait_for(lambda: _get(gw, "/readyz")[0] == 200, 30, "ready again")
+        print(f"ready again {time.monotonic() - healed:.1f} s after the heal")
         back = RawClient(gw.port, version=5)
         assert back.connect("back").reason_code == 0
         back.send(mqtt.Publish("cut/x", b"back", qos=1, packet_id=1))
