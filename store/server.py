@@ -400,6 +400,8 @@ class NativeServer:
                     out = _error(frame, exc.status, str(exc))
                 except (KeyError, ValueError, TypeError, p.ProtocolError) as exc:
                     out = _error(frame, 400, f"bad request: {exc}")
+                except StoreFullError as exc:
+                    out = _error(frame, 507, str(exc))
                 except StoreError as exc:
                     out = _error(frame, 503, str(exc))
             await send.send(out)

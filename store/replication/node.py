@@ -343,7 +343,7 @@ class Replication:
                ) -> Callable[[p.Frame, Any], Awaitable[tuple[dict, bytes]]]:
         """A native handler that changes metadata, answering once it is replicated. A
         write that finds the disk full makes this node full (RocksDB's errors are plain
-        Exceptions: answered 503 with the reason, not a connection ended)."""
+        Exceptions: answered 507 with the reason, not a connection ended)."""
         async def run(f: p.Frame, ctx: Any) -> tuple[dict, bytes]:
             try:
                 out = await handler(f, ctx)
