@@ -16,6 +16,7 @@ from gateway.admin import gateway_routes
 from gateway.broker import Broker
 from gateway.config import GatewayOptions
 from gateway.listener import start_listeners
+from gateway.store_link import StoreLink
 from notify import open_bus
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
@@ -105,8 +106,11 @@ async def _gateway(opts: GatewayOptions, signals: Signals) -> None:
             nursery.start_soon(broker.run_poll_fallback, bus if opts.notify else None)
             await nursery.start(broker.run_connections)
             await nursery.start(broker.run_housekeeping)
+            link = StoreLink(client, opts.peers, opts.master_unreachable_s)
+            nursery.start_soon(link.run, broker)
             bound = await start_listeners(nursery, broker, opts.listeners)
-            app = auth_app(gateway_routes(broker), auth, manage_auth=False)
+            app = auth_app([*link.routes(), *gateway_routes(broker)], auth,
+                           manage_auth=False)
             bound["http"] = await nursery.start(
                 partial(serve_http, max_body=opts.gateway.http_max_body,
                         allowed_hosts=opts.gateway.http_allowed_hosts), app, opts.http)

@@ -31,6 +31,7 @@ from gateway.session import NEVER_EXPIRES, Client, Outgoing, Session, Subscripti
 from gateway.sessions import ClientIdTaken, SessionLimitReached, SessionRegistry
 from gateway.shared import SharedGroup, SharedGroups
 from gateway.stats import APPEND_BUCKETS, Stats
+from gateway.store_link import Elsewhere
 from gateway.wills import Wills
 from notify import Bus, LocalBus
 from serving.read_budget import ReadBudget
@@ -88,6 +89,8 @@ class Broker:
         self.deferred: set[Delivery] | None = None
         # Tasks connections start on demand (their lanes, deliveries, writers, ends).
         self.connection_nursery: trio.Nursery | None = None
+        # Set while clients are sent to other gateways (cut off from the store's master).
+        self.elsewhere: Elsewhere | None = None
 
     # -- what the others read ---------------------------------------------------------
     @property

@@ -157,6 +157,14 @@ class GatewayOptions:
     store_wait_s: float = setting(  # 0: for good
         0.0, "at start, how long to wait for the store (a group: for its master) before "
         "giving up; 0: wait for good")
+    peers: list[str] = setting(  # MQTT 5 Server Reference when clients are sent away
+        help="the other gateways' MQTT HOST:PORT, comma list: named to MQTT 5 clients "
+        "(Server Reference) when this gateway sends them away", type=str,
+        default_factory=list)
+    master_unreachable_s: float = setting(
+        10.0, "a gateway that cannot reach its store group's master this long while the "
+        "other nodes name one answers 503 on /readyz and sends its MQTT clients to "
+        "another gateway (--peers)")
     notify: str | None = None  # redis://...; None: poll the store
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     listeners: ListenerConfig = field(default_factory=ListenerConfig)

@@ -67,6 +67,9 @@ class ConnectRules:
         enhanced exchange (§4.12), whose next rounds come back as AUTH (`_on_auth`)."""
         p, core, broker, cfg = ev.packet, self.core, self.broker, self.config
         ip = self.peer.rsplit(":", 1)[0]
+        if broker.elsewhere is not None:  # cut off from the store's master
+            raise core.refuse(rc.USE_ANOTHER_SERVER, rc.CONNACK_SERVER_UNAVAILABLE,
+                              broker.elsewhere.why, broker.elsewhere.properties)
         authenticator = None
         if ev.auth_method is not None:
             # Enhanced authentication: the methods the AuthManager offers.

@@ -85,23 +85,31 @@ class Ending:
         data = core.close(closing) if not self._taken_over else b""
         self.out.write(core.data_to_send() + data)
         await self.out.last_words()
-        if s is not None:
-            log.info("client %r (%s) disconnected: %s", s.client_id, self.peer, closing)
-            broker.stats.connections -= 1
-            if self.delivery is not None:
-                self.delivery.give_back_shared()
-                self.delivery.rewind_unsent()
-            if s.persistent:
-                core.unalias_outgoing()
-            will, s.will = s.will, None
-            if will is not None and closing.will:
-                broker.schedule_will(s, will)
-            if s.connection is self:
-                await broker.session_detached(s)
+        if s is not None and self.delivery is not None:
+            # Before the output is dropped: what the socket never took is known only now.
+            self.delivery.rewind_unsent()
+        # Told, the client is let go now, whatever the session's end costs (with the
+        # store away, a session's write waits for its timeout): it may connect again,
+        # elsewhere. A takeover waits for `detached`, set however that ends.
         await self.out.close()
-        if self._detached is None:
-            self._detached = trio.Event()
-        self._detached.set()
+        try:
+            if s is not None:
+                log.info("client %r (%s) disconnected: %s", s.client_id, self.peer,
+                         closing)
+                broker.stats.connections -= 1
+                if self.delivery is not None:
+                    self.delivery.give_back_shared()
+                if s.persistent:
+                    core.unalias_outgoing()
+                will, s.will = s.will, None
+                if will is not None and closing.will:
+                    broker.schedule_will(s, will)
+                if s.connection is self:
+                    await broker.session_detached(s)
+        finally:
+            if self._detached is None:
+                self._detached = trio.Event()
+            self._detached.set()
 
 
 

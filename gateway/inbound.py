@@ -24,7 +24,14 @@ from gateway.mqtt import Publish
 from gateway.mqtt import reason as rc
 from gateway.session import Session
 from gateway.stats import Stats
-from store.api import FutureLike, Message, Store, StoreError, StoreFullError
+from store.api import (
+    FutureLike,
+    Message,
+    Store,
+    StoreError,
+    StoreFullError,
+    StoreUnavailable,
+)
 
 log = logging.getLogger("lightgate.gateway.inbound")
 
@@ -182,8 +189,11 @@ class Inbound:
             clients[conn] = msg.client_id
             conn.stored(p, ticket, code, f"not stored: {exc}")
             self._done(conn)
+        # Without a store connection the store client (and a gateway cut off from its
+        # master, gateway.store_link) says so once: not once per publish.
+        level = logging.DEBUG if isinstance(exc, StoreUnavailable) else logging.WARNING
         for conn, client_id in clients.items():
-            log.warning("publishes from %r not stored: %s", client_id, exc)
+            log.log(level, "publishes from %r not stored: %s", client_id, exc)
             conn.flush()
 
     def _done(self, conn: Publisher) -> None:

@@ -279,7 +279,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.app import run_gateway
 
     values = resolve(args, GATEWAY_CMD_SETTINGS)
+    if values["master_unreachable_s"] <= 0:
+        raise StartupError("--master-unreachable-s must be more than 0 (and longer than "
+                           "the store group's failover, --failover-after-s)")
     opts = _config(GatewayOptions, values, notify=values["notify"],
+                   peers=list(split_list(values["peers"]) or ()),
                    gateway=_gateway_config(values), listeners=_listener_config(values),
                    http=values["http"], auth_strategy=values["auth_strategy"],
                    audit_log=values["audit_log"], auth_backends=_backend_config(values))

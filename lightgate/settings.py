@@ -29,6 +29,9 @@ NATIVE_SETTING = ("native", str, NATIVE_ADDR, "native protocol HOST:PORT")
 NOTIFY_SETTING = ("notify", str, None, "notify between nodes: redis://HOST:PORT")
 STORE_ADDR_SETTING = setting_of(GatewayOptions, "store")
 STORE_WAIT_SETTING = setting_of(GatewayOptions, "store_wait_s")
+# Where a gateway cut off from its store's master sends its clients (gateway.store_link).
+GATEWAY_PEER_SETTINGS: list[Setting] = settings_of(GatewayOptions, "peers",
+                                                   "master_unreachable_s")
 LISTENER_SETTINGS: list[Setting] = settings_of(ListenerConfig)
 AUDIT_SETTING = setting_of(AuthConfig, "audit_log")
 AUTH_STRATEGY_SETTING = setting_of(AuthConfig, "strategy")
@@ -46,7 +49,8 @@ SERVE_SETTINGS = [*STORE_SETTINGS, *GATEWAY_SETTINGS, *AUTH_SETTINGS, *AUTH_BACK
 STORE_CMD_SETTINGS = [*STORE_SETTINGS, *AUTH_SETTINGS, AUDIT_SETTING, NATIVE_SETTING,
                       NOTIFY_SETTING, HTTP_SETTING, HTTP_BODY_SETTING, HTTP_HOSTS_SETTING,
                       *REPLICATION_SETTINGS]
-GATEWAY_CMD_SETTINGS = [STORE_ADDR_SETTING, STORE_WAIT_SETTING, NOTIFY_SETTING, *GATEWAY_SETTINGS,
+GATEWAY_CMD_SETTINGS = [STORE_ADDR_SETTING, STORE_WAIT_SETTING, *GATEWAY_PEER_SETTINGS,
+                        NOTIFY_SETTING, *GATEWAY_SETTINGS,
                         *GATEWAY_AUTH_SETTINGS, *AUTH_BACKEND_SETTINGS, HTTP_SETTING,
                         HTTP_BODY_SETTING, HTTP_HOSTS_SETTING]
 

@@ -143,6 +143,10 @@ class NativeClient:
         self.host, self.port = self.addrs[0]
         self.connect_timeout = connect_timeout
         self.last_failure = ""  # why the last search found no master (for the log)
+        # The last search: nodes that answered, and a master they named that did not
+        # (the group has one, out of this client's reach) or None.
+        self.answering = 0
+        self.master_elsewhere: str | None = None
         self._suspect: set[Addr] = set()  # stopped answering: not waited for in a search
         self._ids = itertools.count(1)
         self._waiting: dict[int, Future] = {}
@@ -304,6 +308,10 @@ class NativeClient:
     def _choose(self, answers: dict[Addr, _Answer],
                 failures: dict[Addr, str]) -> _Answer | None:
         masters = [a for a in answers.values() if not self.group or a.role == MASTER]
+        self.answering = len(answers)
+        named = sorted({str(a.hello["master"]) for a in answers.values()
+                        if a.hello.get("master")})
+        self.master_elsewhere = None if masters or not named else named[0]
         if masters:
             return max(masters, key=lambda a: a.epoch)
         notes = [f"{_name(a)} {failures[a]}" for a in self.addrs if a in failures]

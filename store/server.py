@@ -128,7 +128,7 @@ class NativeServer:
         self.connections = 0
         # A store group's node: which requests it refuses now (a replica refuses writes)
         # and what its HELLO says of its role, so clients find the master.
-        self.write_refusal: Callable[[int], str | None] | None = None
+        self.write_refusal: Callable[[int], StoreError | None] | None = None
         self.hello_extra: Callable[[], dict[str, Any]] | None = None
         # The group secret: a store node proves it holds it to fetch the log (REPL_FETCH).
         self.node_secret: bytes | None = None
@@ -276,7 +276,8 @@ class NativeServer:
         if self.write_refusal is not None:
             why = self.write_refusal(frame.code)
             if why is not None:
-                nursery.start_soon(self._reply_error, frame, send, limit, 503, why)
+                status = 507 if isinstance(why, StoreFullError) else 503
+                nursery.start_soon(self._reply_error, frame, send, limit, status, str(why))
                 return
         if frame.code in (p.SEND, p.PUBLISH):
             try:  # submitted now, in frame order; answered when stored

@@ -21,13 +21,16 @@ AWAIT_CONNECT, CONNECTING, CONNECTED, CLOSED = range(4)
 
 class Closing(Exception):
     """End this connection; `will` says whether the will message goes out,
-    `reason_code` what a v5 client is told (DISCONNECT), `internal` that it is a server
-    bug, not anything the client did."""
+    `reason_code` what a v5 client is told (DISCONNECT), with `properties` (a Server
+    Reference, say) where they fit; `internal` that it is a server bug, not anything the
+    client did."""
 
-    def __init__(self, why: str, will: bool = True, reason_code: int | None = None) -> None:
+    def __init__(self, why: str, will: bool = True, reason_code: int | None = None,
+                 properties: dict[str, Any] | None = None) -> None:
         super().__init__(why)
         self.will = will
         self.reason_code = reason_code
+        self.properties = properties or {}
         self.internal = False
 
 

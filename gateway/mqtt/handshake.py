@@ -80,13 +80,19 @@ class Handshake:
         self.phase = CONNECTING
         return ConnectReceived(p, p.client_id, expiry, method)
 
-    def refuse(self, code5: int, code3: int | None, why: str) -> Refused:
-        """A CONNACK refusing the CONNECT (3.1.1: `code3`, None for a plain close). The
-        driver raises what this returns."""
+    def refuse(self, code5: int, code3: int | None, why: str,
+               properties: dict[str, Any] | None = None) -> Refused:
+        """A CONNACK refusing the CONNECT (3.1.1: `code3`, None for a plain close), with
+        `properties` for v5 (a Server Reference) where they fit. The driver raises what
+        this returns."""
         code = code5 if self.version == 5 else code3
         if code is not None:
-            props = self.reason(why) if self.version == 5 else {}
-            self._send(encode(Connack(False, code, props), self.version))
+            told = self.reason(why) if self.version == 5 else {}
+            extra = properties or {} if self.version == 5 else {}
+            data = encode(Connack(False, code, {**told, **extra}), self.version)
+            if extra and len(data) > self.client_max_packet:
+                data = encode(Connack(False, code, told), self.version)
+            self._send(data)
         return Refused(why)
 
     def auth_continue(self, data: bytes | None, now: float | None = None) -> None:

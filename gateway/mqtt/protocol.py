@@ -480,7 +480,11 @@ class MqttProtocol(Handshake, Outbound):
         was = self.phase
         self.phase = CLOSED
         if was == CONNECTED and closing.reason_code and self.version == 5:
-            return encode(Disconnect(closing.reason_code, self.reason(str(closing))), 5)
+            told = self.reason(str(closing))
+            data = encode(Disconnect(closing.reason_code, {**told, **closing.properties}), 5)
+            if closing.properties and len(data) > self.client_max_packet:
+                data = encode(Disconnect(closing.reason_code, told), 5)
+            return data
         return b""
 
     def taken_over(self) -> bytes:

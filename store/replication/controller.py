@@ -26,6 +26,12 @@ Raft needs a majority of the group's nodes up and talking: without it no report 
 no lease is renewed, so the master steps down and nobody is elected until a majority
 meets again.
 
+A node out of disk space (`full` in its reports) is never elected, and a master that
+reports it is full has stopped acknowledging (it dropped its lease before that report
+was sent), so its successor is elected at once instead of `dead_s` later. The Raft
+journal is store.replication.journal's: a full disk makes its writes fail (this node
+takes no part in the group's decisions until they work again), it never kills the node.
+
 Raft messages are authenticated with the group secret (pysyncobj's `password`: every
 frame is encrypted and HMAC-checked before it is deserialised) and the port binds only
 the address given (store.replication.raft_transport has the connection limits)."""
@@ -42,12 +48,42 @@ from typing import Any
 
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 
-from store.replication import raft_transport
+from store.replication import journal, raft_transport
 
 log = logging.getLogger("lightgate.store.controller")
 
 HEARTBEAT_S = 0.5  # how often each node reports (and the master renews its lease)
 TICK_S = 0.05  # the Raft thread's poll period
+JOURNAL_FILE = "raft.journal"
+HANDOVER_S = 2.0  # a Raft leader short of journal space hands over at most this often
+QUIET_S = 60.0  # a warning pysyncobj repeats every tick is let through this often
+
+
+class _Quieter(logging.Filter):
+    """pysyncobj tries a snapshot that failed again on the next tick, with a WARNING
+    each time (a full disk: ten a second): let each message through once a minute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        now = time.monotonic()
+        key = str(record.msg)
+        if now - self._last.get(key, -QUIET_S) < QUIET_S:
+            return False
+        self._last[key] = now
+        return True
+
+
+_QUIETER = _Quieter()
+
+
+def full(info: dict[str, Any]) -> bool:
+    """Whether a node's report says its disk is full (it takes no writes)."""
+    return bool(info.get("full"))
 
 
 @dataclass(frozen=True)
@@ -74,7 +110,7 @@ class GroupState(SyncObj):
             # the status of a cut-off node does not name itself leader for 30 s.
             leaderFallbackTimeout=2.0,
             tcp_keepalive=(1, 1, raft_transport.LINK_DEAD_S),
-            journalFile=str(data_dir / "raft.journal") if data_dir else None,
+            journalFile=str(data_dir / JOURNAL_FILE) if data_dir else None,
             fullDumpFile=str(data_dir / "raft.dump") if data_dir else None,
         )
         # Set before SyncObj.__init__: pysyncobj leaves these out of its snapshots.
@@ -107,8 +143,13 @@ class GroupState(SyncObj):
         with self._lock:
             if self.epoch != expected_epoch or epoch <= self.epoch:
                 return False
+            if full(self.nodes.get(node, {})):
+                return False
             if self.master:
-                if self.reports.get(self.master, 0) != master_reports:
+                # A master that reports it is full has stepped down: its reports since
+                # do not void the election, unless one says it has room again.
+                if (self.reports.get(self.master, 0) != master_reports
+                        and not full(self.nodes.get(self.master, {}))):
                     return False
                 if node not in self.insync:
                     return False
@@ -138,23 +179,24 @@ def choose_master(view: dict[str, Any], ages: dict[str, float], dead_s: float,
                   group_size: int) -> tuple[str, int] | None:
     """The election rule, run by the Raft leader. `ages`: seconds since the leader
     applied each node's last report. A master silent for `dead_s` is dead (its lease,
-    shorter, ended before); its successor is the live member of the committed in-sync
-    set with the longest log, never one whose log ends before what the master last said
-    it had acknowledged. The first master (none yet) waits for a majority of nodes to
-    report. Returns (node, new epoch) or None (no election now)."""
+    shorter, ended before), and one that reports its disk full has stepped down; its
+    successor is the live member of the committed in-sync set with the longest log and
+    room on its disk, never one whose log ends before what the master last said it had
+    acknowledged. The first master (none yet) waits for a majority of nodes to report.
+    Returns (node, new epoch) or None (no election now)."""
     nodes = view["nodes"]
     alive = {n for n in nodes if ages.get(n, float("inf")) <= dead_s}
     master = view["master"]
-    if master and master in alive:
+    if master and master in alive and not full(nodes[master]):
         return None
     if not master:
         if len(alive) < group_size // 2 + 1:
             return None
-        candidates = alive
+        candidates = {n for n in alive if not full(nodes[n])}
     else:
         acked = int(nodes.get(master, {}).get("acked", 0))
         candidates = {n for n in view["insync"] if n in alive and n != master
-                      and int(nodes[n].get("offset", 0)) >= acked}
+                      and not full(nodes[n]) and int(nodes[n].get("offset", 0)) >= acked}
     if not candidates:
         return None
     best = max(candidates, key=lambda n: (int(nodes[n].get("offset", 0)), n))
@@ -177,13 +219,21 @@ class Controller:
         self.last_commit: float | None = None  # when our last committed report was sent
         self.lease_epoch = 0  # the epoch of the lease held ...
         self.lease_from = 0.0  # ... and when the report that renewed it was sent
+        self.lease_void_before = 0.0  # reports sent before this renew nothing (dropped)
+        self._lease_lock = threading.Lock()  # the Raft thread renews, the node drops
         self.deposed_epoch = 0  # a report as master of this epoch answered False
+        self.journal_error: str | None = None  # why the Raft journal cannot be written
+        self._journal_path = str(data_dir / JOURNAL_FILE) if data_dir else None
+        self._handover_at = 0.0
         self._electing = threading.Event()
         self._closed = threading.Event()
         self._built = threading.Event()
         self._error: BaseException | None = None
         self.state: GroupState | None = None
         raft_transport.install()
+        journal.install()
+        logging.getLogger("pysyncobj").addFilter(_QUIETER)
+        logging.getLogger("pysyncobj.syncobj").addFilter(_QUIETER)
         self._thread = threading.Thread(target=self._run, args=(cfg, data_dir),
                                         name="raft", daemon=True)
         self._thread.start()
@@ -203,10 +253,50 @@ class Controller:
         while not self._closed.is_set():
             try:
                 state.doTick(TICK_S)
+            except OSError as exc:  # its journal: a full disk, say (pysyncobj retries)
+                self._journal_failed(exc)
+                time.sleep(TICK_S)
+                continue
             except Exception:  # noqa: BLE001 - one bad tick must not end the controller
                 log.exception("controller tick failed")
                 time.sleep(TICK_S)
+                continue
+            if self.journal_error is not None and not self._journal_short():
+                log.warning("controller: its Raft journal is written again")
+                self.journal_error = None
+            self._hand_over()
         state.destroy()
+
+    def _journal(self) -> journal.ReservedJournal | None:
+        return None if self._journal_path is None else journal.opened(self._journal_path)
+
+    def _journal_short(self) -> bool:
+        j = self._journal()
+        return j is not None and j.short is not None
+
+    def _journal_failed(self, exc: OSError) -> None:
+        """Said once: until its journal takes writes again, this node's Raft makes no
+        promise (no vote, no entry), as if it were down; the others go on without it."""
+        if self.journal_error is None:
+            log.error("controller: cannot write its Raft journal (%s): this node takes no "
+                      "part in the group's decisions until it can", exc)
+        self.journal_error = str(exc)
+
+    def _hand_over(self) -> None:
+        """A Raft leader whose journal has no room left to grow hands leadership to a
+        node with room (pysyncobj's TimeoutNow), before its reserve runs out and no
+        report of any node can commit."""
+        if not self._journal_short() or time.monotonic() - self._handover_at < HANDOVER_S:
+            return
+        state = self.state
+        if state is None or not state._isLeader():
+            return
+        if all(full(info) for n, info in self.view()["nodes"].items() if n != self.node_id):
+            return  # every other node is full too: no better leader
+        self._handover_at = time.monotonic()
+        log.warning("controller: its Raft journal is short of space: handing Raft "
+                    "leadership to another node")
+        state.transferLeadership()
 
     # -- what this node says, and the lease it gets back ------------------------------
     def report(self, info: dict[str, Any], master_epoch: int) -> None:
@@ -217,17 +307,32 @@ class Controller:
             if err != FAIL_REASON.SUCCESS:
                 return
             self.last_commit = max(self.last_commit or 0.0, sent)
-            if result and master_epoch:
-                if master_epoch != self.lease_epoch or sent > self.lease_from:
-                    self.lease_epoch, self.lease_from = master_epoch, sent
-            elif master_epoch:
+            if master_epoch and not result:
                 self.deposed_epoch = max(self.deposed_epoch, master_epoch)
+            with self._lease_lock:  # one sent before the lease was dropped renews nothing
+                if (result and master_epoch and sent > self.lease_void_before
+                        and (master_epoch != self.lease_epoch or sent > self.lease_from)):
+                    self.lease_epoch, self.lease_from = master_epoch, sent
 
         assert self.state is not None
         try:
             self.state.report(self.node_id, info, master_epoch, callback=done)
         except Exception as exc:  # noqa: BLE001 - the queue is full: try next time
             log.debug("controller report not sent: %s", exc)
+
+    def drop_lease(self) -> None:
+        """Give up the lease now (a master stepping down by itself): no report sent
+        until now renews it, even one committed later."""
+        with self._lease_lock:
+            self.lease_void_before = time.monotonic()
+            self.lease_epoch, self.lease_from = 0, 0.0
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the state this node reads is at least as new as a report it made
+        since it started (its own journal, read at start, may be old: a master killed
+        and restarted may have been replaced meanwhile)."""
+        return self.last_commit is not None
 
     def lease_left(self, epoch: int, lease_s: float, now: float | None = None) -> float:
         """Seconds left of this node's lease as master of `epoch` (<= 0: none)."""
@@ -271,8 +376,12 @@ class Controller:
             return
         node, epoch = choice
         master = view["master"]
-        log.warning("controller: master %r silent for %.1f s; electing %s for epoch %d",
-                    master or None, view["ages"].get(master, 0.0), node, epoch)
+        if master and full(view["nodes"].get(master, {})):
+            log.warning("controller: master %r stepped down, its disk full; electing %s "
+                        "for epoch %d", master, node, epoch)
+        else:
+            log.warning("controller: master %r silent for %.1f s; electing %s for epoch "
+                        "%d", master or None, view["ages"].get(master, 0.0), node, epoch)
         self._electing.set()
 
         def done(result: Any, err: int) -> None:

@@ -1,11 +1,16 @@
 """A replica's copy loop: long-poll the master's CommitLog from this node's log end
 (REPL_FETCH), write the same bytes at the same offsets, dispatch them to the local index,
 and apply the master's metadata changes. The first fetch of each connection sends this
-node's epoch history: where it forked from the master's, the master says where to cut."""
+node's epoch history: where it forked from the master's, the master says where to cut.
+
+A write that fails (a full disk) is said to the master with the next fetch, which takes
+the replica out of the in-sync set at once; while its disk is full the replica writes
+nothing, and asks for one record a second to stay known to the master as alive."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
@@ -20,6 +25,8 @@ log = logging.getLogger("lightgate.store.follower")
 FETCH_WAIT_MS = 1000
 FETCH_MAX_BYTES = 4 << 20
 RETRY_S = 0.3
+BLOCKED_POLL_S = 1.0  # unable to write: how often it asks the master (and tries again)
+BLOCKED_MAX_BYTES = 64 << 10  # and how much it asks for (a record or so, to try)
 
 
 class Replica(Protocol):
@@ -33,6 +40,12 @@ class Replica(Protocol):
     master_end: int
     meta_complete: bool
     master_confirmed: int | None
+    space: Any  # store.replication.space.Space
+    write_error: str | None
+
+    def write_failed(self, exc: BaseException) -> bool: ...
+
+    def wrote(self) -> None: ...
 
     def still_following(self, master_addr: str, epoch: int) -> bool: ...
 
@@ -50,14 +63,22 @@ class Replica(Protocol):
     def mark_meta(self, complete: bool) -> None: ...
 
 
+@dataclass
+class _Position:
+    """Where a copy loop stands beyond the log's end (which the log itself holds)."""
+
+    meta: dict[str, Any] = field(default_factory=lambda: {"inc": "", "seq": 0})
+    snap: list[Any] | None = None  # a snapshot being copied in pages: inc, seq, cursor
+    restart: list[Any] | None = None  # starting over amid floors pages: offset, last queue
+    check: bool = True  # send the epoch history (the first fetch of a connection)
+
+
 async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
     """Copy from `master_addr` until cancelled (reconnecting on errors)."""
     store = repl.store
     if await trio.to_thread.run_sync(store.commitlog.repair_index):
         log.warning("the index was ahead of the log (a start-over cut short): rebuilt")
-    meta_pos: dict[str, Any] = {"inc": "", "seq": 0}
-    snap: list[Any] | None = None  # a snapshot being copied in pages: inc, seq, cursor
-    restart: list[Any] | None = None  # starting over amid floors pages: offset, last queue
+    pos = _Position()
     while True:
         try:
             secret = repl.cfg.raft_secret
@@ -65,52 +86,42 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                                          node=(repl.node_id, secret.encode()) if secret
                                          else None,
                                          connect_timeout=2.0) as client:
-                check = True
+                pos.check = True
                 while True:
                     if not repl.still_following(master_addr, epoch):
                         return
                     offset = store.commitlog.max_offset
+                    blocked = repl.space.full or repl.write_error
                     header, body = await client.request(p.REPL_FETCH, {
                         "node": repl.node_id, "addr": repl.native_addr, "offset": offset,
-                        "epoch": epoch, "epochs": repl.epochs.history if check else None,
-                        "meta_inc": meta_pos["inc"], "meta_seq": meta_pos["seq"],
-                        "meta_complete": repl.meta_complete, "snap": snap,
-                        "restart": restart, "confirmed": repl.master_confirmed,
-                        "wait_ms": FETCH_WAIT_MS, "max_bytes": FETCH_MAX_BYTES,
+                        "epoch": epoch, "epochs": repl.epochs.history if pos.check else None,
+                        "meta_inc": pos.meta["inc"], "meta_seq": pos.meta["seq"],
+                        "meta_complete": repl.meta_complete, "snap": pos.snap,
+                        "restart": pos.restart, "confirmed": repl.master_confirmed,
+                        "write_error": blocked,
+                        "wait_ms": 0 if blocked else FETCH_WAIT_MS,
+                        "max_bytes": BLOCKED_MAX_BYTES if blocked else FETCH_MAX_BYTES,
                     }, timeout=FETCH_WAIT_MS / 1000 + 10)
                     # The role may have changed while the request was out (promoted, or
                     # told to follow another master): then the answer is not ours to apply.
                     if not repl.still_following(master_addr, epoch):
                         return
-                    if "truncate_to" in header:
-                        await repl.cut(int(header["truncate_to"]))
+                    # Unable to write, it tells the master at once (the next fetch), then
+                    # asks again at a slower pace; full, it writes nothing meanwhile (its
+                    # readers still see what it holds, up to the master's read limit).
+                    full = repl.space.full is not None
+                    try:
+                        await _take(repl, header, body, offset, master_addr, epoch, pos,
+                                    write=not full)
+                    except Exception as exc:  # noqa: BLE001 - sorted by write_failed
+                        if not repl.write_failed(exc):
+                            raise
+                        full = True
+                    if full:
+                        if blocked:
+                            await trio.sleep(BLOCKED_POLL_S)
                         continue
-                    if "restart_at" in header:
-                        at, nxt = int(header["restart_at"]), header["next"]
-                        await repl.restart(at, header["floors"], int(header["default_floor"]),
-                                           [(int(e), int(s)) for e, s in header["epochs"]],
-                                           bool(header["first"]), nxt is None)
-                        restart = None if nxt is None else [at, nxt]
-                        continue
-                    if int(header.get("epoch") or 0) < epoch:
-                        raise StoreError(f"{master_addr} answers as master of epoch "
-                                         f"{header.get('epoch')}, before epoch {epoch}")
-                    check = False
-                    repl.master_end = int(header["end"])
-                    if body:
-                        await repl.write(offset, body, int(header["base"]))
-                    repl.confirm(header.get("confirmed"))
-                    meta = header.get("meta") or {}
-                    if "page" in meta:
-                        snap = await _copy_page(repl, meta)
-                        if snap is None:  # the last page: the changes since it began next
-                            meta_pos["inc"], meta_pos["seq"] = meta["inc"], int(meta["seq"])
-                    elif meta:
-                        if meta.get("ops"):
-                            await trio.to_thread.run_sync(store.meta.apply, meta["ops"])
-                        meta_pos["inc"], meta_pos["seq"] = meta["inc"], int(meta["seq"])
-                    if repl.still_following(master_addr, epoch):
-                        repl.adopt_epochs([(int(e), int(s)) for e, s in header["epochs"]])
+                    repl.wrote()
         except Exception as exc:  # noqa: BLE001 - sorted below
             leaf = _leaf(exc)
             if isinstance(leaf, ValueError):  # the master's bytes do not continue our log
@@ -120,6 +131,48 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
             else:
                 raise
         await trio.sleep(RETRY_S)
+
+
+async def _take(repl: Replica, header: dict[str, Any], body: bytes, offset: int,
+                master_addr: str, epoch: int, pos: _Position, *, write: bool = True
+                ) -> None:
+    """Apply one answer of the master's: a cut, a start-over page, or log bytes and
+    metadata changes. `write=False`: only what needs no disk (the master's read limit)."""
+    store = repl.store
+    if "truncate_to" in header:
+        if write:
+            await repl.cut(int(header["truncate_to"]))
+        return
+    if "restart_at" in header and not write:
+        return
+    if "restart_at" in header:
+        at, nxt = int(header["restart_at"]), header["next"]
+        await repl.restart(at, header["floors"], int(header["default_floor"]),
+                           [(int(e), int(s)) for e, s in header["epochs"]],
+                           bool(header["first"]), nxt is None)
+        pos.restart = None if nxt is None else [at, nxt]
+        return
+    if int(header.get("epoch") or 0) < epoch:
+        raise StoreError(f"{master_addr} answers as master of epoch "
+                         f"{header.get('epoch')}, before epoch {epoch}")
+    pos.check = False  # this log does not fork from the master's: its reads are safe
+    repl.master_end = int(header["end"])
+    if body and write:
+        await repl.write(offset, body, int(header["base"]))
+    repl.confirm(header.get("confirmed"))
+    if not write:
+        return
+    meta = header.get("meta") or {}
+    if "page" in meta:
+        pos.snap = await _copy_page(repl, meta)
+        if pos.snap is None:  # the last page: the changes since it began next
+            pos.meta["inc"], pos.meta["seq"] = meta["inc"], int(meta["seq"])
+    elif meta:
+        if meta.get("ops"):
+            await trio.to_thread.run_sync(store.meta.apply, meta["ops"])
+        pos.meta["inc"], pos.meta["seq"] = meta["inc"], int(meta["seq"])
+    if repl.still_following(master_addr, epoch):
+        repl.adopt_epochs([(int(e), int(s)) for e, s in header["epochs"]])
 
 
 async def _copy_page(repl: Replica, meta: dict[str, Any]) -> list[Any] | None:

@@ -11,7 +11,8 @@ an acknowledged write.
   replica leaving is waited for until its removal is committed. So every member of the
   committed set always holds every acknowledged byte.
 - A replica may join only once it holds everything acknowledged so far; it leaves when
-  it has not fetched for `max_lag_s`, falls `max_lag_bytes` behind, or lacks metadata."""
+  it has not fetched for `max_lag_s`, falls `max_lag_bytes` behind, lacks metadata, or
+  says it cannot write what it copies (a full disk: at once, not `max_lag_s` later)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class Replica:
     caught_up: bool = False  # fetching, near the end, metadata complete
     meta: int = -1  # the master's metadata change it has applied (-1: another incarnation)
     meta_complete: bool = True  # False amid a snapshot copied in pages: it lacks some
+    failed: str | None = None  # why it cannot write what it copies (None: it can)
 
 
 class InSync:
@@ -46,13 +48,14 @@ class InSync:
 
     # -- replicas and the set they make ------------------------------------------------
     def report(self, node: str, addr: str, offset: int, now: float, master_end: int,
-               meta_complete: bool = True) -> None:
-        """A replica fetched from `offset` (it holds everything before)."""
+               meta_complete: bool = True, failed: str | None = None) -> None:
+        """A replica fetched from `offset` (it holds everything before); `failed`: why
+        it could not write what it fetched last."""
         rep = self.replicas.get(node)
         if rep is None:
             rep = self.replicas[node] = Replica(node, addr, offset, now)
         rep.addr, rep.offset, rep.seen = addr, offset, now
-        rep.meta_complete = meta_complete
+        rep.meta_complete, rep.failed = meta_complete, failed
         self._judge(rep, now, master_end)
 
     def refresh(self, now: float, master_end: int) -> None:
@@ -61,6 +64,7 @@ class InSync:
 
     def _judge(self, rep: Replica, now: float, master_end: int) -> None:
         rep.caught_up = (now - rep.seen <= self.max_lag_s and rep.meta_complete
+                         and rep.failed is None
                          and master_end - rep.offset <= self.max_lag_bytes)
 
     def desired(self, acked: int) -> set[str]:

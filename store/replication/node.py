@@ -1,7 +1,11 @@
 """One store node's part in its group: its role (master, replica, fenced), the master's
 side of replication (REPL_FETCH, the in-sync set, acknowledgements held until
 `min_insync` nodes have the bytes), the replica's copy loop (store.replication.follower)
-and, with --group-peers, the controller that says who is master."""
+and, with --group-peers, the controller that says who is master.
+
+A node out of disk space (store.replication.space) stays up: it refuses writes with the
+reason, serves reads, steps down if it is master (the controller elects a node with
+room), and takes writes or copies again by itself once there is room."""
 
 from __future__ import annotations
 
@@ -18,13 +22,14 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from store import protocol as p
-from store.common import StoreError
+from store.common import StoreClosedError, StoreError, StoreFullError
 from store.config import ReplicationConfig
 from store.replication.controller import HEARTBEAT_S, Controller, RaftConfig
 from store.replication.epochs import Epoch, EpochFile, fork_point, implicit
 from store.replication.follower import follow
 from store.replication.insync import InSync
 from store.replication.metalog import MetaLog
+from store.replication.space import Space, no_space
 from store.segment import fsync_dir
 
 if TYPE_CHECKING:
@@ -70,6 +75,9 @@ class Replication:
         self.master_end = 0  # as a replica: the master's log end at the last fetch
         self.insync = self._new_insync()
         self.metalog = MetaLog(self._wake_soon)
+        self.space = Space()
+        self.write_error: str | None = None  # as a replica: why its last copy failed
+        self._unsaved_epoch: tuple[int, int] | None = None  # mastered, not yet recorded
         self.controller: Controller | None = None
         self.drop_clients: Callable[[], None] = lambda: None  # set by the native server
         self.truncated_bytes = 0
@@ -119,8 +127,10 @@ class Replication:
         if ctl is None:
             return
         left = ctl.lease_left(self.epoch, self.cfg.lease_s)
-        if self.role == FENCED and left > 0:
-            log.warning("controller reached again: master of epoch %d", self.epoch)
+        if (self.role == FENCED and left > 0 and self.space.full is None
+                and self._epoch_saved()):
+            log.warning("lease from the controller again: master of epoch %d takes writes",
+                        self.epoch)
             self.role = MASTER
         elif (self.role == MASTER and left <= 0
               and time.monotonic() - self.became_master > self.cfg.lease_s):
@@ -132,6 +142,93 @@ class Replication:
             self._fail_pending("this store node lost its lease as master: the write may "
                                "or may not be kept; send it again")
             self.drop_clients()
+
+    # -- disk space ----------------------------------------------------------------------
+    def _check_space(self) -> None:
+        try:
+            st = os.statvfs(self.store.config.data_dir)
+        except OSError:
+            return
+        changed = self.space.measured(st.f_bavail * st.f_frsize)
+        if changed is True:
+            self._now_full()
+        elif changed is False:
+            log.warning("room on this store node's disk again (%d MiB free): it takes "
+                        "writes and copies again", st.f_bavail * st.f_frsize >> 20)
+            if self.role == FENCED and self.controller is None and self._epoch_saved():
+                self.role = MASTER
+
+    def _epoch_saved(self) -> bool:
+        """Record the epoch this node became master of on a full disk; False while it
+        still cannot (it takes no write before)."""
+        if self._unsaved_epoch is None:
+            return True
+        epoch, start = self._unsaved_epoch
+        try:
+            self.epochs.start(epoch, start, self.store.commitlog.max_offset)
+        except Exception as exc:
+            if not no_space(exc):
+                raise
+            self.disk_failed(exc)
+            return False
+        self._unsaved_epoch = None
+        return True
+
+    def disk_failed(self, exc: BaseException) -> None:
+        """A write of this node failed (any thread): if for want of space, it is full."""
+        if threading.get_ident() != self._trio_thread:
+            try:
+                self._token.run_sync_soon(self.disk_failed, exc)
+            except trio.RunFinishedError:
+                pass
+            return
+        if self.space.failed(exc):
+            self._now_full()
+
+    def _now_full(self) -> None:
+        """Out of space: refuse writes, and as master step down, giving up the lease
+        before the report that says so leaves, so a successor may be elected at once."""
+        stepping_down = self.role in (MASTER, FENCED)
+        log.error("no space left on this store node's disk (%s): it refuses writes%s, "
+                  "until %d MiB are free", self.space.full,
+                  f" and steps down as master of epoch {self.epoch}" if stepping_down
+                  else "", self.space.room_again >> 20)
+        if stepping_down:
+            self.role = FENCED
+            if self.controller is not None:
+                self.controller.drop_lease()
+            # Its clients stay, told why their writes are refused, until the controller
+            # elects a master with room: becoming a replica then sends them there.
+            self._fail_pending("no space left on the store node's disk: the write may "
+                               "or may not be kept; send it again")
+        if self.controller is not None:  # now, not at the next tick: elect another, or
+            self.controller.report(self._report_info(), 0)  # not this one
+
+    def write_failed(self, exc: BaseException) -> bool:
+        """As a replica: writing what it copied failed. Said to the master with the next
+        fetch (it leaves the in-sync set at once). False if `exc` is no write failure
+        (a log that does not continue the master's: the copy loop's own business)."""
+        if not (no_space(exc) or isinstance(exc, (OSError, StoreClosedError))
+                or type(exc) is Exception):  # RocksDB's errors are plain Exceptions
+            return False
+        if self.write_error is None:
+            log.error("this replica cannot write what it copies (%s): it leaves the in-sync "
+                      "set until it can", exc)
+        self.write_error = str(exc) or type(exc).__name__
+        self.disk_failed(exc)
+        return True
+
+    def wrote(self) -> None:
+        if self.write_error is not None:
+            log.warning("this replica writes what it copies again")
+            self.write_error = None
+
+    def _watch(self, fut: Any) -> None:
+        def done(f: Any) -> None:
+            exc = f.exception()
+            if exc is not None and no_space(exc):
+                self.disk_failed(exc)
+        fut.add_done_callback(done)
 
     def _fail_pending(self, why: str) -> None:
         for outer, _ in self.insync.drain():
@@ -149,6 +246,9 @@ class Replication:
         if self.role == REPLICA:
             where = f"the master at {self.master_addr}" if self.master_addr else "the master"
             return StoreError(f"this store node is a replica: writes go to {where}")
+        if self.space.full is not None:
+            return StoreFullError(f"no space left on the store's disk ({self.space.full}): "
+                                  "writes are refused until space is freed")
         if not self.has_lease():
             return StoreError("this store node holds no lease from the group's controller "
                               "(cut off, or just elected): writes are refused until it does")
@@ -158,15 +258,16 @@ class Replication:
                 "nodes --min-insync asks for are up: writes are refused")
         return None
 
-    def write_refusal(self, code: int) -> str | None:
+    def write_refusal(self, code: int) -> StoreError | None:
         if code not in WRITE_CODES:
             return None
         why = self.refused()
-        return None if why is None or self.role == MASTER else str(why)
+        return None if why is None or self.role == MASTER else why
 
     def acked(self, fut: Any) -> Any:
         """The future a caller awaits for an append: in sync mode, settled once every
         node of the in-sync set holds the bytes (or failed after ack_timeout_s)."""
+        self._watch(fut)
         if self.cfg.mode != "sync":
             if self.controller is not None:
                 fut.add_done_callback(lambda _: self._acked_now())
@@ -240,9 +341,17 @@ class Replication:
 
     def synced(self, handler: Callable[[p.Frame, Any], Awaitable[tuple[dict, bytes]]]
                ) -> Callable[[p.Frame, Any], Awaitable[tuple[dict, bytes]]]:
-        """A native handler that changes metadata, answering once it is replicated."""
+        """A native handler that changes metadata, answering once it is replicated. A
+        write that finds the disk full makes this node full (RocksDB's errors are plain
+        Exceptions: answered 507 with the reason, not a connection ended)."""
         async def run(f: p.Frame, ctx: Any) -> tuple[dict, bytes]:
-            out = await handler(f, ctx)
+            try:
+                out = await handler(f, ctx)
+            except Exception as exc:
+                if not no_space(exc):
+                    raise
+                self.disk_failed(exc)
+                raise StoreFullError(f"no space left on the store's disk ({exc})") from exc
             await self.meta_synced()
             return out
         return run
@@ -287,7 +396,9 @@ class Replication:
     # -- the master's side: REPL_FETCH --------------------------------------------------
     async def handle_fetch(self, f: p.Frame, ctx: Any) -> tuple[dict[str, Any], bytes]:
         h = f.header
-        if self.role != MASTER:
+        # A master that stepped down for want of space still feeds its replicas (it is
+        # the controller's master until another is elected): their readers see on.
+        if self.role != MASTER and not (self.role == FENCED and self.space.full):
             raise StoreError(f"not the master (role {self.role}); the master is "
                              f"{self.master_addr}")
         if int(h.get("epoch") or 0) > self.epoch:  # the replica knows of a later master
@@ -308,7 +419,8 @@ class Replication:
             return {"truncate_to": log_.max_offset}, b""
         if offset < log_.min_offset:
             return await self._restart_point(node, offset, h.get("restart"))
-        self._report(node, str(h.get("addr", "")), offset, bool(h.get("meta_complete", True)))
+        self._report(node, str(h.get("addr", "")), offset, bool(h.get("meta_complete", True)),
+                     h.get("write_error"))
         meta_inc, meta_seq = str(h.get("meta_inc", "")), int(h.get("meta_seq", 0))
         self.insync.replicas[node].meta = meta_seq if meta_inc == self.metalog.incarnation else -1
         self._release_meta()
@@ -366,9 +478,17 @@ class Replication:
                 "default_floor": index.default_floor,
                 "epochs": [list(x) for x in history]}, b""
 
-    def _report(self, node: str, addr: str, offset: int, meta_complete: bool = True) -> None:
+    def _report(self, node: str, addr: str, offset: int, meta_complete: bool = True,
+                write_error: str | None = None) -> None:
+        rep = self.insync.replicas.get(node)
+        if write_error and (rep is None or rep.failed is None):
+            log.warning("replica %s cannot write what it copies (%s): out of the in-sync "
+                        "set", node, write_error)
+        elif not write_error and rep is not None and rep.failed is not None:
+            log.info("replica %s writes again", node)
         self.insync.report(node, addr, offset, time.monotonic(),
-                           self.store.commitlog.max_offset, meta_complete)
+                           self.store.commitlog.max_offset, meta_complete,
+                           str(write_error) if write_error else None)
         self._propose_insync()
         self._release()
 
@@ -376,7 +496,10 @@ class Replication:
         """Ask the controller for the in-sync set this master wants, one proposal at a
         time (sent again if unanswered). Until committed a change does not count:
         joiners are already waited for, leavers still are (see store.replication.insync).
-        Without a controller (a fixed --replica-of pair) the master's word is final."""
+        Without a controller (a fixed --replica-of pair) the master's word is final.
+        None while full: the set stays as it is for the election of a successor."""
+        if self.space.full is not None:
+            return
         isr = self.insync
         want = isr.desired(self.confirmed if self.cfg.mode == "sync" else 0)
         now = time.monotonic()
@@ -498,8 +621,17 @@ class Replication:
         self._stop_following()
         store = self.store
         log_end = store.commitlog.max_offset
+        self._unsaved_epoch = None
         if self.epochs.last_epoch != epoch:
-            self.epochs.start(epoch, log_end, log_end)
+            try:
+                self.epochs.start(epoch, log_end, log_end)
+            except Exception as exc:
+                if not no_space(exc):
+                    raise
+                # Elected with a full disk (before it said so): master, fenced, until
+                # there is room to record the epoch, before any write is taken.
+                self._unsaved_epoch = (epoch, log_end)
+                self.space.failed(exc)
         store._load_routes()
         store._keep_readers_ahead()
         store.index.forget_allocations()
@@ -511,6 +643,8 @@ class Replication:
         self.epoch, self.role, self.master_addr = epoch, MASTER, self.native_addr
         self.became_master = time.monotonic()
         log.warning("this node is master of epoch %d from log offset %d", epoch, log_end)
+        if self.space.full is not None:
+            self._now_full()
         if self._nursery is not None and store.auth_reload is not None:
             self._nursery.start_soon(store.auth_reload)
 
@@ -566,12 +700,20 @@ class Replication:
                     await trio.to_thread.run_sync(self.controller.close)
 
     def _tick(self) -> None:
+        self._check_space()
         ctl = self.controller
         if ctl is not None:
-            ctl.report(self._report_info(),
-                       self.epoch if self.role in (MASTER, FENCED) else 0)
+            # Full, a master renews no lease: its reports say it stepped down.
+            mastering = self.role in (MASTER, FENCED) and self.space.full is None
+            ctl.report(self._report_info(), self.epoch if mastering else 0)
             ctl.step()
-            self._apply(ctl.view())
+            if ctl.fresh:  # the journal read at start may be old: wait for the group's word
+                try:
+                    self._apply(ctl.view())
+                except Exception as exc:  # a full disk (the epoch file): next tick
+                    if not no_space(exc):
+                        raise
+                    self.disk_failed(exc)
         if self.role == MASTER or self.role == FENCED:
             self._check_lease()
             self.insync.refresh(time.monotonic(), self.store.commitlog.max_offset)
@@ -581,9 +723,11 @@ class Replication:
             self._expire()
 
     def _report_info(self) -> dict[str, Any]:
-        acked = self.confirmed if self.role == MASTER and self.cfg.mode == "sync" else 0
+        mastering = self.role in (MASTER, FENCED)
+        acked = self.confirmed if mastering and self.cfg.mode == "sync" else 0
         return {"native": self.native_addr, "offset": self.store.commitlog.max_offset,
-                "last_epoch": self.epochs.last_epoch, "acked": acked}
+                "last_epoch": self.epochs.last_epoch, "acked": acked,
+                "full": self.space.full or ""}
 
     def _apply(self, view: dict[str, Any]) -> None:
         """Take the role the controller's state gives this node."""
@@ -615,6 +759,7 @@ class Replication:
             "log_end": end, "epochs": [list(x) for x in self.epochs.history],
             "truncated_bytes": self.truncated_bytes,
             "restarted_bytes": self.restarted_bytes,
+            "disk_full": self.space.full,  # why it takes no writes for want of space
             # monotonic seconds (this host's clock): first and last ack per epoch mastered
             "acked_at": {str(e): [round(a, 3), round(b, 3)]
                          for e, (a, b) in self.ack_times.items()},
@@ -625,7 +770,8 @@ class Replication:
                                       if self.insync.proposed is not None else None)
             out["replicas"] = [{"node": r.node, "addr": r.addr, "offset": r.offset,
                                 "lag_bytes": end - r.offset,
-                                "insync": r.node in self.insync.committed}
+                                "insync": r.node in self.insync.committed,
+                                "write_error": r.failed}
                                for r in self.insync.replicas.values()]
             out["pending_acks"] = self.insync.pending()
             out["replicated_offset"] = max(0, self.confirmed)
@@ -634,6 +780,7 @@ class Replication:
                     max(0.0, self.controller.lease_left(self.epoch, self.cfg.lease_s)), 2)
         else:
             out["lag_bytes"] = max(0, self.master_end - end)
+            out["write_error"] = self.write_error
             out["read_limit"] = self.master_confirmed  # what its readers may see (None: all)
         if self.controller is not None:
             ctl = self.controller

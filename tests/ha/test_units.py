@@ -170,3 +170,47 @@ def test_a_snapshot_in_pages_read_amid_changes_then_the_changes_replayed(tmp_pat
     finally:
         master.close()
         copy.close()
+
+
+def test_a_full_master_is_replaced_at_once_and_a_full_node_never_elected() -> None:
+    nodes = {"a": {"offset": 500, "last_epoch": 3, "acked": 480, "full": "0 bytes free"},
+             "b": {"offset": 480, "last_epoch": 3},
+             "c": {"offset": 490, "last_epoch": 3, "full": "no space left"}}
+    view = {"master": "a", "epoch": 3, "insync": ["a", "b", "c"], "nodes": nodes}
+    alive = {"a": 0.2, "b": 0.5, "c": 0.5}  # a reports: alive, but full
+    assert choose_master(view, alive, dead_s=4.0, group_size=3) == ("b", 4)  # not c
+    nodes["b"]["full"] = "no space left"
+    assert choose_master(view, alive, dead_s=4.0, group_size=3) is None  # all full
+    nodes["a"]["full"] = ""  # room again before anyone was elected: a stays
+    assert choose_master(view, alive, dead_s=4.0, group_size=3) is None
+    first = {"master": "", "epoch": 0, "insync": [], "nodes": nodes}
+    assert choose_master(first, alive, dead_s=4.0, group_size=3) == ("a", 4)
+
+
+def test_a_replica_that_cannot_write_leaves_the_set_and_comes_back() -> None:
+    s = InSync("a", min_insync=2, max_lag_bytes=10**6, max_lag_s=5.0)
+    s.report("b", "b:1", 1000, now=0.0, master_end=1000)
+    s.committed = {"a", "b"}
+    s.report("b", "b:1", 1000, now=0.1, master_end=1200, failed="no space left")
+    assert s.desired(acked=1000) == {"a"}  # at once, not max_lag_s later
+    s.report("b", "b:1", 1200, now=0.2, master_end=1200)
+    assert s.desired(acked=1200) == {"a", "b"}
+
+
+def test_space_full_on_an_error_or_a_low_disk_until_there_is_room() -> None:
+    import errno
+
+    from store.common import StoreFullError
+    from store.replication.space import Space, no_space
+
+    assert no_space(OSError(errno.ENOSPC, "No space left on device"))
+    assert no_space(StoreFullError("no space left on the store's disk"))
+    assert no_space(Exception("IO error: No space left on device: While appending"))
+    assert not no_space(OSError(errno.EIO, "I/O error"))
+    s = Space(full_below=100, room_again=1000)
+    assert s.measured(500) is None and s.full is None
+    assert s.failed(OSError(errno.ENOSPC, "No space left on device")) and s.full
+    assert not s.failed(OSError(errno.ENOSPC, "again"))  # full already
+    assert s.measured(999) is None and s.full  # not room enough yet
+    assert s.measured(1000) is False and s.full is None
+    assert s.measured(99) is True and s.full == "99 bytes free on the disk"
