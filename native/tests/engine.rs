@@ -3,24 +3,18 @@
 //! right QoS, and left for the index; the log holds the record as the Python store
 //! writes it.
 
+mod common;
+
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
+use common::{pair, read_exact};
 use lightgate_native::engine::{Config, Engine};
 use lightgate_native::protocol::Settings;
 use lightgate_native::reactor::Command;
 use lightgate_native::record;
-
-fn pair() -> (TcpStream, OwnedFd) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-    let (server, _) = listener.accept().unwrap();
-    server.set_nonblocking(true).unwrap();
-    client.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    (client, OwnedFd::from(server))
-}
 
 fn adopt(engine: &Engine, conn: u64, socket: OwnedFd) {
     engine.send(Command::Adopt {
@@ -41,12 +35,6 @@ fn adopt(engine: &Engine, conn: u64, socket: OwnedFd) {
         idle_for: 0.0,
         acl: None,
     });
-}
-
-fn read_exact(client: &mut TcpStream, n: usize) -> Vec<u8> {
-    let mut buf = vec![0; n];
-    client.read_exact(&mut buf).unwrap();
-    buf
 }
 
 #[test]

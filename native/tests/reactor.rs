@@ -3,12 +3,15 @@
 //! deliveries go out within the window; a packet the steady state does not carry, a
 //! keepalive that runs out and a client that leaves each hand the socket back.
 
+mod common;
+
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use common::{pair, read_exact};
 use lightgate_native::protocol::Settings;
 use lightgate_native::reactor::{Command, Delivery, Reactor, Report, Sink, Why};
 
@@ -71,22 +74,6 @@ fn settings(keepalive: u16) -> Settings {
         max_inflight: 32,
         client_max_packet: 1 << 20,
     }
-}
-
-/// A connected pair: the client's end, and the server's end as an owned socket.
-fn pair() -> (TcpStream, OwnedFd) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-    let (server, _) = listener.accept().unwrap();
-    server.set_nonblocking(true).unwrap();
-    client.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    (client, OwnedFd::from(server))
-}
-
-fn read_exact(client: &mut TcpStream, n: usize) -> Vec<u8> {
-    let mut buf = vec![0; n];
-    client.read_exact(&mut buf).unwrap();
-    buf
 }
 
 fn adopt(reactor: &Reactor, conn: u64, socket: OwnedFd, keepalive: u16) {
