@@ -55,7 +55,9 @@ fn parse_subscribe(body: &[u8]) -> Option<(u16, Vec<(String, u8)>)> {
     let mut out = Vec::new();
     while p < body.len() {
         let n = usize::from(u16::from_be_bytes([body[p], *body.get(p + 1)?]));
-        let f = std::str::from_utf8(body.get(p + 2..p + 2 + n)?).ok()?.to_string();
+        let f = std::str::from_utf8(body.get(p + 2..p + 2 + n)?)
+            .ok()?
+            .to_string();
         out.push((f, *body.get(p + 2 + n)? & 3));
         p += 3 + n;
     }
@@ -65,7 +67,8 @@ fn parse_subscribe(body: &[u8]) -> Option<(u16, Vec<(String, u8)>)> {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let port: u16 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1883);
-    let dir = std::path::PathBuf::from(args.get(2).cloned().unwrap_or_else(|| "data-engine".into()));
+    let dir =
+        std::path::PathBuf::from(args.get(2).cloned().unwrap_or_else(|| "data-engine".into()));
     let threads: usize = args.get(3).and_then(|a| a.parse().ok()).unwrap_or(1);
     std::fs::create_dir_all(&dir).expect("data dir");
     let config = Config {
@@ -92,8 +95,12 @@ fn main() {
             let mut s = TcpStream::from(d.socket);
             let _ = s.set_nonblocking(false);
             let mut held: &[u8] = &d.unread;
-            let Ok((_, body)) = read_packet(&mut held) else { continue };
-            let Some((pid, filters)) = parse_subscribe(&body) else { continue };
+            let Ok((_, body)) = read_packet(&mut held) else {
+                continue;
+            };
+            let Some((pid, filters)) = parse_subscribe(&body) else {
+                continue;
+            };
             let mut ack = vec![0x90, (2 + filters.len()) as u8, (pid >> 8) as u8, pid as u8];
             for (f, q) in &filters {
                 let _ = owner.subscribe(d.conn, f, *q);

@@ -39,9 +39,17 @@ pub struct LogWriter {
 impl LogWriter {
     /// Take over the tail: the active segment starting at `active_base`, the log ending
     /// at `write_pos` (what recovery verified, all of it durable).
-    pub fn open(dir: &Path, segment_size: u64, active_base: u64, write_pos: u64) -> io::Result<Self> {
+    pub fn open(
+        dir: &Path,
+        segment_size: u64,
+        active_base: u64,
+        write_pos: u64,
+    ) -> io::Result<Self> {
         if write_pos < active_base || segment_size == 0 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "tail outside its segment"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "tail outside its segment",
+            ));
         }
         let file = OpenOptions::new()
             .create(true)
@@ -178,10 +186,15 @@ mod tests {
         assert_eq!(w.write_pos(), 200);
         assert_eq!(w.flushed(), 160, "a rolled segment is durable");
         assert_eq!(w.sync().unwrap(), 200);
-        let mut names: Vec<String> =
-            fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        let mut names: Vec<String> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
         names.sort();
-        assert_eq!(names, vec![segment_name(0), segment_name(80), segment_name(160)]);
+        assert_eq!(
+            names,
+            vec![segment_name(0), segment_name(80), segment_name(160)]
+        );
         assert_eq!(fs::read(dir.join(segment_name(80))).unwrap().len(), 80);
         // A record larger than a segment still gets one of its own.
         let big = vec![9u8; 300];
@@ -196,7 +209,10 @@ mod tests {
         w.append(&[b"abc"]).unwrap();
         w.sync().unwrap();
         drop(w);
-        assert!(LogWriter::open(&dir, 1000, 0, 2).is_err(), "a size that disagrees is refused");
+        assert!(
+            LogWriter::open(&dir, 1000, 0, 2).is_err(),
+            "a size that disagrees is refused"
+        );
         let mut w = LogWriter::open(&dir, 1000, 0, 3).unwrap();
         assert_eq!(w.append(&[b"de"]).unwrap().positions, vec![3]);
         assert_eq!(fs::read(dir.join(segment_name(0))).unwrap(), b"abcde");

@@ -93,13 +93,26 @@ impl Sink for EngineSink {
 }
 
 fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 impl Engine {
     pub fn start(dir: &Path, config: Config, queue_end: QueueEnd) -> io::Result<Engine> {
-        let writer = LogWriter::open(dir, config.segment_size, config.active_base, config.write_pos)?;
-        let log = Log { writer, routes: Routes::new(config.default_partitions), next: HashMap::new(), queue_end };
+        let writer = LogWriter::open(
+            dir,
+            config.segment_size,
+            config.active_base,
+            config.write_pos,
+        )?;
+        let log = Log {
+            writer,
+            routes: Routes::new(config.default_partitions),
+            next: HashMap::new(),
+            queue_end,
+        };
         let threads = config.io_threads;
         let inner = Arc::new(Inner {
             config,
@@ -149,17 +162,27 @@ impl Engine {
     }
 
     pub fn unsubscribe(&self, conn: u64, topic_filter: &str) -> bool {
-        let Ok(mut subs) = self.inner.subs.write() else { return false };
-        let Some(id) = subs.by_conn.remove(&(conn, topic_filter.to_string())) else { return false };
+        let Ok(mut subs) = self.inner.subs.write() else {
+            return false;
+        };
+        let Some(id) = subs.by_conn.remove(&(conn, topic_filter.to_string())) else {
+            return false;
+        };
         subs.table.remove(&id);
         subs.trie.remove(topic_filter, id)
     }
 
     /// Every subscription of `conn` goes (it was demoted or it left).
     pub fn forget(&self, conn: u64) {
-        let Ok(mut subs) = self.inner.subs.write() else { return };
-        let filters: Vec<String> =
-            subs.by_conn.keys().filter(|(c, _)| *c == conn).map(|(_, f)| f.clone()).collect();
+        let Ok(mut subs) = self.inner.subs.write() else {
+            return;
+        };
+        let filters: Vec<String> = subs
+            .by_conn
+            .keys()
+            .filter(|(c, _)| *c == conn)
+            .map(|(_, f)| f.clone())
+            .collect();
         for f in filters {
             if let Some(id) = subs.by_conn.remove(&(conn, f.clone())) {
                 subs.table.remove(&id);
@@ -170,16 +193,28 @@ impl Engine {
 
     /// What was appended since the last call, in log order, for the index.
     pub fn take_dispatched(&self) -> Vec<Dispatched> {
-        self.inner.dispatched.lock().map(|mut d| std::mem::take(&mut *d)).unwrap_or_default()
+        self.inner
+            .dispatched
+            .lock()
+            .map(|mut d| std::mem::take(&mut *d))
+            .unwrap_or_default()
     }
 
     /// Demotions and acks of deliveries, for the owner.
     pub fn take_reports(&self) -> Vec<Report> {
-        self.inner.reports.lock().map(|mut r| std::mem::take(&mut *r)).unwrap_or_default()
+        self.inner
+            .reports
+            .lock()
+            .map(|mut r| std::mem::take(&mut *r))
+            .unwrap_or_default()
     }
 
     pub fn write_pos(&self) -> u64 {
-        self.inner.log.lock().map(|l| l.writer.write_pos()).unwrap_or(0)
+        self.inner
+            .log
+            .lock()
+            .map(|l| l.writer.write_pos())
+            .unwrap_or(0)
     }
 
     /// Why appends stopped (a failed write or fsync), if they did.
@@ -209,13 +244,20 @@ impl Engine {
 impl Inner {
     /// One pass's publishes: appended, acknowledged, delivered, left for dispatch.
     fn append(&self, batch: Vec<Inbound>) {
-        let Some(handle) = self.handle.get() else { return };
+        let Some(handle) = self.handle.get() else {
+            return;
+        };
         let appended = self.write(&batch);
         let mut commands = Vec::new();
         let code = if appended.is_ok() { 0 } else { 0x80 };
         for inb in &batch {
             if let (Some(ticket), Some(packet_id)) = (inb.ticket, inb.packet_id) {
-                commands.push(Command::PublishDone { conn: inb.conn, ticket, packet_id, code });
+                commands.push(Command::PublishDone {
+                    conn: inb.conn,
+                    ticket,
+                    packet_id,
+                    code,
+                });
             }
         }
         if let Ok(done) = appended {
@@ -231,7 +273,9 @@ impl Inner {
         if self.failed.lock().map(|f| f.is_some()).unwrap_or(true) {
             return Err(());
         }
-        let Ok(mut log) = self.log.lock() else { return Err(()) };
+        let Ok(mut log) = self.log.lock() else {
+            return Err(());
+        };
         let store_ts = now_ms();
         let mut encoded: Vec<Vec<u8>> = Vec::with_capacity(batch.len());
         let mut done = Vec::with_capacity(batch.len());
@@ -265,7 +309,12 @@ impl Inner {
                 unassign(&mut log, &assigned);
                 return Err(());
             }
-            done.push(Dispatched { phys_offset: 0, size: buf.len() as u32, store_ts, queues });
+            done.push(Dispatched {
+                phys_offset: 0,
+                size: buf.len() as u32,
+                store_ts,
+                queues,
+            });
             encoded.push(buf);
         }
         let refs: Vec<&[u8]> = encoded.iter().map(Vec::as_slice).collect();

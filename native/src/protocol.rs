@@ -143,7 +143,9 @@ impl Connection {
     }
 
     fn decide(&mut self, ticket: u64, data: Vec<u8>) {
-        let Some(i) = ticket.checked_sub(self.next_ticket) else { return };
+        let Some(i) = ticket.checked_sub(self.next_ticket) else {
+            return;
+        };
         if let Some(slot) = self.answers.get_mut(i as usize) {
             *slot = Some(data);
         }
@@ -218,7 +220,12 @@ impl Connection {
                 break;
             }
             let b0 = buf[start];
-            let handled = match decode_packet(b0 >> 4, b0 & 0x0F, &buf[body_at..end], self.settings.version) {
+            let handled = match decode_packet(
+                b0 >> 4,
+                b0 & 0x0F,
+                &buf[body_at..end],
+                self.settings.version,
+            ) {
                 Ok(packet) => self.on_packet(packet, &mut acl, events),
                 Err(_) => false,
             };
@@ -248,7 +255,10 @@ impl Connection {
             Packet::Ack(a) if a.ptype == crate::codec::PUBACK => {
                 // An unknown id is a late or duplicate ack: nothing to do (as in Python).
                 if let Some(o) = self.outgoing.remove(&a.packet_id) {
-                    events.push(Event::Acked { packet_id: a.packet_id, source: o.source });
+                    events.push(Event::Acked {
+                        packet_id: a.packet_id,
+                        source: o.source,
+                    });
                 }
                 true
             }
@@ -284,7 +294,9 @@ impl Connection {
         let topic: String = match alias {
             None => p.topic.to_string(),
             Some(a) => {
-                let Ok(a) = u16::try_from(a) else { return false };
+                let Ok(a) = u16::try_from(a) else {
+                    return false;
+                };
                 if a > s.topic_alias_maximum {
                     return false;
                 }
@@ -338,7 +350,10 @@ impl Connection {
     // -- deliveries -----------------------------------------------------------------------
     /// How many more QoS 1 sends the client takes now.
     pub fn window(&self) -> usize {
-        let cap = self.settings.client_receive_maximum.min(self.settings.max_inflight) as usize;
+        let cap = self
+            .settings
+            .client_receive_maximum
+            .min(self.settings.max_inflight) as usize;
         cap.saturating_sub(self.outgoing.len())
     }
 
@@ -364,7 +379,11 @@ impl Connection {
         retain: bool,
         source: (u64, u64),
     ) -> Result<Option<u16>, Dropped> {
-        let pid = if qos > 0 { Some(self.packet_id().ok_or(Dropped)?) } else { None };
+        let pid = if qos > 0 {
+            Some(self.packet_id().ok_or(Dropped)?)
+        } else {
+            None
+        };
         let p = Publish {
             topic,
             payload,
@@ -456,7 +475,14 @@ mod tests {
         let mut ev = Vec::new();
         c.receive(&data, 1.0, allow, &mut ev);
         assert_eq!(ev.len(), 2);
-        assert!(matches!(&ev[0], Event::Publish { qos: 1, ticket: Some(0), .. }));
+        assert!(matches!(
+            &ev[0],
+            Event::Publish {
+                qos: 1,
+                ticket: Some(0),
+                ..
+            }
+        ));
         assert!(c.take_output().is_empty());
         c.publish_done(0, 7, 0);
         assert_eq!(c.take_output(), vec![0x40, 2, 0, 7, 0xD0, 0]);
@@ -499,7 +525,11 @@ mod tests {
             c.receive(&data, 0.0, allow, &mut ev);
             assert_eq!(ev.len(), 2, "{name}");
             assert_eq!(ev[1], Event::Demote, "{name}");
-            assert_eq!(c.unread(), &data[data.len() - packet.len() - after.len()..], "{name}");
+            assert_eq!(
+                c.unread(),
+                &data[data.len() - packet.len() - after.len()..],
+                "{name}"
+            );
             assert!(c.demoted());
         }
     }
@@ -508,7 +538,12 @@ mod tests {
     fn an_acl_miss_is_pythons() {
         let mut c = Connection::new(settings(4), 0.0);
         let mut ev = Vec::new();
-        c.receive(&publish("secret", b"x", 0, None, 4), 0.0, |_| Acl::AskPython, &mut ev);
+        c.receive(
+            &publish("secret", b"x", 0, None, 4),
+            0.0,
+            |_| Acl::AskPython,
+            &mut ev,
+        );
         assert_eq!(ev, vec![Event::Demote]);
     }
 
@@ -523,7 +558,10 @@ mod tests {
                 retain: false,
                 dup: false,
                 packet_id: Some(pid),
-                properties: vec![Property { id: properties::TOPIC_ALIAS, value: Value::Int(3) }],
+                properties: vec![Property {
+                    id: properties::TOPIC_ALIAS,
+                    value: Value::Int(3),
+                }],
             };
             let mut out = Vec::new();
             encode_publish(&p, 5, &mut out).unwrap();
@@ -550,10 +588,20 @@ mod tests {
         assert_eq!(out[..2], [0x32, 6]);
         let mut ev = Vec::new();
         c.receive(&[0x40, 2, 0, 1, 0x40, 2, 0, 9], 0.0, allow, &mut ev);
-        assert_eq!(ev, vec![Event::Acked { packet_id: 1, source: (0, 0) }]);
+        assert_eq!(
+            ev,
+            vec![Event::Acked {
+                packet_id: 1,
+                source: (0, 0)
+            }]
+        );
         assert_eq!(c.window(), 2);
         c.settings.client_max_packet = 5;
         assert_eq!(c.deliver("t", b"too big", 1, false, (0, 3)), Err(Dropped));
-        assert_eq!(c.next_packet_id(), 3, "a dropped delivery gives its id back");
+        assert_eq!(
+            c.next_packet_id(),
+            3,
+            "a dropped delivery gives its id back"
+        );
     }
 }

@@ -9,9 +9,9 @@ use crate::codec::properties::{self as props, Kind};
 use crate::codec::{self, Packet, Property, Value};
 use crate::commitlog;
 use crate::engine;
+use crate::protocol;
 use crate::reactor::{Command as ReactorCommand, Report};
 use crate::record::{self, Record};
-use crate::protocol;
 use crate::router;
 
 /// One CommitLog record, byte for byte as `store.record.encode` makes it.
@@ -64,7 +64,9 @@ impl PyTopicTrie {
     }
 
     fn add(&mut self, topic_filter: &str, value: u64) -> PyResult<bool> {
-        self.inner.add(topic_filter, value).map_err(|e| PyValueError::new_err(e.to_string()))
+        self.inner
+            .add(topic_filter, value)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
     fn remove(&mut self, topic_filter: &str, value: u64) -> bool {
@@ -101,7 +103,12 @@ fn os_error(e: std::io::Error) -> PyErr {
 #[pymethods]
 impl PyLogWriter {
     #[new]
-    fn new(directory: std::path::PathBuf, segment_size: u64, active_base: u64, write_pos: u64) -> PyResult<Self> {
+    fn new(
+        directory: std::path::PathBuf,
+        segment_size: u64,
+        active_base: u64,
+        write_pos: u64,
+    ) -> PyResult<Self> {
         let inner = commitlog::LogWriter::open(&directory, segment_size, active_base, write_pos)
             .map_err(os_error)?;
         Ok(PyLogWriter { inner })
@@ -178,12 +185,20 @@ impl PyConnection {
             max_inflight,
             client_max_packet,
         };
-        PyConnection { inner: protocol::Connection::new(settings, now), allowed }
+        PyConnection {
+            inner: protocol::Connection::new(settings, now),
+            allowed,
+        }
     }
 
     /// Feed bytes: a list of ("publish", topic, payload, qos, packet_id, ticket),
     /// ("acked", packet_id) and ("demote",).
-    fn receive<'py>(&mut self, py: Python<'py>, data: &[u8], now: f64) -> PyResult<Bound<'py, PyList>> {
+    fn receive<'py>(
+        &mut self,
+        py: Python<'py>,
+        data: &[u8],
+        now: f64,
+    ) -> PyResult<Bound<'py, PyList>> {
         let mut events = Vec::new();
         let allowed = &self.allowed;
         self.inner.receive(
@@ -198,7 +213,13 @@ impl PyConnection {
         let out = PyList::empty(py);
         for ev in events {
             let item = match ev {
-                protocol::Event::Publish { topic, payload, qos, packet_id, ticket } => (
+                protocol::Event::Publish {
+                    topic,
+                    payload,
+                    qos,
+                    packet_id,
+                    ticket,
+                } => (
                     "publish",
                     topic,
                     PyBytes::new(py, &payload),
@@ -208,7 +229,9 @@ impl PyConnection {
                 )
                     .into_pyobject(py)?
                     .into_any(),
-                protocol::Event::Acked { packet_id, .. } => ("acked", packet_id).into_pyobject(py)?.into_any(),
+                protocol::Event::Acked { packet_id, .. } => {
+                    ("acked", packet_id).into_pyobject(py)?.into_any()
+                }
                 protocol::Event::Demote => ("demote",).into_pyobject(py)?.into_any(),
             };
             out.append(item)?;
@@ -229,7 +252,13 @@ impl PyConnection {
     }
 
     /// The packet id taken (QoS 1), None (QoS 0); ValueError when dropped.
-    fn deliver(&mut self, topic: &str, payload: &[u8], qos: u8, retain: bool) -> PyResult<Option<u16>> {
+    fn deliver(
+        &mut self,
+        topic: &str,
+        payload: &[u8],
+        qos: u8,
+        retain: bool,
+    ) -> PyResult<Option<u16>> {
         self.inner
             .deliver(topic, payload, qos, retain, (0, 0))
             .map_err(|_| PyValueError::new_err("dropped: larger than the client takes"))
@@ -256,11 +285,15 @@ struct PyRoutes {
 impl PyRoutes {
     #[new]
     fn new(default_partitions: u32) -> Self {
-        PyRoutes { inner: router::Routes::new(default_partitions) }
+        PyRoutes {
+            inner: router::Routes::new(default_partitions),
+        }
     }
 
     fn register_wildcard(&mut self, topic_filter: &str) -> PyResult<bool> {
-        self.inner.register_wildcard(topic_filter).map_err(|e| PyValueError::new_err(e.to_string()))
+        self.inner
+            .register_wildcard(topic_filter)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
     fn unregister_wildcard(&mut self, topic_filter: &str) -> bool {
@@ -291,7 +324,9 @@ struct PyEngine {
 
 impl PyEngine {
     fn engine(&self) -> PyResult<&engine::Engine> {
-        self.inner.as_ref().ok_or_else(|| PyValueError::new_err("the engine is stopped"))
+        self.inner
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("the engine is stopped"))
     }
 }
 
@@ -324,9 +359,21 @@ impl PyEngine {
         io_threads: usize,
         queue_end: PyObject,
     ) -> PyResult<Self> {
-        let config = engine::Config { segment_size, active_base, write_pos, default_partitions, sync, io_threads };
+        let config = engine::Config {
+            segment_size,
+            active_base,
+            write_pos,
+            default_partitions,
+            sync,
+            io_threads,
+        };
         let ends: engine::QueueEnd = Box::new(move |name: &str| {
-            Python::with_gil(|py| queue_end.call1(py, (name,)).and_then(|v| v.extract::<u64>(py)).unwrap_or(0))
+            Python::with_gil(|py| {
+                queue_end
+                    .call1(py, (name,))
+                    .and_then(|v| v.extract::<u64>(py))
+                    .unwrap_or(0)
+            })
         });
         let inner = engine::Engine::start(&directory, config, ends).map_err(os_error)?;
         Ok(PyEngine { inner: Some(inner) })
@@ -364,12 +411,21 @@ impl PyEngine {
             client_max_packet,
         };
         let socket = adopt_fd(fd)?;
-        self.engine()?.send(ReactorCommand::Adopt { conn, socket, settings, unread, idle_for, acl });
+        self.engine()?.send(ReactorCommand::Adopt {
+            conn,
+            socket,
+            settings,
+            unread,
+            idle_for,
+            acl,
+        });
         Ok(())
     }
 
     fn subscribe(&self, conn: u64, topic_filter: &str, qos: u8) -> PyResult<()> {
-        self.engine()?.subscribe(conn, topic_filter, qos).map_err(|e| PyValueError::new_err(e.to_string()))
+        self.engine()?
+            .subscribe(conn, topic_filter, qos)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
     fn unsubscribe(&self, conn: u64, topic_filter: &str) -> PyResult<bool> {
@@ -377,7 +433,9 @@ impl PyEngine {
     }
 
     fn register_wildcard(&self, topic_filter: &str) -> PyResult<bool> {
-        self.engine()?.register_wildcard(topic_filter).map_err(|e| PyValueError::new_err(e.to_string()))
+        self.engine()?
+            .register_wildcard(topic_filter)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
     fn set_partitions(&self, first_level: &str, partitions: u32) -> PyResult<()> {
@@ -402,7 +460,14 @@ impl PyEngine {
         for report in self.engine()?.take_reports() {
             if let Report::Demoted(d) = report {
                 let why = format!("{:?}", d.why);
-                out.push((d.conn, d.socket.into_raw_fd(), why, d.unread, d.unsent, d.next_packet_id));
+                out.push((
+                    d.conn,
+                    d.socket.into_raw_fd(),
+                    why,
+                    d.unread,
+                    d.unsent,
+                    d.next_packet_id,
+                ));
             }
         }
         Ok(out)

@@ -70,7 +70,11 @@ pub struct Demoted {
 #[derive(Debug)]
 pub enum Report {
     Published(Vec<Inbound>),
-    Acked { conn: u64, packet_id: u16, source: (u64, u64) },
+    Acked {
+        conn: u64,
+        packet_id: u16,
+        source: (u64, u64),
+    },
     Demoted(Box<Demoted>),
 }
 
@@ -99,15 +103,25 @@ pub enum Command {
         idle_for: f64,
         acl: Option<HashSet<String>>,
     },
-    PublishDone { conn: u64, ticket: u64, packet_id: u16, code: u8 },
-    Deliver { conn: u64, delivery: Delivery },
+    PublishDone {
+        conn: u64,
+        ticket: u64,
+        packet_id: u16,
+        code: u8,
+    },
+    Deliver {
+        conn: u64,
+        delivery: Delivery,
+    },
     Stop,
 }
 
 impl Command {
     fn conn(&self) -> u64 {
         match self {
-            Command::Adopt { conn, .. } | Command::PublishDone { conn, .. } | Command::Deliver { conn, .. } => *conn,
+            Command::Adopt { conn, .. }
+            | Command::PublishDone { conn, .. }
+            | Command::Deliver { conn, .. } => *conn,
             Command::Stop => 0,
         }
     }
@@ -184,7 +198,11 @@ impl Reactor {
         for i in 0..threads.max(1) {
             let poll = Poll::new()?;
             let waker = Waker::new(poll.registry(), WAKER)?;
-            let lane = Arc::new(Lane { commands: Mutex::new(Vec::new()), waker, thread: OnceLock::new() });
+            let lane = Arc::new(Lane {
+                commands: Mutex::new(Vec::new()),
+                waker,
+                thread: OnceLock::new(),
+            });
             let mut worker = Worker {
                 poll,
                 lane: Arc::clone(&lane),
@@ -200,7 +218,10 @@ impl Reactor {
             lanes.push(lane);
             handles.push(handle);
         }
-        Ok(Reactor { handle: Handle { lanes }, threads: handles })
+        Ok(Reactor {
+            handle: Handle { lanes },
+            threads: handles,
+        })
     }
 
     pub fn threads(&self) -> usize {
@@ -312,7 +333,9 @@ impl Worker {
 
     fn read(&mut self, token: Token, buf: &mut [u8], published: &mut Vec<Inbound>) {
         let now = self.now();
-        let Some(c) = self.conns.get_mut(&token) else { return };
+        let Some(c) = self.conns.get_mut(&token) else {
+            return;
+        };
         if c.demoting.is_some() {
             return;
         }
@@ -354,7 +377,13 @@ impl Worker {
         );
         for ev in events {
             match ev {
-                Event::Publish { topic, payload, qos, packet_id, ticket } => published.push(Inbound {
+                Event::Publish {
+                    topic,
+                    payload,
+                    qos,
+                    packet_id,
+                    ticket,
+                } => published.push(Inbound {
                     conn: c.id,
                     topic,
                     payload,
@@ -363,7 +392,11 @@ impl Worker {
                     ticket,
                 }),
                 Event::Acked { packet_id, source } => {
-                    sink.report(Report::Acked { conn: c.id, packet_id, source });
+                    sink.report(Report::Acked {
+                        conn: c.id,
+                        packet_id,
+                        source,
+                    });
                     Self::send_held(c);
                 }
                 Event::Demote => {
@@ -380,7 +413,9 @@ impl Worker {
             }
             let d = c.held.pop_front().expect("front exists");
             // A delivery the client cannot take (too large) is dropped, as in Python.
-            let _ = c.core.deliver(&d.topic, &d.payload, d.qos, d.retain, d.source);
+            let _ = c
+                .core
+                .deliver(&d.topic, &d.payload, d.qos, d.retain, d.source);
         }
     }
 
@@ -393,14 +428,26 @@ impl Worker {
         for command in commands {
             match command {
                 Command::Stop => return false,
-                Command::Adopt { conn, socket, settings, unread, idle_for, acl } => {
+                Command::Adopt {
+                    conn,
+                    socket,
+                    settings,
+                    unread,
+                    idle_for,
+                    acl,
+                } => {
                     if let Some(token) =
                         self.adopt(conn, socket, settings, unread, idle_for, acl, published)
                     {
                         touched.push(token);
                     }
                 }
-                Command::PublishDone { conn, ticket, packet_id, code } => {
+                Command::PublishDone {
+                    conn,
+                    ticket,
+                    packet_id,
+                    code,
+                } => {
                     if let Some(&token) = self.tokens.get(&conn) {
                         if let Some(c) = self.conns.get_mut(&token) {
                             c.core.publish_done(ticket, packet_id, code);
@@ -436,7 +483,12 @@ impl Worker {
         let mut stream = TcpStream::from(socket);
         let token = Token(self.next_token);
         self.next_token = (self.next_token + 1) % (usize::MAX - 1);
-        if self.poll.registry().register(&mut stream, token, Interest::READABLE).is_err() {
+        if self
+            .poll
+            .registry()
+            .register(&mut stream, token, Interest::READABLE)
+            .is_err()
+        {
             return None; // dropped: the socket closes, the client reconnects
         }
         let last_read = self.now() - idle_for.max(0.0);
@@ -470,14 +522,18 @@ impl Worker {
     }
 
     fn flush(&mut self, token: Token) {
-        let Some(c) = self.conns.get_mut(&token) else { return };
+        let Some(c) = self.conns.get_mut(&token) else {
+            return;
+        };
         let out = c.core.take_output();
         if !out.is_empty() {
             if c.unsent.is_empty() {
                 match write_some(&mut c.stream, &out) {
                     Ok(n) => c.unsent.extend_from_slice(&out[n..]),
                     Err(e) => {
-                        c.demoting.get_or_insert(Why::Lost(format!("connection lost while writing: {e}")));
+                        c.demoting.get_or_insert(Why::Lost(format!(
+                            "connection lost while writing: {e}"
+                        )));
                     }
                 }
             } else {
@@ -489,7 +545,8 @@ impl Worker {
                     c.unsent.drain(..n);
                 }
                 Err(e) => {
-                    c.demoting.get_or_insert(Why::Lost(format!("connection lost while writing: {e}")));
+                    c.demoting
+                        .get_or_insert(Why::Lost(format!("connection lost while writing: {e}")));
                 }
             }
         }
@@ -518,7 +575,9 @@ impl Worker {
     }
 
     fn demote(&mut self, token: Token) {
-        let Some(mut c) = self.conns.remove(&token) else { return };
+        let Some(mut c) = self.conns.remove(&token) else {
+            return;
+        };
         self.tokens.remove(&c.id);
         let _ = self.poll.registry().deregister(&mut c.stream);
         let why = c.demoting.take().unwrap_or(Why::Packet);

@@ -71,7 +71,11 @@ fn u32_len(n: usize, what: &'static str) -> Result<u32, RecordError> {
 
 /// The encoded size of `rec`, or why it cannot be encoded.
 pub fn encoded_len(rec: &Record<'_>) -> Result<usize, RecordError> {
-    let fixed = if rec.queues.len() > MAX_QUEUES { FIXED_WIDE_SIZE } else { FIXED_SIZE };
+    let fixed = if rec.queues.len() > MAX_QUEUES {
+        FIXED_WIDE_SIZE
+    } else {
+        FIXED_SIZE
+    };
     let names: usize = rec.queues.iter().map(|(name, _)| 2 + name.len() + 8).sum();
     let total = FRAME_SIZE
         + fixed
@@ -134,7 +138,9 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], RecordError> {
         let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len());
-        let end = end.ok_or(RecordError::Corrupt("field lengths disagree with the record length"))?;
+        let end = end.ok_or(RecordError::Corrupt(
+            "field lengths disagree with the record length",
+        ))?;
         let out = &self.buf[self.pos..end];
         self.pos = end;
         Ok(out)
@@ -162,7 +168,8 @@ impl<'a> Reader<'a> {
     }
 
     fn text(&mut self, n: usize) -> Result<&'a str, RecordError> {
-        std::str::from_utf8(self.take(n)?).map_err(|_| RecordError::Corrupt("text that is not UTF-8"))
+        std::str::from_utf8(self.take(n)?)
+            .map_err(|_| RecordError::Corrupt("text that is not UTF-8"))
     }
 }
 
@@ -188,7 +195,10 @@ pub fn decode(buf: &[u8]) -> Result<(Record<'_>, usize), RecordError> {
     if crc32fast::hash(&buf[FRAME_SIZE..total]) != crc {
         return Err(RecordError::Corrupt("CRC mismatch"));
     }
-    let mut r = Reader { buf: &buf[..total], pos: FRAME_SIZE };
+    let mut r = Reader {
+        buf: &buf[..total],
+        pos: FRAME_SIZE,
+    };
     let store_ts = r.u64()?;
     let born_ts = r.u64()?;
     let qos = r.u8()?;
@@ -198,7 +208,11 @@ pub fn decode(buf: &[u8]) -> Result<(Record<'_>, usize), RecordError> {
     let lk = r.u16()? as usize;
     let lp = r.u32()? as usize;
     let lb = r.u32()? as usize;
-    let nq = if wide { r.u32()? as usize } else { r.u16()? as usize };
+    let nq = if wide {
+        r.u32()? as usize
+    } else {
+        r.u16()? as usize
+    };
     let client_id = r.text(lc)?;
     let topic = r.text(lt)?;
     let key = r.text(lk)?;
@@ -207,7 +221,9 @@ pub fn decode(buf: &[u8]) -> Result<(Record<'_>, usize), RecordError> {
     // Each queue takes at least 10 bytes: a count the rest cannot hold is a lie, not an
     // allocation to make.
     if nq > (total - r.pos) / 10 {
-        return Err(RecordError::Corrupt("field lengths disagree with the record length"));
+        return Err(RecordError::Corrupt(
+            "field lengths disagree with the record length",
+        ));
     }
     let mut queues = Vec::with_capacity(nq);
     for _ in 0..nq {
@@ -216,7 +232,9 @@ pub fn decode(buf: &[u8]) -> Result<(Record<'_>, usize), RecordError> {
         queues.push((name, r.u64()?));
     }
     if r.pos != total {
-        return Err(RecordError::Corrupt("field lengths disagree with the record length"));
+        return Err(RecordError::Corrupt(
+            "field lengths disagree with the record length",
+        ));
     }
     let rec = Record {
         store_ts,
@@ -270,7 +288,10 @@ mod tests {
         let mut out = Vec::new();
         encode_into(&sample(), &mut out).unwrap();
         assert_eq!(&out[..4], b"LGM1");
-        assert_eq!(u32::from_be_bytes(out[4..8].try_into().unwrap()) as usize, out.len());
+        assert_eq!(
+            u32::from_be_bytes(out[4..8].try_into().unwrap()) as usize,
+            out.len()
+        );
         assert_eq!(out[28], 1); // qos
         assert_eq!(out[29], FLAG_RETAIN);
         assert_eq!(&out[HEADER_SIZE..HEADER_SIZE + 5], b"dev-1");

@@ -92,11 +92,19 @@ struct Node<V> {
 
 impl<V> Node<V> {
     fn new() -> Self {
-        Node { children: HashMap::new(), plus: None, exact: None, hash: None }
+        Node {
+            children: HashMap::new(),
+            plus: None,
+            exact: None,
+            hash: None,
+        }
     }
 
     fn empty(&self) -> bool {
-        self.children.is_empty() && self.plus.is_none() && self.exact.is_none() && self.hash.is_none()
+        self.children.is_empty()
+            && self.plus.is_none()
+            && self.exact.is_none()
+            && self.hash.is_none()
     }
 }
 
@@ -116,7 +124,11 @@ impl<V: Copy + Eq + Hash> Default for TopicTrie<V> {
 
 impl<V: Copy + Eq + Hash> TopicTrie<V> {
     pub fn new() -> Self {
-        TopicTrie { nodes: vec![Node::new()], free: Vec::new(), len: 0 }
+        TopicTrie {
+            nodes: vec![Node::new()],
+            free: Vec::new(),
+            len: 0,
+        }
     }
 
     /// Number of (filter, value) pairs.
@@ -176,7 +188,11 @@ impl<V: Copy + Eq + Hash> TopicTrie<V> {
                 }
             };
         }
-        let slot = if hash_last { &mut self.nodes[node].hash } else { &mut self.nodes[node].exact };
+        let slot = if hash_last {
+            &mut self.nodes[node].hash
+        } else {
+            &mut self.nodes[node].exact
+        };
         let (_, values) = slot.get_or_insert_with(|| (topic_filter.into(), Vec::new()));
         if values.contains(&value) {
             return Ok(false);
@@ -195,16 +211,28 @@ impl<V: Copy + Eq + Hash> TopicTrie<V> {
         let mut path = vec![0usize];
         for level in &levels {
             let node = &self.nodes[*path.last().unwrap_or(&0)];
-            let next = if *level == "+" { node.plus } else { node.children.get(*level).copied() };
+            let next = if *level == "+" {
+                node.plus
+            } else {
+                node.children.get(*level).copied()
+            };
             match next {
                 Some(n) => path.push(n),
                 None => return false,
             }
         }
         let end = *path.last().unwrap_or(&0);
-        let slot = if hash_last { &mut self.nodes[end].hash } else { &mut self.nodes[end].exact };
-        let Some((_, values)) = slot.as_mut() else { return false };
-        let Some(i) = values.iter().position(|v| *v == value) else { return false };
+        let slot = if hash_last {
+            &mut self.nodes[end].hash
+        } else {
+            &mut self.nodes[end].exact
+        };
+        let Some((_, values)) = slot.as_mut() else {
+            return false;
+        };
+        let Some(i) = values.iter().position(|v| *v == value) else {
+            return false;
+        };
         values.swap_remove(i);
         self.len -= 1;
         if values.is_empty() {
@@ -303,7 +331,11 @@ pub struct Routes {
 
 impl Routes {
     pub fn new(default_partitions: u32) -> Self {
-        Routes { wildcards: TopicTrie::new(), partitions: HashMap::new(), default_partitions: default_partitions.max(1) }
+        Routes {
+            wildcards: TopicTrie::new(),
+            partitions: HashMap::new(),
+            default_partitions: default_partitions.max(1),
+        }
     }
 
     pub fn register_wildcard(&mut self, topic_filter: &str) -> Result<bool, FilterError> {
@@ -315,7 +347,8 @@ impl Routes {
     }
 
     pub fn set_partitions(&mut self, first_level: &str, partitions: u32) {
-        self.partitions.insert(first_level.to_string(), partitions.max(1));
+        self.partitions
+            .insert(first_level.to_string(), partitions.max(1));
     }
 
     /// The queues of a message published on `topic`, the exact-topic queue first.
@@ -324,7 +357,11 @@ impl Routes {
         // Python sorts str by code point; UTF-8 byte order is the same order.
         filters.sort_unstable();
         let first = topic.split('/').next().unwrap_or(topic);
-        let parts = self.partitions.get(first).copied().unwrap_or(self.default_partitions);
+        let parts = self
+            .partitions
+            .get(first)
+            .copied()
+            .unwrap_or(self.default_partitions);
         let partition = crc32fast::hash(topic.as_bytes()) % parts;
         let mut out = Vec::with_capacity(filters.len() + 2);
         out.push(topic.to_string());
@@ -379,7 +416,11 @@ mod tests {
         assert!(t.remove("home/+/temp", 1));
         assert!(t.remove("home/bath/temp", 3));
         assert!(t.is_empty());
-        assert_eq!(t.nodes.len() - t.free.len(), 1, "every node but the root pruned");
+        assert_eq!(
+            t.nodes.len() - t.free.len(),
+            1,
+            "every node but the root pruned"
+        );
     }
 
     #[test]
@@ -392,7 +433,10 @@ mod tests {
         assert_eq!(&route[..3], ["home/bath/temp", "home/#", "home/+/temp"]);
         let n = crc32fast::hash(b"home/bath/temp") % 4;
         assert_eq!(route[3], format!("home#{n}"));
-        assert_eq!(r.route("plant/x"), vec!["plant/x".to_string(), "plant#0".to_string()]);
+        assert_eq!(
+            r.route("plant/x"),
+            vec!["plant/x".to_string(), "plant#0".to_string()]
+        );
     }
 
     #[test]
@@ -405,13 +449,19 @@ mod tests {
     }
 
     fn level() -> impl Strategy<Value = String> {
-        prop_oneof![Just("a".to_string()), Just("b".to_string()), Just("".to_string()),
-                    Just("$s".to_string())]
+        prop_oneof![
+            Just("a".to_string()),
+            Just("b".to_string()),
+            Just("".to_string()),
+            Just("$s".to_string())
+        ]
     }
 
     fn filter() -> impl Strategy<Value = String> {
-        (proptest::collection::vec(prop_oneof![level(), Just("+".to_string())], 1..4),
-         any::<bool>())
+        (
+            proptest::collection::vec(prop_oneof![level(), Just("+".to_string())], 1..4),
+            any::<bool>(),
+        )
             .prop_map(|(mut levels, hash)| {
                 if hash {
                     levels.push("#".to_string());

@@ -61,13 +61,17 @@ fn publish_append_ack_deliver_dispatch() {
     engine.subscribe(2, "a/#", 0).unwrap(); // overlapping: still one copy, at QoS 1
 
     // PUBLISH QoS 1 "a/b" id 9 "hi"
-    publisher.write_all(&[0x32, 0x09, 0, 3, b'a', b'/', b'b', 0, 9, b'h', b'i']).unwrap();
+    publisher
+        .write_all(&[0x32, 0x09, 0, 3, b'a', b'/', b'b', 0, 9, b'h', b'i'])
+        .unwrap();
     assert_eq!(read_exact(&mut publisher, 4), vec![0x40, 2, 0, 9]);
     assert_eq!(
         read_exact(&mut subscriber, 11),
         vec![0x32, 0x09, 0, 3, b'a', b'/', b'b', 0, 1, b'h', b'i']
     );
-    subscriber.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    subscriber
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
     assert!(subscriber.read(&mut [0; 4]).is_err(), "one copy only");
 
     let dispatched = engine.take_dispatched();
@@ -75,7 +79,11 @@ fn publish_append_ack_deliver_dispatch() {
     let n = crc32fast::hash(b"a/b") % 4;
     assert_eq!(
         dispatched[0].queues,
-        vec![("a/b".to_string(), 5), ("a/+".to_string(), 0), (format!("a#{n}"), 0)]
+        vec![
+            ("a/b".to_string(), 5),
+            ("a/+".to_string(), 0),
+            (format!("a#{n}"), 0)
+        ]
     );
     assert_eq!(dispatched[0].phys_offset, 0);
     let end = engine.stop().unwrap();

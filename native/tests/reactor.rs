@@ -49,15 +49,19 @@ fn take_demoted(sink: &Collect, conn: u64) -> lightgate_native::reactor::Demoted
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut reports = sink.reports.lock().unwrap();
     loop {
-        if let Some(i) =
-            reports.iter().position(|r| matches!(r, Report::Demoted(d) if d.conn == conn))
+        if let Some(i) = reports
+            .iter()
+            .position(|r| matches!(r, Report::Demoted(d) if d.conn == conn))
         {
             if let Report::Demoted(d) = reports.remove(i) {
                 return *d;
             }
         }
         let left = deadline.saturating_duration_since(Instant::now());
-        assert!(!left.is_zero(), "connection {conn} was not handed back in 5 s");
+        assert!(
+            !left.is_zero(),
+            "connection {conn} was not handed back in 5 s"
+        );
         reports = sink.changed.wait_timeout(reports, left).unwrap().0;
     }
 }
@@ -95,19 +99,38 @@ fn publish_ack_ping_deliver_and_hand_back() {
     adopt(&reactor, 7, socket, 0);
 
     // PUBLISH QoS 1 "a/b" id 9 payload "hi", then PINGREQ.
-    client.write_all(&[0x32, 0x09, 0, 3, b'a', b'/', b'b', 0, 9, b'h', b'i', 0xC0, 0]).unwrap();
+    client
+        .write_all(&[
+            0x32, 0x09, 0, 3, b'a', b'/', b'b', 0, 9, b'h', b'i', 0xC0, 0,
+        ])
+        .unwrap();
     let batch = sink.wait(|r| match r {
         Report::Published(b) => Some(b.clone()),
         _ => None,
     });
     assert_eq!(batch.len(), 1);
-    assert_eq!((batch[0].topic.as_str(), batch[0].payload.as_slice()), ("a/b", &b"hi"[..]));
-    assert_eq!((batch[0].conn, batch[0].qos, batch[0].packet_id), (7, 1, Some(9)));
+    assert_eq!(
+        (batch[0].topic.as_str(), batch[0].payload.as_slice()),
+        ("a/b", &b"hi"[..])
+    );
+    assert_eq!(
+        (batch[0].conn, batch[0].qos, batch[0].packet_id),
+        (7, 1, Some(9))
+    );
     // Nothing goes out before the store has it: the PINGRESP waits behind the PUBACK.
-    client.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
     assert!(client.read(&mut [0; 8]).is_err());
-    client.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    reactor.send(Command::PublishDone { conn: 7, ticket: batch[0].ticket.unwrap(), packet_id: 9, code: 0 });
+    client
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    reactor.send(Command::PublishDone {
+        conn: 7,
+        ticket: batch[0].ticket.unwrap(),
+        packet_id: 9,
+        code: 0,
+    });
     assert_eq!(read_exact(&mut client, 6), vec![0x40, 2, 0, 9, 0xD0, 0]);
 
     // Deliveries: QoS 1 within the client's window of 2; the third waits for an ack.
@@ -124,14 +147,24 @@ fn publish_ack_ping_deliver_and_hand_back() {
         });
     }
     let first = read_exact(&mut client, 16);
-    assert_eq!(first, vec![0x32, 6, 0, 1, b'c', 0, 1, 0, 0x32, 6, 0, 1, b'c', 0, 2, 1]);
+    assert_eq!(
+        first,
+        vec![0x32, 6, 0, 1, b'c', 0, 1, 0, 0x32, 6, 0, 1, b'c', 0, 2, 1]
+    );
     client.write_all(&[0x40, 2, 0, 1]).unwrap();
     let acked = sink.wait(|r| match r {
-        Report::Acked { conn: 7, packet_id, source } => Some((*packet_id, *source)),
+        Report::Acked {
+            conn: 7,
+            packet_id,
+            source,
+        } => Some((*packet_id, *source)),
         _ => None,
     });
     assert_eq!(acked, (1, (1, 0)));
-    assert_eq!(read_exact(&mut client, 8), vec![0x32, 6, 0, 1, b'c', 0, 3, 2]);
+    assert_eq!(
+        read_exact(&mut client, 8),
+        vec![0x32, 6, 0, 1, b'c', 0, 3, 2]
+    );
 
     // SUBSCRIBE is Python's: the socket comes back with the packet unread.
     let subscribe = [0x82, 0x06, 0, 5, 0, 1, b'x', 0];
@@ -139,7 +172,10 @@ fn publish_ack_ping_deliver_and_hand_back() {
     let back = take_demoted(&sink, 7);
     assert_eq!(back.why, Why::Packet);
     assert_eq!(back.unread, subscribe.to_vec());
-    assert_eq!(back.outgoing.keys().copied().collect::<Vec<_>>(), vec![2, 3]);
+    assert_eq!(
+        back.outgoing.keys().copied().collect::<Vec<_>>(),
+        vec![2, 3]
+    );
     assert_eq!(back.next_packet_id, 4);
     // The socket still works: the owner answers on it.
     let mut server = TcpStream::from(back.socket);
@@ -163,6 +199,9 @@ fn keepalive_and_a_closed_client_hand_back() {
     let timed_out = take_demoted(&sink, 1);
     assert_eq!(timed_out.why, Why::Timeout);
     let waited = started.elapsed().as_secs_f64();
-    assert!((1.0..2.5).contains(&waited), "1.5 keepalives without a packet, not {waited}");
+    assert!(
+        (1.0..2.5).contains(&waited),
+        "1.5 keepalives without a packet, not {waited}"
+    );
     reactor.stop();
 }

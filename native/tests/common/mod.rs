@@ -13,7 +13,9 @@ pub fn pair() -> (TcpStream, OwnedFd) {
     let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
     let (server, _) = listener.accept().unwrap();
     server.set_nonblocking(true).unwrap();
-    client.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
     (client, OwnedFd::from(server))
 }
 
