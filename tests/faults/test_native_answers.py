@@ -16,7 +16,8 @@ import pytest
 from store import protocol as p
 from store.sdk import Producer
 from tests.conftest import Server
-from tests.faults.test_budgets import MiB, RssPeak, _rss
+from tests.faults.hostile import MiB, RssPeak
+from tests.faults.hostile import rss as _rss
 from tests.mqtt.paho_client import Client
 
 BUDGET = 32 * MiB  # the default

@@ -384,17 +384,21 @@ def test_3_1_3_9_reconnect_after_a_restart_cancels_the_stored_will(tmp_path) -> 
         _persistent_watcher(srv.port, wid, topic).disconnect()
         dev = RawClient(srv.port, version=5)
         cid = uid("dev")
-        dev.connect(cid, clean=False, will=_v5_will(topic, b"late", 3),
+        # The restart must come within the delay: 8 s leaves room on a busy machine.
+        delay = 8
+        dev.connect(cid, clean=False, will=_v5_will(topic, b"late", delay),
                     properties={"session_expiry_interval": 60})
         dev.close()
+        t0 = time.monotonic()
         assert srv.wait_log("disconnected: connection closed by the client")
         assert srv.stop() == 0
         srv.start()
         dev = RawClient(srv.port, version=5)
         assert dev.connect(cid, clean=False,
                            properties={"session_expiry_interval": 60}).session_present
+        assert time.monotonic() - t0 < delay, "the restart took longer than the will's delay"
         watcher = _persistent_watcher(srv.port, wid, topic)
-        watcher.expect_none(4.0)
+        watcher.expect_none(max(1.0, delay + 1 - (time.monotonic() - t0)))  # past its time
         dev.send(mqtt.Disconnect())
         dev.close()
         watcher.disconnect()
