@@ -19,6 +19,7 @@ from gateway.stats import Stats
 from store.api import Message, Store
 
 log = logging.getLogger("lightgate.gateway")
+WILL_SETTLE_S = 5.0  # a will's publish and its record's update, at most, at shutdown
 
 
 class PendingWill(NamedTuple):
@@ -101,9 +102,12 @@ class Wills:
             info = await self.store.meta_get("sessions", client_id)
             if info is not None and "will" not in info:
                 return
-        await self.publish(client_id, will)
-        async with self.locks.hold(client_id):
-            await self._drop_stored(client_id, due)
+        # Published and struck from the session's record as one step that a shutdown
+        # waits for (bounded): cut between the two, the restart would publish it again.
+        with trio.CancelScope(shield=True), trio.move_on_after(WILL_SETTLE_S):
+            await self.publish(client_id, will)
+            async with self.locks.hold(client_id):
+                await self._drop_stored(client_id, due)
 
     async def _drop_stored(self, client_id: str, due: float) -> None:
         """Remove the will due at `due` from the session's record (it went, or the
