@@ -38,6 +38,15 @@ HEADER_SIZE = FRAME.size + FIXED.size
 MAX_RECORD = 512 * 1024 * 1024
 MAX_QUEUES = 0xFFFF  # nqueues is a u16 in an LGM1 record
 FLAG_RETAIN = 0x01
+# An idempotent producer's append (store.producers): its first record has MARK_FIRST and
+# the producer's id, epoch and first sequence in its properties (PRODUCER_PROP), the rest
+# of the append MARK_MORE, so the sequences can be rebuilt from the log alone. A reader
+# that does not know these bits reads the record as before (it looks at FLAG_RETAIN only,
+# and sees PRODUCER_PROP as a property); this one hands it out as Message.producer.
+MARK_FIRST = 0x02
+MARK_MORE = 0x04
+MARKS = MARK_FIRST | MARK_MORE
+PRODUCER_PROP = "lg_producer"
 
 
 class CorruptRecord(ValueError):
@@ -60,6 +69,8 @@ class Message:
     phys_offset: int = -1
     size: int = 0
     queues: list[tuple[str, int]] = field(default_factory=list)
+    mark: int = 0  # MARK_FIRST / MARK_MORE: a record of an idempotent producer's append
+    producer: list[Any] | None = None  # MARK_FIRST: [producer id, epoch, first sequence]
 
     @property
     def msg_id(self) -> str:
@@ -149,7 +160,10 @@ def encode(msg: Message) -> bytes:
     client = msg.client_id.encode()
     topic = msg.topic.encode()
     key = msg.key.encode() if msg.key else b""
-    props = encode_properties(msg.properties) if msg.properties else b""
+    stored = msg.properties
+    if msg.mark & MARK_FIRST:
+        stored = {**stored, PRODUCER_PROP: msg.producer}
+    props = encode_properties(stored) if stored else b""
     if props and b'"$b64"' in props:
         # A property shaped like our bytes wrapper must come back as it went in: a record
         # that does not decode would stop every later start in recovery.
@@ -157,7 +171,7 @@ def encode(msg: Message) -> bytes:
     queues = msg.queues
     parts = [
         (FIXED_WIDE if len(queues) > MAX_QUEUES else FIXED).pack(
-            msg.store_ts, msg.born_ts, msg.qos, FLAG_RETAIN if msg.retain else 0,
+            msg.store_ts, msg.born_ts, msg.qos, (FLAG_RETAIN if msg.retain else 0) | msg.mark,
             len(client), len(topic), len(key), len(props), len(msg.body), len(queues),
         ),
         client, topic, key, props, msg.body,
@@ -212,8 +226,11 @@ def decode_first(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1) -
         raise CorruptRecord(f"undecodable fields: {exc}") from exc
     if p > end or (nq <= 1 and p != end):
         raise CorruptRecord("field lengths disagree with the record length")
-    return Message(topic, body, qos, bool(flags & FLAG_RETAIN), client, props, born_ts, key,
-                   store_ts, phys_offset, total, queues)
+    msg = Message(topic, body, qos, bool(flags & FLAG_RETAIN), client, props, born_ts, key,
+                  store_ts, phys_offset, total, queues, flags & MARKS)
+    if flags & MARK_FIRST:
+        msg.producer = props.pop(PRODUCER_PROP, None)
+    return msg
 
 
 def frame_length(buf: bytes | memoryview, pos: int = 0) -> tuple[int, int]:
@@ -278,5 +295,8 @@ def decode(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1,
         raise CorruptRecord(f"undecodable fields: {exc}") from exc
     if (p > end) if partial else (p != end):
         raise CorruptRecord("field lengths disagree with the record length")
-    return Message(topic, body, qos, bool(flags & FLAG_RETAIN), client, props, born_ts, key,
-                   store_ts, phys_offset, total, queues)
+    msg = Message(topic, body, qos, bool(flags & FLAG_RETAIN), client, props, born_ts, key,
+                  store_ts, phys_offset, total, queues, flags & MARKS)
+    if flags & MARK_FIRST:
+        msg.producer = props.pop(PRODUCER_PROP, None)
+    return msg

@@ -36,7 +36,8 @@ from store.groups import (
     retry_queue,
 )
 from store.native_acl import NODE, STORE_NODE, SUPER, Need, message_need, needs
-from store.record import Message
+from store.producers import Stamp
+from store.record import PRODUCER_PROP, Message
 from store.service import EmbeddedStore
 from store.streams import batched_writer
 from store.validate import validate_message
@@ -143,6 +144,7 @@ class NativeServer:
             p.NACK: self._nack,
             p.GET_MESSAGE: self._get_message,
             p.FIND_KEY: self._find_key,
+            p.PRODUCER_INIT: self._producer_init,
             p.TOPIC_CREATE: self._topic_create,
             p.TOPIC_LIST: self._topic_list,
             p.TOPIC_DESCRIBE: self._topic_describe,
@@ -416,7 +418,41 @@ class NativeServer:
             validate_message(m, mqtt=frame.code == p.PUBLISH or bool(m.topic and m.topic != topic))
         if frame.code == p.PUBLISH:
             return self.store.publish_start(msgs)
-        return self.store.send_start(topic, msgs)
+        return self.store.send_start(topic, msgs, self._producer_stamp(frame, ctx, msgs))
+
+    # -- idempotent producers ---------------------------------------------------------
+    def _producer_stamp(self, frame: p.Frame, ctx: ConnCtx, msgs: list[Message]
+                        ) -> Stamp | None:
+        """A SEND of an idempotent producer: its id (issued to this connection's user)
+        and its sequence, checked inside the append (store.producers)."""
+        if any(PRODUCER_PROP in m.properties for m in msgs):
+            raise BadRequest(f"property {PRODUCER_PROP!r} is the store's own")
+        h = frame.header
+        if "producer" not in h:
+            return None
+        epoch, seq = h.get("epoch", 0), h.get("seq")
+        if type(epoch) is not int or type(seq) is not int or epoch < 0 or seq < 0:
+            raise BadRequest("an idempotent SEND has a sequence `seq` (and an `epoch`), "
+                             "integers from 0")
+        try:
+            pid = self.store.check_producer(h["producer"], self._user(ctx))
+        except ValueError as exc:
+            raise _refusal(exc) from None
+        return Stamp(pid, str(h.get("topic", "")), epoch, seq)
+
+    def _user(self, ctx: ConnCtx) -> str:
+        """Whose a producer id is: the authenticated user's ("" without --auth)."""
+        return ctx.subject.name if self.auth.enabled and ctx.subject is not None else ""
+
+    async def _producer_init(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        name = f.header.get("name")
+        if name is not None and not isinstance(name, str):
+            raise BadRequest("a producer name is a string")
+        try:
+            pid = await self.store.init_producer(self._user(ctx), name)
+        except ValueError as exc:
+            raise _refusal(exc) from None
+        return {"producer": pid}, b""
 
     async def _reply_append(self, frame: p.Frame, fut: Any, send: Any, limit: Any) -> None:
         try:
@@ -426,8 +462,9 @@ class NativeServer:
                 out = _error(frame, 507, str(exc))
             except StoreError as exc:
                 out = _error(frame, 503, str(exc))
-            except ValueError as exc:  # refused by the writer (e.g. a record too large)
-                out = _error(frame, 400, str(exc))
+            except ValueError as exc:  # refused by the writer (a record too large, a
+                # producer's sequence: store.producers)
+                out = _error(frame, getattr(exc, "status", 400), str(exc))
             else:
                 results = [{"msg_id": m.msg_id, "queues": m.queues, "store_ts": m.store_ts,
                             "phys": m.phys_offset, "rsize": m.size} for m in stored]
@@ -733,6 +770,14 @@ def _peer_ip(stream: trio.SocketStream) -> str:
         return str(stream.socket.getpeername()[0])
     except (OSError, AttributeError):
         return "?"
+
+
+def _refusal(exc: ValueError) -> BadRequest:
+    """A refusal of the store's (an error with a status, e.g. store.producer_ids') as the
+    native answer it becomes."""
+    err = BadRequest(str(exc))
+    err.status = getattr(exc, "status", 400)
+    return err
 
 
 def _error(frame: p.Frame, status: int, message: str) -> bytes:
