@@ -240,7 +240,8 @@ class LightgateDataSource(DataSource):
     """Options: server (native HOST:PORT), topic (first-level), startingOffsets,
     startingTimestamp (ms since the epoch; wins over startingOffsets), endingOffsets
     (batch), maxOffsetsPerTrigger, username, password, timeout; for writing also qos
-    (default 1)."""
+    (default 1), idempotence (auto: exactly once in a streaming query; off) and writeId
+    (tells apart two writes to one topic in one foreachBatch)."""
 
     @classmethod
     def name(cls) -> str:
@@ -368,10 +369,43 @@ def cap_offsets(start: Offsets, ends: Offsets, max_rows: int) -> Offsets:
 
 
 # -- writing -----------------------------------------------------------------------------
+def exactly_once_key(options: dict[str, str]) -> tuple[str, int] | None:
+    """For a write task of a streaming micro-batch (a streaming sink, or a batch write in
+    `foreachBatch`): the name of its idempotent producer, one per (query, write,
+    partition), and its epoch, the batch id; None elsewhere (a plain batch write) or
+    with `idempotence` off. Spark gives every task of a micro-batch its query's id and
+    the batch id as local properties, and a query restarted from its checkpoint keeps
+    its id."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    if options.get("idempotence", "auto").lower() == "off" or ctx is None:
+        return None
+    query, batch = ctx.getLocalProperty(QUERY_ID), ctx.getLocalProperty(BATCH_ID)
+    if not query or batch is None or not batch.isdigit():
+        return None
+    write = options.get("writeid", "")
+    return f"spark/{query}/{write}/{ctx.partitionId()}", int(batch)
+
+
+QUERY_ID, BATCH_ID = "sql.streaming.queryId", "streaming.sql.batchId"
+
+
+def _content(m: Message) -> tuple:
+    return (m.topic, m.key, m.body, json.dumps(m.properties, sort_keys=True, default=str))
+
+
 class LightgateWriter(DataSourceWriter):
     """Rows to a first-level topic: body from `payload` or `value` (binary or string),
     optional `mqtt_topic` (delivered to MQTT subscribers), `key`, `properties` (JSON).
-    At least once: a retried task may send its rows again."""
+
+    Exactly once in a streaming query (see `exactly_once_key`): each task is an
+    idempotent producer named by query, write id and partition, its epoch the batch id,
+    its messages numbered from 0, so a task or batch run again (a retried task, a
+    restarted query replaying its last batch) sends the same numbers and the store keeps
+    the first copy. A partition's rows go in one request when they fit one (SEND_BATCH);
+    more are put in content order first, so that a run whose rows come in another order
+    numbers each row as the first run did. At least once elsewhere."""
 
     def __init__(self, options: dict[str, str], schema: StructType) -> None:
         self.options = options
@@ -384,6 +418,9 @@ class LightgateWriter(DataSourceWriter):
         self.cols = {c: names.index(c) if c in names else None
                      for c in ("mqtt_topic", "key", "properties", "qos")}
         self.cols["body"] = names.index(body)
+        if options.get("idempotence", "auto").lower() not in ("auto", "off"):
+            raise ValueError("option 'idempotence' is auto or off, not "
+                             f"{options['idempotence']!r}")
 
     def _message(self, row: Any, now: int) -> Message:
         cols = self.cols
@@ -403,6 +440,9 @@ class LightgateWriter(DataSourceWriter):
                        False, "spark", props, born_ts=now, key=str(key or ""))
 
     def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
+        once = exactly_once_key(self.options)
+        if once is not None:
+            return self._write_once(iterator, *once)
         count = 0
         batch: list[Message] = []
         with _client(self.options) as c:
@@ -417,11 +457,25 @@ class LightgateWriter(DataSourceWriter):
                 count += len(batch)
         return _Commit(count)
 
+    def _write_once(self, iterator: Iterator[Any], name: str, epoch: int) -> _Commit:
+        now = int(time.time() * 1000)
+        msgs = [self._message(row, now) for row in iterator]
+        if not msgs:
+            return _Commit(0)
+        if len(msgs) > SEND_BATCH:
+            msgs.sort(key=_content)
+        with _client(self.options) as c:
+            producer = c.init_producer(name)
+            for first in range(0, len(msgs), SEND_BATCH):
+                c.send(self.topic, msgs[first:first + SEND_BATCH], (producer, epoch, first))
+        return _Commit(len(msgs))
+
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         pass  # every write() already stored its rows
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        pass  # stored messages cannot be taken back; consumers see them (at least once)
+        pass  # stored messages cannot be taken back; a run again sends them once more,
+        # which the store recognises in a streaming query (exactly once)
 
 
 class LightgateStreamWriter(LightgateWriter, DataSourceStreamWriter):
