@@ -163,11 +163,15 @@ class StoreClient:
             offset = nxt
 
     def pull_ranges(self, queue: str, start: int, end: int, depth: int = PIPELINE_DEPTH,
-                    chunk: int = PULL_BATCH) -> Iterator[tuple[int, int, dict[str, Any], bytes]]:
+                    chunk: int = PULL_BATCH, raw: bool = False
+                    ) -> Iterator[tuple[int, int, dict[str, Any], bytes]]:
         """The raw PULL responses covering [start, end) of `queue`, in order, as
         (chunk_start, chunk_end, header, body). The caller keeps the messages whose offset
         lies in [chunk_start, chunk_end): a chunk below the queue's minimum (retention) is
         answered from the minimum.
+
+        `raw`: the store may answer with records as its log holds them (header `raw`,
+        `runs`; see store.server's _pull_raw), for the caller to decode.
 
         Up to `depth` requests are in flight on the connection, so the store reads the next
         chunk while the caller converts this one. A chunk the store answers only in part (a
@@ -190,7 +194,7 @@ class StoreClient:
                         c_lo, c_hi = chunks[sent]
                         pending.append((self._send(p.PULL, {"queue": queue, "offset": c_lo,
                                                             "max": c_hi - c_lo,
-                                                            "wait_ms": 0}),
+                                                            "wait_ms": 0, "raw": raw}),
                                         sent, self._generation))
                         sent += 1
                     rid, index, generation = pending[0]
@@ -211,15 +215,16 @@ class StoreClient:
                 header, body = frame.header, frame.body
             else:
                 header, body = self.request(p.PULL, {"queue": queue, "offset": lo,
-                                                     "max": hi - lo, "wait_ms": 0})
+                                                     "max": hi - lo, "wait_ms": 0, "raw": raw})
             done += 1
             yield lo, hi, header, body
             nxt = int(header["next_offset"])
-            while lo < nxt < hi and header["messages"]:
+            while lo < nxt < hi and (header.get("runs") or header.get("messages")):
                 # Answered in part: the rest of this chunk before the next one (on the
                 # same connection, the pipelined answers wait in self._frames).
                 header, body = self.request(p.PULL, {"queue": queue, "offset": nxt,
-                                                     "max": hi - nxt, "wait_ms": 0})
+                                                     "max": hi - nxt, "wait_ms": 0,
+                                                     "raw": raw})
                 lo = nxt
                 yield lo, hi, header, body
                 nxt = int(header["next_offset"])

@@ -35,6 +35,7 @@ from pyspark.sql.types import StructType
 
 from serving.values import NATIVE_ADDR
 from spark_streaming.native import SEND_BATCH, StoreClient
+from spark_streaming.raw_rows import arrow_from_records
 from store.protocol import ProtocolError
 from store.record import Message, format_msg_id
 
@@ -220,14 +221,41 @@ def arrow_batch(queue: str, lo: int, hi: int, metas: list[dict[str, Any]],
     return kept if kept.num_rows else None
 
 
-def read_queue_arrow(options: dict[str, str], part: QueueRange) -> Iterator[pa.RecordBatch]:
-    """[start, end) of one queue as Arrow RecordBatches, pulled with requests in flight:
-    the same rows as `read_queue`, without a Python tuple per row."""
+def read_queue_arrow(options: dict[str, str], part: QueueRange,
+                     schema: pa.Schema = ARROW_SCHEMA) -> Iterator[pa.RecordBatch]:
+    """[start, end) of one queue as Arrow RecordBatches of `schema` (the source's columns
+    a query reads), pulled with requests in flight: the same rows as `read_queue`,
+    without a Python tuple per row. The store hands out its records as its log holds
+    them (PULL `raw`) and they are decoded here, only as far as the columns need."""
     with _client(options) as c:
-        for lo, hi, header, body in c.pull_ranges(part.queue, part.start, part.end):
-            batch = arrow_batch(part.queue, lo, hi, header["messages"], body)
+        for lo, hi, header, body in c.pull_ranges(part.queue, part.start, part.end,
+                                                  raw=True):
+            if header.get("raw"):
+                batch = arrow_from_records(part.queue, lo, hi, header["runs"], body, schema)
+            else:  # a store that answers with decoded messages
+                batch = arrow_batch(part.queue, lo, hi, header["messages"], body)
+                batch = batch.select(schema.names) if batch is not None else None
             if batch is not None:
                 yield batch
+
+
+def columns_of(schema: StructType | None) -> pa.Schema:
+    """The Arrow schema of the source's columns a user-given schema names (some of
+    SCHEMA's, with their types, in any order): a query that reads only some of them has
+    only those built and sent to Spark."""
+    if schema is None or not schema.fields:
+        return ARROW_SCHEMA
+    from pyspark.sql import types as t
+
+    text, stamp = t.StringType(), t.TimestampType()
+    known = {"mqtt_topic": text, "client_id": text, "qos": t.IntegerType(),
+             "properties": text, "payload": t.BinaryType(), "store_time": stamp,
+             "born_time": stamp, "queue": text, "offset": t.LongType(), "msg_id": text}
+    for f in schema.fields:
+        if known.get(f.name) != f.dataType:
+            raise ValueError(f"the lightgate source has no column {f.name} "
+                             f"{f.dataType.simpleString()}: its columns are {SCHEMA}")
+    return pa.schema([ARROW_SCHEMA.field(f.name) for f in schema.fields])
 
 
 def plan(start: Offsets, end: Offsets) -> list[QueueRange]:
@@ -251,10 +279,10 @@ class LightgateDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return LightgateBatchReader(_lower(self.options))
+        return LightgateBatchReader(_lower(self.options), schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return LightgateStreamReader(_lower(self.options))
+        return LightgateStreamReader(_lower(self.options), schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
         return LightgateWriter(_lower(self.options), schema)
@@ -267,9 +295,10 @@ class LightgateDataSource(DataSource):
 class LightgateBatchReader(DataSourceReader):
     """A backfill: startingOffsets (default earliest) to endingOffsets (default latest)."""
 
-    def __init__(self, options: dict[str, str]) -> None:
+    def __init__(self, options: dict[str, str], schema: StructType | None = None) -> None:
         self.options = options
         self.topic = _topic(options)
+        self.arrow = columns_of(schema)
         starting_timestamp(options)  # a bad value fails the query now, not at its start
 
     def partitions(self) -> Sequence[InputPartition]:
@@ -281,13 +310,14 @@ class LightgateBatchReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if not isinstance(partition, QueueRange):
             return iter(())  # nothing to read: Spark runs one partition of its own
-        return read_queue_arrow(self.options, partition)
+        return read_queue_arrow(self.options, partition, self.arrow)
 
 
 class LightgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    def __init__(self, options: dict[str, str]) -> None:
+    def __init__(self, options: dict[str, str], schema: StructType | None = None) -> None:
         self.options = options
         self.topic = _topic(options)
+        self.arrow = columns_of(schema)
         starting_timestamp(options)  # a bad value fails the query now, not at its start
         limit = options.get("maxoffsetspertrigger")
         self.max_per_trigger = int(limit) if limit else None
@@ -342,7 +372,7 @@ class LightgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if not isinstance(partition, QueueRange):
             return iter(())  # nothing to read: Spark runs one partition of its own
-        return read_queue_arrow(self.options, partition)
+        return read_queue_arrow(self.options, partition, self.arrow)
 
     def commit(self, end: dict) -> None:
         pass  # the store keeps everything until retention; nothing to release

@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -118,6 +119,24 @@ _WAKE = object()  # async mode: the log became dirty, or dirty enough to fsync n
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _check_records(data: bytes, phys: int, count: int) -> None:
+    """CorruptRecord unless `data` is `count` whole records with good CRCs (a run read
+    by index entries: each record's length and checksum, none of its fields)."""
+    view = memoryview(data)
+    head, crc32 = record.FRAME.unpack_from, zlib.crc32
+    pos = 0
+    for _ in range(count):
+        if len(data) - pos < record.HEADER_SIZE:
+            raise CorruptRecord(f"no whole record at offset {phys + pos}")
+        magic, total, crc = head(data, pos)
+        if (magic != record.MAGIC and magic != record.MAGIC_WIDE) or total < record.HEADER_SIZE \
+                or pos + total > len(data) or crc32(view[pos + 12:pos + total]) != crc:
+            raise CorruptRecord(f"no valid record at offset {phys + pos}")
+        pos += total
+    if pos != len(data):
+        raise CorruptRecord(f"records at offset {phys} end before their run does")
 
 
 def _holds_producers(seg: Segment) -> bool:
@@ -320,6 +339,43 @@ class CommitLog:
                 pos += n
             i = j
         return out
+
+    def read_records(self, entries: Sequence[tuple[int, int, int, int]], max_bytes: int
+                     ) -> tuple[list[list[int]], bytes]:
+        """The records at these index entries ((phys offset, size, store time, queue
+        offset), in queue order) as the log holds them, CRC checked, not decoded: what a
+        reader that decodes records itself is handed (PULL `raw`). Returns the runs
+        [phys offset, bytes, first queue offset, records] of records that lie back to
+        back (one pread each) and their bytes concatenated; at most about `max_bytes`
+        (one record at least). Records gone to retention are left out."""
+        runs: list[list[int]] = []
+        parts: list[bytes] = []
+        total = 0
+        i, n = 0, len(entries)
+        bases = self._bases
+        while i < n and (total < max_bytes or not parts):
+            start, size, _, first = entries[i]
+            k = bisect.bisect_right(bases, start) - 1
+            seg = self._segment_for(start)
+            if seg is None or not seg.acquire():
+                i += 1
+                continue
+            try:
+                limit = bases[k + 1] if k + 1 < len(bases) else self._write_pos
+                j, end = i + 1, start + size
+                while (j < n and entries[j][0] == end and entries[j][3] == first + j - i
+                       and end + entries[j][1] <= limit and total + end - start < max_bytes):
+                    end += entries[j][1]
+                    j += 1
+                data = seg.pread(end - start, start - seg.base)
+            finally:
+                seg.release()
+            _check_records(data, start, j - i)
+            runs.append([start, end - start, first, j - i])
+            parts.append(data)
+            total += end - start
+            i = j
+        return runs, b"".join(parts)
 
     def read_bytes(self, pos: int, size: int) -> tuple[bytes, int]:
         """Up to `size` bytes of the log from any position `pos` (a record start or not),

@@ -233,6 +233,17 @@ def decode_first(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1) -
     return msg
 
 
+_PEEK = struct.Struct(">II22xHH")  # magic, total_len, client_len, topic_len
+
+
+def peek_topic(buf: bytes | memoryview, pos: int = 0) -> tuple[str, int]:
+    """The topic of the (whole, checked) record at `pos` and its length, without decoding
+    the rest."""
+    magic, total, lc, lt = _PEEK.unpack_from(buf, pos)
+    at = pos + (HEADER_SIZE if magic == MAGIC else FRAME.size + FIXED_WIDE.size) + lc
+    return str(buf[at:at + lt], "utf-8"), total
+
+
 def frame_length(buf: bytes | memoryview, pos: int = 0) -> tuple[int, int]:
     """(magic, total_len) of the record starting at `pos`."""
     if len(buf) - pos < FRAME.size:

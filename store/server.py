@@ -26,7 +26,7 @@ from serving.values import split_hostport
 from store import protocol as p
 from store.auth import AuthError, AuthManager, Policy, Subject, audit
 from store.auth.manager import DecisionCache
-from store.common import PullResult, StoreError, StoreFullError, await_future
+from store.common import PullResult, RawPull, StoreError, StoreFullError, await_future
 from store.groups import (
     MAX_ATTEMPTS,
     GroupRegistry,
@@ -37,7 +37,7 @@ from store.groups import (
 )
 from store.native_acl import NODE, STORE_NODE, SUPER, Need, message_need, needs
 from store.producers import Stamp
-from store.record import PRODUCER_PROP, Message
+from store.record import PRODUCER_PROP, Message, peek_topic
 from store.service import EmbeddedStore
 from store.streams import batched_writer
 from store.validate import validate_message
@@ -477,6 +477,8 @@ class NativeServer:
     # -- handlers ---------------------------------------------------------------------
 
     async def _pull(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        if f.header.get("raw"):
+            return await self._pull_raw(f, ctx)
         queue = str(f.header["queue"])
         offset = int(f.header.get("offset", 0))
         max_count = int(f.header.get("max", 32))
@@ -495,6 +497,60 @@ class NativeServer:
         metas, body = p.pack_messages(self._readable(ctx, res.messages))
         return {"messages": metas, "next_offset": res.next_offset,
                 "min_offset": res.min_offset, "max_offset": res.max_offset}, body
+
+    # -- PULL `raw`: records as the log holds them --------------------------------------
+    async def _pull_raw(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        """A PULL answered with runs of records as the log holds them (see
+        EmbeddedStore.pull_raw): the reader decodes them; header `runs` [log offset,
+        bytes, first queue offset, records] say where each starts in the body."""
+        h = f.header
+        queue, offset = str(h["queue"]), int(h.get("offset", 0))
+        max_count = int(h.get("max", 32))
+        wait_ms = min(int(h.get("wait_ms", 0)), MAX_PULL_WAIT_MS)
+        res = await self._raw(queue, offset, max_count)
+        if not res.runs and wait_ms > 0:
+            with self.waiters.waiting(queue) as ev:
+                res = await self._raw(queue, offset, max_count)  # it may have just landed
+                if not res.runs:
+                    with trio.move_on_after(wait_ms / 1000):
+                        await ev.wait()
+            if not res.runs:
+                res = await self._raw(queue, offset, max_count)
+        runs, data = self._raw_readable(ctx, res.runs, res.data)
+        return {"raw": True, "runs": runs, "next_offset": res.next_offset,
+                "min_offset": res.min_offset, "max_offset": res.max_offset}, data
+
+    async def _raw(self, queue: str, offset: int, max_count: int) -> RawPull:
+        store = self.store
+        if store.commitlog.inline:  # appends are inline: the index is current, no wait
+            return store.pull_raw(queue, offset, max_count, self._limit())
+        return await trio.to_thread.run_sync(store.pull_raw, queue, offset, max_count,
+                                             self._limit())
+
+    def _raw_readable(self, ctx: ConnCtx, runs: list[list[int]], data: bytes
+                      ) -> tuple[list[list[int]], bytes]:
+        """The records of a raw answer this reader may see, as `_readable` decides for
+        messages: the others are left out of the runs (next_offset moves past them)."""
+        if not self.auth.enabled or not runs or self._is_node(ctx):
+            return runs, data
+        kept_runs: list[list[int]] = []
+        parts: list[bytes] = []
+        pos = 0
+        for phys, _, first, count in runs:
+            for i in range(count):
+                topic, size = peek_topic(data, pos)
+                if self._allowed(ctx, message_need(topic)):
+                    last = kept_runs[-1] if kept_runs else None
+                    if last is not None and last[0] + last[1] == phys and \
+                            last[2] + last[3] == first + i:
+                        last[1] += size
+                        last[3] += 1
+                    else:
+                        kept_runs.append([phys, size, first + i, 1])
+                    parts.append(data[pos:pos + size])
+                phys += size
+                pos += size
+        return kept_runs, b"".join(parts)
 
     def _readable(self, ctx: ConnCtx, msgs: list[Message]) -> list[Message]:
         """The messages this reader may see, each checked as MQTT deliveries are (the

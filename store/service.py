@@ -26,7 +26,7 @@ from lightqueue.since import Since, now_ms, parse_since, parse_time
 from lightqueue.topic import validate_topic_filter, validate_topic_name
 from serving.read_budget import ReadBudget
 from store.commitlog import CommitLog, InlineFuture, RecoveryReport
-from store.common import HistoryBatch, PullResult, QueueSeek, await_future
+from store.common import HistoryBatch, PullResult, QueueSeek, RawPull, await_future
 from store.config import StoreConfig
 from store.history import HistoryReader
 from store.metadata import Metadata
@@ -39,6 +39,7 @@ from store.startup import lock_data_dir
 log = logging.getLogger("lightgate.store")
 
 MAX_PULL = 1024
+RAW_PULL_BYTES = 4 << 20  # of records in one raw PULL answer (a frame holds 64 MiB)
 
 WILDCARD_GC_S = 60.0  # how often idle wildcard queues are looked for
 PRODUCER_GC_S = 60.0  # how often idle producers are looked for
@@ -331,6 +332,30 @@ class EmbeddedStore:
         messages = [m for m in read if m is not None]
         next_offset = entries[-1].offset + 1 if entries else start
         return PullResult(messages, next_offset, lo, hi)
+
+    def pull_raw(self, queue: str, offset: int, max_count: int = MAX_PULL,
+                 read_limit: int | None = None, max_bytes: int = RAW_PULL_BYTES) -> RawPull:
+        """`pull` as the log holds the records (CommitLog.read_records): runs of records
+        back to back, not decoded, for a reader that decodes them itself (the Spark
+        source): the store's work per record is its index entry, its share of a pread
+        and its CRC. `read_limit`: a log position not to hand out records past (sync
+        replication). No I/O wait beyond the page cache's: callable from the event loop
+        when appends are inline."""
+        max_count = max(1, min(max_count, MAX_PULL))
+        lo, hi = self.index.min_offset(queue), self.index.max_offset(queue)
+        start = min(max(offset, lo), hi)
+        entries = self.index.read_tuples(queue, start, max_count)
+        if read_limit is not None:
+            for i, (phys, size, _, _) in enumerate(entries):
+                if phys + size > read_limit:
+                    entries = entries[:i]
+                    break
+        runs, data = self.commitlog.read_records(entries, max_bytes)
+        # Past the last record handed out (max_bytes may have cut the rest); with none,
+        # past the entries (every one gone to retention), or where it started.
+        last = runs[-1][2] + runs[-1][3] if runs else None
+        nxt = last if last is not None else entries[-1][3] + 1 if entries else start
+        return RawPull(runs, data, nxt, lo, hi)
 
     def queue_range(self, queue: str, read_limit: int | None = None) -> tuple[int, int]:
         """The queue's first and end offsets; with a read limit (the acknowledged log

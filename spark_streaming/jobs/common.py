@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F  # noqa: N812
 from pyspark.sql.streaming import StreamingQuery
+
+from spark_streaming.source import SCHEMA
 
 
 @dataclass
@@ -31,29 +33,47 @@ class JobConfig:
             if self.username else {}
 
 
-def source(spark: SparkSession, cfg: JobConfig) -> DataFrame:
+def source(spark: SparkSession, cfg: JobConfig, columns: Sequence[str] | None = None
+           ) -> DataFrame:
+    """The source topic as a stream; `columns`: only those of the source's (the others
+    are neither decoded nor handed to Spark)."""
     reader = (spark.readStream.format("lightgate").option("server", cfg.server)
               .option("topic", cfg.source_topic)
               .option("startingOffsets", cfg.starting_offsets)
               .options(**cfg.auth_options()))
+    if columns:
+        types = dict(col.split(" ", 1) for col in SCHEMA.split(", "))
+        reader = reader.schema(", ".join(f"{c} {types[c]}" for c in columns))
     if cfg.max_offsets_per_trigger:
         reader = reader.option("maxOffsetsPerTrigger", str(cfg.max_offsets_per_trigger))
     return reader.load()
+
+
+def reading_columns(device_from: str, ids: bool = True) -> list[str]:
+    """The source's columns `readings` reads (`ids`: with each message's id)."""
+    return ["mqtt_topic", "payload", "store_time",
+            *(["client_id"] if device_from == "client_id" else []),
+            *(["msg_id"] if ids else [])]
 
 
 def device_column(spec: str, json_field: Callable[[str], Column] | None = None) -> Column:
     """`topic:N` (N-th level of the MQTT topic, 0-based), `client_id` or `json:FIELD`."""
     kind, _, arg = spec.partition(":")
     if kind == "topic":
-        # try_: a topic with fewer levels has no device (element_at fails the query
-        # under ANSI mode, Spark 4's default).
-        dev = F.try_element_at(F.split(F.col("mqtt_topic"), "/"), F.lit(int(arg) + 1))
-    elif kind == "json":
-        dev = (json_field or _json_path)(arg)
-    else:
-        dev = F.col("client_id")
+        # The level between the N-th and N+1-th "/" (null when the topic has fewer
+        # levels), cut out of the bytes: no array of levels (split), no regular
+        # expression. A topic name holds no + or # (MQTT), and a level no /.
+        n, topic = int(arg), F.col("mqtt_topic")
+        level = F.substring_index(F.substring_index(topic, "/", n + 1), "/", -1)
+        if n == 0:
+            return level
+        if n == 1:
+            return F.when(F.instr(topic, "/") > 0, level)
+        slashes = F.length(topic) - F.length(F.replace(topic, F.lit("/"), F.lit("")))
+        return F.when(slashes >= n, level)
+    dev = (json_field or _json_path)(arg) if kind == "json" else F.col("client_id")
     # An id becomes one MQTT topic level: no separators or wildcards in it.
-    return F.regexp_replace(dev, "[/+#]", "_")
+    return F.translate(dev, "/+#", "___")
 
 
 def _json_path(name: str) -> Column:
@@ -98,7 +118,8 @@ def readings(df: DataFrame, device_from: str, fields: list[str]) -> DataFrame:
 
     ts = F.coalesce(json_field("ts").try_cast("long"), F.unix_millis(F.col("store_time")))
     cols = [device_column(device_from, json_field).alias("device"), F.col("mqtt_topic"),
-            ts.alias("ts"), F.timestamp_millis(ts).alias("event_time"), F.col("msg_id")]
+            ts.alias("ts"), F.timestamp_millis(ts).alias("event_time"),
+            *([F.col("msg_id")] if "msg_id" in df.columns else [])]
     cols += [F.coalesce(json_field(f), text).try_cast("double").alias(f)
              for f in dict.fromkeys(fields)]
     return df.select(*cols).where(F.col("device").isNotNull() & (F.col("device") != ""))

@@ -1,7 +1,9 @@
 """The reader's Arrow path: the same rows as the tuple path it replaced (binary payloads,
-properties with bytes in them, empty client ids, null born times, offsets), pipelined
-pulls across chunk boundaries, partial answers and a dropped connection, and the
-single-parse `readings` equal to the get_json_object one."""
+properties with bytes in them, empty client ids, null born times, offsets), from the
+records the store hands out as its log holds them (PULL `raw`) and from decoded
+messages, pipelined pulls across chunk boundaries, partial answers and a dropped
+connection, a query reading some of the columns, and the single-parse `readings` equal
+to the get_json_object one."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ require_spark()
 import pyarrow as pa  # noqa: E402
 
 from spark_streaming.native import StoreClient  # noqa: E402
+from spark_streaming.raw_rows import arrow_from_records  # noqa: E402
 from spark_streaming.source import (  # noqa: E402
     ARROW_SCHEMA,
     SCHEMA,
@@ -108,7 +111,9 @@ def test_pipelined_pulls_chunks_partial_answers_and_reconnect(server: Server) ->
         def collect(drop: bool = False, **kw: Any) -> list[tuple[int, bytes]]:
             got = []
             for c_lo, c_hi, header, body in c.pull_ranges(q, lo + 3, hi - 2, **kw):
-                batch = arrow_batch(q, c_lo, c_hi, header["messages"], body)
+                batch = (arrow_from_records(q, c_lo, c_hi, header["runs"], body, ARROW_SCHEMA)
+                         if header.get("raw") else
+                         arrow_batch(q, c_lo, c_hi, header["messages"], body))
                 if batch is not None:
                     got += zip(batch.column("offset").to_pylist(),
                                batch.column("payload").to_pylist(), strict=True)
@@ -122,6 +127,10 @@ def test_pipelined_pulls_chunks_partial_answers_and_reconnect(server: Server) ->
         assert collect(depth=2, chunk=2000) == want[3:-2]
         assert collect(depth=1, chunk=100) == want[3:-2]
         assert collect(depth=4, chunk=300, drop=True) == want[3:-2]
+        # Records as the log holds them, decoded here.
+        assert collect(depth=3, chunk=7, raw=True) == want[3:-2]
+        assert collect(depth=2, chunk=2000, raw=True) == want[3:-2]
+        assert collect(depth=4, chunk=300, drop=True, raw=True) == want[3:-2]
 
 
 def test_arrow_batch_keeps_only_the_chunk() -> None:
@@ -206,3 +215,38 @@ def test_readings_single_parse_equals_get_json_object(spark: Any) -> None:
     assert "devices" not in temps and len(temps) == len(PAYLOADS)
     assert temps["devices/d5/t"] is None and temps["devices/d2/t"] == 23.5
     assert temps["devices/d1/t"] == 22.0 and temps["devices/d0/t"] == 21.5
+
+
+def test_device_column_equals_split_and_regexp(spark: Any) -> None:
+    """The device id cut out of the topic's bytes equals the level split off it, and the
+    translated json id the regexp-replaced one."""
+    from pyspark.sql import functions as F  # noqa: N812
+
+    from spark_streaming.jobs.common import device_column
+
+    topics = ["a/b/c/d", "a", "a/", "/b", "a//c", "", "a/b", "ä/ö/ü/", "x/y/z"]
+    df = spark.createDataFrame([(t, f'{{"dev": "{t}+#"}}'.encode()) for t in topics],
+                               "mqtt_topic string, payload binary")
+    for n in range(4):
+        split = F.try_element_at(F.split(F.col("mqtt_topic"), "/"), F.lit(n + 1))
+        got = df.select(device_column(f"topic:{n}").alias("d"), split.alias("w")).collect()
+        assert [r.d for r in got] == [r.w for r in got], n
+    old = F.regexp_replace(F.get_json_object(F.col("payload").cast("string"), "$.dev"),
+                           "[/+#]", "_")
+    got = df.select(device_column("json:dev").alias("d"), old.alias("w")).collect()
+    assert [r.d for r in got] == [r.w for r in got]
+
+
+def test_a_query_reading_some_columns(spark: Any, server: Server) -> None:
+    """A schema naming some of the source's columns: only those are built, with the same
+    values; a column the source has not is refused."""
+    _fill(server.native)
+    full = spark.read.format("lightgate").option("server", server.native) \
+        .option("topic", "devices").load().select("msg_id", "payload", "store_time")
+    some = spark.read.format("lightgate").schema("msg_id string, payload binary, "
+                                                 "store_time timestamp") \
+        .option("server", server.native).option("topic", "devices").load()
+    assert sorted(some.collect()) == sorted(full.collect())
+    with pytest.raises(Exception, match="no column temperature"):
+        spark.read.format("lightgate").schema("temperature double") \
+            .option("server", server.native).option("topic", "devices").load().collect()
