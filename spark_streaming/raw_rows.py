@@ -1,7 +1,8 @@
 """Records as the store's log holds them (a PULL answered `raw`) to one Arrow
 RecordBatch: the executor decodes what the store no longer does, and only the columns
-the query reads. The rows equal the ones `source.message_row` makes from decoded
-messages (tests/spark/test_arrow.py compares them).
+the query reads (json_KEY columns: top-level fields of JSON payloads, see json_fields).
+The rows equal the ones `source.message_row` makes from decoded messages
+(tests/spark/test_arrow.py compares them).
 
 A record (store.record): frame (magic, length, crc) and fixed part (store_ts, born_ts,
 qos, flags, the lengths), then client id, topic, key, properties (JSON), body, queues.
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from spark_streaming import json_fields as jf
 from store import record
 
 _HEAD = struct.Struct(">III" + record.FIXED.format[1:])  # FRAME and FIXED in one unpack
@@ -31,6 +33,8 @@ def arrow_from_records(queue: str, lo: int, hi: int, runs: Sequence[Sequence[int
     source's columns, in any order)."""
     want = set(schema.names)
     need_client, need_props = "client_id" in want, "properties" in want
+    fields = json_keys(schema)
+    payloads: list[bytes] | None = [] if fields else None
     topics: list[bytes] = []
     clients: list[bytes] = []
     qos: list[int] = []
@@ -77,6 +81,8 @@ def arrow_from_records(queue: str, lo: int, hi: int, runs: Sequence[Sequence[int
                 phys_at.append(phys)
                 payload += data
                 ends.append(len(payload))
+                if payloads is not None:
+                    payloads.append(bytes(data))
             pos += total
             phys += total
     n = len(offsets)
@@ -95,8 +101,23 @@ def arrow_from_records(queue: str, lo: int, hi: int, runs: Sequence[Sequence[int
         "offset": lambda: pa.array(offsets, pa.int64()),
         "msg_id": lambda: pa.array([f"{x:016X}" for x in phys_at], pa.string()),
     }
+    if fields:
+        parsed = jf.columns(payloads or [], fields)
+        for (key, typ), values in zip(fields, parsed, strict=True):
+            columns[jf.PREFIX + key] = lambda v=values, t=typ: pa.array(
+                v, pa.float64() if t == "double" else pa.int64())
     return pa.RecordBatch.from_arrays([columns[name]() for name in schema.names],
                                       schema=schema)
+
+
+def json_keys(schema: pa.Schema) -> list[tuple[str, str]]:
+    """The (key, type) of each json_KEY column of `schema` (see json_fields)."""
+    out = []
+    for f in schema:
+        if f.name.startswith(jf.PREFIX):
+            out.append((f.name[len(jf.PREFIX):],
+                        "double" if pa.types.is_floating(f.type) else "long"))
+    return out
 
 
 def _props_json(props: dict) -> str | None:

@@ -34,8 +34,9 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from serving.values import NATIVE_ADDR
+from spark_streaming import json_fields as jf
 from spark_streaming.native import SEND_BATCH, StoreClient
-from spark_streaming.raw_rows import arrow_from_records
+from spark_streaming.raw_rows import arrow_from_records, json_keys
 from store.protocol import ProtocolError
 from store.record import Message, format_msg_id
 
@@ -234,15 +235,28 @@ def read_queue_arrow(options: dict[str, str], part: QueueRange,
                 batch = arrow_from_records(part.queue, lo, hi, header["runs"], body, schema)
             else:  # a store that answers with decoded messages
                 batch = arrow_batch(part.queue, lo, hi, header["messages"], body)
-                batch = batch.select(schema.names) if batch is not None else None
+                batch = _select(batch, schema) if batch is not None else None
             if batch is not None:
                 yield batch
 
 
+def _select(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """The columns of `schema` from a batch of every column (json_KEY ones parsed from
+    its payloads)."""
+    fields = json_keys(schema)
+    parsed = dict(zip([jf.PREFIX + k for k, _ in fields],
+                      jf.columns(batch.column("payload").to_pylist(), fields), strict=True))
+    return pa.RecordBatch.from_arrays(
+        [pa.array(parsed[f.name], f.type) if f.name in parsed else batch.column(f.name)
+         for f in schema], schema=schema)
+
+
 def columns_of(schema: StructType | None) -> pa.Schema:
     """The Arrow schema of the source's columns a user-given schema names (some of
-    SCHEMA's, with their types, in any order): a query that reads only some of them has
-    only those built and sent to Spark."""
+    SCHEMA's, with their types, in any order, and json_KEY columns of type double or
+    long: a JSON payload's top-level KEY, parsed here as Spark's
+    try_cast(json_tuple(payload, KEY)) would, see json_fields): a query that reads only
+    some of them has only those built and sent to Spark."""
     if schema is None or not schema.fields:
         return ARROW_SCHEMA
     from pyspark.sql import types as t
@@ -251,11 +265,19 @@ def columns_of(schema: StructType | None) -> pa.Schema:
     known = {"mqtt_topic": text, "client_id": text, "qos": t.IntegerType(),
              "properties": text, "payload": t.BinaryType(), "store_time": stamp,
              "born_time": stamp, "queue": text, "offset": t.LongType(), "msg_id": text}
+    out = []
     for f in schema.fields:
+        if f.name.startswith(jf.PREFIX) and len(f.name) > len(jf.PREFIX) and \
+                f.dataType in (t.DoubleType(), t.LongType()):
+            out.append(pa.field(f.name, pa.float64() if f.dataType == t.DoubleType()
+                                else pa.int64()))
+            continue
         if known.get(f.name) != f.dataType:
             raise ValueError(f"the lightgate source has no column {f.name} "
-                             f"{f.dataType.simpleString()}: its columns are {SCHEMA}")
-    return pa.schema([ARROW_SCHEMA.field(f.name) for f in schema.fields])
+                             f"{f.dataType.simpleString()}: its columns are {SCHEMA}, and "
+                             "json_KEY double or long (a payload's top-level KEY)")
+        out.append(ARROW_SCHEMA.field(f.name))
+    return pa.schema(out)
 
 
 def plan(start: Offsets, end: Offsets) -> list[QueueRange]:

@@ -45,7 +45,7 @@ def aggregate(data: DataFrame, field: str, window: str, slide: str | None,
 
 def start(spark: SparkSession, cfg: JobConfig, field: str = "temperature",
           window: str = "10 seconds", slide: str | None = None) -> list[StreamingQuery]:
-    data = readings(source(spark, cfg, reading_columns(cfg.device_from, ids=False)),
+    data = readings(source(spark, cfg, reading_columns(cfg.device_from, [field], ids=False)),
                     cfg.device_from, [field])
     queries = [sink(aggregate(data, field, window, None, cfg.watermark), cfg,
                     ANALYTICS_TOPIC, "aggregates-tumbling", "update")]

@@ -12,6 +12,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F  # noqa: N812
 from pyspark.sql.streaming import StreamingQuery
 
+from spark_streaming.json_fields import PREFIX
 from spark_streaming.source import SCHEMA
 
 
@@ -35,25 +36,31 @@ class JobConfig:
 
 def source(spark: SparkSession, cfg: JobConfig, columns: Sequence[str] | None = None
            ) -> DataFrame:
-    """The source topic as a stream; `columns`: only those of the source's (the others
-    are neither decoded nor handed to Spark)."""
+    """The source topic as a stream; `columns` ("name type"): only those of the
+    source's (the others are neither decoded nor handed to Spark)."""
     reader = (spark.readStream.format("lightgate").option("server", cfg.server)
               .option("topic", cfg.source_topic)
               .option("startingOffsets", cfg.starting_offsets)
               .options(**cfg.auth_options()))
     if columns:
-        types = dict(col.split(" ", 1) for col in SCHEMA.split(", "))
-        reader = reader.schema(", ".join(f"{c} {types[c]}" for c in columns))
+        reader = reader.schema(", ".join(columns))
     if cfg.max_offsets_per_trigger:
         reader = reader.option("maxOffsetsPerTrigger", str(cfg.max_offsets_per_trigger))
     return reader.load()
 
 
-def reading_columns(device_from: str, ids: bool = True) -> list[str]:
-    """The source's columns `readings` reads (`ids`: with each message's id)."""
-    return ["mqtt_topic", "payload", "store_time",
-            *(["client_id"] if device_from == "client_id" else []),
-            *(["msg_id"] if ids else [])]
+def reading_columns(device_from: str, fields: Sequence[str], ids: bool = True) -> list[str]:
+    """The source's columns `readings` reads ("name type"; `ids`: with each message's
+    id), the payload's `ts` and plain-named `fields` among them, parsed by the source
+    (json_KEY columns: the same values as json_tuple and a cast give in the JVM, at a
+    fraction of the cost, see spark_streaming.json_fields)."""
+    types = dict(col.split(" ", 1) for col in SCHEMA.split(", "))
+    names = ["mqtt_topic", "payload", "store_time",
+             *(["client_id"] if device_from == "client_id" else []),
+             *(["msg_id"] if ids else [])]
+    parsed = [f"{PREFIX}ts long"] + [f"{PREFIX}{f} double" for f in dict.fromkeys(fields)
+                                    if _PLAIN_KEY.fullmatch(f) and f != "ts"]
+    return [f"{n} {types[n]}" for n in names] + parsed
 
 
 def device_column(spec: str, json_field: Callable[[str], Column] | None = None) -> Column:
@@ -107,7 +114,11 @@ def readings(df: DataFrame, device_from: str, fields: list[str]) -> DataFrame:
     syntax (`a.b`, `a[0]`) still go through get_json_object."""
     text = F.col("payload").cast("string")
     kind, _, arg = device_from.partition(":")
-    wanted = ["ts", *fields, *([arg] if kind == "json" else [])]
+    # Keys the source parsed already (json_KEY columns, see reading_columns): the value
+    # try_cast(json_tuple(...)) gives, as a long (ts) or a double (the fields).
+    parsed = {c[len(PREFIX):] for c in df.columns if c.startswith(PREFIX)}
+    wanted = [*(["ts"] if "ts" not in parsed else []),
+              *(f for f in fields if f not in parsed), *([arg] if kind == "json" else [])]
     keys = [k for k in dict.fromkeys(wanted) if _PLAIN_KEY.fullmatch(k)]
     if keys:
         df = df.select("*", F.json_tuple(text, *keys).alias(*[f"__lg_json_{i}"
@@ -116,12 +127,19 @@ def readings(df: DataFrame, device_from: str, fields: list[str]) -> DataFrame:
     def json_field(name: str) -> Column:
         return F.col(f"__lg_json_{keys.index(name)}") if name in keys else _json_path(name)
 
-    ts = F.coalesce(json_field("ts").try_cast("long"), F.unix_millis(F.col("store_time")))
+    def number(name: str) -> Column:
+        """The field as a double; a payload that is not an object counts as its own
+        text (a bare number)."""
+        if name in parsed:  # its cast is null exactly where the one below is
+            return F.coalesce(F.col(PREFIX + name), text.try_cast("double"))
+        return F.coalesce(json_field(name), text).try_cast("double")
+
+    given = F.col(PREFIX + "ts") if "ts" in parsed else json_field("ts").try_cast("long")
+    ts = F.coalesce(given, F.unix_millis(F.col("store_time")))
     cols = [device_column(device_from, json_field).alias("device"), F.col("mqtt_topic"),
             ts.alias("ts"), F.timestamp_millis(ts).alias("event_time"),
             *([F.col("msg_id")] if "msg_id" in df.columns else [])]
-    cols += [F.coalesce(json_field(f), text).try_cast("double").alias(f)
-             for f in dict.fromkeys(fields)]
+    cols += [number(f).alias(f) for f in dict.fromkeys(fields)]
     return df.select(*cols).where(F.col("device").isNotNull() & (F.col("device") != ""))
 
 

@@ -64,6 +64,6 @@ def offline_events(data: DataFrame, after_s: float) -> DataFrame:
 
 
 def start(spark: SparkSession, cfg: JobConfig, after_s: float = 30.0) -> list[StreamingQuery]:
-    data = readings(source(spark, cfg, reading_columns(cfg.device_from)), cfg.device_from, [])
+    data = readings(source(spark, cfg, reading_columns(cfg.device_from, [])), cfg.device_from, [])
     return [sink(_alert_rows(offline_events(data, after_s)), cfg, ALERTS_TOPIC,
                  "offline", "append")]

@@ -202,13 +202,24 @@ def test_readings_single_parse_equals_get_json_object(spark: Any) -> None:
     rows.append(("devices", "", 0, None, b"42", None, None, "devices#1", 0, "F" * 16))
     df = spark.createDataFrame(rows, SCHEMA).withColumn(
         "store_time", F.timestamp_millis(F.lit(1_600_000_000_000) + F.col("offset")))
+    # The same readings from the json_KEY columns the source parses (as the jobs read).
+    from spark_streaming.json_fields import columns
+
+    keys = [("ts", "long"), ("temperature", "double"), ("a", "double"), ("nested", "double")]
+    parsed = columns([r[4] for r in rows], keys)
+    with_json = spark.createDataFrame(
+        [(*r, *(col[i] for col in parsed)) for i, r in enumerate(rows)],
+        SCHEMA + ", json_ts long, json_temperature double, json_a double, json_nested double"
+    ).withColumn("store_time", F.timestamp_millis(F.lit(1_600_000_000_000) + F.col("offset")))
     for device_from, fields in (("topic:1", ["temperature"]),
                                 ("client_id", ["temperature", "a.b", "ts", "nested"]),
                                 ("json:dev", ["a", "temperature"]),
                                 ("json:a.b", ["temperature"])):
-        got = sorted(readings(df, device_from, fields).collect())
         want = sorted(reference(df, device_from, fields).collect())
+        got = sorted(readings(df, device_from, fields).collect())
         assert got == want, (device_from, fields)
+        got = sorted(readings(with_json, device_from, fields).collect())
+        assert got == want, ("json_ columns", device_from, fields)
     # Not a number: null, not a failed query (Spark 4 casts in ANSI mode).
     temps = {r.mqtt_topic: r.temperature for r in readings(df, "topic:1", ["temperature"])
              .collect()}
@@ -247,6 +258,20 @@ def test_a_query_reading_some_columns(spark: Any, server: Server) -> None:
                                                  "store_time timestamp") \
         .option("server", server.native).option("topic", "devices").load()
     assert sorted(some.collect()) == sorted(full.collect())
+    # json_KEY columns: a payload's top-level KEY, as json_tuple and try_cast give it.
+    from pyspark.sql import functions as F  # noqa: N812
+
+    text = F.col("payload").cast("string")
+    jvm = spark.read.format("lightgate").option("server", server.native) \
+        .option("topic", "devices").load().select(
+            "msg_id", F.json_tuple(text, "temperature", "ts").alias("t", "s")).select(
+            "msg_id", F.col("t").try_cast("double").alias("json_temperature"),
+            F.col("s").try_cast("long").alias("json_ts"))
+    parsed = spark.read.format("lightgate").schema(
+        "msg_id string, json_temperature double, json_ts long") \
+        .option("server", server.native).option("topic", "devices").load()
+    assert sorted(parsed.collect()) == sorted(jvm.collect())
+    assert parsed.where("json_temperature is not null").count() == 60
     with pytest.raises(Exception, match="no column temperature"):
         spark.read.format("lightgate").schema("temperature double") \
             .option("server", server.native).option("topic", "devices").load().collect()
