@@ -101,6 +101,8 @@ def arrow_from_records(queue: str, lo: int, hi: int, runs: Sequence[Sequence[int
         "offset": lambda: pa.array(offsets, pa.int64()),
         "msg_id": lambda: pa.array([f"{x:016X}" for x in phys_at], pa.string()),
     }
+    for name, values in topic_levels(topics, schema).items():
+        columns[name] = lambda v=values: pa.array(v, pa.string())
     if fields:
         parsed = jf.columns(payloads or [], fields)
         for (key, typ), values in zip(fields, parsed, strict=True):
@@ -108,6 +110,28 @@ def arrow_from_records(queue: str, lo: int, hi: int, runs: Sequence[Sequence[int
                 v, pa.float64() if t == "double" else pa.int64())
     return pa.RecordBatch.from_arrays([columns[name]() for name in schema.names],
                                       schema=schema)
+
+
+TOPIC_LEVEL = "topic_"  # a source column topic_N: the N-th level of the MQTT topic
+
+
+def topic_level(name: str) -> int | None:
+    """N of a topic_N column's name (None: not one)."""
+    digits = name[len(TOPIC_LEVEL):]
+    return int(digits) if name.startswith(TOPIC_LEVEL) and digits.isdigit() else None
+
+
+def topic_levels(topics: list[bytes], schema: pa.Schema) -> dict[str, list[bytes | None]]:
+    """Each topic_N column of `schema`: the N-th level of each topic (UTF-8), None where
+    the topic has fewer levels; what try_element_at(split(mqtt_topic, '/'), N + 1)
+    gives in the JVM."""
+    out = {}
+    for f in schema:
+        n = topic_level(f.name)
+        if n is not None:
+            out[f.name] = [(levels[n] if len(levels) > n else None)
+                           for levels in (t.split(b"/", n + 1) for t in topics)]
+    return out
 
 
 def json_keys(schema: pa.Schema) -> list[tuple[str, str]]:

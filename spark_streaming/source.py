@@ -36,7 +36,7 @@ from pyspark.sql.types import StructType
 from serving.values import NATIVE_ADDR
 from spark_streaming import json_fields as jf
 from spark_streaming.native import SEND_BATCH, StoreClient
-from spark_streaming.raw_rows import arrow_from_records, json_keys
+from spark_streaming.raw_rows import arrow_from_records, json_keys, topic_level, topic_levels
 from store.protocol import ProtocolError
 from store.record import Message, format_msg_id
 
@@ -242,10 +242,12 @@ def read_queue_arrow(options: dict[str, str], part: QueueRange,
 
 def _select(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
     """The columns of `schema` from a batch of every column (json_KEY ones parsed from
-    its payloads)."""
+    its payloads, topic_N ones cut from its topics)."""
     fields = json_keys(schema)
     parsed = dict(zip([jf.PREFIX + k for k, _ in fields],
                       jf.columns(batch.column("payload").to_pylist(), fields), strict=True))
+    topics = [t.encode() for t in batch.column("mqtt_topic").to_pylist()]
+    parsed.update(topic_levels(topics, schema))
     return pa.RecordBatch.from_arrays(
         [pa.array(parsed[f.name], f.type) if f.name in parsed else batch.column(f.name)
          for f in schema], schema=schema)
@@ -253,10 +255,12 @@ def _select(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
 
 def columns_of(schema: StructType | None) -> pa.Schema:
     """The Arrow schema of the source's columns a user-given schema names (some of
-    SCHEMA's, with their types, in any order, and json_KEY columns of type double or
-    long: a JSON payload's top-level KEY, parsed here as Spark's
-    try_cast(json_tuple(payload, KEY)) would, see json_fields): a query that reads only
-    some of them has only those built and sent to Spark."""
+    SCHEMA's, with their types, in any order; json_KEY columns of type double or long: a
+    JSON payload's top-level KEY, parsed here as Spark's try_cast(json_tuple(payload,
+    KEY)) would, see json_fields; topic_N string: the N-th level of the MQTT topic,
+    0-based, null when it has fewer): a query that reads only some of them has only
+    those built and sent to Spark, and what it would compute per row in the JVM is
+    computed where each record is decoded."""
     if schema is None or not schema.fields:
         return ARROW_SCHEMA
     from pyspark.sql import types as t
@@ -272,10 +276,14 @@ def columns_of(schema: StructType | None) -> pa.Schema:
             out.append(pa.field(f.name, pa.float64() if f.dataType == t.DoubleType()
                                 else pa.int64()))
             continue
+        if topic_level(f.name) is not None and f.dataType == text:
+            out.append(pa.field(f.name, pa.string()))
+            continue
         if known.get(f.name) != f.dataType:
             raise ValueError(f"the lightgate source has no column {f.name} "
-                             f"{f.dataType.simpleString()}: its columns are {SCHEMA}, and "
-                             "json_KEY double or long (a payload's top-level KEY)")
+                             f"{f.dataType.simpleString()}: its columns are {SCHEMA}, "
+                             "json_KEY double or long (a payload's top-level KEY) and "
+                             "topic_N string (a level of the MQTT topic)")
         out.append(ARROW_SCHEMA.field(f.name))
     return pa.schema(out)
 

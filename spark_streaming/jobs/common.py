@@ -13,6 +13,7 @@ from pyspark.sql import functions as F  # noqa: N812
 from pyspark.sql.streaming import StreamingQuery
 
 from spark_streaming.json_fields import PREFIX
+from spark_streaming.raw_rows import TOPIC_LEVEL
 from spark_streaming.source import SCHEMA
 
 
@@ -51,21 +52,28 @@ def source(spark: SparkSession, cfg: JobConfig, columns: Sequence[str] | None = 
 
 def reading_columns(device_from: str, fields: Sequence[str], ids: bool = True) -> list[str]:
     """The source's columns `readings` reads ("name type"; `ids`: with each message's
-    id), the payload's `ts` and plain-named `fields` among them, parsed by the source
-    (json_KEY columns: the same values as json_tuple and a cast give in the JVM, at a
-    fraction of the cost, see spark_streaming.json_fields)."""
+    topic and id): the payload's `ts` and plain-named `fields`, and a `topic:N` device
+    id, among them, parsed by the source (json_KEY and topic_N columns: the same values
+    as json_tuple and a cast, or a split of the topic, give in the JVM, at a fraction of
+    the cost, see spark_streaming.json_fields)."""
     types = dict(col.split(" ", 1) for col in SCHEMA.split(", "))
-    names = ["mqtt_topic", "payload", "store_time",
-             *(["client_id"] if device_from == "client_id" else []),
-             *(["msg_id"] if ids else [])]
+    kind, _, arg = device_from.partition(":")
+    names = ["payload", "store_time", *(["client_id"] if device_from == "client_id" else []),
+             *(["mqtt_topic", "msg_id"] if ids else [])]
     parsed = [f"{PREFIX}ts long"] + [f"{PREFIX}{f} double" for f in dict.fromkeys(fields)
                                     if _PLAIN_KEY.fullmatch(f) and f != "ts"]
+    if kind == "topic":  # the device's level, cut out of the topic by the source
+        parsed.append(f"{TOPIC_LEVEL}{int(arg)} string")
     return [f"{n} {types[n]}" for n in names] + parsed
 
 
-def device_column(spec: str, json_field: Callable[[str], Column] | None = None) -> Column:
-    """`topic:N` (N-th level of the MQTT topic, 0-based), `client_id` or `json:FIELD`."""
+def device_column(spec: str, json_field: Callable[[str], Column] | None = None,
+                  columns: Sequence[str] | None = None) -> Column:
+    """`topic:N` (N-th level of the MQTT topic, 0-based), `client_id` or `json:FIELD`;
+    `columns`: the source's, a topic_N among them is taken as it is."""
     kind, _, arg = spec.partition(":")
+    if kind == "topic" and columns is not None and f"{TOPIC_LEVEL}{int(arg)}" in columns:
+        return F.col(f"{TOPIC_LEVEL}{int(arg)}")  # cut out of the topic by the source
     if kind == "topic":
         # The level between the N-th and N+1-th "/" (null when the topic has fewer
         # levels), cut out of the bytes: no array of levels (split), no regular
@@ -100,10 +108,10 @@ _PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def readings(df: DataFrame, device_from: str, fields: list[str]) -> DataFrame:
-    """device, mqtt_topic, ts (ms), event_time (the payload's `ts` in ms, else the store's
-    time), and one double column per field (a payload that is a bare number counts as
-    each field; a value that is not a number is null, as is a `ts` that is not one: the
-    store time is used then).
+    """device, mqtt_topic and msg_id (when `df` has them), ts (ms), event_time (the
+    payload's `ts` in ms, else the store's time), and one double column per field (a
+    payload that is a bare number counts as each field; a value that is not a number is
+    null, as is a `ts` that is not one: the store time is used then).
 
     The payload is parsed once per row: one json_tuple for `ts`, the fields and a
     `json:` device id, rather than a get_json_object (a JSON parser and a UTF-8 decoder)
@@ -136,7 +144,8 @@ def readings(df: DataFrame, device_from: str, fields: list[str]) -> DataFrame:
 
     given = F.col(PREFIX + "ts") if "ts" in parsed else json_field("ts").try_cast("long")
     ts = F.coalesce(given, F.unix_millis(F.col("store_time")))
-    cols = [device_column(device_from, json_field).alias("device"), F.col("mqtt_topic"),
+    cols = [device_column(device_from, json_field, df.columns).alias("device"),
+            *([F.col("mqtt_topic")] if "mqtt_topic" in df.columns else []),
             ts.alias("ts"), F.timestamp_millis(ts).alias("event_time"),
             *([F.col("msg_id")] if "msg_id" in df.columns else [])]
     cols += [number(f).alias(f) for f in dict.fromkeys(fields)]

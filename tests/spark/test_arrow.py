@@ -207,9 +207,14 @@ def test_readings_single_parse_equals_get_json_object(spark: Any) -> None:
 
     keys = [("ts", "long"), ("temperature", "double"), ("a", "double"), ("nested", "double")]
     parsed = columns([r[4] for r in rows], keys)
+    from spark_streaming.raw_rows import topic_levels
+
+    level = topic_levels([r[0].encode() for r in rows], pa.schema([("topic_1", pa.string())]))
     with_json = spark.createDataFrame(
-        [(*r, *(col[i] for col in parsed)) for i, r in enumerate(rows)],
-        SCHEMA + ", json_ts long, json_temperature double, json_a double, json_nested double"
+        [(*r, *(col[i] for col in parsed), level["topic_1"][i] and level["topic_1"][i].decode())
+         for i, r in enumerate(rows)],
+        SCHEMA + ", json_ts long, json_temperature double, json_a double, json_nested double,"
+        " topic_1 string"
     ).withColumn("store_time", F.timestamp_millis(F.lit(1_600_000_000_000) + F.col("offset")))
     for device_from, fields in (("topic:1", ["temperature"]),
                                 ("client_id", ["temperature", "a.b", "ts", "nested"]),
@@ -238,10 +243,16 @@ def test_device_column_equals_split_and_regexp(spark: Any) -> None:
     topics = ["a/b/c/d", "a", "a/", "/b", "a//c", "", "a/b", "ä/ö/ü/", "x/y/z"]
     df = spark.createDataFrame([(t, f'{{"dev": "{t}+#"}}'.encode()) for t in topics],
                                "mqtt_topic string, payload binary")
+    from spark_streaming.raw_rows import topic_levels
+
     for n in range(4):
         split = F.try_element_at(F.split(F.col("mqtt_topic"), "/"), F.lit(n + 1))
         got = df.select(device_column(f"topic:{n}").alias("d"), split.alias("w")).collect()
         assert [r.d for r in got] == [r.w for r in got], n
+        # The level as the source cuts it (a topic_N column).
+        cut = topic_levels([t.encode() for t in topics], pa.schema([(f"topic_{n}", pa.string())]))
+        assert [None if v is None else v.decode() for v in cut[f"topic_{n}"]] == \
+            [r.w for r in got], n
     old = F.regexp_replace(F.get_json_object(F.col("payload").cast("string"), "$.dev"),
                            "[/+#]", "_")
     got = df.select(device_column("json:dev").alias("d"), old.alias("w")).collect()
@@ -271,6 +282,10 @@ def test_a_query_reading_some_columns(spark: Any, server: Server) -> None:
         "msg_id string, json_temperature double, json_ts long") \
         .option("server", server.native).option("topic", "devices").load()
     assert sorted(parsed.collect()) == sorted(jvm.collect())
+    levels = spark.read.format("lightgate").schema("mqtt_topic string, topic_1 string") \
+        .option("server", server.native).option("topic", "devices").load().collect()
+    assert {r.topic_1 for r in levels} == {"d1", "d2", "d3", "d4"}
+    assert all(r.mqtt_topic.split("/")[1] == r.topic_1 for r in levels)
     assert parsed.where("json_temperature is not null").count() == 60
     with pytest.raises(Exception, match="no column temperature"):
         spark.read.format("lightgate").schema("temperature double") \
