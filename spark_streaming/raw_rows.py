@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -30,86 +31,108 @@ def arrow_from_records(queue: str, lo: int, hi: int, runs: Sequence[Sequence[int
                        body: bytes, schema: pa.Schema) -> pa.RecordBatch | None:
     """The records of `runs` ([log offset, bytes, first queue offset, count] over
     `body`) whose offset in `queue` is in [lo, hi), as a batch of `schema` (some of the
-    source's columns, in any order)."""
-    want = set(schema.names)
-    need_client, need_props = "client_id" in want, "properties" in want
-    fields = json_keys(schema)
-    payloads: list[bytes] | None = [] if fields else None
-    topics: list[bytes] = []
-    clients: list[bytes] = []
-    qos: list[int] = []
-    props: list[str | None] = []
-    stored: list[int] = []
-    born: list[int] = []
-    offsets: list[int] = []
-    phys_at: list[int] = []
-    payload = bytearray()
-    ends = [0]
+    source's columns, in any order). One pass finds the records' fixed parts; each
+    column the schema names is then cut out of the body by one list comprehension."""
     unpack = _HEAD.unpack_from
+    kept: list[tuple[int, int, int, tuple]] = []  # (position, log offset, queue offset, head)
     pos = 0
     for phys, _, first, count in runs:
         for off in range(first, first + count):
-            (magic, total, _crc, sts, bts, q, flags, lc, lt, lk, lp, lb,
-             _nq) = unpack(body, pos)
+            head = unpack(body, pos)
             if lo <= off < hi:
-                if magic != record.MAGIC:  # the rare wide record: decoded whole
-                    m = record.decode(body, pos, phys)
-                    topic, client = m.topic.encode(), m.client_id.encode()
-                    prop = _props_json(m.properties)
-                    data = m.body
-                else:
-                    a = pos + _AT
-                    client = body[a:a + lc] if need_client else b""
-                    a += lc
-                    topic = body[a:a + lt]
-                    a += lt + lk
-                    prop = None
-                    if lp and need_props:
-                        raw = record.decode_properties(body[a:a + lp])
-                        if flags & record.MARK_FIRST:
-                            raw.pop(record.PRODUCER_PROP, None)
-                        prop = _props_json(raw)
-                    a += lp
-                    data = body[a:a + lb]
-                topics.append(topic)
-                clients.append(client)
-                qos.append(q)
-                props.append(prop)
-                stored.append(sts)
-                born.append(bts)
-                offsets.append(off)
-                phys_at.append(phys)
-                payload += data
-                ends.append(len(payload))
-                if payloads is not None:
-                    payloads.append(bytes(data))
-            pos += total
-            phys += total
-    n = len(offsets)
-    if not n:
+                kept.append((pos, phys, off, head))
+            pos += head[1]
+            phys += head[1]
+    if not kept:
         return None
-    columns = {
+    if any(head[0] != record.MAGIC for _, _, _, head in kept):
+        return _decoded(queue, kept, body, schema)  # a wide record: rare, decoded whole
+    n = len(kept)
+    at = _AT
+    names = set(schema.names)
+    topics: list[bytes] = []
+    if names & {"mqtt_topic"} or any(topic_level(x) is not None for x in names):
+        topics = [body[p + at + h[7]:p + at + h[7] + h[8]] for p, _, _, h in kept]
+    payloads: list[bytes] = []
+    fields = json_keys(schema)
+    if "payload" in names or fields:
+        payloads = [body[(s := p + at + h[7] + h[8] + h[9] + h[10]):s + h[11]]
+                    for p, _, _, h in kept]
+    columns: dict[str, Callable[[], pa.Array]] = {
         "mqtt_topic": lambda: pa.array(topics, pa.string()),
-        "client_id": lambda: pa.array(clients, pa.string()),
-        "qos": lambda: pa.array(qos, pa.int32()),
-        "properties": lambda: pa.array(props, pa.string()),
-        "payload": lambda: pa.Array.from_buffers(pa.binary(), n, [
-            None, pa.array(ends, pa.int32()).buffers()[1], pa.py_buffer(payload)]),
-        "store_time": lambda: _times(stored),
-        "born_time": lambda: _times(born),
+        "client_id": lambda: pa.array([body[p + at:p + at + h[7]] for p, _, _, h in kept],
+                                      pa.string()),
+        "qos": lambda: pa.array([h[5] for _, _, _, h in kept], pa.int32()),
+        "properties": lambda: pa.array([_props_at(body, p, h) for p, _, _, h in kept],
+                                       pa.string()),
+        "payload": lambda: _binary(payloads),
+        "store_time": lambda: _times([h[3] for _, _, _, h in kept]),
+        "born_time": lambda: _times([h[4] for _, _, _, h in kept]),
         "queue": lambda: pa.repeat(pa.scalar(queue, pa.string()), n),
-        "offset": lambda: pa.array(offsets, pa.int64()),
-        "msg_id": lambda: pa.array([f"{x:016X}" for x in phys_at], pa.string()),
+        "offset": lambda: pa.array([off for _, _, off, _ in kept], pa.int64()),
+        "msg_id": lambda: pa.array([f"{phys:016X}" for _, phys, _, _ in kept], pa.string()),
     }
+    _derived(columns, schema, topics, payloads, fields)
+    return pa.RecordBatch.from_arrays([columns[name]() for name in schema.names],
+                                      schema=schema)
+
+
+def _derived(columns: dict[str, Callable[[], pa.Array]], schema: pa.Schema,
+             topics: list[bytes], payloads: list[bytes], fields: list[tuple[str, str]]
+             ) -> None:
+    """The topic_N and json_KEY columns of `schema`, from the records' topics and
+    payloads."""
     for name, values in topic_levels(topics, schema).items():
         columns[name] = lambda v=values: pa.array(v, pa.string())
     if fields:
-        parsed = jf.columns(payloads or [], fields)
+        parsed = jf.columns(payloads, fields)
         for (key, typ), values in zip(fields, parsed, strict=True):
             columns[jf.PREFIX + key] = lambda v=values, t=typ: pa.array(
                 v, pa.float64() if t == "double" else pa.int64())
+
+
+def _decoded(queue: str, kept: list[tuple[int, int, int, tuple]], body: bytes,
+             schema: pa.Schema) -> pa.RecordBatch:
+    """`arrow_from_records` by decoding each record whole (store.record.decode)."""
+    msgs = [(record.decode(body, p, phys), off) for p, phys, off, _ in kept]
+    topics = [m.topic.encode() for m, _ in msgs]
+    payloads = [m.body for m, _ in msgs]
+    columns: dict[str, Callable[[], pa.Array]] = {
+        "mqtt_topic": lambda: pa.array(topics, pa.string()),
+        "client_id": lambda: pa.array([m.client_id for m, _ in msgs], pa.string()),
+        "qos": lambda: pa.array([m.qos for m, _ in msgs], pa.int32()),
+        "properties": lambda: pa.array([_props_json(m.properties) for m, _ in msgs],
+                                       pa.string()),
+        "payload": lambda: _binary(payloads),
+        "store_time": lambda: _times([m.store_ts for m, _ in msgs]),
+        "born_time": lambda: _times([m.born_ts for m, _ in msgs]),
+        "queue": lambda: pa.repeat(pa.scalar(queue, pa.string()), len(msgs)),
+        "offset": lambda: pa.array([off for _, off in msgs], pa.int64()),
+        "msg_id": lambda: pa.array([m.msg_id for m, _ in msgs], pa.string()),
+    }
+    _derived(columns, schema, topics, payloads, json_keys(schema))
     return pa.RecordBatch.from_arrays([columns[name]() for name in schema.names],
                                       schema=schema)
+
+
+def _binary(values: list[bytes]) -> pa.Array:
+    """Byte strings as one Arrow binary array: one buffer of them all, and their ends."""
+    ends = list(accumulate(map(len, values), initial=0))
+    return pa.Array.from_buffers(pa.binary(), len(values), [
+        None, pa.array(ends, pa.int32()).buffers()[1], pa.py_buffer(b"".join(values))])
+
+
+def _props_at(body: bytes, p: int, h: tuple) -> str | None:
+    """The properties of the record at `p` as the source shows them (JSON), without the
+    store's own (an idempotent producer's stamp); None when it has none."""
+    lp = h[10]
+    if not lp:
+        return None
+    at = p + _AT + h[7] + h[8] + h[9]
+    raw = record.decode_properties(body[at:at + lp])
+    if h[6] & record.MARK_FIRST:
+        raw.pop(record.PRODUCER_PROP, None)
+    return _props_json(raw)
 
 
 TOPIC_LEVEL = "topic_"  # a source column topic_N: the N-th level of the MQTT topic
