@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import accumulate
@@ -37,7 +38,7 @@ from serving.values import NATIVE_ADDR
 from spark_streaming import json_fields as jf
 from spark_streaming.native import SEND_BATCH, StoreClient
 from spark_streaming.raw_rows import arrow_from_records, json_keys, topic_level, topic_levels
-from store.protocol import ProtocolError
+from store.protocol import ProtocolError, RemoteError
 from store.record import Message, format_msg_id
 
 try:  # admission control (maxOffsetsPerTrigger) is Spark 4.2+
@@ -82,6 +83,47 @@ def _client(options: dict[str, str]) -> StoreClient:
     return StoreClient(options.get("server", DEFAULT_SERVER),
                        timeout=float(options.get("timeout", "30")),
                        username=options.get("username"), password=options.get("password"))
+
+
+# An executor's Python worker runs task after task (spark.python.worker.reuse): its
+# connection to the store, and the producer ids it was given, are kept for the next
+# task rather than made again (a connection and a HELLO, a PRODUCER_INIT: round trips
+# in every micro-batch's read and write).
+_IDLE: dict[tuple, StoreClient] = {}
+_PRODUCERS: dict[tuple, str] = {}
+
+
+def _key(options: dict[str, str]) -> tuple:
+    return (options.get("server", DEFAULT_SERVER), options.get("timeout", "30"),
+            options.get("username"), options.get("password"))
+
+
+@contextmanager
+def _kept_client(options: dict[str, str]) -> Iterator[StoreClient]:
+    """A connection to the store kept between this worker's tasks; closed instead when
+    the task's use of it failed (it may be in the middle of an answer)."""
+    key = _key(options)
+    client = _IDLE.pop(key, None) or _client(options)
+    try:
+        yield client
+    except BaseException:
+        client.close()
+        raise
+    old = _IDLE.pop(key, None)
+    if old is not None:
+        old.close()
+    _IDLE[key] = client
+
+
+def _producer(c: StoreClient, options: dict[str, str], name: str, fresh: bool = False
+              ) -> str:
+    """The id of the named producer (kept by this worker; `fresh`: ask again)."""
+    key = (*_key(options), name)
+    if fresh or key not in _PRODUCERS:
+        if len(_PRODUCERS) >= 10_000:
+            _PRODUCERS.clear()
+        _PRODUCERS[key] = c.init_producer(name)
+    return _PRODUCERS[key]
 
 
 def _topic(options: dict[str, str]) -> str:
@@ -228,7 +270,7 @@ def read_queue_arrow(options: dict[str, str], part: QueueRange,
     a query reads), pulled with requests in flight: the same rows as `read_queue`,
     without a Python tuple per row. The store hands out its records as its log holds
     them (PULL `raw`) and they are decoded here, only as far as the columns need."""
-    with _client(options) as c:
+    with _kept_client(options) as c:
         for lo, hi, header, body in c.pull_ranges(part.queue, part.start, part.end,
                                                   raw=True):
             if header.get("raw"):
@@ -524,10 +566,17 @@ class LightgateWriter(DataSourceWriter):
             return _Commit(0)
         if len(msgs) > SEND_BATCH:
             msgs.sort(key=_content)
-        with _client(self.options) as c:
-            producer = c.init_producer(name)
+        with _kept_client(self.options) as c:
+            producer = _producer(c, self.options, name)
             for first in range(0, len(msgs), SEND_BATCH):
-                c.send(self.topic, msgs[first:first + SEND_BATCH], (producer, epoch, first))
+                chunk = msgs[first:first + SEND_BATCH]
+                try:
+                    c.send(self.topic, chunk, (producer, epoch, first))
+                except RemoteError as exc:
+                    if exc.status != 410 or first:  # forgotten: only before anything went
+                        raise
+                    producer = _producer(c, self.options, name, fresh=True)
+                    c.send(self.topic, chunk, (producer, epoch, first))
         return _Commit(len(msgs))
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
