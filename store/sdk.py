@@ -28,7 +28,7 @@ import trio
 
 from store import protocol as p
 from store.client import DEFAULT_TIMEOUT, NativeClient
-from store.common import StoreError, StoreFullError
+from store.common import StoreError, StoreFullError, StoreUnavailable
 from store.groups import retry_queue
 from store.record import Message
 
@@ -186,6 +186,7 @@ class AsyncProducer:
         async with self._turns.setdefault(topic, trio.Lock()):
             pid = await self._current_id(deadline)
             attempt = 0
+            last: StoreError | None = None  # why the last try failed (the error to raise)
             while True:
                 seq = self._next.get((pid, topic), 0)
                 stamped = {**header, "producer": pid, "seq": seq}
@@ -195,9 +196,11 @@ class AsyncProducer:
                 except StoreFullError:
                     raise  # nothing was stored: the same sequence goes next
                 except StoreError as exc:  # lost, or refused for now: the same again
-                    if trio.current_time() >= deadline:
+                    if not self._again(exc, deadline):
                         self._drop_id(pid)  # stored or not, nobody knows: a new id next
-                        raise
+                        raise (last if isinstance(exc, StoreUnavailable) and last
+                               else exc) from None
+                    last = exc
                     attempt += 1
                     self.resent += 1
                     log.info("%s: sending %d messages to %s again (sequence %d): %s",
@@ -213,6 +216,15 @@ class AsyncProducer:
                     raise  # refused: nothing of it was stored
                 self._next[(pid, topic)] = seq + count
                 return answer
+
+    def _again(self, exc: StoreError, deadline: float) -> bool:
+        """Whether to send again after `exc`: a lost connection, until the deadline; a
+        refusal for now (503) too when the producer was given a store group (the
+        client then finds its master); a single store's refusal is its answer."""
+        assert self.client is not None
+        if trio.current_time() >= deadline:
+            return False
+        return isinstance(exc, StoreUnavailable) or self.client.group
 
     def _drop_id(self, pid: str) -> None:
         """Stop using `pid`: the next send asks for a new id (sequences from 0)."""
@@ -235,8 +247,8 @@ class AsyncProducer:
                         timeout=max(0.0, deadline - trio.current_time()))
                 except StoreFullError:
                     raise
-                except StoreError:
-                    if trio.current_time() >= deadline:
+                except StoreError as exc:
+                    if not self._again(exc, deadline):
                         raise
                     await trio.sleep(0.1)
                     continue
