@@ -142,6 +142,11 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
     if native:  # the store's, for its native connections
         used.add_metric(["native_partial_frame_bytes"], native["held"])
         limit.add_metric(["native_partial_frame_bytes"], native["limit"])
+    producers = store_stats.get("producers")
+    if producers:  # the store's idempotent producers: ids, and sequences (each capped)
+        for kind in ("ids", "sequences"):
+            used.add_metric([f"idempotent_producer_{kind}"], producers[kind])
+            limit.add_metric([f"idempotent_producer_{kind}"], producers["limit"])
     yield used
     yield limit
     peak = GaugeMetricFamily("lightgate_budget_peak", "The most a budget has held at once",
@@ -162,6 +167,7 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
         ("offline_messages_dropped", st.offline_dropped),
         ("native_partial_frame_paused", (native or {}).get("paused", 0)),
         ("native_partial_frame_closed", (native or {}).get("closed", 0)),
+        ("idempotent_producers", (producers or {}).get("refused", 0)),
     ):
         hits.add_metric([name], n)
     yield hits

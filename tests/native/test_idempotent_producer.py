@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -149,8 +150,17 @@ def test_past_the_budget_new_producers_and_sequences_are_refused(tmp_path: Path)
         send(srv, "t1", [b"4"], a, 1)  # a sequence the store remembers goes on
         assert (stored(srv, "t1"), stored(srv, "t2"), stored(srv, "t3")) == \
             ([b"1", b"4"], [b"2"], [])
+        metrics = _metrics(srv)  # what the budget holds, and its refusals, in /metrics
+        assert 'lightgate_budget_used{budget="idempotent_producer_sequences"} 2.0' in metrics
+        assert 'lightgate_budget_limit{budget="idempotent_producer_ids"} 2.0' in metrics
+        assert 'lightgate_budget_refusals_total{budget="idempotent_producers"} 2.0' in metrics
     finally:
         srv.stop()
+
+
+def _metrics(srv: Server) -> str:
+    with urllib.request.urlopen(f"http://{srv.addrs['http']}/metrics", timeout=10) as r:
+        return r.read().decode()
 
 
 def test_sequences_and_ids_survive_kill_9(tmp_path: Path) -> None:
