@@ -86,14 +86,16 @@ test: $(SPARK_STAMP) redis chromium java mosquitto netfaults
 
 # The long forms: 1M inputs to each fuzzer (codec, connection), 1M messages past a stuck
 # subscriber, a 10k-connection storm, a 30 min soak, 30 kill -9s of a store group's
-# master and 30 rounds of partitions, pauses and kills (some after an idle minute):
-# about two hours.
-soak: $(STAMP) redis netfaults
+# master (10 more under an idempotent producer), 30 rounds of partitions, pauses and
+# kills (some after an idle minute), and 10 kill -9s of the Spark driver running the
+# alerts and aggregates jobs: about two and a half hours.
+soak: $(SPARK_STAMP) redis netfaults java
 	LIGHTGATE_FUZZ_RUNS=1000000 LIGHTGATE_SLOW_CONSUMER_MESSAGES=1000000 \
 	LIGHTGATE_SOAK_SECONDS=1800 LIGHTGATE_STORM_CLIENTS=10000 LIGHTGATE_HA_ROUNDS=30 \
-	LIGHTGATE_PARTITION_ROUNDS=30 LIGHTGATE_BUDGET_SESSIONS=100000 \
+	LIGHTGATE_PARTITION_ROUNDS=30 LIGHTGATE_BUDGET_SESSIONS=100000 LIGHTGATE_SPARK_KILLS=10 \
+	LIGHTGATE_REQUIRE_SPARK=1 \
 	$(BIN)/pytest -q -s -p no:cacheprovider -o addopts='' -o timeout=7200 tests/fuzz tests/faults tests/soak \
-	tests/ha
+	tests/ha tests/spark/test_crash.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -151,6 +151,11 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
         limit.add_metric(["native_unsent_answer_bytes"], answers["limit"])
     used.add_metric(["client_fds"], open_fds())  # this process's, all of them
     limit.add_metric(["client_fds"], client_fd_ceiling())
+    producers = store_stats.get("producers")
+    if producers:  # the store's idempotent producers: ids, and sequences (each capped)
+        for kind in ("ids", "sequences"):
+            used.add_metric([f"idempotent_producer_{kind}"], producers[kind])
+            limit.add_metric([f"idempotent_producer_{kind}"], producers["limit"])
     yield used
     yield limit
     peak = GaugeMetricFamily("lightgate_budget_peak", "The most a budget has held at once",
@@ -178,6 +183,7 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
         ("native_partial_frame_paused", (native or {}).get("paused", 0)),
         ("native_partial_frame_closed", (native or {}).get("closed", 0)),
         ("native_unsent_answers_paused", (answers or {}).get("paused", 0)),
+        ("idempotent_producers", (producers or {}).get("refused", 0)),
     ):
         hits.add_metric([name], n)
     hits.add_metric(["client_fds"], refused_connections())

@@ -316,7 +316,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     from store.sdk import Producer
 
     n = 0
-    with Producer(args.server, **_credentials(args)) as producer:
+    with Producer(args.server, idempotent=args.idempotent, **_credentials(args)) as producer:
         for line in sys.stdin:
             body = line.rstrip("\n").encode()
             res = producer.send(args.topic, body, mqtt_topic=args.mqtt_topic, key=args.key,
@@ -484,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     produce.add_argument("--key", default="", help="message key (partitioning, lookup)")
     produce.add_argument("--qos", type=int, default=1, choices=(0, 1, 2))
     produce.add_argument("-v", "--verbose", action="store_true", help="print message ids")
+    produce.add_argument("--idempotent", action=argparse.BooleanOptionalAction, default=True,
+                         help="number the messages so that a send retried after a lost "
+                              "answer is stored once (--no-idempotent: at least once)")
     produce.set_defaults(func=cmd_produce)
     consume = sub.add_parser("consume", parents=[client_flags],
                              help="print messages of a first-level topic as JSON lines")

@@ -95,8 +95,12 @@ class StoreClient:
                 raise ConnectionError(f"the store {self.addr} closed the connection")
             self._frames.extend(self._decoder.feed(data))
 
-    def request(self, code: int, header: dict[str, Any],
-                body: bytes = b"") -> tuple[dict[str, Any], bytes]:
+    def request(self, code: int, header: dict[str, Any], body: bytes = b"", *,
+                again_if_unavailable: bool = False) -> tuple[dict[str, Any], bytes]:
+        """One request, sent again on a new connection while the store is unreachable
+        (within `timeout`); `again_if_unavailable`: also while it answers 503 (a store
+        group's replica, a master without its lease): for requests that may be sent
+        twice (reads; an idempotent producer's SEND)."""
         deadline = time.monotonic() + self.timeout
         delay = 0.05
         while True:
@@ -104,14 +108,18 @@ class StoreClient:
                 if self._sock is None:
                     self._connect()
                 frame = self._roundtrip(code, header, body)
-                break
-            except (OSError, p.ProtocolError) as exc:
-                self.close()
-                self._turn += 1  # a group: try the next node
-                if time.monotonic() + delay > deadline:
-                    raise ConnectionError(f"store {self.addr} unreachable: {exc}") from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                if not (again_if_unavailable and frame.kind == p.ERROR
+                        and frame.header.get("status") == 503):
+                    break
+                exc: Exception = p.RemoteError(503, str(frame.header.get("error")))
+            except (OSError, p.ProtocolError) as err:
+                exc = err
+            self.close()
+            self._turn += 1  # a group: try the next node
+            if time.monotonic() + delay > deadline:
+                raise ConnectionError(f"store {self.addr} unreachable: {exc}") from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
         if frame.kind == p.ERROR:
             raise p.RemoteError(int(frame.header.get("status", 500)),
                                 str(frame.header.get("error", "error")))
@@ -155,11 +163,15 @@ class StoreClient:
             offset = nxt
 
     def pull_ranges(self, queue: str, start: int, end: int, depth: int = PIPELINE_DEPTH,
-                    chunk: int = PULL_BATCH) -> Iterator[tuple[int, int, dict[str, Any], bytes]]:
+                    chunk: int = PULL_BATCH, raw: bool = False
+                    ) -> Iterator[tuple[int, int, dict[str, Any], bytes]]:
         """The raw PULL responses covering [start, end) of `queue`, in order, as
         (chunk_start, chunk_end, header, body). The caller keeps the messages whose offset
         lies in [chunk_start, chunk_end): a chunk below the queue's minimum (retention) is
         answered from the minimum.
+
+        `raw`: the store may answer with records as its log holds them (header `raw`,
+        `runs`; see store.server's _pull_raw), for the caller to decode.
 
         Up to `depth` requests are in flight on the connection, so the store reads the next
         chunk while the caller converts this one. A chunk the store answers only in part (a
@@ -182,7 +194,7 @@ class StoreClient:
                         c_lo, c_hi = chunks[sent]
                         pending.append((self._send(p.PULL, {"queue": queue, "offset": c_lo,
                                                             "max": c_hi - c_lo,
-                                                            "wait_ms": 0}),
+                                                            "wait_ms": 0, "raw": raw}),
                                         sent, self._generation))
                         sent += 1
                     rid, index, generation = pending[0]
@@ -203,22 +215,36 @@ class StoreClient:
                 header, body = frame.header, frame.body
             else:
                 header, body = self.request(p.PULL, {"queue": queue, "offset": lo,
-                                                     "max": hi - lo, "wait_ms": 0})
+                                                     "max": hi - lo, "wait_ms": 0, "raw": raw})
             done += 1
             yield lo, hi, header, body
             nxt = int(header["next_offset"])
-            while lo < nxt < hi and header["messages"]:
+            while lo < nxt < hi and (header.get("runs") or header.get("messages")):
                 # Answered in part: the rest of this chunk before the next one (on the
                 # same connection, the pipelined answers wait in self._frames).
                 header, body = self.request(p.PULL, {"queue": queue, "offset": nxt,
-                                                     "max": hi - nxt, "wait_ms": 0})
+                                                     "max": hi - nxt, "wait_ms": 0,
+                                                     "raw": raw})
                 lo = nxt
                 yield lo, hi, header, body
                 nxt = int(header["next_offset"])
 
     # -- writes -----------------------------------------------------------------------
-    def send(self, topic: str, messages: Sequence[Message]) -> list[dict[str, Any]]:
-        """One SEND request (one CommitLog append) to the first-level `topic`."""
+    def send(self, topic: str, messages: Sequence[Message],
+             producer: tuple[str, int, int] | None = None) -> list[dict[str, Any]]:
+        """One SEND request (one CommitLog append) to the first-level `topic`.
+        `producer`: (id, epoch, sequence of the first message) of an idempotent producer
+        (store.producers): then it is sent again until answered, and stored once."""
         metas, body = p.pack_messages(list(messages))
-        header, _ = self.request(p.SEND, {"topic": topic, "messages": metas}, body)
-        return list(header["results"])
+        header: dict[str, Any] = {"topic": topic, "messages": metas}
+        if producer is not None:
+            header["producer"], header["epoch"], header["seq"] = producer
+        reply, _ = self.request(p.SEND, header, body, again_if_unavailable=producer is not None)
+        return list(reply["results"])
+
+    def init_producer(self, name: str | None = None) -> str:
+        """An idempotent producer's id; a name gives the same id on every call (as long
+        as the store remembers it: --producer-idle-s)."""
+        header = {} if name is None else {"name": name}
+        reply, _ = self.request(p.PRODUCER_INIT, header, again_if_unavailable=True)
+        return str(reply["producer"])

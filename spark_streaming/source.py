@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import accumulate
@@ -34,8 +35,10 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from serving.values import NATIVE_ADDR
+from spark_streaming import json_fields as jf
 from spark_streaming.native import SEND_BATCH, StoreClient
-from store.protocol import ProtocolError
+from spark_streaming.raw_rows import arrow_from_records, json_keys, topic_level, topic_levels
+from store.protocol import ProtocolError, RemoteError
 from store.record import Message, format_msg_id
 
 try:  # admission control (maxOffsetsPerTrigger) is Spark 4.2+
@@ -80,6 +83,47 @@ def _client(options: dict[str, str]) -> StoreClient:
     return StoreClient(options.get("server", DEFAULT_SERVER),
                        timeout=float(options.get("timeout", "30")),
                        username=options.get("username"), password=options.get("password"))
+
+
+# An executor's Python worker runs task after task (spark.python.worker.reuse): its
+# connection to the store, and the producer ids it was given, are kept for the next
+# task rather than made again (a connection and a HELLO, a PRODUCER_INIT: round trips
+# in every micro-batch's read and write).
+_IDLE: dict[tuple, StoreClient] = {}
+_PRODUCERS: dict[tuple, str] = {}
+
+
+def _key(options: dict[str, str]) -> tuple:
+    return (options.get("server", DEFAULT_SERVER), options.get("timeout", "30"),
+            options.get("username"), options.get("password"))
+
+
+@contextmanager
+def _kept_client(options: dict[str, str]) -> Iterator[StoreClient]:
+    """A connection to the store kept between this worker's tasks; closed instead when
+    the task's use of it failed (it may be in the middle of an answer)."""
+    key = _key(options)
+    client = _IDLE.pop(key, None) or _client(options)
+    try:
+        yield client
+    except BaseException:
+        client.close()
+        raise
+    old = _IDLE.pop(key, None)
+    if old is not None:
+        old.close()
+    _IDLE[key] = client
+
+
+def _producer(c: StoreClient, options: dict[str, str], name: str, fresh: bool = False
+              ) -> str:
+    """The id of the named producer (kept by this worker; `fresh`: ask again)."""
+    key = (*_key(options), name)
+    if fresh or key not in _PRODUCERS:
+        if len(_PRODUCERS) >= 10_000:
+            _PRODUCERS.clear()
+        _PRODUCERS[key] = c.init_producer(name)
+    return _PRODUCERS[key]
 
 
 def _topic(options: dict[str, str]) -> str:
@@ -220,14 +264,70 @@ def arrow_batch(queue: str, lo: int, hi: int, metas: list[dict[str, Any]],
     return kept if kept.num_rows else None
 
 
-def read_queue_arrow(options: dict[str, str], part: QueueRange) -> Iterator[pa.RecordBatch]:
-    """[start, end) of one queue as Arrow RecordBatches, pulled with requests in flight:
-    the same rows as `read_queue`, without a Python tuple per row."""
-    with _client(options) as c:
-        for lo, hi, header, body in c.pull_ranges(part.queue, part.start, part.end):
-            batch = arrow_batch(part.queue, lo, hi, header["messages"], body)
+def read_queue_arrow(options: dict[str, str], part: QueueRange,
+                     schema: pa.Schema = ARROW_SCHEMA) -> Iterator[pa.RecordBatch]:
+    """[start, end) of one queue as Arrow RecordBatches of `schema` (the source's columns
+    a query reads), pulled with requests in flight: the same rows as `read_queue`,
+    without a Python tuple per row. The store hands out its records as its log holds
+    them (PULL `raw`) and they are decoded here, only as far as the columns need."""
+    with _kept_client(options) as c:
+        for lo, hi, header, body in c.pull_ranges(part.queue, part.start, part.end,
+                                                  raw=True):
+            if header.get("raw"):
+                batch = arrow_from_records(part.queue, lo, hi, header["runs"], body, schema)
+            else:  # a store that answers with decoded messages
+                batch = arrow_batch(part.queue, lo, hi, header["messages"], body)
+                batch = _select(batch, schema) if batch is not None else None
             if batch is not None:
                 yield batch
+
+
+def _select(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """The columns of `schema` from a batch of every column (json_KEY ones parsed from
+    its payloads, topic_N ones cut from its topics)."""
+    fields = json_keys(schema)
+    parsed = dict(zip([jf.PREFIX + k for k, _ in fields],
+                      jf.columns(batch.column("payload").to_pylist(), fields), strict=True))
+    topics = [t.encode() for t in batch.column("mqtt_topic").to_pylist()]
+    parsed.update(topic_levels(topics, schema))
+    return pa.RecordBatch.from_arrays(
+        [pa.array(parsed[f.name], f.type) if f.name in parsed else batch.column(f.name)
+         for f in schema], schema=schema)
+
+
+def columns_of(schema: StructType | None) -> pa.Schema:
+    """The Arrow schema of the source's columns a user-given schema names (some of
+    SCHEMA's, with their types, in any order; json_KEY columns of type double or long: a
+    JSON payload's top-level KEY, parsed here as Spark's try_cast(json_tuple(payload,
+    KEY)) would, see json_fields; topic_N string: the N-th level of the MQTT topic,
+    0-based, null when it has fewer): a query that reads only some of them has only
+    those built and sent to Spark, and what it would compute per row in the JVM is
+    computed where each record is decoded."""
+    if schema is None or not schema.fields:
+        return ARROW_SCHEMA
+    from pyspark.sql import types as t
+
+    text, stamp = t.StringType(), t.TimestampType()
+    known = {"mqtt_topic": text, "client_id": text, "qos": t.IntegerType(),
+             "properties": text, "payload": t.BinaryType(), "store_time": stamp,
+             "born_time": stamp, "queue": text, "offset": t.LongType(), "msg_id": text}
+    out = []
+    for f in schema.fields:
+        if f.name.startswith(jf.PREFIX) and len(f.name) > len(jf.PREFIX) and \
+                f.dataType in (t.DoubleType(), t.LongType()):
+            out.append(pa.field(f.name, pa.float64() if f.dataType == t.DoubleType()
+                                else pa.int64()))
+            continue
+        if topic_level(f.name) is not None and f.dataType == text:
+            out.append(pa.field(f.name, pa.string()))
+            continue
+        if known.get(f.name) != f.dataType:
+            raise ValueError(f"the lightgate source has no column {f.name} "
+                             f"{f.dataType.simpleString()}: its columns are {SCHEMA}, "
+                             "json_KEY double or long (a payload's top-level KEY) and "
+                             "topic_N string (a level of the MQTT topic)")
+        out.append(ARROW_SCHEMA.field(f.name))
+    return pa.schema(out)
 
 
 def plan(start: Offsets, end: Offsets) -> list[QueueRange]:
@@ -240,7 +340,8 @@ class LightgateDataSource(DataSource):
     """Options: server (native HOST:PORT), topic (first-level), startingOffsets,
     startingTimestamp (ms since the epoch; wins over startingOffsets), endingOffsets
     (batch), maxOffsetsPerTrigger, username, password, timeout; for writing also qos
-    (default 1)."""
+    (default 1), idempotence (auto: exactly once in a streaming query; off) and writeId
+    (tells apart two writes to one topic in one foreachBatch)."""
 
     @classmethod
     def name(cls) -> str:
@@ -250,10 +351,10 @@ class LightgateDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return LightgateBatchReader(_lower(self.options))
+        return LightgateBatchReader(_lower(self.options), schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return LightgateStreamReader(_lower(self.options))
+        return LightgateStreamReader(_lower(self.options), schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
         return LightgateWriter(_lower(self.options), schema)
@@ -266,9 +367,10 @@ class LightgateDataSource(DataSource):
 class LightgateBatchReader(DataSourceReader):
     """A backfill: startingOffsets (default earliest) to endingOffsets (default latest)."""
 
-    def __init__(self, options: dict[str, str]) -> None:
+    def __init__(self, options: dict[str, str], schema: StructType | None = None) -> None:
         self.options = options
         self.topic = _topic(options)
+        self.arrow = columns_of(schema)
         starting_timestamp(options)  # a bad value fails the query now, not at its start
 
     def partitions(self) -> Sequence[InputPartition]:
@@ -280,13 +382,14 @@ class LightgateBatchReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if not isinstance(partition, QueueRange):
             return iter(())  # nothing to read: Spark runs one partition of its own
-        return read_queue_arrow(self.options, partition)
+        return read_queue_arrow(self.options, partition, self.arrow)
 
 
 class LightgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    def __init__(self, options: dict[str, str]) -> None:
+    def __init__(self, options: dict[str, str], schema: StructType | None = None) -> None:
         self.options = options
         self.topic = _topic(options)
+        self.arrow = columns_of(schema)
         starting_timestamp(options)  # a bad value fails the query now, not at its start
         limit = options.get("maxoffsetspertrigger")
         self.max_per_trigger = int(limit) if limit else None
@@ -341,7 +444,7 @@ class LightgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if not isinstance(partition, QueueRange):
             return iter(())  # nothing to read: Spark runs one partition of its own
-        return read_queue_arrow(self.options, partition)
+        return read_queue_arrow(self.options, partition, self.arrow)
 
     def commit(self, end: dict) -> None:
         pass  # the store keeps everything until retention; nothing to release
@@ -368,10 +471,43 @@ def cap_offsets(start: Offsets, ends: Offsets, max_rows: int) -> Offsets:
 
 
 # -- writing -----------------------------------------------------------------------------
+def exactly_once_key(options: dict[str, str]) -> tuple[str, int] | None:
+    """For a write task of a streaming micro-batch (a streaming sink, or a batch write in
+    `foreachBatch`): the name of its idempotent producer, one per (query, write,
+    partition), and its epoch, the batch id; None elsewhere (a plain batch write) or
+    with `idempotence` off. Spark gives every task of a micro-batch its query's id and
+    the batch id as local properties, and a query restarted from its checkpoint keeps
+    its id."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    if options.get("idempotence", "auto").lower() == "off" or ctx is None:
+        return None
+    query, batch = ctx.getLocalProperty(QUERY_ID), ctx.getLocalProperty(BATCH_ID)
+    if not query or batch is None or not batch.isdigit():
+        return None
+    write = options.get("writeid", "")
+    return f"spark/{query}/{write}/{ctx.partitionId()}", int(batch)
+
+
+QUERY_ID, BATCH_ID = "sql.streaming.queryId", "streaming.sql.batchId"
+
+
+def _content(m: Message) -> tuple:
+    return (m.topic, m.key, m.body, json.dumps(m.properties, sort_keys=True, default=str))
+
+
 class LightgateWriter(DataSourceWriter):
     """Rows to a first-level topic: body from `payload` or `value` (binary or string),
     optional `mqtt_topic` (delivered to MQTT subscribers), `key`, `properties` (JSON).
-    At least once: a retried task may send its rows again."""
+
+    Exactly once in a streaming query (see `exactly_once_key`): each task is an
+    idempotent producer named by query, write id and partition, its epoch the batch id,
+    its messages numbered from 0, so a task or batch run again (a retried task, a
+    restarted query replaying its last batch) sends the same numbers and the store keeps
+    the first copy. A partition's rows go in one request when they fit one (SEND_BATCH);
+    more are put in content order first, so that a run whose rows come in another order
+    numbers each row as the first run did. At least once elsewhere."""
 
     def __init__(self, options: dict[str, str], schema: StructType) -> None:
         self.options = options
@@ -384,6 +520,9 @@ class LightgateWriter(DataSourceWriter):
         self.cols = {c: names.index(c) if c in names else None
                      for c in ("mqtt_topic", "key", "properties", "qos")}
         self.cols["body"] = names.index(body)
+        if options.get("idempotence", "auto").lower() not in ("auto", "off"):
+            raise ValueError("option 'idempotence' is auto or off, not "
+                             f"{options['idempotence']!r}")
 
     def _message(self, row: Any, now: int) -> Message:
         cols = self.cols
@@ -403,6 +542,9 @@ class LightgateWriter(DataSourceWriter):
                        False, "spark", props, born_ts=now, key=str(key or ""))
 
     def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
+        once = exactly_once_key(self.options)
+        if once is not None:
+            return self._write_once(iterator, *once)
         count = 0
         batch: list[Message] = []
         with _client(self.options) as c:
@@ -417,11 +559,32 @@ class LightgateWriter(DataSourceWriter):
                 count += len(batch)
         return _Commit(count)
 
+    def _write_once(self, iterator: Iterator[Any], name: str, epoch: int) -> _Commit:
+        now = int(time.time() * 1000)
+        msgs = [self._message(row, now) for row in iterator]
+        if not msgs:
+            return _Commit(0)
+        if len(msgs) > SEND_BATCH:
+            msgs.sort(key=_content)
+        with _kept_client(self.options) as c:
+            producer = _producer(c, self.options, name)
+            for first in range(0, len(msgs), SEND_BATCH):
+                chunk = msgs[first:first + SEND_BATCH]
+                try:
+                    c.send(self.topic, chunk, (producer, epoch, first))
+                except RemoteError as exc:
+                    if exc.status != 410 or first:  # forgotten: only before anything went
+                        raise
+                    producer = _producer(c, self.options, name, fresh=True)
+                    c.send(self.topic, chunk, (producer, epoch, first))
+        return _Commit(len(msgs))
+
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         pass  # every write() already stored its rows
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        pass  # stored messages cannot be taken back; consumers see them (at least once)
+        pass  # stored messages cannot be taken back; a run again sends them once more,
+        # which the store recognises in a streaming query (exactly once)
 
 
 class LightgateStreamWriter(LightgateWriter, DataSourceStreamWriter):

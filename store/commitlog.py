@@ -24,6 +24,7 @@ import os
 import queue
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -33,15 +34,17 @@ import orjson
 from setproctitle import setthreadtitle
 
 from lightqueue.index import ConsumeQueueIndex
-from store import record
+from store import producers, record
 from store.common import StoreClosedError, StoreError, StoreFullError
-from store.record import CorruptRecord, Message
+from store.producers import Plan, ProducerTable, Stamp
+from store.record import MARK_FIRST, MARK_MORE, CorruptRecord, Message
 from store.segment import Segment, fsync_dir, is_segment_name, segment_name
 
 log = logging.getLogger("lightgate.store.commitlog")
 
 ABORT_FILE = "abort"  # present while running; left behind by a crash (as RocketMQ's)
 CHECKPOINT_FILE = "checkpoint"
+PRODUCERS_FILE = "producers"  # the producers' table as of a log offset (store.producers)
 QUARANTINE_DIR = "quarantine"
 REDISPATCH_BATCH = 5000
 
@@ -57,6 +60,7 @@ class RecoveryReport:
     quarantined: list[str] = field(default_factory=list)
     index_rebuilt: bool = False
     redispatched: int = 0
+    producer_records: int = 0  # read to rebuild the idempotent producers' sequences
     seconds: float = 0.0
 
 
@@ -101,6 +105,12 @@ class _Append:
     messages: list[Message]
     queues: Sequence[Sequence[str]]
     future: Future | InlineFuture
+    stamp: Stamp | None = None  # an idempotent producer's request (store.producers)
+    plan: Plan | None = None  # how it fits the producer's sequence, once checked
+
+    def new(self) -> list[Message]:
+        """The messages this append writes (a producer's duplicates are not)."""
+        return self.messages[self.plan.skip:] if self.plan else self.messages
 
 
 _STOP = object()
@@ -109,6 +119,46 @@ _WAKE = object()  # async mode: the log became dirty, or dirty enough to fsync n
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _check_records(data: bytes, phys: int, count: int) -> None:
+    """CorruptRecord unless `data` is `count` whole records with good CRCs (a run read
+    by index entries: each record's length and checksum, none of its fields)."""
+    view = memoryview(data)
+    head, crc32 = record.FRAME.unpack_from, zlib.crc32
+    pos = 0
+    for _ in range(count):
+        if len(data) - pos < record.HEADER_SIZE:
+            raise CorruptRecord(f"no whole record at offset {phys + pos}")
+        magic, total, crc = head(data, pos)
+        if (magic != record.MAGIC and magic != record.MAGIC_WIDE) or total < record.HEADER_SIZE \
+                or pos + total > len(data) or crc32(view[pos + 12:pos + total]) != crc:
+            raise CorruptRecord(f"no valid record at offset {phys + pos}")
+        pos += total
+    if pos != len(data):
+        raise CorruptRecord(f"records at offset {phys} end before their run does")
+
+
+def _holds_producers(seg: Segment) -> bool:
+    """Whether a segment may hold an idempotent producer's record (its property name is
+    in the bytes): a search at memory speed, so a log with none is not decoded."""
+    mm = seg.map()
+    if mm is None:
+        return False
+    try:
+        return mm.find(b'"' + record.PRODUCER_PROP.encode() + b'"') >= 0
+    finally:
+        mm.close()
+
+
+def _mark(msgs: list[Message], stamp: Stamp, skip: int) -> None:
+    """Mark an idempotent producer's records (store.producers): the first carries the
+    producer, its epoch and the sequence of that first message."""
+    for m in msgs:
+        m.mark = MARK_MORE
+    if msgs:
+        msgs[0].mark = MARK_FIRST
+        msgs[0].producer = [stamp.producer, stamp.epoch, stamp.seq + skip]
 
 
 class CommitLog:
@@ -123,6 +173,7 @@ class CommitLog:
         flush_bytes: int = 16 << 20,
         on_dispatched: Callable[[list[Message]], None] | None = None,
         full_verify: bool = False,
+        max_producers: int = 10_000,
     ) -> None:
         if flush not in ("sync", "async"):
             raise ValueError("flush must be 'sync' or 'async'")
@@ -155,6 +206,9 @@ class CommitLog:
         self._undispatched: list[Message] = []
         self._failed: BaseException | None = None
         self._closed = True
+        # Idempotent producers' sequences, checked inside appends (under the write lock)
+        # and rebuilt from the records (store.producers; snapshots: store.producer_state).
+        self.producers = ProducerTable(max_producers)
         self.stats = {"appends": 0, "messages": 0, "bytes_written": 0, "fsyncs": 0, "batches": 0}
 
     # -- lifecycle --------------------------------------------------------------------
@@ -182,6 +236,7 @@ class CommitLog:
             self._wfd = -1
         self._flushed = self._write_pos
         self._write_checkpoint()
+        self._save_producers(self._write_pos, self.producers.snapshot())
         for seg in self._segments:
             seg.close()
         (self.dir / ABORT_FILE).unlink(missing_ok=True)
@@ -203,12 +258,15 @@ class CommitLog:
         """(base, size) of every live segment, oldest first."""
         return [(s.base, s.size()) for s in self._segments]
 
-    def append(self, messages: list[Message], queues: Sequence[Sequence[str]]
-               ) -> Future | InlineFuture:
+    def append(self, messages: list[Message], queues: Sequence[Sequence[str]],
+               stamp: Stamp | None = None) -> Future | InlineFuture:
         """Queue `messages` (each indexed into its list of queues) for the writer.
 
         The future resolves to the same messages with phys_offset, size, store_ts and
         queue offsets filled in, once they are as durable as the flush mode promises.
+        `stamp`: an idempotent producer's request, checked against its sequence inside
+        the append (store.producers): the messages already stored are answered as the
+        log holds them, not appended again; a SequenceError fails the future.
         """
         if self._closed or self._failed:
             closed: Future = Future()
@@ -221,11 +279,11 @@ class CommitLog:
         if self.inline:
             done = InlineFuture()
             with self._write_lock:
-                written = self._write_batch([_Append(messages, queues, done)])
+                written = self._write_batch([_Append(messages, queues, done, stamp)])
             self._announce(written)
             return done
         fut: Future = Future()
-        self._requests.put(_Append(messages, queues, fut))
+        self._requests.put(_Append(messages, queues, fut, stamp))
         return fut
 
     def read(self, phys_offset: int, size: int | None = None) -> Message:
@@ -281,6 +339,43 @@ class CommitLog:
                 pos += n
             i = j
         return out
+
+    def read_records(self, entries: Sequence[tuple[int, int, int, int]], max_bytes: int
+                     ) -> tuple[list[list[int]], bytes]:
+        """The records at these index entries ((phys offset, size, store time, queue
+        offset), in queue order) as the log holds them, CRC checked, not decoded: what a
+        reader that decodes records itself is handed (PULL `raw`). Returns the runs
+        [phys offset, bytes, first queue offset, records] of records that lie back to
+        back (one pread each) and their bytes concatenated; at most about `max_bytes`
+        (one record at least). Records gone to retention are left out."""
+        runs: list[list[int]] = []
+        parts: list[bytes] = []
+        total = 0
+        i, n = 0, len(entries)
+        bases = self._bases
+        while i < n and (total < max_bytes or not parts):
+            start, size, _, first = entries[i]
+            k = bisect.bisect_right(bases, start) - 1
+            seg = self._segment_for(start)
+            if seg is None or not seg.acquire():
+                i += 1
+                continue
+            try:
+                limit = bases[k + 1] if k + 1 < len(bases) else self._write_pos
+                j, end = i + 1, start + size
+                while (j < n and entries[j][0] == end and entries[j][3] == first + j - i
+                       and end + entries[j][1] <= limit and total + end - start < max_bytes):
+                    end += entries[j][1]
+                    j += 1
+                data = seg.pread(end - start, start - seg.base)
+            finally:
+                seg.release()
+            _check_records(data, start, j - i)
+            runs.append([start, end - start, first, j - i])
+            parts.append(data)
+            total += end - start
+            i = j
+        return runs, b"".join(parts)
 
     def read_bytes(self, pos: int, size: int) -> tuple[bytes, int]:
         """Up to `size` bytes of the log from any position `pos` (a record start or not),
@@ -351,19 +446,28 @@ class CommitLog:
         pos = self._write_pos
         active_base = self._segments[-1].base
         assigned_all: list[tuple[str, int]] = []
+        sequenced: list = []  # what the producers' table must take back if the write fails
         for req in batch:
             assigned_req: list[tuple[str, int]] = []
             try:
+                queues = req.queues
+                if req.stamp is not None:
+                    req.plan = self.producers.plan(req.stamp, len(req.messages))
+                    queues = queues[req.plan.skip:]
+                    _mark(req.new(), req.stamp, req.plan.skip)
                 encoded = []
-                for msg, qs in zip(req.messages, req.queues, strict=True):
+                for msg, qs in zip(req.new(), queues, strict=True):
                     msg.queues = self.index.assign(qs)
                     assigned_req.extend(msg.queues)
                     msg.store_ts = now
+                    if msg.mark and req.stamp is None:
+                        msg.mark = 0  # read from the log and appended again: not a producer's
                     encoded.append((msg, record.encode(msg)))
             except Exception as exc:  # one bad request must not sink the batch
                 self.index.unassign(assigned_req)
                 req.future.set_exception(exc)
                 continue
+            start = pos
             for msg, rec in encoded:
                 if pos - active_base + len(rec) > self.segment_size and pos > active_base:
                     active_base = pos  # roll: the next segment starts where this one ends
@@ -372,13 +476,19 @@ class CommitLog:
                 msg.size = len(rec)
                 chunks[-1][1].append(rec)
                 pos += len(rec)
+            if req.stamp is not None and encoded:
+                assert req.plan is not None
+                sequenced.append(self.producers.appended(
+                    req.stamp, req.stamp.seq + req.plan.skip, len(encoded), start, pos, now))
             assigned_all.extend(assigned_req)
             accepted.append(req)
         if not accepted:
             return []
         try:
-            self._write_chunks([c for _, c in chunks])
+            if any(c for _, c in chunks):  # (a producer's duplicates alone write nothing)
+                self._write_chunks([c for _, c in chunks])
         except OSError as exc:
+            self.producers.undo(reversed(sequenced))
             self.index.unassign(reversed(assigned_all))
             err: StoreError = (
                 StoreFullError("no space left on the store's disk")
@@ -389,7 +499,7 @@ class CommitLog:
             for req in accepted:
                 req.future.set_exception(err)
             return []
-        msgs = [m for req in accepted for m in req.messages]
+        msgs = [m for req in accepted for m in req.new()]
         self._dispatch(msgs)
         self.stats["batches"] += 1
         self.stats["appends"] += len(accepted)
@@ -402,13 +512,37 @@ class CommitLog:
         subscribers' sockets) never holds up the next append or fsync."""
         if not written:
             return
-        if self.on_dispatched:  # before the acks: readers hear of it as early as possible
+        new = [m for req in written for m in req.new()]
+        if self.on_dispatched and new:  # before the acks: readers hear of it at once
             try:
-                self.on_dispatched([m for req in written for m in req.messages])
+                self.on_dispatched(new)
             except Exception:
                 log.exception("on_dispatched callback failed")
         for req in written:
-            req.future.set_result(req.messages)
+            if req.plan is not None and req.plan.skip:
+                req.future.set_result(self._stored_again(req))
+            else:
+                req.future.set_result(req.messages)
+
+    def _stored_again(self, req: _Append) -> list[Message]:
+        """A producer's request whose first messages the log holds already: those as the
+        log holds them (their original offsets), then the ones appended now. Stored
+        messages older than the appends the producers' table keeps come back as they
+        were sent, with no offsets (phys_offset -1)."""
+        plan = req.plan
+        assert plan is not None
+        dups: list[Message] = []
+        for start, end, first, count in plan.stored or ():
+            try:
+                held = list(self.scan(start, end))[first:first + count]
+            except (KeyError, CorruptRecord):  # removed by retention meanwhile
+                held = []
+            dups.extend(held)
+        if len(dups) != plan.skip:
+            dups = req.messages[:plan.skip]
+            for m in dups:
+                m.phys_offset, m.queues = -1, []
+        return dups + req.new()
 
     def _write_chunks(self, chunks: list[list[bytes]], roll_first: bool = False) -> None:
         """Write each chunk to its segment (a new chunk = a roll; `roll_first`: the first
@@ -479,6 +613,9 @@ class CommitLog:
             pos = self._write_pos
             fd = os.dup(self._wfd)
             self._flush_due = False  # a write after this point needs another fsync
+            due = time.monotonic() - self._last_checkpoint >= 1.0
+            # The producers' table as of `pos`, saved once `pos` is durable.
+            snap = self.producers.snapshot() if due and self.producers.dirty else None
         try:
             os.fdatasync(fd)
         except OSError as exc:
@@ -490,8 +627,60 @@ class CommitLog:
             os.close(fd)
         self.stats["fsyncs"] += 1
         self._flushed = max(self._flushed, pos)
-        if time.monotonic() - self._last_checkpoint >= 1.0:
+        if due:
             self._write_checkpoint()
+        if snap is not None:
+            self._save_producers(pos, snap)
+
+    def _save_producers(self, offset: int,
+                        snap: tuple[dict[producers.Key, producers.Entry],
+                                    producers.Key | None]) -> None:
+        """The producers' table as of log offset `offset` (written and durable by then):
+        recovery reads it and the records after it, not the whole log."""
+        tmp = self.dir / (PRODUCERS_FILE + ".tmp")
+        try:
+            tmp.write_bytes(producers.dump(offset, snap))
+            os.replace(tmp, self.dir / PRODUCERS_FILE)
+        except OSError as exc:  # the next one may do; recovery reads more records
+            log.warning("producers' snapshot not written: %s", exc)
+
+    def _rebuild_producers(self, end: int) -> int:
+        """The producers' table as of log offset `end` (a record boundary): the snapshot,
+        if it is of an offset at or before `end`, and the records after it; without one
+        (a store that never had one, a cut below it), every segment that holds a
+        producer's record. Returns the records read."""
+        table = self.producers
+        start: int | None = None
+        try:
+            start = producers.load(table, (self.dir / PRODUCERS_FILE).read_bytes())
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            log.warning("producers' snapshot unreadable (%s): rebuilt from the log", exc)
+        if start is not None and (start > end or (
+                start > self.min_offset and not self._at_record(start))):
+            start = None
+        if start is None:
+            table.clear()
+        read = 0
+        for seg in self._segments:
+            lo = max(seg.base, self.min_offset if start is None else start)
+            if seg.end <= lo or lo >= end:
+                continue
+            if start is None and table._open is None and not _holds_producers(seg):
+                continue  # no producer's record in it: nothing to look at
+            if not seg.acquire():
+                continue
+            try:
+                for msg in self._scan_segment(seg, lo, end):
+                    table.observe((msg,))
+                    read += 1
+            finally:
+                seg.release()
+        if read or start != end:
+            self._save_producers(end, table.snapshot())
+        table.dirty = False
+        return read
 
     def _write_checkpoint(self) -> None:
         self._last_checkpoint = time.monotonic()
@@ -589,6 +778,7 @@ class CommitLog:
         self._wfd = os.open(last.path, os.O_WRONLY | os.O_APPEND)
         self._write_checkpoint()
         self._recover_index(index_ckpt, report)
+        report.producer_records = self._rebuild_producers(end)
         report.seconds = time.monotonic() - t0
         level = logging.INFO if clean and report.truncated_at is None else logging.WARNING
         log.log(level, "commitlog recovered: %s", report)
@@ -844,6 +1034,7 @@ class CommitLog:
             # The master's segment starts here: roll so that offsets map to the same files.
             roll = base == offset and self._segments[-1].base != offset and offset > 0
             self._write_chunks([[data]], roll_first=roll)  # on error the log is as it was
+            self.producers.observe(msgs)  # the master's sequences travel with its records
             self._dispatch(msgs)
             self.stats["messages"] += len(msgs)
             if self.on_dispatched and msgs:
@@ -891,6 +1082,10 @@ class CommitLog:
             self._write_pos = self._flushed = offset
             self._undispatched = []
             self._write_checkpoint()
+            # The sequences of the old log stay (a prefix of the master's): the records
+            # between its end and `offset` are gone, the producers they hold with them.
+            self.producers._open = None
+            self._save_producers(offset, self.producers.snapshot())
             return dropped
 
     def truncate_to(self, offset: int) -> int:
@@ -915,6 +1110,8 @@ class CommitLog:
             self.index.remove_entries(
                 [q for m in cut for q in m.queues],
                 [(m.key, m.phys_offset) for m in cut if m.key], offset)
+            if any(m.mark for m in cut):  # sequences of records cut: as of the cut
+                self._rebuild_producers(offset)
             # The index has no WAL: unflushed, a crash would bring back its old checkpoint
             # and entries, pointing into bytes the master's records are about to replace
             # (a restart then found its checkpoint inside a record and stopped).

@@ -40,6 +40,19 @@ class PullResult:
 
 
 @dataclass
+class RawPull:
+    """A PULL answered with records as the log holds them (see EmbeddedStore.pull_raw):
+    `runs` of [log offset, bytes, first queue offset, records] whose bytes are `data`,
+    one run after the other."""
+
+    runs: list[list[int]]
+    data: bytes
+    next_offset: int
+    min_offset: int
+    max_offset: int
+
+
+@dataclass
 class HistoryBatch:
     """One batch of a topic filter's history (see store.history for what it holds)."""
 

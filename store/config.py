@@ -76,6 +76,14 @@ class StoreConfig:
         "the head of their queue, MiB")
     recent_per_queue: int = setting(
         recent_sizes.PER_QUEUE, "recent messages kept per queue being read")
+    # Idempotent producers (store.producers): each producer id, and each first-level
+    # topic one writes to, is remembered until it has sent nothing for the idle time.
+    max_producers: int = setting(
+        10_000, "idempotent producers the store remembers: producer ids, and the sequence "
+        "of each first-level topic one writes to; past it new ones are refused")
+    producer_idle_s: float = setting(
+        7 * 24 * 3600.0, "forget an idempotent producer (its id and sequences) that sent "
+        "nothing for this long; a retry after it may be stored twice")
     flush_bytes: int = 16 << 20
     max_pending_appends: int = 10_000
     http_max_body: int = HTTP_MAX_BODY  # the store's HTTP API (413 past it)

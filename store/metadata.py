@@ -28,6 +28,7 @@ COLUMN_FAMILIES = (
     "inflight",  # client id \0 packet id -> QoS 2 / in-flight state
     "users",
     "acl",
+    "producers",  # idempotent producers' ids (store.producer_ids)
 )
 # Memory bounds by default (the store's --metadata-cache-mb and --metadata-memtable-mb).
 CACHE_MB, MEMTABLE_MB = METADATA_CACHE_MB, METADATA_MEMTABLE_MB

@@ -107,4 +107,6 @@ def needs(frame: p.Frame, mqtt_topics: list[str] | None = None) -> list[Need] | 
         return [Need("Topic", str(h.get("topic", "")), ("SUB", "GET"))]
     if code == p.TOPIC_LIST:
         return []  # filtered per topic by the handler
+    if code == p.PRODUCER_INIT:
+        return []  # any user: the id is theirs alone, its SENDs need PUB (--max-producers)
     return NODE  # anything new is closed until someone decides otherwise

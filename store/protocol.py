@@ -28,6 +28,7 @@ REQUEST, RESPONSE, ERROR = 0, 1, 2
 HELLO = 1
 SEND = 10  # server app -> first-level topic (optionally to MQTT topics)
 PUBLISH = 11  # MQTT publish, routed by topic (the gateway)
+PRODUCER_INIT = 12  # an idempotent producer's id (store.producer_ids)
 PULL = 20
 QUEUE_RANGE = 21
 QUEUE_ENDS = 22

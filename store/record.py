@@ -42,6 +42,15 @@ HEADER_SIZE = FRAME.size + FIXED.size
 MAX_RECORD = 512 * 1024 * 1024
 MAX_QUEUES = 0xFFFF  # nqueues is a u16 in an LGM1 record
 FLAG_RETAIN = 0x01
+# An idempotent producer's append (store.producers): its first record has MARK_FIRST and
+# the producer's id, epoch and first sequence in its properties (PRODUCER_PROP), the rest
+# of the append MARK_MORE, so the sequences can be rebuilt from the log alone. A reader
+# that does not know these bits reads the record as before (it looks at FLAG_RETAIN only,
+# and sees PRODUCER_PROP as a property); this one hands it out as Message.producer.
+MARK_FIRST = 0x02
+MARK_MORE = 0x04
+MARKS = MARK_FIRST | MARK_MORE
+PRODUCER_PROP = "lg_producer"
 
 
 class CorruptRecord(ValueError):
@@ -64,6 +73,8 @@ class Message:
     phys_offset: int = -1
     size: int = 0
     queues: list[tuple[str, int]] = field(default_factory=list)
+    mark: int = 0  # MARK_FIRST / MARK_MORE: a record of an idempotent producer's append
+    producer: list[Any] | None = None  # MARK_FIRST: [producer id, epoch, first sequence]
 
     @property
     def msg_id(self) -> str:
@@ -168,7 +179,10 @@ def encode_python(msg: Message) -> bytes:
     client = msg.client_id.encode()
     topic = msg.topic.encode()
     key = msg.key.encode() if msg.key else b""
-    props = encode_properties(msg.properties) if msg.properties else b""
+    stored = msg.properties
+    if msg.mark & MARK_FIRST:
+        stored = {**stored, PRODUCER_PROP: msg.producer}
+    props = encode_properties(stored) if stored else b""
     if props and b'"$b64"' in props:
         # A property shaped like our bytes wrapper must come back as it went in: a record
         # that does not decode would stop every later start in recovery.
@@ -176,7 +190,7 @@ def encode_python(msg: Message) -> bytes:
     queues = msg.queues
     parts = [
         (FIXED_WIDE if len(queues) > MAX_QUEUES else FIXED).pack(
-            msg.store_ts, msg.born_ts, msg.qos, FLAG_RETAIN if msg.retain else 0,
+            msg.store_ts, msg.born_ts, msg.qos, (FLAG_RETAIN if msg.retain else 0) | msg.mark,
             len(client), len(topic), len(key), len(props), len(msg.body), len(queues),
         ),
         client, topic, key, props, msg.body,
@@ -231,8 +245,22 @@ def decode_first(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1) -
         raise CorruptRecord(f"undecodable fields: {exc}") from exc
     if p > end or (nq <= 1 and p != end):
         raise CorruptRecord("field lengths disagree with the record length")
-    return Message(topic, body, qos, bool(flags & FLAG_RETAIN), client, props, born_ts, key,
-                   store_ts, phys_offset, total, queues)
+    msg = Message(topic, body, qos, bool(flags & FLAG_RETAIN), client, props, born_ts, key,
+                  store_ts, phys_offset, total, queues, flags & MARKS)
+    if flags & MARK_FIRST:
+        msg.producer = props.pop(PRODUCER_PROP, None)
+    return msg
+
+
+_PEEK = struct.Struct(">II22xHH")  # magic, total_len, client_len, topic_len
+
+
+def peek_topic(buf: bytes | memoryview, pos: int = 0) -> tuple[str, int]:
+    """The topic of the (whole, checked) record at `pos` and its length, without decoding
+    the rest."""
+    magic, total, lc, lt = _PEEK.unpack_from(buf, pos)
+    at = pos + (HEADER_SIZE if magic == MAGIC else FRAME.size + FIXED_WIDE.size) + lc
+    return str(buf[at:at + lt], "utf-8"), total
 
 
 def frame_length(buf: bytes | memoryview, pos: int = 0) -> tuple[int, int]:
@@ -297,5 +325,8 @@ def decode(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1,
         raise CorruptRecord(f"undecodable fields: {exc}") from exc
     if (p > end) if partial else (p != end):
         raise CorruptRecord("field lengths disagree with the record length")
-    return Message(topic, body, qos, bool(flags & FLAG_RETAIN), client, props, born_ts, key,
-                   store_ts, phys_offset, total, queues)
+    msg = Message(topic, body, qos, bool(flags & FLAG_RETAIN), client, props, born_ts, key,
+                  store_ts, phys_offset, total, queues, flags & MARKS)
+    if flags & MARK_FIRST:
+        msg.producer = props.pop(PRODUCER_PROP, None)
+    return msg

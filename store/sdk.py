@@ -28,6 +28,7 @@ import trio
 
 from store import protocol as p
 from store.client import DEFAULT_TIMEOUT, NativeClient
+from store.common import StoreError, StoreFullError, StoreUnavailable
 from store.groups import retry_queue
 from store.record import Message
 
@@ -98,21 +99,49 @@ def _received(m: Message, queue_name: str, offset: int) -> ReceivedMessage:
 
 # -- async core -------------------------------------------------------------------------
 class AsyncProducer:
-    """`async with AsyncProducer(addr) as p: await p.send("home", b"x")` (trio)."""
+    """`async with AsyncProducer(addr) as p: await p.send("home", b"x")` (trio).
+
+    Idempotent unless `idempotent=False`: the store issues the producer an id and
+    numbers what it sends to each first-level topic; a send whose answer was lost (a
+    dropped connection, a store group's failover) is sent again with the same numbers
+    within its timeout, and the store keeps it once (store.producers). Sends to one
+    topic go one after the other, in call order. A send that fails for good (its
+    timeout ran out) may or may not be stored; the producer takes a new id then, so
+    what follows is not refused for the gap."""
 
     def __init__(self, addr: str, *, username: str | None = None,
                  password: str | None = None, client_id: str = "",
-                 timeout: float = DEFAULT_TIMEOUT) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, idempotent: bool = True) -> None:
         self.addr = addr
         self.credentials = (username, password) if username else None
         self.client_id = client_id or f"producer-{uuid.uuid4().hex[:8]}"
         self.timeout = timeout
+        self.idempotent = idempotent
+        self.producer_id: str | None = None  # the store's id for this producer
+        self.resent = 0  # requests sent again after a lost answer
+        # (id, topic) -> sequence of the next message sent to it under that id
+        self._next: dict[tuple[str, str], int] = {}
+        self._turns: dict[str, trio.Lock] = {}  # topic -> one send at a time
+        self._init_lock = trio.Lock()
         self._stack = contextlib.AsyncExitStack()
         self.client: NativeClient | None = None
 
     async def __aenter__(self) -> AsyncProducer:
         self.client = await self._stack.enter_async_context(
             NativeClient.open(self.addr, credentials=self.credentials))
+        if self.idempotent:
+            try:
+                await self._current_id()
+            except p.RemoteError as exc:
+                if exc.status != 400 or "unknown request code" not in exc.message:
+                    await self._stack.aclose()
+                    raise
+                log.warning("the store at %s issues no producer ids (an older version): "
+                            "%s sends at least once", self.addr, self.client_id)
+                self.idempotent = False
+            except BaseException:
+                await self._stack.aclose()
+                raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -136,11 +165,95 @@ class AsyncProducer:
         msgs = [Message(mqtt_topic or topic, b, qos, retain, self.client_id,
                         dict(properties or {}), born_ts=now, key=key) for b in bodies]
         metas, body = p.pack_messages(msgs)
+        header: dict[str, Any] = {"topic": topic, "messages": metas}
         with span("lightgate produce", topic=topic, mqtt_topic=mqtt_topic, count=len(msgs)):
-            header, _ = await self.client.request(p.SEND, {"topic": topic, "messages": metas},
-                                                  body, timeout=timeout or self.timeout)
+            if self.idempotent:
+                answer = await self._send_once(topic, header, body, timeout or self.timeout)
+            else:
+                answer, _ = await self.client.request(p.SEND, header, body,
+                                                      timeout=timeout or self.timeout)
         return [SendResult(r["msg_id"], [(q, o) for q, o in r["queues"]])
-                for r in header["results"]]
+                for r in answer["results"]]
+
+    async def _send_once(self, topic: str, header: dict[str, Any], body: bytes,
+                         timeout: float) -> dict[str, Any]:
+        """An idempotent SEND, sent again with the same sequence while its answer is
+        lost or the store cannot take it now (503: no master yet, a replica, a lease
+        lost), until `timeout`."""
+        assert self.client is not None
+        deadline = trio.current_time() + timeout
+        count = len(header["messages"])
+        async with self._turns.setdefault(topic, trio.Lock()):
+            pid = await self._current_id(deadline)
+            attempt = 0
+            last: StoreError | None = None  # why the last try failed (the error to raise)
+            while True:
+                seq = self._next.get((pid, topic), 0)
+                stamped = {**header, "producer": pid, "seq": seq}
+                try:
+                    answer, _ = await self.client.request(
+                        p.SEND, stamped, body, timeout=max(0.0, deadline - trio.current_time()))
+                except StoreFullError:
+                    raise  # nothing was stored: the same sequence goes next
+                except StoreError as exc:  # lost, or refused for now: the same again
+                    if not self._again(exc, deadline):
+                        self._drop_id(pid)  # stored or not, nobody knows: a new id next
+                        raise (last if isinstance(exc, StoreUnavailable) and last
+                               else exc) from None
+                    last = exc
+                    attempt += 1
+                    self.resent += 1
+                    log.info("%s: sending %d messages to %s again (sequence %d): %s",
+                             self.client_id, count, topic, seq, exc)
+                    await trio.sleep(min(0.05 * attempt, 0.5))
+                    continue
+                except p.RemoteError as exc:
+                    if exc.status == 410 and attempt < 3:  # forgotten while idle
+                        attempt += 1
+                        self._drop_id(pid)
+                        pid = await self._current_id(deadline)
+                        continue
+                    raise  # refused: nothing of it was stored
+                self._next[(pid, topic)] = seq + count
+                return answer
+
+    def _again(self, exc: StoreError, deadline: float) -> bool:
+        """Whether to send again after `exc`: a lost connection, until the deadline; a
+        refusal for now (503) too when the producer was given a store group (the
+        client then finds its master); a single store's refusal is its answer."""
+        assert self.client is not None
+        if trio.current_time() >= deadline:
+            return False
+        return isinstance(exc, StoreUnavailable) or self.client.group
+
+    def _drop_id(self, pid: str) -> None:
+        """Stop using `pid`: the next send asks for a new id (sequences from 0)."""
+        if self.producer_id == pid:
+            self.producer_id = None
+            self._next = {k: v for k, v in self._next.items() if k[0] != pid}
+
+    async def _current_id(self, deadline: float | None = None) -> str:
+        """The producer id, asked for when there is none (again while the store cannot
+        answer, until `deadline`: an id whose answer was lost is never used, and the
+        store forgets it when idle)."""
+        assert self.client is not None
+        async with self._init_lock:
+            if deadline is None:
+                deadline = trio.current_time() + self.timeout
+            while self.producer_id is None:
+                try:
+                    header, _ = await self.client.request(
+                        p.PRODUCER_INIT, {},
+                        timeout=max(0.0, deadline - trio.current_time()))
+                except StoreFullError:
+                    raise
+                except StoreError as exc:
+                    if not self._again(exc, deadline):
+                        raise
+                    await trio.sleep(0.1)
+                    continue
+                self.producer_id = str(header["producer"])
+            return self.producer_id
 
 
 @dataclass

@@ -27,14 +27,15 @@ from serving.values import split_hostport
 from store import protocol as p
 from store.auth import AuthError, AuthManager, Policy, Subject, audit
 from store.auth.manager import DecisionCache
-from store.common import PullResult, StoreError, StoreFullError, await_future
+from store.common import PullResult, RawPull, StoreError, StoreFullError, await_future
 from store.groups import MAX_ATTEMPTS, GroupRegistry, offset_key
 from store.history import MAX_BYTES as HISTORY_MAX_BYTES
 from store.native_acl import NODE, STORE_NODE, SUPER, Need, message_need, needs
 from store.outbox import Outbox
-from store.record import Message
+from store.producers import Stamp
+from store.record import PRODUCER_PROP, Message, peek_topic
 from store.redelivery import Redelivery
-from store.service import EmbeddedStore
+from store.service import RAW_PULL_BYTES, EmbeddedStore
 from store.streams import batched_writer
 from store.validate import validate_message
 
@@ -149,6 +150,7 @@ class NativeServer:
             p.NACK: self._nack,
             p.GET_MESSAGE: self._get_message,
             p.FIND_KEY: self._find_key,
+            p.PRODUCER_INIT: self._producer_init,
             p.TOPIC_CREATE: self._topic_create,
             p.TOPIC_LIST: self._topic_list,
             p.TOPIC_DESCRIBE: self._topic_describe,
@@ -429,7 +431,41 @@ class NativeServer:
             validate_message(m, mqtt=frame.code == p.PUBLISH or bool(m.topic and m.topic != topic))
         if frame.code == p.PUBLISH:
             return self.store.publish_start(msgs)
-        return self.store.send_start(topic, msgs)
+        return self.store.send_start(topic, msgs, self._producer_stamp(frame, ctx, msgs))
+
+    # -- idempotent producers ---------------------------------------------------------
+    def _producer_stamp(self, frame: p.Frame, ctx: ConnCtx, msgs: list[Message]
+                        ) -> Stamp | None:
+        """A SEND of an idempotent producer: its id (issued to this connection's user)
+        and its sequence, checked inside the append (store.producers)."""
+        if any(PRODUCER_PROP in m.properties for m in msgs):
+            raise BadRequest(f"property {PRODUCER_PROP!r} is the store's own")
+        h = frame.header
+        if "producer" not in h:
+            return None
+        epoch, seq = h.get("epoch", 0), h.get("seq")
+        if type(epoch) is not int or type(seq) is not int or epoch < 0 or seq < 0:
+            raise BadRequest("an idempotent SEND has a sequence `seq` (and an `epoch`), "
+                             "integers from 0")
+        try:
+            pid = self.store.check_producer(h["producer"], self._user(ctx))
+        except ValueError as exc:
+            raise _refusal(exc) from None
+        return Stamp(pid, str(h.get("topic", "")), epoch, seq)
+
+    def _user(self, ctx: ConnCtx) -> str:
+        """Whose a producer id is: the authenticated user's ("" without --auth)."""
+        return ctx.subject.name if self.auth.enabled and ctx.subject is not None else ""
+
+    async def _producer_init(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        name = f.header.get("name")
+        if name is not None and not isinstance(name, str):
+            raise BadRequest("a producer name is a string")
+        try:
+            pid = await self.store.init_producer(self._user(ctx), name)
+        except ValueError as exc:
+            raise _refusal(exc) from None
+        return {"producer": pid}, b""
 
     async def _reply_append(self, frame: p.Frame, fut: Any, send: Any, limit: Any) -> None:
         try:
@@ -439,8 +475,9 @@ class NativeServer:
                 out = _error(frame, 507, str(exc))
             except StoreError as exc:
                 out = _error(frame, 503, str(exc))
-            except ValueError as exc:  # refused by the writer (e.g. a record too large)
-                out = _error(frame, 400, str(exc))
+            except ValueError as exc:  # refused by the writer (a record too large, a
+                # producer's sequence: store.producers)
+                out = _error(frame, getattr(exc, "status", 400), str(exc))
             else:
                 results = [{"msg_id": m.msg_id, "queues": m.queues, "store_ts": m.store_ts,
                             "phys": m.phys_offset, "rsize": m.size} for m in stored]
@@ -455,6 +492,8 @@ class NativeServer:
     async def _pull(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         """Messages of a queue from an offset: at most `max` and about `max_bytes` (one
         message at least), waiting up to `wait_ms` for the first (long polling)."""
+        if f.header.get("raw"):
+            return await self._pull_raw(f, ctx)
         queue = str(f.header["queue"])
         offset = int(f.header.get("offset", 0))
         max_count = int(f.header.get("max", 32))
@@ -482,6 +521,63 @@ class NativeServer:
         pull = self.store.pull if self.read_limit is None else self._pull_acked
         async with ctx.outbox.reserve(max_bytes):
             return await pull(queue, offset, max_count, max_bytes)
+
+    # -- PULL `raw`: records as the log holds them --------------------------------------
+    async def _pull_raw(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        """A PULL answered with runs of records as the log holds them (see
+        EmbeddedStore.pull_raw): the reader decodes them; header `runs` [log offset,
+        bytes, first queue offset, records] say where each starts in the body."""
+        h = f.header
+        queue, offset = str(h["queue"]), int(h.get("offset", 0))
+        max_count = int(h.get("max", 32))
+        wait_ms = min(int(h.get("wait_ms", 0)), MAX_PULL_WAIT_MS)
+        res = await self._raw(ctx, queue, offset, max_count)
+        if not res.runs and wait_ms > 0:
+            with self.waiters.waiting(queue) as ev:
+                res = await self._raw(ctx, queue, offset, max_count)  # it may have landed
+                if not res.runs:
+                    with trio.move_on_after(wait_ms / 1000):
+                        await ev.wait()
+            if not res.runs:
+                res = await self._raw(ctx, queue, offset, max_count)
+        runs, data = self._raw_readable(ctx, res.runs, res.data)
+        return {"raw": True, "runs": runs, "next_offset": res.next_offset,
+                "min_offset": res.min_offset, "max_offset": res.max_offset}, data
+
+    async def _raw(self, ctx: ConnCtx, queue: str, offset: int, max_count: int) -> RawPull:
+        """One read of a raw PULL, with room for its answer held (store.outbox), as a
+        PULL's: the answer is queued before the next wait."""
+        store = self.store
+        async with ctx.outbox.reserve(RAW_PULL_BYTES):
+            if store.commitlog.inline:  # appends are inline: the index is current
+                return store.pull_raw(queue, offset, max_count, self._limit())
+            return await trio.to_thread.run_sync(store.pull_raw, queue, offset, max_count,
+                                                 self._limit())
+
+    def _raw_readable(self, ctx: ConnCtx, runs: list[list[int]], data: bytes
+                      ) -> tuple[list[list[int]], bytes]:
+        """The records of a raw answer this reader may see, as `_readable` decides for
+        messages: the others are left out of the runs (next_offset moves past them)."""
+        if not self.auth.enabled or not runs or self._is_node(ctx):
+            return runs, data
+        kept_runs: list[list[int]] = []
+        parts: list[bytes] = []
+        pos = 0
+        for phys, _, first, count in runs:
+            for i in range(count):
+                topic, size = peek_topic(data, pos)
+                if self._allowed(ctx, message_need(topic)):
+                    last = kept_runs[-1] if kept_runs else None
+                    if last is not None and last[0] + last[1] == phys and \
+                            last[2] + last[3] == first + i:
+                        last[1] += size
+                        last[3] += 1
+                    else:
+                        kept_runs.append([phys, size, first + i, 1])
+                    parts.append(data[pos:pos + size])
+                phys += size
+                pos += size
+        return kept_runs, b"".join(parts)
 
     def _readable(self, ctx: ConnCtx, msgs: list[Message]) -> list[Message]:
         """The messages this reader may see, each checked as MQTT deliveries are (the
@@ -763,6 +859,14 @@ def _peer_ip(stream: trio.SocketStream) -> str:
         return str(stream.socket.getpeername()[0])
     except (OSError, AttributeError):
         return "?"
+
+
+def _refusal(exc: ValueError) -> BadRequest:
+    """A refusal of the store's (an error with a status, e.g. store.producer_ids') as the
+    native answer it becomes."""
+    err = BadRequest(str(exc))
+    err.status = getattr(exc, "status", 400)
+    return err
 
 
 def _error(frame: p.Frame, status: int, message: str) -> bytes:

@@ -26,12 +26,14 @@ from lightqueue.since import Since, now_ms, parse_since, parse_time
 from lightqueue.topic import validate_topic_filter, validate_topic_name
 from serving.read_budget import ReadBudget
 from store.commitlog import CommitLog, InlineFuture, RecoveryReport
-from store.common import HistoryBatch, PullResult, QueueSeek, await_future
+from store.common import HistoryBatch, PullResult, QueueSeek, RawPull, await_future
 from store.config import StoreConfig
 from store.cursor_key import node_key
 from store.history import HistoryReader
 from store.metadata import Metadata
 from store.outbox import OutboxStats
+from store.producer_ids import ProducerIds
+from store.producers import Stamp
 from store.recent import RecentMessages
 from store.record import Message, parse_msg_id
 from store.redelivery import CF as NACK_CF
@@ -41,8 +43,10 @@ from store.startup import lock_data_dir
 log = logging.getLogger("lightgate.store")
 
 MAX_PULL = 1024
+RAW_PULL_BYTES = 4 << 20  # of records in one raw PULL answer (a frame holds 64 MiB)
 
 WILDCARD_GC_S = 60.0  # how often idle wildcard queues are looked for
+PRODUCER_GC_S = 60.0  # how often idle producers are looked for
 
 
 NATIVE_PARTIAL_TIMEOUT_S = 10.0  # a native connection held back this long is closed
@@ -92,7 +96,10 @@ class EmbeddedStore:
             flush_bytes=config.flush_bytes,
             on_dispatched=self._on_dispatched,
             full_verify=config.full_verify,
+            max_producers=config.max_producers,
         )
+        self.producer_ids = ProducerIds(self.meta, config.max_producers)
+        self._ids_epoch: int | None = None  # the mastership producer_ids were read in
         self.history_reader = HistoryReader(self.commitlog, self.index, node_key(root))
         self._pending = trio.Semaphore(config.max_pending_appends)
         self._wildcard_seen: dict[str, float] = {}  # filter -> monotonic time last used
@@ -131,6 +138,7 @@ class EmbeddedStore:
             store._load_routes()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(store._retention_loop)
+                nursery.start_soon(store._producer_gc_loop)
                 nursery.start_soon(store._heap_trim_loop)
                 nursery.start_soon(store._wildcard_gc_loop)
                 try:
@@ -187,18 +195,18 @@ class EmbeddedStore:
         async with self._pending:
             return await await_future(self._append(messages, queues))
 
-    def _append(self, messages: list[Message], queues: Sequence[Sequence[str]]
-                ) -> Future | InlineFuture:
+    def _append(self, messages: list[Message], queues: Sequence[Sequence[str]],
+                stamp: Stamp | None = None) -> Future | InlineFuture:
         """The CommitLog append, through the store group's gate when there is one."""
         repl = self.replication
         if repl is None:
-            return self.commitlog.append(messages, queues)
+            return self.commitlog.append(messages, queues, stamp)
         refused = repl.refused()
         if refused is not None:
             fut: Future = Future()
             fut.set_exception(refused)
             return fut
-        return repl.acked(self.commitlog.append(messages, queues))
+        return repl.acked(self.commitlog.append(messages, queues, stamp))
 
     async def publish(self, messages: list[Message]) -> list[Message]:
         """Append MQTT messages, each routed by its topic (exact, wildcards, partition)."""
@@ -221,9 +229,11 @@ class EmbeddedStore:
         async with self._pending:
             return await await_future(self.send_start(topic, messages))
 
-    def send_start(self, topic: str, messages: list[Message]
+    def send_start(self, topic: str, messages: list[Message], producer: Stamp | None = None
                    ) -> Future | InlineFuture:
-        """`send` without waiting (submitted in call order); raises ValueError at once."""
+        """`send` without waiting (submitted in call order); raises ValueError at once.
+        `producer`: an idempotent producer's request (see store.producers; its topic is
+        `topic`), stored once however often it is sent."""
         validate_first_level(topic)
         routes = []
         for m in messages:
@@ -235,7 +245,58 @@ class EmbeddedStore:
             else:
                 m.topic = topic
                 routes.append([self.router.partition_for(topic, m.key or m.client_id or "")])
-        return self._append(messages, routes)
+        return self._append(messages, routes, producer)
+
+    # -- idempotent producers -----------------------------------------------------------
+    def _ids(self) -> ProducerIds:
+        """The issued producer ids, read again from the metadata when this node became
+        master since (a replica's copy of them changed behind the cache's back)."""
+        epoch = 0 if self.replication is None else self.replication.epoch
+        if self._ids_epoch != epoch:
+            self.producer_ids.load()
+            self._ids_epoch = epoch
+        return self.producer_ids
+
+    async def init_producer(self, user: str, name: str | None = None) -> str:
+        """A producer id for `user` (with a name: the one that name has, if any)."""
+        return self._ids().issue(user, name, now_ms()).id
+
+    def check_producer(self, producer: object, user: str) -> str:
+        """The id, if the store issued it to `user`: else UnknownProducer (410) or
+        NotYourProducer (403), ValueErrors with a status."""
+        return self._ids().check(producer, user)
+
+    async def _producer_gc_loop(self) -> None:
+        idle = self.config.producer_idle_s
+        if idle <= 0:
+            return
+        while True:
+            await trio.sleep(min(PRODUCER_GC_S, idle / 2))
+            try:
+                await trio.to_thread.run_sync(self.expire_producers)
+            except Exception:  # the next round tries again; appends are unaffected
+                log.exception("producer clean-up failed")
+
+    def expire_producers(self, idle_s: float | None = None) -> list[str]:
+        """Forget the sequences that nothing was appended to for `idle_s` (on every node:
+        each keeps its own table from the records), and on a master the ids whose
+        producers sent nothing for as long (a replica copies the master's deletions).
+        Returns the ids forgotten."""
+        idle = self.config.producer_idle_s if idle_s is None else idle_s
+        before = now_ms() - int(idle * 1000)
+        log_ = self.commitlog
+        with log_._write_lock:
+            log_.producers.expire(before)
+        if self.replication is not None and self.replication.role != "master":
+            return []
+        with log_._write_lock:
+            seen = log_.producers.last_seen()
+        gone = self._ids().expire(before, lambda: seen)
+        if gone:
+            with log_._write_lock:
+                log_.producers.forget(set(gone))
+            log.info("forgot %d idempotent producers idle for %.0f s", len(gone), idle)
+        return gone
 
     # -- reads ------------------------------------------------------------------------
     async def pull(self, queue: str, offset: int, max_count: int = 32,
@@ -298,6 +359,30 @@ class EmbeddedStore:
         messages = [m for m in read if m is not None]
         next_offset = entries[-1].offset + 1 if entries else start
         return PullResult(messages, next_offset, lo, hi)
+
+    def pull_raw(self, queue: str, offset: int, max_count: int = MAX_PULL,
+                 read_limit: int | None = None, max_bytes: int = RAW_PULL_BYTES) -> RawPull:
+        """`pull` as the log holds the records (CommitLog.read_records): runs of records
+        back to back, not decoded, for a reader that decodes them itself (the Spark
+        source): the store's work per record is its index entry, its share of a pread
+        and its CRC. `read_limit`: a log position not to hand out records past (sync
+        replication). No I/O wait beyond the page cache's: callable from the event loop
+        when appends are inline."""
+        max_count = max(1, min(max_count, MAX_PULL))
+        lo, hi = self.index.min_offset(queue), self.index.max_offset(queue)
+        start = min(max(offset, lo), hi)
+        entries = self.index.read_tuples(queue, start, max_count)
+        if read_limit is not None:
+            for i, (phys, size, _, _) in enumerate(entries):
+                if phys + size > read_limit:
+                    entries = entries[:i]
+                    break
+        runs, data = self.commitlog.read_records(entries, max_bytes)
+        # Past the last record handed out (max_bytes may have cut the rest); with none,
+        # past the entries (every one gone to retention), or where it started.
+        last = runs[-1][2] + runs[-1][3] if runs else None
+        nxt = last if last is not None else entries[-1][3] + 1 if entries else start
+        return RawPull(runs, data, nxt, lo, hi)
 
     def queue_range(self, queue: str, read_limit: int | None = None) -> tuple[int, int]:
         """The queue's first and end offsets; with a read limit (the acknowledged log
@@ -552,5 +637,10 @@ class EmbeddedStore:
             "memory": {"index": self.index.memory(), "metadata": self.meta.memory()},
             "native_read_budget": self.native_budget.stats(),
             "native_answer_budget": self.native_answers.stats(),
+            "producers": {"ids": len(self.producer_ids),
+                          "sequences": len(self.commitlog.producers),
+                          "limit": self.config.max_producers,
+                          "refused": self.producer_ids.refused
+                          + self.commitlog.producers.refused},
             "uptime_s": round(time.time() - self.started_at, 3),
         }

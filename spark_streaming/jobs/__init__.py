@@ -1,3 +1,3 @@
-"""Device analytics jobs: `aggregates`, `alerts`, `offline` (see spark_streaming/README.md)."""
+"""Device analytics jobs: `aggregates`, `alerts`, `offline` (see docs/spark.md)."""
 
 JOBS = ("aggregates", "alerts", "offline")

@@ -15,7 +15,14 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F  # noqa: N812
 from pyspark.sql.streaming import StreamingQuery
 
-from spark_streaming.jobs.common import JobConfig, json_payload, readings, sink, source
+from spark_streaming.jobs.common import (
+    JobConfig,
+    json_payload,
+    reading_columns,
+    readings,
+    sink,
+    source,
+)
 
 ANALYTICS_TOPIC = "analytics"
 
@@ -38,7 +45,8 @@ def aggregate(data: DataFrame, field: str, window: str, slide: str | None,
 
 def start(spark: SparkSession, cfg: JobConfig, field: str = "temperature",
           window: str = "10 seconds", slide: str | None = None) -> list[StreamingQuery]:
-    data = readings(source(spark, cfg), cfg.device_from, [field])
+    data = readings(source(spark, cfg, reading_columns(cfg.device_from, [field], ids=False)),
+                    cfg.device_from, [field])
     queries = [sink(aggregate(data, field, window, None, cfg.watermark), cfg,
                     ANALYTICS_TOPIC, "aggregates-tumbling", "update")]
     if slide:

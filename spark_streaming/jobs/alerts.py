@@ -24,7 +24,14 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F  # noqa: N812
 from pyspark.sql.streaming import StreamingQuery
 
-from spark_streaming.jobs.common import JobConfig, json_payload, readings, sink, source
+from spark_streaming.jobs.common import (
+    JobConfig,
+    json_payload,
+    reading_columns,
+    readings,
+    sink,
+    source,
+)
 from spark_streaming.jobs.rules import Rule, Rules
 
 ALERTS_TOPIC = "alerts"
@@ -118,7 +125,9 @@ def rate_alerts(data: DataFrame, rules: list[Rule]) -> DataFrame:
 
 def start(spark: SparkSession, cfg: JobConfig, rules: Rules) -> list[StreamingQuery]:
     cfg.source_topic, cfg.device_from = rules.source_topic, rules.device_from
-    data = readings(source(spark, cfg), rules.device_from, [r.field for r in rules.rules])
+    fields = [r.field for r in rules.rules]
+    data = readings(source(spark, cfg, reading_columns(rules.device_from, fields)),
+                    rules.device_from, fields)
     queries = []
     plain = [r for r in rules.rules if not r.is_rate and not r.window]
     if plain:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F  # noqa: N812
 from pyspark.sql.streaming import StreamingQuery
+
+from spark_streaming.json_fields import PREFIX
+from spark_streaming.raw_rows import TOPIC_LEVEL
+from spark_streaming.source import SCHEMA
 
 
 @dataclass
@@ -31,29 +35,60 @@ class JobConfig:
             if self.username else {}
 
 
-def source(spark: SparkSession, cfg: JobConfig) -> DataFrame:
+def source(spark: SparkSession, cfg: JobConfig, columns: Sequence[str] | None = None
+           ) -> DataFrame:
+    """The source topic as a stream; `columns` ("name type"): only those of the
+    source's (the others are neither decoded nor handed to Spark)."""
     reader = (spark.readStream.format("lightgate").option("server", cfg.server)
               .option("topic", cfg.source_topic)
               .option("startingOffsets", cfg.starting_offsets)
               .options(**cfg.auth_options()))
+    if columns:
+        reader = reader.schema(", ".join(columns))
     if cfg.max_offsets_per_trigger:
         reader = reader.option("maxOffsetsPerTrigger", str(cfg.max_offsets_per_trigger))
     return reader.load()
 
 
-def device_column(spec: str, json_field: Callable[[str], Column] | None = None) -> Column:
-    """`topic:N` (N-th level of the MQTT topic, 0-based), `client_id` or `json:FIELD`."""
+def reading_columns(device_from: str, fields: Sequence[str], ids: bool = True) -> list[str]:
+    """The source's columns `readings` reads ("name type"; `ids`: with each message's
+    topic and id): the payload's `ts` and plain-named `fields`, and a `topic:N` device
+    id, among them, parsed by the source (json_KEY and topic_N columns: the same values
+    as json_tuple and a cast, or a split of the topic, give in the JVM, at a fraction of
+    the cost, see spark_streaming.json_fields)."""
+    types = dict(col.split(" ", 1) for col in SCHEMA.split(", "))
+    kind, _, arg = device_from.partition(":")
+    names = ["payload", "store_time", *(["client_id"] if device_from == "client_id" else []),
+             *(["mqtt_topic", "msg_id"] if ids else [])]
+    parsed = [f"{PREFIX}ts long"] + [f"{PREFIX}{f} double" for f in dict.fromkeys(fields)
+                                    if _PLAIN_KEY.fullmatch(f) and f != "ts"]
+    if kind == "topic":  # the device's level, cut out of the topic by the source
+        parsed.append(f"{TOPIC_LEVEL}{int(arg)} string")
+    return [f"{n} {types[n]}" for n in names] + parsed
+
+
+def device_column(spec: str, json_field: Callable[[str], Column] | None = None,
+                  columns: Sequence[str] | None = None) -> Column:
+    """`topic:N` (N-th level of the MQTT topic, 0-based), `client_id` or `json:FIELD`;
+    `columns`: the source's, a topic_N among them is taken as it is."""
     kind, _, arg = spec.partition(":")
+    if kind == "topic" and columns is not None and f"{TOPIC_LEVEL}{int(arg)}" in columns:
+        return F.col(f"{TOPIC_LEVEL}{int(arg)}")  # cut out of the topic by the source
     if kind == "topic":
-        # try_: a topic with fewer levels has no device (element_at fails the query
-        # under ANSI mode, Spark 4's default).
-        dev = F.try_element_at(F.split(F.col("mqtt_topic"), "/"), F.lit(int(arg) + 1))
-    elif kind == "json":
-        dev = (json_field or _json_path)(arg)
-    else:
-        dev = F.col("client_id")
+        # The level between the N-th and N+1-th "/" (null when the topic has fewer
+        # levels), cut out of the bytes: no array of levels (split), no regular
+        # expression. A topic name holds no + or # (MQTT), and a level no /.
+        n, topic = int(arg), F.col("mqtt_topic")
+        level = F.substring_index(F.substring_index(topic, "/", n + 1), "/", -1)
+        if n == 0:
+            return level
+        if n == 1:
+            return F.when(F.instr(topic, "/") > 0, level)
+        slashes = F.length(topic) - F.length(F.replace(topic, F.lit("/"), F.lit("")))
+        return F.when(slashes >= n, level)
+    dev = (json_field or _json_path)(arg) if kind == "json" else F.col("client_id")
     # An id becomes one MQTT topic level: no separators or wildcards in it.
-    return F.regexp_replace(dev, "[/+#]", "_")
+    return F.translate(dev, "/+#", "___")
 
 
 def _json_path(name: str) -> Column:
@@ -73,10 +108,10 @@ _PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def readings(df: DataFrame, device_from: str, fields: list[str]) -> DataFrame:
-    """device, mqtt_topic, ts (ms), event_time (the payload's `ts` in ms, else the store's
-    time), and one double column per field (a payload that is a bare number counts as
-    each field; a value that is not a number is null, as is a `ts` that is not one: the
-    store time is used then).
+    """device, mqtt_topic and msg_id (when `df` has them), ts (ms), event_time (the
+    payload's `ts` in ms, else the store's time), and one double column per field (a
+    payload that is a bare number counts as each field; a value that is not a number is
+    null, as is a `ts` that is not one: the store time is used then).
 
     The payload is parsed once per row: one json_tuple for `ts`, the fields and a
     `json:` device id, rather than a get_json_object (a JSON parser and a UTF-8 decoder)
@@ -87,7 +122,11 @@ def readings(df: DataFrame, device_from: str, fields: list[str]) -> DataFrame:
     syntax (`a.b`, `a[0]`) still go through get_json_object."""
     text = F.col("payload").cast("string")
     kind, _, arg = device_from.partition(":")
-    wanted = ["ts", *fields, *([arg] if kind == "json" else [])]
+    # Keys the source parsed already (json_KEY columns, see reading_columns): the value
+    # try_cast(json_tuple(...)) gives, as a long (ts) or a double (the fields).
+    parsed = {c[len(PREFIX):] for c in df.columns if c.startswith(PREFIX)}
+    wanted = [*(["ts"] if "ts" not in parsed else []),
+              *(f for f in fields if f not in parsed), *([arg] if kind == "json" else [])]
     keys = [k for k in dict.fromkeys(wanted) if _PLAIN_KEY.fullmatch(k)]
     if keys:
         df = df.select("*", F.json_tuple(text, *keys).alias(*[f"__lg_json_{i}"
@@ -96,11 +135,20 @@ def readings(df: DataFrame, device_from: str, fields: list[str]) -> DataFrame:
     def json_field(name: str) -> Column:
         return F.col(f"__lg_json_{keys.index(name)}") if name in keys else _json_path(name)
 
-    ts = F.coalesce(json_field("ts").try_cast("long"), F.unix_millis(F.col("store_time")))
-    cols = [device_column(device_from, json_field).alias("device"), F.col("mqtt_topic"),
-            ts.alias("ts"), F.timestamp_millis(ts).alias("event_time"), F.col("msg_id")]
-    cols += [F.coalesce(json_field(f), text).try_cast("double").alias(f)
-             for f in dict.fromkeys(fields)]
+    def number(name: str) -> Column:
+        """The field as a double; a payload that is not an object counts as its own
+        text (a bare number)."""
+        if name in parsed:  # its cast is null exactly where the one below is
+            return F.coalesce(F.col(PREFIX + name), text.try_cast("double"))
+        return F.coalesce(json_field(name), text).try_cast("double")
+
+    given = F.col(PREFIX + "ts") if "ts" in parsed else json_field("ts").try_cast("long")
+    ts = F.coalesce(given, F.unix_millis(F.col("store_time")))
+    cols = [device_column(device_from, json_field, df.columns).alias("device"),
+            *([F.col("mqtt_topic")] if "mqtt_topic" in df.columns else []),
+            ts.alias("ts"), F.timestamp_millis(ts).alias("event_time"),
+            *([F.col("msg_id")] if "msg_id" in df.columns else [])]
+    cols += [number(f).alias(f) for f in dict.fromkeys(fields)]
     return df.select(*cols).where(F.col("device").isNotNull() & (F.col("device") != ""))
 
 

@@ -20,7 +20,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
 from spark_streaming.jobs.alerts import ALERT_SCHEMA, ALERTS_TOPIC, _alert_rows
-from spark_streaming.jobs.common import JobConfig, readings, sink, source
+from spark_streaming.jobs.common import JobConfig, reading_columns, readings, sink, source
 
 STATE_SCHEMA = "last_seen long, last_ts long, topic string, msg_id string, offline boolean"
 
@@ -64,6 +64,6 @@ def offline_events(data: DataFrame, after_s: float) -> DataFrame:
 
 
 def start(spark: SparkSession, cfg: JobConfig, after_s: float = 30.0) -> list[StreamingQuery]:
-    data = readings(source(spark, cfg), cfg.device_from, [])
+    data = readings(source(spark, cfg, reading_columns(cfg.device_from, [])), cfg.device_from, [])
     return [sink(_alert_rows(offline_events(data, after_s)), cfg, ALERTS_TOPIC,
                  "offline", "append")]

@@ -50,14 +50,14 @@ PROPOSAL_RETRY_S = 2.0
 WRITE_CODES = frozenset({
     p.SEND, p.PUBLISH, p.COMMIT, p.NACK, p.TOPIC_CREATE, p.META_PUT, p.META_DELETE,
     p.META_WRITE, p.WILDCARD_ADD, p.HEARTBEAT, p.USER_ADD, p.USER_UPDATE, p.USER_DELETE,
-    p.ACL_ADD, p.ACL_DELETE,
+    p.ACL_ADD, p.ACL_DELETE, p.PRODUCER_INIT,
 })
 
 
 # Native requests that change metadata: in sync mode answered once replicated.
 META_CODES = (p.COMMIT, p.TOPIC_CREATE, p.META_PUT, p.META_DELETE, p.META_WRITE,
               p.WILDCARD_ADD, p.USER_ADD, p.USER_UPDATE, p.USER_DELETE, p.ACL_ADD,
-              p.ACL_DELETE)
+              p.ACL_DELETE, p.PRODUCER_INIT)
 
 
 class Replication:

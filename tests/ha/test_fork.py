@@ -44,7 +44,8 @@ def _send_unacked(addr: str, bodies: list[bytes], wait_s: float) -> bool:
     """Send the bodies in one request (one append) to one node only (no failover to
     another); True if it was acknowledged within wait_s (the test wants False)."""
     async def main() -> bool:
-        async with AsyncProducer(addr, timeout=wait_s) as prod:
+        # Not idempotent: its id would wait, as metadata, for the frozen replicas.
+        async with AsyncProducer(addr, timeout=wait_s, idempotent=False) as prod:
             try:
                 await prod.send_batch(TOPIC, bodies, timeout=wait_s)
             except Exception:  # noqa: BLE001 - timed out or failed: not acknowledged

@@ -1,7 +1,9 @@
 """The reader's Arrow path: the same rows as the tuple path it replaced (binary payloads,
-properties with bytes in them, empty client ids, null born times, offsets), pipelined
-pulls across chunk boundaries, partial answers and a dropped connection, and the
-single-parse `readings` equal to the get_json_object one."""
+properties with bytes in them, empty client ids, null born times, offsets), from the
+records the store hands out as its log holds them (PULL `raw`) and from decoded
+messages, pipelined pulls across chunk boundaries, partial answers and a dropped
+connection, a query reading some of the columns, and the single-parse `readings` equal
+to the get_json_object one."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ require_spark()
 import pyarrow as pa  # noqa: E402
 
 from spark_streaming.native import StoreClient  # noqa: E402
+from spark_streaming.raw_rows import arrow_from_records  # noqa: E402
 from spark_streaming.source import (  # noqa: E402
     ARROW_SCHEMA,
     SCHEMA,
@@ -108,7 +111,9 @@ def test_pipelined_pulls_chunks_partial_answers_and_reconnect(server: Server) ->
         def collect(drop: bool = False, **kw: Any) -> list[tuple[int, bytes]]:
             got = []
             for c_lo, c_hi, header, body in c.pull_ranges(q, lo + 3, hi - 2, **kw):
-                batch = arrow_batch(q, c_lo, c_hi, header["messages"], body)
+                batch = (arrow_from_records(q, c_lo, c_hi, header["runs"], body, ARROW_SCHEMA)
+                         if header.get("raw") else
+                         arrow_batch(q, c_lo, c_hi, header["messages"], body))
                 if batch is not None:
                     got += zip(batch.column("offset").to_pylist(),
                                batch.column("payload").to_pylist(), strict=True)
@@ -122,6 +127,10 @@ def test_pipelined_pulls_chunks_partial_answers_and_reconnect(server: Server) ->
         assert collect(depth=2, chunk=2000) == want[3:-2]
         assert collect(depth=1, chunk=100) == want[3:-2]
         assert collect(depth=4, chunk=300, drop=True) == want[3:-2]
+        # Records as the log holds them, decoded here.
+        assert collect(depth=3, chunk=7, raw=True) == want[3:-2]
+        assert collect(depth=2, chunk=2000, raw=True) == want[3:-2]
+        assert collect(depth=4, chunk=300, drop=True, raw=True) == want[3:-2]
 
 
 def test_arrow_batch_keeps_only_the_chunk() -> None:
@@ -193,16 +202,91 @@ def test_readings_single_parse_equals_get_json_object(spark: Any) -> None:
     rows.append(("devices", "", 0, None, b"42", None, None, "devices#1", 0, "F" * 16))
     df = spark.createDataFrame(rows, SCHEMA).withColumn(
         "store_time", F.timestamp_millis(F.lit(1_600_000_000_000) + F.col("offset")))
+    # The same readings from the json_KEY columns the source parses (as the jobs read).
+    from spark_streaming.json_fields import columns
+
+    keys = [("ts", "long"), ("temperature", "double"), ("a", "double"), ("nested", "double")]
+    parsed = columns([r[4] for r in rows], keys)
+    from spark_streaming.raw_rows import topic_levels
+
+    level = topic_levels([r[0].encode() for r in rows], pa.schema([("topic_1", pa.string())]))
+    with_json = spark.createDataFrame(
+        [(*r, *(col[i] for col in parsed), level["topic_1"][i] and level["topic_1"][i].decode())
+         for i, r in enumerate(rows)],
+        SCHEMA + ", json_ts long, json_temperature double, json_a double, json_nested double,"
+        " topic_1 string"
+    ).withColumn("store_time", F.timestamp_millis(F.lit(1_600_000_000_000) + F.col("offset")))
     for device_from, fields in (("topic:1", ["temperature"]),
                                 ("client_id", ["temperature", "a.b", "ts", "nested"]),
                                 ("json:dev", ["a", "temperature"]),
                                 ("json:a.b", ["temperature"])):
-        got = sorted(readings(df, device_from, fields).collect())
         want = sorted(reference(df, device_from, fields).collect())
+        got = sorted(readings(df, device_from, fields).collect())
         assert got == want, (device_from, fields)
+        got = sorted(readings(with_json, device_from, fields).collect())
+        assert got == want, ("json_ columns", device_from, fields)
     # Not a number: null, not a failed query (Spark 4 casts in ANSI mode).
     temps = {r.mqtt_topic: r.temperature for r in readings(df, "topic:1", ["temperature"])
              .collect()}
     assert "devices" not in temps and len(temps) == len(PAYLOADS)
     assert temps["devices/d5/t"] is None and temps["devices/d2/t"] == 23.5
     assert temps["devices/d1/t"] == 22.0 and temps["devices/d0/t"] == 21.5
+
+
+def test_device_column_equals_split_and_regexp(spark: Any) -> None:
+    """The device id cut out of the topic's bytes equals the level split off it, and the
+    translated json id the regexp-replaced one."""
+    from pyspark.sql import functions as F  # noqa: N812
+
+    from spark_streaming.jobs.common import device_column
+
+    topics = ["a/b/c/d", "a", "a/", "/b", "a//c", "", "a/b", "ä/ö/ü/", "x/y/z"]
+    df = spark.createDataFrame([(t, f'{{"dev": "{t}+#"}}'.encode()) for t in topics],
+                               "mqtt_topic string, payload binary")
+    from spark_streaming.raw_rows import topic_levels
+
+    for n in range(4):
+        split = F.try_element_at(F.split(F.col("mqtt_topic"), "/"), F.lit(n + 1))
+        got = df.select(device_column(f"topic:{n}").alias("d"), split.alias("w")).collect()
+        assert [r.d for r in got] == [r.w for r in got], n
+        # The level as the source cuts it (a topic_N column).
+        cut = topic_levels([t.encode() for t in topics], pa.schema([(f"topic_{n}", pa.string())]))
+        assert [None if v is None else v.decode() for v in cut[f"topic_{n}"]] == \
+            [r.w for r in got], n
+    old = F.regexp_replace(F.get_json_object(F.col("payload").cast("string"), "$.dev"),
+                           "[/+#]", "_")
+    got = df.select(device_column("json:dev").alias("d"), old.alias("w")).collect()
+    assert [r.d for r in got] == [r.w for r in got]
+
+
+def test_a_query_reading_some_columns(spark: Any, server: Server) -> None:
+    """A schema naming some of the source's columns: only those are built, with the same
+    values; a column the source has not is refused."""
+    _fill(server.native)
+    full = spark.read.format("lightgate").option("server", server.native) \
+        .option("topic", "devices").load().select("msg_id", "payload", "store_time")
+    some = spark.read.format("lightgate").schema("msg_id string, payload binary, "
+                                                 "store_time timestamp") \
+        .option("server", server.native).option("topic", "devices").load()
+    assert sorted(some.collect()) == sorted(full.collect())
+    # json_KEY columns: a payload's top-level KEY, as json_tuple and try_cast give it.
+    from pyspark.sql import functions as F  # noqa: N812
+
+    text = F.col("payload").cast("string")
+    jvm = spark.read.format("lightgate").option("server", server.native) \
+        .option("topic", "devices").load().select(
+            "msg_id", F.json_tuple(text, "temperature", "ts").alias("t", "s")).select(
+            "msg_id", F.col("t").try_cast("double").alias("json_temperature"),
+            F.col("s").try_cast("long").alias("json_ts"))
+    parsed = spark.read.format("lightgate").schema(
+        "msg_id string, json_temperature double, json_ts long") \
+        .option("server", server.native).option("topic", "devices").load()
+    assert sorted(parsed.collect()) == sorted(jvm.collect())
+    levels = spark.read.format("lightgate").schema("mqtt_topic string, topic_1 string") \
+        .option("server", server.native).option("topic", "devices").load().collect()
+    assert {r.topic_1 for r in levels} == {"d1", "d2", "d3", "d4"}
+    assert all(r.mqtt_topic.split("/")[1] == r.topic_1 for r in levels)
+    assert parsed.where("json_temperature is not null").count() == 60
+    with pytest.raises(Exception, match="no column temperature"):
+        spark.read.format("lightgate").schema("temperature double") \
+            .option("server", server.native).option("topic", "devices").load().collect()
