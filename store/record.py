@@ -165,11 +165,14 @@ def encode(msg: Message) -> bytes:
     if _native_encode is None:
         return encode_python(msg)
     try:
-        props = encode_properties(msg.properties) if msg.properties else b""
+        stored = msg.properties
+        if msg.mark & MARK_FIRST:
+            stored = {**stored, PRODUCER_PROP: msg.producer}
+        props = encode_properties(stored) if stored else b""
         if props and b'"$b64"' in props:
             decode_properties(props)  # as encode_python checks it
         return _native_encode(msg.store_ts, msg.born_ts, msg.qos, msg.retain, msg.client_id,
-                              msg.topic, msg.key, props, msg.body, msg.queues)
+                              msg.topic, msg.key, props, msg.body, msg.queues, msg.mark)
     except Exception:  # noqa: BLE001 - what either refuses, Python's error says why
         return encode_python(msg)
 

@@ -297,6 +297,7 @@ impl Inner {
                 born_ts: store_ts,
                 qos: inb.qos,
                 retain: false,
+                marks: 0,
                 client_id: "",
                 topic: &inb.topic,
                 key: "",

@@ -16,7 +16,7 @@ use crate::router;
 
 /// One CommitLog record, byte for byte as `store.record.encode` makes it.
 #[pyfunction]
-#[pyo3(signature = (store_ts, born_ts, qos, retain, client_id, topic, key, properties, body, queues))]
+#[pyo3(signature = (store_ts, born_ts, qos, retain, client_id, topic, key, properties, body, queues, marks=0))]
 #[allow(clippy::too_many_arguments)] // the record's fields, in the order they are stored
 fn encode_record<'py>(
     py: Python<'py>,
@@ -30,12 +30,14 @@ fn encode_record<'py>(
     properties: &[u8],
     body: &[u8],
     queues: Vec<(String, u64)>,
+    marks: u8,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let rec = Record {
         store_ts,
         born_ts,
         qos,
         retain,
+        marks,
         client_id,
         topic,
         key,

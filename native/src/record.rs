@@ -27,6 +27,8 @@ pub struct Record<'a> {
     pub born_ts: u64,
     pub qos: u8,
     pub retain: bool,
+    /// The flag bits beside retain (an idempotent producer's marks), kept as given.
+    pub marks: u8,
     pub client_id: &'a str,
     pub topic: &'a str,
     pub key: &'a str,
@@ -103,7 +105,7 @@ pub fn encode_into(rec: &Record<'_>, out: &mut Vec<u8>) -> Result<usize, RecordE
     out.extend_from_slice(&rec.store_ts.to_be_bytes());
     out.extend_from_slice(&rec.born_ts.to_be_bytes());
     out.push(rec.qos);
-    out.push(if rec.retain { FLAG_RETAIN } else { 0 });
+    out.push((if rec.retain { FLAG_RETAIN } else { 0 }) | (rec.marks & !FLAG_RETAIN));
     out.extend_from_slice(&u16_len(rec.client_id.len(), "client id")?.to_be_bytes());
     out.extend_from_slice(&u16_len(rec.topic.len(), "topic")?.to_be_bytes());
     out.extend_from_slice(&u16_len(rec.key.len(), "key")?.to_be_bytes());
@@ -241,6 +243,7 @@ pub fn decode(buf: &[u8]) -> Result<(Record<'_>, usize), RecordError> {
         born_ts,
         qos,
         retain: flags & FLAG_RETAIN != 0,
+        marks: flags & !FLAG_RETAIN,
         client_id,
         topic,
         key,
@@ -262,6 +265,7 @@ mod tests {
             born_ts: 1_700_000_000_100,
             qos: 1,
             retain: true,
+            marks: 0x02,
             client_id: "dev-1",
             topic: "home/bath/temp",
             key: "",
@@ -293,7 +297,7 @@ mod tests {
             out.len()
         );
         assert_eq!(out[28], 1); // qos
-        assert_eq!(out[29], FLAG_RETAIN);
+        assert_eq!(out[29], FLAG_RETAIN | 0x02);
         assert_eq!(&out[HEADER_SIZE..HEADER_SIZE + 5], b"dev-1");
     }
 
@@ -325,14 +329,15 @@ mod tests {
     proptest! {
         #[test]
         fn any_record_round_trips(
-            store_ts: u64, born_ts: u64, qos in 0u8..3, retain: bool,
+            store_ts: u64, born_ts: u64, qos in 0u8..3, retain: bool, marks in 0u8..8,
             client in "\\PC{0,20}", topic in "\\PC{1,40}", key in "\\PC{0,10}",
             props in proptest::collection::vec(any::<u8>(), 0..64),
             body in proptest::collection::vec(any::<u8>(), 0..256),
             queues in proptest::collection::vec(("\\PC{1,20}", any::<u64>()), 0..5),
         ) {
             let rec = Record {
-                store_ts, born_ts, qos, retain, client_id: &client, topic: &topic, key: &key,
+                store_ts, born_ts, qos, retain, marks: marks & !FLAG_RETAIN, client_id: &client,
+                topic: &topic, key: &key,
                 properties: &props, body: &body,
                 queues: queues.iter().map(|(n, o)| (n.as_str(), *o)).collect(),
             };

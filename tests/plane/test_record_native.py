@@ -48,6 +48,19 @@ def test_same_bytes_as_python(topic: str, body: bytes, qos: int, retain: bool, c
     assert (back.topic, back.body, back.queues) == (topic, body, queues)
 
 
+def test_an_idempotent_producers_marks_and_stamp() -> None:
+    """The first record of an idempotent append carries its mark and the producer's
+    stamp in its properties, the rest their mark: the same bytes either way."""
+    for mark, producer in ((record.MARK_FIRST, ["p-1", 2, 7]),
+                           (record.MARK_MORE, None)):
+        msg = Message("t", b"x", 1, True, "c", {"content_type": "a"}, 5, "", 9)
+        msg.queues = [("t", 3)]
+        msg.mark, msg.producer = mark, producer
+        assert record.encode(msg) == record.encode_python(msg)
+        back = record.decode(record.encode(msg), 0, 0)
+        assert back.mark == mark and back.retain
+
+
 def test_too_long_a_field_gets_pythons_error() -> None:
     msg = Message("t" * 70_000, b"x", store_ts=1)
     msg.queues = [("t", 0)]
