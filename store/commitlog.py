@@ -107,10 +107,11 @@ class _Append:
     future: Future | InlineFuture
     stamp: Stamp | None = None  # an idempotent producer's request (store.producers)
     plan: Plan | None = None  # how it fits the producer's sequence, once checked
+    fresh: list[Message] | None = None  # with a plan: the messages after its duplicates
 
     def new(self) -> list[Message]:
         """The messages this append writes (a producer's duplicates are not)."""
-        return self.messages[self.plan.skip:] if self.plan else self.messages
+        return self.messages if self.fresh is None else self.fresh
 
 
 _STOP = object()
@@ -453,7 +454,9 @@ class CommitLog:
                 queues = req.queues
                 if req.stamp is not None:
                     req.plan = self.producers.plan(req.stamp, len(req.messages))
-                    queues = queues[req.plan.skip:]
+                    if req.plan.skip:
+                        req.fresh = req.messages[req.plan.skip:]
+                        queues = queues[req.plan.skip:]
                     _mark(req.new(), req.stamp, req.plan.skip)
                 encoded = []
                 for msg, qs in zip(req.new(), queues, strict=True):
