@@ -100,9 +100,11 @@ def test_forced_fork_old_master_cuts_unacked_tail(tmp_path: Path) -> None:
         frozen.clear()
 
         killed = time.monotonic()
+        # The controller elects once the master has been silent --failover-after-s (from
+        # its last report, which may be as late as the kill): that, and a margin.
         new = wait_for(lambda: next((i + 1 for i in replicas
                                      if cluster(g.nodes[i])["role"] == "master"), None),
-                       10, "a new master") - 1
+                       WINDOW_S + 10, "a new master") - 1
         elected = time.monotonic() - killed
         assert cluster(g.nodes[new])["epoch"] > epoch
         after = [f"after-{i}".encode() for i in range(50)]
