@@ -146,10 +146,10 @@ def assert_unharmed(baseline: Latency, during: Latency) -> None:
     assert during.worst <= STALL_S, f"baseline {baseline}; during the attack {during}"
 
 
-def _ws_upgrade(s: socket.socket, port: int) -> None:
-    """The WebSocket upgrade (subprotocol mqtt), by hand."""
+def ws_upgrade(s: socket.socket, host: str) -> None:
+    """The WebSocket upgrade (subprotocol mqtt) to `host` (HOST:PORT), by hand."""
     key = base64.b64encode(os.urandom(16)).decode()
-    s.sendall(f"GET /mqtt HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+    s.sendall(f"GET /mqtt HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
               f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
               "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: mqtt\r\n\r\n".encode())
     head = b""
@@ -180,7 +180,7 @@ def _open(port: int, transport: str) -> tuple[socket.socket, Callable[[bytes], b
         ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
         s = ctx.wrap_socket(s, server_hostname="localhost")
     if transport == "ws":
-        _ws_upgrade(s, port)
+        ws_upgrade(s, f"127.0.0.1:{port}")
         return s, ws_frame
     return s, lambda payload: payload
 

@@ -6,7 +6,6 @@ are chosen so that without the budget the growth would be several times the boun
 
 from __future__ import annotations
 
-import base64
 import multiprocessing
 import os
 import resource
@@ -21,7 +20,7 @@ import httpx
 import pytest
 
 from tests.conftest import Server
-from tests.faults.hostile import RssPeak, metric, metrics, rss
+from tests.faults.hostile import RssPeak, metric, metrics, rss, ws_upgrade
 from tests.mqtt.paho_client import Client
 from tests.security.test_tls import SecureClient
 
@@ -194,16 +193,7 @@ def _ws_open(addr: str) -> socket.socket:
     """A WebSocket connection to `addr` (subprotocol mqtt), upgraded by hand."""
     host, port = addr.rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=5)
-    key = base64.b64encode(os.urandom(16)).decode()
-    s.sendall(f"GET /mqtt HTTP/1.1\r\nHost: {addr}\r\nUpgrade: websocket\r\n"
-              f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
-              "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: mqtt\r\n\r\n".encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = s.recv(4096)
-        assert chunk, "closed during the upgrade"
-        head += chunk
-    assert head.startswith(b"HTTP/1.1 101"), head
+    ws_upgrade(s, addr)
     return s
 
 
