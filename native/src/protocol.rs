@@ -11,7 +11,7 @@
 //! unread (`unread`), so the Python core decides it exactly as it decides any other.
 //! The two therefore share one implementation of every rare path and every error.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use crate::codec::properties::{self, Property, Value};
 use crate::codec::wire::varint_or_none;
@@ -61,6 +61,16 @@ pub enum Acl {
     Allowed,
     /// Refused, or not known yet: either way the Python side decides.
     AskPython,
+}
+
+impl Acl {
+    /// The verdict of a per-connection cache of allowed topics (None: every topic).
+    pub fn from_cache(allowed: &Option<HashSet<String>>, topic: &str) -> Acl {
+        match allowed {
+            Some(set) if !set.contains(topic) => Acl::AskPython,
+            _ => Acl::Allowed,
+        }
+    }
 }
 
 /// An outbound QoS 1 send awaiting its PUBACK.

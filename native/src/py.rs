@@ -206,10 +206,7 @@ impl PyConnection {
         self.inner.receive(
             data,
             now,
-            |topic| match allowed {
-                Some(set) if !set.contains(topic) => protocol::Acl::AskPython,
-                _ => protocol::Acl::Allowed,
-            },
+            |topic| protocol::Acl::from_cache(allowed, topic),
             &mut events,
         );
         let out = PyList::empty(py);

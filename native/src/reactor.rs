@@ -366,15 +366,8 @@ impl Worker {
     fn feed(c: &mut Conn, data: &[u8], now: f64, sink: &dyn Sink, published: &mut Vec<Inbound>) {
         let mut events = Vec::new();
         let acl = &c.acl;
-        c.core.receive(
-            data,
-            now,
-            |topic| match acl {
-                Some(set) if !set.contains(topic) => Acl::AskPython,
-                _ => Acl::Allowed,
-            },
-            &mut events,
-        );
+        c.core
+            .receive(data, now, |topic| Acl::from_cache(acl, topic), &mut events);
         for ev in events {
             match ev {
                 Event::Publish {
