@@ -431,14 +431,17 @@ impl PyEngine {
         Ok(self.engine()?.unsubscribe(conn, topic_filter))
     }
 
-    fn register_wildcard(&self, topic_filter: &str) -> PyResult<bool> {
-        self.engine()?
-            .register_wildcard(topic_filter)
+    // The calls that take the engine's log lock let go of the interpreter first: a
+    // reactor thread may hold that lock while it asks Python where a new queue ends.
+    fn register_wildcard(&self, py: Python<'_>, topic_filter: &str) -> PyResult<bool> {
+        let engine = self.engine()?;
+        py.allow_threads(|| engine.register_wildcard(topic_filter))
             .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
-    fn set_partitions(&self, first_level: &str, partitions: u32) -> PyResult<()> {
-        self.engine()?.set_partitions(first_level, partitions);
+    fn set_partitions(&self, py: Python<'_>, first_level: &str, partitions: u32) -> PyResult<()> {
+        let engine = self.engine()?;
+        py.allow_threads(|| engine.set_partitions(first_level, partitions));
         Ok(())
     }
 
@@ -473,8 +476,9 @@ impl PyEngine {
     }
 
     #[getter]
-    fn write_pos(&self) -> PyResult<u64> {
-        Ok(self.engine()?.write_pos())
+    fn write_pos(&self, py: Python<'_>) -> PyResult<u64> {
+        let engine = self.engine()?;
+        Ok(py.allow_threads(|| engine.write_pos()))
     }
 
     /// Stop the reactors (their sockets close) and make the log durable: its end.
