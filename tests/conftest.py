@@ -20,16 +20,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Ports a test names before a process binds them (a Raft peer list, a restart on the same
 # ports) come from below the kernel's ephemeral range, so an outgoing connection of any
-# process cannot take one in between, as happened to a Raft port in CI.
+# process cannot take one in between, as happened to a Raft port in CI. Each pytest-xdist
+# worker draws from its own slice of that range: two workers that each found a port free
+# could otherwise both hand it out before either server bound it, as happened in CI.
 _EPHEMERAL_LOW = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
 _handed_out: set[int] = set()
 
 
+def _worker_slice() -> range:
+    low = max(1024, _EPHEMERAL_LOW - 12000)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    width = (_EPHEMERAL_LOW - low) // count
+    return range(low + index * width, low + (index + 1) * width)
+
+
 def reserved_port() -> int:
-    """A loopback port free now, outside the ephemeral range, not handed out before."""
+    """A loopback port free now, outside the ephemeral range, in this worker's slice, and
+    not handed out before (once the slice is spent, ports of finished tests are reused)."""
+    ports = _worker_slice()
     rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(max(1024, _EPHEMERAL_LOW - 12000), _EPHEMERAL_LOW)
+    for attempt in range(2000):
+        if attempt == 1000:
+            _handed_out.clear()
+        port = rng.choice(ports)
         if port in _handed_out:
             continue
         with socket.socket() as s:
