@@ -117,6 +117,8 @@ bench-peers: $(STAMP)
 # Benchmarks print JSON and write bench/results/ (a PNG per MQTT scenario beside it).
 bench: $(STAMP) redis bench-peers
 	$(BIN)/python bench/mqtt_bench.py --quick
+	$(BIN)/python bench/mqtt_bench.py --quick --scenarios fanout_1to1000 \
+		--brokers mosquitto,lightgate-native-io1,lightgate-native-io2 --out bench/results/scaling
 	$(BIN)/python bench/replay_bench.py
 	$(BIN)/python bench/replay_bench.py --mqtt
 

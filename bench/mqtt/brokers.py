@@ -35,8 +35,11 @@ from .installs import (
     ensure_rumqttd,
 )
 
-BROKERS = ["mosquitto", "lightgate-async", "lightgate-sync", "lightgate-separated", "amqtt",
-           "rabbitmq", "rumqttd"]
+BROKERS = ["mosquitto", "lightgate-async", "lightgate-sync", "lightgate-native",
+           "lightgate-separated", "amqtt", "rabbitmq", "rumqttd"]
+# Not in every run: the native plane's scaling row (the same scenario with 1 and 2 I/O
+# threads), asked for by name (`make bench` runs it on the fan-out scenario).
+SCALING = ["lightgate-native-io1", "lightgate-native-io2"]
 # The bounds every broker gets, as far as its settings allow: the Mosquitto config's.
 MAX_INFLIGHT = 32
 MAX_QUEUED = 100_000
@@ -168,14 +171,17 @@ def _start(b: Broker) -> None:
         _wait_ready(b, p)
         _wait_port(b, b.port)
     elif name in ("lightgate-async", "lightgate-sync"):
-        # Same bounds as the Mosquitto config: 32 in flight, 100,000 queued per session.
-        p = _spawn(b, _lightgate_cmd(
-            "serve", "--data-dir", str(b.tmp / "d"), "--ws", "off",
-            "--mqtt", f"127.0.0.1:{b.port}",
-            "--native", "127.0.0.1:0", "--http", "127.0.0.1:0", "--max-inflight", "32",
-            "--max-offline-messages", "100000", "--flush", name.split("-")[1]),
-            "lightgate", True)
-        _wait_ready(b, p)
+        _start_lightgate(b, "--flush", name.split("-")[1], env={**os.environ,
+                                                                "LIGHTGATE_NATIVE": "0"})
+        b.notes = "the pure-Python data plane (LIGHTGATE_NATIVE=0)"
+    elif name.startswith("lightgate-native"):
+        threads = name.removeprefix("lightgate-native-io")
+        extra = ["--io-threads", threads] if threads.isdigit() else []
+        ready = _start_lightgate(b, "--flush", "async", *extra,
+                                 env={**os.environ, "LIGHTGATE_NATIVE": "1"})
+        if ready.get("plane") != "native":
+            raise RuntimeError(f"{name}: the server runs plane={ready.get('plane')}")
+        b.notes = "the native data plane (LIGHTGATE_NATIVE=1), --flush async"
     elif name == "lightgate-separated":
         if not shutil.which("redis-server"):
             raise RuntimeError("redis-server missing (apt-get install redis-server)")
@@ -207,6 +213,16 @@ def _start(b: Broker) -> None:
                    "segments; clients keepalive 65535 s (it refuses 0)")
     else:
         raise ValueError(f"unknown broker {name}")
+
+
+def _start_lightgate(b: Broker, *args: str, env: dict[str, str]) -> dict[str, str]:
+    # Same bounds as the Mosquitto config: 32 in flight, 100,000 queued per session.
+    p = _spawn(b, _lightgate_cmd(
+        "serve", "--data-dir", str(b.tmp / "d"), "--ws", "off",
+        "--mqtt", f"127.0.0.1:{b.port}",
+        "--native", "127.0.0.1:0", "--http", "127.0.0.1:0", "--max-inflight", "32",
+        "--max-offline-messages", "100000", *args), "lightgate", True, env=env)
+    return _wait_ready(b, p)
 
 
 def _start_rabbitmq(b: Broker) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from . import CORES, ROOT, progress, report
-from .brokers import BROKERS
+from .brokers import BROKERS, SCALING
 from .procfs import raise_nofile
 from .runner import run_one
 from .scenarios import QUICK_SCENARIOS, SCENARIOS, SIZES
@@ -44,7 +44,7 @@ def main() -> None:
                         help="every scenario but reconnect_storm, small (~10 min)")
     parser.add_argument("--tiny", action="store_true", help="a smoke run for the tests")
     parser.add_argument("--brokers", default=",".join(BROKERS),
-                        help=f"comma-separated subset of {','.join(BROKERS)}")
+                        help=f"comma-separated subset of {','.join(BROKERS + SCALING)}")
     parser.add_argument("--scenarios", default=None,
                         help=f"comma-separated subset of {','.join(SCENARIOS)}")
     parser.add_argument("--out", default=str(RESULTS), help="where latest.json and PNGs go")
@@ -60,7 +60,7 @@ def main() -> None:
                  QUICK_SCENARIOS if args.quick or args.tiny else list(SCENARIOS))
     brokers = args.brokers.split(",")
     if bad := [s for s in scenarios if s not in SCENARIOS] + [b for b in brokers
-                                                             if b not in BROKERS]:
+                                                             if b not in BROKERS + SCALING]:
         parser.error(f"unknown scenario or broker: {', '.join(bad)}")
     nofile = raise_nofile(2 * size["idle_conns"] + 10_000)
     profile_dir = Path(args.profile) if args.profile else None
