@@ -206,6 +206,7 @@ class CommitLog:
         self._dirty_since = 0.0
         self._flush_due = False  # async: the flusher has been told of unsynced bytes
         self._last_checkpoint = 0.0
+        self._checkpointed = -1  # the flushed offset the checkpoint file holds
         self._undispatched: list[Message] = []
         self._failed: BaseException | None = None
         self._closed = True
@@ -657,6 +658,8 @@ class CommitLog:
         setthreadtitle("commitlog-flush" if self.inline else "commitlog-write")
         while True:
             timeout = None
+            if self.engine is not None:
+                timeout = 1.0  # the checkpoint follows what the engine made durable
             if self._flushed < self._write_pos:
                 timeout = max(0.0, self._dirty_since + self.flush_interval - time.monotonic())
                 if self._write_pos - self._flushed >= self.flush_bytes:
@@ -893,18 +896,22 @@ class CommitLog:
             with self._dispatch_lock:  # fits the log up to `pos`
                 self._flush_due = False
             pos = self.engine.write_pos
-            if self._flushed >= pos:
+            due = time.monotonic() - self._last_checkpoint >= 1.0 and (
+                self._checkpointed != self.engine.flushed or self.producers.dirty)
+            if self._flushed >= pos and not due:
                 return
-            due = time.monotonic() - self._last_checkpoint >= 1.0
             snap = self.producers.snapshot() if due and self.producers.dirty else None
-        try:
-            flushed = self.engine.flush()
-        except OSError as exc:
-            self._failed = exc
-            log.critical("fsync failed, commitlog stops taking writes: %s", exc)
-            raise
-        self.stats["fsyncs"] += 1
-        self._flushed = max(self._flushed, flushed)
+        if self._flushed < pos:
+            try:
+                flushed = self.engine.flush()
+            except OSError as exc:
+                self._failed = exc
+                log.critical("fsync failed, commitlog stops taking writes: %s", exc)
+                raise
+            self.stats["fsyncs"] += 1
+            self._flushed = max(self._flushed, flushed)
+        else:  # sync mode: the engine synced each append
+            self._flushed = max(self._flushed, self.engine.flushed)
         if due:
             self._write_checkpoint()
         if snap is not None:
@@ -962,6 +969,7 @@ class CommitLog:
 
     def _write_checkpoint(self) -> None:
         self._last_checkpoint = time.monotonic()
+        self._checkpointed = self._flushed
         tmp = self.dir / (CHECKPOINT_FILE + ".tmp")
         tmp.write_bytes(orjson.dumps({"flushed": self._flushed, "ts": _now_ms()}))
         os.replace(tmp, self.dir / CHECKPOINT_FILE)
@@ -1327,6 +1335,7 @@ class CommitLog:
         """Rebuild the index from the log if it covers more than the log holds: a
         replica's start-over cut short between its index and its log (see restart_at)
         by a change of master, as recovery does after a crash there. True if it did."""
+        self._refuse_engine("a repair of a replica's index")
         with self._write_lock:
             ckpt = self.index.checkpoint()
             if ckpt <= self._write_pos:
