@@ -323,7 +323,7 @@ class CommitLog:
         """The engine's appends since the last drain into the index, in log order, then
         `on_dispatched`: this process's appends as their Messages, the native ones read
         back from the log."""
-        rows, new_segments = self.engine.take_pending()
+        rows, new_segments = self.engine.take_positions()
         if new_segments:
             segs = tuple(Segment(self.dir / segment_name(b), b) for b in new_segments)
             self._update_segments(lambda old: (*old, *segs))
@@ -392,8 +392,7 @@ class CommitLog:
                         msg.mark = 0  # read from the log and appended again: not a producer's
                     body = msg.body if type(msg.body) is bytes else bytes(msg.body)
                     rows.append((msg.born_ts, msg.qos, msg.retain, msg.client_id, msg.topic,
-                                 msg.key, record.stored_properties(msg), body, list(qs),
-                                 msg.mark))
+                                 msg.key, record.stored_properties(msg), body, qs, msg.mark))
             except Exception as exc:  # one bad request must not sink the batch
                 req.future.set_exception(exc)
                 continue
@@ -401,14 +400,15 @@ class CommitLog:
                 keys.add(key)
             chunk.append((req, rows))
         accepted += self._engine_append(chunk, now)
-        try:
-            self._drain()  # the index holds them (and what came before) before the acks
-        except Exception:  # noqa: BLE001 - the records are in the log; recovery indexes them
-            log.exception("dispatch after an append failed")
         with self._dispatch_lock:
-            for req in accepted:  # what a drain took before they were known here
-                for m in req.new():
-                    self._own.pop(m.phys_offset, None)
+            try:
+                self._drain_locked()  # the index holds them (and what came before) before the acks
+            except Exception:  # noqa: BLE001 - the records are in the log; recovery indexes them
+                log.exception("dispatch after an append failed")
+            if self._own:  # what a drain took before they were known here
+                for req in accepted:
+                    for m in req.new():
+                        self._own.pop(m.phys_offset, None)
         msgs = [m for req in accepted for m in req.new()]
         self.stats["batches"] += 1
         self.stats["appends"] += len(accepted)

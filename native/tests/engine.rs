@@ -204,7 +204,7 @@ fn a_message_no_record_holds_fails_its_batch_and_uses_no_offset() {
 }
 
 #[test]
-fn rolls_are_reported_with_the_rows_and_the_waiter_wakes() {
+fn rolls_are_reported_with_the_rows_and_a_waiter_is_woken() {
     let dir = tmp_dir("rolls");
     let config = Config {
         segment_size: 200,
@@ -216,14 +216,12 @@ fn rolls_are_reported_with_the_rows_and_the_waiter_wakes() {
     };
     let engine = std::sync::Arc::new(Engine::start(&dir, config, Box::new(|_| 0)).unwrap());
     assert!(!engine.wait_dispatched(Duration::from_millis(10)));
-    let waiter = {
-        let engine = std::sync::Arc::clone(&engine);
-        std::thread::spawn(move || engine.wait_dispatched(Duration::from_secs(10)))
-    };
-    std::thread::sleep(Duration::from_millis(50));
     let batch: Vec<Message> = (0..5).map(|_| message("t", &[1; 60], &["t"])).collect();
     let rows = engine.append(&batch, None).unwrap();
-    assert!(waiter.join().unwrap(), "an append wakes the dispatcher");
+    assert!(
+        engine.wait_dispatched(Duration::from_secs(10)),
+        "rows are waiting"
+    );
     let size = u64::from(rows[0].size);
     let pending = engine.take_pending();
     assert_eq!(pending.rows, rows);
@@ -237,7 +235,18 @@ fn rolls_are_reported_with_the_rows_and_the_waiter_wakes() {
         "a closed segment is durable"
     );
     assert_eq!(engine.sync().unwrap(), 5 * size);
+    let waiter = {
+        let engine = std::sync::Arc::clone(&engine);
+        std::thread::spawn(move || engine.wait_dispatched(Duration::from_secs(10)))
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    let t0 = std::time::Instant::now();
     engine.wake();
+    assert!(!waiter.join().unwrap());
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "woken, not timed out"
+    );
     assert!(
         !engine.wait_dispatched(Duration::from_secs(10)),
         "woken for good"
