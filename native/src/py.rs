@@ -326,6 +326,9 @@ type MessageRow<'py> = (
     u8,
 );
 
+/// ([(phys_offset, size)] of what was appended, [base of each segment begun]).
+type Positions = (Vec<(u64, u32)>, Vec<u64>);
+
 fn row(d: engine::Dispatched) -> DispatchedRow {
     (d.phys_offset, d.size, d.store_ts, d.queues)
 }
@@ -497,7 +500,7 @@ impl PyEngine {
 
     /// `take_pending` without the queues: ([(phys_offset, size)], [base]), for a
     /// dispatcher that reads the records (or holds them) anyway.
-    fn take_positions(&self) -> PyResult<(Vec<(u64, u32)>, Vec<u64>)> {
+    fn take_positions(&self) -> PyResult<Positions> {
         let p = match &self.inner {
             Some(engine) => engine.take_pending(),
             None => self
