@@ -222,6 +222,7 @@ class CommitLog:
         self._own: dict[int, Message] = {}  # this process's appends, by position, until dispatched
         self._dispatcher: threading.Thread | None = None
         self._dispatch_stop = False
+        self._engine_stopped = False
 
     # -- lifecycle --------------------------------------------------------------------
     def open(self) -> RecoveryReport:
@@ -340,7 +341,8 @@ class CommitLog:
         last = rows[-1]
         before = self._write_pos
         self._write_pos = last[0] + last[1]
-        self._flushed = max(self._flushed, self.engine.flushed)
+        if not self._engine_stopped:
+            self._flushed = max(self._flushed, self.engine.flushed)
         self.stats["bytes_written"] += self._write_pos - before
         if self.flush_mode == "async":
             if not self._flush_due:
@@ -490,6 +492,7 @@ class CommitLog:
         self.engine.wake()
         if self._dispatcher is not None:
             self._dispatcher.join()
+        self._engine_stopped = True
         try:
             self._flushed = self.engine.stop()
         finally:

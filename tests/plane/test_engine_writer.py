@@ -244,3 +244,29 @@ def test_a_full_disk_refuses_the_append_and_loses_nothing(tmp_path: Path) -> Non
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
+
+
+def test_close_dispatches_what_the_engine_appended_last(tmp_path: Path) -> None:
+    log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"))
+    log.open()
+    engine = log.start_engine(1, 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    publisher, fd = pair(listener)
+    try:
+        engine.adopt(1, fd, **SETTINGS)
+        publisher.sendall(b"".join(mqtt.encode_publish("a/b", b"%d" % i, 1, False, False,
+                                                       i + 1, 4) for i in range(10)))
+        recv_exact(publisher, 40)
+    finally:
+        log.close()  # at once: the dispatcher may not have run
+        log.index.close()
+        publisher.close()
+    again = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"))
+    report = again.open()
+    try:
+        assert report.clean_shutdown and report.redispatched == 0  # indexed before the end
+        assert [again.read(e.phys_offset, e.size).body
+                for e in again.index.read("a/b", 0, 100)] == [b"%d" % i for i in range(10)]
+    finally:
+        again.close()
+        again.index.close()
