@@ -250,6 +250,12 @@ def test_close_dispatches_what_the_engine_appended_last(tmp_path: Path) -> None:
     log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"))
     log.open()
     engine = log.start_engine(1, 1)
+    # The dispatcher thread stops first, so that the rows are still the engine's when
+    # the log closes (else it races the close for them).
+    log._dispatch_stop = True
+    engine.wake()
+    assert log._dispatcher is not None
+    log._dispatcher.join()
     listener = socket.create_server(("127.0.0.1", 0))
     publisher, fd = pair(listener)
     try:
@@ -258,7 +264,7 @@ def test_close_dispatches_what_the_engine_appended_last(tmp_path: Path) -> None:
                                                        i + 1, 4) for i in range(10)))
         recv_exact(publisher, 40)
     finally:
-        log.close()  # at once: the dispatcher may not have run
+        log.close()
         log.index.close()
         publisher.close()
     again = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"))
