@@ -78,3 +78,18 @@ def test_the_python_plane_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert server.addrs["plane"] == "python"
     finally:
         assert server.stop() == 0
+
+
+def test_a_separated_gateway_takes_io_threads_and_runs_python(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1")
+    store = Server(tmp_path / "d", command="store").start()
+    try:
+        gateway = Server(None, "--store", store.native, "--io-threads", "3",
+                         command="gateway").start()
+        try:
+            assert gateway.addrs["plane"] == "python"  # no engine without its store's log
+        finally:
+            assert gateway.stop() == 0
+    finally:
+        assert store.stop() == 0
