@@ -276,3 +276,33 @@ def test_close_dispatches_what_the_engine_appended_last(tmp_path: Path) -> None:
     finally:
         again.close()
         again.index.close()
+
+
+@pytest.mark.parametrize("flush", ["async", "sync"])
+def test_the_flusher_syncs_and_checkpoints_what_the_engine_wrote(tmp_path: Path,
+                                                                  flush: str) -> None:
+    """async: the flusher fsyncs native publishes and Python's appends within its
+    interval; sync: the engine synced each, and the checkpoint follows either way."""
+    log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"), flush=flush,
+                    flush_interval_ms=100)
+    log.open()
+    engine = log.start_engine(1, 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    publisher, fd = pair(listener)
+    try:
+        engine.adopt(1, fd, **SETTINGS)
+        publisher.sendall(mqtt.encode_publish("a/b", b"native", 1, False, False, 1, 4))
+        recv_exact(publisher, 4)
+        log.append([Message("a/b", b"python")], [["a/b"]]).result(10)
+        end = engine.write_pos
+        assert end == log.max_offset > 0
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (
+                engine.flushed < end or log._read_checkpoint() != end):
+            time.sleep(0.05)
+        assert engine.flushed == end == log.flushed_offset
+        assert log._read_checkpoint() == end  # recovery verifies from here after a crash
+    finally:
+        publisher.close()
+        log.close()
+        log.index.close()
