@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,22 @@ def test_a_separated_gateway_takes_io_threads_and_runs_python(
             assert gateway.stop() == 0
     finally:
         assert store.stop() == 0
+
+
+def test_native_asked_for_but_not_installed_is_one_line(tmp_path: Path) -> None:
+    """LIGHTGATE_NATIVE=1 where the extension does not import (here: a module of that
+    name first on the path that fails as a missing one would) stops the start."""
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "lightgate_native.py").write_text("raise ImportError('not built')\n")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "LIGHTGATE_NATIVE": "1",
+           "PYTHONPATH": os.pathsep.join([str(stub), str(root)])}
+    res = subprocess.run([sys.executable, "-m", "lightgate", "serve", "--data-dir",
+                          str(tmp_path / "d"), "--mqtt", "127.0.0.1:0", "--ws", "off",
+                          "--native", "127.0.0.1:0", "--http", "127.0.0.1:0"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith(
+        "lightgate: LIGHTGATE_NATIVE=1 but the native data plane is not installed")
+    assert "Traceback" not in res.stderr
