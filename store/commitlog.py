@@ -12,6 +12,10 @@ Who does that depends on the flush mode:
   more (a GIL hand-off and a wake-up of the loop each way, ~90 µs a message at low rates).
   The thread is then only a flusher: it fsyncs every `flush_interval_ms` (or once
   `flush_bytes` are dirty) and writes the checkpoint.
+
+Where the native engine runs (`start_engine`, store.engine_tail), it writes instead, for
+this process and for the connections it carries: the producers' checks stay here, the
+offsets, records and writes are its, and the index follows its appends in log order.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from setproctitle import setthreadtitle
 from lightqueue.index import ConsumeQueueIndex
 from store import producers, record
 from store.common import StoreClosedError, StoreError, StoreFullError
+from store.engine_tail import EngineTail
 from store.producers import Plan, ProducerTable, Stamp
 from store.record import MARK_FIRST, MARK_MORE, CorruptRecord, Message
 from store.segment import Segment, fsync_dir, is_segment_name, segment_name
@@ -162,7 +167,7 @@ def _mark(msgs: list[Message], stamp: Stamp, skip: int) -> None:
         msgs[0].producer = [stamp.producer, stamp.epoch, stamp.seq + skip]
 
 
-class CommitLog:
+class CommitLog(EngineTail):
     def __init__(
         self,
         directory: str | Path,
@@ -204,6 +209,7 @@ class CommitLog:
         self._dirty_since = 0.0
         self._flush_due = False  # async: the flusher has been told of unsynced bytes
         self._last_checkpoint = 0.0
+        self._checkpointed = -1  # the flushed offset the checkpoint file holds
         self._undispatched: list[Message] = []
         self._failed: BaseException | None = None
         self._closed = True
@@ -211,6 +217,7 @@ class CommitLog:
         # and rebuilt from the records (store.producers; snapshots: store.producer_state).
         self.producers = ProducerTable(max_producers)
         self.stats = {"appends": 0, "messages": 0, "bytes_written": 0, "fsyncs": 0, "batches": 0}
+        self._init_engine_tail()  # no engine until start_engine (store.engine_tail)
 
     # -- lifecycle --------------------------------------------------------------------
     def open(self) -> RecoveryReport:
@@ -231,6 +238,8 @@ class CommitLog:
             self._thread.join()
         with self._write_lock:  # an inline append that began before _closed was set
             pass
+        if self.engine is not None:
+            self._stop_engine()
         if self._wfd >= 0:
             os.fsync(self._wfd)
             os.close(self._wfd)
@@ -412,6 +421,8 @@ class CommitLog:
         setthreadtitle("commitlog-flush" if self.inline else "commitlog-write")
         while True:
             timeout = None
+            if self.engine is not None:
+                timeout = 1.0  # the checkpoint follows what the engine made durable
             if self._flushed < self._write_pos:
                 timeout = max(0.0, self._dirty_since + self.flush_interval - time.monotonic())
                 if self._write_pos - self._flushed >= self.flush_bytes:
@@ -435,12 +446,25 @@ class CommitLog:
             if stop:
                 return
 
+    def _plan(self, req: _Append) -> Sequence[Sequence[str]]:
+        """Check an idempotent producer's request against its sequence (SequenceError if
+        it does not fit) and mark the messages it appends; the queues of those."""
+        if req.stamp is None:
+            return req.queues
+        req.plan = self.producers.plan(req.stamp, len(req.messages))
+        if req.plan.skip:
+            req.fresh = req.messages[req.plan.skip:]
+        _mark(req.new(), req.stamp, req.plan.skip)
+        return req.queues[req.plan.skip:]
+
     def _write_batch(self, batch: list[_Append]) -> list[_Append]:
         """Write and index a batch of appends; the ones written, for `_announce`."""
         if self._failed:
             for req in batch:
                 req.future.set_exception(StoreClosedError(f"commitlog failed: {self._failed}"))
             return []
+        if self.engine is not None:
+            return self._write_batch_engine(batch)
         now = _now_ms()
         accepted: list[_Append] = []
         chunks: list[tuple[Segment | None, list[bytes]]] = [(None, [])]  # None = active
@@ -451,13 +475,7 @@ class CommitLog:
         for req in batch:
             assigned_req: list[tuple[str, int]] = []
             try:
-                queues = req.queues
-                if req.stamp is not None:
-                    req.plan = self.producers.plan(req.stamp, len(req.messages))
-                    if req.plan.skip:
-                        req.fresh = req.messages[req.plan.skip:]
-                        queues = queues[req.plan.skip:]
-                    _mark(req.new(), req.stamp, req.plan.skip)
+                queues = self._plan(req)
                 encoded = []
                 for msg, qs in zip(req.new(), queues, strict=True):
                     msg.queues = self.index.assign(qs)
@@ -509,6 +527,50 @@ class CommitLog:
         self.stats["messages"] += len(msgs)
         return accepted
 
+    def _write_batch_engine(self, batch: list[_Append]) -> list[_Append]:
+        """`_write_batch` through the engine: the producers' sequences are checked here,
+        the offsets, records and writes are the engine's. Requests of one producer to
+        one topic go in separate engine appends, each checked against the one before."""
+        now = _now_ms()
+        accepted: list[_Append] = []
+        chunk: list[tuple[_Append, list[tuple]]] = []
+        keys: set[tuple[str, str]] = set()
+        for req in batch:
+            key = None if req.stamp is None else (req.stamp.producer, req.stamp.topic)
+            if key is not None and key in keys:
+                accepted += self._engine_append(chunk, now)
+                chunk, keys = [], set()
+            try:
+                queues = self._plan(req)
+                rows = []
+                for msg, qs in zip(req.new(), queues, strict=True):
+                    if msg.mark and req.stamp is None:
+                        msg.mark = 0  # read from the log and appended again: not a producer's
+                    body = msg.body if type(msg.body) is bytes else bytes(msg.body)
+                    rows.append((msg.born_ts, msg.qos, msg.retain, msg.client_id, msg.topic,
+                                 msg.key, record.stored_properties(msg), body, qs, msg.mark))
+            except Exception as exc:  # one bad request must not sink the batch
+                req.future.set_exception(exc)
+                continue
+            if key is not None:
+                keys.add(key)
+            chunk.append((req, rows))
+        accepted += self._engine_append(chunk, now)
+        with self._dispatch_lock:
+            try:
+                self._drain_locked()  # the index holds them (and what came before) before the acks
+            except Exception:  # noqa: BLE001 - the records are in the log; recovery indexes them
+                log.exception("dispatch after an append failed")
+            if self._own:  # what a drain took before they were known here
+                for req in accepted:
+                    for m in req.new():
+                        self._own.pop(m.phys_offset, None)
+        msgs = [m for req in accepted for m in req.new()]
+        self.stats["batches"] += 1
+        self.stats["appends"] += len(accepted)
+        self.stats["messages"] += len(msgs)
+        return accepted
+
     def _announce(self, written: list[_Append]) -> None:
         """Tell readers what a batch appended (`on_dispatched`), then settle its futures:
         outside the write lock, so that what readers do (a gateway writing to its
@@ -516,6 +578,8 @@ class CommitLog:
         if not written:
             return
         new = [m for req in written for m in req.new()]
+        if self.engine is not None:
+            new = []  # the dispatch told them already, in log order
         if self.on_dispatched and new:  # before the acks: readers hear of it at once
             try:
                 self.on_dispatched(new)
@@ -567,16 +631,21 @@ class CommitLog:
                     self.stats["bytes_written"] += len(data)
                 if self.flush_mode == "sync":
                     self._fsync_tail()
-                elif not self._flush_due:
-                    self._flush_due = True
-                    self._dirty_since = time.monotonic()
-                    self._requests.put(_WAKE)  # the flusher's interval starts now
-                elif self._write_pos - self._flushed >= self.flush_bytes > (
-                        start_pos - self._flushed):
-                    self._requests.put(_WAKE)  # enough dirty bytes: fsync at once
+                else:
+                    self._dirtied(start_pos)
             except OSError:
                 self._undo_write(start_pos, start_segments)
                 raise
+
+    def _dirtied(self, before: int) -> None:
+        """async: the log grew from `before`; tell the flusher that its interval starts
+        now, or that enough bytes are dirty to fsync at once."""
+        if not self._flush_due:
+            self._flush_due = True
+            self._dirty_since = time.monotonic()
+            self._requests.put(_WAKE)
+        elif self._write_pos - self._flushed >= self.flush_bytes > before - self._flushed:
+            self._requests.put(_WAKE)
 
     def _undo_write(self, start_pos: int, start_segments: int) -> None:
         """Cut the log back to `start_pos` after a failed write (e.g. disk full)."""
@@ -610,6 +679,9 @@ class CommitLog:
         """fsync what was written so far. The flusher thread runs this beside inline
         appends: it takes the tail under the lock, but syncs a duplicate of the fd outside
         it, so an append never waits for the disk (and a roll may close the original)."""
+        if self.engine is not None:
+            self._fsync_engine()
+            return
         with self._write_lock:
             if self._flushed == self._write_pos:
                 return
@@ -630,6 +702,33 @@ class CommitLog:
             os.close(fd)
         self.stats["fsyncs"] += 1
         self._flushed = max(self._flushed, pos)
+        if due:
+            self._write_checkpoint()
+        if snap is not None:
+            self._save_producers(pos, snap)
+
+    def _fsync_engine(self) -> None:
+        """`_fsync_tail` with the engine writing: its fdatasync, outside every lock."""
+        with self._write_lock:  # between this process's appends: the producers' table
+            with self._dispatch_lock:  # fits the log up to `pos`
+                self._flush_due = False
+            pos = self.engine.write_pos
+            due = time.monotonic() - self._last_checkpoint >= 1.0 and (
+                self._checkpointed != self.engine.flushed or self.producers.dirty)
+            if self._flushed >= pos and not due:
+                return
+            snap = self.producers.snapshot() if due and self.producers.dirty else None
+        if self._flushed < pos:
+            try:
+                flushed = self.engine.flush()
+            except OSError as exc:
+                self._failed = exc
+                log.critical("fsync failed, commitlog stops taking writes: %s", exc)
+                raise
+            self.stats["fsyncs"] += 1
+            self._flushed = max(self._flushed, flushed)
+        else:  # sync mode: the engine synced each append
+            self._flushed = max(self._flushed, self.engine.flushed)
         if due:
             self._write_checkpoint()
         if snap is not None:
@@ -687,6 +786,7 @@ class CommitLog:
 
     def _write_checkpoint(self) -> None:
         self._last_checkpoint = time.monotonic()
+        self._checkpointed = self._flushed
         tmp = self.dir / (CHECKPOINT_FILE + ".tmp")
         tmp.write_bytes(orjson.dumps({"flushed": self._flushed, "ts": _now_ms()}))
         os.replace(tmp, self.dir / CHECKPOINT_FILE)
@@ -1024,6 +1124,7 @@ class CommitLog:
         """A replica writes the master's bytes at the master's offset (whole records),
         rolling to a new segment where the master's starts, and dispatches them to its own
         index as recovery does. Returns the records."""
+        self._refuse_engine("a replica's copy")
         with self._write_lock:
             if self._closed or self._failed:
                 raise StoreClosedError(f"commitlog unavailable: {self._failed or 'closed'}")
@@ -1051,6 +1152,7 @@ class CommitLog:
         """Rebuild the index from the log if it covers more than the log holds: a
         replica's start-over cut short between its index and its log (see restart_at)
         by a change of master, as recovery does after a crash there. True if it did."""
+        self._refuse_engine("a repair of a replica's index")
         with self._write_lock:
             ckpt = self.index.checkpoint()
             if ckpt <= self._write_pos:
@@ -1066,6 +1168,7 @@ class CommitLog:
         takes the master's log from its start. Everything here is past the group's
         retention, so it is deleted, not quarantined. Returns the bytes dropped. The
         caller resets the index first (see ConsumeQueueIndex.reset)."""
+        self._refuse_engine("a replica's start-over")
         with self._write_lock, self._tail_lock:
             if offset <= self._write_pos:
                 raise ValueError(f"cannot restart at {offset}, not past the log end "
@@ -1095,6 +1198,7 @@ class CommitLog:
         """Cut the log at `offset` (a record boundary): a tail the group never
         acknowledged, where this node's log forked from the master's. The cut bytes go to
         quarantine, their index entries are removed. Returns the bytes cut."""
+        self._refuse_engine("a cut of the log")
         with self._write_lock, self._tail_lock:
             if offset >= self._write_pos:
                 return 0
