@@ -38,6 +38,7 @@ from serving.values import NATIVE_ADDR
 from spark_streaming import json_fields as jf
 from spark_streaming.native import SEND_BATCH, StoreClient
 from spark_streaming.raw_rows import arrow_from_records, json_keys, topic_level, topic_levels
+from spark_streaming.worker_heap import freeze_imports
 from store.protocol import ProtocolError, RemoteError
 from store.record import Message, format_msg_id
 
@@ -58,6 +59,8 @@ DEFAULT_SERVER = NATIVE_ADDR
 EARLIEST, LATEST = -2, -1  # as in Spark's Kafka source JSON offsets
 
 Offsets = dict[str, int]
+
+freeze_imports()  # in a reused Spark Python worker: what is imported by now, see worker_heap
 
 
 @dataclass
