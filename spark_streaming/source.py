@@ -273,6 +273,7 @@ def read_queue_arrow(options: dict[str, str], part: QueueRange,
     a query reads), pulled with requests in flight: the same rows as `read_queue`,
     without a Python tuple per row. The store hands out its records as its log holds
     them (PULL `raw`) and they are decoded here, only as far as the columns need."""
+    freeze_imports()
     with _kept_client(options) as c:
         for lo, hi, header, body in c.pull_ranges(part.queue, part.start, part.end,
                                                   raw=True):
@@ -545,6 +546,7 @@ class LightgateWriter(DataSourceWriter):
                        False, "spark", props, born_ts=now, key=str(key or ""))
 
     def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
+        freeze_imports()
         once = exactly_once_key(self.options)
         if once is not None:
             return self._write_once(iterator, *once)

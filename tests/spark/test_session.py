@@ -29,6 +29,18 @@ def test_freeze_imports_only_in_a_reused_worker() -> None:
     assert _freeze_count({**env, "SPARK_REUSE_WORKER": "1"}) > 1000
 
 
+LATER = ("import gc, spark_streaming.worker_heap as w; w.freeze_imports(); "
+         "n = gc.get_freeze_count(); few = [[] for _ in range(100)]; w.freeze_imports(); "
+         "assert gc.get_freeze_count() == n, 'a task\\'s few survivors stay collectable'; "
+         "many = [[] for _ in range(20_000)]; w.freeze_imports(); "
+         "assert gc.get_freeze_count() >= n + 20_000, 'a first task\\'s imports'")
+
+
+def test_freeze_imports_again_when_many_survive() -> None:
+    subprocess.run([sys.executable, "-c", LATER], cwd=ROOT, check=True, timeout=60,
+                   env={**os.environ, "SPARK_REUSE_WORKER": "1"})
+
+
 def test_spark_workers_freeze_their_imports(spark: Any) -> None:
     """A task's Python worker that loaded the data source has its modules frozen: the
     daemon's gc.collect() after each task then skips them."""
