@@ -26,7 +26,9 @@ What is measured, and what is kept apart:
   gateway + store + Spark trigger (--trigger) + rules + sink + MQTT delivery. Readings of
   the first --warmup seconds (first batches of a new query: Python workers and code paths
   starting) are published but not counted. The alerts query's own batch durations are
-  reported beside it.
+  reported beside it (its latestOffset includes the wait for a reading, see the source's
+  waitMs), and alert_stages_ms splits each alert's time at the store's records: publish
+  -> reading stored (MQTT, gateway) -> alert stored (Spark) -> subscriber (delivery).
 - load_avg: the 1-minute load average before and after each phase (the machine may be
   shared: compare figures taken under similar load).
 """
@@ -235,6 +237,7 @@ def bench_alerts(spark: Any, addr: str, mqtt: str, seconds: float, rate: float,
         counted += now_ms >= measure_from_ms
         time.sleep(max(0.0, start + sent / rate - time.monotonic()))
     latencies = []
+    arrived: dict[int, float] = {}  # reading ts -> when its alert reached the subscriber
     got = 0
     deadline = time.monotonic() + 30
     while got < sent and time.monotonic() < deadline:
@@ -246,6 +249,7 @@ def bench_alerts(spark: Any, addr: str, mqtt: str, seconds: float, rate: float,
         ts = json.loads(payload)["ts"]
         if ts >= int(measure_from_ms):
             latencies.append(at - ts)
+            arrived[ts] = at
     load1 = load_avg()
     batches = [p for q in queries for p in q.recentProgress if p["numInputRows"]]
     for q in queries:
@@ -264,7 +268,37 @@ def bench_alerts(spark: Any, addr: str, mqtt: str, seconds: float, rate: float,
             "alert_batch_ms_p50_parts": {
                 k: statistics.median(p["durationMs"].get(k, 0) for p in batches)
                 for k in parts} if batches else None,
+            "alert_stages_ms": alert_stages(addr, arrived),
             "trigger": trigger, "publish_rate_per_s": rate, "alert_load_avg": [load0, load1]}
+
+
+def _store_times(addr: str, topic: str) -> dict[int, float]:
+    """The store time (ms) of each message of `topic`, by its JSON body's `ts`."""
+    from spark_streaming.native import StoreClient
+
+    out = {}
+    with StoreClient(addr) as c:
+        for q in c.describe(topic):
+            for _, m in c.read_range(q["queue"], int(q["min_offset"]), int(q["max_offset"])):
+                out[json.loads(m.body)["ts"]] = float(m.store_ts)
+    return out
+
+
+def alert_stages(addr: str, arrived: dict[int, float]) -> dict[str, Any]:
+    """Where an alert's time goes, p50 and p95 of each stage (ms): the reading's publish
+    to its record in the store's log (MQTT and the gateway), that record to the alert's
+    record (Spark: the wait for a trigger and the micro-batch up to its sink's write),
+    the alert's record to the MQTT subscriber (the store's notify and the gateway)."""
+    readings, alerts = _store_times(addr, "devices"), _store_times(addr, "alerts")
+    stages: dict[str, list[float]] = {"publish_to_stored": [], "stored_to_alert_stored": [],
+                                      "alert_stored_to_subscriber": []}
+    for ts, at in arrived.items():
+        if ts in readings and ts in alerts:
+            stages["publish_to_stored"].append(readings[ts] - ts)
+            stages["stored_to_alert_stored"].append(alerts[ts] - readings[ts])
+            stages["alert_stored_to_subscriber"].append(at - alerts[ts])
+    return {k: {"p50": _pct(sorted(v), 0.5), "p95": _pct(sorted(v), 0.95)}
+            for k, v in stages.items()}
 
 
 def main() -> None:
