@@ -26,7 +26,9 @@ What is measured, and what is kept apart:
   gateway + store + Spark trigger (--trigger) + rules + sink + MQTT delivery. Readings of
   the first --warmup seconds (first batches of a new query: Python workers and code paths
   starting) are published but not counted. The alerts query's own batch durations are
-  reported beside it.
+  reported beside it (its latestOffset includes the wait for a reading, see the source's
+  waitMs), and alert_stages_ms splits each alert's time at the store's records: publish
+  -> reading stored (MQTT, gateway) -> alert stored (Spark) -> subscriber (delivery).
 - load_avg: the 1-minute load average before and after each phase (the machine may be
   shared: compare figures taken under similar load).
 """
@@ -189,6 +191,9 @@ def bench_source_read(spark: Any, addr: str) -> dict:
 
 
 # -- latency ----------------------------------------------------------------------------
+HOT_TOPIC = "devices/hot-1/temp"  # where the latency run's device publishes
+
+
 def _pct(sorted_values: list[float], q: float) -> float | None:
     if not sorted_values:
         return None
@@ -230,11 +235,12 @@ def bench_alerts(spark: Any, addr: str, mqtt: str, seconds: float, rate: float,
     while time.monotonic() - start < warmup + seconds:
         now_ms = time.time() * 1000
         body = json.dumps({"temperature": 90.0, "ts": int(now_ms)})
-        dev.publish("devices/hot-1/temp", body, 1)
+        dev.publish(HOT_TOPIC, body, 1)
         sent += 1
         counted += now_ms >= measure_from_ms
         time.sleep(max(0.0, start + sent / rate - time.monotonic()))
     latencies = []
+    arrived: dict[int, float] = {}  # reading ts -> when its alert reached the subscriber
     got = 0
     deadline = time.monotonic() + 30
     while got < sent and time.monotonic() < deadline:
@@ -246,12 +252,14 @@ def bench_alerts(spark: Any, addr: str, mqtt: str, seconds: float, rate: float,
         ts = json.loads(payload)["ts"]
         if ts >= int(measure_from_ms):
             latencies.append(at - ts)
+            arrived[ts] = at
     load1 = load_avg()
     batches = [p for q in queries for p in q.recentProgress if p["numInputRows"]]
     for q in queries:
         q.stop()
     dev.loop_stop()
     sub.loop_stop()
+    first = [round(x, 1) for x in latencies[:5]]  # in arrival order: the query warming up?
     latencies.sort()
     trig = sorted(p["durationMs"]["triggerExecution"] for p in batches)
     parts = ("addBatch", "walCommit", "commitOffsets", "queryPlanning", "latestOffset")
@@ -259,12 +267,46 @@ def bench_alerts(spark: Any, addr: str, mqtt: str, seconds: float, rate: float,
             "alert_p50_ms": _pct(latencies, 0.5), "alert_p95_ms": _pct(latencies, 0.95),
             "alert_p99_ms": _pct(latencies, 0.99),
             "alert_max_ms": round(latencies[-1], 1) if latencies else None,
+            "alert_first_ms": first,
             "alert_warmup_s": warmup,
             "alert_batch_ms_p50": _pct(trig, 0.5), "alert_batch_ms_p95": _pct(trig, 0.95),
             "alert_batch_ms_p50_parts": {
                 k: statistics.median(p["durationMs"].get(k, 0) for p in batches)
                 for k in parts} if batches else None,
+            "alert_stages_ms": alert_stages(addr, arrived),
             "trigger": trigger, "publish_rate_per_s": rate, "alert_load_avg": [load0, load1]}
+
+
+def _store_times(addr: str, topic: str, mqtt_topic: str | None = None) -> dict[int, float]:
+    """The store time (ms) of each message of `topic` (sent to `mqtt_topic`, when given),
+    by its JSON body's `ts`."""
+    from spark_streaming.native import StoreClient
+
+    out = {}
+    with StoreClient(addr) as c:
+        for q in c.describe(topic):
+            for _, m in c.read_range(q["queue"], int(q["min_offset"]), int(q["max_offset"])):
+                if mqtt_topic is None or m.topic == mqtt_topic:
+                    out[json.loads(m.body)["ts"]] = float(m.store_ts)
+    return out
+
+
+def alert_stages(addr: str, arrived: dict[int, float]) -> dict[str, Any]:
+    """Where an alert's time goes, p50 and p95 of each stage (ms): the reading's publish
+    to its record in the store's log (MQTT and the gateway), that record to the alert's
+    record (Spark: the wait for a trigger and the micro-batch up to its sink's write),
+    the alert's record to the MQTT subscriber (the store's notify and the gateway)."""
+    readings = _store_times(addr, "devices", HOT_TOPIC)  # not the preloaded ones
+    alerts = _store_times(addr, "alerts")
+    stages: dict[str, list[float]] = {"publish_to_stored": [], "stored_to_alert_stored": [],
+                                      "alert_stored_to_subscriber": []}
+    for ts, at in arrived.items():
+        if ts in readings and ts in alerts:
+            stages["publish_to_stored"].append(readings[ts] - ts)
+            stages["stored_to_alert_stored"].append(alerts[ts] - readings[ts])
+            stages["alert_stored_to_subscriber"].append(at - alerts[ts])
+    return {k: {"p50": _pct(sorted(v), 0.5), "p95": _pct(sorted(v), 0.95)}
+            for k, v in stages.items()}
 
 
 def main() -> None:

@@ -229,6 +229,44 @@ class StoreClient:
                 yield lo, hi, header, body
                 nxt = int(header["next_offset"])
 
+    def wait_for_records(self, ends: dict[str, int], wait_ms: int) -> bool:
+        """Until a record lands at one of `ends` (queue -> its end offset) or `wait_ms`
+        passes: a long-polling PULL of one record per queue, all sent at once (the
+        store answers each as soon as its queue grows). The connection is closed after,
+        which drops the polls still waiting. True when a record landed; False after
+        `wait_ms`, or when the store could not be asked (the caller's next request says
+        why)."""
+        if not ends or wait_ms <= 0:
+            return False
+        try:
+            if self._sock is None:
+                self._connect()
+            assert self._sock is not None
+            pending = {self._send(p.PULL, {"queue": q, "offset": off, "max": 1,
+                                           "wait_ms": wait_ms, "raw": True})
+                       for q, off in ends.items()}
+            self._sock.settimeout(self.timeout + wait_ms / 1000)
+            while pending:
+                for frame in self._frames:
+                    if frame.request_id not in pending:
+                        continue
+                    pending.discard(frame.request_id)
+                    if frame.kind != p.ERROR and (frame.header.get("runs")
+                                                  or frame.header.get("messages")):
+                        return True
+                self._frames = []
+                if not pending:
+                    return False
+                data = self._sock.recv(1 << 16)
+                if not data:
+                    return False
+                self._frames.extend(self._decoder.feed(data))
+            return False
+        except (OSError, p.ProtocolError):
+            return False
+        finally:
+            self.close()
+
     # -- writes -----------------------------------------------------------------------
     def send(self, topic: str, messages: Sequence[Message],
              producer: tuple[str, int, int] | None = None) -> list[dict[str, Any]]:

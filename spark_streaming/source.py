@@ -38,6 +38,7 @@ from serving.values import NATIVE_ADDR
 from spark_streaming import json_fields as jf
 from spark_streaming.native import SEND_BATCH, StoreClient
 from spark_streaming.raw_rows import arrow_from_records, json_keys, topic_level, topic_levels
+from spark_streaming.worker_heap import freeze_imports
 from store.protocol import ProtocolError, RemoteError
 from store.record import Message, format_msg_id
 
@@ -58,6 +59,8 @@ DEFAULT_SERVER = NATIVE_ADDR
 EARLIEST, LATEST = -2, -1  # as in Spark's Kafka source JSON offsets
 
 Offsets = dict[str, int]
+
+freeze_imports()  # in a reused Spark Python worker: what is imported by now, see worker_heap
 
 
 @dataclass
@@ -270,6 +273,7 @@ def read_queue_arrow(options: dict[str, str], part: QueueRange,
     a query reads), pulled with requests in flight: the same rows as `read_queue`,
     without a Python tuple per row. The store hands out its records as its log holds
     them (PULL `raw`) and they are decoded here, only as far as the columns need."""
+    freeze_imports()
     with _kept_client(options) as c:
         for lo, hi, header, body in c.pull_ranges(part.queue, part.start, part.end,
                                                   raw=True):
@@ -393,6 +397,7 @@ class LightgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         starting_timestamp(options)  # a bad value fails the query now, not at its start
         limit = options.get("maxoffsetspertrigger")
         self.max_per_trigger = int(limit) if limit else None
+        self.wait_ms = read_wait_ms(options)
         self._target: Offsets | None = None  # Trigger.AvailableNow stops here
         # The driver side asks for the queue ends every trigger: one connection, kept.
         self._store: StoreClient | None = None
@@ -426,11 +431,22 @@ class LightgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         ends = self._target if self._target is not None else self._ends()
         if start is None:
             return ends
+        if self._target is None and self.wait_ms and not _has_new(start, ends):
+            ends = self._waited(ends)
         ends = {**start, **ends}  # keep queues we know even if describe lost one
         max_rows = getattr(limit, "max_rows", None)
         if max_rows is None:
             return ends
         return cap_offsets(start, ends, int(max_rows))
+
+    def _waited(self, ends: Offsets) -> Offsets:
+        """The queue ends once a record landed past `ends`, or `ends` after `waitMs`: a
+        trigger that finds nothing new waits in the store (a long poll on a connection
+        of its own) rather than leaving the record that lands next for the next trigger,
+        up to the trigger interval away."""
+        with _client(self.options) as waiter:
+            landed = waiter.wait_for_records(ends, self.wait_ms)
+        return self._ends() if landed else ends
 
     def reportLatestOffset(self) -> dict | None:
         # Spark asks right after latestOffset, for the progress report: what that saw.
@@ -453,6 +469,19 @@ class LightgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+def read_wait_ms(options: dict[str, str]) -> int:
+    """The `waitMs` option: how long a trigger that finds no new record waits for one
+    (0, the default: it does not wait)."""
+    raw = options.get("waitms", "0").strip()
+    if not raw.isdigit():
+        raise ValueError(f"option 'waitMs' must be a whole number of milliseconds, got {raw!r}")
+    return int(raw)
+
+
+def _has_new(start: Offsets, ends: Offsets) -> bool:
+    return any(hi > start.get(q, 0) for q, hi in ends.items())
 
 
 def cap_offsets(start: Offsets, ends: Offsets, max_rows: int) -> Offsets:
@@ -542,6 +571,7 @@ class LightgateWriter(DataSourceWriter):
                        False, "spark", props, born_ts=now, key=str(key or ""))
 
     def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
+        freeze_imports()
         once = exactly_once_key(self.options)
         if once is not None:
             return self._write_once(iterator, *once)

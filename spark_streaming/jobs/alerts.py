@@ -126,7 +126,8 @@ def rate_alerts(data: DataFrame, rules: list[Rule]) -> DataFrame:
 def start(spark: SparkSession, cfg: JobConfig, rules: Rules) -> list[StreamingQuery]:
     cfg.source_topic, cfg.device_from = rules.source_topic, rules.device_from
     fields = [r.field for r in rules.rules]
-    data = readings(source(spark, cfg, reading_columns(rules.device_from, fields)),
+    # Alerts leave as their reading lands: a trigger with nothing to do waits for it.
+    data = readings(source(spark, cfg, reading_columns(rules.device_from, fields), wait=True),
                     rules.device_from, fields)
     queries = []
     plain = [r for r in rules.rules if not r.is_rate and not r.window]

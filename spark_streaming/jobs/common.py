@@ -35,19 +35,60 @@ class JobConfig:
             if self.username else {}
 
 
-def source(spark: SparkSession, cfg: JobConfig, columns: Sequence[str] | None = None
-           ) -> DataFrame:
+def source(spark: SparkSession, cfg: JobConfig, columns: Sequence[str] | None = None,
+           wait: bool = False) -> DataFrame:
     """The source topic as a stream; `columns` ("name type"): only those of the
-    source's (the others are neither decoded nor handed to Spark)."""
+    source's (the others are neither decoded nor handed to Spark). `wait`: a trigger
+    that finds no new reading waits for one for most of the trigger interval (see
+    `trigger_wait_ms`), so that a reading starts its micro-batch as it lands."""
     reader = (spark.readStream.format("lightgate").option("server", cfg.server)
               .option("topic", cfg.source_topic)
               .option("startingOffsets", cfg.starting_offsets)
               .options(**cfg.auth_options()))
+    if wait:
+        reader = reader.option("waitMs", str(trigger_wait_ms(cfg.trigger)))
     if columns:
         reader = reader.schema(", ".join(columns))
     if cfg.max_offsets_per_trigger:
         reader = reader.option("maxOffsetsPerTrigger", str(cfg.max_offsets_per_trigger))
     return reader.load()
+
+
+_UNIT_MS = {"ms": 1, "millisecond": 1, "milli": 1, "s": 1000, "sec": 1000,
+            "second": 1000, "m": 60_000, "min": 60_000, "minute": 60_000}
+IDLE_WAIT_MS = 500  # with a 0 s trigger (batches back to back): how long one poll waits
+# A stopping query waits for its trigger's poll to end: at most this long.
+MAX_TRIGGER_WAIT_MS = 1000
+
+
+def interval_ms(text: str) -> int | None:
+    """A trigger interval as Spark writes it ("1 second", "0.2 seconds", "500
+    milliseconds", "interval 2 minutes") in ms; None when it is not one of those."""
+    words = text.lower().removeprefix("interval").split()
+    if len(words) != 2:
+        return None
+    number, unit = words
+    unit = unit.removesuffix("s") if unit not in ("s", "ms") else unit
+    try:
+        value = float(number)
+    except ValueError:
+        return None
+    factor = _UNIT_MS.get(unit)
+    return None if factor is None or value < 0 else round(value * factor)
+
+
+def trigger_wait_ms(trigger: str) -> int:
+    """How long a trigger that finds nothing waits for the next reading: most of the
+    interval, leaving a margin for the trigger's own work (a trigger that outlasts its
+    interval makes Spark warn that the query falls behind) and at most
+    MAX_TRIGGER_WAIT_MS; with a 0 s trigger, where Spark asks again 10 ms after an
+    empty one, IDLE_WAIT_MS. 0 when the interval is not understood."""
+    interval = interval_ms(trigger)
+    if interval is None:
+        return 0
+    if interval == 0:
+        return IDLE_WAIT_MS
+    return min(MAX_TRIGGER_WAIT_MS, max(0, interval - max(20, interval // 10)))
 
 
 def reading_columns(device_from: str, fields: Sequence[str], ids: bool = True) -> list[str]:

@@ -4,6 +4,8 @@ batch sink."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -189,3 +191,72 @@ def test_starting_timestamp(spark: Any, server: Server, tmp_path: Any) -> None:
     assert q.awaitTermination(120), progress_summary(q)
     assert q.exception() is None, progress_summary(q)
     assert spark.sql("select count(*) from since_mark").first()[0] == 12
+
+
+# -- a trigger that finds nothing waits for the next record (waitMs) -----------------------
+def _send_later(addr: str, delay: float) -> threading.Thread:
+    def send() -> None:
+        time.sleep(delay)
+        _publish(addr, 1)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_wait_for_records_answers_when_one_lands(server: Server) -> None:
+    _publish(server.native, 4)
+    with StoreClient(server.native) as c:
+        ends = {q["queue"]: int(q["max_offset"]) for q in c.describe("devices")}
+        start = time.monotonic()
+        assert not c.wait_for_records(ends, 300)  # nothing lands: False after the wait
+        assert 0.25 < time.monotonic() - start < 5
+        sender = _send_later(server.native, 0.3)
+        start = time.monotonic()
+        assert c.wait_for_records(ends, 20_000)
+        assert time.monotonic() - start < 5  # at the record, not at the end of the wait
+        sender.join()
+        assert c.describe("devices")  # the client connects again after the wait
+
+
+def test_stream_reader_waits_for_the_next_record(server: Server) -> None:
+    from spark_streaming.source import LightgateStreamReader
+
+    _publish(server.native, 4)
+    reader = LightgateStreamReader({"server": server.native, "topic": "devices",
+                                    "waitms": "20000"})
+    try:
+        ends = reader.latestOffset(None)
+        assert reader.latestOffset({q: 0 for q in ends}) == ends  # new records: no wait
+        sender = _send_later(server.native, 0.3)
+        start = time.monotonic()
+        grown = reader.latestOffset(dict(ends))
+        assert time.monotonic() - start < 5
+        assert sum(grown.values()) == sum(ends.values()) + 1
+        sender.join()
+        reader.prepareForTriggerAvailableNow()  # a fixed end: never waits
+        start = time.monotonic()
+        assert reader.latestOffset(dict(grown)) == grown
+        assert time.monotonic() - start < 5
+    finally:
+        reader.stop()
+
+
+def test_wait_option_is_checked() -> None:
+    from spark_streaming.source import LightgateStreamReader
+
+    with pytest.raises(ValueError, match="waitMs"):
+        LightgateStreamReader({"topic": "devices", "waitms": "soon"})
+
+
+def test_trigger_wait_ms() -> None:
+    from spark_streaming.jobs.common import interval_ms, trigger_wait_ms
+
+    assert interval_ms("interval 2 minutes") == 120_000
+    assert interval_ms("500 milliseconds") == 500
+    assert interval_ms("1 fortnight") is None
+    assert trigger_wait_ms("1 second") == 900  # most of the interval
+    assert trigger_wait_ms("0.2 seconds") == 180
+    assert trigger_wait_ms("0 seconds") == 500  # back to back: one poll at a time
+    assert trigger_wait_ms("1 minute") == 1000  # a stopping query waits at most this
+    assert trigger_wait_ms("whenever") == 0
