@@ -10,13 +10,17 @@
 //! given out in log order and never twice, whichever reactor thread appends.
 
 use std::collections::{HashMap, HashSet};
-use std::io;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::commitlog::LogWriter;
-use crate::reactor::{Command, Delivery, Handle, Inbound, Reactor, Report, Sink};
+use crate::reactor::{
+    Command, Counters, Delivery, Handle, Inbound, Positions, Reactor, Report, Sink,
+};
 use crate::record::{self, Record};
 use crate::router::{FilterError, Routes, TopicTrie};
 
@@ -52,6 +56,8 @@ struct Log {
 struct Sub {
     conn: u64,
     qos: u8,
+    /// The filter, which names the light queue the subscription reads.
+    filter: Arc<str>,
 }
 
 #[derive(Default)]
@@ -70,11 +76,15 @@ struct Inner {
     dispatched: Mutex<Vec<Dispatched>>,
     reports: Mutex<Vec<Report>>,
     failed: Mutex<Option<String>>,
+    /// A byte written here wakes the owner: reports wait (`Engine::wake_fd`).
+    wake: UnixStream,
 }
 
 pub struct Engine {
     inner: Arc<Inner>,
     reactor: Reactor,
+    /// The owner's end of the wake-up pair: readable while reports wait.
+    woken: UnixStream,
 }
 
 struct EngineSink(Arc<Inner>);
@@ -83,10 +93,18 @@ impl Sink for EngineSink {
     fn report(&self, report: Report) {
         match report {
             Report::Published(batch) => self.0.append(batch),
-            other => {
+            // Our deliveries are all of clean sessions: an ack only frees the window,
+            // which the reactor did already.
+            Report::Acked { .. } => {}
+            Report::Demoted(d) => {
+                // Its subscriptions go first: nothing is delivered to it after the
+                // positions it hands back.
+                self.0.forget(d.conn);
                 if let Ok(mut r) = self.0.reports.lock() {
-                    r.push(other);
+                    r.push(Report::Demoted(d));
                 }
+                // Full (a wake-up waits already) or closed (stopping): either is fine.
+                let _ = (&self.0.wake).write(&[1]);
             }
         }
     }
@@ -114,6 +132,9 @@ impl Engine {
             queue_end,
         };
         let threads = config.io_threads;
+        let (wake, woken) = UnixStream::pair()?;
+        wake.set_nonblocking(true)?;
+        woken.set_nonblocking(true)?;
         let inner = Arc::new(Inner {
             config,
             log: Mutex::new(log),
@@ -122,14 +143,74 @@ impl Engine {
             dispatched: Mutex::new(Vec::new()),
             reports: Mutex::new(Vec::new()),
             failed: Mutex::new(None),
+            wake,
         });
         let reactor = Reactor::start(threads, Arc::new(EngineSink(Arc::clone(&inner))))?;
         let _ = inner.handle.set(reactor.handle());
-        Ok(Engine { inner, reactor })
+        Ok(Engine {
+            inner,
+            reactor,
+            woken,
+        })
     }
 
     pub fn send(&self, command: Command) {
         self.reactor.send(command);
+    }
+
+    /// A descriptor that is readable while demotions wait for `take_reports` (the
+    /// owner reads it empty, non-blocking, then takes them).
+    pub fn wake_fd(&self) -> RawFd {
+        self.woken.as_raw_fd()
+    }
+
+    /// Read the wake-up descriptor empty.
+    pub fn clear_wake(&self) {
+        let mut buf = [0u8; 256];
+        while matches!(io::Read::read(&mut &self.woken, &mut buf), Ok(n) if n > 0) {}
+    }
+
+    pub fn counters(&self) -> &Counters {
+        self.reactor.handle_ref().counters()
+    }
+
+    /// Promote a connection: `adopt` makes its Adopt command, sent only if every
+    /// subscription's position (filter, QoS, next offset) is at its queue's end, and
+    /// then the subscriptions are registered, all under the log's lock, so every
+    /// message appended after it is delivered natively and none before it is. False:
+    /// some queue holds more than the owner delivered (it delivers the rest first),
+    /// and nothing changed.
+    pub fn promote(
+        &self,
+        conn: u64,
+        subscriptions: &[(String, u8, u64)],
+        adopt: impl FnOnce() -> Command,
+    ) -> Result<bool, FilterError> {
+        for (filter, _, _) in subscriptions {
+            crate::router::validate_filter(filter)?;
+        }
+        let Ok(mut log) = self.inner.log.lock() else {
+            return Ok(false);
+        };
+        for (filter, _, position) in subscriptions {
+            let end = match log.next.get(filter.as_str()) {
+                Some(&n) => n,
+                None => {
+                    let n = (log.queue_end)(filter);
+                    log.next.insert(filter.clone(), n);
+                    n
+                }
+            };
+            if *position != end {
+                return Ok(false);
+            }
+        }
+        self.reactor.send(adopt());
+        for (filter, qos, _) in subscriptions {
+            self.subscribe(conn, filter, *qos)?;
+        }
+        drop(log);
+        Ok(true)
     }
 
     pub fn register_wildcard(&self, topic_filter: &str) -> Result<bool, FilterError> {
@@ -156,7 +237,14 @@ impl Engine {
         let id = subs.next_id;
         subs.trie.add(topic_filter, id)?;
         subs.next_id += 1;
-        subs.table.insert(id, Sub { conn, qos });
+        subs.table.insert(
+            id,
+            Sub {
+                conn,
+                qos,
+                filter: Arc::from(topic_filter),
+            },
+        );
         subs.by_conn.insert(key, id);
         Ok(())
     }
@@ -174,21 +262,7 @@ impl Engine {
 
     /// Every subscription of `conn` goes (it was demoted or it left).
     pub fn forget(&self, conn: u64) {
-        let Ok(mut subs) = self.inner.subs.write() else {
-            return;
-        };
-        let filters: Vec<String> = subs
-            .by_conn
-            .keys()
-            .filter(|(c, _)| *c == conn)
-            .map(|(_, f)| f.clone())
-            .collect();
-        for f in filters {
-            if let Some(id) = subs.by_conn.remove(&(conn, f.clone())) {
-                subs.table.remove(&id);
-                subs.trie.remove(&f, id);
-            }
-        }
+        self.inner.forget(conn);
     }
 
     /// What was appended since the last call, in log order, for the index.
@@ -231,7 +305,7 @@ impl Engine {
 
     /// Stop the reactors (their connections close) and make the log durable.
     pub fn stop(self) -> io::Result<u64> {
-        let Engine { inner, reactor } = self;
+        let Engine { inner, reactor, .. } = self;
         reactor.stop();
         let synced = match inner.log.lock() {
             Ok(mut log) => log.writer.sync(),
@@ -242,12 +316,37 @@ impl Engine {
 }
 
 impl Inner {
+    /// Every subscription of `conn` goes (it was demoted or it left).
+    pub fn forget(&self, conn: u64) {
+        let Ok(mut subs) = self.subs.write() else {
+            return;
+        };
+        let filters: Vec<String> = subs
+            .by_conn
+            .keys()
+            .filter(|(c, _)| *c == conn)
+            .map(|(_, f)| f.clone())
+            .collect();
+        for f in filters {
+            if let Some(id) = subs.by_conn.remove(&(conn, f.clone())) {
+                subs.table.remove(&id);
+                subs.trie.remove(&f, id);
+            }
+        }
+    }
+
     /// One pass's publishes: appended, acknowledged, delivered, left for dispatch.
     fn append(&self, batch: Vec<Inbound>) {
         let Some(handle) = self.handle.get() else {
             return;
         };
-        let appended = self.write(&batch);
+        // The log's lock is held until the deliveries are queued: two reactors that
+        // append at once queue them in log order, so each subscriber gets them in
+        // order and a demotion's positions never pass a message not sent yet.
+        let Ok(mut log) = self.log.lock() else {
+            return;
+        };
+        let appended = self.write(&mut log, &batch);
         let mut commands = Vec::new();
         let code = if appended.is_ok() { 0 } else { 0x80 };
         for inb in &batch {
@@ -267,15 +366,13 @@ impl Inner {
             }
         }
         handle.send_many(commands);
+        drop(log);
     }
 
-    fn write(&self, batch: &[Inbound]) -> Result<Vec<Dispatched>, ()> {
+    fn write(&self, log: &mut Log, batch: &[Inbound]) -> Result<Vec<Dispatched>, ()> {
         if self.failed.lock().map(|f| f.is_some()).unwrap_or(true) {
             return Err(());
         }
-        let Ok(mut log) = self.log.lock() else {
-            return Err(());
-        };
         let store_ts = now_ms();
         let mut encoded: Vec<Vec<u8>> = Vec::with_capacity(batch.len());
         let mut done = Vec::with_capacity(batch.len());
@@ -307,7 +404,7 @@ impl Inner {
             };
             let mut buf = Vec::new();
             if record::encode_into(&rec, &mut buf).is_err() {
-                unassign(&mut log, &assigned);
+                unassign(log, &assigned);
                 return Err(());
             }
             done.push(Dispatched {
@@ -333,7 +430,7 @@ impl Inner {
                 Ok(done)
             }
             Err(e) => {
-                unassign(&mut log, &assigned);
+                unassign(log, &assigned);
                 if let Ok(mut f) = self.failed.lock() {
                     *f = Some(format!("commitlog write failed: {e}"));
                 }
@@ -350,11 +447,16 @@ impl Inner {
             return;
         }
         for (inb, d) in batch.iter().zip(done) {
-            let mut best: HashMap<u64, u8> = HashMap::new();
+            // conn -> (its highest QoS among the matching filters, their queues' offsets)
+            let mut best: HashMap<u64, (u8, Positions)> = HashMap::new();
             subs.trie.for_each_match(&inb.topic, |_, id| {
                 if let Some(s) = subs.table.get(&id) {
-                    let q = best.entry(s.conn).or_insert(0);
+                    let (q, positions) = best.entry(s.conn).or_insert((0, Vec::new()));
                     *q = (*q).max(s.qos);
+                    if let Some((_, offset)) = d.queues.iter().find(|(name, _)| **name == *s.filter)
+                    {
+                        positions.push((Arc::clone(&s.filter), *offset));
+                    }
                 }
             });
             if best.is_empty() {
@@ -363,7 +465,7 @@ impl Inner {
             let topic: Arc<str> = Arc::from(inb.topic.as_str());
             let payload: Arc<[u8]> = Arc::from(inb.payload.as_slice());
             let mut seen = HashSet::new();
-            for (conn, sub_qos) in best {
+            for (conn, (sub_qos, positions)) in best {
                 if seen.insert(conn) {
                     commands.push(Command::Deliver {
                         conn,
@@ -373,6 +475,7 @@ impl Inner {
                             qos: inb.qos.min(sub_qos),
                             retain: false,
                             source: (0, d.phys_offset),
+                            positions,
                         },
                     });
                 }

@@ -183,6 +183,11 @@ impl Connection {
         self.demoted
     }
 
+    /// When the client last sent anything, in the driver's clock.
+    pub fn read_at(&self) -> f64 {
+        self.read_at
+    }
+
     /// When the keepalive runs out (1.5 times the interval without a packet), in the
     /// driver's clock; infinity without a keepalive.
     pub fn deadline(&self) -> f64 {

@@ -88,6 +88,7 @@ fn adopt(reactor: &Reactor, conn: u64, socket: OwnedFd, keepalive: u16) {
         unread: Vec::new(),
         idle_for: 0.0,
         acl: None,
+        restore: Default::default(),
     });
 }
 
@@ -143,6 +144,7 @@ fn publish_ack_ping_deliver_and_hand_back() {
                 qos: 1,
                 retain: false,
                 source: (1, u64::from(i)),
+                positions: vec![("c".into(), 10 + u64::from(i))],
             },
         });
     }
@@ -177,6 +179,11 @@ fn publish_ack_ping_deliver_and_hand_back() {
         vec![2, 3]
     );
     assert_eq!(back.next_packet_id, 4);
+    assert_eq!(
+        back.positions.get("c"),
+        Some(&13),
+        "after the last one sent"
+    );
     // The socket still works: the owner answers on it.
     let mut server = TcpStream::from(back.socket);
     server.write_all(&[0x90, 3, 0, 5, 0]).unwrap();
@@ -203,5 +210,71 @@ fn keepalive_and_a_closed_client_hand_back() {
         (1.0..2.5).contains(&waited),
         "1.5 keepalives without a packet, not {waited}"
     );
+    reactor.stop();
+}
+
+#[test]
+fn release_hands_back_with_held_deliveries_left_to_the_owner() {
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    let (mut client, socket) = pair();
+    let mut aliases = std::collections::HashMap::new();
+    aliases.insert(3u16, "dev/1".to_string());
+    reactor.send(Command::Adopt {
+        conn: 4,
+        socket,
+        settings: settings(0),
+        unread: Vec::new(),
+        idle_for: 2.0,
+        acl: None,
+        restore: lightgate_native::reactor::Restore {
+            aliases_in: aliases,
+            next_packet_id: 40,
+        },
+    });
+    // The window is 2: the third QoS 1 delivery is held, not sent.
+    for i in 0..3u8 {
+        reactor.send(Command::Deliver {
+            conn: 4,
+            delivery: Delivery {
+                topic: "q".into(),
+                payload: vec![i].into(),
+                qos: 1,
+                retain: false,
+                source: (0, u64::from(i)),
+                positions: vec![("q".into(), u64::from(i)), ("q/#".into(), 7 + u64::from(i))],
+            },
+        });
+    }
+    let sent = read_exact(&mut client, 16);
+    assert_eq!(
+        (sent[5], sent[6]),
+        (0, 40),
+        "packet ids go on from the owner's"
+    );
+    reactor.send(Command::Release { conn: 4 });
+    let back = take_demoted(&sink, 4);
+    assert_eq!(back.why, Why::Released);
+    assert_eq!(
+        back.outgoing.keys().copied().collect::<Vec<_>>(),
+        vec![40, 41]
+    );
+    assert_eq!(back.next_packet_id, 42);
+    assert_eq!(back.held.len(), 1);
+    // The held one is not counted: the owner delivers it again from the store.
+    assert_eq!(back.positions.get("q"), Some(&2));
+    assert_eq!(back.positions.get("q/#"), Some(&9));
+    assert_eq!(back.aliases_in.get(&3).map(String::as_str), Some("dev/1"));
+    assert!(back.idle_for >= 2.0, "{}", back.idle_for);
+    // A second release of a connection no longer held does nothing.
+    reactor.send(Command::Release { conn: 4 });
+    let counters = reactor.handle().counters().snapshot();
+    let get = |name: &str| counters.iter().find(|(n, _)| *n == name).unwrap().1;
+    assert_eq!(
+        (get("adopted"), get("demoted"), get("connections")),
+        (1, 1, 0)
+    );
+    assert_eq!(get("messages_out"), 2);
+    assert_eq!(get("bytes_out"), 16);
     reactor.stop();
 }
