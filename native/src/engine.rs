@@ -9,7 +9,7 @@
 //! One lock covers the log's tail, the routes and the queue offsets, so offsets are
 //! given out in log order and never twice, whichever reactor thread appends.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -56,6 +56,8 @@ struct Log {
 struct Sub {
     conn: u64,
     qos: u8,
+    /// The connection's protocol version: what a message must not lose for it.
+    version: u8,
     /// The filter, which names the light queue the subscription reads.
     filter: Arc<str>,
 }
@@ -183,6 +185,7 @@ impl Engine {
     pub fn promote(
         &self,
         conn: u64,
+        version: u8,
         subscriptions: &[(String, u8, u64)],
         adopt: impl FnOnce() -> Command,
     ) -> Result<bool, FilterError> {
@@ -207,7 +210,7 @@ impl Engine {
         }
         self.reactor.send(adopt());
         for (filter, qos, _) in subscriptions {
-            self.subscribe(conn, filter, *qos)?;
+            self.subscribe_v(conn, filter, *qos, version)?;
         }
         drop(log);
         Ok(true)
@@ -226,6 +229,17 @@ impl Engine {
 
     /// `conn` receives what matches `topic_filter`, at most at `qos`.
     pub fn subscribe(&self, conn: u64, topic_filter: &str, qos: u8) -> Result<(), FilterError> {
+        self.subscribe_v(conn, topic_filter, qos, 4)
+    }
+
+    /// `subscribe`, for a connection of protocol `version`.
+    pub fn subscribe_v(
+        &self,
+        conn: u64,
+        topic_filter: &str,
+        qos: u8,
+        version: u8,
+    ) -> Result<(), FilterError> {
         let mut subs = self.inner.subs.write().map_err(|_| FilterError::Empty)?;
         let key = (conn, topic_filter.to_string());
         if let Some(&id) = subs.by_conn.get(&key) {
@@ -242,6 +256,7 @@ impl Engine {
             Sub {
                 conn,
                 qos,
+                version,
                 filter: Arc::from(topic_filter),
             },
         );
@@ -447,15 +462,18 @@ impl Inner {
             return;
         }
         for (inb, d) in batch.iter().zip(done) {
-            // conn -> (its highest QoS among the matching filters, their queues' offsets)
-            let mut best: HashMap<u64, (u8, Positions)> = HashMap::new();
+            let mut best: HashMap<u64, Target> = HashMap::new();
             subs.trie.for_each_match(&inb.topic, |_, id| {
                 if let Some(s) = subs.table.get(&id) {
-                    let (q, positions) = best.entry(s.conn).or_insert((0, Vec::new()));
-                    *q = (*q).max(s.qos);
+                    let t = best.entry(s.conn).or_insert(Target {
+                        qos: 0,
+                        version: s.version,
+                        positions: Vec::new(),
+                    });
+                    t.qos = t.qos.max(s.qos);
                     if let Some((_, offset)) = d.queues.iter().find(|(name, _)| **name == *s.filter)
                     {
-                        positions.push((Arc::clone(&s.filter), *offset));
+                        t.positions.push((Arc::clone(&s.filter), *offset));
                     }
                 }
             });
@@ -464,24 +482,41 @@ impl Inner {
             }
             let topic: Arc<str> = Arc::from(inb.topic.as_str());
             let payload: Arc<[u8]> = Arc::from(inb.payload.as_slice());
-            let mut seen = HashSet::new();
-            for (conn, (sub_qos, positions)) in best {
-                if seen.insert(conn) {
-                    commands.push(Command::Deliver {
-                        conn,
-                        delivery: Delivery {
-                            topic: Arc::clone(&topic),
-                            payload: Arc::clone(&payload),
-                            qos: inb.qos.min(sub_qos),
-                            retain: false,
-                            source: (0, d.phys_offset),
-                            positions,
-                        },
-                    });
+            for (conn, t) in best {
+                let qos = inb.qos.min(t.qos);
+                if qos > 1 || (t.version == 5 && !no_properties(b"")) {
+                    // QoS 2, or properties a v5 client must get: Python carries this
+                    // message, so the connection goes back before it.
+                    commands.push(Command::Release { conn });
+                    continue;
                 }
+                commands.push(Command::Deliver {
+                    conn,
+                    delivery: Delivery {
+                        topic: Arc::clone(&topic),
+                        payload: Arc::clone(&payload),
+                        qos,
+                        retain: false,
+                        source: (0, d.phys_offset),
+                        positions: t.positions,
+                    },
+                });
             }
         }
     }
+}
+
+/// One connection a message goes to: the highest QoS of its matching filters, its
+/// protocol version, and the message's offset in each of their queues.
+struct Target {
+    qos: u8,
+    version: u8,
+    positions: Positions,
+}
+
+/// Whether a record's properties (JSON, as `store/record.py` keeps them) are none.
+fn no_properties(properties: &[u8]) -> bool {
+    properties.is_empty() || properties == b"{}"
 }
 
 fn unassign(log: &mut Log, assigned: &[(String, u64)]) {

@@ -430,7 +430,7 @@ impl PyEngine {
         // The log's lock is taken inside: the interpreter is let go first (a reactor
         // holding it may be asking Python where a queue ends).
         let taken = py.allow_threads(|| {
-            engine.promote(conn, &subscriptions, || ReactorCommand::Adopt {
+            engine.promote(conn, version, &subscriptions, || ReactorCommand::Adopt {
                 conn,
                 socket: adopt_fd(fd),
                 settings,

@@ -506,6 +506,11 @@ impl Worker {
     }
 
     fn send_held(c: &mut Conn, counters: &Counters) {
+        if c.demoting.is_some() {
+            // Handed back soon: what is held stays unsent, so the positions say exactly
+            // what went out and the owner delivers the rest, in order.
+            return;
+        }
         while let Some(d) = c.held.front() {
             if d.qos > 0 && c.core.window() == 0 {
                 break;

@@ -126,14 +126,14 @@ fn a_promotion_waits_for_its_queues_end_and_a_demotion_hands_positions_back() {
     let socket = std::cell::Cell::new(Some(socket));
     // Behind the queue's end: refused, and the socket is not taken.
     let taken = engine
-        .promote(2, &[("s/t".to_string(), 1, 2)], || {
+        .promote(2, 4, &[("s/t".to_string(), 1, 2)], || {
             adoption(2, socket.take().unwrap())
         })
         .unwrap();
     assert!(!taken);
     let socket = socket.take().expect("not taken");
     assert!(engine
-        .promote(2, &[("s/t".to_string(), 1, 3)], || adoption(2, socket))
+        .promote(2, 4, &[("s/t".to_string(), 1, 3)], || adoption(2, socket))
         .unwrap());
 
     // PUBLISH QoS 0 "s/t" "a", then "b": offsets 3 and 4 of the queue.
@@ -195,7 +195,7 @@ fn a_promotion_waits_for_its_queues_end_and_a_demotion_hands_positions_back() {
     // A promotion at the new end (6) is taken again.
     let (_other, socket) = pair();
     assert!(engine
-        .promote(3, &[("s/t".to_string(), 0, 6)], || adoption(3, socket))
+        .promote(3, 4, &[("s/t".to_string(), 0, 6)], || adoption(3, socket))
         .unwrap());
     engine.stop().unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
