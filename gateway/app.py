@@ -117,6 +117,7 @@ async def _gateway(opts: GatewayOptions, signals: Signals) -> None:
             gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
             nursery.start_soon(_announce, store, gateway_id, dict(bound))
             bound["store"] = opts.store
+            bound["plane"] = "python"  # no native engine in a separated gateway yet
             tune_for_serving()
             print(ready_line(bound), flush=True)
             await stop_on_signal(signals, nursery)

@@ -38,6 +38,10 @@ class GatewayConfig:
     pull_batch: int = 256
     offsets_flush_interval: float = 0.5
     sys_interval: float = setting(10.0, "seconds between $SYS/broker/... updates")
+    # The native data plane's reactors (LIGHTGATE_NATIVE=1); None: one per core.
+    io_threads: int | None = setting(
+        None, "I/O threads of the native data plane (none given: one per core); taken "
+        "where the native plane runs")
     expiry_check_interval: float = 30.0
     max_qos: int = 2
     max_keepalive: int = setting(

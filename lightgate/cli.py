@@ -28,6 +28,7 @@ from lightgate.settings import (
     STORE_CMD_SETTINGS,
     all_settings,
 )
+from serving import plane
 from serving.fd_budget import raise_fd_limit
 from serving.settings import flag_values
 from serving.startup import (
@@ -143,6 +144,11 @@ def _store_config(values: dict[str, Any]) -> Any:
 
 
 def _gateway_config(values: dict[str, Any]) -> GatewayConfig:
+    if values["io_threads"] is not None and values["io_threads"] < 1:
+        raise StartupError(f"--io-threads must be at least 1, not {values['io_threads']}")
+    why = plane.require_native()
+    if why is not None:
+        raise StartupError(why)
     cfg: GatewayConfig = _config(GatewayConfig, values, **_http(values))
     return cfg
 

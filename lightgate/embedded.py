@@ -5,6 +5,7 @@ other's insides (a separated gateway imports no storage engine at all)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -17,6 +18,7 @@ from gateway.broker import Broker
 from gateway.config import GatewayConfig, ListenerConfig
 from gateway.listener import start_listeners
 from notify import LocalBus
+from serving import plane
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
 from serving.startup import Signals, shutdown_signals, stop_on_signal
@@ -44,7 +46,14 @@ async def run_serve(opts: ServeOptions) -> None:
         await _serve(opts, signals)
 
 
+def io_threads(gateway: GatewayConfig) -> int:
+    """The native plane's I/O threads: as many as asked, else one per core."""
+    return gateway.io_threads or os.cpu_count() or 1
+
+
 async def _serve(opts: ServeOptions, signals: Signals) -> None:
+    if plane.writer() == "native":  # the engine writes the log (store.service)
+        opts.store.engine_threads = io_threads(opts.gateway)
     async with (
         LocalBus(window=0) as bus,  # the store appends in batches: nothing to wait for
         store_node(opts.store, opts.native, bus.publish_from_thread, opts.auth) as node,
@@ -61,6 +70,7 @@ async def _serve(opts: ServeOptions, signals: Signals) -> None:
         bound["http"] = await nursery.start(
             partial(serve_http, max_body=opts.gateway.http_max_body,
                     allowed_hosts=opts.gateway.http_allowed_hosts), app, opts.http)
+        bound["plane"] = plane.writer()
         tune_for_serving()
         print(ready_line(bound), flush=True)
         await stop_on_signal(signals, nursery)

@@ -42,3 +42,12 @@ def require_native() -> str | None:
                 "with a Rust toolchain: cargo on PATH, then `pip install .`); unset "
                 "LIGHTGATE_NATIVE to run the Python plane")
     return None
+
+
+def writer() -> str:
+    """`native` when the native engine is to write the CommitLog of `lightgate serve`
+    (LIGHTGATE_NATIVE=1 with the extension there), else `python`. Unset still means the
+    Python writer: the engine writes only when asked for."""
+    if os.environ.get(ENV, "").strip() == "1" and NATIVE is not None:
+        return "native"
+    return "python"

@@ -29,11 +29,13 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import orjson
 from setproctitle import setthreadtitle
 
 from lightqueue.index import ConsumeQueueIndex
+from serving import plane
 from store import producers, record
 from store.common import StoreClosedError, StoreError, StoreFullError
 from store.producers import Plan, ProducerTable, Stamp
@@ -211,6 +213,14 @@ class CommitLog:
         # and rebuilt from the records (store.producers; snapshots: store.producer_state).
         self.producers = ProducerTable(max_producers)
         self.stats = {"appends": 0, "messages": 0, "bytes_written": 0, "fsyncs": 0, "batches": 0}
+        # The native engine (lightgate_native.Engine), once `start_engine` handed it the
+        # tail: then it is the log's one writer, and the index follows its appends (the
+        # native publishes' and these) in log order, dispatched by one path at a time.
+        self.engine: Any = None
+        self._dispatch_lock = threading.Lock()
+        self._own: dict[int, Message] = {}  # this process's appends, by position, until dispatched
+        self._dispatcher: threading.Thread | None = None
+        self._dispatch_stop = False
 
     # -- lifecycle --------------------------------------------------------------------
     def open(self) -> RecoveryReport:
@@ -231,6 +241,8 @@ class CommitLog:
             self._thread.join()
         with self._write_lock:  # an inline append that began before _closed was set
             pass
+        if self.engine is not None:
+            self._stop_engine()
         if self._wfd >= 0:
             os.fsync(self._wfd)
             os.close(self._wfd)
@@ -254,6 +266,239 @@ class CommitLog:
     @property
     def flushed_offset(self) -> int:
         return self._flushed
+
+    # -- the native engine as the writer ----------------------------------------------
+    def start_engine(self, io_threads: int = 1, default_partitions: int = 1) -> Any:
+        """Hand the tail to a native engine (lightgate_native.Engine) after `open`: from
+        here on it writes every append, this process's and its native connections', and
+        a dispatcher thread feeds the index from its appends in log order. Returns it."""
+        if plane.NATIVE is None:
+            raise RuntimeError("the native data plane is not installed")
+        if self._closed or self.engine is not None:
+            raise RuntimeError("start_engine needs an open log without one")
+        with self._write_lock, self._tail_lock:
+            self._fsync_fd()
+            active = self._segments[-1]
+            engine = plane.NATIVE.Engine(
+                str(self.dir), self.segment_size, active.base, self._write_pos,
+                default_partitions, self.flush_mode == "sync", max(1, io_threads),
+                self.index.max_offset)
+            os.close(self._wfd)
+            self._wfd = -1
+            self.engine = engine
+        self._dispatcher = threading.Thread(target=self._dispatch_loop,
+                                            name="commitlog-dispatch", daemon=True)
+        self._dispatcher.start()
+        return engine
+
+    def _fsync_fd(self) -> None:
+        if self._wfd >= 0 and self._flushed < self._write_pos:
+            os.fdatasync(self._wfd)
+            self._flushed = self._write_pos
+
+    def catch_up(self) -> None:
+        """Dispatch what the engine appended and the index does not hold yet: a reader
+        of the index (a pull, history, a queue's end) calls this first, so that it never
+        sees a position, or a subscriber's count, past what the index answers."""
+        if self.engine is not None:
+            self._drain()
+
+    def _dispatch_loop(self) -> None:
+        setthreadtitle("commitlog-dispatch")
+        engine = self.engine
+        while not self._dispatch_stop:
+            try:
+                if engine.wait_dispatched(0.5):
+                    self._drain()
+            except Exception:  # noqa: BLE001 - the thread must outlive one bad batch
+                log.exception("commitlog dispatch failed")
+                time.sleep(0.1)
+
+    def _drain(self) -> None:
+        with self._dispatch_lock:
+            self._drain_locked()
+
+    def _drain_locked(self) -> None:
+        """The engine's appends since the last drain into the index, in log order, then
+        `on_dispatched`: this process's appends as their Messages, the native ones read
+        back from the log."""
+        rows, new_segments = self.engine.take_pending()
+        if new_segments:
+            segs = tuple(Segment(self.dir / segment_name(b), b) for b in new_segments)
+            self._update_segments(lambda old: (*old, *segs))
+        if not rows:
+            return
+        own = self._own
+        msgs: list[Message | None] = [own.pop(r[0], None) for r in rows]
+        missing = [(r[0], r[1]) for r, m in zip(rows, msgs, strict=True) if m is None]
+        if missing:
+            read = iter(self._read_appended(missing))
+            msgs = [m if m is not None else next(read) for m in msgs]
+        done: list[Message] = msgs  # type: ignore[assignment]
+        self._dispatch(done)
+        last = rows[-1]
+        before = self._write_pos
+        self._write_pos = last[0] + last[1]
+        self._flushed = max(self._flushed, self.engine.flushed)
+        self.stats["bytes_written"] += self._write_pos - before
+        if self.flush_mode == "async":
+            if not self._flush_due:
+                self._flush_due = True
+                self._dirty_since = time.monotonic()
+                self._requests.put(_WAKE)  # the flusher's interval starts now
+            elif self._write_pos - self._flushed >= self.flush_bytes > before - self._flushed:
+                self._requests.put(_WAKE)  # enough dirty bytes: fsync at once
+        if self.on_dispatched:
+            try:
+                self.on_dispatched(done)
+            except Exception:
+                log.exception("on_dispatched callback failed")
+
+    def _read_appended(self, entries: list[tuple[int, int]]) -> list[Message]:
+        """The records at these positions, appended by the engine and not dispatched yet
+        (past `_write_pos`, which `read_run` keeps readers within)."""
+        out: list[Message] = []
+        segs, bases = self._segments, self._bases
+        for phys, size in entries:
+            seg = segs[bisect.bisect_right(bases, phys) - 1]
+            out.append(record.decode(seg.pread(size, phys - seg.base), 0, phys))
+        return out
+
+    def _write_batch_engine(self, batch: list[_Append]) -> list[_Append]:
+        """`_write_batch` through the engine: the producers' sequences are checked here,
+        the offsets, records and writes are the engine's. Requests of one producer to
+        one topic go in separate engine appends, each checked against the one before."""
+        now = _now_ms()
+        accepted: list[_Append] = []
+        chunk: list[tuple[_Append, list[tuple]]] = []
+        keys: set[tuple[str, str]] = set()
+        for req in batch:
+            key = None if req.stamp is None else (req.stamp.producer, req.stamp.topic)
+            if key is not None and key in keys:
+                accepted += self._engine_append(chunk, now)
+                chunk, keys = [], set()
+            try:
+                queues = req.queues
+                if req.stamp is not None:
+                    req.plan = self.producers.plan(req.stamp, len(req.messages))
+                    if req.plan.skip:
+                        req.fresh = req.messages[req.plan.skip:]
+                        queues = queues[req.plan.skip:]
+                    _mark(req.new(), req.stamp, req.plan.skip)
+                rows = []
+                for msg, qs in zip(req.new(), queues, strict=True):
+                    if msg.mark and req.stamp is None:
+                        msg.mark = 0  # read from the log and appended again: not a producer's
+                    body = msg.body if type(msg.body) is bytes else bytes(msg.body)
+                    rows.append((msg.born_ts, msg.qos, msg.retain, msg.client_id, msg.topic,
+                                 msg.key, record.stored_properties(msg), body, list(qs),
+                                 msg.mark))
+            except Exception as exc:  # one bad request must not sink the batch
+                req.future.set_exception(exc)
+                continue
+            if key is not None:
+                keys.add(key)
+            chunk.append((req, rows))
+        accepted += self._engine_append(chunk, now)
+        try:
+            self._drain()  # the index holds them (and what came before) before the acks
+        except Exception:  # noqa: BLE001 - the records are in the log; recovery indexes them
+            log.exception("dispatch after an append failed")
+        with self._dispatch_lock:
+            for req in accepted:  # what a drain took before they were known here
+                for m in req.new():
+                    self._own.pop(m.phys_offset, None)
+        msgs = [m for req in accepted for m in req.new()]
+        self.stats["batches"] += 1
+        self.stats["appends"] += len(accepted)
+        self.stats["messages"] += len(msgs)
+        return accepted
+
+    def _engine_append(self, chunk: list[tuple[_Append, list[tuple]]], now: int
+                       ) -> list[_Append]:
+        """One engine append of these requests; a request the engine cannot encode
+        fails alone (the others go again), a failed write fails them all."""
+        while chunk:
+            flat = [row for _, rows in chunk for row in rows]
+            try:
+                done = self.engine.append_messages(flat, now) if flat else []
+            except ValueError as exc:
+                if len(exc.args) == 2 and isinstance(exc.args[0], int):
+                    i, why = exc.args
+                    chunk = self._fail_at(chunk, i, ValueError(why))
+                    continue
+                return self._one_by_one(chunk, now, exc)
+            except OSError as exc:
+                why = self.engine.failed
+                if why is not None:
+                    self._failed = StoreError(why)
+                    log.critical("commitlog stops taking writes: %s", why)
+                err: StoreError = (
+                    StoreFullError("no space left on the store's disk")
+                    if exc.errno == errno.ENOSPC
+                    else StoreError(f"commitlog write failed: {exc}")
+                )
+                log.error("append of %d requests failed: %s", len(chunk), exc)
+                for req, _ in chunk:
+                    req.future.set_exception(err)
+                return []
+            except (TypeError, OverflowError) as exc:  # a field no record can hold
+                return self._one_by_one(chunk, now, exc)
+            it = iter(done)
+            own = self._own
+            for req, _ in chunk:
+                new = req.new()
+                for msg in new:
+                    phys, size, store_ts, queues = next(it)
+                    msg.phys_offset, msg.size, msg.store_ts, msg.queues = (
+                        phys, size, store_ts, queues)
+                    own[phys] = msg
+                if req.stamp is not None and new:
+                    assert req.plan is not None
+                    self.producers.appended(
+                        req.stamp, req.stamp.seq + req.plan.skip, len(new),
+                        new[0].phys_offset, new[-1].phys_offset + new[-1].size, now)
+            return [req for req, _ in chunk]
+        return []
+
+    @staticmethod
+    def _fail_at(chunk: list[tuple[_Append, list[tuple]]], index: int, exc: Exception
+                 ) -> list[tuple[_Append, list[tuple]]]:
+        """The chunk without the request that holds flat row `index`, which fails."""
+        for n, (req, rows) in enumerate(chunk):
+            if index < len(rows):
+                req.future.set_exception(exc)
+                return chunk[:n] + chunk[n + 1:]
+            index -= len(rows)
+        return chunk
+
+    def _one_by_one(self, chunk: list[tuple[_Append, list[tuple]]], now: int,
+                    exc: Exception) -> list[_Append]:
+        if len(chunk) == 1:
+            chunk[0][0].future.set_exception(exc)
+            return []
+        out: list[_Append] = []
+        for item in chunk:
+            out += self._engine_append([item], now)
+        return out
+
+    def _stop_engine(self) -> None:
+        """Close with the engine: the dispatcher stops, the engine stops (its reactors
+        and their connections, then an fsync of the tail), the rest is dispatched."""
+        self._dispatch_stop = True
+        self.engine.wake()
+        if self._dispatcher is not None:
+            self._dispatcher.join()
+        try:
+            self._flushed = self.engine.stop()
+        finally:
+            with self._dispatch_lock:
+                self._drain_locked()  # what the engine left: it hands it over once stopped
+
+    def _refuse_engine(self, what: str) -> None:
+        if self.engine is not None:
+            raise StoreError(f"{what} is not for a log the native engine writes (a store "
+                             "group's node runs the Python writer)")
 
     def segments(self) -> list[tuple[int, int]]:
         """(base, size) of every live segment, oldest first."""
@@ -441,6 +686,8 @@ class CommitLog:
             for req in batch:
                 req.future.set_exception(StoreClosedError(f"commitlog failed: {self._failed}"))
             return []
+        if self.engine is not None:
+            return self._write_batch_engine(batch)
         now = _now_ms()
         accepted: list[_Append] = []
         chunks: list[tuple[Segment | None, list[bytes]]] = [(None, [])]  # None = active
@@ -516,6 +763,8 @@ class CommitLog:
         if not written:
             return
         new = [m for req in written for m in req.new()]
+        if self.engine is not None:
+            new = []  # the dispatch told them already, in log order
         if self.on_dispatched and new:  # before the acks: readers hear of it at once
             try:
                 self.on_dispatched(new)
@@ -610,6 +859,9 @@ class CommitLog:
         """fsync what was written so far. The flusher thread runs this beside inline
         appends: it takes the tail under the lock, but syncs a duplicate of the fd outside
         it, so an append never waits for the disk (and a roll may close the original)."""
+        if self.engine is not None:
+            self._fsync_engine()
+            return
         with self._write_lock:
             if self._flushed == self._write_pos:
                 return
@@ -630,6 +882,29 @@ class CommitLog:
             os.close(fd)
         self.stats["fsyncs"] += 1
         self._flushed = max(self._flushed, pos)
+        if due:
+            self._write_checkpoint()
+        if snap is not None:
+            self._save_producers(pos, snap)
+
+    def _fsync_engine(self) -> None:
+        """`_fsync_tail` with the engine writing: its fdatasync, outside every lock."""
+        with self._write_lock:  # between this process's appends: the producers' table
+            with self._dispatch_lock:  # fits the log up to `pos`
+                self._flush_due = False
+            pos = self.engine.write_pos
+            if self._flushed >= pos:
+                return
+            due = time.monotonic() - self._last_checkpoint >= 1.0
+            snap = self.producers.snapshot() if due and self.producers.dirty else None
+        try:
+            flushed = self.engine.flush()
+        except OSError as exc:
+            self._failed = exc
+            log.critical("fsync failed, commitlog stops taking writes: %s", exc)
+            raise
+        self.stats["fsyncs"] += 1
+        self._flushed = max(self._flushed, flushed)
         if due:
             self._write_checkpoint()
         if snap is not None:
@@ -1024,6 +1299,7 @@ class CommitLog:
         """A replica writes the master's bytes at the master's offset (whole records),
         rolling to a new segment where the master's starts, and dispatches them to its own
         index as recovery does. Returns the records."""
+        self._refuse_engine("a replica's copy")
         with self._write_lock:
             if self._closed or self._failed:
                 raise StoreClosedError(f"commitlog unavailable: {self._failed or 'closed'}")
@@ -1066,6 +1342,7 @@ class CommitLog:
         takes the master's log from its start. Everything here is past the group's
         retention, so it is deleted, not quarantined. Returns the bytes dropped. The
         caller resets the index first (see ConsumeQueueIndex.reset)."""
+        self._refuse_engine("a replica's start-over")
         with self._write_lock, self._tail_lock:
             if offset <= self._write_pos:
                 raise ValueError(f"cannot restart at {offset}, not past the log end "
@@ -1095,6 +1372,7 @@ class CommitLog:
         """Cut the log at `offset` (a record boundary): a tail the group never
         acknowledged, where this node's log forked from the master's. The cut bytes go to
         quarantine, their index entries are removed. Returns the bytes cut."""
+        self._refuse_engine("a cut of the log")
         with self._write_lock, self._tail_lock:
             if offset >= self._write_pos:
                 return 0

@@ -262,6 +262,7 @@ class HistoryReader:
     def seek(self, queue: str, ms: int) -> QueueSeek:
         """Where `queue`'s messages stored at or after `ms` begin, and whether retention
         removed some of them (see `_cut`)."""
+        self.log.catch_up()
         offset = self.index.offset_at_time(queue, ms)
         lo, hi = self.index.min_offset(queue), self.index.max_offset(queue)
         return QueueSeek(offset, lo, hi, lo > 0 and self._trimmed_after(ms))

@@ -159,18 +159,27 @@ def _qname(name: str) -> bytes:
     return raw
 
 
+def stored_properties(msg: Message) -> bytes:
+    """The properties as the record stores them (JSON, the producer's stamp included),
+    b"" when there are none."""
+    stored = msg.properties
+    if msg.mark & MARK_FIRST:
+        stored = {**stored, PRODUCER_PROP: msg.producer}
+    props = encode_properties(stored) if stored else b""
+    if props and b'"$b64"' in props:
+        # A property shaped like our bytes wrapper must come back as it went in: a record
+        # that does not decode would stop every later start in recovery.
+        decode_properties(props)
+    return props
+
+
 def encode(msg: Message) -> bytes:
     """Encode `msg` (its store_ts and queues must be set) into one record: by the native
     data plane when it runs (the same bytes, a fifth of the time), else `encode_python`."""
     if _native_encode is None:
         return encode_python(msg)
     try:
-        stored = msg.properties
-        if msg.mark & MARK_FIRST:
-            stored = {**stored, PRODUCER_PROP: msg.producer}
-        props = encode_properties(stored) if stored else b""
-        if props and b'"$b64"' in props:
-            decode_properties(props)  # as encode_python checks it
+        props = stored_properties(msg)
         return _native_encode(msg.store_ts, msg.born_ts, msg.qos, msg.retain, msg.client_id,
                               msg.topic, msg.key, props, msg.body, msg.queues, msg.mark)
     except Exception:  # noqa: BLE001 - what either refuses, Python's error says why
@@ -182,14 +191,7 @@ def encode_python(msg: Message) -> bytes:
     client = msg.client_id.encode()
     topic = msg.topic.encode()
     key = msg.key.encode() if msg.key else b""
-    stored = msg.properties
-    if msg.mark & MARK_FIRST:
-        stored = {**stored, PRODUCER_PROP: msg.producer}
-    props = encode_properties(stored) if stored else b""
-    if props and b'"$b64"' in props:
-        # A property shaped like our bytes wrapper must come back as it went in: a record
-        # that does not decode would stop every later start in recovery.
-        decode_properties(props)
+    props = stored_properties(msg)
     queues = msg.queues
     parts = [
         (FIXED_WIDE if len(queues) > MAX_QUEUES else FIXED).pack(

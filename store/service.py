@@ -136,6 +136,8 @@ class EmbeddedStore:
             if store.recovery.truncated_at is not None:
                 await trio.to_thread.run_sync(store._keep_readers_ahead)
             store._load_routes()
+            if config.engine_threads:
+                await trio.to_thread.run_sync(store._start_engine)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(store._retention_loop)
                 nursery.start_soon(store._producer_gc_loop)
@@ -179,6 +181,22 @@ class EmbeddedStore:
             self._wildcard_seen[topic_filter] = now
         for topic, info in self.meta.items("topics"):
             self.router.set_partitions(topic, int(info.get("partitions", 1)))
+
+    def _start_engine(self) -> None:
+        """The native engine takes the log's tail over, with the routes Python knows
+        (its native publishes are routed by its own copy of them)."""
+        engine = self.commitlog.start_engine(self.config.engine_threads,
+                                             self.config.default_partitions)
+        for topic_filter in self.router.wildcards():
+            engine.register_wildcard(topic_filter)
+        for topic, info in self.meta.items("topics"):
+            engine.set_partitions(topic, int(info.get("partitions", 1)))
+        log.info("the native engine writes the log (%d I/O threads)", self.config.engine_threads)
+
+    @property
+    def engine(self) -> Any:
+        """The native engine that writes the log (lightgate_native.Engine), or None."""
+        return self.commitlog.engine
 
     def _on_dispatched(self, messages: list[Message]) -> None:
         """The writer thread, before the acks: keep the newest messages of queues being
@@ -346,6 +364,7 @@ class EmbeddedStore:
     def pull_sync(self, queue: str, offset: int, max_count: int = 32,
                   max_bytes: int | None = None) -> PullResult:
         max_count = max(1, min(max_count, MAX_PULL))
+        self.commitlog.catch_up()
         lo = self.index.min_offset(queue)
         hi = self.index.max_offset(queue)
         # Below the minimum: retention took it. Beyond the end: a repaired (cut) log gave
@@ -369,6 +388,7 @@ class EmbeddedStore:
         replication). No I/O wait beyond the page cache's: callable from the event loop
         when appends are inline."""
         max_count = max(1, min(max_count, MAX_PULL))
+        self.commitlog.catch_up()
         lo, hi = self.index.min_offset(queue), self.index.max_offset(queue)
         start = min(max(offset, lo), hi)
         entries = self.index.read_tuples(queue, start, max_count)
@@ -390,6 +410,7 @@ class EmbeddedStore:
         return self.index.min_offset(queue), self._end(queue, read_limit)
 
     def _end(self, queue: str, read_limit: int | None) -> int:
+        self.commitlog.catch_up()
         if read_limit is None:
             return self.index.max_offset(queue)
         return self.index.end_within(queue, read_limit)
@@ -429,6 +450,8 @@ class EmbeddedStore:
         so an empty one comes back after all before it."""
         if not self.commitlog.inline:
             await await_future(self.commitlog.append([], []))
+        else:
+            self.commitlog.catch_up()
 
     async def get_message(self, msg_id: str) -> Message:
         return await trio.to_thread.run_sync(self.commitlog.read, parse_msg_id(msg_id))
@@ -493,10 +516,12 @@ class EmbeddedStore:
 
     async def queue_end(self, queue: str) -> int:
         """One past the last entry of `queue`: where a new subscription starts."""
+        self.commitlog.catch_up()
         return self.index.max_offset(queue)
 
     async def queue_tail_start(self, queue: str, start: int, max_bytes: int) -> int:
         """Where a reader at `start` resumes if it may be at most `max_bytes` behind."""
+        self.commitlog.catch_up()
         return self.index.tail_start(queue, start, max_bytes)
 
     # -- routing metadata -------------------------------------------------------------
@@ -506,6 +531,8 @@ class EmbeddedStore:
         self._wildcard_seen[topic_filter] = time.monotonic()
         if not self.router.register_wildcard(topic_filter):
             return False
+        if self.engine is not None:
+            self.engine.register_wildcard(topic_filter)
         self.meta.put("wildcards", topic_filter, {"since": int(time.time() * 1000)})
         return True
 
@@ -513,11 +540,15 @@ class EmbeddedStore:
         self._wildcard_seen.pop(topic_filter, None)
         if not self.router.unregister_wildcard(topic_filter):
             return False
+        if self.engine is not None:
+            self.engine.unregister_wildcard(topic_filter)
         self.meta.delete("wildcards", topic_filter)
         return True
 
     def create_topic(self, topic: str, partitions: int) -> None:
         self.router.set_partitions(topic, partitions)
+        if self.engine is not None:
+            self.engine.set_partitions(topic, partitions)
         self.meta.put("topics", topic, {"partitions": partitions})
 
     def topic_queues(self, topic: str) -> list[str]:

@@ -34,6 +34,8 @@ pub struct LogWriter {
     active_base: u64,
     write_pos: u64,
     flushed: u64,
+    /// Why the tail cannot be trusted any more (an fsync or an undo failed), if so.
+    broken: Option<String>,
 }
 
 impl LogWriter {
@@ -68,6 +70,7 @@ impl LogWriter {
             active_base,
             write_pos,
             flushed: write_pos,
+            broken: None,
         })
     }
 
@@ -83,10 +86,25 @@ impl LogWriter {
         self.active_base
     }
 
+    /// Why the writer refuses appends: after a failed fsync the page cache's state is
+    /// unknown, and after a failed undo the tail is; either stops the log for good.
+    pub fn broken(&self) -> Option<&str> {
+        self.broken.as_deref()
+    }
+
     /// Append `records` in order, rolling to a new segment where the next one would not
     /// fit (a record never spans two; a segment holds at least one). On any error the
     /// log is cut back to where it was and the segments this call began are removed.
     pub fn append(&mut self, records: &[&[u8]]) -> io::Result<Appended> {
+        self.append_synced(records, false)
+    }
+
+    /// `append`, made durable before it returns when `sync` (`--flush sync`); a failed
+    /// fsync undoes the batch too, and leaves the writer broken.
+    pub fn append_synced(&mut self, records: &[&[u8]], sync: bool) -> io::Result<Appended> {
+        if let Some(why) = &self.broken {
+            return Err(io::Error::other(why.clone()));
+        }
         let start_pos = self.write_pos;
         let start_base = self.active_base;
         let mut done = Appended::default();
@@ -110,6 +128,12 @@ impl LogWriter {
             self.undo(start_pos, start_base, &done.new_segments);
             return Err(e);
         }
+        if sync {
+            if let Err(e) = self.sync() {
+                self.undo(start_pos, start_base, &done.new_segments);
+                return Err(e);
+            }
+        }
         Ok(done)
     }
 
@@ -122,7 +146,7 @@ impl LogWriter {
     /// A new segment from `base` on: the old one made durable first (a closed segment
     /// always is), the new name made durable before anything in it is acknowledged.
     fn roll(&mut self, base: u64) -> io::Result<()> {
-        self.file.sync_data()?;
+        self.sync_file()?;
         self.flushed = self.write_pos;
         let file = OpenOptions::new()
             .create_new(true)
@@ -145,8 +169,11 @@ impl LogWriter {
             f.set_len(start_pos - start_base)?;
             Ok(f)
         });
-        if let Ok(f) = reopened {
-            self.file = f;
+        match reopened {
+            Ok(f) => self.file = f,
+            Err(e) => {
+                self.broken = Some(format!("the log's tail could not be restored: {e}"));
+            }
         }
         self.active_base = start_base;
         self.write_pos = start_pos;
@@ -156,10 +183,21 @@ impl LogWriter {
     /// Make everything written durable; returns the durable end.
     pub fn sync(&mut self) -> io::Result<u64> {
         if self.flushed < self.write_pos {
-            self.file.sync_data()?;
+            self.sync_file()?;
             self.flushed = self.write_pos;
         }
         Ok(self.flushed)
+    }
+
+    fn sync_file(&mut self) -> io::Result<()> {
+        if let Some(why) = &self.broken {
+            return Err(io::Error::other(why.clone()));
+        }
+        let synced = self.file.sync_data();
+        if let Err(e) = &synced {
+            self.broken = Some(format!("fsync failed: {e}"));
+        }
+        synced
     }
 }
 

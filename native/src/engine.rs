@@ -14,14 +14,15 @@ use std::io::{self, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::commitlog::LogWriter;
 use crate::reactor::{
     Command, Counters, Delivery, Handle, Inbound, Positions, Reactor, Report, Sink,
 };
-use crate::record::{self, Record};
+use crate::record::{self, Record, RecordError};
 use crate::router::{FilterError, Routes, TopicTrie};
 
 /// Where a queue the engine has not appended to yet ends (the index knows).
@@ -44,6 +45,87 @@ pub struct Dispatched {
     pub size: u32,
     pub store_ts: u64,
     pub queues: Vec<(String, u64)>,
+}
+
+/// A message appended from outside the reactors (Python's: TLS and WebSocket clients,
+/// QoS 2, retained messages, the SDK's sends, wills): the record's fields but its store
+/// time and queue offsets, and the queues it goes to (Python routed it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Message {
+    pub born_ts: u64,
+    pub qos: u8,
+    pub retain: bool,
+    /// An idempotent producer's flag bits (`store/record.py`), kept as given.
+    pub marks: u8,
+    pub client_id: String,
+    pub topic: String,
+    pub key: String,
+    /// The properties as the record stores them (JSON), empty when there are none.
+    pub properties: Vec<u8>,
+    pub body: Vec<u8>,
+    pub queues: Vec<String>,
+}
+
+#[derive(Debug)]
+pub enum AppendError {
+    /// Message `index` of the batch cannot be a record; nothing of the batch was written.
+    Invalid(usize, RecordError),
+    /// The write failed and was undone, offsets included (a full disk: ENOSPC).
+    Io(io::Error),
+    /// The log stopped taking writes before (a failed fsync): why.
+    Failed(String),
+}
+
+impl std::fmt::Display for AppendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AppendError::Invalid(i, e) => write!(f, "message {i}: {e}"),
+            AppendError::Io(e) => write!(f, "commitlog write failed: {e}"),
+            AppendError::Failed(why) => write!(f, "commitlog unavailable: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for AppendError {}
+
+/// What the index has not taken yet, in log order, and the segments begun meanwhile
+/// (their bases, oldest first): readers must know a segment before its records.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Pending {
+    pub rows: Vec<Dispatched>,
+    pub new_segments: Vec<u64>,
+}
+
+/// One record to append, borrowed: a native publish's (`queues` None: routed under the
+/// log lock) or an outside `Message`'s.
+struct Item<'a> {
+    born_ts: Option<u64>,
+    qos: u8,
+    retain: bool,
+    marks: u8,
+    client_id: &'a str,
+    topic: &'a str,
+    key: &'a str,
+    properties: &'a [u8],
+    body: &'a [u8],
+    queues: Option<&'a [String]>,
+}
+
+impl<'a> Item<'a> {
+    fn of(m: &'a Message) -> Self {
+        Item {
+            born_ts: Some(m.born_ts),
+            qos: m.qos,
+            retain: m.retain,
+            marks: m.marks,
+            client_id: &m.client_id,
+            topic: &m.topic,
+            key: &m.key,
+            properties: &m.properties,
+            body: &m.body,
+            queues: Some(&m.queues),
+        }
+    }
 }
 
 struct Log {
@@ -75,7 +157,13 @@ struct Inner {
     log: Mutex<Log>,
     subs: RwLock<Subs>,
     handle: OnceLock<Handle>,
-    dispatched: Mutex<Vec<Dispatched>>,
+    /// Taken only after `log` (or alone): rows enter it in log order.
+    pending: Mutex<Pending>,
+    appended: Condvar,
+    stopping: AtomicBool,
+    write_pos: AtomicU64,
+    flushed: AtomicU64,
+    active_base: AtomicU64,
     reports: Mutex<Vec<Report>>,
     failed: Mutex<Option<String>>,
     /// A byte written here wakes the owner: reports wait (`Engine::wake_fd`).
@@ -134,6 +222,7 @@ impl Engine {
             queue_end,
         };
         let threads = config.io_threads;
+        let (write_pos, base) = (config.write_pos, config.active_base);
         let (wake, woken) = UnixStream::pair()?;
         wake.set_nonblocking(true)?;
         woken.set_nonblocking(true)?;
@@ -142,7 +231,12 @@ impl Engine {
             log: Mutex::new(log),
             subs: RwLock::new(Subs::default()),
             handle: OnceLock::new(),
-            dispatched: Mutex::new(Vec::new()),
+            pending: Mutex::new(Pending::default()),
+            appended: Condvar::new(),
+            stopping: AtomicBool::new(false),
+            write_pos: AtomicU64::new(write_pos),
+            flushed: AtomicU64::new(write_pos),
+            active_base: AtomicU64::new(base),
             reports: Mutex::new(Vec::new()),
             failed: Mutex::new(None),
             wake,
@@ -221,6 +315,13 @@ impl Engine {
         log.routes.register_wildcard(topic_filter)
     }
 
+    pub fn unregister_wildcard(&self, topic_filter: &str) -> bool {
+        match self.inner.log.lock() {
+            Ok(mut log) => log.routes.unregister_wildcard(topic_filter),
+            Err(_) => false,
+        }
+    }
+
     pub fn set_partitions(&self, first_level: &str, partitions: u32) {
         if let Ok(mut log) = self.inner.log.lock() {
             log.routes.set_partitions(first_level, partitions);
@@ -280,16 +381,58 @@ impl Engine {
         self.inner.forget(conn);
     }
 
-    /// What was appended since the last call, in log order, for the index.
-    pub fn take_dispatched(&self) -> Vec<Dispatched> {
+    /// Append messages from outside the reactors, after and before whatever the
+    /// reactors append (one log lock gives out offsets in log order), and deliver them
+    /// to the native subscribers as a native publish is. `store_ts`: the store time of
+    /// the batch (None: now). Returns each message's row, also left for dispatch.
+    pub fn append(
+        &self,
+        messages: &[Message],
+        store_ts: Option<u64>,
+    ) -> Result<Vec<Dispatched>, AppendError> {
+        let items: Vec<Item<'_>> = messages.iter().map(Item::of).collect();
+        let (_, rows) = self.inner.write(&items, store_ts, true)?;
+        Ok(rows)
+    }
+
+    /// What was appended since the last call, in log order, for the index, and the
+    /// segments begun meanwhile.
+    pub fn take_pending(&self) -> Pending {
         self.inner
-            .dispatched
+            .pending
             .lock()
-            .map(|mut d| std::mem::take(&mut *d))
+            .map(|mut p| std::mem::take(&mut *p))
             .unwrap_or_default()
     }
 
-    /// Demotions and acks of deliveries, for the owner.
+    /// What was appended since the last call, in log order, for the index.
+    pub fn take_dispatched(&self) -> Vec<Dispatched> {
+        self.take_pending().rows
+    }
+
+    /// Wait until something is left for dispatch, `timeout` at most, or `wake`; true
+    /// if something is.
+    pub fn wait_dispatched(&self, timeout: Duration) -> bool {
+        let Ok(pending) = self.inner.pending.lock() else {
+            return false;
+        };
+        if !pending.rows.is_empty() || self.inner.stopping.load(Ordering::Acquire) {
+            return !pending.rows.is_empty();
+        }
+        match self.inner.appended.wait_timeout(pending, timeout) {
+            Ok((p, _)) => !p.rows.is_empty(),
+            Err(_) => false,
+        }
+    }
+
+    /// End every `wait_dispatched` now, and the ones to come (a dispatcher stopping).
+    pub fn wake(&self) {
+        let _guard = self.inner.pending.lock();
+        self.inner.stopping.store(true, Ordering::Release);
+        self.inner.appended.notify_all();
+    }
+
+    /// Take the reports (demotions, acks of deliveries) for the owner.
     pub fn take_reports(&self) -> Vec<Report> {
         self.inner
             .reports
@@ -298,35 +441,66 @@ impl Engine {
             .unwrap_or_default()
     }
 
+    /// The end of the log (what was written, durable or not).
     pub fn write_pos(&self) -> u64 {
-        self.inner
-            .log
-            .lock()
-            .map(|l| l.writer.write_pos())
-            .unwrap_or(0)
+        self.inner.write_pos.load(Ordering::Acquire)
     }
 
-    /// Why appends stopped (a failed write or fsync), if they did.
+    /// Up to where the log is durable.
+    pub fn flushed(&self) -> u64 {
+        self.inner.flushed.load(Ordering::Acquire)
+    }
+
+    /// The base of the segment being written.
+    pub fn active_base(&self) -> u64 {
+        self.inner.active_base.load(Ordering::Acquire)
+    }
+
+    /// Why appends stopped (a failed fsync, a tail that could not be restored), if so.
     pub fn failed(&self) -> Option<String> {
-        self.inner.failed.lock().ok().and_then(|f| f.clone())
+        self.inner.failed()
     }
 
+    /// Make everything written durable (`--flush async`'s flusher); the durable end.
+    /// A failed fsync stops the log (the page cache's state is unknown after it).
     pub fn sync(&self) -> io::Result<u64> {
-        match self.inner.log.lock() {
-            Ok(mut log) => log.writer.sync(),
-            Err(_) => Err(io::Error::other("engine lock poisoned")),
+        let Ok(mut log) = self.inner.log.lock() else {
+            return Err(io::Error::other("engine lock poisoned"));
+        };
+        let synced = log.writer.sync();
+        if let Err(e) = &synced {
+            if let Ok(mut f) = self.inner.failed.lock() {
+                *f = Some(format!("fsync failed: {e}"));
+            }
         }
+        self.inner.publish_tail(&log.writer);
+        synced
     }
 
     /// Stop the reactors (their connections close) and make the log durable.
     pub fn stop(self) -> io::Result<u64> {
+        self.stop_and_take().0
+    }
+
+    /// `stop`, and what was left for dispatch (the last appends, for the index).
+    pub fn stop_and_take(self) -> (io::Result<u64>, Pending) {
+        self.wake();
         let Engine { inner, reactor, .. } = self;
         reactor.stop();
         let synced = match inner.log.lock() {
-            Ok(mut log) => log.writer.sync(),
+            Ok(mut log) => {
+                let s = log.writer.sync();
+                inner.publish_tail(&log.writer);
+                s
+            }
             Err(_) => Err(io::Error::other("engine lock poisoned")),
         };
-        synced
+        let left = inner
+            .pending
+            .lock()
+            .map(|mut p| std::mem::take(&mut *p))
+            .unwrap_or_default();
+        (synced, left)
     }
 }
 
@@ -355,13 +529,22 @@ impl Inner {
         let Some(handle) = self.handle.get() else {
             return;
         };
-        // The log's lock is held until the deliveries are queued: two reactors that
-        // append at once queue them in log order, so each subscriber gets them in
-        // order and a demotion's positions never pass a message not sent yet.
-        let Ok(mut log) = self.log.lock() else {
-            return;
-        };
-        let appended = self.write(&mut log, &batch);
+        let items: Vec<Item<'_>> = batch
+            .iter()
+            .map(|inb| Item {
+                born_ts: None,
+                qos: inb.qos,
+                retain: false,
+                marks: 0,
+                client_id: "",
+                topic: &inb.topic,
+                key: "",
+                properties: b"",
+                body: &inb.payload,
+                queues: None,
+            })
+            .collect();
+        let appended = self.write(&items, None, false);
         let mut commands = Vec::new();
         let code = if appended.is_ok() { 0 } else { 0x80 };
         for inb in &batch {
@@ -374,26 +557,37 @@ impl Inner {
                 });
             }
         }
-        if let Ok(done) = appended {
-            self.deliver(&batch, &done, &mut commands);
-            if let Ok(mut d) = self.dispatched.lock() {
-                d.extend(done);
-            }
-        }
         handle.send_many(commands);
-        drop(log);
     }
 
-    fn write(&self, log: &mut Log, batch: &[Inbound]) -> Result<Vec<Dispatched>, ()> {
-        if self.failed.lock().map(|f| f.is_some()).unwrap_or(true) {
-            return Err(());
+    /// Append `items` under the log lock: route the ones without queues, give each
+    /// queue its next offset, encode, write (and sync, in sync mode), and leave the rows
+    /// for dispatch in log order, and queue the deliveries to native subscribers before
+    /// the lock goes: two appends at once queue theirs in log order, so a subscriber
+    /// gets them in order and a demotion's positions never pass a message not sent yet.
+    /// Returns each record's position, and (`keep`) the rows.
+    fn write(
+        &self,
+        items: &[Item<'_>],
+        store_ts: Option<u64>,
+        keep: bool,
+    ) -> Result<(Vec<u64>, Vec<Dispatched>), AppendError> {
+        if let Some(why) = self.failed() {
+            return Err(AppendError::Failed(why));
         }
-        let store_ts = now_ms();
-        let mut encoded: Vec<Vec<u8>> = Vec::with_capacity(batch.len());
-        let mut done = Vec::with_capacity(batch.len());
+        let Ok(mut log) = self.log.lock() else {
+            return Err(AppendError::Failed("engine lock poisoned".into()));
+        };
+        let store_ts = store_ts.unwrap_or_else(now_ms);
+        let mut buf: Vec<u8> = Vec::new();
+        let mut ends = Vec::with_capacity(items.len());
+        let mut rows = Vec::with_capacity(items.len());
         let mut assigned: Vec<(String, u64)> = Vec::new();
-        for inb in batch {
-            let names = log.routes.route(&inb.topic);
+        for (i, item) in items.iter().enumerate() {
+            let names = match item.queues {
+                Some(given) => given.to_vec(),
+                None => log.routes.route(item.topic),
+            };
             let mut queues = Vec::with_capacity(names.len());
             for name in names {
                 let offset = match log.next.get(&name) {
@@ -406,64 +600,102 @@ impl Inner {
             }
             let rec = Record {
                 store_ts,
-                born_ts: store_ts,
-                qos: inb.qos,
-                retain: false,
-                marks: 0,
-                client_id: "",
-                topic: &inb.topic,
-                key: "",
-                properties: b"",
-                body: &inb.payload,
+                born_ts: item.born_ts.unwrap_or(store_ts),
+                qos: item.qos,
+                retain: item.retain,
+                marks: item.marks,
+                client_id: item.client_id,
+                topic: item.topic,
+                key: item.key,
+                properties: item.properties,
+                body: item.body,
                 queues: queues.iter().map(|(n, o)| (n.as_str(), *o)).collect(),
             };
-            let mut buf = Vec::new();
-            if record::encode_into(&rec, &mut buf).is_err() {
-                unassign(log, &assigned);
-                return Err(());
+            let start = buf.len();
+            match record::encode_into(&rec, &mut buf) {
+                Ok(size) => {
+                    ends.push(buf.len());
+                    rows.push(Dispatched {
+                        phys_offset: 0,
+                        size: size as u32,
+                        store_ts,
+                        queues,
+                    });
+                }
+                Err(e) => {
+                    buf.truncate(start);
+                    unassign(&mut log, &assigned);
+                    return Err(AppendError::Invalid(i, e));
+                }
             }
-            done.push(Dispatched {
-                phys_offset: 0,
-                size: buf.len() as u32,
-                store_ts,
-                queues,
-            });
-            encoded.push(buf);
         }
-        let refs: Vec<&[u8]> = encoded.iter().map(Vec::as_slice).collect();
-        let written = log.writer.append(&refs).and_then(|w| {
-            if self.config.sync {
-                log.writer.sync()?;
-            }
-            Ok(w)
-        });
-        match written {
-            Ok(w) => {
-                for (d, pos) in done.iter_mut().zip(w.positions) {
-                    d.phys_offset = pos;
-                }
-                Ok(done)
-            }
+        let mut refs: Vec<&[u8]> = Vec::with_capacity(ends.len());
+        let mut start = 0;
+        for &end in &ends {
+            refs.push(&buf[start..end]);
+            start = end;
+        }
+        let written = log.writer.append_synced(&refs, self.config.sync);
+        let appended = match written {
+            Ok(w) => w,
             Err(e) => {
-                unassign(log, &assigned);
-                if let Ok(mut f) = self.failed.lock() {
-                    *f = Some(format!("commitlog write failed: {e}"));
+                unassign(&mut log, &assigned);
+                if let Some(why) = log.writer.broken() {
+                    if let Ok(mut f) = self.failed.lock() {
+                        *f = Some(format!("commitlog write failed: {why}"));
+                    }
                 }
-                Err(())
+                self.publish_tail(&log.writer);
+                return Err(AppendError::Io(e));
             }
+        };
+        for (d, pos) in rows.iter_mut().zip(&appended.positions) {
+            d.phys_offset = *pos;
+        }
+        if let Some(handle) = self.handle.get() {
+            let mut deliveries = Vec::new();
+            self.deliver(items, &rows, &mut deliveries);
+            if !deliveries.is_empty() {
+                handle.send_many(deliveries);
+            }
+        }
+        let kept = if keep { rows.clone() } else { Vec::new() };
+        if let Ok(mut p) = self.pending.lock() {
+            p.rows.extend(rows);
+            p.new_segments.extend(&appended.new_segments);
+        }
+        self.publish_tail(&log.writer);
+        drop(log);
+        self.appended.notify_all();
+        Ok((appended.positions, kept))
+    }
+
+    /// Where the tail is, for readers that do not take the log lock.
+    fn publish_tail(&self, writer: &LogWriter) {
+        self.write_pos.store(writer.write_pos(), Ordering::Release);
+        self.flushed.store(writer.flushed(), Ordering::Release);
+        self.active_base
+            .store(writer.active_base(), Ordering::Release);
+    }
+
+    fn failed(&self) -> Option<String> {
+        match self.failed.lock() {
+            Ok(f) => f.clone(),
+            Err(_) => Some("engine lock poisoned".into()),
         }
     }
 
     /// Each message once to each connection with a matching subscription, at the
-    /// smaller of its QoS and the highest QoS of the connection's matching filters.
-    fn deliver(&self, batch: &[Inbound], done: &[Dispatched], commands: &mut Vec<Command>) {
+    /// smaller of its QoS and the highest QoS of the connection's matching filters,
+    /// with the message's offset in each of those filters' queues.
+    fn deliver(&self, items: &[Item<'_>], rows: &[Dispatched], commands: &mut Vec<Command>) {
         let Ok(subs) = self.subs.read() else { return };
         if subs.table.is_empty() {
             return;
         }
-        for (inb, d) in batch.iter().zip(done) {
+        for (item, d) in items.iter().zip(rows) {
             let mut best: HashMap<u64, Target> = HashMap::new();
-            subs.trie.for_each_match(&inb.topic, |_, id| {
+            subs.trie.for_each_match(item.topic, |_, id| {
                 if let Some(s) = subs.table.get(&id) {
                     let t = best.entry(s.conn).or_insert(Target {
                         qos: 0,
@@ -480,11 +712,11 @@ impl Inner {
             if best.is_empty() {
                 continue;
             }
-            let topic: Arc<str> = Arc::from(inb.topic.as_str());
-            let payload: Arc<[u8]> = Arc::from(inb.payload.as_slice());
+            let topic: Arc<str> = Arc::from(item.topic);
+            let payload: Arc<[u8]> = Arc::from(item.body);
             for (conn, t) in best {
-                let qos = inb.qos.min(t.qos);
-                if qos > 1 || (t.version == 5 && !no_properties(b"")) {
+                let qos = item.qos.min(t.qos);
+                if qos > 1 || (t.version == 5 && !no_properties(item.properties)) {
                     // QoS 2, or properties a v5 client must get: Python carries this
                     // message, so the connection goes back before it.
                     commands.push(Command::Release { conn });

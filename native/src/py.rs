@@ -310,6 +310,24 @@ impl PyRoutes {
 
 /// An appended message for the index: (phys_offset, size, store_ts, queues).
 type DispatchedRow = (u64, u32, u64, Vec<(String, u64)>);
+/// A message Python appends: (born_ts, qos, retain, client_id, topic, key, properties,
+/// body, queues, marks), the fields of `encode_record` but the store time and offsets.
+type MessageRow = (
+    u64,
+    u8,
+    bool,
+    String,
+    String,
+    String,
+    Vec<u8>,
+    Vec<u8>,
+    Vec<String>,
+    u8,
+);
+
+fn row(d: engine::Dispatched) -> DispatchedRow {
+    (d.phys_offset, d.size, d.store_ts, d.queues)
+}
 
 /// The native per-message path (`engine::Engine`): reactors, the log's tail, routing,
 /// acks and deliveries. Python hands it sockets after their CONNACK and takes back
@@ -317,6 +335,8 @@ type DispatchedRow = (u64, u32, u64, Vec<(String, u64)>);
 #[pyclass(name = "Engine", module = "lightgate_native")]
 struct PyEngine {
     inner: Option<engine::Engine>,
+    /// What was left for dispatch when it stopped: `take_pending` hands it over once.
+    left: std::sync::Mutex<Option<engine::Pending>>,
 }
 
 impl PyEngine {
@@ -383,7 +403,10 @@ impl PyEngine {
             })
         });
         let inner = engine::Engine::start(&directory, config, ends).map_err(os_error)?;
-        Ok(PyEngine { inner: Some(inner) })
+        Ok(PyEngine {
+            inner: Some(inner),
+            left: std::sync::Mutex::new(None),
+        })
     }
 
     /// Take a connection over after its CONNACK: True, and `fd` is the engine's (the
@@ -500,8 +523,112 @@ impl PyEngine {
             .engine()?
             .take_dispatched()
             .into_iter()
-            .map(|d| (d.phys_offset, d.size, d.store_ts, d.queues))
+            .map(row)
             .collect())
+    }
+
+    /// What was appended since the last call, in log order, and the bases of the
+    /// segments begun meanwhile: ([(phys_offset, size, store_ts, queues)], [base]).
+    /// Once stopped, what was left when it stopped (then nothing).
+    fn take_pending(&self) -> PyResult<(Vec<DispatchedRow>, Vec<u64>)> {
+        let p = match &self.inner {
+            Some(engine) => engine.take_pending(),
+            None => self
+                .left
+                .lock()
+                .ok()
+                .and_then(|mut left| left.take())
+                .unwrap_or_default(),
+        };
+        Ok((p.rows.into_iter().map(row).collect(), p.new_segments))
+    }
+
+    /// Append Python's messages (`MessageRow`s) through the log's one writer: each
+    /// queue's next offset, the record, the write (and fsync in sync mode), the rows
+    /// left for dispatch in log order with the native publishes', deliveries to native
+    /// subscribers. Returns each message's (phys_offset, size, store_ts, queues).
+    /// ValueError((index, why)) when a message cannot be a record, OSError (with the
+    /// errno: ENOSPC for a full disk) when the write failed; either way nothing of the
+    /// batch is in the log and no offset was used.
+    #[pyo3(signature = (batch, store_ts=None))]
+    fn append_messages(
+        &self,
+        py: Python<'_>,
+        batch: Vec<MessageRow>,
+        store_ts: Option<u64>,
+    ) -> PyResult<Vec<DispatchedRow>> {
+        let engine = self.engine()?;
+        let messages: Vec<engine::Message> = batch
+            .into_iter()
+            .map(
+                |(born_ts, qos, retain, client_id, topic, key, properties, body, queues, marks)| {
+                    engine::Message {
+                        born_ts,
+                        qos,
+                        retain,
+                        marks,
+                        client_id,
+                        topic,
+                        key,
+                        properties,
+                        body,
+                        queues,
+                    }
+                },
+            )
+            .collect();
+        // The interpreter goes first: a reactor thread may hold the log lock while it
+        // asks Python where a new queue ends.
+        match py.allow_threads(|| engine.append(&messages, store_ts)) {
+            Ok(rows) => Ok(rows.into_iter().map(row).collect()),
+            Err(engine::AppendError::Invalid(i, e)) => {
+                Err(PyValueError::new_err((i, e.to_string())))
+            }
+            Err(engine::AppendError::Io(e)) => Err(os_error(e)),
+            Err(e @ engine::AppendError::Failed(_)) => Err(PyOSError::new_err(e.to_string())),
+        }
+    }
+
+    /// Wait (the interpreter let go) until something is left for dispatch, `timeout`
+    /// seconds at most, or `wake`: true if something is.
+    fn wait_dispatched(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let engine = self.engine()?;
+        let timeout = std::time::Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
+        Ok(py.allow_threads(|| engine.wait_dispatched(timeout)))
+    }
+
+    /// End every `wait_dispatched`, now and from here on: the dispatcher stops.
+    fn wake(&self) -> PyResult<()> {
+        self.engine()?.wake();
+        Ok(())
+    }
+
+    /// fdatasync the tail (the interpreter let go): the durable end. After a failure
+    /// the log takes no more writes (`failed` says why).
+    fn flush(&self, py: Python<'_>) -> PyResult<u64> {
+        let engine = self.engine()?;
+        py.allow_threads(|| engine.sync()).map_err(os_error)
+    }
+
+    fn unregister_wildcard(&self, py: Python<'_>, topic_filter: &str) -> PyResult<bool> {
+        let engine = self.engine()?;
+        Ok(py.allow_threads(|| engine.unregister_wildcard(topic_filter)))
+    }
+
+    #[getter]
+    fn flushed(&self) -> PyResult<u64> {
+        Ok(self.engine()?.flushed())
+    }
+
+    #[getter]
+    fn active_base(&self) -> PyResult<u64> {
+        Ok(self.engine()?.active_base())
+    }
+
+    /// Why the log stopped taking writes, or None.
+    #[getter]
+    fn failed(&self) -> PyResult<Option<String>> {
+        Ok(self.engine()?.failed())
     }
 
     /// Connections handed back, each a dict: conn, fd (now the caller's), why
@@ -548,15 +675,21 @@ impl PyEngine {
     }
 
     #[getter]
-    fn write_pos(&self, py: Python<'_>) -> PyResult<u64> {
-        let engine = self.engine()?;
-        Ok(py.allow_threads(|| engine.write_pos()))
+    fn write_pos(&self) -> PyResult<u64> {
+        Ok(self.engine()?.write_pos())
     }
 
     /// Stop the reactors (their sockets close) and make the log durable: its end.
+    /// What was appended and not taken yet stays for `take_pending`.
     fn stop(&mut self, py: Python<'_>) -> PyResult<u64> {
         match self.inner.take() {
-            Some(e) => py.allow_threads(|| e.stop()).map_err(os_error),
+            Some(e) => {
+                let (synced, left) = py.allow_threads(|| e.stop_and_take());
+                if let Ok(mut slot) = self.left.lock() {
+                    *slot = Some(left);
+                }
+                synced.map_err(os_error)
+            }
             None => Err(PyValueError::new_err("the engine is stopped")),
         }
     }
