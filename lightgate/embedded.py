@@ -60,6 +60,8 @@ async def _serve(opts: ServeOptions, signals: Signals) -> None:
         trio.open_nursery() as nursery,
     ):
         broker = Broker(node.store, opts.gateway, node.auth, opts.auth_backends)
+        if node.store.engine is not None:  # quiet plain-TCP clients go native after CONNACK
+            broker.use_engine(node.store.engine)
         nursery.start_soon(broker.run_notify, bus)
         await nursery.start(broker.run_connections)
         await nursery.start(broker.run_housekeeping)
