@@ -78,8 +78,11 @@ class Handover:
         if not conn.alive or s is None or conn.delivery is None or conn.native is not None:
             return NEVER
         if conn.stream is not None or conn.reactor is None or s.persistent \
-                or conn._limits is not None or conn._taken_over or core.version < 3:
-            return NEVER  # TLS/WebSocket, a persistent session, a publish rate limit
+                or conn._limits is not None or conn._taken_over or core.version < 3 \
+                or core.alias_out_max:
+            # TLS/WebSocket, a persistent session, a publish rate limit, a client that
+            # takes topic aliases (the native side sends none: Python keeps it to use them)
+            return NEVER
         if conn.asks_hook or conn.checks_delivery and s.subscriptions:
             return BUSY  # may change with the rights (`auth_changed`)
         for sub in s.subscriptions.values():
