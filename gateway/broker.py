@@ -98,6 +98,7 @@ class Broker:
     def use_engine(self, engine: object) -> None:
         """Promote connections to `engine` (lightgate_native.Engine) from now on."""
         self.handover = Handover(self, engine)
+        self.stats.native = engine.counters
 
     # -- what the others read ---------------------------------------------------------
     @property

@@ -121,7 +121,8 @@ class Handover:
                 core.decoder.max_packet_size, limits.max_qos, limits.topic_alias_maximum,
                 limits.receive_maximum, core.receive_maximum, limits.max_inflight,
                 core.client_max_packet, idle_for=idle, acl=set(conn.native_topics or ()),
-                subscriptions=subs, aliases_in=aliases, next_packet_id=s.next_packet_id)
+                subscriptions=subs, aliases_in=aliases, next_packet_id=s.next_packet_id,
+                max_unsent=conn.out.rules.high)  # --max-unsent-bytes: past it, back
         except Exception:  # noqa: BLE001 - it stays in Python
             log.exception("promotion of %r failed", s.client_id)
             taken = False

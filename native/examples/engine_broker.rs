@@ -127,6 +127,7 @@ fn main() {
                 idle_for: 0.0,
                 acl: None,
                 restore: Default::default(),
+                max_unsent: 0,
             });
         }
     });
@@ -146,6 +147,7 @@ fn main() {
             idle_for: 0.0,
             acl: None,
             restore: Default::default(),
+            max_unsent: 0,
         });
         next += 1;
     }

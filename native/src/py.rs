@@ -413,8 +413,9 @@ impl PyEngine {
     /// caller detached it); False, and nothing changed, when a subscription's position
     /// is not at its queue's end (the caller delivers the rest, and tries again).
     /// `subscriptions`: (filter, QoS, next offset of its queue), registered with it;
-    /// `aliases_in` and `next_packet_id`: the Python core's state to go on from.
-    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1))]
+    /// `aliases_in` and `next_packet_id`: the Python core's state to go on from;
+    /// `max_unsent`: bytes waiting for the client past which it comes back (0: 2 MiB).
+    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0))]
     #[allow(clippy::too_many_arguments)] // what CONNECT negotiated, one value each
     fn adopt(
         &self,
@@ -436,6 +437,7 @@ impl PyEngine {
         subscriptions: Vec<(String, u8, u64)>,
         aliases_in: std::collections::HashMap<u16, String>,
         next_packet_id: u16,
+        max_unsent: usize,
     ) -> PyResult<bool> {
         let settings = protocol::Settings {
             version,
@@ -464,6 +466,7 @@ impl PyEngine {
                     aliases_in,
                     next_packet_id,
                 },
+                max_unsent,
             })
         });
         taken.map_err(|e| PyValueError::new_err(e.to_string()))

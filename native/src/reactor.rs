@@ -176,6 +176,9 @@ pub enum Command {
         idle_for: f64,
         acl: Option<HashSet<String>>,
         restore: Restore,
+        /// Bytes waiting for the client past which it is handed back (the owner's
+        /// --max-unsent-bytes); 0: `BACKLOG_BUDGET`.
+        max_unsent: usize,
     },
     /// Hand this connection back now (it is demoted as for any other reason, once the
     /// publishes it made are answered). Unknown (being handed back already): nothing.
@@ -273,8 +276,13 @@ impl Handle {
 }
 
 /// Bytes waiting for one client past which it is handed back (a slow reader costs the
-/// store, not the gateway's memory).
+/// store, not the gateway's memory), unless the owner gives its own.
 pub const BACKLOG_BUDGET: usize = 2 * 1024 * 1024;
+
+/// Bytes of an incomplete packet held for one client past which it is handed back: a
+/// large packet in pieces is the owner's, whose read budget bounds what all clients
+/// hold at once.
+pub const PARTIAL_BUDGET: usize = READ_SIZE;
 
 impl Reactor {
     pub fn start(threads: usize, sink: Arc<dyn Sink>) -> io::Result<Reactor> {
@@ -349,6 +357,7 @@ struct Conn {
     held: VecDeque<Delivery>,
     /// Payload bytes in `held`: past the budget, the connection is handed back.
     held_bytes: usize,
+    max_unsent: usize,
     positions: HashMap<Arc<str>, u64>,
     acl: Option<HashSet<String>>,
     demoting: Option<Why>,
@@ -444,6 +453,10 @@ impl Worker {
                     Counters::add(&self.counters.bytes_in, n as u64);
                     Self::feed(c, &buf[..n], now, &*self.sink, &self.counters, published);
                     if c.core.demoted() {
+                        break;
+                    }
+                    if c.core.unread().len() > PARTIAL_BUDGET {
+                        c.demoting = Some(Why::Packet);
                         break;
                     }
                 }
@@ -549,6 +562,7 @@ impl Worker {
                     idle_for,
                     acl,
                     restore,
+                    max_unsent,
                 } => {
                     let adoption = Adoption {
                         settings,
@@ -556,6 +570,7 @@ impl Worker {
                         idle_for,
                         acl,
                         restore,
+                        max_unsent,
                     };
                     if let Some(token) = self.adopt(conn, socket, adoption, published) {
                         touched.push(token);
@@ -628,6 +643,11 @@ impl Worker {
             unsent: Vec::new(),
             held: VecDeque::new(),
             held_bytes: 0,
+            max_unsent: if a.max_unsent == 0 {
+                BACKLOG_BUDGET
+            } else {
+                a.max_unsent
+            },
             positions: HashMap::new(),
             acl: a.acl,
             demoting: None,
@@ -704,7 +724,7 @@ impl Worker {
                 }
             }
         }
-        if c.unsent.len() > BACKLOG_BUDGET || c.held_bytes > BACKLOG_BUDGET {
+        if c.unsent.len() > c.max_unsent || c.held_bytes > c.max_unsent {
             c.demoting.get_or_insert(Why::Backlog);
         }
         let want_write = !c.unsent.is_empty();
@@ -766,6 +786,7 @@ struct Adoption {
     idle_for: f64,
     acl: Option<HashSet<String>>,
     restore: Restore,
+    max_unsent: usize,
 }
 
 fn write_some(stream: &mut TcpStream, data: &[u8]) -> io::Result<usize> {

@@ -39,6 +39,7 @@ fn adoption(conn: u64, socket: OwnedFd) -> Command {
         idle_for: 0.0,
         acl: None,
         restore: Restore::default(),
+        max_unsent: 0,
     }
 }
 

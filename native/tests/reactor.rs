@@ -89,6 +89,7 @@ fn adopt(reactor: &Reactor, conn: u64, socket: OwnedFd, keepalive: u16) {
         idle_for: 0.0,
         acl: None,
         restore: Default::default(),
+        max_unsent: 0,
     });
 }
 
@@ -231,6 +232,7 @@ fn release_hands_back_with_held_deliveries_left_to_the_owner() {
             aliases_in: aliases,
             next_packet_id: 40,
         },
+        max_unsent: 0,
     });
     // The window is 2: the third QoS 1 delivery is held, not sent.
     for i in 0..3u8 {
@@ -276,5 +278,52 @@ fn release_hands_back_with_held_deliveries_left_to_the_owner() {
     );
     assert_eq!(get("messages_out"), 2);
     assert_eq!(get("bytes_out"), 16);
+    reactor.stop();
+}
+
+#[test]
+fn budgets_hand_a_connection_back() {
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    // A client that sends a large packet in pieces: past one read's worth held, its
+    // connection goes to the owner, whose read budget bounds what all clients hold.
+    let (mut client, socket) = pair();
+    adopt(&reactor, 1, socket, 0);
+    let mut big = vec![0x30, 0x80, 0x80, 0x08, 0, 1, b't']; // PUBLISH of 128 KiB
+    big.extend(vec![b'x'; 70_000]);
+    client.write_all(&big).unwrap();
+    let back = take_demoted(&sink, 1);
+    assert_eq!(back.why, Why::Packet);
+    assert!(back.unread.len() > 65_536 && big.starts_with(&back.unread));
+
+    // A client that does not read: past its own budget of waiting bytes, handed back.
+    let (_sleepy, socket) = pair();
+    reactor.send(Command::Adopt {
+        conn: 2,
+        socket,
+        settings: settings(0),
+        unread: Vec::new(),
+        idle_for: 0.0,
+        acl: None,
+        restore: Default::default(),
+        max_unsent: 100_000,
+    });
+    for i in 0..200u64 {
+        reactor.send(Command::Deliver {
+            conn: 2,
+            delivery: Delivery {
+                topic: "big".into(),
+                payload: vec![0; 50_000].into(),
+                qos: 0,
+                retain: false,
+                source: (0, i),
+                positions: vec![("big".into(), i)],
+            },
+        });
+    }
+    let back = take_demoted(&sink, 2);
+    assert_eq!(back.why, Why::Backlog);
+    let sent = back.positions.get("big").copied().unwrap_or(0);
+    assert!(sent < 200, "stopped well before the end: {sent}");
     reactor.stop();
 }

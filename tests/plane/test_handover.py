@@ -8,6 +8,7 @@ a gap, a duplicate or a reordering."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 import urllib.request
@@ -101,6 +102,10 @@ def test_promoted_clients_carry_qos0_and_qos1_natively(srv: Server, version: int
     assert after["lightgate_native_messages_out_total"] \
         - before["lightgate_native_messages_out_total"] == 200
     assert promotions(srv, f"pub{version}") == 2, "nothing handed it back meanwhile"
+    # The overview ($SYS too) counts both planes' messages.
+    with urllib.request.urlopen(f"http://{srv.addrs['http']}/api/v1/overview") as r:
+        overview = json.load(r)
+    assert overview["messages_in"] >= 201 and overview["messages_out"] >= 201
     sub.expect_none(0.3)
     pub.disconnect()
     sub.disconnect()
