@@ -269,3 +269,35 @@ def test_a_slow_subscriber_is_handed_back_and_misses_nothing(srv: Server) -> Non
     with pytest.raises(TimeoutError):
         slow.recv()
     pub.disconnect()
+
+
+def test_what_the_native_side_cannot_deliver_goes_through_python(srv: Server) -> None:
+    sub = RawClient(srv.port, version=5)
+    sub.connect("props-sub")
+    assert sub.subscribe("p/#", 2).reason_codes == [2]
+    wait_promoted(srv, "props-sub", 2)
+    pub = RawClient(srv.port, version=5)
+    pub.connect("props-pub")
+    # User properties a v5 subscriber must get, and QoS 2: Python delivers both.
+    pub.send(mqtt.Publish("p/a", b"with-props", qos=1, packet_id=1,
+                          properties={"user_property": [("k", "v")]}))
+    pub.send(mqtt.Publish("p/b", b"exactly-once", qos=2, packet_id=2))
+    pub.send(mqtt.Publish("p/c", b"plain", qos=1, packet_id=3))
+    packets = until(pub, until(pub, [], mqtt.Pubrec), mqtt.Puback)
+    pub.send(mqtt.Pubrel(2))
+    got = []
+    while len(got) < 3:
+        p = sub.recv()
+        if isinstance(p, mqtt.Publish):
+            got.append(p)
+            if p.qos == 1:
+                sub.send(mqtt.Puback(p.packet_id))
+            elif p.qos == 2:
+                sub.send(mqtt.Pubrec(p.packet_id))
+        elif isinstance(p, mqtt.Pubrel):
+            sub.send(mqtt.Pubcomp(p.packet_id))
+    assert [(p.topic, p.payload, p.qos) for p in got] == [
+        ("p/a", b"with-props", 1), ("p/b", b"exactly-once", 2), ("p/c", b"plain", 1)]
+    assert got[0].properties.get("user_property") == [("k", "v")]
+    assert demotions(srv, "props-sub", "released") >= 1
+    assert packets
