@@ -148,7 +148,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         self._auth_cache = None
         if handover is not None:  # what the native side may publish to is decided anew
             self.native_topics = set()
-            handover.release(self)
+            handover.rights_changed(self)
         # A hook-decided client's deliveries are asked of the hook instead (awaited: in
         # the delivery task).
         self._check_delivery = bool(

@@ -48,7 +48,10 @@ log = logging.getLogger("lightgate.gateway.handover")
 MAX_TOPICS = 1024  # topics a connection may publish to natively (its ACL cache), at most
 FIRST_LOOK = 0.01  # seconds before a candidate that was busy is looked at again ...
 LAST_LOOK = 1.0  # ... doubling up to this
-NEVER, BUSY, READY = range(3)
+# What a look finds: never (the connection is not the kind), parked (not while its
+# subscriptions or rights are what they are: looked at again when they change), busy
+# (something is under way: looked at again soon), ready.
+NEVER, PARKED, BUSY, READY = range(4)
 
 
 class Handover:
@@ -67,7 +70,7 @@ class Handover:
     # -- which connections ---------------------------------------------------------------
     def consider(self, conn: Connection) -> None:
         """Promote `conn` once it is quiet (looked at from the handover task)."""
-        if conn.native is None and conn.alive:
+        if conn.native is None and conn.alive and conn.reactor is not None:
             now = trio.current_time()
             self._candidates[conn] = (now, FIRST_LOOK)
             if self._waiting is not None:
@@ -84,12 +87,12 @@ class Handover:
             # takes topic aliases (the native side sends none: Python keeps it to use them)
             return NEVER
         if conn.asks_hook or conn.checks_delivery and s.subscriptions:
-            return BUSY  # may change with the rights (`auth_changed`)
+            return PARKED  # until the rights change (`rights_changed`)
         for sub in s.subscriptions.values():
             o = sub.options
             if sub.shared or sub.replay or sub.subscription_id or o.no_local \
                     or o.retain_as_published:
-                return BUSY  # may go with an UNSUBSCRIBE
+                return PARKED  # until an UNSUBSCRIBE
         if not core.quiet() or conn._lane or conn._lane_busy or conn._paused \
                 or conn._full or conn._held or conn._scopes or conn.out.backlog \
                 or not self.broker.inbound.idle(conn) or s._dirty or s._replays \
@@ -145,13 +148,21 @@ class Handover:
                 nxt = min(nxt, at)
                 continue
             verdict = self._verdict(conn)
-            if verdict == READY and self._promote(conn) or verdict == NEVER:
+            if verdict == READY and self._promote(conn) or verdict in (NEVER, PARKED):
                 del self._candidates[conn]
                 continue
             delay = min(delay * 2, LAST_LOOK)
             self._candidates[conn] = (now + delay, delay)
             nxt = min(nxt, now + delay)
         return nxt
+
+    def rights_changed(self, conn: Connection) -> None:
+        """Users or policies changed: a promoted connection comes back (what its ACL cache
+        holds may not hold any more); one parked for its rights is looked at again."""
+        if conn.native is not None:
+            self.release(conn)
+        elif conn.delivery is not None:
+            self.consider(conn)
 
     # -- taking connections back ---------------------------------------------------------
     def release(self, conn: Connection, closing: Closing | None = None,

@@ -324,3 +324,16 @@ def test_what_the_native_side_cannot_deliver_goes_through_python(srv: Server) ->
     assert got[0].properties.get("user_property") == [("k", "v")]
     assert demotions(srv, "props-sub", "released") >= 1
     assert packets
+
+
+def test_a_shared_subscriber_stays_in_python_until_it_unsubscribes(srv: Server) -> None:
+    raw = RawClient(srv.port, version=5)
+    raw.connect("sharer")
+    wait_native(srv, "sharer")
+    assert raw.subscribe("$share/g/s/t", 1).reason_codes == [1]
+    time.sleep(0.5)
+    said = [line for line in srv.log if "client 'sharer' (" in line and "native plane" in line]
+    assert "back from the native plane: packet" in said[-1], "a shared member stays"
+    raw.send(mqtt.Unsubscribe(2, ["$share/g/s/t"]))
+    assert isinstance(raw.recv(), mqtt.Unsuback)
+    wait_native(srv, "sharer")
