@@ -65,6 +65,7 @@ class Handover:
         self._then: dict[int, tuple[Closing, trio.Nursery | None]] = {}  # after release
         self._back: dict[int, trio.Event] = {}  # `reclaim`s waiting
         self._waiting: trio.CancelScope | None = None  # the task's wait, until a look
+        self._ending = trio.Lock()  # one waits on the engine's descriptor at a time
         self.running = False
 
     # -- which connections ---------------------------------------------------------------
@@ -190,9 +191,11 @@ class Handover:
         mine = [c for c in self.promoted.values() if c.reactor is reactor]
         for conn in mine:
             self.release(conn, closing, nursery)
-        while any(c.native is not None for c in mine):
-            await trio.lowlevel.wait_readable(self.engine.wake_fd)
-            self._take()
+        async with self._ending:  # (the node's other reactors may be ending too)
+            while any(c.native is not None for c in mine):
+                with trio.move_on_after(0.1):  # another's wait may have taken ours
+                    await trio.lowlevel.wait_readable(self.engine.wake_fd)
+                self._take()
 
     def _take(self) -> None:
         for row in self.engine.take_demoted():
