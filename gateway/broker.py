@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
+from typing import Any
 
 import trio
 
@@ -101,6 +102,12 @@ class Broker:
         self.stats.native = engine.counters
 
     # -- what the others read ---------------------------------------------------------
+    @property
+    def engine(self) -> Any:
+        """The native engine that writes the log this gateway's store keeps (`lightgate
+        serve` with LIGHTGATE_NATIVE=1), or None: connections it may carry go to it."""
+        return getattr(self.store, "engine", None)
+
     @property
     def sessions(self) -> dict[str, Session]:
         return self.registry.by_id

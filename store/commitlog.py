@@ -206,6 +206,7 @@ class CommitLog:
         self._dirty_since = 0.0
         self._flush_due = False  # async: the flusher has been told of unsynced bytes
         self._last_checkpoint = 0.0
+        self._checkpointed = -1  # the flushed offset the checkpoint file holds
         self._undispatched: list[Message] = []
         self._failed: BaseException | None = None
         self._closed = True
@@ -221,6 +222,7 @@ class CommitLog:
         self._own: dict[int, Message] = {}  # this process's appends, by position, until dispatched
         self._dispatcher: threading.Thread | None = None
         self._dispatch_stop = False
+        self._engine_stopped = False
 
     # -- lifecycle --------------------------------------------------------------------
     def open(self) -> RecoveryReport:
@@ -322,7 +324,7 @@ class CommitLog:
         """The engine's appends since the last drain into the index, in log order, then
         `on_dispatched`: this process's appends as their Messages, the native ones read
         back from the log."""
-        rows, new_segments = self.engine.take_pending()
+        rows, new_segments = self.engine.take_positions()
         if new_segments:
             segs = tuple(Segment(self.dir / segment_name(b), b) for b in new_segments)
             self._update_segments(lambda old: (*old, *segs))
@@ -339,7 +341,8 @@ class CommitLog:
         last = rows[-1]
         before = self._write_pos
         self._write_pos = last[0] + last[1]
-        self._flushed = max(self._flushed, self.engine.flushed)
+        if not self._engine_stopped:
+            self._flushed = max(self._flushed, self.engine.flushed)
         self.stats["bytes_written"] += self._write_pos - before
         if self.flush_mode == "async":
             if not self._flush_due:
@@ -391,8 +394,7 @@ class CommitLog:
                         msg.mark = 0  # read from the log and appended again: not a producer's
                     body = msg.body if type(msg.body) is bytes else bytes(msg.body)
                     rows.append((msg.born_ts, msg.qos, msg.retain, msg.client_id, msg.topic,
-                                 msg.key, record.stored_properties(msg), body, list(qs),
-                                 msg.mark))
+                                 msg.key, record.stored_properties(msg), body, qs, msg.mark))
             except Exception as exc:  # one bad request must not sink the batch
                 req.future.set_exception(exc)
                 continue
@@ -400,14 +402,15 @@ class CommitLog:
                 keys.add(key)
             chunk.append((req, rows))
         accepted += self._engine_append(chunk, now)
-        try:
-            self._drain()  # the index holds them (and what came before) before the acks
-        except Exception:  # noqa: BLE001 - the records are in the log; recovery indexes them
-            log.exception("dispatch after an append failed")
         with self._dispatch_lock:
-            for req in accepted:  # what a drain took before they were known here
-                for m in req.new():
-                    self._own.pop(m.phys_offset, None)
+            try:
+                self._drain_locked()  # the index holds them (and what came before) before the acks
+            except Exception:  # noqa: BLE001 - the records are in the log; recovery indexes them
+                log.exception("dispatch after an append failed")
+            if self._own:  # what a drain took before they were known here
+                for req in accepted:
+                    for m in req.new():
+                        self._own.pop(m.phys_offset, None)
         msgs = [m for req in accepted for m in req.new()]
         self.stats["batches"] += 1
         self.stats["appends"] += len(accepted)
@@ -489,6 +492,7 @@ class CommitLog:
         self.engine.wake()
         if self._dispatcher is not None:
             self._dispatcher.join()
+        self._engine_stopped = True
         try:
             self._flushed = self.engine.stop()
         finally:
@@ -657,6 +661,8 @@ class CommitLog:
         setthreadtitle("commitlog-flush" if self.inline else "commitlog-write")
         while True:
             timeout = None
+            if self.engine is not None:
+                timeout = 1.0  # the checkpoint follows what the engine made durable
             if self._flushed < self._write_pos:
                 timeout = max(0.0, self._dirty_since + self.flush_interval - time.monotonic())
                 if self._write_pos - self._flushed >= self.flush_bytes:
@@ -893,18 +899,22 @@ class CommitLog:
             with self._dispatch_lock:  # fits the log up to `pos`
                 self._flush_due = False
             pos = self.engine.write_pos
-            if self._flushed >= pos:
+            due = time.monotonic() - self._last_checkpoint >= 1.0 and (
+                self._checkpointed != self.engine.flushed or self.producers.dirty)
+            if self._flushed >= pos and not due:
                 return
-            due = time.monotonic() - self._last_checkpoint >= 1.0
             snap = self.producers.snapshot() if due and self.producers.dirty else None
-        try:
-            flushed = self.engine.flush()
-        except OSError as exc:
-            self._failed = exc
-            log.critical("fsync failed, commitlog stops taking writes: %s", exc)
-            raise
-        self.stats["fsyncs"] += 1
-        self._flushed = max(self._flushed, flushed)
+        if self._flushed < pos:
+            try:
+                flushed = self.engine.flush()
+            except OSError as exc:
+                self._failed = exc
+                log.critical("fsync failed, commitlog stops taking writes: %s", exc)
+                raise
+            self.stats["fsyncs"] += 1
+            self._flushed = max(self._flushed, flushed)
+        else:  # sync mode: the engine synced each append
+            self._flushed = max(self._flushed, self.engine.flushed)
         if due:
             self._write_checkpoint()
         if snap is not None:
@@ -962,6 +972,7 @@ class CommitLog:
 
     def _write_checkpoint(self) -> None:
         self._last_checkpoint = time.monotonic()
+        self._checkpointed = self._flushed
         tmp = self.dir / (CHECKPOINT_FILE + ".tmp")
         tmp.write_bytes(orjson.dumps({"flushed": self._flushed, "ts": _now_ms()}))
         os.replace(tmp, self.dir / CHECKPOINT_FILE)
@@ -1327,6 +1338,7 @@ class CommitLog:
         """Rebuild the index from the log if it covers more than the log holds: a
         replica's start-over cut short between its index and its log (see restart_at)
         by a change of master, as recovery does after a crash there. True if it did."""
+        self._refuse_engine("a repair of a replica's index")
         with self._write_lock:
             ckpt = self.index.checkpoint()
             if ckpt <= self._write_pos:

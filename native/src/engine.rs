@@ -666,7 +666,11 @@ impl Inner {
         }
         self.publish_tail(&log.writer);
         drop(log);
-        self.appended.notify_all();
+        if !keep {
+            // A native publish wakes the dispatcher; an outside append's caller
+            // dispatches itself before its ack (a wake-up each would cost more).
+            self.appended.notify_all();
+        }
         Ok((appended.positions, kept))
     }
 

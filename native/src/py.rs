@@ -312,18 +312,22 @@ impl PyRoutes {
 type DispatchedRow = (u64, u32, u64, Vec<(String, u64)>);
 /// A message Python appends: (born_ts, qos, retain, client_id, topic, key, properties,
 /// body, queues, marks), the fields of `encode_record` but the store time and offsets.
-type MessageRow = (
+/// (The bytes as PyBytes: a Vec<u8> would be taken from them one item at a time.)
+type MessageRow<'py> = (
     u64,
     u8,
     bool,
     String,
     String,
     String,
-    Vec<u8>,
-    Vec<u8>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
     Vec<String>,
     u8,
 );
+
+/// ([(phys_offset, size)] of what was appended, [base of each segment begun]).
+type Positions = (Vec<(u64, u32)>, Vec<u64>);
 
 fn row(d: engine::Dispatched) -> DispatchedRow {
     (d.phys_offset, d.size, d.store_ts, d.queues)
@@ -546,6 +550,22 @@ impl PyEngine {
         Ok((p.rows.into_iter().map(row).collect(), p.new_segments))
     }
 
+    /// `take_pending` without the queues: ([(phys_offset, size)], [base]), for a
+    /// dispatcher that reads the records (or holds them) anyway.
+    fn take_positions(&self) -> PyResult<Positions> {
+        let p = match &self.inner {
+            Some(engine) => engine.take_pending(),
+            None => self
+                .left
+                .lock()
+                .ok()
+                .and_then(|mut left| left.take())
+                .unwrap_or_default(),
+        };
+        let rows = p.rows.iter().map(|d| (d.phys_offset, d.size)).collect();
+        Ok((rows, p.new_segments))
+    }
+
     /// Append Python's messages (`MessageRow`s) through the log's one writer: each
     /// queue's next offset, the record, the write (and fsync in sync mode), the rows
     /// left for dispatch in log order with the native publishes', deliveries to native
@@ -554,10 +574,10 @@ impl PyEngine {
     /// errno: ENOSPC for a full disk) when the write failed; either way nothing of the
     /// batch is in the log and no offset was used.
     #[pyo3(signature = (batch, store_ts=None))]
-    fn append_messages(
+    fn append_messages<'py>(
         &self,
-        py: Python<'_>,
-        batch: Vec<MessageRow>,
+        py: Python<'py>,
+        batch: Vec<MessageRow<'py>>,
         store_ts: Option<u64>,
     ) -> PyResult<Vec<DispatchedRow>> {
         let engine = self.engine()?;
@@ -573,8 +593,8 @@ impl PyEngine {
                         client_id,
                         topic,
                         key,
-                        properties,
-                        body,
+                        properties: properties.as_bytes().to_vec(),
+                        body: body.as_bytes().to_vec(),
                         queues,
                     }
                 },

@@ -11,7 +11,7 @@ use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use common::{pair, read_exact};
-use lightgate_native::engine::{Config, Engine};
+use lightgate_native::engine::{AppendError, Config, Engine, Message};
 use lightgate_native::protocol::Settings;
 use lightgate_native::reactor::{Command, Restore};
 use lightgate_native::record;
@@ -99,6 +99,166 @@ fn publish_append_ack_deliver_dispatch() {
     assert_eq!(size, data.len());
     assert_eq!((rec.topic, rec.body, rec.qos), ("a/b", &b"hi"[..], 1));
     assert_eq!(rec.queues[0], ("a/b", 5));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn tmp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("lg-engine-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn message(topic: &str, body: &[u8], queues: &[&str]) -> Message {
+    Message {
+        born_ts: 7,
+        qos: 1,
+        topic: topic.to_string(),
+        body: body.to_vec(),
+        queues: queues.iter().map(|q| q.to_string()).collect(),
+        ..Message::default()
+    }
+}
+
+#[test]
+fn outside_appends_share_the_offsets_and_the_order_of_native_publishes() {
+    let dir = tmp_dir("outside");
+    let config = Config {
+        segment_size: 1 << 20,
+        active_base: 0,
+        write_pos: 0,
+        default_partitions: 1,
+        sync: false,
+        io_threads: 1,
+    };
+    let engine = Engine::start(&dir, config, Box::new(|q| if q == "a/b" { 5 } else { 0 })).unwrap();
+    let (mut publisher, socket) = pair();
+    adopt(&engine, 1, socket);
+    let (mut subscriber, socket) = pair();
+    adopt(&engine, 2, socket);
+    engine.subscribe(2, "a/b", 1).unwrap();
+
+    // Python's append first: "a/b" goes on from where the index ends (5).
+    let rows = engine
+        .append(&[message("a/b", b"py", &["a/b", "x"])], Some(1000))
+        .unwrap();
+    assert_eq!(
+        rows[0].queues,
+        vec![("a/b".to_string(), 5), ("x".to_string(), 0)]
+    );
+    assert_eq!((rows[0].phys_offset, rows[0].store_ts), (0, 1000));
+    // ... reaches the native subscriber as a native publish would.
+    assert_eq!(
+        read_exact(&mut subscriber, 11),
+        vec![0x32, 0x09, 0, 3, b'a', b'/', b'b', 0, 1, b'p', b'y']
+    );
+    // A native publish next takes the offset after it.
+    publisher
+        .write_all(&[0x32, 0x09, 0, 3, b'a', b'/', b'b', 0, 9, b'h', b'i'])
+        .unwrap();
+    assert_eq!(read_exact(&mut publisher, 4), vec![0x40, 2, 0, 9]);
+    let rows2 = engine
+        .append(&[message("a/b", b"again", &["a/b"])], None)
+        .unwrap();
+    assert_eq!(rows2[0].queues, vec![("a/b".to_string(), 7)]);
+
+    // The index gets all three, in log order, each where the log holds it.
+    let pending = engine.take_pending();
+    let offsets: Vec<u64> = pending.rows.iter().map(|r| r.queues[0].1).collect();
+    assert_eq!(offsets, vec![5, 6, 7]);
+    let positions: Vec<u64> = pending.rows.iter().map(|r| r.phys_offset).collect();
+    assert!(positions.windows(2).all(|w| w[0] < w[1]));
+    assert!(pending.new_segments.is_empty());
+    let end = engine.stop().unwrap();
+    let data = std::fs::read(dir.join(format!("{:020}", 0))).unwrap();
+    assert_eq!(data.len() as u64, end);
+    let (rec, size) = record::decode(&data).unwrap();
+    assert_eq!(size as u32, rows[0].size);
+    assert_eq!((rec.topic, rec.body, rec.born_ts), ("a/b", &b"py"[..], 7));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_message_no_record_holds_fails_its_batch_and_uses_no_offset() {
+    let dir = tmp_dir("invalid");
+    let config = Config {
+        segment_size: 1 << 20,
+        active_base: 0,
+        write_pos: 0,
+        default_partitions: 1,
+        sync: true,
+        io_threads: 1,
+    };
+    let engine = Engine::start(&dir, config, Box::new(|_| 0)).unwrap();
+    let mut bad = message("t", b"", &["t"]);
+    bad.client_id = "c".repeat(70_000); // a u16 length prefix
+    let err = engine
+        .append(&[message("t", b"ok", &["t"]), bad], None)
+        .unwrap_err();
+    assert!(matches!(err, AppendError::Invalid(1, _)), "{err}");
+    assert_eq!(engine.write_pos(), 0);
+    assert!(engine.take_pending().rows.is_empty());
+    let rows = engine.append(&[message("t", b"ok", &["t"])], None).unwrap();
+    assert_eq!(rows[0].queues, vec![("t".to_string(), 0)]);
+    assert_eq!(
+        engine.flushed(),
+        engine.write_pos(),
+        "sync mode: durable at once"
+    );
+    engine.stop().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn rolls_are_reported_with_the_rows_and_a_waiter_is_woken() {
+    let dir = tmp_dir("rolls");
+    let config = Config {
+        segment_size: 200,
+        active_base: 0,
+        write_pos: 0,
+        default_partitions: 1,
+        sync: false,
+        io_threads: 1,
+    };
+    let engine = std::sync::Arc::new(Engine::start(&dir, config, Box::new(|_| 0)).unwrap());
+    assert!(!engine.wait_dispatched(Duration::from_millis(10)));
+    let batch: Vec<Message> = (0..5).map(|_| message("t", &[1; 60], &["t"])).collect();
+    let rows = engine.append(&batch, None).unwrap();
+    assert!(
+        engine.wait_dispatched(Duration::from_secs(10)),
+        "rows are waiting"
+    );
+    let size = u64::from(rows[0].size);
+    let pending = engine.take_pending();
+    assert_eq!(pending.rows, rows);
+    // Records of `size` bytes, at most 200 bytes a segment.
+    let per = 200 / size;
+    let expect: Vec<u64> = (1..5).filter(|i| i % per == 0).map(|i| i * size).collect();
+    assert_eq!(pending.new_segments, expect);
+    assert_eq!(engine.active_base(), *expect.last().unwrap());
+    assert!(
+        engine.flushed() >= *expect.last().unwrap(),
+        "a closed segment is durable"
+    );
+    assert_eq!(engine.sync().unwrap(), 5 * size);
+    let waiter = {
+        let engine = std::sync::Arc::clone(&engine);
+        std::thread::spawn(move || engine.wait_dispatched(Duration::from_secs(10)))
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    let t0 = std::time::Instant::now();
+    engine.wake();
+    assert!(!waiter.join().unwrap());
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "woken, not timed out"
+    );
+    assert!(
+        !engine.wait_dispatched(Duration::from_secs(10)),
+        "woken for good"
+    );
+    let engine = std::sync::Arc::into_inner(engine).unwrap();
+    engine.stop().unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -174,6 +174,7 @@ def test_missing_config_file(tmp_path: Path) -> None:
     ([], {"LIGHTGATE_PARTITIONS": "four"}, ("LIGHTGATE_PARTITIONS='four' is not an integer",
                                              "--partitions")),
     (["--tls-client-auth", "always"], {}, ("--tls-client-auth must be",)),
+    (["--io-threads", "0"], {}, ("--io-threads must be at least 1, not 0",)),
 ])
 def test_bad_value(tmp_path: Path, args: list[str], env: dict[str, str],
                    needles: tuple[str, ...]) -> None:

@@ -1,0 +1,308 @@
+"""The CommitLog with the native engine as its one writer, against the Python writer, the
+reference: the same appends (several queues, wildcard queues, idempotent producers and
+their retries, a request no record can hold) make the same segment files, byte for byte,
+and the same index; native publishes and Python's appends share the queues' offsets in
+log order; a full disk refuses the append, keeps everything acknowledged before it and
+uses no offset."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway import mqtt
+from lightqueue.index import ConsumeQueueIndex
+from serving import plane
+from store import commitlog as commitlog_module
+from store.commitlog import CommitLog
+from store.common import StoreFullError
+from store.producers import Stamp
+from store.record import Message
+from tests.plane.test_engine_native import SETTINGS, pair, recv_exact
+
+if plane.NATIVE is None:
+    if os.environ.get("LIGHTGATE_NATIVE") == "1":
+        pytest.fail("LIGHTGATE_NATIVE=1 but the native extension is not installed")
+    pytest.skip("the native extension is not installed", allow_module_level=True)
+
+STORE_TS = 1_700_000_000_000
+TOPICS = ["a/b", "a/c", "d/e/f", "g"]
+
+
+def _requests(seed: int) -> list[tuple[list[Message], list[list[str]], Stamp | None]]:
+    """A seeded mix of appends, made afresh for each log (an append fills its messages)."""
+    rng = random.Random(seed)
+    out: list[tuple[list[Message], list[list[str]], Stamp | None]] = []
+    seq = 0
+    last: tuple[int, int] | None = None  # the producer's last request: (seq, count)
+    for i in range(120):
+        roll = rng.random()
+        if roll < 0.15 and last is not None:  # a producer's retry: stored once
+            first, n = last
+            msgs = [Message("t", b"p%d" % (first + k), qos=1, born_ts=i) for k in range(n)]
+            out.append((msgs, [["t#0"]] * n, Stamp("p1", "t", 0, first)))
+        elif roll < 0.35:
+            n = rng.randint(1, 4)
+            msgs = [Message("t", b"p%d" % (seq + k), qos=1, born_ts=i) for k in range(n)]
+            out.append((msgs, [["t#0"]] * n, Stamp("p1", "t", 0, seq)))
+            last, seq = (seq, n), seq + n
+        elif roll < 0.38:  # no record holds a client id this long: refused alone
+            msgs = [Message("g", b"x", client_id="c" * 70_000)]
+            out.append((msgs, [["g"]], None))
+        else:
+            msgs, queues = [], []
+            for _ in range(rng.randint(1, 5)):
+                topic = rng.choice(TOPICS)
+                props: dict[str, Any] = {}
+                if rng.random() < 0.3:
+                    props = {"user": [["k", "v"]], "correlation_data": rng.randbytes(4)}
+                msgs.append(Message(topic, rng.randbytes(rng.randint(0, 300)),
+                                    qos=rng.randint(0, 2), retain=rng.random() < 0.1,
+                                    client_id=f"dev{i}", properties=props, born_ts=i,
+                                    key=rng.choice(["", "k1"])))
+                qs = [topic]
+                if topic.startswith("a/"):
+                    qs.append("a/+")
+                queues.append(qs)
+            out.append((msgs, queues, None))
+    return out
+
+
+def _run(directory: Path, engine: bool, flush: str, seed: int) -> list[Any]:
+    log = CommitLog(directory / "log", ConsumeQueueIndex(directory / "index"),
+                    segment_size=2048, flush=flush)
+    log.open()
+    if engine:
+        log.start_engine(1, 1)
+    answers: list[Any] = []
+    try:
+        for msgs, queues, stamp in _requests(seed):
+            try:
+                stored = log.append(msgs, queues, stamp).result(10)
+            except Exception as exc:  # noqa: BLE001 - what each refuses, compared
+                # Python's encoder says struct.error for a field past its length prefix,
+                # the engine a ValueError naming the field.
+                answers.append(("refused", str(exc) if engine else ""))
+                continue
+            answers.append([(m.phys_offset, m.size, m.store_ts, m.queues) for m in stored])
+        answers.append(_index(log))
+        answers.append([(m.phys_offset, m.body, m.queues) for m in log.scan(0)])
+    finally:
+        log.close()
+        log.index.close()
+    return answers
+
+
+def _index(log: CommitLog) -> dict[str, Any]:
+    queues = ["t#0", "a/+", *TOPICS]
+    return {q: (log.index.min_offset(q), log.index.max_offset(q),
+                [(e.offset, e.phys_offset, e.size, e.store_ts)
+                 for e in log.index.read(q, 0, 10_000)]) for q in queues} | {
+        "key": log.index.find_key("k1", 10_000), "checkpoint": log.index.checkpoint()}
+
+
+def _segments(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((directory / "log").iterdir())
+            if len(p.name) == 20 and p.name.isdigit()}
+
+
+@pytest.mark.parametrize("flush", ["async", "sync"])
+def test_same_log_and_index_as_the_python_writer(tmp_path: Path, flush: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(commitlog_module, "_now_ms", lambda: STORE_TS)  # one clock for both
+    py = _run(tmp_path / "py", False, flush, seed=11)
+    native = _run(tmp_path / "native", True, flush, seed=11)
+    refused = [a[1] for a in native if isinstance(a, tuple)]
+    assert refused and all("client id too long" in why for why in refused)
+    assert [("refused", "") if isinstance(a, tuple) else a for a in native] == py
+    assert _segments(tmp_path / "native") == _segments(tmp_path / "py")
+    assert len(_segments(tmp_path / "py")) > 5  # rolls
+
+    # The Python CommitLog recovers the engine's log as its own.
+    again = CommitLog(tmp_path / "native" / "log", ConsumeQueueIndex(tmp_path / "reindex"),
+                      segment_size=2048)
+    report = again.open()
+    try:
+        assert report.truncated_at is None
+        assert _index(again) == py[-2]
+    finally:
+        again.close()
+        again.index.close()
+
+
+def test_native_publishes_and_python_appends_share_offsets_in_log_order(tmp_path: Path
+                                                                        ) -> None:
+    log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"),
+                    segment_size=4096)
+    log.open()
+    heard: list[Message] = []
+    log.on_dispatched = heard.extend
+    engine = log.start_engine(2, 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    publisher, fd = pair(listener)
+    try:
+        engine.adopt(1, fd, **SETTINGS)
+        for i in range(40):  # a native publish, then a Python append, in turn
+            publisher.sendall(mqtt.encode_publish("a/b", b"n%d" % i, 1, False, False, i + 1, 4))
+            assert recv_exact(publisher, 4)[3] == i + 1  # acked: in the log
+            log.append([Message("a/b", b"p%d" % i)], [["a/b"]]).result(10)
+        entries = log.index.read("a/b", 0, 1000)  # Python's append dispatched all before it
+        assert [e.offset for e in entries] == list(range(80))
+        bodies = [log.read(e.phys_offset, e.size).body for e in entries]
+        assert bodies == [b for i in range(40) for b in (b"n%d" % i, b"p%d" % i)]
+        assert [m.body for m in heard] == bodies  # notify and the recent ring, in log order
+        assert len(log.segments()) > 1  # rolls the engine made, known to readers
+        assert log.max_offset == engine.write_pos
+    finally:
+        publisher.close()
+        log.close()
+        log.index.close()
+
+
+def test_the_dispatcher_indexes_native_publishes_on_its_own(tmp_path: Path) -> None:
+    log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"))
+    log.open()
+    engine = log.start_engine(1, 1)
+    engine.register_wildcard("a/+")
+    listener = socket.create_server(("127.0.0.1", 0))
+    publisher, fd = pair(listener)
+    try:
+        engine.adopt(1, fd, **SETTINGS)
+        publisher.sendall(b"".join(mqtt.encode_publish("a/b", b"%d" % i, 1, False, False,
+                                                       i + 1, 4) for i in range(10)))
+        recv_exact(publisher, 40)
+        deadline = time.monotonic() + 5
+        while log.index.max_offset("a/+") < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)  # no reader asks: the dispatcher thread, woken by the engine
+        assert log.index.max_offset("a/+") == 10
+    finally:
+        publisher.close()
+        log.close()
+        log.index.close()
+
+
+def test_replication_is_refused_with_the_engine(tmp_path: Path) -> None:
+    log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"))
+    log.open()
+    log.start_engine(1, 1)
+    try:
+        for call in (lambda: log.write_raw(0, b"", 0), lambda: log.truncate_to(0),
+                     lambda: log.restart_at(10)):
+            with pytest.raises(Exception, match="native engine"):
+                call()
+    finally:
+        log.close()
+        log.index.close()
+
+
+def test_a_full_disk_refuses_the_append_and_loses_nothing(tmp_path: Path) -> None:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        ballast = mnt / "ballast"
+        ballast.write_bytes(b"\0" * (64 * 1024))  # taken back to make room again
+        log = CommitLog(mnt / "log", ConsumeQueueIndex(tmp_path / "index"),
+                        segment_size=64 * 1024, flush="sync")
+        log.open()
+        log.start_engine(1, 1)
+        acked: list[Message] = []
+        try:
+            with pytest.raises(StoreFullError):
+                for i in range(1000):
+                    acked += log.append([Message("t", b"%05d" % i + b"x" * 3000)],
+                                        [["t"]]).result(10)
+            assert [m.queues for m in acked] == [[("t", i)] for i in range(len(acked))]
+            entries = log.index.read("t", 0, 10_000)
+            assert [log.read(e.phys_offset, e.size).body for e in entries] == \
+                [m.body for m in acked]
+            ballast.unlink()
+            [after] = log.append([Message("t", b"after")], [["t"]]).result(10)
+            assert after.queues == [("t", len(acked))]  # the refused one took no offset
+        finally:
+            log.close()
+            log.index.close()
+        again = CommitLog(mnt / "log", ConsumeQueueIndex(tmp_path / "index2"),
+                          segment_size=64 * 1024)
+        report = again.open()
+        try:
+            assert report.truncated_at is None
+            assert [m.body for m in again.scan(0)] == [m.body for m in acked] + [b"after"]
+        finally:
+            again.close()
+            again.index.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+
+def test_close_dispatches_what_the_engine_appended_last(tmp_path: Path) -> None:
+    log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"))
+    log.open()
+    engine = log.start_engine(1, 1)
+    # The dispatcher thread stops first, so that the rows are still the engine's when
+    # the log closes (else it races the close for them).
+    log._dispatch_stop = True
+    engine.wake()
+    assert log._dispatcher is not None
+    log._dispatcher.join()
+    listener = socket.create_server(("127.0.0.1", 0))
+    publisher, fd = pair(listener)
+    try:
+        engine.adopt(1, fd, **SETTINGS)
+        publisher.sendall(b"".join(mqtt.encode_publish("a/b", b"%d" % i, 1, False, False,
+                                                       i + 1, 4) for i in range(10)))
+        recv_exact(publisher, 40)
+    finally:
+        log.close()
+        log.index.close()
+        publisher.close()
+    again = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"))
+    report = again.open()
+    try:
+        assert report.clean_shutdown and report.redispatched == 0  # indexed before the end
+        assert [again.read(e.phys_offset, e.size).body
+                for e in again.index.read("a/b", 0, 100)] == [b"%d" % i for i in range(10)]
+    finally:
+        again.close()
+        again.index.close()
+
+
+@pytest.mark.parametrize("flush", ["async", "sync"])
+def test_the_flusher_syncs_and_checkpoints_what_the_engine_wrote(tmp_path: Path,
+                                                                  flush: str) -> None:
+    """async: the flusher fsyncs native publishes and Python's appends within its
+    interval; sync: the engine synced each, and the checkpoint follows either way."""
+    log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"), flush=flush,
+                    flush_interval_ms=100)
+    log.open()
+    engine = log.start_engine(1, 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    publisher, fd = pair(listener)
+    try:
+        engine.adopt(1, fd, **SETTINGS)
+        publisher.sendall(mqtt.encode_publish("a/b", b"native", 1, False, False, 1, 4))
+        recv_exact(publisher, 4)
+        log.append([Message("a/b", b"python")], [["a/b"]]).result(10)
+        end = engine.write_pos
+        assert end == log.max_offset > 0
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (
+                engine.flushed < end or log._read_checkpoint() != end):
+            time.sleep(0.05)
+        assert engine.flushed == end == log.flushed_offset
+        assert log._read_checkpoint() == end  # recovery verifies from here after a crash
+    finally:
+        publisher.close()
+        log.close()
+        log.index.close()

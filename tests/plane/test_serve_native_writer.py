@@ -1,0 +1,116 @@
+"""`lightgate serve` with LIGHTGATE_NATIVE=1: the native engine writes the log. A process
+killed with SIGKILL after acknowledging QoS 1 publishes (the Python gateway's, through
+the engine) loses none of them, across segment rolls, and starts again on the log it
+left."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightqueue.index import ConsumeQueueIndex
+from serving import plane
+from store.commitlog import CommitLog
+from tests.conftest import Server
+from tests.mqtt.paho_client import Client
+
+if plane.NATIVE is None:
+    if os.environ.get("LIGHTGATE_NATIVE") == "1":
+        pytest.fail("LIGHTGATE_NATIVE=1 but the native extension is not installed")
+    pytest.skip("the native extension is not installed", allow_module_level=True)
+
+
+def _publish(port: int, start: int, count: int) -> list[bytes]:
+    """QoS 1 publishes, each acknowledged before the next; their payloads."""
+    sub = Client(port, "reader")
+    sub.subscribe("dev/+/t", 1)  # a wildcard queue, routed by Python and the engine alike
+    pub = Client(port, f"pub{start}")
+    sent = []
+    for i in range(start, start + count):
+        body = b"m%05d-" % i + random.randbytes(random.randint(10, 200))
+        pub.publish(f"dev/{i % 5}/t", body, qos=1)
+        sent.append(body)
+    got = [m.payload for m in sub.expect(count)]
+    assert sorted(got) == sorted(sent)  # delivered live, too
+    return sent
+
+
+@pytest.mark.parametrize("flush", ["async", "sync"])
+def test_sigkill_after_acks_loses_nothing(tmp_path: Path, flush: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1")
+    server = Server(tmp_path / "d", "--segment-size", "4096", "--flush", flush,
+                    "--io-threads", "2")
+    acked: list[bytes] = []
+    for run in range(2):
+        server.start()
+        assert server.addrs["plane"] == "native"
+        try:
+            acked += _publish(server.port, run * 1000, 150)
+        finally:
+            server.kill()
+
+    log = CommitLog(tmp_path / "d" / "commitlog", ConsumeQueueIndex(tmp_path / "d" / "index"),
+                    segment_size=4096)
+    report = log.open()
+    try:
+        assert not report.clean_shutdown and report.truncated_at is None
+        assert len(log.segments()) > 10  # rolled, by the engine
+        stored = [m.body for m in log.scan(0) if m.topic.startswith("dev/")]
+        assert sorted(stored) == sorted(acked)  # every acknowledged one, once
+        for k in range(5):  # each queue's offsets: 0, 1, 2, ... in the order acked
+            entries = log.index.read(f"dev/{k}/t", 0, 10_000)
+            assert [e.offset for e in entries] == list(range(len(entries)))
+            assert [log.read(e.phys_offset, e.size).body for e in entries] == \
+                [b for i, b in enumerate(acked) if i % 150 % 5 == k]
+    finally:
+        log.close()
+        log.index.close()
+
+
+def test_the_python_plane_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LIGHTGATE_NATIVE", raising=False)
+    server = Server(tmp_path / "d").start()
+    try:
+        assert server.addrs["plane"] == "python"
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_separated_gateway_takes_io_threads_and_runs_python(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1")
+    store = Server(tmp_path / "d", command="store").start()
+    try:
+        gateway = Server(None, "--store", store.native, "--io-threads", "3",
+                         command="gateway").start()
+        try:
+            assert gateway.addrs["plane"] == "python"  # no engine without its store's log
+        finally:
+            assert gateway.stop() == 0
+    finally:
+        assert store.stop() == 0
+
+
+def test_native_asked_for_but_not_installed_is_one_line(tmp_path: Path) -> None:
+    """LIGHTGATE_NATIVE=1 where the extension does not import (here: a module of that
+    name first on the path that fails as a missing one would) stops the start."""
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "lightgate_native.py").write_text("raise ImportError('not built')\n")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "LIGHTGATE_NATIVE": "1",
+           "PYTHONPATH": os.pathsep.join([str(stub), str(root)])}
+    res = subprocess.run([sys.executable, "-m", "lightgate", "serve", "--data-dir",
+                          str(tmp_path / "d"), "--mqtt", "127.0.0.1:0", "--ws", "off",
+                          "--native", "127.0.0.1:0", "--http", "127.0.0.1:0"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith(
+        "lightgate: LIGHTGATE_NATIVE=1 but the native data plane is not installed")
+    assert "Traceback" not in res.stderr
