@@ -348,3 +348,19 @@ def test_a_shared_subscriber_stays_in_python_until_it_unsubscribes(srv: Server) 
     raw.send(mqtt.Unsubscribe(2, ["$share/g/s/t"]))
     assert isinstance(raw.recv(), mqtt.Unsuback)
     wait_native(srv, "sharer")
+
+
+def test_a_promoted_client_that_goes_quiet_times_out_with_its_will(srv: Server) -> None:
+    watcher = Client(srv.port, "ka-watch")
+    watcher.subscribe("wills/#", 1)
+    raw = RawClient(srv.port, version=5, timeout=10)
+    raw.connect("sleeper", keepalive=1, will=mqtt.Will("wills/sleeper", b"timed out", 1))
+    wait_native(srv, "sleeper")
+    started = time.monotonic()
+    bye = raw.recv()  # nothing sent: 1.5 keepalives later the native side hands it back
+    assert isinstance(bye, mqtt.Disconnect) and bye.reason_code == 0x8D  # Keep Alive timeout
+    assert time.monotonic() - started < 5
+    [will] = watcher.expect(1)
+    assert (will.topic, will.payload) == ("wills/sleeper", b"timed out")
+    assert said_back(srv, "sleeper", "timeout")
+    watcher.disconnect()
