@@ -148,7 +148,8 @@ struct Sub {
 struct Subs {
     trie: TopicTrie<u64>,
     table: HashMap<u64, Sub>,
-    by_conn: HashMap<(u64, String), u64>,
+    /// conn -> filter -> subscription id: a connection's own go at once when it leaves.
+    by_conn: HashMap<u64, HashMap<String, u64>>,
     next_id: u64,
 }
 
@@ -342,8 +343,7 @@ impl Engine {
         version: u8,
     ) -> Result<(), FilterError> {
         let mut subs = self.inner.subs.write().map_err(|_| FilterError::Empty)?;
-        let key = (conn, topic_filter.to_string());
-        if let Some(&id) = subs.by_conn.get(&key) {
+        if let Some(&id) = subs.by_conn.get(&conn).and_then(|f| f.get(topic_filter)) {
             if let Some(s) = subs.table.get_mut(&id) {
                 s.qos = qos; // a repeated SUBSCRIBE replaces its options
             }
@@ -361,7 +361,10 @@ impl Engine {
                 filter: Arc::from(topic_filter),
             },
         );
-        subs.by_conn.insert(key, id);
+        subs.by_conn
+            .entry(conn)
+            .or_default()
+            .insert(topic_filter.to_string(), id);
         Ok(())
     }
 
@@ -369,9 +372,15 @@ impl Engine {
         let Ok(mut subs) = self.inner.subs.write() else {
             return false;
         };
-        let Some(id) = subs.by_conn.remove(&(conn, topic_filter.to_string())) else {
+        let Some(filters) = subs.by_conn.get_mut(&conn) else {
             return false;
         };
+        let Some(id) = filters.remove(topic_filter) else {
+            return false;
+        };
+        if filters.is_empty() {
+            subs.by_conn.remove(&conn);
+        }
         subs.table.remove(&id);
         subs.trie.remove(topic_filter, id)
     }
@@ -510,17 +519,9 @@ impl Inner {
         let Ok(mut subs) = self.subs.write() else {
             return;
         };
-        let filters: Vec<String> = subs
-            .by_conn
-            .keys()
-            .filter(|(c, _)| *c == conn)
-            .map(|(_, f)| f.clone())
-            .collect();
-        for f in filters {
-            if let Some(id) = subs.by_conn.remove(&(conn, f.clone())) {
-                subs.table.remove(&id);
-                subs.trie.remove(&f, id);
-            }
+        for (f, id) in subs.by_conn.remove(&conn).unwrap_or_default() {
+            subs.table.remove(&id);
+            subs.trie.remove(&f, id);
         }
     }
 
