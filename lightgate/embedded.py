@@ -21,7 +21,7 @@ from notify import LocalBus
 from serving import plane
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
-from serving.startup import Signals, shutdown_signals, stop_on_signal
+from serving.startup import Signals, StartupError, shutdown_signals, stop_on_signal
 from serving.values import HTTP_ADDR, NATIVE_ADDR
 from store.api import AuthConfig, auth_app, store_routes
 from store.app import store_node
@@ -53,6 +53,10 @@ def io_threads(gateway: GatewayConfig) -> int:
 
 async def _serve(opts: ServeOptions, signals: Signals) -> None:
     if plane.writer() == "native":  # the engine writes the log (store.service)
+        if not hasattr(plane.NATIVE.Engine, "append_messages"):
+            raise StartupError("the native data plane installed is older than this "
+                               "Lightgate (its engine cannot write the log): reinstall it "
+                               "(cargo on PATH, then `pip install .`)")
         opts.store.engine_threads = io_threads(opts.gateway)
     async with (
         LocalBus(window=0) as bus,  # the store appends in batches: nothing to wait for

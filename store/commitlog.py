@@ -12,6 +12,10 @@ Who does that depends on the flush mode:
   more (a GIL hand-off and a wake-up of the loop each way, ~90 µs a message at low rates).
   The thread is then only a flusher: it fsyncs every `flush_interval_ms` (or once
   `flush_bytes` are dirty) and writes the checkpoint.
+
+Where the native engine runs (`start_engine`, store.engine_tail), it writes instead, for
+this process and for the connections it carries: the producers' checks stay here, the
+offsets, records and writes are its, and the index follows its appends in log order.
 """
 
 from __future__ import annotations
@@ -29,15 +33,14 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import orjson
 from setproctitle import setthreadtitle
 
 from lightqueue.index import ConsumeQueueIndex
-from serving import plane
 from store import producers, record
 from store.common import StoreClosedError, StoreError, StoreFullError
+from store.engine_tail import EngineTail
 from store.producers import Plan, ProducerTable, Stamp
 from store.record import MARK_FIRST, MARK_MORE, CorruptRecord, Message
 from store.segment import Segment, fsync_dir, is_segment_name, segment_name
@@ -164,7 +167,7 @@ def _mark(msgs: list[Message], stamp: Stamp, skip: int) -> None:
         msgs[0].producer = [stamp.producer, stamp.epoch, stamp.seq + skip]
 
 
-class CommitLog:
+class CommitLog(EngineTail):
     def __init__(
         self,
         directory: str | Path,
@@ -214,15 +217,7 @@ class CommitLog:
         # and rebuilt from the records (store.producers; snapshots: store.producer_state).
         self.producers = ProducerTable(max_producers)
         self.stats = {"appends": 0, "messages": 0, "bytes_written": 0, "fsyncs": 0, "batches": 0}
-        # The native engine (lightgate_native.Engine), once `start_engine` handed it the
-        # tail: then it is the log's one writer, and the index follows its appends (the
-        # native publishes' and these) in log order, dispatched by one path at a time.
-        self.engine: Any = None
-        self._dispatch_lock = threading.Lock()
-        self._own: dict[int, Message] = {}  # this process's appends, by position, until dispatched
-        self._dispatcher: threading.Thread | None = None
-        self._dispatch_stop = False
-        self._engine_stopped = False
+        self._init_engine_tail()  # no engine until start_engine (store.engine_tail)
 
     # -- lifecycle --------------------------------------------------------------------
     def open(self) -> RecoveryReport:
@@ -268,241 +263,6 @@ class CommitLog:
     @property
     def flushed_offset(self) -> int:
         return self._flushed
-
-    # -- the native engine as the writer ----------------------------------------------
-    def start_engine(self, io_threads: int = 1, default_partitions: int = 1) -> Any:
-        """Hand the tail to a native engine (lightgate_native.Engine) after `open`: from
-        here on it writes every append, this process's and its native connections', and
-        a dispatcher thread feeds the index from its appends in log order. Returns it."""
-        if plane.NATIVE is None:
-            raise RuntimeError("the native data plane is not installed")
-        if self._closed or self.engine is not None:
-            raise RuntimeError("start_engine needs an open log without one")
-        with self._write_lock, self._tail_lock:
-            self._fsync_fd()
-            active = self._segments[-1]
-            engine = plane.NATIVE.Engine(
-                str(self.dir), self.segment_size, active.base, self._write_pos,
-                default_partitions, self.flush_mode == "sync", max(1, io_threads),
-                self.index.max_offset)
-            os.close(self._wfd)
-            self._wfd = -1
-            self.engine = engine
-        self._dispatcher = threading.Thread(target=self._dispatch_loop,
-                                            name="commitlog-dispatch", daemon=True)
-        self._dispatcher.start()
-        return engine
-
-    def _fsync_fd(self) -> None:
-        if self._wfd >= 0 and self._flushed < self._write_pos:
-            os.fdatasync(self._wfd)
-            self._flushed = self._write_pos
-
-    def catch_up(self) -> None:
-        """Dispatch what the engine appended and the index does not hold yet: a reader
-        of the index (a pull, history, a queue's end) calls this first, so that it never
-        sees a position, or a subscriber's count, past what the index answers."""
-        if self.engine is not None:
-            self._drain()
-
-    def _dispatch_loop(self) -> None:
-        setthreadtitle("commitlog-dispatch")
-        engine = self.engine
-        while not self._dispatch_stop:
-            try:
-                if engine.wait_dispatched(0.5):
-                    self._drain()
-            except Exception:  # noqa: BLE001 - the thread must outlive one bad batch
-                log.exception("commitlog dispatch failed")
-                time.sleep(0.1)
-
-    def _drain(self) -> None:
-        with self._dispatch_lock:
-            self._drain_locked()
-
-    def _drain_locked(self) -> None:
-        """The engine's appends since the last drain into the index, in log order, then
-        `on_dispatched`: this process's appends as their Messages, the native ones read
-        back from the log."""
-        rows, new_segments = self.engine.take_positions()
-        if new_segments:
-            segs = tuple(Segment(self.dir / segment_name(b), b) for b in new_segments)
-            self._update_segments(lambda old: (*old, *segs))
-        if not rows:
-            return
-        own = self._own
-        msgs: list[Message | None] = [own.pop(r[0], None) for r in rows]
-        missing = [(r[0], r[1]) for r, m in zip(rows, msgs, strict=True) if m is None]
-        if missing:
-            read = iter(self._read_appended(missing))
-            msgs = [m if m is not None else next(read) for m in msgs]
-        done: list[Message] = msgs  # type: ignore[assignment]
-        self._dispatch(done)
-        last = rows[-1]
-        before = self._write_pos
-        self._write_pos = last[0] + last[1]
-        if not self._engine_stopped:
-            self._flushed = max(self._flushed, self.engine.flushed)
-        self.stats["bytes_written"] += self._write_pos - before
-        if self.flush_mode == "async":
-            if not self._flush_due:
-                self._flush_due = True
-                self._dirty_since = time.monotonic()
-                self._requests.put(_WAKE)  # the flusher's interval starts now
-            elif self._write_pos - self._flushed >= self.flush_bytes > before - self._flushed:
-                self._requests.put(_WAKE)  # enough dirty bytes: fsync at once
-        if self.on_dispatched:
-            try:
-                self.on_dispatched(done)
-            except Exception:
-                log.exception("on_dispatched callback failed")
-
-    def _read_appended(self, entries: list[tuple[int, int]]) -> list[Message]:
-        """The records at these positions, appended by the engine and not dispatched yet
-        (past `_write_pos`, which `read_run` keeps readers within)."""
-        out: list[Message] = []
-        segs, bases = self._segments, self._bases
-        for phys, size in entries:
-            seg = segs[bisect.bisect_right(bases, phys) - 1]
-            out.append(record.decode(seg.pread(size, phys - seg.base), 0, phys))
-        return out
-
-    def _write_batch_engine(self, batch: list[_Append]) -> list[_Append]:
-        """`_write_batch` through the engine: the producers' sequences are checked here,
-        the offsets, records and writes are the engine's. Requests of one producer to
-        one topic go in separate engine appends, each checked against the one before."""
-        now = _now_ms()
-        accepted: list[_Append] = []
-        chunk: list[tuple[_Append, list[tuple]]] = []
-        keys: set[tuple[str, str]] = set()
-        for req in batch:
-            key = None if req.stamp is None else (req.stamp.producer, req.stamp.topic)
-            if key is not None and key in keys:
-                accepted += self._engine_append(chunk, now)
-                chunk, keys = [], set()
-            try:
-                queues = req.queues
-                if req.stamp is not None:
-                    req.plan = self.producers.plan(req.stamp, len(req.messages))
-                    if req.plan.skip:
-                        req.fresh = req.messages[req.plan.skip:]
-                        queues = queues[req.plan.skip:]
-                    _mark(req.new(), req.stamp, req.plan.skip)
-                rows = []
-                for msg, qs in zip(req.new(), queues, strict=True):
-                    if msg.mark and req.stamp is None:
-                        msg.mark = 0  # read from the log and appended again: not a producer's
-                    body = msg.body if type(msg.body) is bytes else bytes(msg.body)
-                    rows.append((msg.born_ts, msg.qos, msg.retain, msg.client_id, msg.topic,
-                                 msg.key, record.stored_properties(msg), body, qs, msg.mark))
-            except Exception as exc:  # one bad request must not sink the batch
-                req.future.set_exception(exc)
-                continue
-            if key is not None:
-                keys.add(key)
-            chunk.append((req, rows))
-        accepted += self._engine_append(chunk, now)
-        with self._dispatch_lock:
-            try:
-                self._drain_locked()  # the index holds them (and what came before) before the acks
-            except Exception:  # noqa: BLE001 - the records are in the log; recovery indexes them
-                log.exception("dispatch after an append failed")
-            if self._own:  # what a drain took before they were known here
-                for req in accepted:
-                    for m in req.new():
-                        self._own.pop(m.phys_offset, None)
-        msgs = [m for req in accepted for m in req.new()]
-        self.stats["batches"] += 1
-        self.stats["appends"] += len(accepted)
-        self.stats["messages"] += len(msgs)
-        return accepted
-
-    def _engine_append(self, chunk: list[tuple[_Append, list[tuple]]], now: int
-                       ) -> list[_Append]:
-        """One engine append of these requests; a request the engine cannot encode
-        fails alone (the others go again), a failed write fails them all."""
-        while chunk:
-            flat = [row for _, rows in chunk for row in rows]
-            try:
-                done = self.engine.append_messages(flat, now) if flat else []
-            except ValueError as exc:
-                if len(exc.args) == 2 and isinstance(exc.args[0], int):
-                    i, why = exc.args
-                    chunk = self._fail_at(chunk, i, ValueError(why))
-                    continue
-                return self._one_by_one(chunk, now, exc)
-            except OSError as exc:
-                why = self.engine.failed
-                if why is not None:
-                    self._failed = StoreError(why)
-                    log.critical("commitlog stops taking writes: %s", why)
-                err: StoreError = (
-                    StoreFullError("no space left on the store's disk")
-                    if exc.errno == errno.ENOSPC
-                    else StoreError(f"commitlog write failed: {exc}")
-                )
-                log.error("append of %d requests failed: %s", len(chunk), exc)
-                for req, _ in chunk:
-                    req.future.set_exception(err)
-                return []
-            except (TypeError, OverflowError) as exc:  # a field no record can hold
-                return self._one_by_one(chunk, now, exc)
-            it = iter(done)
-            own = self._own
-            for req, _ in chunk:
-                new = req.new()
-                for msg in new:
-                    phys, size, store_ts, queues = next(it)
-                    msg.phys_offset, msg.size, msg.store_ts, msg.queues = (
-                        phys, size, store_ts, queues)
-                    own[phys] = msg
-                if req.stamp is not None and new:
-                    assert req.plan is not None
-                    self.producers.appended(
-                        req.stamp, req.stamp.seq + req.plan.skip, len(new),
-                        new[0].phys_offset, new[-1].phys_offset + new[-1].size, now)
-            return [req for req, _ in chunk]
-        return []
-
-    @staticmethod
-    def _fail_at(chunk: list[tuple[_Append, list[tuple]]], index: int, exc: Exception
-                 ) -> list[tuple[_Append, list[tuple]]]:
-        """The chunk without the request that holds flat row `index`, which fails."""
-        for n, (req, rows) in enumerate(chunk):
-            if index < len(rows):
-                req.future.set_exception(exc)
-                return chunk[:n] + chunk[n + 1:]
-            index -= len(rows)
-        return chunk
-
-    def _one_by_one(self, chunk: list[tuple[_Append, list[tuple]]], now: int,
-                    exc: Exception) -> list[_Append]:
-        if len(chunk) == 1:
-            chunk[0][0].future.set_exception(exc)
-            return []
-        out: list[_Append] = []
-        for item in chunk:
-            out += self._engine_append([item], now)
-        return out
-
-    def _stop_engine(self) -> None:
-        """Close with the engine: the dispatcher stops, the engine stops (its reactors
-        and their connections, then an fsync of the tail), the rest is dispatched."""
-        self._dispatch_stop = True
-        self.engine.wake()
-        if self._dispatcher is not None:
-            self._dispatcher.join()
-        self._engine_stopped = True
-        try:
-            self._flushed = self.engine.stop()
-        finally:
-            with self._dispatch_lock:
-                self._drain_locked()  # what the engine left: it hands it over once stopped
-
-    def _refuse_engine(self, what: str) -> None:
-        if self.engine is not None:
-            raise StoreError(f"{what} is not for a log the native engine writes (a store "
-                             "group's node runs the Python writer)")
 
     def segments(self) -> list[tuple[int, int]]:
         """(base, size) of every live segment, oldest first."""
@@ -686,6 +446,17 @@ class CommitLog:
             if stop:
                 return
 
+    def _plan(self, req: _Append) -> Sequence[Sequence[str]]:
+        """Check an idempotent producer's request against its sequence (SequenceError if
+        it does not fit) and mark the messages it appends; the queues of those."""
+        if req.stamp is None:
+            return req.queues
+        req.plan = self.producers.plan(req.stamp, len(req.messages))
+        if req.plan.skip:
+            req.fresh = req.messages[req.plan.skip:]
+        _mark(req.new(), req.stamp, req.plan.skip)
+        return req.queues[req.plan.skip:]
+
     def _write_batch(self, batch: list[_Append]) -> list[_Append]:
         """Write and index a batch of appends; the ones written, for `_announce`."""
         if self._failed:
@@ -704,13 +475,7 @@ class CommitLog:
         for req in batch:
             assigned_req: list[tuple[str, int]] = []
             try:
-                queues = req.queues
-                if req.stamp is not None:
-                    req.plan = self.producers.plan(req.stamp, len(req.messages))
-                    if req.plan.skip:
-                        req.fresh = req.messages[req.plan.skip:]
-                        queues = queues[req.plan.skip:]
-                    _mark(req.new(), req.stamp, req.plan.skip)
+                queues = self._plan(req)
                 encoded = []
                 for msg, qs in zip(req.new(), queues, strict=True):
                     msg.queues = self.index.assign(qs)
@@ -757,6 +522,50 @@ class CommitLog:
             return []
         msgs = [m for req in accepted for m in req.new()]
         self._dispatch(msgs)
+        self.stats["batches"] += 1
+        self.stats["appends"] += len(accepted)
+        self.stats["messages"] += len(msgs)
+        return accepted
+
+    def _write_batch_engine(self, batch: list[_Append]) -> list[_Append]:
+        """`_write_batch` through the engine: the producers' sequences are checked here,
+        the offsets, records and writes are the engine's. Requests of one producer to
+        one topic go in separate engine appends, each checked against the one before."""
+        now = _now_ms()
+        accepted: list[_Append] = []
+        chunk: list[tuple[_Append, list[tuple]]] = []
+        keys: set[tuple[str, str]] = set()
+        for req in batch:
+            key = None if req.stamp is None else (req.stamp.producer, req.stamp.topic)
+            if key is not None and key in keys:
+                accepted += self._engine_append(chunk, now)
+                chunk, keys = [], set()
+            try:
+                queues = self._plan(req)
+                rows = []
+                for msg, qs in zip(req.new(), queues, strict=True):
+                    if msg.mark and req.stamp is None:
+                        msg.mark = 0  # read from the log and appended again: not a producer's
+                    body = msg.body if type(msg.body) is bytes else bytes(msg.body)
+                    rows.append((msg.born_ts, msg.qos, msg.retain, msg.client_id, msg.topic,
+                                 msg.key, record.stored_properties(msg), body, qs, msg.mark))
+            except Exception as exc:  # one bad request must not sink the batch
+                req.future.set_exception(exc)
+                continue
+            if key is not None:
+                keys.add(key)
+            chunk.append((req, rows))
+        accepted += self._engine_append(chunk, now)
+        with self._dispatch_lock:
+            try:
+                self._drain_locked()  # the index holds them (and what came before) before the acks
+            except Exception:  # noqa: BLE001 - the records are in the log; recovery indexes them
+                log.exception("dispatch after an append failed")
+            if self._own:  # what a drain took before they were known here
+                for req in accepted:
+                    for m in req.new():
+                        self._own.pop(m.phys_offset, None)
+        msgs = [m for req in accepted for m in req.new()]
         self.stats["batches"] += 1
         self.stats["appends"] += len(accepted)
         self.stats["messages"] += len(msgs)
@@ -822,16 +631,21 @@ class CommitLog:
                     self.stats["bytes_written"] += len(data)
                 if self.flush_mode == "sync":
                     self._fsync_tail()
-                elif not self._flush_due:
-                    self._flush_due = True
-                    self._dirty_since = time.monotonic()
-                    self._requests.put(_WAKE)  # the flusher's interval starts now
-                elif self._write_pos - self._flushed >= self.flush_bytes > (
-                        start_pos - self._flushed):
-                    self._requests.put(_WAKE)  # enough dirty bytes: fsync at once
+                else:
+                    self._dirtied(start_pos)
             except OSError:
                 self._undo_write(start_pos, start_segments)
                 raise
+
+    def _dirtied(self, before: int) -> None:
+        """async: the log grew from `before`; tell the flusher that its interval starts
+        now, or that enough bytes are dirty to fsync at once."""
+        if not self._flush_due:
+            self._flush_due = True
+            self._dirty_since = time.monotonic()
+            self._requests.put(_WAKE)
+        elif self._write_pos - self._flushed >= self.flush_bytes > before - self._flushed:
+            self._requests.put(_WAKE)
 
     def _undo_write(self, start_pos: int, start_segments: int) -> None:
         """Cut the log back to `start_pos` after a failed write (e.g. disk full)."""

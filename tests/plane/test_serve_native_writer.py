@@ -97,20 +97,35 @@ def test_a_separated_gateway_takes_io_threads_and_runs_python(
         assert store.stop() == 0
 
 
-def test_native_asked_for_but_not_installed_is_one_line(tmp_path: Path) -> None:
-    """LIGHTGATE_NATIVE=1 where the extension does not import (here: a module of that
-    name first on the path that fails as a missing one would) stops the start."""
+def _serve_with_stub(tmp_path: Path, stub_source: str) -> subprocess.CompletedProcess[str]:
+    """`lightgate serve` with LIGHTGATE_NATIVE=1 and a module named lightgate_native of
+    this source first on the path (a missing or an older extension, as a user has it)."""
     stub = tmp_path / "stub"
     stub.mkdir()
-    (stub / "lightgate_native.py").write_text("raise ImportError('not built')\n")
+    (stub / "lightgate_native.py").write_text(stub_source)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "LIGHTGATE_NATIVE": "1",
            "PYTHONPATH": os.pathsep.join([str(stub), str(root)])}
-    res = subprocess.run([sys.executable, "-m", "lightgate", "serve", "--data-dir",
-                          str(tmp_path / "d"), "--mqtt", "127.0.0.1:0", "--ws", "off",
-                          "--native", "127.0.0.1:0", "--http", "127.0.0.1:0"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "lightgate", "serve", "--data-dir",
+                           str(tmp_path / "d"), "--mqtt", "127.0.0.1:0", "--ws", "off",
+                           "--native", "127.0.0.1:0", "--http", "127.0.0.1:0"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+
+def _one_line(res: subprocess.CompletedProcess[str], start: str) -> None:
     assert res.returncode == 2, res.stderr
-    assert res.stderr.strip().splitlines()[-1].startswith(
-        "lightgate: LIGHTGATE_NATIVE=1 but the native data plane is not installed")
     assert "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith(start), res.stderr
+
+
+def test_native_asked_for_but_not_installed_is_one_line(tmp_path: Path) -> None:
+    res = _serve_with_stub(tmp_path, "raise ImportError('not built')\n")
+    _one_line(res, "lightgate: LIGHTGATE_NATIVE=1 but the native data plane is not installed")
+
+
+def test_an_extension_older_than_the_writer_is_one_line(tmp_path: Path) -> None:
+    stub = ("def encode_record(*args):\n    raise ValueError('stub')\n\n\n"
+            "class Engine:  # what the extension had before it wrote Python's appends\n"
+            "    pass\n")
+    res = _serve_with_stub(tmp_path, stub)
+    _one_line(res, "lightgate: the native data plane installed is older than this Lightgate")

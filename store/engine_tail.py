@@ -1,0 +1,236 @@
+"""The CommitLog's tail in the hands of the native engine (`lightgate serve` with
+LIGHTGATE_NATIVE=1): the part of `store.commitlog.CommitLog` that starts the engine at
+the tail recovery left, appends through it, feeds the index from its appends in log
+order, and stops it.
+
+The engine (lightgate_native.Engine) is then the log's one writer: the MQTT publishes of
+the connections it carries and every append of this process's go through it, so the
+queue offsets it gives out inside the append never collide, and it leaves each append's
+index rows in log order. One dispatch path at a time (`_dispatch_lock`) takes them into
+the index and `on_dispatched`: a thread the engine wakes for its own publishes, an
+appender of this process's before its ack, a reader of the index before it reads
+(`catch_up`). The CommitLog keeps what is Python's: the idempotent producers' checks,
+recovery, reads, retention, the flusher and the checkpoint.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from setproctitle import setthreadtitle
+
+from serving import plane
+from store import record
+from store.common import StoreError, StoreFullError
+from store.record import Message
+from store.segment import Segment, segment_name
+
+log = logging.getLogger("lightgate.store.commitlog")
+
+# A message as the engine takes it (PyEngine.append_messages): born_ts, qos, retain,
+# client_id, topic, key, properties (as stored), body, queues, marks.
+Row = tuple[Any, ...]
+# Requests (store.commitlog's _Append) with their messages as rows, for one engine append.
+Chunk = list[tuple[Any, list[Row]]]
+
+
+class EngineTail:
+    """The engine's half of the CommitLog (a base of `CommitLog`, whose tail state it
+    reads and moves: `_segments`, `_write_pos`, `_flushed`, the index, the flusher)."""
+
+    dir: Path
+    engine: Any
+
+    def _init_engine_tail(self) -> None:
+        self.engine = None  # lightgate_native.Engine, once start_engine handed it the tail
+        self._dispatch_lock = threading.Lock()
+        self._own: dict[int, Message] = {}  # this process's appends, by position, until dispatched
+        self._dispatcher: threading.Thread | None = None
+        self._dispatch_stop = False
+        self._engine_stopped = False
+
+    def start_engine(self, io_threads: int = 1, default_partitions: int = 1) -> Any:
+        """Hand the tail to a native engine (lightgate_native.Engine) after `open`: from
+        here on it writes every append, this process's and its native connections', and
+        a dispatcher thread feeds the index from its appends in log order. Returns it."""
+        if plane.NATIVE is None:
+            raise RuntimeError("the native data plane is not installed")
+        if self._closed or self.engine is not None:
+            raise RuntimeError("start_engine needs an open log without one")
+        with self._write_lock, self._tail_lock:
+            self._fsync_fd()
+            active = self._segments[-1]
+            engine = plane.NATIVE.Engine(
+                str(self.dir), self.segment_size, active.base, self._write_pos,
+                default_partitions, self.flush_mode == "sync", max(1, io_threads),
+                self.index.max_offset)
+            os.close(self._wfd)
+            self._wfd = -1
+            self.engine = engine
+        self._dispatcher = threading.Thread(target=self._dispatch_loop,
+                                            name="commitlog-dispatch", daemon=True)
+        self._dispatcher.start()
+        return engine
+
+    def _fsync_fd(self) -> None:
+        if self._wfd >= 0 and self._flushed < self._write_pos:
+            os.fdatasync(self._wfd)
+            self._flushed = self._write_pos
+
+    def catch_up(self) -> None:
+        """Dispatch what the engine appended and the index does not hold yet: a reader
+        of the index (a pull, history, a queue's end) calls this first, so that it never
+        sees a position, or a subscriber's count, past what the index answers."""
+        if self.engine is not None:
+            self._drain()
+
+    def _dispatch_loop(self) -> None:
+        setthreadtitle("commitlog-dispatch")
+        engine = self.engine
+        while not self._dispatch_stop:
+            try:
+                if engine.wait_dispatched(0.5):
+                    self._drain()
+            except Exception:  # noqa: BLE001 - the thread must outlive one bad batch
+                log.exception("commitlog dispatch failed")
+                time.sleep(0.1)
+
+    def _drain(self) -> None:
+        with self._dispatch_lock:
+            self._drain_locked()
+
+    def _drain_locked(self) -> None:
+        """The engine's appends since the last drain into the index, in log order, then
+        `on_dispatched`: this process's appends as their Messages, the native ones read
+        back from the log."""
+        rows, new_segments = self.engine.take_positions()
+        if new_segments:
+            segs = tuple(Segment(self.dir / segment_name(b), b) for b in new_segments)
+            self._update_segments(lambda old: (*old, *segs))
+        if not rows:
+            return
+        own = self._own
+        msgs: list[Message | None] = [own.pop(r[0], None) for r in rows]
+        missing = [(r[0], r[1]) for r, m in zip(rows, msgs, strict=True) if m is None]
+        if missing:
+            read = iter(self._read_appended(missing))
+            msgs = [m if m is not None else next(read) for m in msgs]
+        done: list[Message] = msgs  # type: ignore[assignment]
+        self._dispatch(done)
+        last = rows[-1]
+        before = self._write_pos
+        self._write_pos = last[0] + last[1]
+        if not self._engine_stopped:
+            self._flushed = max(self._flushed, self.engine.flushed)
+        self.stats["bytes_written"] += self._write_pos - before
+        if self.flush_mode == "async":
+            self._dirtied(before)
+        if self.on_dispatched:
+            try:
+                self.on_dispatched(done)
+            except Exception:
+                log.exception("on_dispatched callback failed")
+
+    def _read_appended(self, entries: list[tuple[int, int]]) -> list[Message]:
+        """The records at these positions, appended by the engine and not dispatched yet
+        (past `_write_pos`, which `read_run` keeps readers within)."""
+        out: list[Message] = []
+        segs, bases = self._segments, self._bases
+        for phys, size in entries:
+            seg = segs[bisect.bisect_right(bases, phys) - 1]
+            out.append(record.decode(seg.pread(size, phys - seg.base), 0, phys))
+        return out
+
+    def _engine_append(self, chunk: Chunk, now: int
+                       ) -> list[Any]:
+        """One engine append of these requests; a request the engine cannot encode
+        fails alone (the others go again), a failed write fails them all."""
+        while chunk:
+            flat = [row for _, rows in chunk for row in rows]
+            try:
+                done = self.engine.append_messages(flat, now) if flat else []
+            except ValueError as exc:
+                if len(exc.args) == 2 and isinstance(exc.args[0], int):
+                    i, why = exc.args
+                    chunk = self._fail_at(chunk, i, ValueError(why))
+                    continue
+                return self._one_by_one(chunk, now, exc)
+            except OSError as exc:
+                why = self.engine.failed
+                if why is not None:
+                    self._failed = StoreError(why)
+                    log.critical("commitlog stops taking writes: %s", why)
+                err: StoreError = (
+                    StoreFullError("no space left on the store's disk")
+                    if exc.errno == errno.ENOSPC
+                    else StoreError(f"commitlog write failed: {exc}")
+                )
+                log.error("append of %d requests failed: %s", len(chunk), exc)
+                for req, _ in chunk:
+                    req.future.set_exception(err)
+                return []
+            except (TypeError, OverflowError) as exc:  # a field no record can hold
+                return self._one_by_one(chunk, now, exc)
+            it = iter(done)
+            own = self._own
+            for req, _ in chunk:
+                new = req.new()
+                for msg in new:
+                    phys, size, store_ts, queues = next(it)
+                    msg.phys_offset, msg.size, msg.store_ts, msg.queues = (
+                        phys, size, store_ts, queues)
+                    own[phys] = msg
+                if req.stamp is not None and new:
+                    assert req.plan is not None
+                    self.producers.appended(
+                        req.stamp, req.stamp.seq + req.plan.skip, len(new),
+                        new[0].phys_offset, new[-1].phys_offset + new[-1].size, now)
+            return [req for req, _ in chunk]
+        return []
+
+    @staticmethod
+    def _fail_at(chunk: Chunk, index: int, exc: Exception
+                 ) -> Chunk:
+        """The chunk without the request that holds flat row `index`, which fails."""
+        for n, (req, rows) in enumerate(chunk):
+            if index < len(rows):
+                req.future.set_exception(exc)
+                return chunk[:n] + chunk[n + 1:]
+            index -= len(rows)
+        return chunk
+
+    def _one_by_one(self, chunk: Chunk, now: int,
+                    exc: Exception) -> list[Any]:
+        if len(chunk) == 1:
+            chunk[0][0].future.set_exception(exc)
+            return []
+        out: list[Any] = []
+        for item in chunk:
+            out += self._engine_append([item], now)
+        return out
+
+    def _stop_engine(self) -> None:
+        """Close with the engine: the dispatcher stops, the engine stops (its reactors
+        and their connections, then an fsync of the tail), the rest is dispatched."""
+        self._dispatch_stop = True
+        self.engine.wake()
+        if self._dispatcher is not None:
+            self._dispatcher.join()
+        self._engine_stopped = True
+        try:
+            self._flushed = self.engine.stop()
+        finally:
+            with self._dispatch_lock:
+                self._drain_locked()  # what the engine left: it hands it over once stopped
+
+    def _refuse_engine(self, what: str) -> None:
+        if self.engine is not None:
+            raise StoreError(f"{what} is not for a log the native engine writes (a store "
+                             "group's node runs the Python writer)")
