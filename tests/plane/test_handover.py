@@ -364,3 +364,13 @@ def test_a_promoted_client_that_goes_quiet_times_out_with_its_will(srv: Server) 
     assert (will.topic, will.payload) == ("wills/sleeper", b"timed out")
     assert said_back(srv, "sleeper", "timeout")
     watcher.disconnect()
+
+
+def test_an_extension_that_cannot_carry_connections_is_one_line(tmp_path: Path) -> None:
+    from tests.plane.test_serve_native_writer import _one_line, _serve_with_stub
+
+    stub = ("def encode_record(*args):\n    raise ValueError('stub')\n\n\n"
+            "class Engine:  # it writes the log, but hands no connection back\n"
+            "    def append_messages(self, *args):\n        pass\n")
+    res = _serve_with_stub(tmp_path, stub)
+    _one_line(res, "lightgate: the native data plane installed is older than this Lightgate")
