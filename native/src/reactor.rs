@@ -593,6 +593,11 @@ impl Worker {
                     if let Some(&token) = self.tokens.get(&conn) {
                         if let Some(c) = self.conns.get_mut(&token) {
                             c.core.publish_done(ticket, packet_id, code);
+                            if c.core.store_failed() {
+                                c.demoting.get_or_insert(Why::Lost(
+                                    "store error: a publish was not stored".into(),
+                                ));
+                            }
                             touched.push(token);
                         }
                     }

@@ -374,3 +374,28 @@ def test_an_extension_that_cannot_carry_connections_is_one_line(tmp_path: Path) 
             "    def append_messages(self, *args):\n        pass\n")
     res = _serve_with_stub(tmp_path, stub)
     _one_line(res, "lightgate: the native data plane installed is older than this Lightgate")
+
+
+def test_a_311_publish_the_store_refuses_ends_the_connection_unacked(
+        small_fs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    srv = native_server(small_fs / "data", monkeypatch, "--segment-size", str(1 << 20))
+    try:
+        raw = RawClient(srv.port, version=4)
+        raw.connect("filler")
+        raw.send(mqtt.Publish("fill/t", b"w", qos=1, packet_id=1))  # the topic cached
+        assert isinstance(raw.recv(), mqtt.Puback)
+        wait_native(srv, "filler")
+        body = b"z" * 60_000
+        acked, pid = 0, 1
+        with pytest.raises(ConnectionError):
+            for _ in range(400):  # 24 MB into 8 MiB: the disk fills on the way
+                pid = pid % 65535 + 1
+                raw.send(mqtt.Publish("fill/t", body, qos=1, packet_id=pid))
+                ack = raw.recv()
+                assert isinstance(ack, mqtt.Puback) and ack.packet_id == pid
+                acked += 1
+        assert 0 < acked < 400
+        assert said_back(srv, "filler", "lost")
+        assert srv.wait_log("disconnected: store error: a publish was not stored")
+    finally:
+        srv.stop()
