@@ -444,8 +444,7 @@ class GatewayApi:
             "connections": st.connections, "sessions": len(sessions),
             "subscriptions": sum(len(s.subscriptions) for s in sessions),
             "inflight": sum(len(s.outgoing) for s in sessions),
-            "messages_in": st.messages_in, "messages_out": st.messages_out,
-            "bytes_in": st.bytes_in, "bytes_out": st.bytes_out, "dropped": st.dropped,
+            **st.totals(), "dropped": st.dropped,
             "expired": st.expired, "store": _store_summary(await _store_stats(self.store)),
         })
 

@@ -20,6 +20,7 @@ from gateway.backpressure import WriteRules
 from gateway.cache import QueueCache, Templates
 from gateway.config import GatewayConfig
 from gateway.delivery import Delivery
+from gateway.handover import Handover
 from gateway.housekeeping import Housekeeping
 from gateway.inbound import Inbound
 from gateway.limits import SourceRateLimiter
@@ -92,6 +93,13 @@ class Broker:
         self.connection_nursery: trio.Nursery | None = None
         # Set while clients are sent to other gateways (cut off from the store's master).
         self.elsewhere: Elsewhere | None = None
+        # The native plane's engine takes quiet plain-TCP connections (gateway.handover).
+        self.handover: Handover | None = None
+
+    def use_engine(self, engine: object) -> None:
+        """Promote connections to `engine` (lightgate_native.Engine) from now on."""
+        self.handover = Handover(self, engine)
+        self.stats.native = engine.counters
 
     # -- what the others read ---------------------------------------------------------
     @property

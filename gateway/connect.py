@@ -177,6 +177,8 @@ class ConnectRules:
             if self._lane is None:
                 self._lane = deque()
             self._lane.extendleft(reversed(held))
+        if broker.handover is not None:
+            broker.handover.consider(self)  # type: ignore[arg-type]
 
     def _set_expiry(self) -> None:
         """The credentials' end (a token's exp, a hook's expire_at) as a deadline, on

@@ -54,7 +54,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         "alive", "connected_at", "out", "_lane", "_lane_busy",
         "_closing", "_detached", "_taken_over", "_store_error", "_authenticator",
         "delivery", "_held", "_paused", "reactor", "_scopes", "_closed",
-        "_pending_connect", "_unpaused", "_full",
+        "_pending_connect", "_unpaused", "_full", "native", "native_topics",
     )
 
     def __init__(self, broker: Broker, stream: trio.abc.Stream | None, peer: str, *,
@@ -94,6 +94,8 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         self._unpaused: trio.Event | None = None  # a stream reader waits on it
         self._scopes: set[trio.CancelScope] | None = None  # the lane's, delivery's, writer's
         self.delivery: Delivery | None = None
+        self.native: int | None = None  # promoted: its id in the engine (gateway.handover)
+        self.native_topics: set[str] | None = set() if broker.handover is not None else None
 
     # -- what the broker and the listeners see ---------------------------------------
     @property
@@ -120,6 +122,8 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         """A new connection claims this client id: close this one and wait until the
         session is free (the spec: the server MUST close the existing connection)."""
         self._taken_over = True
+        if self.native is not None and self.broker.handover is not None:
+            await self.broker.handover.reclaim(self)  # the socket is Python's first
         self.out.write(self.core.taken_over())
         self.close(Closing("taken over"))
         await self.detached()
@@ -134,13 +138,17 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         False before CONNACK, when nothing delivers yet: the session keeps the news."""
         if self.delivery is None:
             return False
-        self.delivery.notify(queue)
+        if self.native is None:  # else the engine delivers it
+            self.delivery.notify(queue)
         return True
 
     def auth_changed(self) -> None:
         """Policies changed: decisions cached on this connection no longer hold."""
-        auth = self.broker.auth
+        auth, handover = self.broker.auth, self.broker.handover
         self._auth_cache = None
+        if handover is not None:  # what the native side may publish to is decided anew
+            self.native_topics = set()
+            handover.rights_changed(self)
         # A hook-decided client's deliveries are asked of the hook instead (awaited: in
         # the delivery task).
         self._check_delivery = bool(

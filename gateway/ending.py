@@ -42,11 +42,16 @@ class Ending:
     _held: int
     _taken_over: bool
     _detached: trio.Event | None
+    native: int | None
 
     def close(self, closing: Closing, nursery: trio.Nursery | None = None) -> None:
         """End the connection (once): stop reading and what runs for it; the rest (the
         DISCONNECT, the will, the session) in a task (in `nursery`: a shutdown's)."""
         if self._closed:
+            return
+        if self.native is not None and self.broker.handover is not None:
+            # The engine has the socket: closed once it is back (gateway.handover).
+            self.broker.handover.release(self, closing, nursery)
             return
         self._closed = True
         self.alive = False

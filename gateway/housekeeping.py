@@ -83,15 +83,16 @@ class Housekeeping:
 
     async def publish_sys(self) -> None:
         st = self.stats
+        totals = st.totals()
         store_stats = (await self.store.get_stats())["commitlog"]
         values = {
             "$SYS/broker/uptime": f"{int(time.time() - st.started)} seconds",
             "$SYS/broker/clients/connected": st.connections,
             "$SYS/broker/clients/total": len(self.sessions.by_id),
-            "$SYS/broker/messages/received": st.messages_in,
-            "$SYS/broker/messages/sent": st.messages_out,
-            "$SYS/broker/bytes/received": st.bytes_in,
-            "$SYS/broker/bytes/sent": st.bytes_out,
+            "$SYS/broker/messages/received": totals["messages_in"],
+            "$SYS/broker/messages/sent": totals["messages_out"],
+            "$SYS/broker/bytes/received": totals["bytes_in"],
+            "$SYS/broker/bytes/sent": totals["bytes_out"],
             "$SYS/broker/store/bytes": store_stats["bytes"],
             "$SYS/broker/store/segments": store_stats["segments"],
         }

@@ -206,6 +206,10 @@ class Inbound:
         if ev is not None:
             ev.set()
 
+    def idle(self, conn: Publisher) -> bool:
+        """Nothing `conn` staged waits to be stored or answered."""
+        return conn not in self._pending
+
     async def drained(self, conn: Publisher) -> None:
         """Until every publish `conn` staged has been stored (or refused) and answered."""
         if conn not in self._pending:

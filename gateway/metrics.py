@@ -94,6 +94,7 @@ class BrokerCollector:
                                 value=time.time() - st.started)
         yield GaugeMetricFamily("lightgate_shared_groups", "Shared subscription groups",
                                 value=len(b.groups))
+        yield from _native_metrics(b)
         yield from self._store_metrics()
 
     def _store_metrics(self) -> Any:
@@ -190,6 +191,20 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
     yield hits
     yield CounterMetricFamily("lightgate_sessions_expired", "Persistent sessions expired",
                               value=st.sessions_expired)
+
+
+def _native_metrics(b: Broker) -> Any:
+    """The native plane's own counters (gateway.handover): what its connections sent and
+    were sent, which the broker's counters above do not see."""
+    if b.handover is None:
+        return
+    counters = b.handover.engine.counters()
+    yield GaugeMetricFamily("lightgate_native_connections",
+                            "Connections the native plane carries now",
+                            value=counters.pop("connections"))
+    for name, value in counters.items():
+        yield CounterMetricFamily(f"lightgate_native_{name}",
+                                  f"Native plane: {name.replace('_', ' ')}", value=value)
 
 
 def _memory_metrics(s: dict[str, Any]) -> Any:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from gateway.broker import Broker
+from gateway.handover import MAX_TOPICS
 from gateway.inbound import Inbound
 from gateway.limits import PublishLimits
 from gateway.mqtt import Publish
@@ -39,6 +40,7 @@ class PublishRules:
     _ask_hook: bool
     _limits: PublishLimits | None
     _closed: bool
+    native_topics: set[str] | None  # what it may publish to natively (gateway.handover)
 
     if TYPE_CHECKING:  # the connection's own, used here
         def may(self, action: str, name: str, is_filter: bool = False) -> bool: ...
@@ -133,6 +135,9 @@ class PublishRules:
 
     def _stage(self, ev: mp.PublishReceived, topic: str, s: Session) -> None:
         p = ev.packet
+        topics = self.native_topics
+        if topics is not None and len(topics) < MAX_TOPICS:
+            topics.add(topic)  # allowed and within the limits: the native side's cache
         msg = Message(topic, p.payload, p.qos, p.retain, s.client_id, _props(p),
                       born_ts=time.time_ns() // 1_000_000,
                       key=qos2_key(s.client_id, p.packet_id) if p.qos == 2 and s.persistent

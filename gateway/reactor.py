@@ -122,6 +122,16 @@ class Reactor:
         self._over_budget.pop(fd, None)
         self._armed.pop(fd, None)
 
+    def take_back(self, conn: Connection) -> None:
+        """A connection the native plane hands back (gateway.handover): read again."""
+        fd = conn.fd
+        self.conns[fd] = conn
+        self.ep.register(fd, IN)
+        if not conn.reading:
+            self._paused.add(fd)
+            self._modify(fd)
+        self.rearm(conn)
+
     def pause(self, conn: Connection) -> None:
         fd = conn.fd
         if fd in self.conns and fd not in self._paused:
@@ -177,6 +187,9 @@ class Reactor:
                 # Timers in a task of their own: a deadline on every wait of the loop
                 # (a cancel scope per pass) cost a tenth of a message's CPU at low rates.
                 nursery.start_soon(self._run_timers)
+                handover = self.broker.handover
+                if handover is not None and not handover.running:
+                    nursery.start_soon(handover.run)  # one for the node's reactors
                 while True:
                     await trio.lowlevel.wait_readable(epfd)
                     self._pass()
@@ -188,6 +201,10 @@ class Reactor:
                     for conn in list(self.conns.values()):
                         conn.close(Closing("server shutting down", True,
                                            rc.SERVER_SHUTTING_DOWN), ending)
+                    if self.broker.handover is not None:  # its own are closed once back
+                        await self.broker.handover.release_all(
+                            self, Closing("server shutting down", True,
+                                          rc.SERVER_SHUTTING_DOWN), ending)
             self.ep.close()
 
     async def _run_timers(self) -> None:

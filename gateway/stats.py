@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 APPEND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -37,6 +38,18 @@ class Stats:
         self.offline_dropped = 0  # skipped past --max-offline-messages / -bytes
         self.topic_refusals = 0  # topics past --max-topic-levels / --max-topic-length
         self.store_errors = 0  # store calls of background work that failed (retried later)
+        # The native plane's own counters (lightgate_native.Engine.counters), once it runs.
+        self.native: Callable[[], dict[str, int]] | None = None
+
+    def totals(self) -> dict[str, int]:
+        """Messages and bytes in and out: this side's and the native plane's."""
+        out = {"messages_in": self.messages_in, "messages_out": self.messages_out,
+               "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+        if self.native is not None:
+            native = self.native()
+            for name in out:
+                out[name] += native.get(name, 0)
+        return out
 
     def observe_append(self, seconds: float) -> None:
         self.append_count += 1

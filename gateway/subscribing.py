@@ -120,4 +120,6 @@ class SubscribeRules:
             existed = await self.broker.unsubscribe(s, topic_filter)
             codes.append(rc.SUCCESS if existed else rc.NO_SUBSCRIPTION_EXISTED)
         self.core.unsubscribed(ev.packet.packet_id, ev.ticket, codes)
+        if self.broker.handover is not None:  # what kept it in Python may have gone
+            self.broker.handover.consider(self)  # type: ignore[arg-type]
 

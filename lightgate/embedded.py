@@ -53,10 +53,12 @@ def io_threads(gateway: GatewayConfig) -> int:
 
 async def _serve(opts: ServeOptions, signals: Signals) -> None:
     if plane.writer() == "native":  # the engine writes the log (store.service)
-        if not hasattr(plane.NATIVE.Engine, "append_messages"):
+        if not all(hasattr(plane.NATIVE.Engine, name) for name in ("append_messages",
+                                                                   "release")):
             raise StartupError("the native data plane installed is older than this "
-                               "Lightgate (its engine cannot write the log): reinstall it "
-                               "(cargo on PATH, then `pip install .`)")
+                               "Lightgate (its engine cannot write the log or carry "
+                               "connections): reinstall it (cargo on PATH, then `pip "
+                               "install .`)")
         opts.store.engine_threads = io_threads(opts.gateway)
     async with (
         LocalBus(window=0) as bus,  # the store appends in batches: nothing to wait for
@@ -64,6 +66,8 @@ async def _serve(opts: ServeOptions, signals: Signals) -> None:
         trio.open_nursery() as nursery,
     ):
         broker = Broker(node.store, opts.gateway, node.auth, opts.auth_backends)
+        if node.store.engine is not None:  # quiet plain-TCP clients go native after CONNACK
+            broker.use_engine(node.store.engine)
         nursery.start_soon(broker.run_notify, bus)
         await nursery.start(broker.run_connections)
         await nursery.start(broker.run_housekeeping)

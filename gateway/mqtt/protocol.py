@@ -58,6 +58,7 @@ from .events import (
     SubscribeReceived,
     UnsubscribeReceived,
 )
+from .handback import Handback
 from .handshake import Handshake
 from .outbound import Outbound
 from .packets import (
@@ -89,7 +90,7 @@ class _Answer:
     after: list[bytes] | None = None  # deliveries that must follow it (retained)
 
 
-class MqttProtocol(Handshake, Outbound):
+class MqttProtocol(Handshake, Outbound, Handback):
     """One connection's MQTT state. Not thread-safe; one driver calls it."""
 
     __slots__ = (

@@ -83,13 +83,17 @@ fn main() {
     let listener = TcpListener::bind(("127.0.0.1", port)).expect("port");
     println!("ready mqtt=127.0.0.1:{port}");
     let owner = Arc::clone(&engine);
+    // Each connection's filters: a demotion takes its subscriptions away, so they are
+    // registered again with the new ones.
+    let mut filters_of: std::collections::HashMap<u64, Vec<(String, u8)>> =
+        std::collections::HashMap::new();
     std::thread::spawn(move || loop {
         std::thread::sleep(Duration::from_millis(20));
         owner.take_dispatched(); // no index here: what it costs is Python's, later
         for report in owner.take_reports() {
             let Report::Demoted(d) = report else { continue };
             if d.why != Why::Packet || d.unread.first().map(|b| b >> 4) != Some(8) {
-                owner.forget(d.conn);
+                filters_of.remove(&d.conn);
                 continue; // the connection ends: its socket closes
             }
             let mut s = TcpStream::from(d.socket);
@@ -102,9 +106,14 @@ fn main() {
                 continue;
             };
             let mut ack = vec![0x90, (2 + filters.len()) as u8, (pid >> 8) as u8, pid as u8];
+            let known = filters_of.entry(d.conn).or_default();
             for (f, q) in &filters {
-                let _ = owner.subscribe(d.conn, f, *q);
                 ack.push(*q);
+                known.retain(|(old, _)| old != f);
+                known.push((f.clone(), *q));
+            }
+            for (f, q) in known.iter() {
+                let _ = owner.subscribe(d.conn, f, *q);
             }
             let _ = s.write_all(&d.unsent);
             let _ = s.write_all(&ack);
@@ -117,6 +126,8 @@ fn main() {
                 unread: d.unread[consumed..].to_vec(),
                 idle_for: 0.0,
                 acl: None,
+                restore: Default::default(),
+                max_unsent: 0,
             });
         }
     });
@@ -135,6 +146,8 @@ fn main() {
             unread: Vec::new(),
             idle_for: 0.0,
             acl: None,
+            restore: Default::default(),
+            max_unsent: 0,
         });
         next += 1;
     }

@@ -9,15 +9,19 @@
 //! One lock covers the log's tail, the routes and the queue offsets, so offsets are
 //! given out in log order and never twice, whichever reactor thread appends.
 
-use std::collections::{HashMap, HashSet};
-use std::io;
+use std::collections::HashMap;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::commitlog::LogWriter;
-use crate::reactor::{Command, Delivery, Handle, Inbound, Reactor, Report, Sink};
+use crate::reactor::{
+    Command, Counters, Delivery, Handle, Inbound, Positions, Reactor, Report, Sink,
+};
 use crate::record::{self, Record, RecordError};
 use crate::router::{FilterError, Routes, TopicTrie};
 
@@ -134,13 +138,18 @@ struct Log {
 struct Sub {
     conn: u64,
     qos: u8,
+    /// The connection's protocol version: what a message must not lose for it.
+    version: u8,
+    /// The filter, which names the light queue the subscription reads.
+    filter: Arc<str>,
 }
 
 #[derive(Default)]
 struct Subs {
     trie: TopicTrie<u64>,
     table: HashMap<u64, Sub>,
-    by_conn: HashMap<(u64, String), u64>,
+    /// conn -> filter -> subscription id: a connection's own go at once when it leaves.
+    by_conn: HashMap<u64, HashMap<String, u64>>,
     next_id: u64,
 }
 
@@ -158,11 +167,15 @@ struct Inner {
     active_base: AtomicU64,
     reports: Mutex<Vec<Report>>,
     failed: Mutex<Option<String>>,
+    /// A byte written here wakes the owner: reports wait (`Engine::wake_fd`).
+    wake: UnixStream,
 }
 
 pub struct Engine {
     inner: Arc<Inner>,
     reactor: Reactor,
+    /// The owner's end of the wake-up pair: readable while reports wait.
+    woken: UnixStream,
 }
 
 struct EngineSink(Arc<Inner>);
@@ -171,10 +184,18 @@ impl Sink for EngineSink {
     fn report(&self, report: Report) {
         match report {
             Report::Published(batch) => self.0.append(batch),
-            other => {
+            // Our deliveries are all of clean sessions: an ack only frees the window,
+            // which the reactor did already.
+            Report::Acked { .. } => {}
+            Report::Demoted(d) => {
+                // Its subscriptions go first: nothing is delivered to it after the
+                // positions it hands back.
+                self.0.forget(d.conn);
                 if let Ok(mut r) = self.0.reports.lock() {
-                    r.push(other);
+                    r.push(Report::Demoted(d));
                 }
+                // Full (a wake-up waits already) or closed (stopping): either is fine.
+                let _ = (&self.0.wake).write(&[1]);
             }
         }
     }
@@ -203,6 +224,9 @@ impl Engine {
         };
         let threads = config.io_threads;
         let (write_pos, base) = (config.write_pos, config.active_base);
+        let (wake, woken) = UnixStream::pair()?;
+        wake.set_nonblocking(true)?;
+        woken.set_nonblocking(true)?;
         let inner = Arc::new(Inner {
             config,
             log: Mutex::new(log),
@@ -216,14 +240,75 @@ impl Engine {
             active_base: AtomicU64::new(base),
             reports: Mutex::new(Vec::new()),
             failed: Mutex::new(None),
+            wake,
         });
         let reactor = Reactor::start(threads, Arc::new(EngineSink(Arc::clone(&inner))))?;
         let _ = inner.handle.set(reactor.handle());
-        Ok(Engine { inner, reactor })
+        Ok(Engine {
+            inner,
+            reactor,
+            woken,
+        })
     }
 
     pub fn send(&self, command: Command) {
         self.reactor.send(command);
+    }
+
+    /// A descriptor that is readable while demotions wait for `take_reports` (the
+    /// owner reads it empty, non-blocking, then takes them).
+    pub fn wake_fd(&self) -> RawFd {
+        self.woken.as_raw_fd()
+    }
+
+    /// Read the wake-up descriptor empty.
+    pub fn clear_wake(&self) {
+        let mut buf = [0u8; 256];
+        while matches!(io::Read::read(&mut &self.woken, &mut buf), Ok(n) if n > 0) {}
+    }
+
+    pub fn counters(&self) -> &Counters {
+        self.reactor.handle_ref().counters()
+    }
+
+    /// Promote a connection: `adopt` makes its Adopt command, sent only if every
+    /// subscription's position (filter, QoS, next offset) is at its queue's end, and
+    /// then the subscriptions are registered, all under the log's lock, so every
+    /// message appended after it is delivered natively and none before it is. False:
+    /// some queue holds more than the owner delivered (it delivers the rest first),
+    /// and nothing changed.
+    pub fn promote(
+        &self,
+        conn: u64,
+        version: u8,
+        subscriptions: &[(String, u8, u64)],
+        adopt: impl FnOnce() -> Command,
+    ) -> Result<bool, FilterError> {
+        for (filter, _, _) in subscriptions {
+            crate::router::validate_filter(filter)?;
+        }
+        let Ok(mut log) = self.inner.log.lock() else {
+            return Ok(false);
+        };
+        for (filter, _, position) in subscriptions {
+            let end = match log.next.get(filter.as_str()) {
+                Some(&n) => n,
+                None => {
+                    let n = (log.queue_end)(filter);
+                    log.next.insert(filter.clone(), n);
+                    n
+                }
+            };
+            if *position != end {
+                return Ok(false);
+            }
+        }
+        self.reactor.send(adopt());
+        for (filter, qos, _) in subscriptions {
+            self.subscribe_v(conn, filter, *qos, version)?;
+        }
+        drop(log);
+        Ok(true)
     }
 
     pub fn register_wildcard(&self, topic_filter: &str) -> Result<bool, FilterError> {
@@ -246,9 +331,19 @@ impl Engine {
 
     /// `conn` receives what matches `topic_filter`, at most at `qos`.
     pub fn subscribe(&self, conn: u64, topic_filter: &str, qos: u8) -> Result<(), FilterError> {
+        self.subscribe_v(conn, topic_filter, qos, 4)
+    }
+
+    /// `subscribe`, for a connection of protocol `version`.
+    pub fn subscribe_v(
+        &self,
+        conn: u64,
+        topic_filter: &str,
+        qos: u8,
+        version: u8,
+    ) -> Result<(), FilterError> {
         let mut subs = self.inner.subs.write().map_err(|_| FilterError::Empty)?;
-        let key = (conn, topic_filter.to_string());
-        if let Some(&id) = subs.by_conn.get(&key) {
+        if let Some(&id) = subs.by_conn.get(&conn).and_then(|f| f.get(topic_filter)) {
             if let Some(s) = subs.table.get_mut(&id) {
                 s.qos = qos; // a repeated SUBSCRIBE replaces its options
             }
@@ -257,8 +352,19 @@ impl Engine {
         let id = subs.next_id;
         subs.trie.add(topic_filter, id)?;
         subs.next_id += 1;
-        subs.table.insert(id, Sub { conn, qos });
-        subs.by_conn.insert(key, id);
+        subs.table.insert(
+            id,
+            Sub {
+                conn,
+                qos,
+                version,
+                filter: Arc::from(topic_filter),
+            },
+        );
+        subs.by_conn
+            .entry(conn)
+            .or_default()
+            .insert(topic_filter.to_string(), id);
         Ok(())
     }
 
@@ -266,30 +372,22 @@ impl Engine {
         let Ok(mut subs) = self.inner.subs.write() else {
             return false;
         };
-        let Some(id) = subs.by_conn.remove(&(conn, topic_filter.to_string())) else {
+        let Some(filters) = subs.by_conn.get_mut(&conn) else {
             return false;
         };
+        let Some(id) = filters.remove(topic_filter) else {
+            return false;
+        };
+        if filters.is_empty() {
+            subs.by_conn.remove(&conn);
+        }
         subs.table.remove(&id);
         subs.trie.remove(topic_filter, id)
     }
 
     /// Every subscription of `conn` goes (it was demoted or it left).
     pub fn forget(&self, conn: u64) {
-        let Ok(mut subs) = self.inner.subs.write() else {
-            return;
-        };
-        let filters: Vec<String> = subs
-            .by_conn
-            .keys()
-            .filter(|(c, _)| *c == conn)
-            .map(|(_, f)| f.clone())
-            .collect();
-        for f in filters {
-            if let Some(id) = subs.by_conn.remove(&(conn, f.clone())) {
-                subs.table.remove(&id);
-                subs.trie.remove(&f, id);
-            }
-        }
+        self.inner.forget(conn);
     }
 
     /// Append messages from outside the reactors, after and before whatever the
@@ -302,14 +400,7 @@ impl Engine {
         store_ts: Option<u64>,
     ) -> Result<Vec<Dispatched>, AppendError> {
         let items: Vec<Item<'_>> = messages.iter().map(Item::of).collect();
-        let (positions, rows) = self.inner.write(&items, store_ts, true)?;
-        if let Some(handle) = self.inner.handle.get() {
-            let mut commands = Vec::new();
-            self.inner.deliver(&items, &positions, &mut commands);
-            if !commands.is_empty() {
-                handle.send_many(commands);
-            }
-        }
+        let (_, rows) = self.inner.write(&items, store_ts, true)?;
         Ok(rows)
     }
 
@@ -403,7 +494,7 @@ impl Engine {
     /// `stop`, and what was left for dispatch (the last appends, for the index).
     pub fn stop_and_take(self) -> (io::Result<u64>, Pending) {
         self.wake();
-        let Engine { inner, reactor } = self;
+        let Engine { inner, reactor, .. } = self;
         reactor.stop();
         let synced = match inner.log.lock() {
             Ok(mut log) => {
@@ -423,6 +514,17 @@ impl Engine {
 }
 
 impl Inner {
+    /// Every subscription of `conn` goes (it was demoted or it left).
+    pub fn forget(&self, conn: u64) {
+        let Ok(mut subs) = self.subs.write() else {
+            return;
+        };
+        for (f, id) in subs.by_conn.remove(&conn).unwrap_or_default() {
+            subs.table.remove(&id);
+            subs.trie.remove(&f, id);
+        }
+    }
+
     /// One pass's publishes: appended, acknowledged, delivered, left for dispatch.
     fn append(&self, batch: Vec<Inbound>) {
         let Some(handle) = self.handle.get() else {
@@ -456,15 +558,15 @@ impl Inner {
                 });
             }
         }
-        if let Ok((positions, _)) = appended {
-            self.deliver(&items, &positions, &mut commands);
-        }
         handle.send_many(commands);
     }
 
     /// Append `items` under the log lock: route the ones without queues, give each
     /// queue its next offset, encode, write (and sync, in sync mode), and leave the rows
-    /// for dispatch in log order. Returns each record's position, and (`keep`) the rows.
+    /// for dispatch in log order, and queue the deliveries to native subscribers before
+    /// the lock goes: two appends at once queue theirs in log order, so a subscriber
+    /// gets them in order and a demotion's positions never pass a message not sent yet.
+    /// Returns each record's position, and (`keep`) the rows.
     fn write(
         &self,
         items: &[Item<'_>],
@@ -551,6 +653,13 @@ impl Inner {
         for (d, pos) in rows.iter_mut().zip(&appended.positions) {
             d.phys_offset = *pos;
         }
+        if let Some(handle) = self.handle.get() {
+            let mut deliveries = Vec::new();
+            self.deliver(items, &rows, &mut deliveries);
+            if !deliveries.is_empty() {
+                handle.send_many(deliveries);
+            }
+        }
         let kept = if keep { rows.clone() } else { Vec::new() };
         if let Ok(mut p) = self.pending.lock() {
             p.rows.extend(rows);
@@ -582,18 +691,27 @@ impl Inner {
     }
 
     /// Each message once to each connection with a matching subscription, at the
-    /// smaller of its QoS and the highest QoS of the connection's matching filters.
-    fn deliver(&self, items: &[Item<'_>], positions: &[u64], commands: &mut Vec<Command>) {
+    /// smaller of its QoS and the highest QoS of the connection's matching filters,
+    /// with the message's offset in each of those filters' queues.
+    fn deliver(&self, items: &[Item<'_>], rows: &[Dispatched], commands: &mut Vec<Command>) {
         let Ok(subs) = self.subs.read() else { return };
         if subs.table.is_empty() {
             return;
         }
-        for (item, &pos) in items.iter().zip(positions) {
-            let mut best: HashMap<u64, u8> = HashMap::new();
+        for (item, d) in items.iter().zip(rows) {
+            let mut best: HashMap<u64, Target> = HashMap::new();
             subs.trie.for_each_match(item.topic, |_, id| {
                 if let Some(s) = subs.table.get(&id) {
-                    let q = best.entry(s.conn).or_insert(0);
-                    *q = (*q).max(s.qos);
+                    let t = best.entry(s.conn).or_insert(Target {
+                        qos: 0,
+                        version: s.version,
+                        positions: Vec::new(),
+                    });
+                    t.qos = t.qos.max(s.qos);
+                    if let Some((_, offset)) = d.queues.iter().find(|(name, _)| **name == *s.filter)
+                    {
+                        t.positions.push((Arc::clone(&s.filter), *offset));
+                    }
                 }
             });
             if best.is_empty() {
@@ -601,23 +719,41 @@ impl Inner {
             }
             let topic: Arc<str> = Arc::from(item.topic);
             let payload: Arc<[u8]> = Arc::from(item.body);
-            let mut seen = HashSet::new();
-            for (conn, sub_qos) in best {
-                if seen.insert(conn) {
-                    commands.push(Command::Deliver {
-                        conn,
-                        delivery: Delivery {
-                            topic: Arc::clone(&topic),
-                            payload: Arc::clone(&payload),
-                            qos: item.qos.min(sub_qos),
-                            retain: false,
-                            source: (0, pos),
-                        },
-                    });
+            for (conn, t) in best {
+                let qos = item.qos.min(t.qos);
+                if qos > 1 || (t.version == 5 && !no_properties(item.properties)) {
+                    // QoS 2, or properties a v5 client must get: Python carries this
+                    // message, so the connection goes back before it.
+                    commands.push(Command::Release { conn });
+                    continue;
                 }
+                commands.push(Command::Deliver {
+                    conn,
+                    delivery: Delivery {
+                        topic: Arc::clone(&topic),
+                        payload: Arc::clone(&payload),
+                        qos,
+                        retain: false,
+                        source: (0, d.phys_offset),
+                        positions: t.positions,
+                    },
+                });
             }
         }
     }
+}
+
+/// One connection a message goes to: the highest QoS of its matching filters, its
+/// protocol version, and the message's offset in each of their queues.
+struct Target {
+    qos: u8,
+    version: u8,
+    positions: Positions,
+}
+
+/// Whether a record's properties (JSON, as `store/record.py` keeps them) are none.
+fn no_properties(properties: &[u8]) -> bool {
+    properties.is_empty() || properties == b"{}"
 }
 
 fn unassign(log: &mut Log, assigned: &[(String, u64)]) {

@@ -95,6 +95,9 @@ pub struct Connection {
     unread: Vec<u8>,
     read_at: f64,
     demoted: bool,
+    /// A publish was not stored and 3.1.1 has no negative ack: the connection must end
+    /// (as the Python side ends it), so that the client sends it again.
+    store_failed: bool,
 }
 
 impl Connection {
@@ -111,6 +114,7 @@ impl Connection {
             unread: Vec::new(),
             read_at: now,
             demoted: false,
+            store_failed: false,
         }
     }
 
@@ -181,6 +185,16 @@ impl Connection {
 
     pub fn demoted(&self) -> bool {
         self.demoted
+    }
+
+    /// A 3.1.1 publish was not stored: the connection must end.
+    pub fn store_failed(&self) -> bool {
+        self.store_failed
+    }
+
+    /// When the client last sent anything, in the driver's clock.
+    pub fn read_at(&self) -> f64 {
+        self.read_at
     }
 
     /// When the keepalive runs out (1.5 times the interval without a packet), in the
@@ -349,6 +363,12 @@ impl Connection {
     /// gets a plain PUBACK, as it has no negative one).
     pub fn publish_done(&mut self, ticket: u64, packet_id: u16, code: u8) {
         self.inbound_unacked = self.inbound_unacked.saturating_sub(1);
+        if code != 0 && self.settings.version != 5 {
+            // No ack at all: its place is given up, and the connection ends.
+            self.store_failed = true;
+            self.decide(ticket, Vec::new());
+            return;
+        }
         let told = if self.settings.version == 5 { code } else { 0 };
         let mut ack = Vec::with_capacity(5);
         // A valid id and reason code cannot fail to encode; a bad one is dropped.
@@ -497,6 +517,23 @@ mod tests {
         c.publish_done(0, 7, 0);
         assert_eq!(c.take_output(), vec![0x40, 2, 0, 7, 0xD0, 0]);
         assert_eq!(c.deadline(), 91.0);
+    }
+
+    #[test]
+    fn a_311_publish_not_stored_gets_no_ack_and_ends_the_connection() {
+        let mut c = Connection::new(settings(4), 0.0);
+        let mut data = publish("a", b"1", 1, Some(7), 4);
+        data.extend([0xC0, 0x00]); // PINGREQ after it
+        let mut ev = Vec::new();
+        c.receive(&data, 1.0, allow, &mut ev);
+        c.publish_done(0, 7, 0x80);
+        assert!(c.store_failed());
+        assert_eq!(c.take_output(), vec![0xD0, 0], "the PINGRESP, no PUBACK");
+        assert_eq!(c.answers_pending(), 0);
+        let mut v5 = Connection::new(settings(5), 0.0);
+        v5.receive(&publish("a", b"1", 1, Some(7), 5), 1.0, allow, &mut ev);
+        v5.publish_done(0, 7, 0x80);
+        assert!(!v5.store_failed(), "v5 says it in the PUBACK");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use crate::codec::{self, Packet, Property, Value};
 use crate::commitlog;
 use crate::engine;
 use crate::protocol;
-use crate::reactor::{Command as ReactorCommand, Report};
+use crate::reactor::{Command as ReactorCommand, Report, Restore};
 use crate::record::{self, Record};
 use crate::router;
 
@@ -332,8 +332,6 @@ type Positions = (Vec<(u64, u32)>, Vec<u64>);
 fn row(d: engine::Dispatched) -> DispatchedRow {
     (d.phys_offset, d.size, d.store_ts, d.queues)
 }
-/// A connection handed back: (conn, fd, why, unread, unsent, next_packet_id).
-type DemotedRow = (u64, i32, String, Vec<u8>, Vec<u8>, u16);
 
 /// The native per-message path (`engine::Engine`): reactors, the log's tail, routing,
 /// acks and deliveries. Python hands it sockets after their CONNACK and takes back
@@ -355,14 +353,24 @@ impl PyEngine {
 
 /// A socket Python gives up (`socket.detach()`): from here on Rust owns and closes it.
 #[allow(unsafe_code)]
-fn adopt_fd(fd: i32) -> PyResult<std::os::fd::OwnedFd> {
+fn adopt_fd(fd: Fd) -> std::os::fd::OwnedFd {
     use std::os::fd::FromRawFd;
-    if fd < 0 {
-        return Err(PyValueError::new_err("not a socket"));
-    }
     // SAFETY: the caller detached `fd` from its Python socket, so nothing else owns or
     // closes it; it is owned exactly once from here.
-    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    unsafe { std::os::fd::OwnedFd::from_raw_fd(fd.0) }
+}
+
+/// A descriptor number checked not to be negative.
+#[derive(Clone, Copy)]
+struct Fd(i32);
+
+impl Fd {
+    fn checked(fd: i32) -> PyResult<Fd> {
+        if fd < 0 {
+            return Err(PyValueError::new_err("not a socket"));
+        }
+        Ok(Fd(fd))
+    }
 }
 
 #[pymethods]
@@ -405,11 +413,17 @@ impl PyEngine {
         })
     }
 
-    /// Take a connection over after its CONNACK (`fd` from `socket.detach()`).
-    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None))]
+    /// Take a connection over after its CONNACK: True, and `fd` is the engine's (the
+    /// caller detached it); False, and nothing changed, when a subscription's position
+    /// is not at its queue's end (the caller delivers the rest, and tries again).
+    /// `subscriptions`: (filter, QoS, next offset of its queue), registered with it;
+    /// `aliases_in` and `next_packet_id`: the Python core's state to go on from;
+    /// `max_unsent`: bytes waiting for the client past which it comes back (0: 2 MiB).
+    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0))]
     #[allow(clippy::too_many_arguments)] // what CONNECT negotiated, one value each
     fn adopt(
         &self,
+        py: Python<'_>,
         conn: u64,
         fd: i32,
         version: u8,
@@ -424,7 +438,11 @@ impl PyEngine {
         unread: Vec<u8>,
         idle_for: f64,
         acl: Option<std::collections::HashSet<String>>,
-    ) -> PyResult<()> {
+        subscriptions: Vec<(String, u8, u64)>,
+        aliases_in: std::collections::HashMap<u16, String>,
+        next_packet_id: u16,
+        max_unsent: usize,
+    ) -> PyResult<bool> {
         let settings = protocol::Settings {
             version,
             keepalive,
@@ -436,16 +454,50 @@ impl PyEngine {
             max_inflight,
             client_max_packet,
         };
-        let socket = adopt_fd(fd)?;
-        self.engine()?.send(ReactorCommand::Adopt {
-            conn,
-            socket,
-            settings,
-            unread,
-            idle_for,
-            acl,
+        let fd = Fd::checked(fd)?;
+        let engine = self.engine()?;
+        // The log's lock is taken inside: the interpreter is let go first (a reactor
+        // holding it may be asking Python where a queue ends).
+        let taken = py.allow_threads(|| {
+            engine.promote(conn, version, &subscriptions, || ReactorCommand::Adopt {
+                conn,
+                socket: adopt_fd(fd),
+                settings,
+                unread,
+                idle_for,
+                acl,
+                restore: Restore {
+                    aliases_in,
+                    next_packet_id,
+                },
+                max_unsent,
+            })
         });
+        taken.map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// Hand connection `conn` back (a takeover, a kick, changed credentials, a
+    /// shutdown): its demotion follows, as any other, with why "released".
+    fn release(&self, conn: u64) -> PyResult<()> {
+        self.engine()?.send(ReactorCommand::Release { conn });
         Ok(())
+    }
+
+    /// Readable while demotions wait: the owner's event loop waits on it, then calls
+    /// `take_demoted` (which reads it empty).
+    #[getter]
+    fn wake_fd(&self) -> PyResult<i32> {
+        Ok(self.engine()?.wake_fd())
+    }
+
+    /// What the reactors did: messages and bytes in and out, drops, adoptions,
+    /// demotions, connections held now.
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (name, value) in self.engine()?.counters().snapshot() {
+            out.set_item(name, value)?;
+        }
+        Ok(out)
     }
 
     fn subscribe(&self, conn: u64, topic_filter: &str, qos: u8) -> PyResult<()> {
@@ -602,22 +654,45 @@ impl PyEngine {
         Ok(self.engine()?.failed())
     }
 
-    /// Connections handed back: (conn, fd, why, unread, unsent, next_packet_id).
-    fn take_demoted(&self) -> PyResult<Vec<DemotedRow>> {
+    /// Connections handed back, each a dict: conn, fd (now the caller's), why
+    /// ("packet", "timeout", "lost", "backlog", "released"), detail (a loss's text),
+    /// unread (the packet that needs Python first), unsent (to write before anything
+    /// else), next_packet_id, outgoing ([(packet_id, encoded PUBLISH, phys_offset)], in
+    /// flight at QoS 1), positions ({queue: next offset}, for the queues delivered
+    /// from), idle_for (seconds since the client sent anything), aliases_in.
+    fn take_demoted<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         use std::os::fd::IntoRawFd;
-        let mut out = Vec::new();
-        for report in self.engine()?.take_reports() {
-            if let Report::Demoted(d) = report {
-                let why = format!("{:?}", d.why);
-                out.push((
-                    d.conn,
-                    d.socket.into_raw_fd(),
-                    why,
-                    d.unread,
-                    d.unsent,
-                    d.next_packet_id,
-                ));
+        let engine = self.engine()?;
+        engine.clear_wake();
+        let out = PyList::empty(py);
+        for report in engine.take_reports() {
+            let Report::Demoted(d) = report else { continue };
+            let d = *d;
+            let row = PyDict::new(py);
+            row.set_item("conn", d.conn)?;
+            row.set_item("why", d.why.name())?;
+            let detail = match &d.why {
+                crate::reactor::Why::Lost(text) => text.as_str(),
+                _ => "",
+            };
+            row.set_item("detail", detail)?;
+            row.set_item("unread", PyBytes::new(py, &d.unread))?;
+            row.set_item("unsent", PyBytes::new(py, &d.unsent))?;
+            row.set_item("next_packet_id", d.next_packet_id)?;
+            let outgoing = PyList::empty(py);
+            for (pid, o) in &d.outgoing {
+                outgoing.append((*pid, PyBytes::new(py, &o.data), o.source.1))?;
             }
+            row.set_item("outgoing", outgoing)?;
+            let positions = PyDict::new(py);
+            for (queue, next) in &d.positions {
+                positions.set_item(&**queue, *next)?;
+            }
+            row.set_item("positions", positions)?;
+            row.set_item("idle_for", d.idle_for)?;
+            row.set_item("aliases_in", d.aliases_in.clone())?;
+            row.set_item("fd", d.socket.into_raw_fd())?;
+            out.append(row)?;
         }
         Ok(out)
     }

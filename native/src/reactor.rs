@@ -14,6 +14,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -49,9 +50,30 @@ pub enum Why {
     Lost(String),
     /// More waits for the client than the budget allows.
     Backlog,
+    /// The owner asked for it back (`Command::Release`): a takeover, a kick, changed
+    /// credentials, a shutdown.
+    Released,
 }
 
-/// A connection handed back, with what its owner needs to go on from here.
+impl Why {
+    /// What the owner is told, as a word (and the loss's text for `Lost`).
+    pub fn name(&self) -> &str {
+        match self {
+            Why::Packet => "packet",
+            Why::Timeout => "timeout",
+            Why::Lost(_) => "lost",
+            Why::Backlog => "backlog",
+            Why::Released => "released",
+        }
+    }
+}
+
+/// A connection handed back, with what its owner needs to go on from here without a
+/// gap or a duplicate: the packet that needed it first in `unread`, what the socket did
+/// not take yet (`unsent`, to be written before anything else), the QoS 1 deliveries in
+/// flight, and for each light queue delivered from, the offset after the last message
+/// that went into `unsent` or out (deliveries still `held` are not counted: the owner
+/// delivers them again from the store).
 #[derive(Debug)]
 pub struct Demoted {
     pub conn: u64,
@@ -64,6 +86,10 @@ pub struct Demoted {
     pub aliases_in: HashMap<u16, String>,
     /// Deliveries accepted but not yet sent (the window was full).
     pub held: Vec<Delivery>,
+    /// Queue -> the next offset to deliver from it.
+    pub positions: HashMap<Arc<str>, u64>,
+    /// Seconds since the client last sent anything.
+    pub idle_for: f64,
 }
 
 /// What the reactors tell their owner.
@@ -82,6 +108,9 @@ pub trait Sink: Send + Sync + 'static {
     fn report(&self, report: Report);
 }
 
+/// Queues and a message's offset in each.
+pub type Positions = Vec<(Arc<str>, u64)>;
+
 /// A message for one connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Delivery {
@@ -90,6 +119,50 @@ pub struct Delivery {
     pub qos: u8,
     pub retain: bool,
     pub source: (u64, u64),
+    /// The connection's queues this message is in, with its offset in each: sent (or
+    /// dropped as too large), it moves each one's position past it.
+    pub positions: Positions,
+}
+
+/// What an adopted connection resumes with (the Python core's state at the handover).
+#[derive(Debug, Clone, Default)]
+pub struct Restore {
+    pub aliases_in: HashMap<u16, String>,
+    pub next_packet_id: u16,
+}
+
+/// What the reactors have done, for the owner's metrics (read without a lock).
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub messages_in: AtomicU64,
+    pub messages_out: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    pub dropped: AtomicU64,
+    pub adopted: AtomicU64,
+    pub demoted: AtomicU64,
+    pub connections: AtomicU64,
+}
+
+impl Counters {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// (name, value) of each, in a fixed order.
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        vec![
+            ("messages_in", get(&self.messages_in)),
+            ("messages_out", get(&self.messages_out)),
+            ("bytes_in", get(&self.bytes_in)),
+            ("bytes_out", get(&self.bytes_out)),
+            ("dropped", get(&self.dropped)),
+            ("adopted", get(&self.adopted)),
+            ("demoted", get(&self.demoted)),
+            ("connections", get(&self.connections)),
+        ]
+    }
 }
 
 pub enum Command {
@@ -102,6 +175,15 @@ pub enum Command {
         unread: Vec<u8>,
         idle_for: f64,
         acl: Option<HashSet<String>>,
+        restore: Restore,
+        /// Bytes waiting for the client past which it is handed back (the owner's
+        /// --max-unsent-bytes); 0: `BACKLOG_BUDGET`.
+        max_unsent: usize,
+    },
+    /// Hand this connection back now (it is demoted as for any other reason, once the
+    /// publishes it made are answered). Unknown (being handed back already): nothing.
+    Release {
+        conn: u64,
     },
     PublishDone {
         conn: u64,
@@ -120,6 +202,7 @@ impl Command {
     fn conn(&self) -> u64 {
         match self {
             Command::Adopt { conn, .. }
+            | Command::Release { conn }
             | Command::PublishDone { conn, .. }
             | Command::Deliver { conn, .. } => *conn,
             Command::Stop => 0,
@@ -153,11 +236,16 @@ pub struct Reactor {
 #[derive(Clone)]
 pub struct Handle {
     lanes: Vec<Arc<Lane>>,
+    counters: Arc<Counters>,
 }
 
 impl Handle {
     fn lane(&self, conn: u64) -> &Lane {
         &self.lanes[(conn % self.lanes.len() as u64) as usize]
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
     }
 
     pub fn send(&self, command: Command) {
@@ -188,13 +276,19 @@ impl Handle {
 }
 
 /// Bytes waiting for one client past which it is handed back (a slow reader costs the
-/// store, not the gateway's memory).
+/// store, not the gateway's memory), unless the owner gives its own.
 pub const BACKLOG_BUDGET: usize = 2 * 1024 * 1024;
+
+/// Bytes of an incomplete packet held for one client past which it is handed back: a
+/// large packet in pieces is the owner's, whose read budget bounds what all clients
+/// hold at once.
+pub const PARTIAL_BUDGET: usize = READ_SIZE;
 
 impl Reactor {
     pub fn start(threads: usize, sink: Arc<dyn Sink>) -> io::Result<Reactor> {
         let mut lanes = Vec::new();
         let mut handles = Vec::new();
+        let counters = Arc::new(Counters::default());
         for i in 0..threads.max(1) {
             let poll = Poll::new()?;
             let waker = Waker::new(poll.registry(), WAKER)?;
@@ -207,6 +301,7 @@ impl Reactor {
                 poll,
                 lane: Arc::clone(&lane),
                 sink: Arc::clone(&sink),
+                counters: Arc::clone(&counters),
                 conns: HashMap::new(),
                 tokens: HashMap::new(),
                 next_token: 0,
@@ -219,7 +314,7 @@ impl Reactor {
             handles.push(handle);
         }
         Ok(Reactor {
-            handle: Handle { lanes },
+            handle: Handle { lanes, counters },
             threads: handles,
         })
     }
@@ -230,6 +325,10 @@ impl Reactor {
 
     pub fn handle(&self) -> Handle {
         self.handle.clone()
+    }
+
+    pub fn handle_ref(&self) -> &Handle {
+        &self.handle
     }
 
     pub fn send(&self, command: Command) {
@@ -256,6 +355,10 @@ struct Conn {
     core: Connection,
     unsent: Vec<u8>,
     held: VecDeque<Delivery>,
+    /// Payload bytes in `held`: past the budget, the connection is handed back.
+    held_bytes: usize,
+    max_unsent: usize,
+    positions: HashMap<Arc<str>, u64>,
     acl: Option<HashSet<String>>,
     demoting: Option<Why>,
     writing: bool,
@@ -265,6 +368,7 @@ struct Worker {
     poll: Poll,
     lane: Arc<Lane>,
     sink: Arc<dyn Sink>,
+    counters: Arc<Counters>,
     conns: HashMap<Token, Conn>,
     tokens: HashMap<u64, Token>,
     next_token: usize,
@@ -346,8 +450,13 @@ impl Worker {
                     break;
                 }
                 Ok(n) => {
-                    Self::feed(c, &buf[..n], now, &*self.sink, published);
+                    Counters::add(&self.counters.bytes_in, n as u64);
+                    Self::feed(c, &buf[..n], now, &*self.sink, &self.counters, published);
                     if c.core.demoted() {
+                        break;
+                    }
+                    if c.core.unread().len() > PARTIAL_BUDGET {
+                        c.demoting = Some(Why::Packet);
                         break;
                     }
                 }
@@ -363,7 +472,14 @@ impl Worker {
 
     /// Bytes from the client through its core: publishes into this pass's batch, acks
     /// free the window for what is held, a packet handed back starts the demotion.
-    fn feed(c: &mut Conn, data: &[u8], now: f64, sink: &dyn Sink, published: &mut Vec<Inbound>) {
+    fn feed(
+        c: &mut Conn,
+        data: &[u8],
+        now: f64,
+        sink: &dyn Sink,
+        counters: &Counters,
+        published: &mut Vec<Inbound>,
+    ) {
         let mut events = Vec::new();
         let acl = &c.acl;
         c.core
@@ -376,21 +492,24 @@ impl Worker {
                     qos,
                     packet_id,
                     ticket,
-                } => published.push(Inbound {
-                    conn: c.id,
-                    topic,
-                    payload,
-                    qos,
-                    packet_id,
-                    ticket,
-                }),
+                } => {
+                    Counters::add(&counters.messages_in, 1);
+                    published.push(Inbound {
+                        conn: c.id,
+                        topic,
+                        payload,
+                        qos,
+                        packet_id,
+                        ticket,
+                    })
+                }
                 Event::Acked { packet_id, source } => {
                     sink.report(Report::Acked {
                         conn: c.id,
                         packet_id,
                         source,
                     });
-                    Self::send_held(c);
+                    Self::send_held(c, counters);
                 }
                 Event::Demote => {
                     c.demoting.get_or_insert(Why::Packet);
@@ -399,16 +518,30 @@ impl Worker {
         }
     }
 
-    fn send_held(c: &mut Conn) {
+    fn send_held(c: &mut Conn, counters: &Counters) {
+        if c.demoting.is_some() {
+            // Handed back soon: what is held stays unsent, so the positions say exactly
+            // what went out and the owner delivers the rest, in order.
+            return;
+        }
         while let Some(d) = c.held.front() {
             if d.qos > 0 && c.core.window() == 0 {
                 break;
             }
             let d = c.held.pop_front().expect("front exists");
+            c.held_bytes -= d.payload.len();
             // A delivery the client cannot take (too large) is dropped, as in Python.
-            let _ = c
+            match c
                 .core
-                .deliver(&d.topic, &d.payload, d.qos, d.retain, d.source);
+                .deliver(&d.topic, &d.payload, d.qos, d.retain, d.source)
+            {
+                Ok(_) => Counters::add(&counters.messages_out, 1),
+                Err(_) => Counters::add(&counters.dropped, 1),
+            }
+            for (queue, offset) in d.positions {
+                let next = c.positions.entry(queue).or_insert(0);
+                *next = (*next).max(offset + 1);
+            }
         }
     }
 
@@ -428,11 +561,27 @@ impl Worker {
                     unread,
                     idle_for,
                     acl,
+                    restore,
+                    max_unsent,
                 } => {
-                    if let Some(token) =
-                        self.adopt(conn, socket, settings, unread, idle_for, acl, published)
-                    {
+                    let adoption = Adoption {
+                        settings,
+                        unread,
+                        idle_for,
+                        acl,
+                        restore,
+                        max_unsent,
+                    };
+                    if let Some(token) = self.adopt(conn, socket, adoption, published) {
                         touched.push(token);
+                    }
+                }
+                Command::Release { conn } => {
+                    if let Some(&token) = self.tokens.get(&conn) {
+                        if let Some(c) = self.conns.get_mut(&token) {
+                            c.demoting.get_or_insert(Why::Released);
+                            touched.push(token);
+                        }
                     }
                 }
                 Command::PublishDone {
@@ -444,6 +593,11 @@ impl Worker {
                     if let Some(&token) = self.tokens.get(&conn) {
                         if let Some(c) = self.conns.get_mut(&token) {
                             c.core.publish_done(ticket, packet_id, code);
+                            if c.core.store_failed() {
+                                c.demoting.get_or_insert(Why::Lost(
+                                    "store error: a publish was not stored".into(),
+                                ));
+                            }
                             touched.push(token);
                         }
                     }
@@ -451,8 +605,9 @@ impl Worker {
                 Command::Deliver { conn, delivery } => {
                     if let Some(&token) = self.tokens.get(&conn) {
                         if let Some(c) = self.conns.get_mut(&token) {
+                            c.held_bytes += delivery.payload.len();
                             c.held.push_back(delivery);
-                            Self::send_held(c);
+                            Self::send_held(c, &self.counters);
                             touched.push(token);
                         }
                     }
@@ -462,42 +617,69 @@ impl Worker {
         true
     }
 
-    #[allow(clippy::too_many_arguments)] // the parts of an Adopt command
     fn adopt(
         &mut self,
         conn: u64,
         socket: OwnedFd,
-        settings: Settings,
-        unread: Vec<u8>,
-        idle_for: f64,
-        acl: Option<HashSet<String>>,
+        a: Adoption,
         published: &mut Vec<Inbound>,
     ) -> Option<Token> {
         let mut stream = TcpStream::from(socket);
         let token = Token(self.next_token);
         self.next_token = (self.next_token + 1) % (usize::MAX - 1);
-        if self
+        let last_read = self.now() - a.idle_for.max(0.0);
+        let mut core = Connection::new(a.settings, last_read);
+        core.restore(
+            a.restore.aliases_in,
+            a.restore.next_packet_id,
+            BTreeMap::new(),
+            Vec::new(),
+        );
+        let registered = self
             .poll
             .registry()
-            .register(&mut stream, token, Interest::READABLE)
-            .is_err()
-        {
-            return None; // dropped: the socket closes, the client reconnects
-        }
-        let last_read = self.now() - idle_for.max(0.0);
+            .register(&mut stream, token, Interest::READABLE);
+        Counters::add(&self.counters.adopted, 1);
+        Counters::add(&self.counters.connections, 1);
         let mut c = Conn {
             id: conn,
             stream,
-            core: Connection::new(settings, last_read),
+            core,
             unsent: Vec::new(),
             held: VecDeque::new(),
-            acl,
+            held_bytes: 0,
+            max_unsent: if a.max_unsent == 0 {
+                BACKLOG_BUDGET
+            } else {
+                a.max_unsent
+            },
+            positions: HashMap::new(),
+            acl: a.acl,
             demoting: None,
             writing: false,
         };
-        if !unread.is_empty() {
+        if let Err(e) = registered {
+            // Not watched: handed straight back, so the owner's state never waits on it.
+            c.demoting = Some(Why::Lost(format!("not adopted: {e}")));
+            c.core.restore(
+                c.core.aliases_in().clone(),
+                c.core.next_packet_id(),
+                BTreeMap::new(),
+                a.unread,
+            );
+            self.report_demoted(c);
+            return None;
+        }
+        if !a.unread.is_empty() {
             // What the owner read but had not parsed (a partial packet) goes first.
-            Self::feed(&mut c, &unread, last_read, &*self.sink, published);
+            Self::feed(
+                &mut c,
+                &a.unread,
+                last_read,
+                &*self.sink,
+                &self.counters,
+                published,
+            );
         }
         self.tokens.insert(conn, token);
         self.conns.insert(token, c);
@@ -522,7 +704,10 @@ impl Worker {
         if !out.is_empty() {
             if c.unsent.is_empty() {
                 match write_some(&mut c.stream, &out) {
-                    Ok(n) => c.unsent.extend_from_slice(&out[n..]),
+                    Ok(n) => {
+                        Counters::add(&self.counters.bytes_out, n as u64);
+                        c.unsent.extend_from_slice(&out[n..]);
+                    }
                     Err(e) => {
                         c.demoting.get_or_insert(Why::Lost(format!(
                             "connection lost while writing: {e}"
@@ -535,6 +720,7 @@ impl Worker {
         } else if !c.unsent.is_empty() {
             match write_some(&mut c.stream, &c.unsent) {
                 Ok(n) => {
+                    Counters::add(&self.counters.bytes_out, n as u64);
                     c.unsent.drain(..n);
                 }
                 Err(e) => {
@@ -543,7 +729,7 @@ impl Worker {
                 }
             }
         }
-        if c.unsent.len() > BACKLOG_BUDGET {
+        if c.unsent.len() > c.max_unsent || c.held_bytes > c.max_unsent {
             c.demoting.get_or_insert(Why::Backlog);
         }
         let want_write = !c.unsent.is_empty();
@@ -573,7 +759,14 @@ impl Worker {
         };
         self.tokens.remove(&c.id);
         let _ = self.poll.registry().deregister(&mut c.stream);
+        self.report_demoted(c);
+    }
+
+    fn report_demoted(&mut self, mut c: Conn) {
         let why = c.demoting.take().unwrap_or(Why::Packet);
+        let idle_for = (self.now() - c.core.read_at()).max(0.0);
+        Counters::add(&self.counters.demoted, 1);
+        self.counters.connections.fetch_sub(1, Ordering::Relaxed);
         let report = Demoted {
             conn: c.id,
             why,
@@ -583,10 +776,22 @@ impl Worker {
             next_packet_id: c.core.next_packet_id(),
             aliases_in: c.core.aliases_in().clone(),
             held: c.held.drain(..).collect(),
+            positions: std::mem::take(&mut c.positions),
+            idle_for,
             socket: OwnedFd::from(c.stream),
         };
         self.sink.report(Report::Demoted(Box::new(report)));
     }
+}
+
+/// The parts of an Adopt command the new connection is made of.
+struct Adoption {
+    settings: Settings,
+    unread: Vec<u8>,
+    idle_for: f64,
+    acl: Option<HashSet<String>>,
+    restore: Restore,
+    max_unsent: usize,
 }
 
 fn write_some(stream: &mut TcpStream, data: &[u8]) -> io::Result<usize> {

@@ -13,11 +13,15 @@ use std::time::Duration;
 use common::{pair, read_exact};
 use lightgate_native::engine::{AppendError, Config, Engine, Message};
 use lightgate_native::protocol::Settings;
-use lightgate_native::reactor::Command;
+use lightgate_native::reactor::{Command, Restore};
 use lightgate_native::record;
 
 fn adopt(engine: &Engine, conn: u64, socket: OwnedFd) {
-    engine.send(Command::Adopt {
+    engine.send(adoption(conn, socket));
+}
+
+fn adoption(conn: u64, socket: OwnedFd) -> Command {
+    Command::Adopt {
         conn,
         socket,
         settings: Settings {
@@ -34,7 +38,9 @@ fn adopt(engine: &Engine, conn: u64, socket: OwnedFd) {
         unread: Vec::new(),
         idle_for: 0.0,
         acl: None,
-    });
+        restore: Restore::default(),
+        max_unsent: 0,
+    }
 }
 
 #[test]
@@ -252,6 +258,106 @@ fn rolls_are_reported_with_the_rows_and_a_waiter_is_woken() {
         "woken for good"
     );
     let engine = std::sync::Arc::into_inner(engine).unwrap();
+    engine.stop().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn temp_engine(name: &str, ends: fn(&str) -> u64) -> (Engine, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("lg-engine-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = Config {
+        segment_size: 1 << 20,
+        active_base: 0,
+        write_pos: 0,
+        default_partitions: 4,
+        sync: false,
+        io_threads: 2,
+    };
+    (Engine::start(&dir, config, Box::new(ends)).unwrap(), dir)
+}
+
+#[test]
+fn a_promotion_waits_for_its_queues_end_and_a_demotion_hands_positions_back() {
+    // Queue "s/t" holds 3 messages in the index.
+    let (engine, dir) = temp_engine("promote", |q| if q == "s/t" { 3 } else { 0 });
+    let (mut publisher, socket) = pair();
+    adopt(&engine, 1, socket);
+    let (mut subscriber, socket) = pair();
+    let socket = std::cell::Cell::new(Some(socket));
+    // Behind the queue's end: refused, and the socket is not taken.
+    let taken = engine
+        .promote(2, 4, &[("s/t".to_string(), 1, 2)], || {
+            adoption(2, socket.take().unwrap())
+        })
+        .unwrap();
+    assert!(!taken);
+    let socket = socket.take().expect("not taken");
+    assert!(engine
+        .promote(2, 4, &[("s/t".to_string(), 1, 3)], || adoption(2, socket))
+        .unwrap());
+
+    // PUBLISH QoS 0 "s/t" "a", then "b": offsets 3 and 4 of the queue.
+    publisher
+        .write_all(&[0x30, 0x06, 0, 3, b's', b'/', b't', b'a'])
+        .unwrap();
+    publisher
+        .write_all(&[0x30, 0x06, 0, 3, b's', b'/', b't', b'b'])
+        .unwrap();
+    let got = read_exact(&mut subscriber, 16);
+    assert_eq!((got[7], got[15]), (b'a', b'b'));
+    assert_eq!(engine.counters().snapshot()[0], ("messages_in", 2));
+
+    // A SUBSCRIBE is Python's: demoted, the positions say what went out, and the
+    // wake-up descriptor is readable.
+    subscriber
+        .write_all(&[0x82, 0x06, 0, 5, 0, 1, b'x', 0])
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let demoted = loop {
+        let mut found: Vec<_> = engine
+            .take_reports()
+            .into_iter()
+            .filter_map(|r| match r {
+                lightgate_native::reactor::Report::Demoted(d) => Some(d),
+                _ => None,
+            })
+            .collect();
+        if let Some(d) = found.pop() {
+            break d;
+        }
+        assert!(std::time::Instant::now() < deadline, "no demotion");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(demoted.conn, 2);
+    assert_eq!(demoted.positions.get("s/t"), Some(&5));
+    let wake = engine.wake_fd();
+    assert!(wake >= 0);
+    engine.clear_wake();
+
+    // Its subscriptions went with it: a later publish reaches nobody natively.
+    publisher
+        .write_all(&[0x30, 0x06, 0, 3, b's', b'/', b't', b'c'])
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut appended = 0;
+    while appended < 3 {
+        appended += engine.take_dispatched().len();
+        assert!(std::time::Instant::now() < deadline, "not appended");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(std::net::TcpStream::from(demoted.socket));
+    let mut buf = [0u8; 8];
+    assert_eq!(
+        subscriber.read(&mut buf).unwrap(),
+        0,
+        "closed, nothing more sent"
+    );
+    // A promotion at the new end (6) is taken again.
+    let (_other, socket) = pair();
+    assert!(engine
+        .promote(3, 4, &[("s/t".to_string(), 0, 6)], || adoption(3, socket))
+        .unwrap());
     engine.stop().unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -88,6 +88,8 @@ fn adopt(reactor: &Reactor, conn: u64, socket: OwnedFd, keepalive: u16) {
         unread: Vec::new(),
         idle_for: 0.0,
         acl: None,
+        restore: Default::default(),
+        max_unsent: 0,
     });
 }
 
@@ -143,6 +145,7 @@ fn publish_ack_ping_deliver_and_hand_back() {
                 qos: 1,
                 retain: false,
                 source: (1, u64::from(i)),
+                positions: vec![("c".into(), 10 + u64::from(i))],
             },
         });
     }
@@ -177,6 +180,11 @@ fn publish_ack_ping_deliver_and_hand_back() {
         vec![2, 3]
     );
     assert_eq!(back.next_packet_id, 4);
+    assert_eq!(
+        back.positions.get("c"),
+        Some(&13),
+        "after the last one sent"
+    );
     // The socket still works: the owner answers on it.
     let mut server = TcpStream::from(back.socket);
     server.write_all(&[0x90, 3, 0, 5, 0]).unwrap();
@@ -203,5 +211,119 @@ fn keepalive_and_a_closed_client_hand_back() {
         (1.0..2.5).contains(&waited),
         "1.5 keepalives without a packet, not {waited}"
     );
+    reactor.stop();
+}
+
+#[test]
+fn release_hands_back_with_held_deliveries_left_to_the_owner() {
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    let (mut client, socket) = pair();
+    let mut aliases = std::collections::HashMap::new();
+    aliases.insert(3u16, "dev/1".to_string());
+    reactor.send(Command::Adopt {
+        conn: 4,
+        socket,
+        settings: settings(0),
+        unread: Vec::new(),
+        idle_for: 2.0,
+        acl: None,
+        restore: lightgate_native::reactor::Restore {
+            aliases_in: aliases,
+            next_packet_id: 40,
+        },
+        max_unsent: 0,
+    });
+    // The window is 2: the third QoS 1 delivery is held, not sent.
+    for i in 0..3u8 {
+        reactor.send(Command::Deliver {
+            conn: 4,
+            delivery: Delivery {
+                topic: "q".into(),
+                payload: vec![i].into(),
+                qos: 1,
+                retain: false,
+                source: (0, u64::from(i)),
+                positions: vec![("q".into(), u64::from(i)), ("q/#".into(), 7 + u64::from(i))],
+            },
+        });
+    }
+    let sent = read_exact(&mut client, 16);
+    assert_eq!(
+        (sent[5], sent[6]),
+        (0, 40),
+        "packet ids go on from the owner's"
+    );
+    reactor.send(Command::Release { conn: 4 });
+    let back = take_demoted(&sink, 4);
+    assert_eq!(back.why, Why::Released);
+    assert_eq!(
+        back.outgoing.keys().copied().collect::<Vec<_>>(),
+        vec![40, 41]
+    );
+    assert_eq!(back.next_packet_id, 42);
+    assert_eq!(back.held.len(), 1);
+    // The held one is not counted: the owner delivers it again from the store.
+    assert_eq!(back.positions.get("q"), Some(&2));
+    assert_eq!(back.positions.get("q/#"), Some(&9));
+    assert_eq!(back.aliases_in.get(&3).map(String::as_str), Some("dev/1"));
+    assert!(back.idle_for >= 2.0, "{}", back.idle_for);
+    // A second release of a connection no longer held does nothing.
+    reactor.send(Command::Release { conn: 4 });
+    let counters = reactor.handle().counters().snapshot();
+    let get = |name: &str| counters.iter().find(|(n, _)| *n == name).unwrap().1;
+    assert_eq!(
+        (get("adopted"), get("demoted"), get("connections")),
+        (1, 1, 0)
+    );
+    assert_eq!(get("messages_out"), 2);
+    assert_eq!(get("bytes_out"), 16);
+    reactor.stop();
+}
+
+#[test]
+fn budgets_hand_a_connection_back() {
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    // A client that sends a large packet in pieces: past one read's worth held, its
+    // connection goes to the owner, whose read budget bounds what all clients hold.
+    let (mut client, socket) = pair();
+    adopt(&reactor, 1, socket, 0);
+    let mut big = vec![0x30, 0x80, 0x80, 0x08, 0, 1, b't']; // PUBLISH of 128 KiB
+    big.extend(vec![b'x'; 70_000]);
+    client.write_all(&big).unwrap();
+    let back = take_demoted(&sink, 1);
+    assert_eq!(back.why, Why::Packet);
+    assert!(back.unread.len() > 65_536 && big.starts_with(&back.unread));
+
+    // A client that does not read: past its own budget of waiting bytes, handed back.
+    let (_sleepy, socket) = pair();
+    reactor.send(Command::Adopt {
+        conn: 2,
+        socket,
+        settings: settings(0),
+        unread: Vec::new(),
+        idle_for: 0.0,
+        acl: None,
+        restore: Default::default(),
+        max_unsent: 100_000,
+    });
+    for i in 0..200u64 {
+        reactor.send(Command::Deliver {
+            conn: 2,
+            delivery: Delivery {
+                topic: "big".into(),
+                payload: vec![0; 50_000].into(),
+                qos: 0,
+                retain: false,
+                source: (0, i),
+                positions: vec![("big".into(), i)],
+            },
+        });
+    }
+    let back = take_demoted(&sink, 2);
+    assert_eq!(back.why, Why::Backlog);
+    let sent = back.positions.get("big").copied().unwrap_or(0);
+    assert!(sent < 200, "stopped well before the end: {sent}");
     reactor.stop();
 }

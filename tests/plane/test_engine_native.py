@@ -85,10 +85,16 @@ def test_engine_appends_acks_delivers_and_python_reads_it(tmp_path: Path) -> Non
     while not back and time.monotonic() < deadline:
         back = engine.take_demoted()
         time.sleep(0.01)
-    [(conn, back_fd, why, unread, unsent, _)] = back
-    assert (conn, why, unsent) == (2, "Packet", b"")
-    assert unread.startswith(sub)
-    os.close(back_fd)
+    [d] = back
+    assert (d["conn"], d["why"], d["unsent"]) == (2, "packet", b"")
+    assert d["unread"].startswith(sub)
+    # Everything it was sent was acknowledged; its queue's position is past the last.
+    assert d["outgoing"] == [] and d["next_packet_id"] == 31
+    assert d["positions"] == {"dev/+/t": 30}
+    os.close(d["fd"])
+    counters = engine.counters()
+    assert (counters["messages_in"], counters["messages_out"]) == (30, 30)
+    assert (counters["adopted"], counters["demoted"]) == (2, 1)
 
     dispatched = engine.take_dispatched()
     assert len(dispatched) == 30

@@ -1,0 +1,259 @@
+"""One connection, two owners in turn: the gateway's side of the native plane
+(docs/native-plane.md). After its CONNACK a plain-TCP connection that the native side
+can carry is *promoted*: it leaves the reactor's epoll set and its socket, negotiated
+settings, ACL cache and subscriptions (each at its queue's position) go to the engine,
+which reads, answers and delivers from then on. When a packet needs a rule the native
+side does not have, or the connection ends, or its client falls behind, or the gateway
+needs it back (a takeover, a kick, changed rights, a shutdown: `release`), the engine
+*demotes* it: this module restores the connection's MQTT state from the snapshot,
+writes what the socket had not taken, hands the packet that needed Python to the
+Python core, and lets Python's delivery go on from each queue's position. Once it is
+quiet again it is promoted again.
+
+Promoted: clean sessions (3.1.1 clean session, v5 session expiry 0) on plain TCP, with
+plain subscriptions (no shared, no `$replay`, no v5 No Local, Retain As Published or
+subscription identifiers), no HTTP hook or per-delivery ACL check, no publish rate
+limit, no credentials' end, and nothing under way in Python. Everything else stays in
+Python (TLS, WebSocket, persistent sessions, ...)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Any, Protocol
+
+import trio
+
+from gateway.mqtt import protocol as mp
+from gateway.mqtt import reason as rc
+from gateway.mqtt.protocol import Closing
+
+# A client connection (gateway.connection.Connection, which imports this room: named,
+# not imported). What is read of it here is its state, not a face of its own.
+Connection = Any
+
+
+class Pipeline(Protocol):
+    def idle(self, conn: Connection) -> bool: ...
+
+
+class Broker(Protocol):
+    """The broker, as the handover sees it (gateway.broker.Broker)."""
+
+    inbound: Pipeline
+
+log = logging.getLogger("lightgate.gateway.handover")
+
+MAX_TOPICS = 1024  # topics a connection may publish to natively (its ACL cache), at most
+FIRST_LOOK = 0.01  # seconds before a candidate that was busy is looked at again ...
+LAST_LOOK = 1.0  # ... doubling up to this
+# What a look finds: never (the connection is not the kind), parked (not while its
+# subscriptions or rights are what they are: looked at again when they change), busy
+# (something is under way: looked at again soon), ready.
+NEVER, PARKED, BUSY, READY = range(4)
+
+
+class Handover:
+    def __init__(self, broker: Broker, engine: Any) -> None:
+        self.broker = broker
+        self.engine = engine
+        self.promoted: dict[int, Connection] = {}
+        self._ids = itertools.count(1)
+        # Connections to promote when they are quiet: conn -> (when to look, delay).
+        self._candidates: dict[Connection, tuple[float, float]] = {}
+        self._then: dict[int, tuple[Closing, trio.Nursery | None]] = {}  # after release
+        self._back: dict[int, trio.Event] = {}  # `reclaim`s waiting
+        self._waiting: trio.CancelScope | None = None  # the task's wait, until a look
+        self._ending = trio.Lock()  # one waits on the engine's descriptor at a time
+        self.running = False
+
+    # -- which connections ---------------------------------------------------------------
+    def consider(self, conn: Connection) -> None:
+        """Promote `conn` once it is quiet (looked at from the handover task)."""
+        if conn.native is None and conn.alive and conn.reactor is not None:
+            now = trio.current_time()
+            self._candidates[conn] = (now, FIRST_LOOK)
+            if self._waiting is not None:
+                self._waiting.deadline = now
+
+    def _verdict(self, conn: Connection) -> int:
+        s, core = conn.session, conn.core
+        if not conn.alive or s is None or conn.delivery is None or conn.native is not None:
+            return NEVER
+        if conn.stream is not None or conn.reactor is None or s.persistent \
+                or conn._limits is not None or conn._taken_over or core.version < 3 \
+                or core.alias_out_max:
+            # TLS/WebSocket, a persistent session, a publish rate limit, a client that
+            # takes topic aliases (the native side sends none: Python keeps it to use them)
+            return NEVER
+        if conn.asks_hook or conn.checks_delivery and s.subscriptions:
+            return PARKED  # until the rights change (`rights_changed`)
+        for sub in s.subscriptions.values():
+            o = sub.options
+            if sub.shared or sub.replay or sub.subscription_id or o.no_local \
+                    or o.retain_as_published:
+                return PARKED  # until an UNSUBSCRIBE
+        if not core.quiet() or conn._lane or conn._lane_busy or conn._paused \
+                or conn._full or conn._held or conn._scopes or conn.out.backlog \
+                or not self.broker.inbound.idle(conn) or s._dirty or s._replays \
+                or s._restored_upto or s._groups or conn.delivery._running:
+            return BUSY
+        return READY
+
+    # -- promotion -----------------------------------------------------------------------
+    def _promote(self, conn: Connection) -> bool:
+        """Hand `conn` to the engine; False if a queue holds more than Python delivered
+        (it delivers the rest first) and nothing changed."""
+        s, core, reactor = conn.session, conn.core, conn.reactor
+        assert s is not None and reactor is not None
+        subs = []
+        for sub in s.subscriptions.values():
+            cursor = s.cursors.get(sub.queue)
+            if cursor is None:
+                return False  # where it starts is still the store's to say
+            subs.append((sub.topic_filter, sub.options.qos, cursor))
+        now = trio.current_time()
+        aliases, idle = core.handed_over(now)
+        limits = core.limits
+        conn_id = next(self._ids)
+        fd = conn.fd
+        reactor.forget(conn)  # out of the set; the socket stays open
+        try:
+            taken = self.engine.adopt(
+                conn_id, fd, 5 if core.version == 5 else 4, core.keepalive,
+                core.decoder.max_packet_size, limits.max_qos, limits.topic_alias_maximum,
+                limits.receive_maximum, core.receive_maximum, limits.max_inflight,
+                core.client_max_packet, idle_for=idle, acl=set(conn.native_topics or ()),
+                subscriptions=subs, aliases_in=aliases, next_packet_id=s.next_packet_id,
+                max_unsent=conn.out.rules.high)  # --max-unsent-bytes: past it, back
+        except Exception:  # noqa: BLE001 - it stays in Python
+            log.exception("promotion of %r failed", s.client_id)
+            taken = False
+        if not taken:
+            reactor.take_back(conn)
+            return False
+        conn.native = conn_id
+        conn.fd = conn.out.fd = -1  # the engine's now: nothing here writes or closes it
+        self.promoted[conn_id] = conn
+        log.debug("client %r (%s) promoted to the native plane (%d subscriptions)",
+                  s.client_id, conn.peer, len(subs))
+        return True
+
+    def _look(self) -> float:
+        """Promote the candidates that are quiet; when to look again."""
+        now = trio.current_time()
+        nxt = float("inf")
+        for conn, (at, delay) in list(self._candidates.items()):
+            if at > now:
+                nxt = min(nxt, at)
+                continue
+            verdict = self._verdict(conn)
+            if verdict == READY and self._promote(conn) or verdict in (NEVER, PARKED):
+                del self._candidates[conn]
+                continue
+            delay = min(delay * 2, LAST_LOOK)
+            self._candidates[conn] = (now + delay, delay)
+            nxt = min(nxt, now + delay)
+        return nxt
+
+    def rights_changed(self, conn: Connection) -> None:
+        """Users or policies changed: a promoted connection comes back (what its ACL cache
+        holds may not hold any more); one parked for its rights is looked at again."""
+        if conn.native is not None:
+            self.release(conn)
+        elif conn.delivery is not None:
+            self.consider(conn)
+
+    # -- taking connections back ---------------------------------------------------------
+    def release(self, conn: Connection, closing: Closing | None = None,
+                nursery: trio.Nursery | None = None) -> None:
+        """Ask the engine for `conn` back; `closing`: close it with this once back."""
+        conn_id = conn.native
+        if conn_id is None:
+            return
+        if closing is not None:
+            self._then.setdefault(conn_id, (closing, nursery))
+        self.engine.release(conn_id)
+
+    async def reclaim(self, conn: Connection) -> None:
+        """`release`, and return once it is Python's again."""
+        conn_id = conn.native
+        if conn_id is None:
+            return
+        back = self._back.setdefault(conn_id, trio.Event())
+        self.engine.release(conn_id)
+        await back.wait()
+
+    async def release_all(self, reactor: object, closing: Closing,
+                          nursery: trio.Nursery) -> None:
+        """At shutdown: every promoted connection of `reactor` back, and closed."""
+        mine = [c for c in self.promoted.values() if c.reactor is reactor]
+        for conn in mine:
+            self.release(conn, closing, nursery)
+        async with self._ending:  # (the node's other reactors may be ending too)
+            while any(c.native is not None for c in mine):
+                with trio.move_on_after(0.1):  # another's wait may have taken ours
+                    await trio.lowlevel.wait_readable(self.engine.wake_fd)
+                self._take()
+
+    def _take(self) -> None:
+        for row in self.engine.take_demoted():
+            try:
+                self._demoted(row)
+            except Exception:  # noqa: BLE001 - one connection's trouble is its own
+                log.exception("taking back connection %d failed", row["conn"])
+
+    def _demoted(self, row: dict[str, Any]) -> None:
+        conn_id = row["conn"]
+        conn = self.promoted.pop(conn_id, None)
+        if conn is None:
+            os.close(row["fd"])
+            return
+        conn.native = None
+        conn.fd = conn.out.fd = row["fd"]
+        s, core = conn.session, conn.core
+        assert s is not None and conn.reactor is not None
+        outgoing = [mp.Outgoing(pid, None, -1, data, 1, version=core.version)
+                    for pid, data, _ in row["outgoing"]]
+        core.handed_back(trio.current_time(), row["idle_for"], row["next_packet_id"],
+                         row["aliases_in"], outgoing)
+        for queue, nxt in row["positions"].items():
+            if s.cursors.get(queue, -1) < nxt:  # Python delivers from here
+                s.cursors[queue] = nxt
+        conn.reactor.take_back(conn)
+        why = row["why"]
+        log.debug("client %r (%s) back from the native plane: %s", s.client_id, conn.peer,
+                  why)
+        conn.out.write(row["unsent"])  # before anything Python says
+        back = self._back.pop(conn_id, None)
+        if back is not None:  # taken back for good: `reclaim` goes on from here
+            back.set()
+        then = self._then.pop(conn_id, None)
+        if then is not None:
+            conn.close(*then)
+        elif why == "timeout":
+            conn.close(Closing("keepalive timeout", True, rc.KEEP_ALIVE_TIMEOUT))
+        elif why == "lost":
+            conn.close(Closing(row["detail"] or "connection lost"))
+        else:
+            if row["unread"]:
+                conn.data_received(row["unread"])  # the packet that needed Python
+            assert conn.delivery is not None
+            conn.delivery.start()  # from each queue's position
+            if back is None:
+                self.consider(conn)
+
+    # -- the task ------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Take each demotion as the engine reports it; promote quiet candidates."""
+        self.running = True
+        fd = self.engine.wake_fd
+        try:
+            while True:
+                with trio.move_on_at(self._look()) as self._waiting:
+                    await trio.lowlevel.wait_readable(fd)
+                self._waiting = None
+                self._take()
+        finally:
+            self.running = False

@@ -1,0 +1,58 @@
+"""What the native plane needs of a connection's rules when it takes the connection
+over after CONNACK and hands it back (gateway.handover): whether the rules are quiet
+enough to be carried elsewhere, the state it goes on from, and the state it returns.
+A mixin of MqttProtocol: the state is the protocol's, declared here."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from .codec import Decoder
+from .events import CONNECTED, Flows, Outgoing
+
+
+class Handback:
+    __slots__ = ()
+
+    decoder: Decoder
+    phase: int
+    flows: Flows | None
+    closed_by: object
+    expires_at: float | None
+    exchanging: bool
+    _reauth: bool
+    _answers: deque[object] | None
+    _inbound_unacked: int
+    _inbound_qos2: set[int] | None
+    _out: list[bytes]
+    _aliases_in: dict[int, str] | None
+    _read_at: float
+
+    if TYPE_CHECKING:
+        def _arm(self) -> None: ...  # the protocol's
+
+    def quiet(self) -> bool:
+        """Connected with nothing under way: no answer owed, no inbound QoS 1/2 counted,
+        nothing in flight or in the outbox, no partial packet, no credentials' end."""
+        return (self.phase == CONNECTED and self.closed_by is None and not self._answers
+                and not self._inbound_unacked and not self._inbound_qos2 and not self._out
+                and self.flows is not None and not self.flows.outgoing
+                and not self.decoder.buffered and self.expires_at is None
+                and not self._reauth and not self.exchanging)
+
+    def handed_over(self, now: float) -> tuple[dict[int, str], float]:
+        """What the native side goes on from: the inbound topic aliases, seconds idle."""
+        return dict(self._aliases_in or {}), max(0.0, now - self._read_at)
+
+    def handed_back(self, now: float, idle_for: float, next_packet_id: int,
+                    aliases_in: dict[int, str], outgoing: list[Outgoing]) -> None:
+        """The native side's state at its demotion: the keepalive's clock, packet ids,
+        aliases, the QoS 1 sends it has in flight."""
+        assert self.flows is not None
+        self._read_at = now - idle_for
+        self._arm()
+        self.flows.next_packet_id = next_packet_id
+        self._aliases_in = aliases_in or None
+        for o in outgoing:
+            self.flows.outgoing[o.packet_id] = o
