@@ -73,6 +73,8 @@ java:
 # one by one.
 TEST_WORKERS ?= -n 3 --dist loadfile
 
+# The suite runs on the native data plane (the default where it is built), then the
+# MQTT-facing tests again on the pure-Python one (LIGHTGATE_NATIVE=0), the reference.
 # LIGHTGATE_REQUIRE_SPARK / _NETNS: the Spark and partition tests fail, not skip, if
 # pyspark, Java, network namespaces or libfaketime are missing. The docs site is built
 # first, strictly: a broken link, a page left out of the nav or a setting the generated
@@ -83,6 +85,7 @@ test: $(SPARK_STAMP) redis chromium java mosquitto netfaults
 	$(MAKE) native-check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 	LIGHTGATE_REQUIRE_SPARK=1 LIGHTGATE_REQUIRE_NETNS=1 $(BIN)/pytest -q $(TEST_WORKERS)
+	LIGHTGATE_NATIVE=0 $(BIN)/pytest -q $(TEST_WORKERS) tests/mqtt tests/conformance
 
 # The long forms: 1M inputs to each fuzzer (codec, connection), 1M messages past a stuck
 # subscriber, a 10k-connection storm, a 30 min soak, 30 kill -9s of a store group's

@@ -126,7 +126,8 @@ class Handover:
                 limits.receive_maximum, core.receive_maximum, limits.max_inflight,
                 core.client_max_packet, idle_for=idle, acl=set(conn.native_topics or ()),
                 subscriptions=subs, aliases_in=aliases, next_packet_id=s.next_packet_id,
-                max_unsent=conn.out.rules.high)  # --max-unsent-bytes: past it, back
+                max_unsent=conn.out.rules.high,  # --max-unsent-bytes: past it, back
+                client_id=s.client_id)  # each publish's record names its client
         except Exception:  # noqa: BLE001 - it stays in Python
             log.exception("promotion of %r failed", s.client_id)
             taken = False

@@ -215,6 +215,8 @@ class Inbound:
         if conn not in self._pending:
             return
         self.flush()
+        if conn not in self._pending:  # the flush stored and answered them at once
+            return
         ev = self._drained.get(conn)
         if ev is None:
             ev = self._drained[conn] = trio.Event()

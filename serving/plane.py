@@ -45,9 +45,7 @@ def require_native() -> str | None:
 
 
 def writer() -> str:
-    """`native` when the native engine is to write the CommitLog of `lightgate serve`
-    (LIGHTGATE_NATIVE=1 with the extension there), else `python`. Unset still means the
-    Python writer: the engine writes only when asked for."""
-    if os.environ.get(ENV, "").strip() == "1" and NATIVE is not None:
-        return "native"
-    return "python"
+    """`native` when the native engine writes the CommitLog of `lightgate serve` and
+    carries its plain-TCP connections: whenever the extension is there, unless
+    LIGHTGATE_NATIVE=0 asks for the Python reference; else `python`."""
+    return "native" if NATIVE is not None else "python"

@@ -98,9 +98,19 @@ class EngineTail:
             try:
                 if engine.wait_dispatched(0.5):
                     self._drain()
+                self._log_refused()
             except Exception:  # noqa: BLE001 - the thread must outlive one bad batch
                 log.exception("commitlog dispatch failed")
                 time.sleep(0.1)
+
+    def _log_refused(self) -> None:
+        """Say why native publishes were refused (a full disk): their publishers got a
+        negative PUBACK (or, on 3.1.1, a closed connection), but the operator reads it
+        here, as for Python's appends."""
+        whys, batches = self.engine.take_refused()
+        if batches:
+            log.error("append of %d batches of MQTT publishes failed: %s", batches,
+                      "; ".join(dict.fromkeys(whys)))
 
     def _drain(self) -> None:
         with self._dispatch_lock:

@@ -25,6 +25,10 @@ use crate::reactor::{
 use crate::record::{self, Record, RecordError};
 use crate::router::{FilterError, Routes, TopicTrie};
 
+/// Linux's "no space left on device" (`io::ErrorKind::StorageFull` is newer than the
+/// crate's minimum Rust).
+const ENOSPC: i32 = 28;
+
 /// Where a queue the engine has not appended to yet ends (the index knows).
 pub type QueueEnd = Box<dyn Fn(&str) -> u64 + Send + Sync>;
 
@@ -167,6 +171,9 @@ struct Inner {
     active_base: AtomicU64,
     reports: Mutex<Vec<Report>>,
     failed: Mutex<Option<String>>,
+    /// Failed appends of native publishes since Python last looked (for its log; the
+    /// publishers were answered): the first few, and how many in all.
+    refused: Mutex<(Vec<String>, u64)>,
     /// A byte written here wakes the owner: reports wait (`Engine::wake_fd`).
     wake: UnixStream,
 }
@@ -240,6 +247,7 @@ impl Engine {
             active_base: AtomicU64::new(base),
             reports: Mutex::new(Vec::new()),
             failed: Mutex::new(None),
+            refused: Mutex::new((Vec::new(), 0)),
             wake,
         });
         let reactor = Reactor::start(threads, Arc::new(EngineSink(Arc::clone(&inner))))?;
@@ -465,6 +473,16 @@ impl Engine {
         self.inner.active_base.load(Ordering::Acquire)
     }
 
+    /// Why native publishes were refused since the last call (the first few), and how
+    /// many batches were.
+    pub fn take_refused(&self) -> (Vec<String>, u64) {
+        self.inner
+            .refused
+            .lock()
+            .map(|mut r| std::mem::take(&mut *r))
+            .unwrap_or_default()
+    }
+
     /// Why appends stopped (a failed fsync, a tail that could not be restored), if so.
     pub fn failed(&self) -> Option<String> {
         self.inner.failed()
@@ -537,7 +555,7 @@ impl Inner {
                 qos: inb.qos,
                 retain: false,
                 marks: 0,
-                client_id: "",
+                client_id: &inb.client_id,
                 topic: &inb.topic,
                 key: "",
                 properties: b"",
@@ -546,8 +564,21 @@ impl Inner {
             })
             .collect();
         let appended = self.write(&items, None, false);
+        if let Err(e) = &appended {
+            if let Ok(mut r) = self.refused.lock() {
+                if r.0.len() < 8 {
+                    r.0.push(e.to_string());
+                }
+                r.1 += 1;
+            }
+        }
         let mut commands = Vec::new();
-        let code = if appended.is_ok() { 0 } else { 0x80 };
+        // As Python answers: a full disk is Quota exceeded (0x97), anything else 0x80.
+        let code = match &appended {
+            Ok(_) => 0,
+            Err(AppendError::Io(e)) if e.raw_os_error() == Some(ENOSPC) => 0x97,
+            Err(_) => 0x80,
+        };
         for inb in &batch {
             if let (Some(ticket), Some(packet_id)) = (inb.ticket, inb.packet_id) {
                 commands.push(Command::PublishDone {

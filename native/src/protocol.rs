@@ -15,6 +15,9 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use crate::codec::properties::{self, Property, Value};
 use crate::codec::wire::varint_or_none;
+
+/// MQTT 5 Reason String.
+const REASON_STRING: u8 = 0x1F;
 use crate::codec::{decode_packet, encode_ack, encode_pingresp, encode_publish, Packet, Publish};
 
 /// What CONNECT negotiated, handed over by the Python core.
@@ -370,9 +373,22 @@ impl Connection {
             return;
         }
         let told = if self.settings.version == 5 { code } else { 0 };
+        // Why, in words, as Python's core says it (a v5 client only gets a code != 0).
+        let why = match told {
+            0 => None,
+            0x97 => Some("no space left on the store's disk"),
+            _ => Some("the message was not stored"),
+        };
+        let props: Vec<Property<'_>> = why
+            .map(|w| Property {
+                id: REASON_STRING,
+                value: Value::Str(w),
+            })
+            .into_iter()
+            .collect();
         let mut ack = Vec::with_capacity(5);
         // A valid id and reason code cannot fail to encode; a bad one is dropped.
-        if encode_ack(packet_id, told, &[], self.settings.version, &mut ack).is_ok() {
+        if encode_ack(packet_id, told, &props, self.settings.version, &mut ack).is_ok() {
             self.decide(ticket, ack);
         }
     }

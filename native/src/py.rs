@@ -419,7 +419,7 @@ impl PyEngine {
     /// `subscriptions`: (filter, QoS, next offset of its queue), registered with it;
     /// `aliases_in` and `next_packet_id`: the Python core's state to go on from;
     /// `max_unsent`: bytes waiting for the client past which it comes back (0: 2 MiB).
-    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0))]
+    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new()))]
     #[allow(clippy::too_many_arguments)] // what CONNECT negotiated, one value each
     fn adopt(
         &self,
@@ -442,6 +442,7 @@ impl PyEngine {
         aliases_in: std::collections::HashMap<u16, String>,
         next_packet_id: u16,
         max_unsent: usize,
+        client_id: String,
     ) -> PyResult<bool> {
         let settings = protocol::Settings {
             version,
@@ -469,6 +470,7 @@ impl PyEngine {
                 restore: Restore {
                     aliases_in,
                     next_packet_id,
+                    client_id: client_id.as_str().into(),
                 },
                 max_unsent,
             })
@@ -646,6 +648,12 @@ impl PyEngine {
     #[getter]
     fn active_base(&self) -> PyResult<u64> {
         Ok(self.engine()?.active_base())
+    }
+
+    /// Why native publishes were refused since the last call (the first few), and how
+    /// many of their batches were: for the log (their publishers were answered).
+    fn take_refused(&self) -> PyResult<(Vec<String>, u64)> {
+        Ok(self.engine()?.take_refused())
     }
 
     /// Why the log stopped taking writes, or None.

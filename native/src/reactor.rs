@@ -26,12 +26,18 @@ use crate::protocol::{Acl, Connection, Event, Outgoing, Settings};
 
 const WAKER: Token = Token(usize::MAX);
 const READ_SIZE: usize = 64 * 1024;
+/// What one connection may read in one pass: the rest waits for the next pass, after
+/// this one's answers are written (or found unread, past the backlog budget: then it is
+/// handed back), as Python's read budget does. Without it a client that sends faster
+/// than the loop reads, and never reads, grows its answers without bound.
+const READ_PASS: usize = 4 * READ_SIZE;
 
 /// A publish a connection made, to be appended; `ticket` is answered with
 /// `Command::PublishDone` (QoS 1).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Inbound {
     pub conn: u64,
+    pub client_id: Arc<str>,
     pub topic: String,
     pub payload: Vec<u8>,
     pub qos: u8,
@@ -129,6 +135,8 @@ pub struct Delivery {
 pub struct Restore {
     pub aliases_in: HashMap<u16, String>,
     pub next_packet_id: u16,
+    /// Whose publishes these are: each one's record carries it, as Python's do.
+    pub client_id: Arc<str>,
 }
 
 /// What the reactors have done, for the owner's metrics (read without a lock).
@@ -306,6 +314,7 @@ impl Reactor {
                 tokens: HashMap::new(),
                 next_token: 0,
                 epoch: Instant::now(),
+                again: Vec::new(),
             };
             let handle = std::thread::Builder::new()
                 .name(format!("lightgate-io-{i}"))
@@ -351,6 +360,7 @@ impl Reactor {
 
 struct Conn {
     id: u64,
+    client_id: Arc<str>,
     stream: TcpStream,
     core: Connection,
     unsent: Vec<u8>,
@@ -373,6 +383,9 @@ struct Worker {
     tokens: HashMap<u64, Token>,
     next_token: usize,
     epoch: Instant,
+    /// Connections that had more to read when their pass's budget ran out. The poll is
+    /// edge-triggered: it says nothing more of them, so the next pass reads them first.
+    again: Vec<Token>,
 }
 
 impl Worker {
@@ -385,14 +398,21 @@ impl Worker {
         let mut events = Events::with_capacity(512);
         let mut buf = vec![0u8; READ_SIZE];
         loop {
-            let timeout = self.next_timeout();
+            let timeout = if self.again.is_empty() {
+                self.next_timeout()
+            } else {
+                Duration::ZERO
+            };
             if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
                 if e.kind() != io::ErrorKind::Interrupted {
                     return;
                 }
             }
             let mut published = Vec::new();
-            let mut touched = Vec::new();
+            let mut touched = std::mem::take(&mut self.again);
+            for &token in &touched.clone() {
+                self.read(token, &mut buf, &mut published);
+            }
             for ev in events.iter() {
                 let token = ev.token();
                 if token == WAKER {
@@ -443,13 +463,19 @@ impl Worker {
         if c.demoting.is_some() {
             return;
         }
+        let mut read = 0;
         loop {
+            if read >= READ_PASS {
+                self.again.push(token);
+                break;
+            }
             match c.stream.read(buf) {
                 Ok(0) => {
                     c.demoting = Some(Why::Lost("connection closed by the client".into()));
                     break;
                 }
                 Ok(n) => {
+                    read += n;
                     Counters::add(&self.counters.bytes_in, n as u64);
                     Self::feed(c, &buf[..n], now, &*self.sink, &self.counters, published);
                     if c.core.demoted() {
@@ -496,6 +522,7 @@ impl Worker {
                     Counters::add(&counters.messages_in, 1);
                     published.push(Inbound {
                         conn: c.id,
+                        client_id: c.client_id.clone(),
                         topic,
                         payload,
                         qos,
@@ -629,6 +656,7 @@ impl Worker {
         self.next_token = (self.next_token + 1) % (usize::MAX - 1);
         let last_read = self.now() - a.idle_for.max(0.0);
         let mut core = Connection::new(a.settings, last_read);
+        let client_id = a.restore.client_id.clone();
         core.restore(
             a.restore.aliases_in,
             a.restore.next_packet_id,
@@ -643,6 +671,7 @@ impl Worker {
         Counters::add(&self.counters.connections, 1);
         let mut c = Conn {
             id: conn,
+            client_id,
             stream,
             core,
             unsent: Vec::new(),

@@ -231,6 +231,7 @@ fn release_hands_back_with_held_deliveries_left_to_the_owner() {
         restore: lightgate_native::reactor::Restore {
             aliases_in: aliases,
             next_packet_id: 40,
+            ..Default::default()
         },
         max_unsent: 0,
     });

@@ -73,8 +73,18 @@ def test_sigkill_after_acks_loses_nothing(tmp_path: Path, flush: str,
         log.index.close()
 
 
-def test_the_python_plane_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_native_plane_is_the_default(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LIGHTGATE_NATIVE", raising=False)
+    server = Server(tmp_path / "d").start()
+    try:
+        assert server.addrs["plane"] == "native"
+    finally:
+        assert server.stop() == 0
+
+
+def test_the_python_plane_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "0")
     server = Server(tmp_path / "d").start()
     try:
         assert server.addrs["plane"] == "python"
