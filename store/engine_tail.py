@@ -34,6 +34,12 @@ from store.segment import Segment, segment_name
 
 log = logging.getLogger("lightgate.store.commitlog")
 
+# After the engine says it appended, the dispatcher waits this long before it takes the
+# rows: at a few thousand messages a second, a wake-up of the interpreter per message
+# cost more than the message. Native subscribers are not kept waiting (the engine
+# delivers to them itself); readers of the index dispatch first (`catch_up`).
+DISPATCH_COALESCE_S = 0.005
+
 # A message as the engine takes it (PyEngine.append_messages): born_ts, qos, retain,
 # client_id, topic, key, properties (as stored), body, queues, marks.
 Row = tuple[Any, ...]
@@ -97,6 +103,7 @@ class EngineTail:
         while not self._dispatch_stop:
             try:
                 if engine.wait_dispatched(0.5):
+                    time.sleep(DISPATCH_COALESCE_S)
                     self._drain()
                 self._log_refused()
             except Exception:  # noqa: BLE001 - the thread must outlive one bad batch
