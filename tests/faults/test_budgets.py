@@ -274,7 +274,9 @@ def test_partial_websocket_messages_stay_within_the_read_budget(tmp_path: Path) 
               f"meanwhile; RSS +{grown / MiB:.1f} MiB (base {base / MiB:.0f} MiB), partial "
               f"bytes used {used / MiB:.1f} MiB at most when sampled, peak "
               f"{held_peak / MiB:.1f} MiB, budget {budget / MiB:.0f} MiB")
-        assert used > 0  # the bytes held for WebSocket clients are in the budget
+        # The bytes held for WebSocket clients are in the budget: seen while sampled, or
+        # in the peak (a loaded machine may sample only after the attack timed out).
+        assert max(used, held_peak) > 0
         assert held_peak <= budget + WS_ATTACKERS * OVERSHOOT_PER_CONNECTION
         assert grown < budget + FIXED_BASE
     finally:
