@@ -344,6 +344,19 @@ struct PyEngine {
 }
 
 impl PyEngine {
+    /// What the engine appended since the last call; once stopped, what was left.
+    fn pending(&self) -> engine::Pending {
+        match &self.inner {
+            Some(engine) => engine.take_pending(),
+            None => self
+                .left
+                .lock()
+                .ok()
+                .and_then(|mut left| left.take())
+                .unwrap_or_default(),
+        }
+    }
+
     fn engine(&self) -> PyResult<&engine::Engine> {
         self.inner
             .as_ref()
@@ -540,30 +553,14 @@ impl PyEngine {
     /// segments begun meanwhile: ([(phys_offset, size, store_ts, queues)], [base]).
     /// Once stopped, what was left when it stopped (then nothing).
     fn take_pending(&self) -> PyResult<(Vec<DispatchedRow>, Vec<u64>)> {
-        let p = match &self.inner {
-            Some(engine) => engine.take_pending(),
-            None => self
-                .left
-                .lock()
-                .ok()
-                .and_then(|mut left| left.take())
-                .unwrap_or_default(),
-        };
+        let p = self.pending();
         Ok((p.rows.into_iter().map(row).collect(), p.new_segments))
     }
 
     /// `take_pending` without the queues: ([(phys_offset, size)], [base]), for a
     /// dispatcher that reads the records (or holds them) anyway.
     fn take_positions(&self) -> PyResult<Positions> {
-        let p = match &self.inner {
-            Some(engine) => engine.take_pending(),
-            None => self
-                .left
-                .lock()
-                .ok()
-                .and_then(|mut left| left.take())
-                .unwrap_or_default(),
-        };
+        let p = self.pending();
         let rows = p.rows.iter().map(|d| (d.phys_offset, d.size)).collect();
         Ok((rows, p.new_segments))
     }
