@@ -410,7 +410,7 @@ impl Worker {
             }
             let mut published = Vec::new();
             let mut touched = std::mem::take(&mut self.again);
-            for &token in &touched.clone() {
+            for &token in &touched {
                 self.read(token, &mut buf, &mut published);
             }
             for ev in events.iter() {
