@@ -242,9 +242,27 @@ class Broker:
             for group in self.queue_groups.get(name, ()):
                 group.wake()
 
+    def wants_news(self, name: str) -> bool:
+        """Whether `on_queues_changed` would do anything for this name: a Python-side
+        reader of the queue (a session the native plane does not carry, an offline one,
+        a shared group) or an event of the gateway's own. Asked from the store's writer
+        thread, so that a batch only native subscribers read wakes no event loop. A
+        session promoted back to Python reads its queues from its position then."""
+        if name in (AUTH_EVENT, "*") or name in self.queue_groups:
+            return True
+        try:
+            for session in self.queue_subs.get(name, ()):
+                conn = session.connection
+                if conn is None or conn.native is None:
+                    return True
+        except RuntimeError:  # the set changed under us (the event loop's thread)
+            return True
+        return False
+
     async def run_notify(self, bus: Bus) -> None:
         if isinstance(bus, LocalBus) and bus.window == 0:
-            with bus.listen(self.on_queues_changed):  # in-process: no task in between
+            # In-process: no task in between.
+            with bus.listen(self.on_queues_changed, self.wants_news):
                 await trio.sleep_forever()
         async with bus.subscribe() as events:
             async for names in events:

@@ -134,7 +134,10 @@ class Bus(Protocol):
 
     def publish(self, names: Iterable[str]) -> None: ...
 
-    def publish_from_thread(self, names: Iterable[str]) -> None: ...
+    def publish_from_thread(self, names: Iterable[str]) -> bool | None:
+        """From any thread. False: nobody in this process wanted any of the names (the
+        store's writer may take its time with the next ones); True or None: someone
+        did, or may have."""
 
     def subscribe(self) -> AbstractAsyncContextManager[Subscription]: ...
 

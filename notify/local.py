@@ -49,6 +49,7 @@ class LocalBus(Counters):
         self.buffer = buffer
         self._subs: list[Subscription] = []
         self._listeners: list[Callable[[set[str]], None]] = []
+        self._wants: list[Callable[[str], bool] | None] = []  # per listener (`listen`)
         self._lock = threading.Lock()
         self._incoming: set[str] = set()
         self._wake = trio.Event()
@@ -119,21 +120,24 @@ class LocalBus(Counters):
         elif self._add(names):
             self._wake.set()
 
-    def publish_from_thread(self, names: Iterable[str]) -> None:
+    def publish_from_thread(self, names: Iterable[str]) -> bool:
         """Non-blocking; from any thread (the store's writer thread after each append
         batch, or the trio thread itself when the store appends inline). Only the first
-        name of a window costs a wake-up of the trio loop."""
+        name of a window costs a wake-up of the trio loop. False when no listener wanted
+        any of the names (see `listen`)."""
         if threading.get_ident() == self._trio_thread:
             self.publish(names)
-        else:
-            self._publish_from_other_thread(names)
+            return True
+        return self._publish_from_other_thread(names)
 
-    def _publish_from_other_thread(self, names: Iterable[str]) -> None:
+    def _publish_from_other_thread(self, names: Iterable[str]) -> bool:
+        names = self._wanted(names)
         if self._add(names) and self._token is not None:
             try:
                 self._token.run_sync_soon(self._wake_pump)
             except trio.RunFinishedError:
                 pass  # the loop is gone: nobody is left to notify
+        return bool(names)
 
     def _wake_pump(self) -> None:
         self._wake.set()
@@ -166,18 +170,31 @@ class LocalBus(Counters):
                 log.exception("notify listener failed")
 
     @contextmanager
-    def listen(self, fn: Callable[[set[str]], None]) -> Iterator[None]:
+    def listen(self, fn: Callable[[set[str]], None],
+               wants: Callable[[str], bool] | None = None) -> Iterator[None]:
         """Call `fn(names)` in the trio thread on every delivery, synchronously: it must
-        not block (e.g. set events). Counted as a delivery like a subscription's."""
+        not block (e.g. set events). Counted as a delivery like a subscription's.
+        `wants(name)`, from any thread: whether `fn` cares for a name. While every
+        listener says which and no subscription listens, names published from another
+        thread that none of them wants do not wake the event loop."""
         def counted(batch: set[str]) -> None:
             self.count(delivered=len(batch))
             fn(batch)
 
         self._listeners.append(counted)
+        self._wants.append(wants)
         try:
             yield
         finally:
             self._listeners.remove(counted)
+            self._wants.remove(wants)
+
+    def _wanted(self, names: Iterable[str]) -> Iterable[str]:
+        """The names some listener wants (all of them, unless every listener says)."""
+        wants = tuple(self._wants)  # a copy: the trio thread may change the list
+        if self._subs or not wants or None in wants:
+            return names
+        return [n for n in names if any(w(n) for w in wants)]  # type: ignore[misc]
 
     # -- subscribing ------------------------------------------------------------------
     @asynccontextmanager

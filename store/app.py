@@ -40,7 +40,7 @@ class StoreNode:
 
 @asynccontextmanager
 async def store_node(
-    cfg: StoreConfig, native: str, publish: Callable[[set[str]], None] | None = None,
+    cfg: StoreConfig, native: str, publish: Callable[[set[str]], bool | None] | None = None,
     auth_cfg: AuthConfig | None = None, repl_cfg: ReplicationConfig | None = None,
 ) -> AsyncIterator[StoreNode]:
     """The store and its native server. `publish` (called from whichever thread appended:
@@ -51,19 +51,25 @@ async def store_node(
     server: NativeServer | None = None
     repl: Replication | None = None
 
-    def on_dispatched(names: set[str]) -> None:
+    def on_dispatched(names: set[str]) -> bool:
+        """Wake whoever waits for these queues; False if nobody here did (no replica,
+        no pull, no gateway's session: the engine's dispatch may take its time)."""
+        told = False
         if repl is not None:  # wake replicas long-polling the log
             repl.grew()
+            told = True
         if server is not None:  # wake long-polling pulls in this process
             if threading.get_ident() == trio_thread:  # an inline append: no hop
                 server.waiters.wake(names)
-            else:
+            elif server.waiters.any_waiting(names):  # else a wake-up for nobody
+                told = True
                 try:
                     token.run_sync_soon(server.waiters.wake, names)
                 except trio.RunFinishedError:
                     pass
-        if publish is not None:
-            publish(names)
+        if publish is not None and publish(names) is not False:
+            told = True
+        return told
 
     async with EmbeddedStore.open(cfg, notify=on_dispatched) as store, \
             trio.open_nursery() as nursery:
@@ -106,7 +112,7 @@ async def store_node(
 
 
 async def run_store(
-    cfg: StoreConfig, native: str, http: str, publish: Callable[[set[str]], None] | None,
+    cfg: StoreConfig, native: str, http: str, publish: Callable[[set[str]], bool | None] | None,
     auth_cfg: AuthConfig | None = None, repl_cfg: ReplicationConfig | None = None,
 ) -> None:
     with shutdown_signals() as signals:

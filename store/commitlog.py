@@ -177,7 +177,7 @@ class CommitLog(EngineTail):
         flush: str = "async",
         flush_interval_ms: int = 500,
         flush_bytes: int = 16 << 20,
-        on_dispatched: Callable[[list[Message]], None] | None = None,
+        on_dispatched: Callable[[list[Message]], bool | None] | None = None,
         full_verify: bool = False,
         max_producers: int = 10_000,
     ) -> None:

@@ -35,6 +35,9 @@ IDLE_S = 60.0  # a ring nobody read for this long is dropped
 # messages) stalled every connection for 30 ms (the p99 at 20,000 msg/s). A small
 # step keeps each pause well under a millisecond; the list's memmove per step is cheap.
 TRIM_STEP = 512
+# A ring not read for this long is not worth a read-back of a message that comes without
+# its body (`wants`): its reader went (to the native plane, say) or reads rarely.
+WANTED_S = 1.0
 
 
 @dataclass
@@ -60,13 +63,19 @@ class RecentMessages:
         self.hits = 0
         self.misses = 0
 
-    def add(self, messages: list[Message]) -> None:
-        """The writer thread, after dispatch: append to the rings of queues being read."""
+    def add(self, messages: list[Message]) -> bool:
+        """The writer thread, after dispatch: append to the rings of queues being read.
+        Whether it kept any."""
+        kept = False
         with self._lock:
             if not self._rings and not self._wanted:
-                return
+                return False
             for msg in messages:
-                size = len(msg.body) + OVERHEAD  # the body and the object around it
+                body = getattr(msg, "body", None)
+                if body is None:  # a native publish nobody read when it was dispatched
+                    self._skip(msg.queues)
+                    continue
+                size = len(body) + OVERHEAD  # the body and the object around it
                 for queue, offset in msg.queues:
                     ring = self._rings.get(queue)
                     if ring is None or ring.end != offset:
@@ -77,12 +86,31 @@ class RecentMessages:
                         ring = self._rings[queue] = _Ring(offset)
                         self._rings.move_to_end(queue, last=False)
                     ring.messages.append(msg)
+                    kept = True
                     ring.bytes += size
                     self._bytes += size
                     if len(ring.messages) >= self.per_queue + TRIM_STEP:
                         self._trim(ring, len(ring.messages) - self.per_queue)
             while self._bytes > self.max_bytes and self._rings:
                 self._shrink_coldest()
+        return kept
+
+    def wants(self, queue: str) -> bool:
+        """Whether a reader waits for this queue's next message: it missed the ring, or
+        read it within WANTED_S (any thread). A message nobody wants may come to `add`
+        without its body (a native publish is not read back for it); a reader that
+        starts wanting it meanwhile is served from the store until the next one."""
+        ring = self._rings.get(queue)
+        if ring is None:
+            return queue in self._wanted
+        return time.monotonic() - ring.read_at < WANTED_S
+
+    def _skip(self, queues: list[tuple[str, int]]) -> None:
+        """A message of these queues comes without its body: a ring of one of them would
+        no longer end at its queue's end, so it goes (its reader's next miss, if it has
+        one, starts another)."""
+        for queue, _ in queues:
+            self._drop(queue)
 
     def get(self, queue: str, offset: int, max_count: int) -> tuple[list[Message], int] | None:
         """Messages from `offset` (possibly none: the reader is at the end) and the

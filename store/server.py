@@ -108,6 +108,13 @@ class QueueWaiters:
                 else:
                     self._events[queue] = (ev, cur[1] - 1)
 
+    def any_waiting(self, names: set[str]) -> bool:
+        """Whether a pull waits on one of these queues (from any thread: the writer asks
+        before it wakes the event loop; a pull that starts waiting after this looks at
+        its queue again once registered, so it misses nothing)."""
+        events = self._events
+        return any(name in events for name in names)
+
     def wake(self, names: set[str]) -> None:
         for name in names:
             entry = self._events.pop(name, None)

@@ -74,7 +74,8 @@ def _within(max_bytes: int, sizes: Iterable[int]) -> int:
 class EmbeddedStore:
     """Store in this process. Open with `async with EmbeddedStore.open(cfg) as store`."""
 
-    def __init__(self, config: StoreConfig, notify: Callable[[set[str]], None] | None) -> None:
+    def __init__(self, config: StoreConfig,
+                 notify: Callable[[set[str]], bool | None] | None) -> None:
         self.config = config
         # Partly received native frames, over all the native server's connections.
         self.native_budget = ReadBudget(config.native_max_partial_bytes, NATIVE_PARTIAL_TIMEOUT_S)
@@ -98,6 +99,7 @@ class EmbeddedStore:
             full_verify=config.full_verify,
             max_producers=config.max_producers,
         )
+        self.commitlog.wants_body = self.recent.wants
         self.producer_ids = ProducerIds(self.meta, config.max_producers)
         self._ids_epoch: int | None = None  # the mastership producer_ids were read in
         self.history_reader = HistoryReader(self.commitlog, self.index, node_key(root))
@@ -116,7 +118,7 @@ class EmbeddedStore:
     @classmethod
     @asynccontextmanager
     async def open(
-        cls, config: StoreConfig, notify: Callable[[set[str]], None] | None = None
+        cls, config: StoreConfig, notify: Callable[[set[str]], bool | None] | None = None
     ) -> AsyncIterator[EmbeddedStore]:
         """`notify` is called from the writer thread with the names of queues that grew."""
         lock = lock_data_dir(Path(config.data_dir))
@@ -198,12 +200,15 @@ class EmbeddedStore:
         """The native engine that writes the log (lightgate_native.Engine), or None."""
         return self.commitlog.engine
 
-    def _on_dispatched(self, messages: list[Message]) -> None:
+    def _on_dispatched(self, messages: list[Message]) -> bool:
         """The writer thread, before the acks: keep the newest messages of queues being
-        read, then tell readers which queues grew."""
-        self.recent.add(messages)
+        read, then tell readers which queues grew. False if nobody in this process
+        heard (see EngineTail: the next dispatch may wait)."""
+        kept = self.recent.add(messages)
+        told = None
         if self._notify is not None:
-            self._notify({name for m in messages for name, _ in m.queues})
+            told = self._notify({name for m in messages for name, _ in m.queues})
+        return kept or told is not False
 
     # -- writes -----------------------------------------------------------------------
     async def append(

@@ -327,8 +327,6 @@ type MessageRow<'py> = (
 );
 
 /// ([(phys_offset, size)] of what was appended, [base of each segment begun]).
-type Positions = (Vec<(u64, u32)>, Vec<u64>);
-
 fn row(d: engine::Dispatched) -> DispatchedRow {
     (d.phys_offset, d.size, d.store_ts, d.queues)
 }
@@ -555,14 +553,6 @@ impl PyEngine {
     fn take_pending(&self) -> PyResult<(Vec<DispatchedRow>, Vec<u64>)> {
         let p = self.pending();
         Ok((p.rows.into_iter().map(row).collect(), p.new_segments))
-    }
-
-    /// `take_pending` without the queues: ([(phys_offset, size)], [base]), for a
-    /// dispatcher that reads the records (or holds them) anyway.
-    fn take_positions(&self) -> PyResult<Positions> {
-        let p = self.pending();
-        let rows = p.rows.iter().map(|d| (d.phys_offset, d.size)).collect();
-        Ok((rows, p.new_segments))
     }
 
     /// Append Python's messages (`MessageRow`s) through the log's one writer: each

@@ -145,6 +145,47 @@ async def test_window_zero_delivers_at_once_to_listeners_and_subscriptions() -> 
         assert bus.published == 4 and bus.delivered == 3
 
 
+async def test_names_no_listener_wants_do_not_wake_the_loop() -> None:
+    """A batch that only the native plane's subscribers read: the writer thread asks each
+    listener whether it wants the names, and those nobody wants never cross threads."""
+    heard: list[set[str]] = []
+    wanted = {"py/reader"}
+    woken = 0
+    async with LocalBus(window=0) as bus:
+        real_wake = bus._wake_pump
+
+        def counting_wake() -> None:
+            nonlocal woken
+            woken += 1
+            real_wake()
+
+        bus._wake_pump = counting_wake  # type: ignore[method-assign]
+
+        def from_thread(names: set[str]) -> None:
+            t = threading.Thread(target=bus.publish_from_thread, args=(names,))
+            t.start()
+            t.join()
+
+        with bus.listen(heard.append, wanted.__contains__):
+            from_thread({"native/only"})
+            await trio.sleep(0.05)
+            assert heard == [] and woken == 0
+            from_thread({"native/only", "py/reader"})
+            with trio.fail_after(5):
+                while not heard:
+                    await trio.sleep(0.001)
+            assert heard == [{"py/reader"}] and woken == 1
+            bus.publish({"native/only"})  # in the loop's own thread: no hop to save
+            assert heard[-1] == {"native/only"}
+            # A subscription (or a listener that does not say) hears of everything.
+            async with bus.subscribe() as events:
+                from_thread({"native/only"})
+                with trio.fail_after(5):
+                    while not events.pending():
+                        await trio.sleep(0.001)
+                assert woken == 2
+
+
 async def test_a_failing_listener_does_not_stop_delivery(caplog) -> None:
     async with LocalBus(window=0) as bus, bus.subscribe() as events:
         def bad(names: set[str]) -> None:

@@ -137,13 +137,15 @@ def test_same_log_and_index_as_the_python_writer(tmp_path: Path, flush: str,
         again.index.close()
 
 
-def test_native_publishes_and_python_appends_share_offsets_in_log_order(tmp_path: Path
-                                                                        ) -> None:
+@pytest.mark.parametrize("read_back", [True, False])
+def test_native_publishes_and_python_appends_share_offsets_in_log_order(
+        tmp_path: Path, read_back: bool) -> None:
     log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"),
                     segment_size=4096)
     log.open()
-    heard: list[Message] = []
+    heard: list[Any] = []
     log.on_dispatched = heard.extend
+    log.wants_body = lambda queue: read_back  # a reader of the queue wants the bodies
     engine = log.start_engine(2, 1)
     listener = socket.create_server(("127.0.0.1", 0))
     publisher, fd = pair(listener)
@@ -157,7 +159,15 @@ def test_native_publishes_and_python_appends_share_offsets_in_log_order(tmp_path
         assert [e.offset for e in entries] == list(range(80))
         bodies = [log.read(e.phys_offset, e.size).body for e in entries]
         assert bodies == [b for i in range(40) for b in (b"n%d" % i, b"p%d" % i)]
-        assert [m.body for m in heard] == bodies  # notify and the recent ring, in log order
+        # Notify and the recent ring hear of all, in log order; the native publishes
+        # come read back only for a reader that wants their bodies.
+        assert [(m.phys_offset, m.queues[0]) for m in heard] == [
+            (e.phys_offset, ("a/b", e.offset)) for e in entries]
+        if read_back:
+            assert [m.body for m in heard] == bodies
+        else:
+            assert [getattr(m, "body", None) for m in heard] == [
+                None if i % 2 == 0 else b for i, b in enumerate(bodies)]
         assert len(log.segments()) > 1  # rolls the engine made, known to readers
         assert log.max_offset == engine.write_pos
     finally:
@@ -306,3 +316,44 @@ def test_the_flusher_syncs_and_checkpoints_what_the_engine_wrote(tmp_path: Path,
         publisher.close()
         log.close()
         log.index.close()
+
+
+def _publish_slowly(log: CommitLog, n: int) -> socket.socket:
+    """`n` native QoS 1 publishes, one every ~5 ms, each acknowledged (in the log)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    publisher, fd = pair(listener)
+    log.engine.adopt(1, fd, **SETTINGS)
+    for i in range(n):
+        publisher.sendall(mqtt.encode_publish("a/b", b"m%d" % i, 1, False, False, i + 1, 4))
+        assert recv_exact(publisher, 4)[3] == i + 1
+        time.sleep(0.005)
+    return publisher
+
+
+@pytest.mark.parametrize("heard", [True, False])
+def test_dispatch_waits_longer_while_nobody_in_python_hears(tmp_path: Path,
+                                                            heard: bool) -> None:
+    """Native publishes only native subscribers read: the dispatcher takes them into the
+    index in fewer, larger batches; a reader of the index dispatches first, at once."""
+    log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"))
+    log.open()
+    batches: list[int] = []
+
+    def on_dispatched(msgs: list[Any]) -> bool:
+        batches.append(len(msgs))
+        return heard
+
+    log.on_dispatched = on_dispatched
+    log.start_engine(1, 1)
+    publisher = _publish_slowly(log, 60)  # ~0.4 s
+    try:
+        log.catch_up()  # a reader: everything is in the index when it returns
+        assert [e.offset for e in log.index.read("a/b", 0, 100)] == list(range(60))
+        assert sum(batches) == 60
+        if heard:  # one per 5 ms window
+            assert len(batches) > 20
+        else:  # one per 50 ms
+            assert len(batches) < 15
+    finally:
+        publisher.close()
+        log.close()

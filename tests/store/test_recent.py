@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import pytest
+
+from store import recent
+from store.engine_tail import Appended
 from store.recent import RecentMessages
 from store.record import Message
 from store.service import EmbeddedStore, StoreConfig
@@ -34,6 +39,36 @@ def test_a_gap_restarts_the_ring() -> None:
     r.add([msg("q", 9)])  # offsets jumped (floors after a repair)
     assert r.get("q", 5, 10) is None
     assert [m.queues[0][1] for m in r.get("q", 9, 10)[0]] == [9]
+
+
+def test_a_message_without_its_body_ends_the_ring() -> None:
+    """A native publish dispatched while nobody wanted its queue comes without its body:
+    a ring that would otherwise end before it must not answer "nothing new"."""
+    r = RecentMessages()
+    assert not r.wants("q")
+    r.get("q", 0, 1)
+    assert r.wants("q")
+    r.add([msg("q", 0)])
+    assert r.get("q", 1, 10) == ([], 1)
+    r.add([Appended(100, 30, 0, [("q", 1)])])
+    assert r.get("q", 1, 10) is None  # read it from the store
+    assert r.wants("q")  # that miss wants the next message: it starts the ring again
+    r.add([msg("q", 2)])
+    assert [m.queues[0][1] for m in r.get("q", 2, 10)[0]] == [2]
+
+
+def test_a_ring_nobody_reads_stops_wanting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ring whose reader went (promoted to the native plane) must not keep every
+    native publish of its queue read back from the log."""
+    r = RecentMessages()
+    r.get("q", 0, 1)
+    r.add([msg("q", 0)])
+    assert r.wants("q")
+    later = time.monotonic() + recent.WANTED_S + 0.1
+    monkeypatch.setattr(recent.time, "monotonic", lambda: later)
+    assert not r.wants("q")
+    r.add([Appended(100, 30, 0, [("q", 1)])])
+    assert r.stats()["queues"] == 0 and not r.wants("q")
 
 
 def test_memory_is_bounded() -> None:
