@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from bench.mqtt.brokers import Broker
+from bench.mqtt.runner import Meter
 from bench.mqtt.wire import publish_fields, split_frames
 from gateway import mqtt
 
@@ -31,6 +34,34 @@ def test_split_frames_counts_publishes_across_chunk_boundaries() -> None:
     pid, payload = publish_fields(*bodies[0])
     assert pid == b"\x00\x07" and payload == b"p" * 200
     assert publish_fields(*bodies[2]) == (b"", b"q" * 20)
+
+
+def test_meter_counts_only_the_window_a_scenario_opens() -> None:
+    """A scenario that opens its own window (device_fleet, after thousands of CONNECTs)
+    is charged only the broker's CPU inside it, even though the runner ends the meter
+    again after the scenario returns."""
+    burn = ("import time\nt = time.monotonic()\nwhile time.monotonic() - t < 0.6: pass\n"
+            "time.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", burn])  # a stand-in broker: busy, then idle
+    stand_in = Broker("stand-in", procs=[proc])
+    try:
+        meter = Meter(stand_in, None)
+        meter.begin()  # as the runner does before the scenario
+        time.sleep(1.0)  # the set-up: the stand-in burns 0.6 s of CPU
+        assert meter.before is not None
+        setup_cpu = meter.before
+        meter.begin()  # the scenario's window opens
+        time.sleep(0.3)
+        meter.end()  # ... and closes
+        meter.end()  # the runner's, after the scenario: keeps the scenario's window
+        assert meter.before is not None and meter.after is not None
+        assert meter.before.cpu - setup_cpu.cpu >= 0.4
+        assert meter.after.cpu - meter.before.cpu < 0.1
+        assert 0.25 <= meter.after.at - meter.before.at < 1.0
+    finally:
+        proc.kill()
+        proc.wait()
+        stand_in.tmp.rmdir()
 
 
 def test_tiny_run_prints_rows_in_the_documented_shape(tmp_path: Path) -> None:
