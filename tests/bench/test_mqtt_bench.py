@@ -67,13 +67,14 @@ def test_meter_counts_only_the_window_a_scenario_opens() -> None:
 def test_tiny_run_prints_rows_in_the_documented_shape(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "bench/mqtt_bench.py", "--tiny", "--brokers", "lightgate-async",
-         "--scenarios", "qos0_1to1,qos1_1to1,latency_fixed_rate,idle_conns,cpu_at_rate_qos1",
+         "--scenarios", "qos0_1to1,qos1_1to1,latency_fixed_rate,idle_conns,cpu_at_rate_qos1,"
+         "device_fleet",
          "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(res.stdout)  # stdout is exactly one JSON list
     assert [r["scenario"] for r in rows] == ["qos0_1to1", "qos1_1to1", "latency_fixed_rate",
-                                             "idle_conns", "cpu_at_rate_qos1"]
+                                             "idle_conns", "cpu_at_rate_qos1", "device_fleet"]
     for r in rows:
         assert set(r) >= FIELDS, r
         assert "error" not in r, r
@@ -94,5 +95,13 @@ def test_tiny_run_prints_rows_in_the_documented_shape(tmp_path: Path) -> None:
     assert busiest["cpu_us_per_msg"] > 0
     assert busiest["voluntary_switches_per_s"] > 0
     assert "involuntary_switches_per_s" in busiest
+    # The fleet: every device's every message sent, acknowledged and delivered once.
+    fleet = by["device_fleet"]
+    assert fleet["main_figure"] == "cpu_us_per_msg" and fleet["higher_is_better"] is False
+    assert fleet["expected"] == 300 * 2  # tiny: 300 devices, one message a second, 2 s
+    assert fleet["received"] == fleet["sent"] == fleet["acked"] == fleet["expected"]
+    assert fleet["cpu_us_per_msg"] > 0 and fleet["msgs_per_s"] == 300
+    assert 0 < fleet["p50_ms"] <= fleet["p99_ms"] <= fleet["max_ms"]
+    assert fleet["notes"].startswith("300 QoS 1 devices x 2 messages"), fleet["notes"]
     assert json.loads((tmp_path / "latest.json").read_text()) == rows
     assert (tmp_path / "qos0_1to1.png").stat().st_size > 1000
