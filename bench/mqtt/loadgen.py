@@ -259,44 +259,44 @@ def w_devices(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
     return {"sent": sum(sent.values()), "acked": acked}
 
 
-def w_fleet(wid: int, ready: Callable[..., None], go_evt: Any, port: int, first: int,
-            n: int, fleet: int, period: float, per_device: int,
-            seconds: float) -> dict[str, Any]:
-    """Devices first..first+n-1 of a fleet of `fleet`, from one selector: they connect
+def w_fleet(wid: int, ready: Callable[..., None], go_evt: Any, port: int, ids: list[int],
+            fleet: int, period: float, per_device: int, seconds: float) -> dict[str, Any]:
+    """Devices `ids` of a fleet of `fleet`, from one selector: they connect
     (at most 32 handshakes in flight) before ready(); after go, device g publishes QoS 1
     on fleet/g/t at go + period * (g / fleet + k), k < per_device (so the fleet offers
     fleet / period msg/s evenly spread), each message stamped with its send time and
     sent only once the device's previous one was PUBACKed (`late` counts those held)."""
     sel = selectors.DefaultSelector()
-    socks: list[socket.socket] = []  # device j of this worker: fleet device first + j
+    n = len(ids)
+    socks: list[socket.socket] = []  # device j of this worker: fleet device ids[j]
     connected = 0
     setup_deadline = time.monotonic() + 120
     while connected < n:
         if time.monotonic() > setup_deadline:
             raise TimeoutError(f"{connected}/{n} devices connected in 120 s")
         while len(socks) < n and len(socks) - connected < 32:
-            g = first + len(socks)
+            g = ids[len(socks)]
             socks.append(nb_connect(port, f"127.{wid + 1}.{g // 250 % 250}.{g % 250 + 1}"))
             sel.register(socks[-1], selectors.EVENT_WRITE, len(socks) - 1)
         for key, ev in sel.select(timeout=0.2):
             s, j = socks[key.data], key.data
             if ev & selectors.EVENT_WRITE:
                 if err := s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-                    raise OSError(err, f"device {first + j}: {os.strerror(err)}")
-                s.send(connect_packet(f"fleet-{first + j}"))
+                    raise OSError(err, f"device {ids[j]}: {os.strerror(err)}")
+                s.send(connect_packet(f"fleet-{ids[j]}"))
                 sel.modify(s, selectors.EVENT_READ, j)
                 continue
             data = s.recv(16)
             if data[:2] != b"\x20\x02" or data[3:4] != b"\x00":
-                raise OSError(f"device {first + j}: no CONNACK: {data!r}")
+                raise OSError(f"device {ids[j]}: no CONNACK: {data!r}")
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             connected += 1
-    topics = [f"fleet/{first + j}/t" for j in range(n)]
+    topics = [f"fleet/{g}/t" for g in ids]
     pad = b" " * (PAYLOAD - STAMP.size)
     ready({"connected": n})
     t0 = _await_go(go_evt)
     total = n * per_device
-    phase = [t0 + period * (first + j) / fleet for j in range(n)]
+    phase = [t0 + period * g / fleet for g in ids]
     rest = [b""] * n
     sent_by = [0] * n
     inflight = [False] * n
@@ -313,7 +313,7 @@ def w_fleet(wid: int, ready: Callable[..., None], go_evt: Any, port: int, first:
         pkt = mqtt.encode_publish(topics[j], STAMP.pack(time.perf_counter_ns(), k) + pad, 1,
                                   False, False, k % 65535 + 1, 4)
         if socks[j].send(pkt) != len(pkt):
-            raise OSError(f"device {first + j}: short send")
+            raise OSError(f"device {ids[j]}: short send")
         sent_by[j] += 1
         inflight[j] = True
         sent += 1

@@ -128,10 +128,9 @@ def sc_device_fleet(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
     crew = Crew()
     try:
         crew.add(w_latency_sub, b.port, total, 0, seconds, 1, "fleet/+/t")
-        for w in range(CORES):
-            first = w * n // CORES
-            crew.add(w_fleet, b.port, first, (w + 1) * n // CORES - first, n, period,
-                     per_device, seconds)
+        for w in range(CORES):  # interleaved: each process sends at the fleet's rate / CORES
+            crew.add(w_fleet, b.port, list(range(w, n, CORES)), n, period, per_device,
+                     seconds)
         t_setup = time.monotonic()
         crew.start(setup_timeout=150)
         t_setup = time.monotonic() - t_setup
