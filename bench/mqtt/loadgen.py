@@ -425,7 +425,7 @@ def w_latency_sub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, 
     s.close()
     lat.sort()
     pick = (lambda q: round(lat[min(len(lat) - 1, int(len(lat) * q))] / 1e6, 3)) if lat else None
-    return {"got": got, "p50_ms": pick(0.5) if pick else None,
+    return {"got": got, "timed": len(lat), "p50_ms": pick(0.5) if pick else None,
             "p99_ms": pick(0.99) if pick else None, "max_ms": pick(1.0) if pick else None}
 
 

@@ -44,9 +44,10 @@ def run_one(scenario: str, name: str, size: dict[str, Any],
             row["notes"] = "; ".join(filter(None, [row.get("notes"), broker.notes]))
         before, after = meter.before, meter.after
         assert before and after
-        if row.get("received"):
-            row["cpu_us_per_msg"] = round((after.cpu - before.cpu) * 1e6 / row["received"], 2)
-            row["threads"] = thread_report(before.threads, after.threads, row["received"],
+        # Per message received, or received in the window when a scenario narrowed it.
+        if msgs := row.get("window_msgs", row.get("received")):
+            row["cpu_us_per_msg"] = round((after.cpu - before.cpu) * 1e6 / msgs, 2)
+            row["threads"] = thread_report(before.threads, after.threads, msgs,
                                            after.at - before.at)
         if err := broker.died():
             row["error"] = err
