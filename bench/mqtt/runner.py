@@ -80,9 +80,9 @@ class Meter(Window):
 
     def begin(self) -> None:
         if self.prof:  # what it sampled so far was set-up: drop it
-            self.prof[0].kill()
-            self.prof[0].wait(5)
+            profile_stop(*self.prof)  # (a SIGKILLed py-spy might leave the broker stopped)
             self.prof[1].unlink(missing_ok=True)
+            self.prof[1].with_suffix(".top.txt").unlink(missing_ok=True)
         if self.profile:
             self.prof = profile_start(self.broker, *self.profile)
         self.before, self.after = usage(self.pids), None
