@@ -52,6 +52,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Window:
+    """What the runner measures of a broker (CPU, py-spy): the whole scenario, unless the
+    scenario narrows it to its timed window, calling begin() when the window opens and
+    end() when it closes (so that e.g. thousands of CONNECTs before it do not count)."""
+
+    def begin(self) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
 @dataclass
 class Broker:
     name: str
@@ -61,6 +73,7 @@ class Broker:
     groups: list[int] = field(default_factory=list)  # procs that lead a process group
     notes: str = ""  # what every row of this broker should say about how it ran
     keepalive: int = 0  # what its clients ask for in CONNECT (0: none)
+    window: Window = field(default_factory=Window)  # the runner's, while a row runs
 
     @property
     def pid(self) -> int:

@@ -62,7 +62,7 @@ def main() -> None:
     if bad := [s for s in scenarios if s not in SCENARIOS] + [b for b in brokers
                                                              if b not in BROKERS + SCALING]:
         parser.error(f"unknown scenario or broker: {', '.join(bad)}")
-    nofile = raise_nofile(2 * size["idle_conns"] + 10_000)
+    nofile = raise_nofile(2 * max(size["idle_conns"], size["fleet_devices"]) + 10_000)
     profile_dir = Path(args.profile) if args.profile else None
     if profile_dir:
         profile_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """The load generator: worker processes (a Crew) with a common start signal, each holding
 many client connections on non-blocking sockets and a selector: subscribers, bulk and
-fixed-rate publishers (counting their PUBACKs), a latency sampler, idle connections and
-a reconnect storm. Every loop is bounded in messages and in seconds."""
+fixed-rate publishers (counting their PUBACKs), a latency sampler, idle connections, a
+device fleet on its own clock and a reconnect storm. Every loop is bounded in messages
+and in seconds."""
 
 from __future__ import annotations
 
@@ -258,6 +259,98 @@ def w_devices(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
     return {"sent": sum(sent.values()), "acked": acked}
 
 
+def w_fleet(wid: int, ready: Callable[..., None], go_evt: Any, port: int, ids: list[int],
+            fleet: int, period: float, per_device: int, seconds: float) -> dict[str, Any]:
+    """Devices `ids` of a fleet of `fleet`, from one selector: they connect
+    (at most 32 handshakes in flight) before ready(); after go, device g publishes QoS 1
+    on fleet/g/t at go + period * (g / fleet + k), k < per_device (so the fleet offers
+    fleet / period msg/s evenly spread), each message stamped with its send time and
+    sent only once the device's previous one was PUBACKed (`late` counts those held)."""
+    sel = selectors.DefaultSelector()
+    n = len(ids)
+    socks: list[socket.socket] = []  # device j of this worker: fleet device ids[j]
+    connected = 0
+    setup_deadline = time.monotonic() + 120
+    while connected < n:
+        if time.monotonic() > setup_deadline:
+            raise TimeoutError(f"{connected}/{n} devices connected in 120 s")
+        while len(socks) < n and len(socks) - connected < 32:
+            g = ids[len(socks)]
+            socks.append(nb_connect(port, f"127.{wid + 1}.{g // 250 % 250}.{g % 250 + 1}"))
+            sel.register(socks[-1], selectors.EVENT_WRITE, len(socks) - 1)
+        for key, ev in sel.select(timeout=0.2):
+            s, j = socks[key.data], key.data
+            if ev & selectors.EVENT_WRITE:
+                if err := s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                    raise OSError(err, f"device {ids[j]}: {os.strerror(err)}")
+                s.send(connect_packet(f"fleet-{ids[j]}"))
+                sel.modify(s, selectors.EVENT_READ, j)
+                continue
+            data = s.recv(16)
+            if data[:2] != b"\x20\x02" or data[3:4] != b"\x00":
+                raise OSError(f"device {ids[j]}: no CONNACK: {data!r}")
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connected += 1
+    topics = [f"fleet/{g}/t" for g in ids]
+    pad = b" " * (PAYLOAD - STAMP.size)
+    ready({"connected": n})
+    t0 = _await_go(go_evt)
+    total = n * per_device
+    phase = [t0 + period * g / fleet for g in ids]
+    rest = [b""] * n
+    sent_by = [0] * n
+    inflight = [False] * n
+    owed = [0] * n  # messages that fell due while the previous one was unacknowledged
+    sent = acked = late = 0
+    cursor = 0  # the next message due: device cursor % n, its number cursor // n
+
+    def due(c: int) -> float:
+        return phase[c % n] + period * (c // n)
+
+    def send(j: int) -> None:
+        nonlocal sent
+        k = sent_by[j]
+        pkt = mqtt.encode_publish(topics[j], STAMP.pack(time.perf_counter_ns(), k) + pad, 1,
+                                  False, False, k % 65535 + 1, 4)
+        if socks[j].send(pkt) != len(pkt):
+            raise OSError(f"device {ids[j]}: short send")
+        sent_by[j] += 1
+        inflight[j] = True
+        sent += 1
+
+    hard_stop = t0 + seconds + 10
+    report = t0 + 2
+    while acked < total and time.monotonic() < hard_stop:
+        now = time.monotonic()
+        while cursor < total and due(cursor) <= now:
+            j = cursor % n
+            if inflight[j]:
+                owed[j] += 1
+                late += 1
+            else:
+                send(j)
+            cursor += 1
+        if now > report:
+            progress(f"  fleet w{wid}: {sent}/{total} sent, {acked} acked, {late} late")
+            report = now + 2
+        wait = due(cursor) - now if cursor < total else 0.2
+        for key, _ in sel.select(timeout=min(0.2, max(0.0, wait))):
+            j = key.data
+            try:
+                data = socks[j].recv(4096)
+            except BlockingIOError:
+                continue
+            got, rest[j] = acks_in(rest[j], data)
+            if got:
+                acked += got
+                inflight[j] = False
+                if owed[j]:
+                    owed[j] -= 1
+                    send(j)
+    globals()["_held"] = socks  # connected until the subscriber is done (see w_publishers)
+    return {"sent": sent, "acked": acked, "late": late}
+
+
 def w_latency_pub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, rate: int,
                   total: int, qos: int = 0) -> dict[str, Any]:
     """Publish `total` messages at `rate`/s, each stamped with its send time. QoS 1:
@@ -294,11 +387,12 @@ def w_latency_pub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, 
 
 
 def w_latency_sub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, total: int,
-                  warmup: int, seconds: float, qos: int = 0) -> dict[str, Any]:
+                  warmup: int, seconds: float, qos: int = 0,
+                  topic_filter: str = "lat/t") -> dict[str, Any]:
     """A blocking reader on its own core, so the receive time is taken as data lands;
     QoS 1 deliveries are PUBACKed after each read."""
     s = connect(port, f"lat-sub-{os.getpid()}")
-    subscribe(s, "lat/t", qos)
+    subscribe(s, topic_filter, qos)
     s.settimeout(0.2)
     lat: list[int] = []
     got = 0
@@ -331,7 +425,7 @@ def w_latency_sub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, 
     s.close()
     lat.sort()
     pick = (lambda q: round(lat[min(len(lat) - 1, int(len(lat) * q))] / 1e6, 3)) if lat else None
-    return {"got": got, "p50_ms": pick(0.5) if pick else None,
+    return {"got": got, "timed": len(lat), "p50_ms": pick(0.5) if pick else None,
             "p99_ms": pick(0.99) if pick else None, "max_ms": pick(1.0) if pick else None}
 
 

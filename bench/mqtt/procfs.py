@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import resource
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -50,6 +52,20 @@ def cpu_seconds(pids: list[int]) -> float:
             except (OSError, IndexError, ValueError):
                 pass
     return total
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One reading of a broker's CPU: in all (seconds), per thread name (thread_times),
+    and when it was taken (monotonic)."""
+
+    cpu: float
+    threads: dict[str, list[float]]
+    at: float
+
+
+def usage(pids: list[int]) -> Usage:
+    return Usage(cpu_seconds(pids), thread_times(pids), time.monotonic())
 
 
 def thread_times(pids: list[int]) -> dict[str, list[float]]:

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .brokers import Broker, start_broker
-from .procfs import cpu_seconds, thread_report, thread_times
+from .brokers import Broker, Window, start_broker
+from .procfs import Usage, thread_report, usage
 from .scenarios import SCENARIOS
 from .wire import set_keepalive
 
@@ -29,35 +29,70 @@ def run_one(scenario: str, name: str, size: dict[str, Any],
                            "main_figure": figure}
     t0 = time.monotonic()
     broker = None
-    prof = None
+    meter = None
     try:
         row["load_1m_before"] = os.getloadavg()[0]  # other work on the machine skews results
         broker = start_broker(name)
-        if profile_dir and name.startswith("lightgate"):
-            prof = profile_start(broker, profile_dir, f"{scenario}-{name}")
+        profile = (profile_dir, f"{scenario}-{name}") if profile_dir and \
+            name.startswith("lightgate") else None
         set_keepalive(broker.keepalive)
-        pids = [p.pid for p in broker.procs]
-        cpu0, threads0, t1 = cpu_seconds(pids), thread_times(pids), time.monotonic()
+        meter = broker.window = Meter(broker, profile)
+        meter.begin()
         row.update(fn(broker, size))
+        meter.end()
         if broker.notes:
             row["notes"] = "; ".join(filter(None, [row.get("notes"), broker.notes]))
-        cpu = cpu_seconds(pids) - cpu0
-        if row.get("received"):
-            row["cpu_us_per_msg"] = round(cpu * 1e6 / row["received"], 2)
-            row["threads"] = thread_report(threads0, thread_times(pids), row["received"],
-                                           time.monotonic() - t1)
+        before, after = meter.before, meter.after
+        assert before and after
+        # Per message received, or received in the window when a scenario narrowed it.
+        if msgs := row.get("window_msgs", row.get("received")):
+            row["cpu_us_per_msg"] = round((after.cpu - before.cpu) * 1e6 / msgs, 2)
+            row["threads"] = thread_report(before.threads, after.threads, msgs,
+                                           after.at - before.at)
         if err := broker.died():
             row["error"] = err
     except Exception as exc:  # record it; the other brokers and scenarios still run
         row["error"] = f"{type(exc).__name__}: {exc}"[:1000]
     finally:
         set_keepalive(0)
-        if prof:
-            row["profile_top"] = profile_stop(*prof)[:10]
+        if meter:
+            meter.end()
+            if meter.top is not None:
+                row["profile_top"] = meter.top[:10]
         if broker:
             broker.stop()
     row["duration_s"] = round(time.monotonic() - t0, 1)
     return row
+
+
+class Meter(Window):
+    """The broker's CPU (in all and per thread) and, with a profile directory, py-spy,
+    from begin() to end(); a scenario that calls begin() again (its timed window opens
+    after a long set-up) starts both afresh."""
+
+    def __init__(self, b: Broker, profile: tuple[Path, str] | None) -> None:
+        self.broker, self.profile = b, profile
+        self.pids = [p.pid for p in b.procs]
+        self.before: Usage | None = None
+        self.after: Usage | None = None
+        self.prof: tuple[subprocess.Popen[Any], Path] | None = None
+        self.top: list[str] | None = None
+
+    def begin(self) -> None:
+        if self.prof:  # what it sampled so far was set-up: drop it
+            profile_stop(*self.prof)  # (a SIGKILLed py-spy might leave the broker stopped)
+            self.prof[1].unlink(missing_ok=True)
+            self.prof[1].with_suffix(".top.txt").unlink(missing_ok=True)
+        if self.profile:
+            self.prof = profile_start(self.broker, *self.profile)
+        self.before, self.after = usage(self.pids), None
+
+    def end(self) -> None:
+        if self.after is None:
+            self.after = usage(self.pids)
+            if self.prof:
+                self.top = profile_stop(*self.prof)
+                self.prof = None
 
 
 def profile_start(b: Broker, out_dir: Path, tag: str) -> tuple[subprocess.Popen[Any], Path]:

@@ -16,6 +16,7 @@ from .brokers import Broker
 from .loadgen import (
     Crew,
     w_devices,
+    w_fleet,
     w_idle,
     w_latency_pub,
     w_latency_sub,
@@ -23,7 +24,7 @@ from .loadgen import (
     w_storm,
     w_subscribers,
 )
-from .procfs import listen_overflows, rss_kb
+from .procfs import listen_overflows, rss_kb, usage
 from .wire import acks_in, connect
 
 
@@ -109,6 +110,66 @@ def sc_device_fanin(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
                                     "QoS 1 subscriber"}
     if not sub["count"]:
         out["error"] = "nothing delivered"
+    return out
+
+
+def sc_device_fleet(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    """A fleet at its own pace: N devices (spread over the load generator's processes),
+    each publishing one QoS 1 message every `fleet_period` s and waiting for its PUBACK,
+    one QoS 1 subscriber (the application) on fleet/+/t. The devices connect first and
+    publish one round (a device's first message on its topic may cost a broker more
+    than the next ones: first_round_cpu_us_per_msg); the broker's CPU per message (the
+    main figure), latency and py-spy cover the `fleet_seconds` after that round."""
+    wanted, period, seconds = size["fleet_devices"], size["fleet_period"], size["fleet_seconds"]
+    # The broker inherits our RLIMIT_NOFILE: beyond it, connections fail on its side.
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    n = min(wanted, limit - 1000)
+    per_device = 1 + round(seconds / period)  # the first round, then the timed ones
+    total = n * per_device
+    pids = [p.pid for p in b.procs]
+    crew = Crew()
+    try:
+        # Latency from each device's second message on (a message's seq is its number).
+        crew.add(w_latency_sub, b.port, total, 1, period + seconds, 1, "fleet/+/t")
+        for w in range(CORES):  # interleaved: each process sends at the fleet's rate / CORES
+            crew.add(w_fleet, b.port, list(range(w, n, CORES)), n, period, per_device,
+                     period + seconds)
+        t_setup = time.monotonic()
+        crew.start(setup_timeout=150)
+        t_setup = time.monotonic() - t_setup
+        time.sleep(1.0)  # the broker settles after the CONNECTs
+        first = usage(pids)
+        t_go = crew.go()
+        # Round k of device g is due at go + period * (k + g / n): the timed rounds start
+        # one period after go (the workers' go is a little later than ours, not earlier).
+        time.sleep(max(0.0, t_go + period - time.monotonic()))
+        timed = usage(pids)
+        b.window.begin()
+        sub, *devs = crew.results(period + seconds + 30)
+        b.window.end()
+    finally:
+        crew.close()
+    sent, acked = sum(d["sent"] for d in devs), sum(d["acked"] for d in devs)
+    late = sum(d["late"] for d in devs)
+    out: dict[str, Any] = {
+        "received": sub["got"], "expected": total, "window_msgs": sub["timed"],
+        "sent": sent, "acked": acked, "msgs_per_s": round(sub["timed"] / seconds),
+        "p50_ms": sub["p50_ms"], "p99_ms": sub["p99_ms"], "max_ms": sub["max_ms"],
+        "late": late,
+        "first_round_cpu_us_per_msg": round((timed.cpu - first.cpu) * 1e6 / n, 1),
+        "notes": f"{n} QoS 1 devices x {per_device} messages, one every {period} s each "
+                 f"({n / period:.0f} msg/s offered), one QoS 1 subscriber of fleet/+/t; "
+                 f"connected in {t_setup:.1f} s, then one round, neither timed; then "
+                 f"{seconds} s timed"}
+    if n < wanted:
+        out["notes"] += (f"; capped from {wanted} by RLIMIT_NOFILE {limit} (raising the hard "
+                         "limit needs CAP_SYS_RESOURCE)")
+    if late:
+        out["notes"] += f"; {late} messages waited for their device's previous PUBACK"
+    if sub["got"] < total:
+        out["notes"] += f"; {total - sub['got']} not delivered within the deadline"
+    if not sub["timed"]:
+        out["error"] = "nothing delivered in the timed window"
     return out
 
 
@@ -241,6 +302,7 @@ SCENARIOS: dict[str, tuple[Callable[[Broker, dict[str, Any]], dict[str, Any]], s
     "qos1_1to1": (sc_qos1, "msgs_per_s", True),
     "fanin_100to1": (sc_fanin, "msgs_per_s", True),
     "device_fanin": (sc_device_fanin, "msgs_per_s", True),
+    "device_fleet": (sc_device_fleet, "cpu_us_per_msg", False),
     "fanout_1to1000": (sc_fanout, "msgs_per_s", True),
     "idle_conns": (sc_idle, "kb_per_conn", False),
     "latency_fixed_rate": (sc_latency, "p99_ms", False),
@@ -253,13 +315,16 @@ SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"msgs": 2000, "qos1_msgs": 1000, "seconds": 8, "fanout_subs": 10,
              "fanout_msgs": 50, "idle_conns": 100, "idle_seconds": 10, "latency_rate": 200,
              "latency_seconds": 1, "storm_clients": 10, "storm_msgs": 4, "cpu_rate": 200,
-             "cpu_seconds": 1, "device_msgs": 1000},
+             "cpu_seconds": 1, "device_msgs": 1000, "fleet_devices": 300, "fleet_period": 1.0,
+             "fleet_seconds": 2},
     "quick": {"msgs": 100_000, "qos1_msgs": 25_000, "seconds": 15, "fanout_subs": 200,
               "fanout_msgs": 500, "idle_conns": 2000, "idle_seconds": 30,
               "latency_rate": 2000, "latency_seconds": 5, "storm_clients": 500,
-              "storm_msgs": 10, "cpu_rate": 2000, "cpu_seconds": 5, "device_msgs": 40_000},
+              "storm_msgs": 10, "cpu_rate": 2000, "cpu_seconds": 5, "device_msgs": 40_000,
+              "fleet_devices": 5000, "fleet_period": 2.5, "fleet_seconds": 10},
     "full": {"msgs": 500_000, "qos1_msgs": 100_000, "seconds": 45, "fanout_subs": 1000,
              "fanout_msgs": 1000, "idle_conns": 100_000, "idle_seconds": 120,
              "latency_rate": 20_000, "latency_seconds": 10, "storm_clients": 5000,
-             "storm_msgs": 20, "cpu_rate": 2000, "cpu_seconds": 10, "device_msgs": 200_000},
+             "storm_msgs": 20, "cpu_rate": 2000, "cpu_seconds": 10, "device_msgs": 200_000,
+             "fleet_devices": 5000, "fleet_period": 2.5, "fleet_seconds": 60},
 }

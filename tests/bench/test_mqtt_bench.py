@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from bench.mqtt.brokers import Broker
+from bench.mqtt.runner import Meter
 from bench.mqtt.wire import publish_fields, split_frames
 from gateway import mqtt
 
@@ -33,16 +36,45 @@ def test_split_frames_counts_publishes_across_chunk_boundaries() -> None:
     assert publish_fields(*bodies[2]) == (b"", b"q" * 20)
 
 
+def test_meter_counts_only_the_window_a_scenario_opens() -> None:
+    """A scenario that opens its own window (device_fleet, after thousands of CONNECTs)
+    is charged only the broker's CPU inside it, even though the runner ends the meter
+    again after the scenario returns."""
+    burn = ("import time\nt = time.monotonic()\nwhile time.monotonic() - t < 0.6: pass\n"
+            "time.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", burn])  # a stand-in broker: busy, then idle
+    stand_in = Broker("stand-in", procs=[proc])
+    try:
+        meter = Meter(stand_in, None)
+        meter.begin()  # as the runner does before the scenario
+        time.sleep(1.0)  # the set-up: the stand-in burns 0.6 s of CPU
+        assert meter.before is not None
+        setup_cpu = meter.before
+        meter.begin()  # the scenario's window opens
+        time.sleep(0.3)
+        meter.end()  # ... and closes
+        meter.end()  # the runner's, after the scenario: keeps the scenario's window
+        assert meter.before is not None and meter.after is not None
+        assert meter.before.cpu - setup_cpu.cpu >= 0.4
+        assert meter.after.cpu - meter.before.cpu < 0.1
+        assert 0.25 <= meter.after.at - meter.before.at < 1.0
+    finally:
+        proc.kill()
+        proc.wait()
+        stand_in.tmp.rmdir()
+
+
 def test_tiny_run_prints_rows_in_the_documented_shape(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "bench/mqtt_bench.py", "--tiny", "--brokers", "lightgate-async",
-         "--scenarios", "qos0_1to1,qos1_1to1,latency_fixed_rate,idle_conns,cpu_at_rate_qos1",
+         "--scenarios", "qos0_1to1,qos1_1to1,latency_fixed_rate,idle_conns,cpu_at_rate_qos1,"
+         "device_fleet",
          "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(res.stdout)  # stdout is exactly one JSON list
     assert [r["scenario"] for r in rows] == ["qos0_1to1", "qos1_1to1", "latency_fixed_rate",
-                                             "idle_conns", "cpu_at_rate_qos1"]
+                                             "idle_conns", "cpu_at_rate_qos1", "device_fleet"]
     for r in rows:
         assert set(r) >= FIELDS, r
         assert "error" not in r, r
@@ -63,5 +95,16 @@ def test_tiny_run_prints_rows_in_the_documented_shape(tmp_path: Path) -> None:
     assert busiest["cpu_us_per_msg"] > 0
     assert busiest["voluntary_switches_per_s"] > 0
     assert "involuntary_switches_per_s" in busiest
+    # The fleet: every device's every message sent, acknowledged and delivered once; the
+    # figures cover the rounds after the first (tiny: 300 devices, one message a second,
+    # one untimed round, then 2 s).
+    fleet = by["device_fleet"]
+    assert fleet["main_figure"] == "cpu_us_per_msg" and fleet["higher_is_better"] is False
+    assert fleet["expected"] == 300 * 3 and fleet["window_msgs"] == 300 * 2
+    assert fleet["received"] == fleet["sent"] == fleet["acked"] == fleet["expected"]
+    assert fleet["cpu_us_per_msg"] > 0 and fleet["msgs_per_s"] == 300
+    assert fleet["first_round_cpu_us_per_msg"] >= 0
+    assert 0 < fleet["p50_ms"] <= fleet["p99_ms"] <= fleet["max_ms"]
+    assert fleet["notes"].startswith("300 QoS 1 devices x 3 messages"), fleet["notes"]
     assert json.loads((tmp_path / "latest.json").read_text()) == rows
     assert (tmp_path / "qos0_1to1.png").stat().st_size > 1000
