@@ -158,6 +158,21 @@ class ConsumeQueueIndex:
         self._db.write(wb, self._no_wal)
         return n
 
+    def write_runs(self, runs: Iterable[tuple[str, int, bytes]],
+                   keys: Iterable[tuple[str, int]], checkpoint: int) -> None:
+        """`write_messages` of entries packed already (the native engine's): runs of
+        (queue, first offset, entries), key references (key, phys offset)."""
+        wb = WriteBatch(raw_mode=True)
+        put = wb.put
+        u64 = U64.pack
+        prefixes = self._prefixes
+        for queue, first, entries in runs:
+            put(self._prefix(prefixes, queue) + u64(first), entries)
+        for key, phys in keys:
+            put(key_prefix(key) + u64(phys), b"")
+        put(CHECKPOINT_KEY, u64(checkpoint))
+        self._db.write(wb, self._no_wal)
+
     @staticmethod
     def _prefix(prefixes: dict[str, bytes], queue: str) -> bytes:
         prefix = prefixes.get(queue)

@@ -24,10 +24,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from setproctitle import setthreadtitle
 
+from lightqueue.index import RUN_MAX
 from serving import plane
 from store import record
 from store.common import StoreError, StoreFullError
@@ -59,7 +60,7 @@ Chunk = list[tuple[Any, list[Row]]]
 class Appended:
     """A native publish as the index and notify take it: where it is, when it was stored
     and its queues, without its body, which is read back only for a reader that wants it
-    (`EngineTail.wants_body`). The store's readers read it from the log like any other."""
+    (`EngineTail.readers`). The store's readers read it from the log like any other."""
 
     phys_offset: int
     size: int
@@ -68,15 +69,30 @@ class Appended:
     key: str = ""  # MQTT publishes have no key
 
 
+class Readers(Protocol):
+    """Who reads new messages' bodies as they are dispatched (store.recent)."""
+
+    def reading(self) -> bool:
+        """Whether any queue is read so."""
+        ...
+
+    def wants(self, queue: str) -> bool:
+        """Whether this queue's next message is wanted, body and all."""
+        ...
+
+
 class EngineTail:
     """The engine's half of the CommitLog (a base of `CommitLog`, whose tail state it
     reads and moves: `_segments`, `_write_pos`, `_flushed`, the index, the flusher)."""
 
     dir: Path
     engine: Any
-    # Whether a reader wants the bodies of this queue's new messages (the recent ring's
-    # reader, store.recent): a native publish to no such queue is not read back.
-    wants_body: Callable[[str], bool] | None = None
+    # Who reads the bodies of new messages (the recent rings, store.recent): a native
+    # publish none of them wants is not read back.
+    readers: Readers | None = None
+    # Told the names of the queues that grew when no message is wanted (`readers`) and
+    # none is this process's: as `on_dispatched`, False if nobody heard.
+    on_grown: Callable[[set[str]], bool | None] | None = None
 
     def _init_engine_tail(self) -> None:
         self.engine = None  # lightgate_native.Engine, once start_engine handed it the tail
@@ -86,6 +102,7 @@ class EngineTail:
         self._dispatch_stop = False
         self._engine_stopped = False
         self._hurry = threading.Event()  # a reader came: dispatch without waiting long
+        self._unwritten: list[tuple[list, list]] = []  # index runs a failed write left
 
     def start_engine(self, io_threads: int = 1, default_partitions: int = 1) -> Any:
         """Hand the tail to a native engine (lightgate_native.Engine) after `open`: from
@@ -155,42 +172,65 @@ class EngineTail:
             return self._drain_locked()
 
     def _drain_locked(self) -> bool:
-        """The engine's appends since the last drain into the index, in log order, then
-        `on_dispatched`: this process's appends as their Messages, the native ones as
-        `Appended` rows (read back from the log when a reader wants their bodies).
-        Whether anyone heard of them (False: `on_dispatched` said nobody did)."""
-        rows, new_segments = self.engine.take_pending()
+        """The engine's appends since the last drain into the index (runs the engine
+        packed, in log order), then who waits for them: `on_dispatched` with this
+        process's appends as their Messages and the native ones as `Appended` rows (read
+        back from the log for a reader that wants their bodies), or only `on_grown` with
+        the queues' names while no message is wanted. Whether anyone heard of them."""
+        readers = self.readers
+        detail = (self.on_grown is None or bool(self._own)
+                  or (readers is not None and readers.reading()))
+        runs, keys, _, end, rows, new_segments = self.engine.take_runs(RUN_MAX, detail)
         if new_segments:
             segs = tuple(Segment(self.dir / segment_name(b), b) for b in new_segments)
             self._update_segments(lambda old: (*old, *segs))
-        if not rows:
+        if end is None:
             return True
-        own = self._own
-        wants = self.wants_body
+        self._write_runs(runs, keys, end)
+        before = self._write_pos
+        self._write_pos = end
+        if not self._engine_stopped:
+            self._flushed = max(self._flushed, self.engine.flushed)
+        self.stats["bytes_written"] += end - before
+        if self.flush_mode == "async":
+            self._dirtied(before)
+        try:
+            if rows is None:
+                assert self.on_grown is not None
+                return self.on_grown({queue for queue, _, _ in runs}) is not False
+            done = self._messages(rows)
+            return bool(self.on_dispatched) and self.on_dispatched(done) is not False
+        except Exception:
+            log.exception("on_dispatched callback failed")
+            return True
+
+    def _write_runs(self, runs: list[tuple[str, int, bytes]], keys: list[tuple[str, int]],
+                    end: int) -> None:
+        """The index entries of a drain (and of any before whose write failed: the
+        records are safe in the log, and the next drain writes them again)."""
+        self._unwritten.append((runs, keys))
+        try:
+            for r, k in self._unwritten:
+                self.index.write_runs(r, k, end)
+            self._unwritten = []
+        except Exception:
+            log.exception("dispatch of %d runs failed; will retry",
+                          sum(len(r) for r, _ in self._unwritten))
+
+    def _messages(self, rows: list[tuple[int, int, int, list[tuple[str, int]]]]
+                  ) -> list[Any]:
+        """Rows as `on_dispatched` takes them: this process's appends as their Messages,
+        the native ones as `Appended`, read back where a reader wants the body."""
+        own, readers = self._own, self.readers
         done: list[Any] = []
         for phys, size, store_ts, queues in rows:
             m = own.pop(phys, None)
             if m is None:
                 m = Appended(phys, size, store_ts, queues)
-                if wants is not None and any(wants(q) for q, _ in queues):
+                if readers is not None and any(readers.wants(q) for q, _ in queues):
                     m = self._read_appended(m)
             done.append(m)
-        self._dispatch(done)
-        last = rows[-1]
-        before = self._write_pos
-        self._write_pos = last[0] + last[1]
-        if not self._engine_stopped:
-            self._flushed = max(self._flushed, self.engine.flushed)
-        self.stats["bytes_written"] += self._write_pos - before
-        if self.flush_mode == "async":
-            self._dirtied(before)
-        if not self.on_dispatched:
-            return False
-        try:
-            return self.on_dispatched(done) is not False
-        except Exception:
-            log.exception("on_dispatched callback failed")
-            return True
+        return done
 
     def _read_appended(self, row: Appended) -> Message:
         """The record of a native publish, appended by the engine and not dispatched yet

@@ -95,6 +95,10 @@ class RecentMessages:
                 self._shrink_coldest()
         return kept
 
+    def reading(self) -> bool:
+        """Whether any queue is read from here, or wanted (any thread)."""
+        return bool(self._rings or self._wanted)
+
     def wants(self, queue: str) -> bool:
         """Whether a reader waits for this queue's next message: it missed the ring, or
         read it within WANTED_S (any thread). A message nobody wants may come to `add`

@@ -99,7 +99,8 @@ class EmbeddedStore:
             full_verify=config.full_verify,
             max_producers=config.max_producers,
         )
-        self.commitlog.wants_body = self.recent.wants
+        self.commitlog.readers = self.recent
+        self.commitlog.on_grown = self._on_grown
         self.producer_ids = ProducerIds(self.meta, config.max_producers)
         self._ids_epoch: int | None = None  # the mastership producer_ids were read in
         self.history_reader = HistoryReader(self.commitlog, self.index, node_key(root))
@@ -209,6 +210,11 @@ class EmbeddedStore:
         if self._notify is not None:
             told = self._notify({name for m in messages for name, _ in m.queues})
         return kept or told is not False
+
+    def _on_grown(self, names: set[str]) -> bool:
+        """`_on_dispatched` when no message is kept (the native engine's dispatch, while
+        no queue is read from the recent rings): tell readers which queues grew."""
+        return self._notify is not None and self._notify(names) is not False
 
     # -- writes -----------------------------------------------------------------------
     async def append(

@@ -49,6 +49,8 @@ pub struct Dispatched {
     pub size: u32,
     pub store_ts: u64,
     pub queues: Vec<(String, u64)>,
+    /// The message's key ("" for none): the index refers to it by position.
+    pub key: String,
 }
 
 /// A message appended from outside the reactors (Python's: TLS and WebSocket clients,
@@ -652,6 +654,7 @@ impl Inner {
                         size: size as u32,
                         store_ts,
                         queues,
+                        key: item.key.to_string(),
                     });
                 }
                 Err(e) => {

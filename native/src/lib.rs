@@ -10,6 +10,7 @@
 //! - `protocol`: one connection's steady state after CONNACK (`gateway/mqtt/protocol.py`).
 //! - `reactor`: the threads that own promoted sockets (`gateway/reactor.py`).
 //! - `engine`: append, acknowledge and deliver each batch the reactors read.
+//! - `index`: the light-queue index's runs for a batch (`lightqueue/index.py`).
 //!
 //! Everything outside `py` is plain, safe Rust with no Python in it: `cargo test` runs
 //! it without an interpreter.
@@ -21,6 +22,7 @@
 pub mod codec;
 pub mod commitlog;
 pub mod engine;
+pub mod index;
 pub mod protocol;
 pub mod reactor;
 pub mod record;

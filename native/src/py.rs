@@ -9,6 +9,7 @@ use crate::codec::properties::{self as props, Kind};
 use crate::codec::{self, Packet, Property, Value};
 use crate::commitlog;
 use crate::engine;
+use crate::index;
 use crate::protocol;
 use crate::reactor::{Command as ReactorCommand, Report, Restore};
 use crate::record::{self, Record};
@@ -337,7 +338,7 @@ fn row(d: engine::Dispatched) -> DispatchedRow {
 #[pyclass(name = "Engine", module = "lightgate_native")]
 struct PyEngine {
     inner: Option<engine::Engine>,
-    /// What was left for dispatch when it stopped: `take_pending` hands it over once.
+    /// What was left for dispatch when it stopped: `take_runs` hands it over once.
     left: std::sync::Mutex<Option<engine::Pending>>,
 }
 
@@ -547,12 +548,36 @@ impl PyEngine {
             .collect())
     }
 
-    /// What was appended since the last call, in log order, and the bases of the
-    /// segments begun meanwhile: ([(phys_offset, size, store_ts, queues)], [base]).
-    /// Once stopped, what was left when it stopped (then nothing).
-    fn take_pending(&self) -> PyResult<(Vec<DispatchedRow>, Vec<u64>)> {
+    /// What was appended since the last call as the index takes it (`index::runs`),
+    /// and the segments begun meanwhile: ([(queue, first offset, packed entries)],
+    /// [(key, phys_offset)], entries, the end of the last record or None, the rows as
+    /// `take_dispatched` gives them when `rows` (else None), [base]). Once stopped, what
+    /// was left when it stopped (then nothing).
+    #[pyo3(signature = (run_max, rows=false))]
+    #[allow(clippy::type_complexity)]
+    fn take_runs<'py>(
+        &self,
+        py: Python<'py>,
+        run_max: usize,
+        rows: bool,
+    ) -> PyResult<(
+        Vec<(String, u64, Bound<'py, PyBytes>)>,
+        Vec<(String, u64)>,
+        usize,
+        Option<u64>,
+        Option<Vec<DispatchedRow>>,
+        Vec<u64>,
+    )> {
         let p = self.pending();
-        Ok((p.rows.into_iter().map(row).collect(), p.new_segments))
+        let made = index::runs(&p.rows, run_max);
+        let end = p.rows.last().map(|d| d.phys_offset + u64::from(d.size));
+        let runs = made
+            .runs
+            .into_iter()
+            .map(|r| (r.queue, r.first, PyBytes::new(py, &r.entries)))
+            .collect();
+        let rows = rows.then(|| p.rows.into_iter().map(row).collect());
+        Ok((runs, made.keys, made.entries, end, rows, p.new_segments))
     }
 
     /// Append Python's messages (`MessageRow`s) through the log's one writer: each
@@ -698,7 +723,7 @@ impl PyEngine {
     }
 
     /// Stop the reactors (their sockets close) and make the log durable: its end.
-    /// What was appended and not taken yet stays for `take_pending`.
+    /// What was appended and not taken yet stays for `take_runs`.
     fn stop(&mut self, py: Python<'_>) -> PyResult<u64> {
         match self.inner.take() {
             Some(e) => {

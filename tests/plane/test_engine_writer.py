@@ -137,6 +137,17 @@ def test_same_log_and_index_as_the_python_writer(tmp_path: Path, flush: str,
         again.index.close()
 
 
+class _Readers:
+    def __init__(self, wanted: bool) -> None:
+        self.wanted = wanted
+
+    def reading(self) -> bool:
+        return self.wanted
+
+    def wants(self, queue: str) -> bool:
+        return self.wanted
+
+
 @pytest.mark.parametrize("read_back", [True, False])
 def test_native_publishes_and_python_appends_share_offsets_in_log_order(
         tmp_path: Path, read_back: bool) -> None:
@@ -145,7 +156,7 @@ def test_native_publishes_and_python_appends_share_offsets_in_log_order(
     log.open()
     heard: list[Any] = []
     log.on_dispatched = heard.extend
-    log.wants_body = lambda queue: read_back  # a reader of the queue wants the bodies
+    log.readers = _Readers(read_back)  # a reader of the queue wants the bodies, or none
     engine = log.start_engine(2, 1)
     listener = socket.create_server(("127.0.0.1", 0))
     publisher, fd = pair(listener)
@@ -354,6 +365,35 @@ def test_dispatch_waits_longer_while_nobody_in_python_hears(tmp_path: Path,
             assert len(batches) > 20
         else:  # one per 50 ms
             assert len(batches) < 15
+    finally:
+        publisher.close()
+        log.close()
+
+
+def test_while_nobody_reads_bodies_only_the_queue_names_are_told(tmp_path: Path) -> None:
+    """No recent ring is read and no message is this process's: the dispatch writes the
+    engine's packed runs into the index and tells `on_grown` the queues' names, with no
+    Python object per message; once a ring is read, messages come again."""
+    log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"))
+    log.open()
+    grown: list[set[str]] = []
+    heard: list[Any] = []
+    log.on_grown = lambda names: bool(grown.append(names))
+    log.on_dispatched = heard.extend
+    readers = log.readers = _Readers(False)
+    log.start_engine(1, 1)
+    publisher = _publish_slowly(log, 10)
+    try:
+        log.catch_up()
+        assert heard == [] and set().union(*grown) == {"a/b", "a#0"}
+        assert [e.offset for e in log.index.read("a/b", 0, 100)] == list(range(10))
+        assert [e.offset for e in log.index.read("a#0", 0, 100)] == list(range(10))
+        readers.wanted = True
+        publisher.sendall(mqtt.encode_publish("a/b", b"late", 1, False, False, 99, 4))
+        assert recv_exact(publisher, 4)[3] == 99
+        log.catch_up()
+        assert [m.body for m in heard] == [b"late"]
+        assert log.index.read("a/b", 10, 1)[0].phys_offset == heard[0].phys_offset
     finally:
         publisher.close()
         log.close()

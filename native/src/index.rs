@@ -1,0 +1,146 @@
+//! The light-queue index's rows for a batch of appends (`lightqueue/index.py`
+//! `write_messages`), packed as the Python index stores them: per queue, runs of
+//! consecutive offsets, each run one value of 20-byte entries (physical offset, size,
+//! store time, big-endian) under the key of its first offset; and a key reference per
+//! message with a key. The dispatcher then writes one value per run, not one Python
+//! object per message.
+
+use std::collections::HashMap;
+
+use crate::engine::Dispatched;
+
+/// Bytes of one entry: phys offset (u64), size (u32), store time (u64).
+pub const ENTRY_SIZE: usize = 20;
+
+/// Consecutive offsets of one queue, from `first`, as packed entries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Run {
+    pub queue: String,
+    pub first: u64,
+    pub entries: Vec<u8>,
+}
+
+impl Run {
+    pub fn len(&self) -> usize {
+        self.entries.len() / ENTRY_SIZE
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn next(&self) -> u64 {
+        self.first + self.len() as u64
+    }
+}
+
+/// What a batch adds to the index: its runs, the key references (key, phys offset) and
+/// the number of entries.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Rows {
+    pub runs: Vec<Run>,
+    pub keys: Vec<(String, u64)>,
+    pub entries: usize,
+}
+
+/// The runs of `rows` (in log order): a run ends at a gap in its queue's offsets (a
+/// floor) or at `run_max` entries, as the Python index cuts them.
+pub fn runs(rows: &[Dispatched], run_max: usize) -> Rows {
+    let run_max = run_max.max(1);
+    let mut out = Rows::default();
+    let mut open: Vec<Run> = Vec::new();
+    let mut at: HashMap<&str, usize> = HashMap::new();
+    for d in rows {
+        let mut entry = [0u8; ENTRY_SIZE];
+        entry[..8].copy_from_slice(&d.phys_offset.to_be_bytes());
+        entry[8..12].copy_from_slice(&d.size.to_be_bytes());
+        entry[12..].copy_from_slice(&d.store_ts.to_be_bytes());
+        for (queue, offset) in &d.queues {
+            let fresh = || Run {
+                queue: queue.clone(),
+                first: *offset,
+                entries: Vec::with_capacity(ENTRY_SIZE),
+            };
+            match at.get(queue.as_str()) {
+                Some(&i) if open[i].next() == *offset && open[i].len() < run_max => {}
+                Some(&i) => out.runs.push(std::mem::replace(&mut open[i], fresh())),
+                None => {
+                    at.insert(queue.as_str(), open.len());
+                    open.push(fresh());
+                }
+            }
+            open[at[queue.as_str()]].entries.extend_from_slice(&entry);
+            out.entries += 1;
+        }
+        if !d.key.is_empty() {
+            out.keys.push((d.key.clone(), d.phys_offset));
+        }
+    }
+    out.runs.extend(open);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(phys: u64, queues: &[(&str, u64)]) -> Dispatched {
+        Dispatched {
+            phys_offset: phys,
+            size: 30,
+            store_ts: 7,
+            queues: queues.iter().map(|(q, o)| (q.to_string(), *o)).collect(),
+            key: String::new(),
+        }
+    }
+
+    fn entry(phys: u64) -> Vec<u8> {
+        let mut e = phys.to_be_bytes().to_vec();
+        e.extend_from_slice(&30u32.to_be_bytes());
+        e.extend_from_slice(&7u64.to_be_bytes());
+        e
+    }
+
+    #[test]
+    fn consecutive_offsets_make_one_run_per_queue() {
+        let rows = [
+            row(0, &[("a/b", 4), ("a#0", 10)]),
+            row(30, &[("a/b", 5)]),
+            row(60, &[("a#0", 11)]),
+        ];
+        let got = runs(&rows, 4096);
+        assert_eq!(got.entries, 4);
+        assert_eq!(
+            got.runs,
+            vec![
+                Run { queue: "a/b".into(), first: 4, entries: [entry(0), entry(30)].concat() },
+                Run { queue: "a#0".into(), first: 10, entries: [entry(0), entry(60)].concat() },
+            ]
+        );
+        assert!(got.keys.is_empty());
+    }
+
+    #[test]
+    fn a_gap_or_a_full_run_starts_another() {
+        let rows = [
+            row(0, &[("q", 0)]),
+            row(30, &[("q", 1)]),
+            row(60, &[("q", 5)]), // a floor moved the queue on
+            row(90, &[("q", 6)]),
+            row(120, &[("q", 7)]), // the run of two is full
+        ];
+        let got = runs(&rows, 2);
+        let firsts: Vec<(u64, usize)> = got.runs.iter().map(|r| (r.first, r.len())).collect();
+        assert_eq!(firsts, vec![(0, 2), (5, 2), (7, 1)]);
+        assert_eq!(got.runs[2].entries, entry(120));
+    }
+
+    #[test]
+    fn keys_are_referenced_by_position() {
+        let mut keyed = row(30, &[("q", 1)]);
+        keyed.key = "k1".into();
+        let got = runs(&[row(0, &[("q", 0)]), keyed], 4096);
+        assert_eq!(got.keys, vec![("k1".to_string(), 30)]);
+        assert_eq!(runs(&[], 4096), Rows::default());
+    }
+}
