@@ -171,6 +171,10 @@ class Delivery:
             if cursor is None:
                 return NEEDS_TASK  # a new subscription: where it starts is the store's
             got = cache.pull_now(queue, cursor, batch)
+            if s.cursors.get(queue) != cursor:
+                # A reader's catch-up dispatched the native engine's appends inline, and
+                # their notify delivered from this queue meanwhile: go on from there.
+                continue
             if got is None:
                 return NEEDS_TASK
             msgs, start = got

@@ -60,6 +60,9 @@ class Handover:
         self.engine = engine
         self.promoted: dict[int, Connection] = {}
         self._ids = itertools.count(1)
+        # The engine's reactor threads: connection `id` starts on thread `id % threads`
+        # (and may move to the thread its deliveries come from).
+        self._threads = max(1, getattr(engine, "io_threads", 1))
         # Connections to promote when they are quiet: conn -> (when to look, delay).
         self._candidates: dict[Connection, tuple[float, float]] = {}
         self._then: dict[int, tuple[Closing, trio.Nursery | None]] = {}  # after release
@@ -137,8 +140,8 @@ class Handover:
         conn.native = conn_id
         conn.fd = conn.out.fd = -1  # the engine's now: nothing here writes or closes it
         self.promoted[conn_id] = conn
-        log.debug("client %r (%s) promoted to the native plane (%d subscriptions)",
-                  s.client_id, conn.peer, len(subs))
+        log.debug("client %r (%s) promoted to the native plane (%d subscriptions), "
+                  "thread %d", s.client_id, conn.peer, len(subs), conn_id % self._threads)
         return True
 
     def _look(self) -> float:

@@ -265,6 +265,11 @@ impl Engine {
         self.reactor.send(command);
     }
 
+    /// The reactor threads (connection `conn` starts on thread `conn % io_threads`).
+    pub fn io_threads(&self) -> usize {
+        self.reactor.threads()
+    }
+
     /// A descriptor that is readable while demotions wait for `take_reports` (the
     /// owner reads it empty, non-blocking, then takes them).
     pub fn wake_fd(&self) -> RawFd {
@@ -770,6 +775,7 @@ impl Inner {
                         retain: false,
                         source: (0, d.phys_offset),
                         positions: t.positions,
+                        from_lane: crate::reactor::current_lane(),
                     },
                 });
             }

@@ -113,8 +113,16 @@ mod tests {
         assert_eq!(
             got.runs,
             vec![
-                Run { queue: "a/b".into(), first: 4, entries: [entry(0), entry(30)].concat() },
-                Run { queue: "a#0".into(), first: 10, entries: [entry(0), entry(60)].concat() },
+                Run {
+                    queue: "a/b".into(),
+                    first: 4,
+                    entries: [entry(0), entry(30)].concat()
+                },
+                Run {
+                    queue: "a#0".into(),
+                    first: 10,
+                    entries: [entry(0), entry(60)].concat()
+                },
             ]
         );
         assert!(got.keys.is_empty());

@@ -722,6 +722,12 @@ impl PyEngine {
         Ok(self.engine()?.write_pos())
     }
 
+    /// The reactor threads (connection `conn` starts on thread `conn % io_threads`).
+    #[getter]
+    fn io_threads(&self) -> PyResult<usize> {
+        Ok(self.engine()?.io_threads())
+    }
+
     /// Stop the reactors (their sockets close) and make the log durable: its end.
     /// What was appended and not taken yet stays for `take_runs`.
     fn stop(&mut self, py: Python<'_>) -> PyResult<u64> {

@@ -11,11 +11,12 @@
 //! reading it, waits until every publish it took is answered, and hands the socket, the
 //! unread bytes, the unsent bytes and what is in flight to the owner.
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
@@ -31,6 +32,30 @@ const READ_SIZE: usize = 64 * 1024;
 /// handed back), as Python's read budget does. Without it a client that sends faster
 /// than the loop reads, and never reads, grows its answers without bound.
 const READ_PASS: usize = 4 * READ_SIZE;
+
+/// A connection that gets this many deliveries in a row from one other thread, while
+/// both threads are lightly loaded, moves there (its state, socket and waiting commands
+/// go over whole): a message read on one thread and written on another costs a wake-up
+/// of the second, which at a few thousand messages a second was a third of the CPU per
+/// message.
+pub const MOVE_AFTER: u32 = 64;
+/// Busy below this (per mille of the last second) is lightly loaded: under load, work
+/// spread over the threads is worth more than the wake-ups it costs.
+pub const LIGHT_LOAD: u32 = 250;
+/// Seconds a connection stays on its thread before it may move (bounds the moves of a
+/// connection whose traffic comes from one thread, then another).
+pub const MOVE_SETTLE_S: f64 = 1.0;
+
+thread_local! {
+    /// The reactor thread this is (its lane), or None outside the reactors.
+    static LANE: Cell<Option<usize>> = const { Cell::new(None) };
+}
+
+/// The reactor thread the caller runs on, if it is one: a delivery says where it came
+/// from.
+pub fn current_lane() -> Option<usize> {
+    LANE.with(|l| l.get())
+}
 
 /// A publish a connection made, to be appended; `ticket` is answered with
 /// `Command::PublishDone` (QoS 1).
@@ -128,6 +153,8 @@ pub struct Delivery {
     /// The connection's queues this message is in, with its offset in each: sent (or
     /// dropped as too large), it moves each one's position past it.
     pub positions: Positions,
+    /// The reactor thread whose publish this is (`current_lane`), or None.
+    pub from_lane: Option<usize>,
 }
 
 /// What an adopted connection resumes with (the Python core's state at the handover).
@@ -150,6 +177,8 @@ pub struct Counters {
     pub adopted: AtomicU64,
     pub demoted: AtomicU64,
     pub connections: AtomicU64,
+    /// Connections moved to the thread their deliveries come from.
+    pub moved: AtomicU64,
 }
 
 impl Counters {
@@ -169,6 +198,7 @@ impl Counters {
             ("adopted", get(&self.adopted)),
             ("demoted", get(&self.demoted)),
             ("connections", get(&self.connections)),
+            ("moved", get(&self.moved)),
         ]
     }
 }
@@ -203,7 +233,16 @@ pub enum Command {
         conn: u64,
         delivery: Delivery,
     },
+    /// A connection moving in from another thread, with the commands it had waiting
+    /// there (applied first, in order).
+    Arrive(Migrant),
     Stop,
+}
+
+/// A connection on its way between threads.
+pub struct Migrant {
+    conn: Box<Conn>,
+    waiting: Vec<Command>,
 }
 
 impl Command {
@@ -213,6 +252,7 @@ impl Command {
             | Command::Release { conn }
             | Command::PublishDone { conn, .. }
             | Command::Deliver { conn, .. } => *conn,
+            Command::Arrive(m) => m.conn.id,
             Command::Stop => 0,
         }
     }
@@ -221,6 +261,8 @@ impl Command {
 struct Lane {
     commands: Mutex<Vec<Command>>,
     waker: Waker,
+    /// How busy its thread was over the last second, per mille.
+    busy: AtomicU32,
     /// The lane's own thread: what it sends itself (the deliveries of a publish it just
     /// read) needs no wake-up, as it applies its commands again before it writes.
     thread: OnceLock<ThreadId>,
@@ -234,7 +276,8 @@ impl Lane {
     }
 }
 
-/// The running reactors; a connection lives on thread `conn % N`.
+/// The running reactors; a connection lives on thread `conn % N` unless it moved
+/// (`Handle::routes`).
 pub struct Reactor {
     handle: Handle,
     threads: Vec<JoinHandle<()>>,
@@ -245,11 +288,19 @@ pub struct Reactor {
 pub struct Handle {
     lanes: Vec<Arc<Lane>>,
     counters: Arc<Counters>,
+    /// The threads of connections that moved. A command is queued under its read lock,
+    /// a move switches a route under its write lock: then no command for the moving
+    /// connection is on its way to the old thread, and every later one queues behind
+    /// the connection's arrival on the new one.
+    routes: Arc<RwLock<HashMap<u64, usize>>>,
 }
 
 impl Handle {
-    fn lane(&self, conn: u64) -> &Lane {
-        &self.lanes[(conn % self.lanes.len() as u64) as usize]
+    fn index(&self, routes: &HashMap<u64, usize>, conn: u64) -> usize {
+        match routes.get(&conn) {
+            Some(&lane) => lane,
+            None => (conn % self.lanes.len() as u64) as usize,
+        }
     }
 
     pub fn counters(&self) -> &Counters {
@@ -257,10 +308,14 @@ impl Handle {
     }
 
     pub fn send(&self, command: Command) {
-        let lane = self.lane(command.conn());
+        let Ok(routes) = self.routes.read() else {
+            return;
+        };
+        let lane = &self.lanes[self.index(&routes, command.conn())];
         if let Ok(mut queue) = lane.commands.lock() {
             queue.push(command);
         }
+        drop(routes);
         lane.wake();
     }
 
@@ -268,9 +323,13 @@ impl Handle {
     pub fn send_many(&self, commands: Vec<Command>) {
         let n = self.lanes.len();
         let mut per_lane: Vec<Vec<Command>> = (0..n).map(|_| Vec::new()).collect();
+        let Ok(routes) = self.routes.read() else {
+            return;
+        };
         for c in commands {
-            per_lane[(c.conn() % n as u64) as usize].push(c);
+            per_lane[self.index(&routes, c.conn())].push(c);
         }
+        let mut woken = Vec::new();
         for (lane, batch) in self.lanes.iter().zip(per_lane) {
             if batch.is_empty() {
                 continue;
@@ -278,6 +337,10 @@ impl Handle {
             if let Ok(mut queue) = lane.commands.lock() {
                 queue.extend(batch);
             }
+            woken.push(lane);
+        }
+        drop(routes);
+        for lane in woken {
             lane.wake();
         }
     }
@@ -297,33 +360,49 @@ impl Reactor {
         let mut lanes = Vec::new();
         let mut handles = Vec::new();
         let counters = Arc::new(Counters::default());
-        for i in 0..threads.max(1) {
+        let mut polls = Vec::new();
+        let routes = Arc::new(RwLock::new(HashMap::new()));
+        // One clock for all: a connection's deadlines go with it when it moves.
+        let epoch = Instant::now();
+        for _ in 0..threads.max(1) {
             let poll = Poll::new()?;
             let waker = Waker::new(poll.registry(), WAKER)?;
-            let lane = Arc::new(Lane {
+            lanes.push(Arc::new(Lane {
                 commands: Mutex::new(Vec::new()),
                 waker,
+                busy: AtomicU32::new(0),
                 thread: OnceLock::new(),
-            });
+            }));
+            polls.push(poll);
+        }
+        for (i, poll) in polls.into_iter().enumerate() {
             let mut worker = Worker {
                 poll,
-                lane: Arc::clone(&lane),
+                index: i,
+                lanes: lanes.clone(),
+                routes: Arc::clone(&routes),
+                moves: Vec::new(),
+                busy: Duration::ZERO,
+                busy_since: Instant::now(),
                 sink: Arc::clone(&sink),
                 counters: Arc::clone(&counters),
                 conns: HashMap::new(),
                 tokens: HashMap::new(),
                 next_token: 0,
-                epoch: Instant::now(),
+                epoch,
                 again: Vec::new(),
             };
             let handle = std::thread::Builder::new()
                 .name(format!("lightgate-io-{i}"))
                 .spawn(move || worker.run())?;
-            lanes.push(lane);
             handles.push(handle);
         }
         Ok(Reactor {
-            handle: Handle { lanes, counters },
+            handle: Handle {
+                lanes,
+                counters,
+                routes,
+            },
             threads: handles,
         })
     }
@@ -372,11 +451,24 @@ struct Conn {
     acl: Option<HashSet<String>>,
     demoting: Option<Why>,
     writing: bool,
+    /// The other thread its last deliveries came from, how many in a row, and when it
+    /// was adopted (`Why::Move`).
+    streak_lane: usize,
+    streak: u32,
+    adopted_at: f64,
 }
 
 struct Worker {
     poll: Poll,
-    lane: Arc<Lane>,
+    /// This thread's lane, and all of them (how busy the others are).
+    index: usize,
+    lanes: Vec<Arc<Lane>>,
+    routes: Arc<RwLock<HashMap<u64, usize>>>,
+    /// Connections to move after this pass: (token, thread).
+    moves: Vec<(Token, usize)>,
+    /// Time spent in passes since `busy_since`.
+    busy: Duration,
+    busy_since: Instant,
     sink: Arc<dyn Sink>,
     counters: Arc<Counters>,
     conns: HashMap<Token, Conn>,
@@ -393,8 +485,58 @@ impl Worker {
         self.epoch.elapsed().as_secs_f64()
     }
 
+    fn lane(&self) -> &Lane {
+        &self.lanes[self.index]
+    }
+
+    /// Count a pass's time; once a second, publish how busy the thread was.
+    fn account(&mut self, pass: Duration) {
+        self.busy += pass;
+        let window = self.busy_since.elapsed();
+        if window >= Duration::from_secs(1) {
+            let permille = (self.busy.as_secs_f64() / window.as_secs_f64() * 1000.0) as u32;
+            self.lane()
+                .busy
+                .store(permille.min(1000), Ordering::Relaxed);
+            self.busy = Duration::ZERO;
+            self.busy_since = Instant::now();
+        }
+    }
+
+    /// A delivery from thread `from` reached `c` on thread `index`: the thread `c`
+    /// should move to, if any.
+    fn should_move(
+        index: usize,
+        lanes: &[Arc<Lane>],
+        c: &mut Conn,
+        from: Option<usize>,
+        now: f64,
+    ) -> Option<usize> {
+        let from = from?;
+        if from == index {
+            c.streak = 0;
+            return None;
+        }
+        if c.streak_lane != from {
+            c.streak_lane = from;
+            c.streak = 0;
+        }
+        c.streak = c.streak.saturating_add(1);
+        let light = |lane: usize| {
+            lanes
+                .get(lane)
+                .is_some_and(|l| l.busy.load(Ordering::Relaxed) < LIGHT_LOAD)
+        };
+        (c.streak >= MOVE_AFTER
+            && now - c.adopted_at >= MOVE_SETTLE_S
+            && light(index)
+            && light(from))
+        .then_some(from)
+    }
+
     fn run(&mut self) {
-        let _ = self.lane.thread.set(std::thread::current().id());
+        let _ = self.lane().thread.set(std::thread::current().id());
+        LANE.with(|l| l.set(Some(self.index)));
         let mut events = Events::with_capacity(512);
         let mut buf = vec![0u8; READ_SIZE];
         loop {
@@ -408,6 +550,7 @@ impl Worker {
                     return;
                 }
             }
+            let pass = Instant::now();
             let mut published = Vec::new();
             let mut touched = std::mem::take(&mut self.again);
             for &token in &touched {
@@ -441,6 +584,10 @@ impl Worker {
             for token in touched {
                 self.flush(token);
             }
+            if !self.moves.is_empty() {
+                self.migrate();
+            }
+            self.account(pass.elapsed());
         }
     }
 
@@ -574,13 +721,30 @@ impl Worker {
 
     /// Apply the owner's commands; false when told to stop.
     fn commands(&mut self, touched: &mut Vec<Token>, published: &mut Vec<Inbound>) -> bool {
-        let commands = match self.lane.commands.lock() {
+        let commands = match self.lane().commands.lock() {
             Ok(mut queue) => std::mem::take(&mut *queue),
             Err(_) => return false,
         };
-        for command in commands {
+        commands
+            .into_iter()
+            .all(|command| self.apply(command, touched, published))
+    }
+
+    /// One command; false when told to stop.
+    fn apply(
+        &mut self,
+        command: Command,
+        touched: &mut Vec<Token>,
+        published: &mut Vec<Inbound>,
+    ) -> bool {
+        {
             match command {
                 Command::Stop => return false,
+                Command::Arrive(m) => {
+                    if let Some(token) = self.arrive(m, touched, published) {
+                        touched.push(token);
+                    }
+                }
                 Command::Adopt {
                     conn,
                     socket,
@@ -630,8 +794,15 @@ impl Worker {
                     }
                 }
                 Command::Deliver { conn, delivery } => {
+                    let now = self.now();
                     if let Some(&token) = self.tokens.get(&conn) {
                         if let Some(c) = self.conns.get_mut(&token) {
+                            let (index, lanes) = (self.index, &self.lanes);
+                            if let Some(to) =
+                                Self::should_move(index, lanes, c, delivery.from_lane, now)
+                            {
+                                self.moves.push((token, to));
+                            }
                             c.held_bytes += delivery.payload.len();
                             c.held.push_back(delivery);
                             Self::send_held(c, &self.counters);
@@ -642,6 +813,87 @@ impl Worker {
             }
         }
         true
+    }
+
+    /// A connection moving in: watched here, then what waited for it on its old thread.
+    fn arrive(
+        &mut self,
+        m: Migrant,
+        touched: &mut Vec<Token>,
+        published: &mut Vec<Inbound>,
+    ) -> Option<Token> {
+        let Migrant { mut conn, waiting } = m;
+        let token = Token(self.next_token);
+        self.next_token = (self.next_token + 1) % (usize::MAX - 1);
+        let interest = if conn.unsent.is_empty() {
+            Interest::READABLE
+        } else {
+            Interest::READABLE | Interest::WRITABLE
+        };
+        if let Err(e) = self
+            .poll
+            .registry()
+            .register(&mut conn.stream, token, interest)
+        {
+            // Not watched: handed back to the owner, as an adoption that failed is.
+            conn.demoting = Some(Why::Lost(format!("not moved: {e}")));
+            self.report_demoted(*conn);
+            return None;
+        }
+        conn.streak = 0;
+        conn.adopted_at = self.now();
+        self.tokens.insert(conn.id, token);
+        self.conns.insert(token, *conn);
+        for command in waiting {
+            self.apply(command, touched, published);
+        }
+        Some(token)
+    }
+
+    /// Move the connections this pass chose to the threads their deliveries come from.
+    fn migrate(&mut self) {
+        for (token, to) in std::mem::take(&mut self.moves) {
+            let Some(c) = self.conns.get(&token) else {
+                continue;
+            };
+            if c.demoting.is_some() || to >= self.lanes.len() || to == self.index {
+                continue;
+            }
+            let Some(mut c) = self.conns.remove(&token) else {
+                continue;
+            };
+            self.tokens.remove(&c.id);
+            let _ = self.poll.registry().deregister(&mut c.stream);
+            let Ok(mut routes) = self.routes.write() else {
+                return;
+            };
+            // Under the write lock nothing is on its way here for it: what waits here
+            // goes along, and what comes later queues behind its arrival there.
+            let waiting = match self.lanes[self.index].commands.lock() {
+                Ok(mut queue) => {
+                    let (mine, rest) = std::mem::take(&mut *queue)
+                        .into_iter()
+                        .partition(|cmd| !matches!(cmd, Command::Stop) && cmd.conn() == c.id);
+                    *queue = rest;
+                    mine
+                }
+                Err(_) => Vec::new(),
+            };
+            if to as u64 == c.id % self.lanes.len() as u64 {
+                routes.remove(&c.id);
+            } else {
+                routes.insert(c.id, to);
+            }
+            if let Ok(mut queue) = self.lanes[to].commands.lock() {
+                queue.push(Command::Arrive(Migrant {
+                    conn: Box::new(c),
+                    waiting,
+                }));
+            }
+            drop(routes);
+            Counters::add(&self.counters.moved, 1);
+            self.lanes[to].wake();
+        }
     }
 
     fn adopt(
@@ -686,6 +938,9 @@ impl Worker {
             acl: a.acl,
             demoting: None,
             writing: false,
+            streak_lane: self.index,
+            streak: 0,
+            adopted_at: self.now(),
         };
         if let Err(e) = registered {
             // Not watched: handed straight back, so the owner's state never waits on it.
@@ -792,6 +1047,11 @@ impl Worker {
     }
 
     fn report_demoted(&mut self, mut c: Conn) {
+        if c.id % self.lanes.len() as u64 != self.index as u64 {
+            if let Ok(mut routes) = self.routes.write() {
+                routes.remove(&c.id); // it moved here once: its route goes with it
+            }
+        }
         let why = c.demoting.take().unwrap_or(Why::Packet);
         let idle_for = (self.now() - c.core.read_at()).max(0.0);
         Counters::add(&self.counters.demoted, 1);

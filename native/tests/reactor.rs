@@ -146,6 +146,7 @@ fn publish_ack_ping_deliver_and_hand_back() {
                 retain: false,
                 source: (1, u64::from(i)),
                 positions: vec![("c".into(), 10 + u64::from(i))],
+                from_lane: None,
             },
         });
     }
@@ -246,6 +247,7 @@ fn release_hands_back_with_held_deliveries_left_to_the_owner() {
                 retain: false,
                 source: (0, u64::from(i)),
                 positions: vec![("q".into(), u64::from(i)), ("q/#".into(), 7 + u64::from(i))],
+                from_lane: None,
             },
         });
     }
@@ -319,6 +321,7 @@ fn budgets_hand_a_connection_back() {
                 retain: false,
                 source: (0, i),
                 positions: vec![("big".into(), i)],
+                from_lane: None,
             },
         });
     }
@@ -326,5 +329,79 @@ fn budgets_hand_a_connection_back() {
     assert_eq!(back.why, Why::Backlog);
     let sent = back.positions.get("big").copied().unwrap_or(0);
     assert!(sent < 200, "stopped well before the end: {sent}");
+    reactor.stop();
+}
+
+fn qos0(i: u32, from_lane: Option<usize>) -> Command {
+    Command::Deliver {
+        conn: 1,
+        delivery: Delivery {
+            topic: "m".into(),
+            payload: i.to_be_bytes().to_vec().into(),
+            qos: 0,
+            retain: false,
+            source: (0, u64::from(i)),
+            positions: vec![("m".into(), u64::from(i))],
+            from_lane,
+        },
+    }
+}
+
+#[test]
+fn deliveries_from_one_other_thread_at_light_load_move_the_connection_there() {
+    use lightgate_native::reactor::{MOVE_AFTER, MOVE_SETTLE_S};
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(2, sink.clone()).unwrap();
+    let (mut client, socket) = pair();
+    adopt(&reactor, 1, socket, 0); // conn 1: thread 1
+    let moved = || {
+        let counters = reactor.handle().counters().snapshot();
+        counters.iter().find(|(n, _)| *n == "moved").unwrap().1
+    };
+    // From its own thread, from nowhere (Python), or alternating: it stays.
+    let mut i = 0;
+    for from in [Some(1), None, Some(0), Some(1)]
+        .into_iter()
+        .cycle()
+        .take(400)
+    {
+        reactor.send(qos0(i, from));
+        i += 1;
+    }
+    std::thread::sleep(Duration::from_secs_f64(MOVE_SETTLE_S + 0.1));
+    // Settled, then a run from thread 0: it moves there at the limit, once; what is
+    // sent after goes to it there.
+    for _ in 0..MOVE_AFTER * 3 {
+        reactor.send(qos0(i, Some(0)));
+        i += 1;
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while moved() == 0 {
+        assert!(Instant::now() < deadline, "never moved");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for _ in 0..100 {
+        reactor.send(qos0(i, Some(0)));
+        i += 1;
+    }
+    // Everything arrives once, in order, across the move; it is still carried.
+    let every = read_exact(&mut client, 9 * i as usize);
+    let expected: Vec<u8> = (0..i)
+        .flat_map(|n| {
+            let mut p = vec![0x30, 7, 0, 1, b'm'];
+            p.extend_from_slice(&n.to_be_bytes());
+            p
+        })
+        .collect();
+    assert!(
+        every == expected,
+        "lost, repeated or reordered across the move"
+    );
+    assert_eq!(moved(), 1);
+    reactor.send(Command::Release { conn: 1 });
+    let back = take_demoted(&sink, 1);
+    assert_eq!(back.why, Why::Released);
+    assert_eq!(back.positions.get("m"), Some(&u64::from(i)));
+    assert!(sink.reports.lock().unwrap().is_empty());
     reactor.stop();
 }
