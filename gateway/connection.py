@@ -95,7 +95,8 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         self._scopes: set[trio.CancelScope] | None = None  # the lane's, delivery's, writer's
         self.delivery: Delivery | None = None
         self.native: int | None = None  # promoted: its id in the engine (gateway.handover)
-        self.native_topics: set[str] | None = set() if broker.handover is not None else None
+        # What it may publish to natively (gateway.handover), made on its first publish.
+        self.native_topics: set[str] | None = None
 
     # -- what the broker and the listeners see ---------------------------------------
     @property
@@ -147,7 +148,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         auth, handover = self.broker.auth, self.broker.handover
         self._auth_cache = None
         if handover is not None:  # what the native side may publish to is decided anew
-            self.native_topics = set()
+            self.native_topics = None
             handover.rights_changed(self)
         # A hook-decided client's deliveries are asked of the hook instead (awaited: in
         # the delivery task).
@@ -211,8 +212,11 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         except Exception as exc:  # noqa: BLE001 - each becomes a Closing
             self.close(self._closing_for(exc))
         finally:
-            if self._scopes is not None:
-                self._scopes.discard(scope)
+            scopes = self._scopes
+            if scopes is not None:
+                scopes.discard(scope)
+                if not scopes:
+                    self._scopes = None  # an idle connection holds no empty set
 
     def _closing_for(self, exc: BaseException) -> Closing:
         """Why this connection ends, from what ended it. An error that is no client's
@@ -305,6 +309,8 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
                     await trio.lowlevel.checkpoint()
         finally:
             self._lane_busy = False
+            if not lane:
+                self._lane = None  # drained: an idle connection holds no empty deque
             if not self._closed:
                 self._resume()
 

@@ -209,6 +209,9 @@ class Session:
             self._outgoing = OrderedDict()
         return self._outgoing
 
+    def in_flight(self) -> int:
+        return 0 if self._outgoing is None else len(self._outgoing)
+
     @property
     def incoming_qos2(self) -> set[int]:
         if self._incoming_qos2 is None:

@@ -37,7 +37,7 @@ class Handback:
         nothing in flight or in the outbox, no partial packet, no credentials' end."""
         return (self.phase == CONNECTED and self.closed_by is None and not self._answers
                 and not self._inbound_unacked and not self._inbound_qos2 and not self._out
-                and self.flows is not None and not self.flows.outgoing
+                and self.flows is not None and not self.flows.in_flight()
                 and not self.decoder.buffered and self.expires_at is None
                 and not self._reauth and not self.exchanging)
 
