@@ -379,7 +379,9 @@ struct Worker {
     lane: Arc<Lane>,
     sink: Arc<dyn Sink>,
     counters: Arc<Counters>,
-    conns: HashMap<Token, Conn>,
+    /// Boxed: a map grows by doubling, and a table of whole `Conn`s had up to half its
+    /// slots (each a `Conn`'s size) empty; a box costs one `Conn` a connection.
+    conns: HashMap<Token, Box<Conn>>,
     tokens: HashMap<u64, Token>,
     next_token: usize,
     epoch: Instant,
@@ -711,7 +713,7 @@ impl Worker {
             );
         }
         self.tokens.insert(conn, token);
-        self.conns.insert(token, c);
+        self.conns.insert(token, Box::new(c));
         Some(token)
     }
 
@@ -788,7 +790,7 @@ impl Worker {
         };
         self.tokens.remove(&c.id);
         let _ = self.poll.registry().deregister(&mut c.stream);
-        self.report_demoted(c);
+        self.report_demoted(*c);
     }
 
     fn report_demoted(&mut self, mut c: Conn) {
