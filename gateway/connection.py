@@ -137,10 +137,11 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
     def drain_now(self, queue: str) -> bool:
         """`queue` grew: deliver from it, right here when it can (gateway.delivery).
         False before CONNACK, when nothing delivers yet: the session keeps the news."""
+        if self.native is not None:
+            return True  # the engine delivers it
         if self.delivery is None:
             return False
-        if self.native is None:  # else the engine delivers it
-            self.delivery.notify(queue)
+        self.delivery.notify(queue)
         return True
 
     def auth_changed(self) -> None:
@@ -418,6 +419,25 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
                     rules.min_drain, rules.timeout)
         self.broker.stats.stuck_disconnects += 1
         self.close(Closing("connection lost while writing"))
+
+    # -- carried by the native plane (gateway.handover) ---------------------------------
+    def park(self) -> None:
+        """The engine has the socket and delivers: the output, the delivery, the decoder
+        and the outbox, which only reading, writing and delivering here use, are let go
+        until `unpark` (idle devices are most of a gateway's connections, and the native
+        plane carries most of those)."""
+        self.fd = -1  # the engine's now: nothing here writes or closes it
+        self.out = None  # type: ignore[assignment]
+        self.delivery = None
+        self.core.park()
+
+    def unpark(self, fd: int) -> None:
+        """The socket is Python's again (before the core's `handed_back`). Its output
+        starts empty (the engine hands back what the socket had not taken), and so does
+        its delivery (the positions come back with the socket)."""
+        self.fd = fd
+        self.out = Output(self, fd, self.stream, self.broker.write_rules, self.broker.stats)
+        self.delivery = Delivery(self)
 
     # -- timers -------------------------------------------------------------------------
     @property
