@@ -11,7 +11,7 @@
 //! reading it, waits until every publish it took is answered, and hands the socket, the
 //! unread bytes, the unsent bytes and what is in flight to the owner.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -368,8 +368,10 @@ struct Conn {
     /// Payload bytes in `held`: past the budget, the connection is handed back.
     held_bytes: usize,
     max_unsent: usize,
-    positions: HashMap<Arc<str>, u64>,
-    acl: Option<HashSet<String>>,
+    // B-trees: empty (an idle connection's), each is half a hash map's size; they hold
+    // a connection's few queues and (at most 1,024) topics.
+    positions: BTreeMap<Arc<str>, u64>,
+    acl: Option<BTreeSet<String>>,
     demoting: Option<Why>,
     writing: bool,
 }
@@ -684,8 +686,8 @@ impl Worker {
             } else {
                 a.max_unsent
             },
-            positions: HashMap::new(),
-            acl: a.acl,
+            positions: BTreeMap::new(),
+            acl: a.acl.map(|topics| topics.into_iter().collect()),
             demoting: None,
             writing: false,
         };
@@ -693,7 +695,7 @@ impl Worker {
             // Not watched: handed straight back, so the owner's state never waits on it.
             c.demoting = Some(Why::Lost(format!("not adopted: {e}")));
             c.core.restore(
-                c.core.aliases_in().clone(),
+                c.core.aliases_in(),
                 c.core.next_packet_id(),
                 BTreeMap::new(),
                 a.unread,
@@ -805,9 +807,9 @@ impl Worker {
             unsent: std::mem::take(&mut c.unsent),
             outgoing: c.core.outgoing().clone(),
             next_packet_id: c.core.next_packet_id(),
-            aliases_in: c.core.aliases_in().clone(),
+            aliases_in: c.core.aliases_in(),
             held: c.held.drain(..).collect(),
-            positions: std::mem::take(&mut c.positions),
+            positions: std::mem::take(&mut c.positions).into_iter().collect(),
             idle_for,
             socket: OwnedFd::from(c.stream),
         };
