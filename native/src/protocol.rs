@@ -467,7 +467,10 @@ impl Connection {
     }
 
     pub fn aliases_in(&self) -> HashMap<u16, String> {
-        self.aliases_in.iter().map(|(k, v)| (*k, v.clone())).collect()
+        self.aliases_in
+            .iter()
+            .map(|(k, v)| (*k, v.clone()))
+            .collect()
     }
 }
 

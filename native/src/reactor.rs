@@ -363,10 +363,8 @@ struct Conn {
     client_id: Arc<str>,
     stream: TcpStream,
     core: Connection,
-    unsent: Vec<u8>,
-    held: VecDeque<Delivery>,
-    /// Payload bytes in `held`: past the budget, the connection is handed back.
-    held_bytes: usize,
+    /// None while nothing waits for the client (an idle connection's case).
+    backlog: Option<Box<Backlog>>,
     max_unsent: usize,
     // B-trees: empty (an idle connection's), each is half a hash map's size; they hold
     // a connection's few queues and (at most 1,024) topics.
@@ -374,6 +372,44 @@ struct Conn {
     acl: Option<BTreeSet<String>>,
     demoting: Option<Why>,
     writing: bool,
+}
+
+/// What waits for a client that does not take it as fast as it comes: made when the
+/// first byte or delivery has to wait, dropped once all of it went out, so that a
+/// connection that fell behind once keeps no buffers.
+#[derive(Default)]
+struct Backlog {
+    /// Bytes the socket did not take yet: written before anything else.
+    unsent: Vec<u8>,
+    /// Deliveries waiting for the client's window.
+    held: VecDeque<Delivery>,
+    /// Payload bytes in `held`: past the budget, the connection is handed back.
+    held_bytes: usize,
+}
+
+impl Conn {
+    fn backlog(&mut self) -> &mut Backlog {
+        self.backlog.get_or_insert_with(Box::default)
+    }
+
+    fn unsent(&self) -> usize {
+        self.backlog.as_ref().map_or(0, |b| b.unsent.len())
+    }
+
+    fn held_bytes(&self) -> usize {
+        self.backlog.as_ref().map_or(0, |b| b.held_bytes)
+    }
+
+    /// Let the backlog's buffers go once they are empty.
+    fn settle(&mut self) {
+        if let Some(b) = self.backlog.as_mut() {
+            if b.held.is_empty() && b.unsent.is_empty() {
+                self.backlog = None;
+            } else if b.unsent.is_empty() {
+                b.unsent = Vec::new();
+            }
+        }
+    }
 }
 
 struct Worker {
@@ -555,24 +591,35 @@ impl Worker {
             // what went out and the owner delivers the rest, in order.
             return;
         }
-        while let Some(d) = c.held.front() {
+        let Some(backlog) = c.backlog.as_mut() else {
+            return;
+        };
+        while let Some(d) = backlog.held.front() {
             if d.qos > 0 && c.core.window() == 0 {
                 break;
             }
-            let d = c.held.pop_front().expect("front exists");
-            c.held_bytes -= d.payload.len();
-            // A delivery the client cannot take (too large) is dropped, as in Python.
-            match c
-                .core
-                .deliver(&d.topic, &d.payload, d.qos, d.retain, d.source)
-            {
-                Ok(_) => Counters::add(&counters.messages_out, 1),
-                Err(_) => Counters::add(&counters.dropped, 1),
-            }
-            for (queue, offset) in d.positions {
-                let next = c.positions.entry(queue).or_insert(0);
-                *next = (*next).max(offset + 1);
-            }
+            let d = backlog.held.pop_front().expect("front exists");
+            backlog.held_bytes -= d.payload.len();
+            Self::send(&mut c.core, &mut c.positions, d, counters);
+        }
+        c.settle();
+    }
+
+    /// One delivery into the client's output, its queues' positions past it.
+    fn send(
+        core: &mut Connection,
+        positions: &mut BTreeMap<Arc<str>, u64>,
+        d: Delivery,
+        counters: &Counters,
+    ) {
+        // A delivery the client cannot take (too large) is dropped, as in Python.
+        match core.deliver(&d.topic, &d.payload, d.qos, d.retain, d.source) {
+            Ok(_) => Counters::add(&counters.messages_out, 1),
+            Err(_) => Counters::add(&counters.dropped, 1),
+        }
+        for (queue, offset) in d.positions {
+            let next = positions.entry(queue).or_insert(0);
+            *next = (*next).max(offset + 1);
         }
     }
 
@@ -636,9 +683,18 @@ impl Worker {
                 Command::Deliver { conn, delivery } => {
                     if let Some(&token) = self.tokens.get(&conn) {
                         if let Some(c) = self.conns.get_mut(&token) {
-                            c.held_bytes += delivery.payload.len();
-                            c.held.push_back(delivery);
-                            Self::send_held(c, &self.counters);
+                            if c.backlog.is_none()
+                                && c.demoting.is_none()
+                                && (delivery.qos == 0 || c.core.window() > 0)
+                            {
+                                // Nothing waits before it: straight out, no backlog made.
+                                Self::send(&mut c.core, &mut c.positions, delivery, &self.counters);
+                            } else {
+                                let backlog = c.backlog();
+                                backlog.held_bytes += delivery.payload.len();
+                                backlog.held.push_back(delivery);
+                                Self::send_held(c, &self.counters);
+                            }
                             touched.push(token);
                         }
                     }
@@ -678,9 +734,7 @@ impl Worker {
             client_id,
             stream,
             core,
-            unsent: Vec::new(),
-            held: VecDeque::new(),
-            held_bytes: 0,
+            backlog: None,
             max_unsent: if a.max_unsent == 0 {
                 BACKLOG_BUDGET
             } else {
@@ -735,11 +789,13 @@ impl Worker {
         };
         let out = c.core.take_output();
         if !out.is_empty() {
-            if c.unsent.is_empty() {
+            if c.unsent() == 0 {
                 match write_some(&mut c.stream, &out) {
                     Ok(n) => {
                         Counters::add(&self.counters.bytes_out, n as u64);
-                        c.unsent.extend_from_slice(&out[n..]);
+                        if n < out.len() {
+                            c.backlog().unsent.extend_from_slice(&out[n..]);
+                        }
                     }
                     Err(e) => {
                         c.demoting.get_or_insert(Why::Lost(format!(
@@ -748,24 +804,25 @@ impl Worker {
                     }
                 }
             } else {
-                c.unsent.extend_from_slice(&out);
+                c.backlog().unsent.extend_from_slice(&out);
             }
-        } else if !c.unsent.is_empty() {
-            match write_some(&mut c.stream, &c.unsent) {
+        } else if let Some(b) = c.backlog.as_mut().filter(|b| !b.unsent.is_empty()) {
+            match write_some(&mut c.stream, &b.unsent) {
                 Ok(n) => {
                     Counters::add(&self.counters.bytes_out, n as u64);
-                    c.unsent.drain(..n);
+                    b.unsent.drain(..n);
                 }
                 Err(e) => {
                     c.demoting
                         .get_or_insert(Why::Lost(format!("connection lost while writing: {e}")));
                 }
             }
+            c.settle();
         }
-        if c.unsent.len() > c.max_unsent || c.held_bytes > c.max_unsent {
+        if c.unsent() > c.max_unsent || c.held_bytes() > c.max_unsent {
             c.demoting.get_or_insert(Why::Backlog);
         }
-        let want_write = !c.unsent.is_empty();
+        let want_write = c.unsent() > 0;
         if c.demoting.is_some() && c.core.answers_pending() == 0 {
             self.demote(token);
             return;
@@ -798,17 +855,18 @@ impl Worker {
     fn report_demoted(&mut self, mut c: Conn) {
         let why = c.demoting.take().unwrap_or(Why::Packet);
         let idle_for = (self.now() - c.core.read_at()).max(0.0);
+        let backlog = c.backlog.take().map(|b| *b).unwrap_or_default();
         Counters::add(&self.counters.demoted, 1);
         self.counters.connections.fetch_sub(1, Ordering::Relaxed);
         let report = Demoted {
             conn: c.id,
             why,
             unread: c.core.unread().to_vec(),
-            unsent: std::mem::take(&mut c.unsent),
+            unsent: backlog.unsent,
             outgoing: c.core.outgoing().clone(),
             next_packet_id: c.core.next_packet_id(),
             aliases_in: c.core.aliases_in(),
-            held: c.held.drain(..).collect(),
+            held: backlog.held.into(),
             positions: std::mem::take(&mut c.positions).into_iter().collect(),
             idle_for,
             socket: OwnedFd::from(c.stream),
