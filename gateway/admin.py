@@ -55,7 +55,7 @@ def _client_row(s: Session) -> dict[str, Any]:
         "persistent": s.persistent,
         "expiry": s.expiry,
         "subscriptions": len(s.subscriptions),
-        "inflight": len(s.outgoing),
+        "inflight": s.in_flight(),
         "keepalive": conn.keepalive if conn is not None else None,
         "connected_since": conn.connected_at if conn is not None else None,
         "disconnected_at": s.disconnected_at,
@@ -443,7 +443,7 @@ class GatewayApi:
             "time": time.time(), "uptime": time.time() - st.started,
             "connections": st.connections, "sessions": len(sessions),
             "subscriptions": sum(len(s.subscriptions) for s in sessions),
-            "inflight": sum(len(s.outgoing) for s in sessions),
+            "inflight": sum(s.in_flight() for s in sessions),
             **st.totals(), "dropped": st.dropped,
             "expired": st.expired, "store": _store_summary(await _store_stats(self.store)),
         })

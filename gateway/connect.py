@@ -177,6 +177,7 @@ class ConnectRules:
             if self._lane is None:
                 self._lane = deque()
             self._lane.extendleft(reversed(held))
+        self._pending_connect = None  # answered: an idle connection keeps no CONNECT
         if broker.handover is not None:
             broker.handover.consider(self)  # type: ignore[arg-type]
 

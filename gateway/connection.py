@@ -95,7 +95,8 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         self._scopes: set[trio.CancelScope] | None = None  # the lane's, delivery's, writer's
         self.delivery: Delivery | None = None
         self.native: int | None = None  # promoted: its id in the engine (gateway.handover)
-        self.native_topics: set[str] | None = set() if broker.handover is not None else None
+        # What it may publish to natively (gateway.handover), made on its first publish.
+        self.native_topics: set[str] | None = None
 
     # -- what the broker and the listeners see ---------------------------------------
     @property
@@ -136,10 +137,11 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
     def drain_now(self, queue: str) -> bool:
         """`queue` grew: deliver from it, right here when it can (gateway.delivery).
         False before CONNACK, when nothing delivers yet: the session keeps the news."""
+        if self.native is not None:
+            return True  # the engine delivers it
         if self.delivery is None:
             return False
-        if self.native is None:  # else the engine delivers it
-            self.delivery.notify(queue)
+        self.delivery.notify(queue)
         return True
 
     def auth_changed(self) -> None:
@@ -147,7 +149,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         auth, handover = self.broker.auth, self.broker.handover
         self._auth_cache = None
         if handover is not None:  # what the native side may publish to is decided anew
-            self.native_topics = set()
+            self.native_topics = None
             handover.rights_changed(self)
         # A hook-decided client's deliveries are asked of the hook instead (awaited: in
         # the delivery task).
@@ -211,8 +213,11 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         except Exception as exc:  # noqa: BLE001 - each becomes a Closing
             self.close(self._closing_for(exc))
         finally:
-            if self._scopes is not None:
-                self._scopes.discard(scope)
+            scopes = self._scopes
+            if scopes is not None:
+                scopes.discard(scope)
+                if not scopes:
+                    self._scopes = None  # an idle connection holds no empty set
 
     def _closing_for(self, exc: BaseException) -> Closing:
         """Why this connection ends, from what ended it. An error that is no client's
@@ -305,6 +310,8 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
                     await trio.lowlevel.checkpoint()
         finally:
             self._lane_busy = False
+            if not lane:
+                self._lane = None  # drained: an idle connection holds no empty deque
             if not self._closed:
                 self._resume()
 
@@ -412,6 +419,25 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
                     rules.min_drain, rules.timeout)
         self.broker.stats.stuck_disconnects += 1
         self.close(Closing("connection lost while writing"))
+
+    # -- carried by the native plane (gateway.handover) ---------------------------------
+    def park(self) -> None:
+        """The engine has the socket and delivers: the output, the delivery, the decoder
+        and the outbox, which only reading, writing and delivering here use, are let go
+        until `unpark` (idle devices are most of a gateway's connections, and the native
+        plane carries most of those)."""
+        self.fd = -1  # the engine's now: nothing here writes or closes it
+        self.out = None  # type: ignore[assignment]
+        self.delivery = None
+        self.core.park()
+
+    def unpark(self, fd: int) -> None:
+        """The socket is Python's again (before the core's `handed_back`). Its output
+        starts empty (the engine hands back what the socket had not taken), and so does
+        its delivery (the positions come back with the socket)."""
+        self.fd = fd
+        self.out = Output(self, fd, self.stream, self.broker.write_rules, self.broker.stats)
+        self.delivery = Delivery(self)
 
     # -- timers -------------------------------------------------------------------------
     @property

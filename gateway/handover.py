@@ -138,7 +138,7 @@ class Handover:
             reactor.take_back(conn)
             return False
         conn.native = conn_id
-        conn.fd = conn.out.fd = -1  # the engine's now: nothing here writes or closes it
+        conn.park()
         self.promoted[conn_id] = conn
         log.debug("client %r (%s) promoted to the native plane (%d subscriptions), "
                   "thread %d", s.client_id, conn.peer, len(subs), conn_id % self._threads)
@@ -215,7 +215,7 @@ class Handover:
             os.close(row["fd"])
             return
         conn.native = None
-        conn.fd = conn.out.fd = row["fd"]
+        conn.unpark(row["fd"])
         s, core = conn.session, conn.core
         assert s is not None and conn.reactor is not None
         outgoing = [mp.Outgoing(pid, None, -1, data, 1, version=core.version)

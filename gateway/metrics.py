@@ -45,7 +45,7 @@ class BrokerCollector:
         yield GaugeMetricFamily("lightgate_subscriptions", "Subscriptions of those sessions",
                                 value=sum(len(s.subscriptions) for s in sessions))
         yield GaugeMetricFamily("lightgate_inflight", "QoS 1/2 messages sent, not yet acked",
-                                value=sum(len(s.outgoing) for s in sessions))
+                                value=sum(s.in_flight() for s in sessions))
         for name, doc, per_qos in (
             ("lightgate_messages_received", "PUBLISH packets received", st.messages_in_qos),
             ("lightgate_messages_sent", "PUBLISH packets delivered", st.messages_out_qos),

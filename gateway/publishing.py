@@ -135,9 +135,14 @@ class PublishRules:
 
     def _stage(self, ev: mp.PublishReceived, topic: str, s: Session) -> None:
         p = ev.packet
-        topics = self.native_topics
-        if topics is not None and len(topics) < MAX_TOPICS:
-            topics.add(topic)  # allowed and within the limits: the native side's cache
+        if self.broker.handover is not None:
+            # Allowed and within the limits: the native side's ACL cache (made on the
+            # first publish: an idle connection holds none).
+            topics = self.native_topics
+            if topics is None:
+                topics = self.native_topics = set()
+            if len(topics) < MAX_TOPICS:
+                topics.add(topic)
         msg = Message(topic, p.payload, p.qos, p.retain, s.client_id, _props(p),
                       born_ts=time.time_ns() // 1_000_000,
                       key=qos2_key(s.client_id, p.packet_id) if p.qos == 2 and s.persistent

@@ -36,6 +36,7 @@ READ_SIZE = 65536
 MAX_EVENTS = 512  # sockets handled in one pass, at most: other tasks run in between
 IN = select.EPOLLIN | select.EPOLLRDHUP
 OUT = select.EPOLLOUT
+STALE_TIMERS = 256  # forgotten timers the heap may hold beyond twice the live ones
 
 
 class Reactor:
@@ -120,7 +121,18 @@ class Reactor:
         self._writing.discard(fd)
         self._paused.discard(fd)
         self._over_budget.pop(fd, None)
-        self._armed.pop(fd, None)
+        if self._armed.pop(fd, None) is not None:
+            self._drop_stale_timers()
+
+    def _drop_stale_timers(self) -> None:
+        """The heap forgets lazily; once the entries of connections gone (closed, or
+        carried by the native plane: each leaves its CONNECT's timer) outnumber the
+        live ones, only the live ones are kept: thousands of connections promoted at
+        once would otherwise hold theirs for the CONNECT timeout."""
+        timers, armed = self._timers, self._armed
+        if len(timers) > 2 * len(armed) + STALE_TIMERS:
+            timers[:] = [t for t in timers if armed.get(t[2]) == t[0]]
+            heapq.heapify(timers)  # in place: `_check_timers` may be popping it
 
     def take_back(self, conn: Connection) -> None:
         """A connection the native plane hands back (gateway.handover): read again."""

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -150,6 +152,9 @@ class Subscription:
                    parse_replay(topic_filter))
 
 
+NONE_YET: Mapping[str, Subscription] = MappingProxyType({})  # a session's subscriptions
+
+
 @dataclass(eq=False, slots=True)  # identity: sessions live in sets; slots: 100k of them
 class Session:
     """The containers a session may never use (an idle device subscribes to nothing and
@@ -160,7 +165,9 @@ class Session:
     persistent: bool
     version: int = 4
     expiry: int = 0  # seconds after disconnect (v5); persistent 3.1.1 sessions: NEVER
-    subscriptions: dict[str, Subscription] = field(default_factory=dict)
+    # Read-only and shared while there are none (most devices subscribe to nothing);
+    # a dict of its own from the first `add_subscription` on.
+    subscriptions: Mapping[str, Subscription] = field(default_factory=lambda: NONE_YET)
     will: Will | None = None
     connection: Client | None = None  # None while offline
     disconnected_at: float | None = None
@@ -208,6 +215,9 @@ class Session:
         if self._outgoing is None:
             self._outgoing = OrderedDict()
         return self._outgoing
+
+    def in_flight(self) -> int:
+        return 0 if self._outgoing is None else len(self._outgoing)
 
     @property
     def incoming_qos2(self) -> set[int]:
@@ -261,8 +271,11 @@ class Session:
     def add_subscription(self, sub: Subscription) -> bool:
         """True if new (a replaced subscription keeps its queue position)."""
         key = sub.key
-        new = key not in self.subscriptions
-        self.subscriptions[key] = sub
+        subs = self.subscriptions
+        if type(subs) is not dict:
+            subs = self.subscriptions = {}
+        new = key not in subs
+        subs[key] = sub
         if sub.shared is None:  # shared ones are read by their group, not the session
             self.trie.add(key, key)
         return new
@@ -277,7 +290,11 @@ class Session:
         if sub is None:
             return False
         key = sub.key
-        del self.subscriptions[key]
+        subs = self.subscriptions
+        assert type(subs) is dict
+        del subs[key]
+        if not subs:
+            self.subscriptions = NONE_YET
         if sub.shared is None:
             self.trie.remove(key, key)
             self.cursors.pop(sub.queue, None)

@@ -83,6 +83,9 @@ class Flows(Protocol):
     @property
     def outgoing(self) -> dict[int, Outgoing]: ...
 
+    def in_flight(self) -> int:
+        """How many `outgoing` holds (without making it, where it is made on first use)."""
+
     @property
     def incoming_qos2(self) -> set[int]: ...
 

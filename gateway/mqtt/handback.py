@@ -9,12 +9,17 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from .codec import Decoder
-from .events import CONNECTED, Flows, Outgoing
+from .events import CONNECTED, Flows, Limits, Outgoing
+
+NEVER = float("inf")  # no deadline (one object, not a float for each idle connection)
 
 
 class Handback:
     __slots__ = ()
 
+    limits: Limits
+    version: int
+    deadline: float
     decoder: Decoder
     phase: int
     flows: Flows | None
@@ -37,7 +42,7 @@ class Handback:
         nothing in flight or in the outbox, no partial packet, no credentials' end."""
         return (self.phase == CONNECTED and self.closed_by is None and not self._answers
                 and not self._inbound_unacked and not self._inbound_qos2 and not self._out
-                and self.flows is not None and not self.flows.outgoing
+                and self.flows is not None and not self.flows.in_flight()
                 and not self.decoder.buffered and self.expires_at is None
                 and not self._reauth and not self.exchanging)
 
@@ -45,11 +50,26 @@ class Handback:
         """What the native side goes on from: the inbound topic aliases, seconds idle."""
         return dict(self._aliases_in or {}), max(0.0, now - self._read_at)
 
+    def park(self) -> None:
+        """The native side took the connection (after `handed_over`): what only reading
+        and writing here use, the decoder and the outbox, and the state it took (the
+        aliases, the keepalive's clock) are let go until `handed_back` (idle devices are
+        most of a gateway's connections, and most of them are carried there)."""
+        self.decoder = None  # type: ignore[assignment]
+        self._out = None  # type: ignore[assignment]
+        self._aliases_in = None
+        self._read_at = self.deadline = NEVER  # no timer here: the engine's
+
     def handed_back(self, now: float, idle_for: float, next_packet_id: int,
                     aliases_in: dict[int, str], outgoing: list[Outgoing]) -> None:
         """The native side's state at its demotion: the keepalive's clock, packet ids,
         aliases, the QoS 1 sends it has in flight."""
         assert self.flows is not None
+        if self.decoder is None:  # parked: CONNECT was decoded before, so the version
+            # is known and the limit is the one after it
+            self.decoder = Decoder(max_packet_size=self.limits.max_packet_size,
+                                   version=self.version)
+            self._out = []
         self._read_at = now - idle_for
         self._arm()
         self.flows.next_packet_id = next_packet_id

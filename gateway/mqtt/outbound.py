@@ -37,7 +37,7 @@ class Outbound:
     @property
     def window(self) -> int:
         """How many more QoS 1/2 sends the client takes now."""
-        return min(self.receive_maximum, self.limits.max_inflight) - len(self.flows.outgoing)
+        return min(self.receive_maximum, self.limits.max_inflight) - self.flows.in_flight()
 
     def _on_ack(self, pid: int, qos: int) -> OutgoingDone | None:
         o = self.flows.outgoing.get(pid)

@@ -58,7 +58,7 @@ from .events import (
     SubscribeReceived,
     UnsubscribeReceived,
 )
-from .handback import Handback
+from .handback import NEVER, Handback
 from .handshake import Handshake
 from .outbound import Outbound
 from .packets import (
@@ -273,9 +273,8 @@ class MqttProtocol(Handshake, Outbound, Handback):
         self._arm()
 
     def _arm(self) -> None:
-        ka = self._read_at + self.keepalive * 1.5 if self.keepalive else float("inf")
-        self.deadline = min(ka, self.expires_at if self.expires_at is not None
-                            else float("inf"))
+        ka = self._read_at + self.keepalive * 1.5 if self.keepalive else NEVER
+        self.deadline = min(ka, self.expires_at if self.expires_at is not None else NEVER)
 
     # -- packets after CONNECT -----------------------------------------------------------
     def _dispatch(self, p: Packet) -> Event | None:

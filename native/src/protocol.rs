@@ -11,7 +11,7 @@
 //! unread (`unread`), so the Python core decides it exactly as it decides any other.
 //! The two therefore share one implementation of every rare path and every error.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use crate::codec::properties::{self, Property, Value};
 use crate::codec::wire::varint_or_none;
@@ -68,7 +68,7 @@ pub enum Acl {
 
 impl Acl {
     /// The verdict of a per-connection cache of allowed topics (None: every topic).
-    pub fn from_cache(allowed: &Option<HashSet<String>>, topic: &str) -> Acl {
+    pub fn from_cache(allowed: &Option<BTreeSet<String>>, topic: &str) -> Acl {
         match allowed {
             Some(set) if !set.contains(topic) => Acl::AskPython,
             _ => Acl::Allowed,
@@ -86,7 +86,8 @@ pub struct Outgoing {
 
 pub struct Connection {
     pub settings: Settings,
-    aliases_in: HashMap<u16, String>,
+    /// A B-tree: empty (most connections), it is half a hash map's size.
+    aliases_in: BTreeMap<u16, String>,
     inbound_unacked: u32,
     /// Answers in the order of the packets they answer; None until decided.
     answers: VecDeque<Option<Vec<u8>>>,
@@ -107,7 +108,7 @@ impl Connection {
     pub fn new(settings: Settings, now: f64) -> Self {
         Connection {
             settings,
-            aliases_in: HashMap::new(),
+            aliases_in: BTreeMap::new(),
             inbound_unacked: 0,
             answers: VecDeque::new(),
             next_ticket: 0,
@@ -130,7 +131,7 @@ impl Connection {
         outgoing: BTreeMap<u16, Outgoing>,
         unread: Vec<u8>,
     ) {
-        self.aliases_in = aliases_in;
+        self.aliases_in = aliases_in.into_iter().collect();
         self.next_packet_id = next_packet_id.max(1);
         self.outgoing = outgoing;
         self.unread = unread;
@@ -465,8 +466,11 @@ impl Connection {
         self.next_packet_id
     }
 
-    pub fn aliases_in(&self) -> &HashMap<u16, String> {
-        &self.aliases_in
+    pub fn aliases_in(&self) -> HashMap<u16, String> {
+        self.aliases_in
+            .iter()
+            .map(|(k, v)| (*k, v.clone()))
+            .collect()
     }
 }
 

@@ -156,7 +156,7 @@ impl PyLogWriter {
 struct PyConnection {
     inner: protocol::Connection,
     /// Topics the ACL cache allows; None: every topic.
-    allowed: Option<std::collections::HashSet<String>>,
+    allowed: Option<std::collections::BTreeSet<String>>,
 }
 
 #[pymethods]
@@ -175,7 +175,7 @@ impl PyConnection {
         max_inflight: u32,
         client_max_packet: usize,
         now: f64,
-        allowed: Option<std::collections::HashSet<String>>,
+        allowed: Option<std::collections::BTreeSet<String>>,
     ) -> Self {
         let settings = protocol::Settings {
             version,

@@ -12,7 +12,7 @@
 //! unread bytes, the unsent bytes and what is in flight to the owner.
 
 use std::cell::Cell;
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -442,20 +442,58 @@ struct Conn {
     client_id: Arc<str>,
     stream: TcpStream,
     core: Connection,
-    unsent: Vec<u8>,
-    held: VecDeque<Delivery>,
-    /// Payload bytes in `held`: past the budget, the connection is handed back.
-    held_bytes: usize,
+    /// None while nothing waits for the client (an idle connection's case).
+    backlog: Option<Box<Backlog>>,
     max_unsent: usize,
-    positions: HashMap<Arc<str>, u64>,
-    acl: Option<HashSet<String>>,
+    // B-trees: empty (an idle connection's), each is half a hash map's size; they hold
+    // a connection's few queues and (at most 1,024) topics.
+    positions: BTreeMap<Arc<str>, u64>,
+    acl: Option<BTreeSet<String>>,
     demoting: Option<Why>,
     writing: bool,
     /// The other thread its last deliveries came from, how many in a row, and when it
-    /// was adopted (`Why::Move`).
+    /// came to this one (`MOVE_AFTER`).
     streak_lane: usize,
     streak: u32,
     adopted_at: f64,
+}
+
+/// What waits for a client that does not take it as fast as it comes: made when the
+/// first byte or delivery has to wait, dropped once all of it went out, so that a
+/// connection that fell behind once keeps no buffers.
+#[derive(Default)]
+struct Backlog {
+    /// Bytes the socket did not take yet: written before anything else.
+    unsent: Vec<u8>,
+    /// Deliveries waiting for the client's window.
+    held: VecDeque<Delivery>,
+    /// Payload bytes in `held`: past the budget, the connection is handed back.
+    held_bytes: usize,
+}
+
+impl Conn {
+    fn backlog(&mut self) -> &mut Backlog {
+        self.backlog.get_or_insert_with(Box::default)
+    }
+
+    fn unsent(&self) -> usize {
+        self.backlog.as_ref().map_or(0, |b| b.unsent.len())
+    }
+
+    fn held_bytes(&self) -> usize {
+        self.backlog.as_ref().map_or(0, |b| b.held_bytes)
+    }
+
+    /// Let the backlog's buffers go once they are empty.
+    fn settle(&mut self) {
+        if let Some(b) = self.backlog.as_mut() {
+            if b.held.is_empty() && b.unsent.is_empty() {
+                self.backlog = None;
+            } else if b.unsent.is_empty() {
+                b.unsent = Vec::new();
+            }
+        }
+    }
 }
 
 struct Worker {
@@ -471,7 +509,9 @@ struct Worker {
     busy_since: Instant,
     sink: Arc<dyn Sink>,
     counters: Arc<Counters>,
-    conns: HashMap<Token, Conn>,
+    /// Boxed: a map grows by doubling, and a table of whole `Conn`s had up to half its
+    /// slots (each a `Conn`'s size) empty; a box costs one `Conn` a connection.
+    conns: HashMap<Token, Box<Conn>>,
     tokens: HashMap<u64, Token>,
     next_token: usize,
     epoch: Instant,
@@ -698,24 +738,35 @@ impl Worker {
             // what went out and the owner delivers the rest, in order.
             return;
         }
-        while let Some(d) = c.held.front() {
+        let Some(backlog) = c.backlog.as_mut() else {
+            return;
+        };
+        while let Some(d) = backlog.held.front() {
             if d.qos > 0 && c.core.window() == 0 {
                 break;
             }
-            let d = c.held.pop_front().expect("front exists");
-            c.held_bytes -= d.payload.len();
-            // A delivery the client cannot take (too large) is dropped, as in Python.
-            match c
-                .core
-                .deliver(&d.topic, &d.payload, d.qos, d.retain, d.source)
-            {
-                Ok(_) => Counters::add(&counters.messages_out, 1),
-                Err(_) => Counters::add(&counters.dropped, 1),
-            }
-            for (queue, offset) in d.positions {
-                let next = c.positions.entry(queue).or_insert(0);
-                *next = (*next).max(offset + 1);
-            }
+            let d = backlog.held.pop_front().expect("front exists");
+            backlog.held_bytes -= d.payload.len();
+            Self::send(&mut c.core, &mut c.positions, d, counters);
+        }
+        c.settle();
+    }
+
+    /// One delivery into the client's output, its queues' positions past it.
+    fn send(
+        core: &mut Connection,
+        positions: &mut BTreeMap<Arc<str>, u64>,
+        d: Delivery,
+        counters: &Counters,
+    ) {
+        // A delivery the client cannot take (too large) is dropped, as in Python.
+        match core.deliver(&d.topic, &d.payload, d.qos, d.retain, d.source) {
+            Ok(_) => Counters::add(&counters.messages_out, 1),
+            Err(_) => Counters::add(&counters.dropped, 1),
+        }
+        for (queue, offset) in d.positions {
+            let next = positions.entry(queue).or_insert(0);
+            *next = (*next).max(offset + 1);
         }
     }
 
@@ -803,9 +854,18 @@ impl Worker {
                             {
                                 self.moves.push((token, to));
                             }
-                            c.held_bytes += delivery.payload.len();
-                            c.held.push_back(delivery);
-                            Self::send_held(c, &self.counters);
+                            if c.backlog.is_none()
+                                && c.demoting.is_none()
+                                && (delivery.qos == 0 || c.core.window() > 0)
+                            {
+                                // Nothing waits before it: straight out, no backlog made.
+                                Self::send(&mut c.core, &mut c.positions, delivery, &self.counters);
+                            } else {
+                                let backlog = c.backlog();
+                                backlog.held_bytes += delivery.payload.len();
+                                backlog.held.push_back(delivery);
+                                Self::send_held(c, &self.counters);
+                            }
                             touched.push(token);
                         }
                     }
@@ -825,7 +885,7 @@ impl Worker {
         let Migrant { mut conn, waiting } = m;
         let token = Token(self.next_token);
         self.next_token = (self.next_token + 1) % (usize::MAX - 1);
-        let interest = if conn.unsent.is_empty() {
+        let interest = if conn.unsent() == 0 {
             Interest::READABLE
         } else {
             Interest::READABLE | Interest::WRITABLE
@@ -843,7 +903,7 @@ impl Worker {
         conn.streak = 0;
         conn.adopted_at = self.now();
         self.tokens.insert(conn.id, token);
-        self.conns.insert(token, *conn);
+        self.conns.insert(token, conn);
         for command in waiting {
             self.apply(command, touched, published);
         }
@@ -885,10 +945,7 @@ impl Worker {
                 routes.insert(c.id, to);
             }
             if let Ok(mut queue) = self.lanes[to].commands.lock() {
-                queue.push(Command::Arrive(Migrant {
-                    conn: Box::new(c),
-                    waiting,
-                }));
+                queue.push(Command::Arrive(Migrant { conn: c, waiting }));
             }
             drop(routes);
             Counters::add(&self.counters.moved, 1);
@@ -926,16 +983,14 @@ impl Worker {
             client_id,
             stream,
             core,
-            unsent: Vec::new(),
-            held: VecDeque::new(),
-            held_bytes: 0,
+            backlog: None,
             max_unsent: if a.max_unsent == 0 {
                 BACKLOG_BUDGET
             } else {
                 a.max_unsent
             },
-            positions: HashMap::new(),
-            acl: a.acl,
+            positions: BTreeMap::new(),
+            acl: a.acl.map(|topics| topics.into_iter().collect()),
             demoting: None,
             writing: false,
             streak_lane: self.index,
@@ -946,7 +1001,7 @@ impl Worker {
             // Not watched: handed straight back, so the owner's state never waits on it.
             c.demoting = Some(Why::Lost(format!("not adopted: {e}")));
             c.core.restore(
-                c.core.aliases_in().clone(),
+                c.core.aliases_in(),
                 c.core.next_packet_id(),
                 BTreeMap::new(),
                 a.unread,
@@ -966,7 +1021,7 @@ impl Worker {
             );
         }
         self.tokens.insert(conn, token);
-        self.conns.insert(token, c);
+        self.conns.insert(token, Box::new(c));
         Some(token)
     }
 
@@ -986,11 +1041,13 @@ impl Worker {
         };
         let out = c.core.take_output();
         if !out.is_empty() {
-            if c.unsent.is_empty() {
+            if c.unsent() == 0 {
                 match write_some(&mut c.stream, &out) {
                     Ok(n) => {
                         Counters::add(&self.counters.bytes_out, n as u64);
-                        c.unsent.extend_from_slice(&out[n..]);
+                        if n < out.len() {
+                            c.backlog().unsent.extend_from_slice(&out[n..]);
+                        }
                     }
                     Err(e) => {
                         c.demoting.get_or_insert(Why::Lost(format!(
@@ -999,24 +1056,25 @@ impl Worker {
                     }
                 }
             } else {
-                c.unsent.extend_from_slice(&out);
+                c.backlog().unsent.extend_from_slice(&out);
             }
-        } else if !c.unsent.is_empty() {
-            match write_some(&mut c.stream, &c.unsent) {
+        } else if let Some(b) = c.backlog.as_mut().filter(|b| !b.unsent.is_empty()) {
+            match write_some(&mut c.stream, &b.unsent) {
                 Ok(n) => {
                     Counters::add(&self.counters.bytes_out, n as u64);
-                    c.unsent.drain(..n);
+                    b.unsent.drain(..n);
                 }
                 Err(e) => {
                     c.demoting
                         .get_or_insert(Why::Lost(format!("connection lost while writing: {e}")));
                 }
             }
+            c.settle();
         }
-        if c.unsent.len() > c.max_unsent || c.held_bytes > c.max_unsent {
+        if c.unsent() > c.max_unsent || c.held_bytes() > c.max_unsent {
             c.demoting.get_or_insert(Why::Backlog);
         }
-        let want_write = !c.unsent.is_empty();
+        let want_write = c.unsent() > 0;
         if c.demoting.is_some() && c.core.answers_pending() == 0 {
             self.demote(token);
             return;
@@ -1043,7 +1101,7 @@ impl Worker {
         };
         self.tokens.remove(&c.id);
         let _ = self.poll.registry().deregister(&mut c.stream);
-        self.report_demoted(c);
+        self.report_demoted(*c);
     }
 
     fn report_demoted(&mut self, mut c: Conn) {
@@ -1054,18 +1112,19 @@ impl Worker {
         }
         let why = c.demoting.take().unwrap_or(Why::Packet);
         let idle_for = (self.now() - c.core.read_at()).max(0.0);
+        let backlog = c.backlog.take().map(|b| *b).unwrap_or_default();
         Counters::add(&self.counters.demoted, 1);
         self.counters.connections.fetch_sub(1, Ordering::Relaxed);
         let report = Demoted {
             conn: c.id,
             why,
             unread: c.core.unread().to_vec(),
-            unsent: std::mem::take(&mut c.unsent),
+            unsent: backlog.unsent,
             outgoing: c.core.outgoing().clone(),
             next_packet_id: c.core.next_packet_id(),
-            aliases_in: c.core.aliases_in().clone(),
-            held: c.held.drain(..).collect(),
-            positions: std::mem::take(&mut c.positions),
+            aliases_in: c.core.aliases_in(),
+            held: backlog.held.into(),
+            positions: std::mem::take(&mut c.positions).into_iter().collect(),
             idle_for,
             socket: OwnedFd::from(c.stream),
         };

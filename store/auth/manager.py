@@ -65,7 +65,7 @@ class User:
                 "enabled": self.enabled, "created": self.created}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: one per connection
 class Subject:
     """Who is on the other end of one connection; `name` is "" for anonymous."""
 

@@ -22,6 +22,9 @@ class Flows:
     outgoing: OrderedDict[int, mp.Outgoing] = field(default_factory=OrderedDict)
     incoming_qos2: set[int] = field(default_factory=set)
 
+    def in_flight(self) -> int:
+        return len(self.outgoing)
+
 
 @dataclass
 class Stored:
