@@ -32,6 +32,7 @@ from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing, MqttProtocol, Refused
 from gateway.output import Output, Poller
+from gateway.parking import Parking
 from gateway.publishing import PublishRules
 from gateway.reading import ReadSwitch
 from gateway.session import Session
@@ -46,7 +47,7 @@ LANE_TURN = 32  # lane items handled before the other tasks get a turn
 
 
 class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamReading,
-                 Ending):
+                 Ending, Parking):
     # Slots: 100k idle devices means 100k of these; a __dict__ each would double them.
     __slots__ = (
         "broker", "core", "stream", "fd", "peer", "cert_identity", "subject",
@@ -213,11 +214,9 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         except Exception as exc:  # noqa: BLE001 - each becomes a Closing
             self.close(self._closing_for(exc))
         finally:
-            scopes = self._scopes
-            if scopes is not None:
-                scopes.discard(scope)
-                if not scopes:
-                    self._scopes = None  # an idle connection holds no empty set
+            if self._scopes is not None:
+                self._scopes.discard(scope)
+                self._scopes = self._scopes or None  # an idle one holds no empty set
 
     def _closing_for(self, exc: BaseException) -> Closing:
         """Why this connection ends, from what ended it. An error that is no client's
@@ -419,37 +418,6 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
                     rules.min_drain, rules.timeout)
         self.broker.stats.stuck_disconnects += 1
         self.close(Closing("connection lost while writing"))
-
-    # -- carried by the native plane (gateway.handover) ---------------------------------
-    def park(self) -> None:
-        """The engine has the socket and delivers: the output, the delivery, the decoder
-        and the outbox, which only reading, writing and delivering here use, are let go
-        until `unpark` (idle devices are most of a gateway's connections, and the native
-        plane carries most of those)."""
-        self.fd = -1  # the engine's now: nothing here writes or closes it
-        self.out = None  # type: ignore[assignment]
-        self.delivery = None
-        self.core.park()
-
-    def unpark(self, fd: int) -> None:
-        """The socket is Python's again (before the core's `handed_back`). Its output
-        starts empty (the engine hands back what the socket had not taken), and so does
-        its delivery (the positions come back with the socket)."""
-        self.fd = fd
-        self.out = Output(self, fd, self.stream, self.broker.write_rules, self.broker.stats)
-        self.delivery = Delivery(self)
-
-    # -- timers -------------------------------------------------------------------------
-    @property
-    def deadline(self) -> float:
-        return self.core.deadline
-
-    def timeout(self, now: float) -> None:
-        """A deadline passed (the reactor or the stream task checks)."""
-        try:
-            self.core.timeout(now)
-        except Closing as closing:
-            self.close(closing)
 
 
 __all__ = ["Closing", "Connection", "Refused"]

@@ -44,6 +44,18 @@ class Ending:
     _detached: trio.Event | None
     native: int | None
 
+    @property
+    def deadline(self) -> float:
+        return self.core.deadline
+
+    def timeout(self, now: float) -> None:
+        """A deadline passed (the reactor or the stream task checks): the keepalive or
+        the CONNECT timeout ends the connection."""
+        try:
+            self.core.timeout(now)
+        except Closing as closing:
+            self.close(closing)
+
     def close(self, closing: Closing, nursery: trio.Nursery | None = None) -> None:
         """End the connection (once): stop reading and what runs for it; the rest (the
         DISCONNECT, the will, the session) in a task (in `nursery`: a shutdown's)."""

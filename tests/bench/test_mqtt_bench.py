@@ -40,14 +40,17 @@ def test_meter_counts_only_the_window_a_scenario_opens() -> None:
     """A scenario that opens its own window (device_fleet, after thousands of CONNECTs)
     is charged only the broker's CPU inside it, even though the runner ends the meter
     again after the scenario returns."""
-    burn = ("import time\nt = time.monotonic()\nwhile time.monotonic() - t < 0.6: pass\n"
-            "time.sleep(30)")
-    proc = subprocess.Popen([sys.executable, "-c", burn])  # a stand-in broker: busy, then idle
+    # A stand-in broker: 0.6 s of its own CPU (however busy the machine), then idle.
+    burn = ("import sys, time\nwhile time.process_time() < 0.6: pass\n"
+            "print('idle', flush=True)\ntime.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE)
     stand_in = Broker("stand-in", procs=[proc])
     try:
         meter = Meter(stand_in, None)
         meter.begin()  # as the runner does before the scenario
-        time.sleep(1.0)  # the set-up: the stand-in burns 0.6 s of CPU
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"idle\n"  # the set-up: it burned its CPU
+        time.sleep(0.05)  # /proc's counters catch up with its last tick
         assert meter.before is not None
         setup_cpu = meter.before
         meter.begin()  # the scenario's window opens
