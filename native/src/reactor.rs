@@ -32,6 +32,9 @@ const READ_SIZE: usize = 64 * 1024;
 /// handed back), as Python's read budget does. Without it a client that sends faster
 /// than the loop reads, and never reads, grows its answers without bound.
 const READ_PASS: usize = 4 * READ_SIZE;
+/// Output a burst of deliveries may gather before it is written, within one batch of
+/// commands.
+const WRITE_AT: usize = 64 * 1024;
 
 /// A connection that gets this many deliveries in a row from one other thread, while
 /// both threads are lightly loaded, moves there (its state, socket and waiting commands
@@ -745,6 +748,11 @@ impl Worker {
             if d.qos > 0 && c.core.window() == 0 {
                 break;
             }
+            if backlog.unsent.len() + c.core.pending_output() > c.max_unsent {
+                // The client is a budget behind: the rest waits for the socket to drain
+                // (or past its own budget, hands the connection back).
+                break;
+            }
             let d = backlog.held.pop_front().expect("front exists");
             backlog.held_bytes -= d.payload.len();
             Self::send(&mut c.core, &mut c.positions, d, counters);
@@ -860,6 +868,11 @@ impl Worker {
                             {
                                 // Nothing waits before it: straight out, no backlog made.
                                 Self::send(&mut c.core, &mut c.positions, delivery, &self.counters);
+                                if c.core.pending_output() >= WRITE_AT {
+                                    // A burst in one batch of commands: out to the socket
+                                    // as it grows, so the output stays bounded.
+                                    Self::write_out(c, &self.counters);
+                                }
                             } else {
                                 let backlog = c.backlog();
                                 backlog.held_bytes += delivery.payload.len();
@@ -1035,42 +1048,61 @@ impl Worker {
         }
     }
 
-    fn flush(&mut self, token: Token) {
-        let Some(c) = self.conns.get_mut(&token) else {
-            return;
-        };
-        let out = c.core.take_output();
-        if !out.is_empty() {
-            if c.unsent() == 0 {
-                match write_some(&mut c.stream, &out) {
+    /// Write what the socket takes: first the bytes it refused before, then the
+    /// output, then deliveries that waited for room, until the socket is full or
+    /// nothing is left.
+    fn write_out(c: &mut Conn, counters: &Counters) {
+        loop {
+            if let Some(b) = c.backlog.as_mut().filter(|b| !b.unsent.is_empty()) {
+                match write_some(&mut c.stream, &b.unsent) {
                     Ok(n) => {
-                        Counters::add(&self.counters.bytes_out, n as u64);
-                        if n < out.len() {
-                            c.backlog().unsent.extend_from_slice(&out[n..]);
-                        }
+                        Counters::add(&counters.bytes_out, n as u64);
+                        b.unsent.drain(..n);
                     }
                     Err(e) => {
                         c.demoting.get_or_insert(Why::Lost(format!(
                             "connection lost while writing: {e}"
                         )));
+                        return;
                     }
                 }
-            } else {
-                c.backlog().unsent.extend_from_slice(&out);
+                if !b.unsent.is_empty() {
+                    return;
+                }
+                // Room again: what waited for it goes out next.
+                Self::send_held(c, counters);
             }
-        } else if let Some(b) = c.backlog.as_mut().filter(|b| !b.unsent.is_empty()) {
-            match write_some(&mut c.stream, &b.unsent) {
+            let out = c.core.take_output();
+            if out.is_empty() {
+                return;
+            }
+            match write_some(&mut c.stream, &out) {
                 Ok(n) => {
-                    Counters::add(&self.counters.bytes_out, n as u64);
-                    b.unsent.drain(..n);
+                    Counters::add(&counters.bytes_out, n as u64);
+                    if n < out.len() {
+                        c.backlog().unsent.extend_from_slice(&out[n..]);
+                        return;
+                    }
                 }
                 Err(e) => {
                     c.demoting
                         .get_or_insert(Why::Lost(format!("connection lost while writing: {e}")));
+                    return;
                 }
             }
-            c.settle();
+            if c.held_bytes() == 0 {
+                return;
+            }
+            Self::send_held(c, counters);
         }
+    }
+
+    fn flush(&mut self, token: Token) {
+        let Some(c) = self.conns.get_mut(&token) else {
+            return;
+        };
+        Self::write_out(c, &self.counters);
+        c.settle();
         if c.unsent() > c.max_unsent || c.held_bytes() > c.max_unsent {
             c.demoting.get_or_insert(Why::Backlog);
         }
