@@ -15,7 +15,7 @@ use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -32,6 +32,12 @@ const READ_SIZE: usize = 64 * 1024;
 /// handed back), as Python's read budget does. Without it a client that sends faster
 /// than the loop reads, and never reads, grows its answers without bound.
 const READ_PASS: usize = 4 * READ_SIZE;
+/// Delivery bytes queued for one thread past which every thread stops reading its
+/// clients (their publishes make more) until that thread has taken them: publishers
+/// flooding a busy thread are paced by it, as TCP paces them, not by memory.
+const LANE_BUDGET: usize = 8 * 1024 * 1024;
+/// How often a thread that stopped reading looks whether it may read again.
+const STALL_LOOK: Duration = Duration::from_millis(1);
 /// Output a burst of deliveries may gather before it is written, within one batch of
 /// commands.
 const WRITE_AT: usize = 64 * 1024;
@@ -259,10 +265,20 @@ impl Command {
             Command::Stop => 0,
         }
     }
+
+    /// Bytes it holds that a client is waiting for (`LANE_BUDGET`).
+    fn weight(&self) -> usize {
+        match self {
+            Command::Deliver { delivery, .. } => delivery.topic.len() + delivery.payload.len(),
+            _ => 0,
+        }
+    }
 }
 
 struct Lane {
     commands: Mutex<Vec<Command>>,
+    /// Delivery bytes in `commands`, kept under its lock (`LANE_BUDGET`).
+    queued: AtomicUsize,
     waker: Waker,
     /// How busy its thread was over the last second, per mille.
     busy: AtomicU32,
@@ -272,6 +288,25 @@ struct Lane {
 }
 
 impl Lane {
+    fn push(&self, commands: impl IntoIterator<Item = Command>) {
+        if let Ok(mut queue) = self.commands.lock() {
+            let before = queue.len();
+            queue.extend(commands);
+            let added: usize = queue[before..].iter().map(Command::weight).sum();
+            self.queued.fetch_add(added, Ordering::Relaxed);
+        }
+    }
+
+    fn take(&self) -> Option<Vec<Command>> {
+        let mut queue = self.commands.lock().ok()?;
+        self.queued.store(0, Ordering::Relaxed);
+        Some(std::mem::take(&mut *queue))
+    }
+
+    fn over_budget(&self) -> bool {
+        self.queued.load(Ordering::Relaxed) > LANE_BUDGET
+    }
+
     fn wake(&self) {
         if self.thread.get() != Some(&std::thread::current().id()) {
             let _ = self.waker.wake();
@@ -315,9 +350,7 @@ impl Handle {
             return;
         };
         let lane = &self.lanes[self.index(&routes, command.conn())];
-        if let Ok(mut queue) = lane.commands.lock() {
-            queue.push(command);
-        }
+        lane.push([command]);
         drop(routes);
         lane.wake();
     }
@@ -337,9 +370,7 @@ impl Handle {
             if batch.is_empty() {
                 continue;
             }
-            if let Ok(mut queue) = lane.commands.lock() {
-                queue.extend(batch);
-            }
+            lane.push(batch);
             woken.push(lane);
         }
         drop(routes);
@@ -372,6 +403,7 @@ impl Reactor {
             let waker = Waker::new(poll.registry(), WAKER)?;
             lanes.push(Arc::new(Lane {
                 commands: Mutex::new(Vec::new()),
+                queued: AtomicUsize::new(0),
                 waker,
                 busy: AtomicU32::new(0),
                 thread: OnceLock::new(),
@@ -394,6 +426,7 @@ impl Reactor {
                 next_token: 0,
                 epoch,
                 again: Vec::new(),
+                stalled: Vec::new(),
             };
             let handle = std::thread::Builder::new()
                 .name(format!("lightgate-io-{i}"))
@@ -429,9 +462,7 @@ impl Reactor {
     /// Stop every thread; connections still held are dropped (closed).
     pub fn stop(self) {
         for lane in &self.handle.lanes {
-            if let Ok(mut queue) = lane.commands.lock() {
-                queue.push(Command::Stop);
-            }
+            lane.push([Command::Stop]);
             let _ = lane.waker.wake();
         }
         for t in self.threads {
@@ -521,6 +552,8 @@ struct Worker {
     /// Connections that had more to read when their pass's budget ran out. The poll is
     /// edge-triggered: it says nothing more of them, so the next pass reads them first.
     again: Vec<Token>,
+    /// Clients with bytes to read, not read while a thread is over `LANE_BUDGET`.
+    stalled: Vec<Token>,
 }
 
 impl Worker {
@@ -583,10 +616,12 @@ impl Worker {
         let mut events = Events::with_capacity(512);
         let mut buf = vec![0u8; READ_SIZE];
         loop {
-            let timeout = if self.again.is_empty() {
-                self.next_timeout()
-            } else {
+            let timeout = if !self.again.is_empty() {
                 Duration::ZERO
+            } else if !self.stalled.is_empty() {
+                STALL_LOOK.min(self.next_timeout())
+            } else {
+                self.next_timeout()
             };
             if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
                 if e.kind() != io::ErrorKind::Interrupted {
@@ -596,8 +631,14 @@ impl Worker {
             let pass = Instant::now();
             let mut published = Vec::new();
             let mut touched = std::mem::take(&mut self.again);
-            for &token in &touched {
-                self.read(token, &mut buf, &mut published);
+            let stall = self.lanes.iter().any(|l| l.over_budget());
+            if stall {
+                self.stalled.append(&mut touched);
+            } else {
+                touched.append(&mut self.stalled);
+                for &token in &touched {
+                    self.read(token, &mut buf, &mut published);
+                }
             }
             for ev in events.iter() {
                 let token = ev.token();
@@ -606,8 +647,16 @@ impl Worker {
                 }
                 touched.push(token);
                 if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                    self.read(token, &mut buf, &mut published);
+                    if stall {
+                        self.stalled.push(token);
+                    } else {
+                        self.read(token, &mut buf, &mut published);
+                    }
                 }
+            }
+            if stall {
+                self.stalled.sort_unstable();
+                self.stalled.dedup();
             }
             if !self.commands(&mut touched, &mut published) {
                 return;
@@ -780,9 +829,8 @@ impl Worker {
 
     /// Apply the owner's commands; false when told to stop.
     fn commands(&mut self, touched: &mut Vec<Token>, published: &mut Vec<Inbound>) -> bool {
-        let commands = match self.lane().commands.lock() {
-            Ok(mut queue) => std::mem::take(&mut *queue),
-            Err(_) => return false,
+        let Some(commands) = self.lane().take() else {
+            return false;
         };
         commands
             .into_iter()
@@ -862,8 +910,14 @@ impl Worker {
                             {
                                 self.moves.push((token, to));
                             }
-                            if c.backlog.is_none()
-                                && c.demoting.is_none()
+                            if c.demoting.is_some() {
+                                // Its positions say what went out; the owner delivers
+                                // the rest from the store.
+                            } else if c.backlog.is_some()
+                                && c.held_bytes() + delivery.payload.len() > c.max_unsent
+                            {
+                                c.demoting = Some(Why::Backlog);
+                            } else if c.backlog.is_none()
                                 && (delivery.qos == 0 || c.core.window() > 0)
                             {
                                 // Nothing waits before it: straight out, no backlog made.
@@ -942,11 +996,14 @@ impl Worker {
             };
             // Under the write lock nothing is on its way here for it: what waits here
             // goes along, and what comes later queues behind its arrival there.
-            let waiting = match self.lanes[self.index].commands.lock() {
+            let here = &self.lanes[self.index];
+            let waiting = match here.commands.lock() {
                 Ok(mut queue) => {
-                    let (mine, rest) = std::mem::take(&mut *queue)
+                    let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *queue)
                         .into_iter()
                         .partition(|cmd| !matches!(cmd, Command::Stop) && cmd.conn() == c.id);
+                    let weight = rest.iter().map(Command::weight).sum();
+                    here.queued.store(weight, Ordering::Relaxed);
                     *queue = rest;
                     mine
                 }
@@ -957,9 +1014,7 @@ impl Worker {
             } else {
                 routes.insert(c.id, to);
             }
-            if let Ok(mut queue) = self.lanes[to].commands.lock() {
-                queue.push(Command::Arrive(Migrant { conn: c, waiting }));
-            }
+            self.lanes[to].push([Command::Arrive(Migrant { conn: c, waiting })]);
             drop(routes);
             Counters::add(&self.counters.moved, 1);
             self.lanes[to].wake();
@@ -1186,4 +1241,43 @@ fn write_some(stream: &mut TcpStream, data: &[u8]) -> io::Result<usize> {
         }
     }
     Ok(sent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn delivery(bytes: usize) -> Command {
+        Command::Deliver {
+            conn: 1,
+            delivery: Delivery {
+                topic: "t".into(),
+                payload: vec![0; bytes].into(),
+                qos: 0,
+                retain: false,
+                source: (0, 0),
+                positions: Vec::new(),
+                from_lane: None,
+            },
+        }
+    }
+
+    #[test]
+    fn a_lane_counts_the_delivery_bytes_it_holds() {
+        let poll = Poll::new().unwrap();
+        let lane = Lane {
+            commands: Mutex::new(Vec::new()),
+            queued: AtomicUsize::new(0),
+            waker: Waker::new(poll.registry(), WAKER).unwrap(),
+            busy: AtomicU32::new(0),
+            thread: OnceLock::new(),
+        };
+        lane.push([delivery(LANE_BUDGET / 2), Command::Release { conn: 1 }]);
+        assert!(!lane.over_budget());
+        lane.push([delivery(LANE_BUDGET / 2)]);
+        assert_eq!(lane.queued.load(Ordering::Relaxed), LANE_BUDGET + 2);
+        assert!(lane.over_budget(), "past the budget, publishers are not read");
+        assert_eq!(lane.take().unwrap().len(), 3);
+        assert!(!lane.over_budget(), "taken: read again");
+    }
 }
