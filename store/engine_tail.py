@@ -48,6 +48,10 @@ DISPATCH_COALESCE_S = 0.005
 # one that starts reading (`catch_up`) cuts the wait short. At 2,000 msg/s from native
 # publishers to native subscribers, the 5 ms batches cost 18 us of CPU per message.
 DISPATCH_LAZY_S = 0.05
+# Rows a drain takes from the engine at once: a dispatch far behind a flood (its readers
+# want every body) holds that many in Python, not the whole lag. The engine paces native
+# publishers once the lag passes its own budget (64k rows).
+DRAIN_ROWS = 2048
 
 # A message as the engine takes it (PyEngine.append_messages): born_ts, qos, retain,
 # client_id, topic, key, properties (as stored), body, queues, marks.
@@ -101,7 +105,6 @@ class EngineTail:
         self._dispatcher: threading.Thread | None = None
         self._dispatch_stop = False
         self._engine_stopped = False
-        self._hurry = threading.Event()  # a reader came: dispatch without waiting long
         self._unwritten: list[tuple[list, list]] = []  # index runs a failed write left
 
     def start_engine(self, io_threads: int = 1, default_partitions: int = 1) -> Any:
@@ -137,7 +140,7 @@ class EngineTail:
         of the index (a pull, history, a queue's end) calls this first, so that it never
         sees a position, or a subscriber's count, past what the index answers."""
         if self.engine is not None:
-            self._hurry.set()
+            self.engine.hurry()  # and the next batch without the lazy pause
             self._drain()
 
     def _dispatch_loop(self) -> None:
@@ -149,9 +152,8 @@ class EngineTail:
                 if engine.wait_dispatched(0.5):
                     if heard:
                         time.sleep(DISPATCH_COALESCE_S)
-                    else:
-                        self._hurry.wait(DISPATCH_LAZY_S)
-                    self._hurry.clear()
+                    else:  # cut short by a reader, or native publishers paced to us
+                        engine.wait_hurry(DISPATCH_LAZY_S)
                     heard = self._drain()
                 self._log_refused()
             except Exception:  # noqa: BLE001 - the thread must outlive one bad batch
@@ -172,20 +174,36 @@ class EngineTail:
             return self._drain_locked()
 
     def _drain_locked(self) -> bool:
-        """The engine's appends since the last drain into the index (runs the engine
+        """The engine's appends since the last drain, in steps of at most `DRAIN_ROWS`
+        (a dispatch far behind holds no more at once). Whether anyone heard of them."""
+        heard = False
+        while True:
+            taken, step_heard = self._drain_step()
+            heard = heard or step_heard
+            if taken < DRAIN_ROWS:
+                return heard
+
+    def _drain_step(self) -> tuple[int, bool]:
+        """Up to `DRAIN_ROWS` of the engine's appends into the index (runs the engine
         packed, in log order), then who waits for them: `on_dispatched` with this
         process's appends as their Messages and the native ones as `Appended` rows (read
         back from the log for a reader that wants their bodies), or only `on_grown` with
-        the queues' names while no message is wanted. Whether anyone heard of them."""
+        the queues' names while no message is wanted. How many were taken, and whether
+        anyone heard of them."""
         readers = self.readers
         detail = (self.on_grown is None or bool(self._own)
                   or (readers is not None and readers.reading()))
-        runs, keys, _, end, rows, new_segments = self.engine.take_runs(RUN_MAX, detail)
+        runs, keys, taken, end, rows, new_segments = self.engine.take_runs(
+            RUN_MAX, detail, DRAIN_ROWS)
         if new_segments:
             segs = tuple(Segment(self.dir / segment_name(b), b) for b in new_segments)
             self._update_segments(lambda old: (*old, *segs))
         if end is None:
-            return True
+            return taken, True
+        return taken, self._dispatch_step(runs, keys, end, rows)
+
+    def _dispatch_step(self, runs: list[tuple[str, int, bytes]], keys: list[tuple[str, int]],
+                       end: int, rows: list[Any] | None) -> bool:
         self._write_runs(runs, keys, end)
         before = self._write_pos
         self._write_pos = end
@@ -311,7 +329,6 @@ class EngineTail:
         """Close with the engine: the dispatcher stops, the engine stops (its reactors
         and their connections, then an fsync of the tail), the rest is dispatched."""
         self._dispatch_stop = True
-        self._hurry.set()
         self.engine.wake()
         if self._dispatcher is not None:
             self._dispatcher.join()

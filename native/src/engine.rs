@@ -14,7 +14,7 @@ use std::io::{self, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -28,6 +28,10 @@ use crate::router::{FilterError, Routes, TopicTrie};
 /// Linux's "no space left on device" (`io::ErrorKind::StorageFull` is newer than the
 /// crate's minimum Rust).
 const ENOSPC: i32 = 28;
+/// Appended rows the dispatch (the index, notify, readers of new messages) may be
+/// behind by before native publishers are paced to it: what waits for it in memory, and
+/// how far the index may lag the log, stay bounded whatever a client floods.
+pub const DISPATCH_BUDGET: usize = 16 * 1024;
 
 /// Where a queue the engine has not appended to yet ends (the index knows).
 pub type QueueEnd = Box<dyn Fn(&str) -> u64 + Send + Sync>;
@@ -166,7 +170,14 @@ struct Inner {
     handle: OnceLock<Handle>,
     /// Taken only after `log` (or alone): rows enter it in log order.
     pending: Mutex<Pending>,
+    /// Rows in `pending`, kept under its lock: past `DISPATCH_BUDGET` the reactors stop
+    /// reading publishers until the dispatch took them.
+    pending_rows: AtomicUsize,
     appended: Condvar,
+    /// Set (and `hurried` told) when the dispatch should not wait out its pause: the
+    /// reactors are paced to it, or a reader came (`Engine::hurry`).
+    hurry: Mutex<bool>,
+    hurried: Condvar,
     stopping: AtomicBool,
     write_pos: AtomicU64,
     flushed: AtomicU64,
@@ -190,6 +201,14 @@ pub struct Engine {
 struct EngineSink(Arc<Inner>);
 
 impl Sink for EngineSink {
+    fn behind(&self) -> bool {
+        let behind = self.0.pending_rows.load(Ordering::Relaxed) > DISPATCH_BUDGET;
+        if behind {
+            self.0.hurry();
+        }
+        behind
+    }
+
     fn report(&self, report: Report) {
         match report {
             Report::Published(batch) => self.0.append(batch),
@@ -242,6 +261,9 @@ impl Engine {
             subs: RwLock::new(Subs::default()),
             handle: OnceLock::new(),
             pending: Mutex::new(Pending::default()),
+            pending_rows: AtomicUsize::new(0),
+            hurry: Mutex::new(false),
+            hurried: Condvar::new(),
             appended: Condvar::new(),
             stopping: AtomicBool::new(false),
             write_pos: AtomicU64::new(write_pos),
@@ -422,11 +444,28 @@ impl Engine {
     /// What was appended since the last call, in log order, for the index, and the
     /// segments begun meanwhile.
     pub fn take_pending(&self) -> Pending {
+        self.take_pending_upto(usize::MAX)
+    }
+
+    /// At most `limit` rows of what was appended (the oldest), and every new segment:
+    /// a dispatch far behind catches up in bounded steps.
+    pub fn take_pending_upto(&self, limit: usize) -> Pending {
+        let Ok(mut p) = self.inner.pending.lock() else {
+            return Pending::default();
+        };
+        let taken = if p.rows.len() <= limit {
+            std::mem::take(&mut *p)
+        } else {
+            let rest = p.rows.split_off(limit);
+            Pending {
+                rows: std::mem::replace(&mut p.rows, rest),
+                new_segments: std::mem::take(&mut p.new_segments),
+            }
+        };
         self.inner
-            .pending
-            .lock()
-            .map(|mut p| std::mem::take(&mut *p))
-            .unwrap_or_default()
+            .pending_rows
+            .store(p.rows.len(), Ordering::Relaxed);
+        taken
     }
 
     /// What was appended since the last call, in log order, for the index.
@@ -454,6 +493,29 @@ impl Engine {
         let _guard = self.inner.pending.lock();
         self.inner.stopping.store(true, Ordering::Release);
         self.inner.appended.notify_all();
+        drop(_guard);
+        self.hurry();
+    }
+
+    /// Cut the dispatch's current (or next) pause short (`wait_hurry`).
+    pub fn hurry(&self) {
+        self.inner.hurry();
+    }
+
+    /// The dispatch's pause between batches: `timeout` at most, less when hurried.
+    /// Whether it was.
+    pub fn wait_hurry(&self, timeout: Duration) -> bool {
+        let Ok(h) = self.inner.hurry.lock() else {
+            return true;
+        };
+        let Ok((mut h, _)) = self
+            .inner
+            .hurried
+            .wait_timeout_while(h, timeout, |hurried| !*hurried)
+        else {
+            return true;
+        };
+        std::mem::take(&mut *h)
     }
 
     /// Take the reports (demotions, acks of deliveries) for the owner.
@@ -539,6 +601,13 @@ impl Engine {
 }
 
 impl Inner {
+    fn hurry(&self) {
+        if let Ok(mut h) = self.hurry.lock() {
+            *h = true;
+            self.hurried.notify_all();
+        }
+    }
+
     /// Every subscription of `conn` goes (it was demoted or it left).
     pub fn forget(&self, conn: u64) {
         let Ok(mut subs) = self.subs.write() else {
@@ -703,6 +772,7 @@ impl Inner {
         if let Ok(mut p) = self.pending.lock() {
             p.rows.extend(rows);
             p.new_segments.extend(&appended.new_segments);
+            self.pending_rows.store(p.rows.len(), Ordering::Relaxed);
         }
         self.publish_tail(&log.writer);
         drop(log);

@@ -344,9 +344,9 @@ struct PyEngine {
 
 impl PyEngine {
     /// What the engine appended since the last call; once stopped, what was left.
-    fn pending(&self) -> engine::Pending {
+    fn pending(&self, limit: usize) -> engine::Pending {
         match &self.inner {
-            Some(engine) => engine.take_pending(),
+            Some(engine) => engine.take_pending_upto(limit),
             None => self
                 .left
                 .lock()
@@ -548,18 +548,19 @@ impl PyEngine {
             .collect())
     }
 
-    /// What was appended since the last call as the index takes it (`index::runs`),
-    /// and the segments begun meanwhile: ([(queue, first offset, packed entries)],
-    /// [(key, phys_offset)], entries, the end of the last record or None, the rows as
-    /// `take_dispatched` gives them when `rows` (else None), [base]). Once stopped, what
-    /// was left when it stopped (then nothing).
-    #[pyo3(signature = (run_max, rows=false))]
+    /// What was appended since the last call (the oldest `limit` rows at most) as the
+    /// index takes it (`index::runs`), and the segments begun meanwhile: ([(queue, first
+    /// offset, packed entries)], [(key, phys_offset)], rows taken, the end of the last
+    /// record or None, the rows as `take_dispatched` gives them when `rows` (else None),
+    /// [base]). Once stopped, what was left when it stopped (then nothing).
+    #[pyo3(signature = (run_max, rows=false, limit=usize::MAX))]
     #[allow(clippy::type_complexity)]
     fn take_runs<'py>(
         &self,
         py: Python<'py>,
         run_max: usize,
         rows: bool,
+        limit: usize,
     ) -> PyResult<(
         Vec<(String, u64, Bound<'py, PyBytes>)>,
         Vec<(String, u64)>,
@@ -568,7 +569,8 @@ impl PyEngine {
         Option<Vec<DispatchedRow>>,
         Vec<u64>,
     )> {
-        let p = self.pending();
+        let p = self.pending(limit);
+        let taken = p.rows.len();
         let made = index::runs(&p.rows, run_max);
         let end = p.rows.last().map(|d| d.phys_offset + u64::from(d.size));
         let runs = made
@@ -577,7 +579,7 @@ impl PyEngine {
             .map(|r| (r.queue, r.first, PyBytes::new(py, &r.entries)))
             .collect();
         let rows = rows.then(|| p.rows.into_iter().map(row).collect());
-        Ok((runs, made.keys, made.entries, end, rows, p.new_segments))
+        Ok((runs, made.keys, taken, end, rows, p.new_segments))
     }
 
     /// Append Python's messages (`MessageRow`s) through the log's one writer: each
@@ -632,6 +634,20 @@ impl PyEngine {
         let engine = self.engine()?;
         let timeout = std::time::Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
         Ok(py.allow_threads(|| engine.wait_dispatched(timeout)))
+    }
+
+    /// The dispatch's pause: `timeout` seconds at most (the interpreter let go), less
+    /// when `hurry` was called or the reactors wait for the dispatch. Whether hurried.
+    fn wait_hurry(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let engine = self.engine()?;
+        let timeout = std::time::Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
+        Ok(py.allow_threads(|| engine.wait_hurry(timeout)))
+    }
+
+    /// Cut the dispatch's pause short (a reader came).
+    fn hurry(&self) -> PyResult<()> {
+        self.engine()?.hurry();
+        Ok(())
     }
 
     /// End every `wait_dispatched`, now and from here on: the dispatcher stops.

@@ -146,6 +146,12 @@ pub enum Report {
 
 pub trait Sink: Send + Sync + 'static {
     fn report(&self, report: Report);
+
+    /// Whether what was reported waits too long to be taken further (the dispatch of
+    /// the appends behind): the reactors then stop reading publishers for a moment.
+    fn behind(&self) -> bool {
+        false
+    }
 }
 
 /// Queues and a message's offset in each.
@@ -631,7 +637,7 @@ impl Worker {
             let pass = Instant::now();
             let mut published = Vec::new();
             let mut touched = std::mem::take(&mut self.again);
-            let stall = self.lanes.iter().any(|l| l.over_budget());
+            let stall = self.lanes.iter().any(|l| l.over_budget()) || self.sink.behind();
             if stall {
                 self.stalled.append(&mut touched);
             } else {
@@ -1107,6 +1113,17 @@ impl Worker {
     /// output, then deliveries that waited for room, until the socket is full or
     /// nothing is left.
     fn write_out(c: &mut Conn, counters: &Counters) {
+        Self::write_some_out(c, counters);
+        // What the socket did not take waits behind what it refused before: counted
+        // against the budget, and handed back whole should the connection go back.
+        let out = c.core.take_output();
+        if !out.is_empty() {
+            c.backlog().unsent.extend_from_slice(&out);
+        }
+        c.settle();
+    }
+
+    fn write_some_out(c: &mut Conn, counters: &Counters) {
         loop {
             if let Some(b) = c.backlog.as_mut().filter(|b| !b.unsent.is_empty()) {
                 match write_some(&mut c.stream, &b.unsent) {
@@ -1276,7 +1293,10 @@ mod tests {
         assert!(!lane.over_budget());
         lane.push([delivery(LANE_BUDGET / 2)]);
         assert_eq!(lane.queued.load(Ordering::Relaxed), LANE_BUDGET + 2);
-        assert!(lane.over_budget(), "past the budget, publishers are not read");
+        assert!(
+            lane.over_budget(),
+            "past the budget, publishers are not read"
+        );
         assert_eq!(lane.take().unwrap().len(), 3);
         assert!(!lane.over_budget(), "taken: read again");
     }
