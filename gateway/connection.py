@@ -54,7 +54,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         "_auth_cache", "_ask_hook", "_check_delivery", "_limits", "config", "session",
         "alive", "connected_at", "out", "_lane", "_lane_busy",
         "_closing", "_detached", "_taken_over", "_store_error", "_authenticator",
-        "delivery", "_held", "_paused", "reactor", "_scopes", "_closed",
+        "delivery", "_held", "_paused", "_quiescing", "reactor", "_scopes", "_closed",
         "_pending_connect", "_unpaused", "_full", "native", "native_topics",
     )
 
@@ -92,6 +92,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         self._held = 0  # partial-packet bytes counted in the node's read budget
         self._paused = False  # not read while the lane works
         self._full = False  # not read while too much waits for the socket (gateway.output)
+        self._quiescing = False  # not read while it settles for a handover
         self._unpaused: trio.Event | None = None  # a stream reader waits on it
         self._scopes: set[trio.CancelScope] | None = None  # the lane's, delivery's, writer's
         self.delivery: Delivery | None = None

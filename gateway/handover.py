@@ -48,6 +48,12 @@ log = logging.getLogger("lightgate.gateway.handover")
 MAX_TOPICS = 1024  # topics a connection may publish to natively (its ACL cache), at most
 FIRST_LOOK = 0.01  # seconds before a candidate that was busy is looked at again ...
 LAST_LOOK = 1.0  # ... doubling up to this
+# A candidate busy only with what it publishes (a client that publishes without a
+# pause is never quiet) is not read for up to this long, so that what is under way
+# settles and it can go over; at most this many times while it is a candidate, each
+# try twice as long after the one before (on a loaded machine the first may not do).
+QUIESCE_S = 0.05
+QUIESCE_TRIES = 8
 # What a look finds: never (the connection is not the kind), parked (not while its
 # subscriptions or rights are what they are: looked at again when they change), busy
 # (something is under way: looked at again soon), ready.
@@ -65,6 +71,8 @@ class Handover:
         self._threads = max(1, getattr(engine, "io_threads", 1))
         # Connections to promote when they are quiet: conn -> (when to look, delay).
         self._candidates: dict[Connection, tuple[float, float]] = {}
+        # Candidates held still (`_quiesce`): when it began, and how many times so far.
+        self._quiesced: dict[Connection, tuple[float, int]] = {}
         self._then: dict[int, tuple[Closing, trio.Nursery | None]] = {}  # after release
         self._back: dict[int, trio.Event] = {}  # `reclaim`s waiting
         self._waiting: trio.CancelScope | None = None  # the task's wait, until a look
@@ -98,11 +106,42 @@ class Handover:
                     or o.retain_as_published:
                 return PARKED  # until an UNSUBSCRIBE
         if not core.quiet() or conn._lane or conn._lane_busy or conn._paused \
-                or conn._full or conn._held or conn._scopes or conn.out.backlog \
-                or not self.broker.inbound.idle(conn) or s._dirty or s._replays \
-                or s._restored_upto or s._groups or conn.delivery._running:
+                or not self.broker.inbound.idle(conn) or not self._delivery_idle(conn):
             return BUSY
         return READY
+
+    @staticmethod
+    def _delivery_idle(conn: Connection) -> bool:
+        """Nothing under way on the way to the client."""
+        s = conn.session
+        return not (conn._full or conn._held or conn._scopes or conn.out.backlog
+                    or s._dirty or s._replays or s._restored_upto or s._groups
+                    or conn.delivery._running)
+
+    def _quiesce(self, conn: Connection, now: float) -> bool:
+        """A busy candidate: hold it still (no more reads) when what keeps it busy is
+        only what it publishes, which then settles; let go of one held too long. Whether
+        it is held now."""
+        began, tries = self._quiesced.get(conn, (0.0, 0))
+        if conn._quiescing:
+            if now - began < QUIESCE_S:
+                return True
+            conn.quiesce(False)  # something else keeps it busy: read it again
+            return False
+        if tries < QUIESCE_TRIES and now - began >= QUIESCE_S * 2 ** tries \
+                and conn.core.settles() and self._delivery_idle(conn):
+            log.debug("client %r (%s) not read for a moment: it settles to be promoted",
+                      conn.session.client_id, conn.peer)
+            conn.quiesce(True)
+            self._quiesced[conn] = (now, tries + 1)
+            return True
+        return False
+
+    def _forget_candidate(self, conn: Connection) -> None:
+        del self._candidates[conn]
+        self._quiesced.pop(conn, None)
+        if conn._quiescing and conn.native is None:
+            conn.quiesce(False)
 
     # -- promotion -----------------------------------------------------------------------
     def _promote(self, conn: Connection) -> bool:
@@ -117,7 +156,7 @@ class Handover:
                 return False  # where it starts is still the store's to say
             subs.append((sub.topic_filter, sub.options.qos, cursor))
         now = trio.current_time()
-        aliases, idle = core.handed_over(now)
+        aliases, idle, unread = core.handed_over(now)
         limits = core.limits
         conn_id = next(self._ids)
         fd = conn.fd
@@ -127,7 +166,8 @@ class Handover:
                 conn_id, fd, 5 if core.version == 5 else 4, core.keepalive,
                 core.decoder.max_packet_size, limits.max_qos, limits.topic_alias_maximum,
                 limits.receive_maximum, core.receive_maximum, limits.max_inflight,
-                core.client_max_packet, idle_for=idle, acl=set(conn.native_topics or ()),
+                core.client_max_packet, unread=unread, idle_for=idle,
+                acl=set(conn.native_topics or ()),
                 subscriptions=subs, aliases_in=aliases, next_packet_id=s.next_packet_id,
                 max_unsent=conn.out.rules.high,  # --max-unsent-bytes: past it, back
                 client_id=s.client_id)  # each publish's record names its client
@@ -135,9 +175,11 @@ class Handover:
             log.exception("promotion of %r failed", s.client_id)
             taken = False
         if not taken:
+            core.handed_back_unread(unread)
             reactor.take_back(conn)
             return False
         conn.native = conn_id
+        conn._quiescing = False  # read by the engine now; by Python again once back
         conn.park()
         self.promoted[conn_id] = conn
         log.debug("client %r (%s) promoted to the native plane (%d subscriptions), "
@@ -154,8 +196,12 @@ class Handover:
                 continue
             verdict = self._verdict(conn)
             if verdict == READY and self._promote(conn) or verdict in (NEVER, PARKED):
-                del self._candidates[conn]
+                self._forget_candidate(conn)
                 continue
+            if verdict == BUSY and self._quiesce(conn, now):
+                delay = FIRST_LOOK / 2  # settling: look again soon
+            elif conn._quiescing:  # not to be promoted now after all: read it again
+                conn.quiesce(False)
             delay = min(delay * 2, LAST_LOOK)
             self._candidates[conn] = (now + delay, delay)
             nxt = min(nxt, now + delay)

@@ -20,6 +20,7 @@ class ReadSwitch:
     _closed: bool
     _paused: bool  # the lane works
     _full: bool  # too much waits for the socket
+    _quiescing: bool  # held still to be handed to the native plane (gateway.handover)
     _unpaused: trio.Event | None  # a stream reader waits on it
 
     def _pause(self) -> None:
@@ -38,6 +39,15 @@ class ReadSwitch:
         if not self._closed:
             self._reading_changed()
 
+    def quiesce(self, on: bool) -> None:
+        """Read no more for a moment, so that what is under way settles and the
+        connection can be handed over (the socket's buffer holds the rest, which the
+        native side reads); or read again."""
+        if self._quiescing != on:
+            self._quiescing = on
+            if not self._closed:
+                self._reading_changed()
+
     def _reading_changed(self) -> None:
         reading = self.reading
         if self.reactor is not None:
@@ -51,4 +61,4 @@ class ReadSwitch:
 
     @property
     def reading(self) -> bool:
-        return not self._paused and not self._full
+        return not self._paused and not self._full and not self._quiescing

@@ -216,6 +216,14 @@ class Decoder:
         """Bytes of an incomplete packet held until the rest arrives."""
         return len(self._buf)
 
+    def take_buffered(self) -> bytes:
+        """The incomplete packet held, let go (for the native plane, which goes on
+        parsing from it: gateway.handover)."""
+        data = bytes(self._buf)
+        self._buf.clear()
+        self._need = 0
+        return data
+
     def feed(self, data: bytes | bytearray | memoryview) -> list[Packet]:
         if self._error is not None:
             raise self._error

@@ -12,6 +12,9 @@ from .codec import Decoder
 from .events import CONNECTED, Flows, Limits, Outgoing
 
 NEVER = float("inf")  # no deadline (one object, not a float for each idle connection)
+# The most of a partial packet the native side takes over with a connection (it holds
+# up to 64 KiB of one before it hands the connection back).
+HANDOVER_PARTIAL = 16 * 1024
 
 
 class Handback:
@@ -39,16 +42,30 @@ class Handback:
 
     def quiet(self) -> bool:
         """Connected with nothing under way: no answer owed, no inbound QoS 1/2 counted,
-        nothing in flight or in the outbox, no partial packet, no credentials' end."""
-        return (self.phase == CONNECTED and self.closed_by is None and not self._answers
-                and not self._inbound_unacked and not self._inbound_qos2 and not self._out
-                and self.flows is not None and not self.flows.in_flight()
-                and not self.decoder.buffered and self.expires_at is None
-                and not self._reauth and not self.exchanging)
+        nothing in flight or in the outbox, no more of a partial packet than the native
+        side takes over (`handed_over`), no credentials' end."""
+        return (self.settles() and not self._answers and not self._inbound_unacked
+                and not self._out and self.decoder.buffered <= HANDOVER_PARTIAL)
 
-    def handed_over(self, now: float) -> tuple[dict[int, str], float]:
-        """What the native side goes on from: the inbound topic aliases, seconds idle."""
-        return dict(self._aliases_in or {}), max(0.0, now - self._read_at)
+    def settles(self) -> bool:
+        """Whether `quiet` comes without reading more: what keeps it from quiet (answers
+        owed, QoS 1 publishes being stored) finishes on its own. Not so for a QoS 2
+        exchange, a delivery in flight, an AUTH exchange or credentials that end."""
+        return (self.phase == CONNECTED and self.closed_by is None and not self._inbound_qos2
+                and self.flows is not None and not self.flows.in_flight()
+                and self.expires_at is None and not self._reauth and not self.exchanging)
+
+    def handed_over(self, now: float) -> tuple[dict[int, str], float, bytes]:
+        """What the native side goes on from: the inbound topic aliases, seconds idle,
+        and the start of a packet read here (taken from the decoder: `handed_back_unread`
+        gives it back should the native side not take the connection)."""
+        return (dict(self._aliases_in or {}), max(0.0, now - self._read_at),
+                self.decoder.take_buffered())
+
+    def handed_back_unread(self, unread: bytes) -> None:
+        """The native side did not take the connection: the partial packet is ours."""
+        if unread:
+            self.decoder.feed(unread)
 
     def park(self) -> None:
         """The native side took the connection (after `handed_over`): what only reading
