@@ -361,3 +361,51 @@ fn a_promotion_waits_for_its_queues_end_and_a_demotion_hands_positions_back() {
     engine.stop().unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_dispatch_far_behind_takes_bounded_steps_and_can_be_hurried() {
+    let dir = std::env::temp_dir().join(format!("lg-engine-steps-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = Config {
+        segment_size: 1 << 20,
+        active_base: 0,
+        write_pos: 0,
+        default_partitions: 1,
+        sync: false,
+        io_threads: 1,
+    };
+    let engine = Engine::start(&dir, config, Box::new(|_| 0)).unwrap();
+    let messages: Vec<Message> = (0..5)
+        .map(|i| Message {
+            topic: "t".into(),
+            body: vec![i],
+            queues: vec!["t".into()],
+            ..Message::default()
+        })
+        .collect();
+    engine.append(&messages, None).unwrap();
+    let first = engine.take_pending_upto(2);
+    let rest = engine.take_pending_upto(10);
+    let offsets = |p: &lightgate_native::engine::Pending| -> Vec<u64> {
+        p.rows.iter().map(|d| d.queues[0].1).collect()
+    };
+    assert_eq!(offsets(&first), vec![0, 1], "the oldest first");
+    assert_eq!(offsets(&rest), vec![2, 3, 4]);
+    assert!(engine.take_pending_upto(10).rows.is_empty());
+
+    assert!(
+        !engine.wait_hurry(Duration::from_millis(20)),
+        "the pause, unhurried"
+    );
+    engine.hurry();
+    let t = std::time::Instant::now();
+    assert!(engine.wait_hurry(Duration::from_secs(5)), "hurried");
+    assert!(t.elapsed() < Duration::from_secs(1));
+    assert!(
+        !engine.wait_hurry(Duration::from_millis(20)),
+        "once per hurry"
+    );
+    engine.stop().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -8,6 +8,7 @@ mod common;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,12 +20,18 @@ use lightgate_native::reactor::{Command, Delivery, Reactor, Report, Sink, Why};
 struct Collect {
     reports: Mutex<Vec<Report>>,
     changed: Condvar,
+    /// What `behind` says: the owner cannot take more for now.
+    behind: AtomicBool,
 }
 
 impl Sink for Collect {
     fn report(&self, report: Report) {
         self.reports.lock().unwrap().push(report);
         self.changed.notify_all();
+    }
+
+    fn behind(&self) -> bool {
+        self.behind.load(Ordering::Relaxed)
     }
 }
 
@@ -406,5 +413,26 @@ fn deliveries_from_one_other_thread_at_light_load_move_the_connection_there() {
     assert_eq!(back.why, Why::Released);
     assert_eq!(back.positions.get("m"), Some(&u64::from(i)));
     assert!(sink.reports.lock().unwrap().is_empty());
+    reactor.stop();
+}
+
+#[test]
+fn publishers_are_not_read_while_the_owner_is_behind() {
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    let (mut client, socket) = pair();
+    adopt(&reactor, 1, socket, 0);
+    sink.behind.store(true, Ordering::Relaxed);
+    // PUBLISH QoS 0 "a" "x": it waits in the socket while the owner is behind.
+    client.write_all(&[0x30, 0x04, 0, 1, b'a', b'x']).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let published = |r: &Report| matches!(r, Report::Published(_));
+    assert!(!sink.reports.lock().unwrap().iter().any(published));
+    sink.behind.store(false, Ordering::Relaxed);
+    let batch = sink.wait(|r| match r {
+        Report::Published(b) => Some(b.clone()),
+        _ => None,
+    });
+    assert_eq!(batch[0].payload, b"x");
     reactor.stop();
 }
