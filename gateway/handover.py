@@ -180,6 +180,9 @@ class Handover:
             return False
         conn.native = conn_id
         conn._quiescing = False  # read by the engine now; by Python again once back
+        left = getattr(self.broker.store, "readers_left", None)  # an embedded store's
+        if left is not None and s.subscriptions:
+            left([sub.queue for sub in s.subscriptions.values()])
         conn.park()
         self.promoted[conn_id] = conn
         log.debug("client %r (%s) promoted to the native plane (%d subscriptions), "

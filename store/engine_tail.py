@@ -101,6 +101,7 @@ class EngineTail:
     def _init_engine_tail(self) -> None:
         self.engine = None  # lightgate_native.Engine, once start_engine handed it the tail
         self._dispatch_lock = threading.Lock()
+        self._draining: int | None = None  # the thread in `_drain`, under that lock
         self._own: dict[int, Message] = {}  # this process's appends, by position, until dispatched
         self._dispatcher: threading.Thread | None = None
         self._dispatch_stop = False
@@ -141,6 +142,10 @@ class EngineTail:
         sees a position, or a subscriber's count, past what the index answers."""
         if self.engine is not None:
             self.engine.hurry()  # and the next batch without the lazy pause
+            if self._draining == threading.get_ident():
+                # Called back from this thread's own drain (a notify delivered inline
+                # pulls): the index holds what it told of, and it tells of the rest.
+                return
             self._drain()
 
     def _dispatch_loop(self) -> None:
@@ -175,13 +180,18 @@ class EngineTail:
 
     def _drain_locked(self) -> bool:
         """The engine's appends since the last drain, in steps of at most `DRAIN_ROWS`
-        (a dispatch far behind holds no more at once). Whether anyone heard of them."""
+        (a dispatch far behind holds no more at once). Whether anyone heard of them.
+        Under `_dispatch_lock`."""
         heard = False
-        while True:
-            taken, step_heard = self._drain_step()
-            heard = heard or step_heard
-            if taken < DRAIN_ROWS:
-                return heard
+        self._draining = threading.get_ident()
+        try:
+            while True:
+                taken, step_heard = self._drain_step()
+                heard = heard or step_heard
+                if taken < DRAIN_ROWS:
+                    return heard
+        finally:
+            self._draining = None
 
     def _drain_step(self) -> tuple[int, bool]:
         """Up to `DRAIN_ROWS` of the engine's appends into the index (runs the engine

@@ -96,8 +96,36 @@ class RecentMessages:
         return kept
 
     def reading(self) -> bool:
-        """Whether any queue is read from here, or wanted (any thread)."""
-        return bool(self._rings or self._wanted)
+        """Whether any queue is read from here lately (within WANTED_S), or wanted (any
+        thread). If not, new messages need not come with their bodies, and the rings of
+        the queues they grow go (`grew`)."""
+        if self._wanted:
+            return True
+        rings = self._rings
+        try:  # the most recently read is last
+            return bool(rings) and time.monotonic() - next(reversed(rings.values())).read_at \
+                < WANTED_S
+        except (StopIteration, RuntimeError):  # emptied or changed meanwhile
+            return True
+
+    def grew(self, queues: set[str]) -> None:
+        """The writer thread: these queues grew by messages that came without their bodies
+        (nobody was `reading`): their rings no longer end at their queues' ends, so they go
+        (a reader's next miss starts another)."""
+        with self._lock:
+            for queue in queues:
+                self._drop(queue)
+
+    def unwant(self, queues: list[str]) -> None:
+        """Their reader went (to the native plane, which delivers on its own): their
+        messages are no longer read back for the rings, until someone reads them again."""
+        with self._lock:
+            for queue in queues:
+                self._wanted.discard(queue)
+                ring = self._rings.get(queue)
+                if ring is not None:
+                    ring.read_at = 0.0
+                    self._rings.move_to_end(queue, last=False)
 
     def wants(self, queue: str) -> bool:
         """Whether a reader waits for this queue's next message: it missed the ring, or

@@ -214,7 +214,13 @@ class EmbeddedStore:
     def _on_grown(self, names: set[str]) -> bool:
         """`_on_dispatched` when no message is kept (the native engine's dispatch, while
         no queue is read from the recent rings): tell readers which queues grew."""
+        self.recent.grew(names)
         return self._notify is not None and self._notify(names) is not False
+
+    def readers_left(self, queues: list[str]) -> None:
+        """A gateway's reader of these queues went to the native plane: their new messages
+        need no longer be read back for the recent rings (store.recent `unwant`)."""
+        self.recent.unwant(queues)
 
     # -- writes -----------------------------------------------------------------------
     async def append(

@@ -98,3 +98,30 @@ async def test_pull_at_the_head_is_served_from_memory(tmp_path: Path) -> None:
         assert [(m.msg_id, m.body, m.topic) for m in logged.messages] == \
             [(m.msg_id, m.body, m.topic) for m in res.messages]
         assert (await store.pull("a/b", 6, 10)).messages == []
+
+
+def test_a_ring_whose_reader_went_native_is_not_read_back_and_goes_when_its_queue_grows(
+) -> None:
+    r = RecentMessages()
+    r.get("q", 0, 1)
+    r.add([msg("q", 0), msg("q", 1)])
+    assert r.get("q", 2, 10) == ([], 2) and r.reading() and r.wants("q")
+    r.unwant(["q"])  # its reader was promoted to the native plane
+    assert not r.reading() and not r.wants("q")
+    assert r.get("q", 2, 10) == ([], 2)  # still exact until the queue grows
+    r.grew({"q"})  # grown by messages that came without their bodies
+    assert r.get("q", 2, 10) is None  # not "nothing new": the store answers
+    assert r.reading() and r.wants("q")  # that miss wants the next one
+
+
+def test_reading_follows_the_most_recent_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    r = RecentMessages()
+    r.get("a", 0, 1)
+    r.get("b", 0, 1)
+    r.add([msg("a", 0), msg("b", 0)])
+    assert r.reading()
+    now = time.monotonic()
+    monkeypatch.setattr(recent.time, "monotonic", lambda: now + recent.WANTED_S + 1)
+    assert not r.reading()  # nobody read for WANTED_S: bodies need not come
+    assert r.get("a", 1, 10) == ([], 1)
+    assert r.reading()
