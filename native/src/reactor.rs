@@ -433,6 +433,7 @@ impl Reactor {
                 epoch,
                 again: Vec::new(),
                 stalled: Vec::new(),
+                next_deadline: f64::INFINITY,
             };
             let handle = std::thread::Builder::new()
                 .name(format!("lightgate-io-{i}"))
@@ -560,6 +561,8 @@ struct Worker {
     again: Vec<Token>,
     /// Clients with bytes to read, not read while a thread is over `LANE_BUDGET`.
     stalled: Vec<Token>,
+    /// No keepalive of this thread's connections runs out before (`check_timeouts`).
+    next_deadline: f64,
 }
 
 impl Worker {
@@ -690,14 +693,12 @@ impl Worker {
     }
 
     fn next_timeout(&self) -> Duration {
-        let now = self.now();
-        let next = self
-            .conns
-            .values()
-            .filter(|c| c.demoting.is_none())
-            .map(|c| c.core.deadline())
-            .fold(now + 1.0, f64::min);
-        Duration::from_secs_f64((next - now).clamp(0.0, 1.0))
+        let wait = self.next_deadline - self.now();
+        Duration::from_secs_f64(if wait.is_nan() {
+            0.0
+        } else {
+            wait.clamp(0.0, 1.0)
+        })
     }
 
     fn read(&mut self, token: Token, buf: &mut [u8], published: &mut Vec<Inbound>) {
@@ -975,6 +976,7 @@ impl Worker {
         }
         conn.streak = 0;
         conn.adopted_at = self.now();
+        self.next_deadline = self.next_deadline.min(conn.core.deadline());
         self.tokens.insert(conn.id, token);
         self.conns.insert(token, conn);
         for command in waiting {
@@ -1094,19 +1096,33 @@ impl Worker {
                 published,
             );
         }
+        self.next_deadline = self.next_deadline.min(c.core.deadline());
         self.tokens.insert(conn, token);
         self.conns.insert(token, Box::new(c));
         Some(token)
     }
 
+    /// Keepalives that ran out. A deadline only moves later (a read), so the earliest
+    /// one found by the last scan bounds them all: no scan of every connection before it.
     fn check_timeouts(&mut self, touched: &mut Vec<Token>) {
         let now = self.now();
+        if now < self.next_deadline {
+            return;
+        }
+        let mut next = f64::INFINITY;
         for (token, c) in self.conns.iter_mut() {
-            if c.demoting.is_none() && now >= c.core.deadline() {
+            if c.demoting.is_some() {
+                continue;
+            }
+            let deadline = c.core.deadline();
+            if now >= deadline {
                 c.demoting = Some(Why::Timeout);
                 touched.push(*token);
+            } else {
+                next = next.min(deadline);
             }
         }
+        self.next_deadline = next;
     }
 
     /// Write what the socket takes: first the bytes it refused before, then the
