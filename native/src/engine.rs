@@ -769,15 +769,18 @@ impl Inner {
             }
         }
         let kept = if keep { rows.clone() } else { Vec::new() };
+        let mut first = false;
         if let Ok(mut p) = self.pending.lock() {
+            first = p.rows.is_empty();
             p.rows.extend(rows);
             p.new_segments.extend(&appended.new_segments);
             self.pending_rows.store(p.rows.len(), Ordering::Relaxed);
         }
         self.publish_tail(&log.writer);
         drop(log);
-        if !keep {
-            // A native publish wakes the dispatcher; an outside append's caller
+        if !keep && first {
+            // A native publish wakes the dispatcher, which waits only while nothing is
+            // pending (a notify is a syscall, waiter or not); an outside append's caller
             // dispatches itself before its ack (a wake-up each would cost more).
             self.appended.notify_all();
         }

@@ -646,7 +646,7 @@ impl Worker {
             } else {
                 touched.append(&mut self.stalled);
                 for &token in &touched {
-                    self.read(token, &mut buf, &mut published);
+                    self.read(token, &mut buf, &mut published, false);
                 }
             }
             for ev in events.iter() {
@@ -659,7 +659,9 @@ impl Worker {
                     if stall {
                         self.stalled.push(token);
                     } else {
-                        self.read(token, &mut buf, &mut published);
+                        // Closed by the client: read on to the end, whatever is short.
+                        let closed = ev.is_read_closed() || ev.is_error();
+                        self.read(token, &mut buf, &mut published, !closed);
                     }
                 }
             }
@@ -701,7 +703,15 @@ impl Worker {
         })
     }
 
-    fn read(&mut self, token: Token, buf: &mut [u8], published: &mut Vec<Inbound>) {
+    /// What the client sent, READ_PASS at most. `short_ends`: a short read ends it (the
+    /// event was an edge of new data, and a later arrival is another).
+    fn read(
+        &mut self,
+        token: Token,
+        buf: &mut [u8],
+        published: &mut Vec<Inbound>,
+        short_ends: bool,
+    ) {
         let now = self.now();
         let Some(c) = self.conns.get_mut(&token) else {
             return;
@@ -729,6 +739,11 @@ impl Worker {
                     }
                     if c.core.unread().len() > PARTIAL_BUDGET {
                         c.demoting = Some(Why::Packet);
+                        break;
+                    }
+                    if short_ends && n < buf.len() {
+                        // A short read emptied the socket: what comes later is a new
+                        // edge for epoll, so no second read only to hear WouldBlock.
                         break;
                     }
                 }
