@@ -50,7 +50,7 @@ DISPATCH_COALESCE_S = 0.005
 DISPATCH_LAZY_S = 0.05
 # Rows a drain takes from the engine at once: a dispatch far behind a flood (its readers
 # want every body) holds that many in Python, not the whole lag. The engine paces native
-# publishers once the lag passes its own budget (64k rows).
+# publishers once the lag passes its own budget (16,384 rows).
 DRAIN_ROWS = 2048
 
 # A message as the engine takes it (PyEngine.append_messages): born_ts, qos, retain,

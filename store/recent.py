@@ -52,6 +52,11 @@ class _Ring:
         return self.base + len(self.messages)
 
 
+def _read_lately(ring: _Ring) -> bool:
+    """Read within WANTED_S: its reader wants the next message's body."""
+    return time.monotonic() - ring.read_at < WANTED_S
+
+
 class RecentMessages:
     def __init__(self, per_queue: int = PER_QUEUE, max_bytes: int = MAX_BYTES) -> None:
         self.per_queue = per_queue
@@ -101,10 +106,8 @@ class RecentMessages:
         the queues they grow go (`grew`)."""
         if self._wanted:
             return True
-        rings = self._rings
         try:  # the most recently read is last
-            return bool(rings) and time.monotonic() - next(reversed(rings.values())).read_at \
-                < WANTED_S
+            return bool(self._rings) and _read_lately(next(reversed(self._rings.values())))
         except (StopIteration, RuntimeError):  # emptied or changed meanwhile
             return True
 
@@ -135,7 +138,7 @@ class RecentMessages:
         ring = self._rings.get(queue)
         if ring is None:
             return queue in self._wanted
-        return time.monotonic() - ring.read_at < WANTED_S
+        return _read_lately(ring)
 
     def _skip(self, queues: list[tuple[str, int]]) -> None:
         """A message of these queues comes without its body: a ring of one of them would

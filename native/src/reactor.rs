@@ -309,6 +309,20 @@ impl Lane {
         Some(std::mem::take(&mut *queue))
     }
 
+    /// The commands waiting for connection `conn` (it moves to another thread).
+    fn take_conn(&self, conn: u64) -> Vec<Command> {
+        let Ok(mut queue) = self.commands.lock() else {
+            return Vec::new();
+        };
+        let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *queue)
+            .into_iter()
+            .partition(|cmd| !matches!(cmd, Command::Stop) && cmd.conn() == conn);
+        let weight = rest.iter().map(Command::weight).sum();
+        self.queued.store(weight, Ordering::Relaxed);
+        *queue = rest;
+        mine
+    }
+
     fn over_budget(&self) -> bool {
         self.queued.load(Ordering::Relaxed) > LANE_BUDGET
     }
@@ -1019,19 +1033,7 @@ impl Worker {
             };
             // Under the write lock nothing is on its way here for it: what waits here
             // goes along, and what comes later queues behind its arrival there.
-            let here = &self.lanes[self.index];
-            let waiting = match here.commands.lock() {
-                Ok(mut queue) => {
-                    let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *queue)
-                        .into_iter()
-                        .partition(|cmd| !matches!(cmd, Command::Stop) && cmd.conn() == c.id);
-                    let weight = rest.iter().map(Command::weight).sum();
-                    here.queued.store(weight, Ordering::Relaxed);
-                    *queue = rest;
-                    mine
-                }
-                Err(_) => Vec::new(),
-            };
+            let waiting = self.lanes[self.index].take_conn(c.id);
             if to as u64 == c.id % self.lanes.len() as u64 {
                 routes.remove(&c.id);
             } else {
@@ -1157,18 +1159,11 @@ impl Worker {
     fn write_some_out(c: &mut Conn, counters: &Counters) {
         loop {
             if let Some(b) = c.backlog.as_mut().filter(|b| !b.unsent.is_empty()) {
-                match write_some(&mut c.stream, &b.unsent) {
-                    Ok(n) => {
-                        Counters::add(&counters.bytes_out, n as u64);
-                        b.unsent.drain(..n);
-                    }
-                    Err(e) => {
-                        c.demoting.get_or_insert(Why::Lost(format!(
-                            "connection lost while writing: {e}"
-                        )));
-                        return;
-                    }
-                }
+                let Some(n) = write_counted(&mut c.stream, &b.unsent, &mut c.demoting, counters)
+                else {
+                    return;
+                };
+                b.unsent.drain(..n);
                 if !b.unsent.is_empty() {
                     return;
                 }
@@ -1179,19 +1174,12 @@ impl Worker {
             if out.is_empty() {
                 return;
             }
-            match write_some(&mut c.stream, &out) {
-                Ok(n) => {
-                    Counters::add(&counters.bytes_out, n as u64);
-                    if n < out.len() {
-                        c.backlog().unsent.extend_from_slice(&out[n..]);
-                        return;
-                    }
-                }
-                Err(e) => {
-                    c.demoting
-                        .get_or_insert(Why::Lost(format!("connection lost while writing: {e}")));
-                    return;
-                }
+            let Some(n) = write_counted(&mut c.stream, &out, &mut c.demoting, counters) else {
+                return;
+            };
+            if n < out.len() {
+                c.backlog().unsent.extend_from_slice(&out[n..]);
+                return;
             }
             if c.held_bytes() == 0 {
                 return;
@@ -1205,7 +1193,6 @@ impl Worker {
             return;
         };
         Self::write_out(c, &self.counters);
-        c.settle();
         if c.unsent() > c.max_unsent || c.held_bytes() > c.max_unsent {
             c.demoting.get_or_insert(Why::Backlog);
         }
@@ -1275,6 +1262,25 @@ struct Adoption {
     acl: Option<HashSet<String>>,
     restore: Restore,
     max_unsent: usize,
+}
+
+/// `write_some`, counted in `bytes_out`; None (and the connection lost) on an error.
+fn write_counted(
+    stream: &mut TcpStream,
+    data: &[u8],
+    demoting: &mut Option<Why>,
+    counters: &Counters,
+) -> Option<usize> {
+    match write_some(stream, data) {
+        Ok(n) => {
+            Counters::add(&counters.bytes_out, n as u64);
+            Some(n)
+        }
+        Err(e) => {
+            demoting.get_or_insert(Why::Lost(format!("connection lost while writing: {e}")));
+            None
+        }
+    }
 }
 
 fn write_some(stream: &mut TcpStream, data: &[u8]) -> io::Result<usize> {

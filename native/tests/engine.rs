@@ -263,9 +263,7 @@ fn rolls_are_reported_with_the_rows_and_a_waiter_is_woken() {
 }
 
 fn temp_engine(name: &str, ends: fn(&str) -> u64) -> (Engine, std::path::PathBuf) {
-    let dir = std::env::temp_dir().join(format!("lg-engine-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tmp_dir(name);
     let config = Config {
         segment_size: 1 << 20,
         active_base: 0,
@@ -364,26 +362,8 @@ fn a_promotion_waits_for_its_queues_end_and_a_demotion_hands_positions_back() {
 
 #[test]
 fn a_dispatch_far_behind_takes_bounded_steps_and_can_be_hurried() {
-    let dir = std::env::temp_dir().join(format!("lg-engine-steps-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = Config {
-        segment_size: 1 << 20,
-        active_base: 0,
-        write_pos: 0,
-        default_partitions: 1,
-        sync: false,
-        io_threads: 1,
-    };
-    let engine = Engine::start(&dir, config, Box::new(|_| 0)).unwrap();
-    let messages: Vec<Message> = (0..5)
-        .map(|i| Message {
-            topic: "t".into(),
-            body: vec![i],
-            queues: vec!["t".into()],
-            ..Message::default()
-        })
-        .collect();
+    let (engine, dir) = temp_engine("steps", |_| 0);
+    let messages: Vec<Message> = (0..5).map(|i| message("t", &[i], &["t"])).collect();
     engine.append(&messages, None).unwrap();
     let first = engine.take_pending_upto(2);
     let rest = engine.take_pending_upto(10);

@@ -36,6 +36,14 @@ impl Sink for Collect {
 }
 
 impl Collect {
+    /// The first batch of publishes reported, waiting up to 5 s for it.
+    fn published(&self) -> Vec<lightgate_native::reactor::Inbound> {
+        self.wait(|r| match r {
+            Report::Published(b) => Some(b.clone()),
+            _ => None,
+        })
+    }
+
     /// The first report `pick` accepts, waiting up to 5 s for it.
     fn wait<T>(&self, mut pick: impl FnMut(&Report) -> Option<T>) -> T {
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -113,10 +121,7 @@ fn publish_ack_ping_deliver_and_hand_back() {
             0x32, 0x09, 0, 3, b'a', b'/', b'b', 0, 9, b'h', b'i', 0xC0, 0,
         ])
         .unwrap();
-    let batch = sink.wait(|r| match r {
-        Report::Published(b) => Some(b.clone()),
-        _ => None,
-    });
+    let batch = sink.published();
     assert_eq!(batch.len(), 1);
     assert_eq!(
         (batch[0].topic.as_str(), batch[0].payload.as_slice()),
@@ -429,10 +434,7 @@ fn publishers_are_not_read_while_the_owner_is_behind() {
     let published = |r: &Report| matches!(r, Report::Published(_));
     assert!(!sink.reports.lock().unwrap().iter().any(published));
     sink.behind.store(false, Ordering::Relaxed);
-    let batch = sink.wait(|r| match r {
-        Report::Published(b) => Some(b.clone()),
-        _ => None,
-    });
+    let batch = sink.published();
     assert_eq!(batch[0].payload, b"x");
     reactor.stop();
 }
