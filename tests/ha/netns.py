@@ -17,6 +17,7 @@ connections fail at once, as across a partitioned network. Needs root (CI runs a
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import subprocess
@@ -56,6 +57,16 @@ def available() -> str | None:
     return None
 
 
+_NETS = itertools.count()
+
+
+def _fresh_tag() -> str:
+    """A name part no other network of this host has: the pid at a fixed width (two
+    workers' pids never read as one) and a count within the process (three networks of
+    one test drew the same random suffix once in CI)."""
+    return f"{os.getpid() % 100000:05d}{next(_NETS) % 100:02d}"
+
+
 def _free_net() -> int:
     """A second octet no other test network on this host uses: each pytest worker draws
     from its own range (tests in one worker run one at a time), skipping any in use."""
@@ -73,7 +84,7 @@ class Net:
 
     n: int
     net: int = field(default_factory=_free_net)
-    tag: str = field(default_factory=lambda: f"{os.getpid() % 100000}{random.randrange(100)}")
+    tag: str = field(default_factory=_fresh_tag)
     cuts: set[tuple[int, int, str]] = field(default_factory=set)
 
     @property
@@ -93,6 +104,14 @@ class Net:
         return ["ip", "netns", "exec", self.ns(i)]
 
     def up(self) -> Net:
+        try:
+            self._make()
+        except BaseException:
+            self.down()  # a half-made network would hold its names and subnet
+            raise
+        return self
+
+    def _make(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("link", "set", self.bridge, "up")
         for kind in KINDS:
@@ -106,7 +125,6 @@ class Net:
                 _ip("-n", ns, "addr", "add", f"{self.ip(i, kind)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-        return self
 
     def _route(self, op: str, at: int, to: int, kind: str) -> None:
         where = [] if at == HOST else ["-n", self.ns(at)]

@@ -80,9 +80,11 @@ def _fault_after_idle(g: Group, net: netns.Net, fault: str, out: dict[str, Any])
 def test_an_idle_minute_then_kill_or_partition(tmp_path: Path) -> None:
     netns.require()
     faults = ["kill", "isolated", "raft_and_one"]
-    nets = [netns.Net(3).up() for _ in faults]
+    nets: list[netns.Net] = []
     groups: list[Group] = []
     try:
+        for _ in faults:
+            nets.append(netns.Net(3).up())
         for k, net in enumerate(nets):
             groups.append(Group(tmp_path / f"g{k}", 3, "--replication", "sync",
                                 "--min-insync", "2", net=net).start())
