@@ -20,7 +20,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::commitlog::LogWriter;
 use crate::reactor::{
-    Command, Counters, Delivery, Handle, Inbound, Positions, Reactor, Report, Sink,
+    Command, Counters, Delivery, Handle, Inbound, Lean, Positions, Reactor, Report, Sink,
 };
 use crate::record::{self, Record, RecordError};
 use crate::router::{FilterError, Routes, TopicTrie};
@@ -209,9 +209,15 @@ impl Sink for EngineSink {
         behind
     }
 
+    fn publish(&self, batch: Vec<Inbound>) -> Vec<(u64, Lean)> {
+        self.0.append(batch)
+    }
+
     fn report(&self, report: Report) {
         match report {
-            Report::Published(batch) => self.0.append(batch),
+            Report::Published(batch) => {
+                self.0.append(batch);
+            }
             // Our deliveries are all of clean sessions: an ack only frees the window,
             // which the reactor did already.
             Report::Acked { .. } => {}
@@ -437,8 +443,7 @@ impl Engine {
         store_ts: Option<u64>,
     ) -> Result<Vec<Dispatched>, AppendError> {
         let items: Vec<Item<'_>> = messages.iter().map(Item::of).collect();
-        let (_, rows) = self.inner.write(&items, store_ts, true)?;
-        Ok(rows)
+        Ok(self.inner.write(&items, store_ts, true)?.rows)
     }
 
     /// What was appended since the last call, in log order, for the index, and the
@@ -620,9 +625,10 @@ impl Inner {
     }
 
     /// One pass's publishes: appended, acknowledged, delivered, left for dispatch.
-    fn append(&self, batch: Vec<Inbound>) {
+    /// Returns where each one's deliveries went, by its connection.
+    fn append(&self, batch: Vec<Inbound>) -> Vec<(u64, Lean)> {
         let Some(handle) = self.handle.get() else {
-            return;
+            return Vec::new();
         };
         let items: Vec<Item<'_>> = batch
             .iter()
@@ -666,6 +672,14 @@ impl Inner {
             }
         }
         handle.send_many(commands);
+        match appended {
+            Ok(written) => batch
+                .iter()
+                .zip(written.leans)
+                .filter_map(|(inb, lean)| Some((inb.conn, lean?)))
+                .collect(),
+            Err(_) => Vec::new(),
+        }
     }
 
     /// Append `items` under the log lock: route the ones without queues, give each
@@ -673,13 +687,13 @@ impl Inner {
     /// for dispatch in log order, and queue the deliveries to native subscribers before
     /// the lock goes: two appends at once queue theirs in log order, so a subscriber
     /// gets them in order and a demotion's positions never pass a message not sent yet.
-    /// Returns each record's position, and (`keep`) the rows.
+    /// Returns (`keep`) the rows, and where each one's deliveries went.
     fn write(
         &self,
         items: &[Item<'_>],
         store_ts: Option<u64>,
         keep: bool,
-    ) -> Result<(Vec<u64>, Vec<Dispatched>), AppendError> {
+    ) -> Result<Written, AppendError> {
         if let Some(why) = self.failed() {
             return Err(AppendError::Failed(why));
         }
@@ -761,11 +775,25 @@ impl Inner {
         for (d, pos) in rows.iter_mut().zip(&appended.positions) {
             d.phys_offset = *pos;
         }
+        let mut leans = vec![None; items.len()];
         if let Some(handle) = self.handle.get() {
             let mut deliveries = Vec::new();
-            self.deliver(items, &rows, &mut deliveries);
+            let mut whose = Vec::new();
+            self.deliver(items, &rows, &mut deliveries, &mut whose);
             if !deliveries.is_empty() {
-                handle.send_many(deliveries);
+                let released: Vec<bool> = deliveries
+                    .iter()
+                    .map(|c| matches!(c, Command::Release { .. }))
+                    .collect();
+                let went = handle.send_many(deliveries);
+                for ((&item, lane), released) in whose.iter().zip(went).zip(released) {
+                    leans[item] = Some(match leans[item] {
+                        _ if released => Lean::Spread,
+                        None => Lean::To(lane),
+                        Some(Lean::To(l)) if l == lane => Lean::To(l),
+                        Some(_) => Lean::Spread,
+                    });
+                }
             }
         }
         let kept = if keep { rows.clone() } else { Vec::new() };
@@ -784,7 +812,7 @@ impl Inner {
             // dispatches itself before its ack (a wake-up each would cost more).
             self.appended.notify_all();
         }
-        Ok((appended.positions, kept))
+        Ok(Written { rows: kept, leans })
     }
 
     /// Where the tail is, for readers that do not take the log lock.
@@ -805,12 +833,19 @@ impl Inner {
     /// Each message once to each connection with a matching subscription, at the
     /// smaller of its QoS and the highest QoS of the connection's matching filters,
     /// with the message's offset in each of those filters' queues.
-    fn deliver(&self, items: &[Item<'_>], rows: &[Dispatched], commands: &mut Vec<Command>) {
+    /// `whose`: the index of the item each command is for.
+    fn deliver(
+        &self,
+        items: &[Item<'_>],
+        rows: &[Dispatched],
+        commands: &mut Vec<Command>,
+        whose: &mut Vec<usize>,
+    ) {
         let Ok(subs) = self.subs.read() else { return };
         if subs.table.is_empty() {
             return;
         }
-        for (item, d) in items.iter().zip(rows) {
+        for (i, (item, d)) in items.iter().zip(rows).enumerate() {
             let mut best: HashMap<u64, Target> = HashMap::new();
             subs.trie.for_each_match(item.topic, |_, id| {
                 if let Some(s) = subs.table.get(&id) {
@@ -837,8 +872,10 @@ impl Inner {
                     // QoS 2, or properties a v5 client must get: Python carries this
                     // message, so the connection goes back before it.
                     commands.push(Command::Release { conn });
+                    whose.push(i);
                     continue;
                 }
+                whose.push(i);
                 commands.push(Command::Deliver {
                     conn,
                     delivery: Delivery {
@@ -854,6 +891,14 @@ impl Inner {
             }
         }
     }
+}
+
+/// What an append leaves its caller.
+struct Written {
+    /// Each record's row, if it asked to keep them (their positions are in them).
+    rows: Vec<Dispatched>,
+    /// Per record, where its deliveries went (None: to nobody).
+    leans: Vec<Option<Lean>>,
 }
 
 /// One connection a message goes to: the highest QoS of its matching filters, its

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::{pair, read_exact};
 use lightgate_native::protocol::Settings;
-use lightgate_native::reactor::{Command, Delivery, Reactor, Report, Sink, Why};
+use lightgate_native::reactor::{Command, Delivery, Lean, Reactor, Report, Sink, Why};
 
 #[derive(Default)]
 struct Collect {
@@ -22,6 +22,8 @@ struct Collect {
     changed: Condvar,
     /// What `behind` says: the owner cannot take more for now.
     behind: AtomicBool,
+    /// Where `publish` says each publish's deliveries went (None: to nobody).
+    lean: Mutex<Option<Lean>>,
 }
 
 impl Sink for Collect {
@@ -32,6 +34,16 @@ impl Sink for Collect {
 
     fn behind(&self) -> bool {
         self.behind.load(Ordering::Relaxed)
+    }
+
+    fn publish(&self, batch: Vec<lightgate_native::reactor::Inbound>) -> Vec<(u64, Lean)> {
+        let lean = *self.lean.lock().unwrap();
+        let leans = batch
+            .iter()
+            .filter_map(|inb| Some((inb.conn, lean?)))
+            .collect();
+        self.report(Report::Published(batch));
+        leans
     }
 }
 
@@ -418,6 +430,54 @@ fn deliveries_from_one_other_thread_at_light_load_move_the_connection_there() {
     assert_eq!(back.why, Why::Released);
     assert_eq!(back.positions.get("m"), Some(&u64::from(i)));
     assert!(sink.reports.lock().unwrap().is_empty());
+    reactor.stop();
+}
+
+#[test]
+fn a_publisher_whose_deliveries_go_to_one_other_thread_at_light_load_moves_there() {
+    use lightgate_native::reactor::{LEAN_AFTER, MOVE_SETTLE_S};
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(2, sink.clone()).unwrap();
+    let (mut client, socket) = pair();
+    adopt(&reactor, 1, socket, 0); // conn 1: thread 1
+    let moved = || {
+        let counters = reactor.handle().counters().snapshot();
+        counters.iter().find(|(n, _)| *n == "moved").unwrap().1
+    };
+    let mut publish = |n: u8| {
+        // PUBLISH QoS 0 "a" [n], one pass each.
+        client.write_all(&[0x30, 0x04, 0, 1, b'a', n]).unwrap();
+        assert_eq!(sink.published()[0].payload, [n]);
+    };
+    // Before it settled, to nobody, to its own thread, or to several: it stays.
+    *sink.lean.lock().unwrap() = Some(Lean::To(0));
+    for n in 0..LEAN_AFTER as u8 {
+        publish(n);
+    }
+    std::thread::sleep(Duration::from_secs_f64(MOVE_SETTLE_S + 0.1));
+    for lean in [None, Some(Lean::To(1)), Some(Lean::Spread)] {
+        *sink.lean.lock().unwrap() = lean;
+        for n in 0..LEAN_AFTER as u8 * 2 {
+            publish(n);
+        }
+    }
+    // Each publish broke the run before: it needs a whole one of its own.
+    *sink.lean.lock().unwrap() = Some(Lean::To(0));
+    for n in 0..LEAN_AFTER as u8 - 1 {
+        publish(n);
+    }
+    assert_eq!(moved(), 0, "moved before a settled run to one other thread");
+    publish(9);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while moved() == 0 {
+        assert!(Instant::now() < deadline, "never moved");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Read and carried there: its publishes come out, and it goes back when asked.
+    publish(10);
+    assert_eq!(moved(), 1);
+    reactor.send(Command::Release { conn: 1 });
+    assert_eq!(take_demoted(&sink, 1).why, Why::Released);
     reactor.stop();
 }
 
