@@ -422,7 +422,10 @@ class CommitLog(EngineTail):
         while True:
             timeout = None
             if self.engine is not None:
-                timeout = 1.0  # the checkpoint follows what the engine made durable
+                # The checkpoint follows what the engine made durable; and its appends
+                # are dirty from their write, not from their dispatch, which may come
+                # later (`DISPATCH_LAZY_S`): the interval holds however late it runs.
+                timeout = min(1.0, self.flush_interval)
             if self._flushed < self._write_pos:
                 timeout = max(0.0, self._dirty_since + self.flush_interval - time.monotonic())
                 if self._write_pos - self._flushed >= self.flush_bytes:

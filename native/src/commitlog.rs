@@ -36,6 +36,23 @@ pub struct LogWriter {
     flushed: u64,
     /// Why the tail cannot be trusted any more (an fsync or an undo failed), if so.
     broken: Option<String>,
+    /// Moves at each `undo`: a sync begun before one no longer says what is durable.
+    generation: u64,
+}
+
+/// An fsync of the tail to run outside the writer's lock (`LogWriter::sync_ticket`), so
+/// that appends go on while the disk works: another handle on the active segment, the
+/// end it makes durable, and the writer's generation when it was taken.
+pub struct SyncTicket {
+    file: File,
+    target: u64,
+    generation: u64,
+}
+
+impl SyncTicket {
+    pub fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
 }
 
 impl LogWriter {
@@ -71,6 +88,7 @@ impl LogWriter {
             write_pos,
             flushed: write_pos,
             broken: None,
+            generation: 0,
         })
     }
 
@@ -178,6 +196,7 @@ impl LogWriter {
         self.active_base = start_base;
         self.write_pos = start_pos;
         self.flushed = self.flushed.min(start_pos);
+        self.generation += 1;
     }
 
     /// Make everything written durable; returns the durable end.
@@ -187,6 +206,40 @@ impl LogWriter {
             self.flushed = self.write_pos;
         }
         Ok(self.flushed)
+    }
+
+    /// What an fsync of everything written so far needs, taken under the writer's lock
+    /// and run without it; None if all of it is durable. (A segment rolled meanwhile
+    /// was made durable by the roll.)
+    pub fn sync_ticket(&self) -> io::Result<Option<SyncTicket>> {
+        if let Some(why) = &self.broken {
+            return Err(io::Error::other(why.clone()));
+        }
+        if self.flushed >= self.write_pos {
+            return Ok(None);
+        }
+        Ok(Some(SyncTicket {
+            file: self.file.try_clone()?,
+            target: self.write_pos,
+            generation: self.generation,
+        }))
+    }
+
+    /// What a ticket's fsync did, back under the lock: the durable end. A failed one
+    /// stops the log, as a failed `sync` does; one that an undo overtook says nothing.
+    pub fn synced(&mut self, ticket: &SyncTicket, result: io::Result<()>) -> io::Result<u64> {
+        match result {
+            Err(e) => {
+                self.broken.get_or_insert(format!("fsync failed: {e}"));
+                Err(e)
+            }
+            Ok(()) => {
+                if ticket.generation == self.generation {
+                    self.flushed = self.flushed.max(ticket.target);
+                }
+                Ok(self.flushed)
+            }
+        }
     }
 
     fn sync_file(&mut self) -> io::Result<()> {
@@ -237,6 +290,32 @@ mod tests {
         // A record larger than a segment still gets one of its own.
         let big = vec![9u8; 300];
         assert_eq!(w.append(&[&big]).unwrap().new_segments, vec![200]);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_sync_outside_the_lock_makes_durable_what_was_written_before_it() {
+        let dir = tmp("ticket");
+        let mut w = LogWriter::open(&dir, 1000, 0, 0).unwrap();
+        assert!(w.sync_ticket().unwrap().is_none(), "nothing to sync");
+        w.append(&[b"abc"]).unwrap();
+        let ticket = w.sync_ticket().unwrap().unwrap();
+        w.append(&[b"de"]).unwrap(); // appends go on while it syncs
+        let done = ticket.sync();
+        assert_eq!(w.synced(&ticket, done).unwrap(), 3, "only what it saw");
+        assert_eq!(w.sync().unwrap(), 5);
+        // An undo between the ticket and its end: the ticket says nothing.
+        w.append(&[b"fg"]).unwrap();
+        let ticket = w.sync_ticket().unwrap().unwrap();
+        w.undo(5, 0, &[]);
+        w.append(&[b"hijk"]).unwrap();
+        let done = ticket.sync();
+        assert_eq!(w.synced(&ticket, done).unwrap(), 5);
+        // A failed fsync stops the log.
+        let failed = Err(io::Error::other("EIO"));
+        let ticket = w.sync_ticket().unwrap().unwrap();
+        assert!(w.synced(&ticket, failed).is_err());
+        assert!(w.append(&[b"l"]).is_err() && w.sync_ticket().is_err());
         fs::remove_dir_all(&dir).unwrap();
     }
 

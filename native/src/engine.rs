@@ -564,17 +564,32 @@ impl Engine {
 
     /// Make everything written durable (`--flush async`'s flusher); the durable end.
     /// A failed fsync stops the log (the page cache's state is unknown after it).
+    /// The fsync runs outside the log's lock: appends (the reactors') go on meanwhile,
+    /// where holding it stalled every publisher for the disk's time.
     pub fn sync(&self) -> io::Result<u64> {
-        let Ok(mut log) = self.inner.log.lock() else {
-            return Err(io::Error::other("engine lock poisoned"));
+        let lock = || {
+            self.inner
+                .log
+                .lock()
+                .map_err(|_| io::Error::other("engine lock poisoned"))
         };
-        let synced = log.writer.sync();
+        let ticket = lock()?.writer.sync_ticket();
+        let synced = match ticket {
+            Ok(None) => Ok(self.flushed()),
+            Ok(Some(ticket)) => {
+                let done = ticket.sync();
+                let mut log = lock()?;
+                let synced = log.writer.synced(&ticket, done);
+                self.inner.publish_tail(&log.writer);
+                synced
+            }
+            Err(e) => Err(e),
+        };
         if let Err(e) = &synced {
             if let Ok(mut f) = self.inner.failed.lock() {
                 *f = Some(format!("fsync failed: {e}"));
             }
         }
-        self.inner.publish_tail(&log.writer);
         synced
     }
 
