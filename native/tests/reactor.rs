@@ -449,33 +449,42 @@ fn a_publisher_whose_deliveries_go_to_one_other_thread_at_light_load_moves_there
         client.write_all(&[0x30, 0x04, 0, 1, b'a', n]).unwrap();
         assert_eq!(sink.published()[0].payload, [n]);
     };
-    // Before it settled, to nobody, to its own thread, or to several: it stays.
-    *sink.lean.lock().unwrap() = Some(Lean::To(0));
-    for n in 0..LEAN_AFTER as u8 {
-        publish(n);
-    }
-    std::thread::sleep(Duration::from_secs_f64(MOVE_SETTLE_S + 0.1));
-    for lean in [None, Some(Lean::To(1)), Some(Lean::Spread)] {
-        *sink.lean.lock().unwrap() = lean;
+    let lean = |to: Option<Lean>| *sink.lean.lock().unwrap() = to;
+    let wait_moved = |times: u64| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while moved() < times {
+            assert!(Instant::now() < deadline, "never moved");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    // To nobody, to its own thread, or to several: it stays.
+    for to in [None, Some(Lean::To(1)), Some(Lean::Spread)] {
+        lean(to);
         for n in 0..LEAN_AFTER as u8 * 2 {
             publish(n);
         }
     }
-    // Each publish broke the run before: it needs a whole one of its own.
-    *sink.lean.lock().unwrap() = Some(Lean::To(0));
+    // Each of those broke the run before: it needs a whole one of its own.
+    lean(Some(Lean::To(0)));
     for n in 0..LEAN_AFTER as u8 - 1 {
         publish(n);
     }
-    assert_eq!(moved(), 0, "moved before a settled run to one other thread");
+    assert_eq!(moved(), 0, "moved before a run to one other thread");
     publish(9);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while moved() == 0 {
-        assert!(Instant::now() < deadline, "never moved");
-        std::thread::sleep(Duration::from_millis(5));
+    wait_moved(1);
+    // Read there; a run back does not move it again before it settled, then does.
+    lean(Some(Lean::To(1)));
+    for n in 0..LEAN_AFTER as u8 * 2 {
+        publish(n);
     }
-    // Read and carried there: its publishes come out, and it goes back when asked.
+    assert_eq!(moved(), 1, "moved again before it settled");
+    std::thread::sleep(Duration::from_secs_f64(MOVE_SETTLE_S + 0.1));
+    for n in 0..LEAN_AFTER as u8 {
+        publish(n);
+    }
+    wait_moved(2);
     publish(10);
-    assert_eq!(moved(), 1);
+    assert_eq!(moved(), 2);
     reactor.send(Command::Release { conn: 1 });
     assert_eq!(take_demoted(&sink, 1).why, Why::Released);
     reactor.stop();
