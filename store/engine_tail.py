@@ -49,8 +49,10 @@ DISPATCH_COALESCE_S = 0.005
 # that starts reading (`catch_up`) cuts the wait short; the flusher does not wait for
 # the dispatch. A drain costs ~220 us of interpreter however few rows it takes: at
 # 2,000 msg/s from native publishers to native subscribers, 5 ms batches cost 18 us of
-# CPU per message, 50 ms ones 2.7 us, 200 ms ones 0.7 us.
-DISPATCH_LAZY_S = 0.2
+# CPU per message, 50 ms ones 2.7 us, 250 ms ones 0.7 us. Longer is cheaper, but a
+# subscriber in Python (TLS, WebSocket) waits that long for the first message after a
+# spell in which nobody in Python heard of any.
+DISPATCH_LAZY_S = 0.1
 # How much less the dispatch's thread weighs for the scheduler than the reactors' (a
 # nice value: each step is ~1.25x less CPU share when cores are contended).
 DISPATCH_NICE = 10
