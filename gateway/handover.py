@@ -60,6 +60,19 @@ QUIESCE_TRIES = 8
 NEVER, PARKED, BUSY, READY = range(4)
 
 
+def _publishes_anywhere(conn: Connection) -> bool:
+    """Whether every topic within the limits is the connection's to publish to (no
+    authentication, or a Super user the built-in rules decide for): the engine then
+    needs no ACL cache, and no first publish on a topic comes to Python for it (a
+    publisher to more topics than the cache holds came back for every one past it)."""
+    auth = conn.broker.auth
+    if conn._ask_hook:
+        return False
+    if conn.subject is None:
+        return not auth.enabled
+    return auth.is_super(conn.subject)
+
+
 class Handover:
     def __init__(self, broker: Broker, engine: Any) -> None:
         self.broker = broker
@@ -78,6 +91,9 @@ class Handover:
         self._waiting: trio.CancelScope | None = None  # the task's wait, until a look
         self._ending = trio.Lock()  # one waits on the engine's descriptor at a time
         self.running = False
+        # What a connection that may publish anywhere (adopted with no ACL cache) is
+        # held to natively; past it, or on a `$` topic, its publish comes to Python.
+        engine.set_topic_limits(broker.max_topic_length, broker.max_topic_levels)
 
     # -- which connections ---------------------------------------------------------------
     def consider(self, conn: Connection) -> None:
@@ -171,7 +187,7 @@ class Handover:
                 core.decoder.max_packet_size, limits.max_qos, limits.topic_alias_maximum,
                 limits.receive_maximum, core.receive_maximum, limits.max_inflight,
                 core.client_max_packet, unread=unread, idle_for=idle,
-                acl=set(conn.native_topics or ()),
+                acl=None if _publishes_anywhere(conn) else set(conn.native_topics or ()),
                 subscriptions=subs, aliases_in=aliases, next_packet_id=s.next_packet_id,
                 max_unsent=conn.out.rules.high,  # --max-unsent-bytes: past it, back
                 client_id=s.client_id)  # each publish's record names its client

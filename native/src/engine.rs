@@ -19,6 +19,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::commitlog::LogWriter;
+use crate::protocol::TopicLimits;
 use crate::reactor::{
     Command, Counters, Delivery, Handle, Inbound, Lean, Positions, Reactor, Report, Sink,
 };
@@ -189,6 +190,8 @@ struct Inner {
     refused: Mutex<(Vec<String>, u64)>,
     /// A byte written here wakes the owner: reports wait (`Engine::wake_fd`).
     wake: UnixStream,
+    /// The owner's topic limits (`Engine::set_topic_limits`): length, levels.
+    topic_limits: (AtomicUsize, AtomicUsize),
 }
 
 pub struct Engine {
@@ -201,6 +204,13 @@ pub struct Engine {
 struct EngineSink(Arc<Inner>);
 
 impl Sink for EngineSink {
+    fn topic_limits(&self) -> TopicLimits {
+        TopicLimits {
+            max_length: self.0.topic_limits.0.load(Ordering::Relaxed),
+            max_levels: self.0.topic_limits.1.load(Ordering::Relaxed),
+        }
+    }
+
     fn behind(&self) -> bool {
         let behind = self.0.pending_rows.load(Ordering::Relaxed) > DISPATCH_BUDGET;
         if behind {
@@ -279,6 +289,7 @@ impl Engine {
             failed: Mutex::new(None),
             refused: Mutex::new((Vec::new(), 0)),
             wake,
+            topic_limits: (AtomicUsize::new(usize::MAX), AtomicUsize::new(usize::MAX)),
         });
         let reactor = Reactor::start(threads, Arc::new(EngineSink(Arc::clone(&inner))))?;
         let _ = inner.handle.set(reactor.handle());
@@ -291,6 +302,14 @@ impl Engine {
 
     pub fn send(&self, command: Command) {
         self.reactor.send(command);
+    }
+
+    /// What a topic is held to on a connection that may publish anywhere (adopted with
+    /// no ACL cache): past these, its publish goes to the owner, who refuses it.
+    pub fn set_topic_limits(&self, limits: TopicLimits) {
+        let (length, levels) = &self.inner.topic_limits;
+        length.store(limits.max_length, Ordering::Relaxed);
+        levels.store(limits.max_levels, Ordering::Relaxed);
     }
 
     /// The reactor threads (connection `conn` starts on thread `conn % io_threads`).

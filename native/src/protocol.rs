@@ -66,12 +66,37 @@ pub enum Acl {
     AskPython,
 }
 
+/// The owner's limits on a topic name (`--max-topic-length` in characters,
+/// `--max-topic-levels`): what a connection that may publish anywhere is held to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TopicLimits {
+    pub max_length: usize,
+    pub max_levels: usize,
+}
+
+impl TopicLimits {
+    pub const NONE: TopicLimits = TopicLimits {
+        max_length: usize::MAX,
+        max_levels: usize::MAX,
+    };
+
+    /// As the owner counts: characters, and levels as separators.
+    pub fn exceeded(&self, topic: &str) -> bool {
+        topic.chars().count() > self.max_length
+            || topic.bytes().filter(|&b| b == b'/').count() >= self.max_levels
+    }
+}
+
 impl Acl {
-    /// The verdict of a per-connection cache of allowed topics (None: every topic).
-    pub fn from_cache(allowed: &Option<BTreeSet<String>>, topic: &str) -> Acl {
+    /// The verdict of a per-connection cache of allowed topics, or (None) of a
+    /// connection that may publish to every topic: within `limits`, and not to a topic
+    /// of the server's (`$`), which the owner decides.
+    pub fn from_cache(allowed: &Option<BTreeSet<String>>, topic: &str, limits: TopicLimits) -> Acl {
         match allowed {
-            Some(set) if !set.contains(topic) => Acl::AskPython,
-            _ => Acl::Allowed,
+            Some(set) if set.contains(topic) => Acl::Allowed,
+            Some(_) => Acl::AskPython,
+            None if topic.starts_with('$') || limits.exceeded(topic) => Acl::AskPython,
+            None => Acl::Allowed,
         }
     }
 }
@@ -482,6 +507,34 @@ pub struct Dropped;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_acl_cache_or_anywhere_within_the_limits() {
+        let limits = TopicLimits {
+            max_length: 8,
+            max_levels: 3,
+        };
+        let cache: Option<BTreeSet<String>> = Some(["a/b".to_string()].into());
+        assert_eq!(Acl::from_cache(&cache, "a/b", limits), Acl::Allowed);
+        assert_eq!(Acl::from_cache(&cache, "a/c", limits), Acl::AskPython);
+        // What Python cached it checked: the cache is not held to the limits again.
+        let long: Option<BTreeSet<String>> = Some(["a/b/c/d/e".to_string()].into());
+        assert_eq!(Acl::from_cache(&long, "a/b/c/d/e", limits), Acl::Allowed);
+        for (topic, verdict) in [
+            ("a/b/c", Acl::Allowed),
+            ("a/b/c/d", Acl::AskPython), // three separators: past 3 levels
+            ("ééééééé", Acl::Allowed),   // 7 characters, 14 bytes
+            ("ééééééééé", Acl::AskPython),
+            ("$SYS/x", Acl::AskPython), // the server's: Python decides
+            ("$share", Acl::AskPython),
+        ] {
+            assert_eq!(Acl::from_cache(&None, topic, limits), verdict, "{topic}");
+        }
+        assert_eq!(
+            Acl::from_cache(&None, "a/b/c/d/e/f/g", TopicLimits::NONE),
+            Acl::Allowed
+        );
+    }
 
     fn settings(version: u8) -> Settings {
         Settings {

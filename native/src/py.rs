@@ -207,7 +207,7 @@ impl PyConnection {
         self.inner.receive(
             data,
             now,
-            |topic| protocol::Acl::from_cache(allowed, topic),
+            |topic| protocol::Acl::from_cache(allowed, topic, protocol::TopicLimits::NONE),
             &mut events,
         );
         let out = PyList::empty(py);
@@ -642,6 +642,17 @@ impl PyEngine {
         let engine = self.engine()?;
         let timeout = std::time::Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
         Ok(py.allow_threads(|| engine.wait_hurry(timeout)))
+    }
+
+    /// What a topic is held to on a connection adopted with `acl=None` (it may publish
+    /// anywhere): longer than `max_length` characters, or with `max_levels` separators,
+    /// its publish comes back to Python, as does one to a `$` topic.
+    fn set_topic_limits(&self, max_length: usize, max_levels: usize) -> PyResult<()> {
+        self.engine()?.set_topic_limits(protocol::TopicLimits {
+            max_length,
+            max_levels,
+        });
+        Ok(())
     }
 
     /// Cut the dispatch's pause short (a reader came).

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token, Waker};
 
-use crate::protocol::{Acl, Connection, Event, Outgoing, Settings};
+use crate::protocol::{Acl, Connection, Event, Outgoing, Settings, TopicLimits};
 
 const WAKER: Token = Token(usize::MAX);
 const READ_SIZE: usize = 64 * 1024;
@@ -159,6 +159,11 @@ pub trait Sink: Send + Sync + 'static {
     fn publish(&self, batch: Vec<Inbound>) -> Vec<(u64, Lean)> {
         self.report(Report::Published(batch));
         Vec::new()
+    }
+
+    /// What a topic of a connection that may publish anywhere is held to.
+    fn topic_limits(&self) -> TopicLimits {
+        TopicLimits::NONE
     }
 
     /// Whether what was reported waits too long to be taken further (the dispatch of
@@ -860,8 +865,13 @@ impl Worker {
     ) {
         let mut events = Vec::new();
         let acl = &c.acl;
-        c.core
-            .receive(data, now, |topic| Acl::from_cache(acl, topic), &mut events);
+        let limits = sink.topic_limits();
+        c.core.receive(
+            data,
+            now,
+            |topic| Acl::from_cache(acl, topic, limits),
+            &mut events,
+        );
         for ev in events {
             match ev {
                 Event::Publish {

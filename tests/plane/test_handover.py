@@ -21,6 +21,7 @@ from amqtt.client import MQTTClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import mqtt
+from gateway.handover import MAX_TOPICS
 from serving import plane
 from tests.conftest import Server
 from tests.mqtt.paho_client import Client
@@ -223,6 +224,36 @@ def test_python_answers_what_needs_it_and_promotes_again(srv: Server) -> None:
     assert isinstance(bye, mqtt.Disconnect) and bye.reason_code == 0x81
     assert raw.closed_by_server()
     assert said_back(srv, "raw5", "packet", 4)
+
+
+def test_a_client_that_may_publish_anywhere_stays_native_on_every_topic(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no authentication, a promoted publisher needs no ACL cache: more topics than
+    the cache would hold are all carried natively, while a topic past the limits and a
+    topic of the server's still get Python's answer."""
+    srv = native_server(tmp_path / "data", monkeypatch, "--max-topic-levels", "4",
+                        "--max-topic-length", "40")
+    try:
+        pub = Client(srv.port, "many", version=5)
+        wait_native(srv, "many")
+        promoted = promotions(srv, "many")
+        before = native_counters(srv)
+        topics = [f"fleet/{i}/cmd" for i in range(MAX_TOPICS + 100)]
+        for topic in topics:
+            assert pub.pub_codes[pub.publish(topic, b"go", qos=1)] == 0
+        after = native_counters(srv)
+        assert after["lightgate_native_messages_in_total"] \
+            - before["lightgate_native_messages_in_total"] == len(topics)
+        assert promotions(srv, "many") == promoted, "came back for a topic"
+        for topic in ("a/b/c/d/e", "x" * 41):  # 4 separators; 41 characters
+            promoted += 1
+            assert pub.pub_codes[pub.publish(topic, b"no", qos=1)] == 0x90
+            wait_promoted(srv, "many", promoted)  # Python answered; native again
+        assert pub.pub_codes[pub.publish("$SYS/x", b"no", qos=1)] == 0x87
+        assert pub.pub_codes[pub.publish("fleet/0/cmd", b"go", qos=1)] == 0
+        pub.disconnect()
+    finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]
 
 
 def test_an_unauthorised_topic_is_refused_by_python_then_native_again(
