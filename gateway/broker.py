@@ -100,6 +100,7 @@ class Broker:
         """Promote connections to `engine` (lightgate_native.Engine) from now on."""
         self.handover = Handover(self, engine)
         self.stats.native = engine.counters
+        self.stats.native_latency = engine.append_latency
 
     # -- what the others read ---------------------------------------------------------
     @property

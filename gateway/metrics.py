@@ -46,9 +46,10 @@ class BrokerCollector:
                                 value=sum(len(s.subscriptions) for s in sessions))
         yield GaugeMetricFamily("lightgate_inflight", "QoS 1/2 messages sent, not yet acked",
                                 value=sum(s.in_flight() for s in sessions))
+        ins, outs = st.per_qos()
         for name, doc, per_qos in (
-            ("lightgate_messages_received", "PUBLISH packets received", st.messages_in_qos),
-            ("lightgate_messages_sent", "PUBLISH packets delivered", st.messages_out_qos),
+            ("lightgate_messages_received", "PUBLISH packets received", ins),
+            ("lightgate_messages_sent", "PUBLISH packets delivered", outs),
         ):
             fam = CounterMetricFamily(name, doc, labels=["qos"])
             for qos, n in enumerate(per_qos):
@@ -76,13 +77,13 @@ class BrokerCollector:
         ):
             yield CounterMetricFamily(name, doc, value=value)
         yield from _budget_metrics(b, self.store_stats)
-        buckets = [(str(bound), n) for bound, n in zip(APPEND_BUCKETS, st.append_buckets,
-                                                        strict=True)]
-        buckets.append(("+Inf", st.append_count))
+        counts, count, total = st.append_histogram()
+        buckets = [(str(bound), n) for bound, n in zip(APPEND_BUCKETS, counts, strict=True)]
+        buckets.append(("+Inf", count))
         yield HistogramMetricFamily(
             "lightgate_store_append_latency_seconds",
             "Publish submitted to the store until durably acknowledged",
-            buckets=buckets, sum_value=st.append_sum)
+            buckets=buckets, sum_value=total)
         yield GaugeMetricFamily("lightgate_cache_hit_ratio",
                                 "Share of pulls served from the gateway message cache",
                                 value=b.cache.hit_ratio)

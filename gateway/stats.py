@@ -40,6 +40,10 @@ class Stats:
         self.store_errors = 0  # store calls of background work that failed (retried later)
         # The native plane's own counters (lightgate_native.Engine.counters), once it runs.
         self.native: Callable[[], dict[str, int]] | None = None
+        # ... and its appends' latency (Engine.append_latency): bounds, cumulative counts,
+        # count, sum.
+        self.native_latency: Callable[[], tuple[list[float], list[int], int, float]] \
+            | None = None
 
     def totals(self) -> dict[str, int]:
         """Messages and bytes in and out: this side's and the native plane's."""
@@ -50,6 +54,28 @@ class Stats:
             for name in out:
                 out[name] += native.get(name, 0)
         return out
+
+    def per_qos(self) -> tuple[list[int], list[int]]:
+        """Messages in and out by QoS: this side's and the native plane's (QoS 0 and 1)."""
+        ins, outs = list(self.messages_in_qos), list(self.messages_out_qos)
+        if self.native is not None:
+            native = self.native()
+            for counts, name in ((ins, "messages_in"), (outs, "messages_out")):
+                qos1 = native.get(f"{name}_qos1", 0)
+                counts[0] += native.get(name, 0) - qos1
+                counts[1] += qos1
+        return ins, outs
+
+    def append_histogram(self) -> tuple[list[int], int, float]:
+        """The appends' latency, this side's and the native plane's: cumulative counts
+        per bound of APPEND_BUCKETS, the count and the sum (seconds)."""
+        buckets, count, total = list(self.append_buckets), self.append_count, self.append_sum
+        if self.native_latency is not None:
+            bounds, native, n, s = self.native_latency()
+            if tuple(bounds) == APPEND_BUCKETS:  # the engine's are ours (test_engine_writer)
+                buckets = [a + b for a, b in zip(buckets, native, strict=True)]
+                count, total = count + n, total + s
+        return buckets, count, total
 
     def observe_append(self, seconds: float) -> None:
         self.append_count += 1

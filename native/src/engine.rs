@@ -192,6 +192,36 @@ struct Inner {
     wake: UnixStream,
     /// The owner's topic limits (`Engine::set_topic_limits`): length, levels.
     topic_limits: (AtomicUsize, AtomicUsize),
+    /// How long native publishes took to append (`Engine::append_latency`).
+    append_latency: Latency,
+}
+
+/// Upper bounds (seconds) of the append latency histogram: the gateway's own
+/// (`gateway/stats.py` APPEND_BUCKETS), so that the two add up bucket by bucket.
+pub const APPEND_BUCKETS: [f64; 12] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+];
+
+/// A cumulative histogram of `APPEND_BUCKETS`, its count and sum.
+#[derive(Default)]
+struct Latency {
+    buckets: [AtomicU64; 12],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+impl Latency {
+    fn observe(&self, took: Duration) {
+        let seconds = took.as_secs_f64();
+        for (bound, n) in APPEND_BUCKETS.iter().zip(&self.buckets) {
+            if seconds <= *bound {
+                n.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    }
 }
 
 pub struct Engine {
@@ -290,6 +320,7 @@ impl Engine {
             refused: Mutex::new((Vec::new(), 0)),
             wake,
             topic_limits: (AtomicUsize::new(usize::MAX), AtomicUsize::new(usize::MAX)),
+            append_latency: Latency::default(),
         });
         let reactor = Reactor::start(threads, Arc::new(EngineSink(Arc::clone(&inner))))?;
         let _ = inner.handle.set(reactor.handle());
@@ -302,6 +333,20 @@ impl Engine {
 
     pub fn send(&self, command: Command) {
         self.reactor.send(command);
+    }
+
+    /// The native publishes' append latency: per bucket of `APPEND_BUCKETS` (cumulative),
+    /// the count and the sum in seconds.
+    pub fn append_latency(&self) -> (Vec<u64>, u64, f64) {
+        let l = &self.inner.append_latency;
+        (
+            l.buckets
+                .iter()
+                .map(|b| b.load(Ordering::Relaxed))
+                .collect(),
+            l.count.load(Ordering::Relaxed),
+            l.sum_ns.load(Ordering::Relaxed) as f64 / 1e9,
+        )
     }
 
     /// What a topic is held to on a connection that may publish anywhere (adopted with
@@ -679,7 +724,9 @@ impl Inner {
                 queues: None,
             })
             .collect();
+        let started = std::time::Instant::now();
         let appended = self.write(&items, None, false);
+        self.append_latency.observe(started.elapsed());
         if let Err(e) = &appended {
             if let Ok(mut r) = self.refused.lock() {
                 if r.0.len() < 8 {

@@ -506,6 +506,13 @@ impl PyEngine {
 
     /// What the reactors did: messages and bytes in and out, drops, adoptions,
     /// demotions, connections held now.
+    /// How long native publishes took to append: (bucket bounds in seconds, cumulative
+    /// count per bound, count, sum in seconds), as a Prometheus histogram takes them.
+    fn append_latency(&self) -> PyResult<(Vec<f64>, Vec<u64>, u64, f64)> {
+        let (buckets, count, sum) = self.engine()?.append_latency();
+        Ok((engine::APPEND_BUCKETS.to_vec(), buckets, count, sum))
+    }
+
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
         for (name, value) in self.engine()?.counters().snapshot() {

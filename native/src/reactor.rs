@@ -214,6 +214,9 @@ pub struct Restore {
 pub struct Counters {
     pub messages_in: AtomicU64,
     pub messages_out: AtomicU64,
+    /// Of those, at QoS 1 (the rest are QoS 0: QoS 2 is the owner's).
+    pub messages_in_qos1: AtomicU64,
+    pub messages_out_qos1: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     pub dropped: AtomicU64,
@@ -235,6 +238,8 @@ impl Counters {
         vec![
             ("messages_in", get(&self.messages_in)),
             ("messages_out", get(&self.messages_out)),
+            ("messages_in_qos1", get(&self.messages_in_qos1)),
+            ("messages_out_qos1", get(&self.messages_out_qos1)),
             ("bytes_in", get(&self.bytes_in)),
             ("bytes_out", get(&self.bytes_out)),
             ("dropped", get(&self.dropped)),
@@ -882,6 +887,9 @@ impl Worker {
                     ticket,
                 } => {
                     Counters::add(&counters.messages_in, 1);
+                    if qos == 1 {
+                        Counters::add(&counters.messages_in_qos1, 1);
+                    }
                     published.push(Inbound {
                         conn: c.id,
                         client_id: c.client_id.clone(),
@@ -941,7 +949,12 @@ impl Worker {
     ) {
         // A delivery the client cannot take (too large) is dropped, as in Python.
         match core.deliver(&d.topic, &d.payload, d.qos, d.retain, d.source) {
-            Ok(_) => Counters::add(&counters.messages_out, 1),
+            Ok(_) => {
+                Counters::add(&counters.messages_out, 1);
+                if d.qos == 1 {
+                    Counters::add(&counters.messages_out_qos1, 1);
+                }
+            }
             Err(_) => Counters::add(&counters.dropped, 1),
         }
         for (queue, offset) in d.positions {

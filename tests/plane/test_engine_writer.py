@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from gateway import mqtt
+from gateway.stats import APPEND_BUCKETS
 from lightqueue.index import ConsumeQueueIndex
 from serving import plane
 from store import commitlog as commitlog_module
@@ -318,6 +319,10 @@ def test_the_flusher_syncs_and_checkpoints_what_the_engine_wrote(tmp_path: Path,
         log.append([Message("a/b", b"python")], [["a/b"]]).result(10)
         end = engine.write_pos
         assert end == log.max_offset > 0
+        # The native append's latency, in the gateway's buckets (they add up).
+        bounds, counts, count, total = engine.append_latency()
+        assert tuple(bounds) == APPEND_BUCKETS and count >= 1 and total > 0
+        assert counts[-1] == count and counts == sorted(counts)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and (
                 engine.flushed < end or log._read_checkpoint() != end):

@@ -120,11 +120,23 @@ def said_back(srv: Server, client_id: str, why: str, count: int = 1) -> bool:
     return True
 
 
-def native_counters(srv: Server) -> dict[str, float]:
+def metric_samples(srv: Server) -> dict[tuple[str, tuple], float]:
     with urllib.request.urlopen(f"http://{srv.addrs['http']}/metrics", timeout=5) as r:
         text = r.read().decode()
-    return {s.name: s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if s.name.startswith("lightgate_native_")}
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def native_counters(srv: Server) -> dict[str, float]:
+    return {name: v for (name, _), v in metric_samples(srv).items()
+            if name.startswith("lightgate_native_")}
+
+
+def per_qos(srv: Server) -> list[float]:
+    """lightgate_messages_received and _sent by QoS 0 and 1 (both planes)."""
+    samples = metric_samples(srv)
+    return [samples[(f"lightgate_messages_{way}_total", (("qos", q),))]
+            for way in ("received", "sent") for q in ("0", "1")]
 
 
 @pytest.mark.parametrize("version", [4, 5])
@@ -138,7 +150,8 @@ def test_promoted_clients_carry_qos0_and_qos1_natively(srv1: Server, version: in
     wait_native(srv, f"sub{version}", 1)
     wait_native(srv, f"pub{version}")  # the topic in its ACL cache
     promoted = promotions(srv, f"pub{version}")
-    before = native_counters(srv)
+    before, qos_before = native_counters(srv), per_qos(srv)
+    appends_before = metric_samples(srv)[("lightgate_store_append_latency_seconds_count", ())]
     for i in range(100):
         pub.publish("dev/1/t", b"q1-%d" % i, qos=1)
         pub.publish("dev/1/t", b"q0-%d" % i, qos=0, wait=False)
@@ -152,6 +165,11 @@ def test_promoted_clients_carry_qos0_and_qos1_natively(srv1: Server, version: in
         - before["lightgate_native_messages_in_total"] == 200
     assert after["lightgate_native_messages_out_total"] \
         - before["lightgate_native_messages_out_total"] == 200
+    # ... and the counters by QoS count them too: 100 of each, in and out; the append
+    # latency histogram has their appends.
+    assert [b - a for a, b in zip(qos_before, per_qos(srv), strict=True)] == [100, 100, 100, 100]
+    appends = ("lightgate_store_append_latency_seconds_count", ())
+    assert metric_samples(srv)[appends] - appends_before >= 100  # QoS 1: one at a time
     assert promotions(srv, f"pub{version}") == promoted, "nothing handed it back meanwhile"
     # The overview ($SYS too) counts both planes' messages.
     with urllib.request.urlopen(f"http://{srv.addrs['http']}/api/v1/overview") as r:
