@@ -202,7 +202,9 @@ pub const APPEND_BUCKETS: [f64; 12] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 ];
 
-/// A cumulative histogram of `APPEND_BUCKETS`, its count and sum.
+/// A histogram of `APPEND_BUCKETS` (each observation counted in the first bucket it
+/// fits, one atomic add on the append's path; made cumulative when read), its count
+/// and sum.
 #[derive(Default)]
 struct Latency {
     buckets: [AtomicU64; 12],
@@ -213,10 +215,8 @@ struct Latency {
 impl Latency {
     fn observe(&self, took: Duration) {
         let seconds = took.as_secs_f64();
-        for (bound, n) in APPEND_BUCKETS.iter().zip(&self.buckets) {
-            if seconds <= *bound {
-                n.fetch_add(1, Ordering::Relaxed);
-            }
+        if let Some(i) = APPEND_BUCKETS.iter().position(|bound| seconds <= *bound) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
         }
         self.count.fetch_add(1, Ordering::Relaxed);
         self.sum_ns
@@ -339,10 +339,14 @@ impl Engine {
     /// the count and the sum in seconds.
     pub fn append_latency(&self) -> (Vec<u64>, u64, f64) {
         let l = &self.inner.append_latency;
+        let mut below = 0;
         (
             l.buckets
                 .iter()
-                .map(|b| b.load(Ordering::Relaxed))
+                .map(|b| {
+                    below += b.load(Ordering::Relaxed);
+                    below
+                })
                 .collect(),
             l.count.load(Ordering::Relaxed),
             l.sum_ns.load(Ordering::Relaxed) as f64 / 1e9,
@@ -862,12 +866,8 @@ impl Inner {
             let mut whose = Vec::new();
             self.deliver(items, &rows, &mut deliveries, &mut whose);
             if !deliveries.is_empty() {
-                let released: Vec<bool> = deliveries
-                    .iter()
-                    .map(|c| matches!(c, Command::Release { .. }))
-                    .collect();
                 let went = handle.send_many(deliveries);
-                for ((&item, lane), released) in whose.iter().zip(went).zip(released) {
+                for (&(item, released), lane) in whose.iter().zip(went) {
                     leans[item] = Some(match leans[item] {
                         _ if released => Lean::Spread,
                         None => Lean::To(lane),
@@ -914,13 +914,14 @@ impl Inner {
     /// Each message once to each connection with a matching subscription, at the
     /// smaller of its QoS and the highest QoS of the connection's matching filters,
     /// with the message's offset in each of those filters' queues.
-    /// `whose`: the index of the item each command is for.
+    /// `whose`: for each command, the index of its item and whether it hands the
+    /// connection back (`Release`).
     fn deliver(
         &self,
         items: &[Item<'_>],
         rows: &[Dispatched],
         commands: &mut Vec<Command>,
-        whose: &mut Vec<usize>,
+        whose: &mut Vec<(usize, bool)>,
     ) {
         let Ok(subs) = self.subs.read() else { return };
         if subs.table.is_empty() {
@@ -953,10 +954,10 @@ impl Inner {
                     // QoS 2, or properties a v5 client must get: Python carries this
                     // message, so the connection goes back before it.
                     commands.push(Command::Release { conn });
-                    whose.push(i);
+                    whose.push((i, true));
                     continue;
                 }
-                whose.push(i);
+                whose.push((i, false));
                 commands.push(Command::Deliver {
                     conn,
                     delivery: Delivery {

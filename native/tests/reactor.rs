@@ -374,6 +374,21 @@ fn qos0(i: u32, from_lane: Option<usize>) -> Command {
     }
 }
 
+/// How many connections moved between threads so far.
+fn moves(reactor: &Reactor) -> u64 {
+    let counters = reactor.handle().counters().snapshot();
+    counters.iter().find(|(n, _)| *n == "moved").unwrap().1
+}
+
+/// Until `times` connections moved, 5 s at most.
+fn wait_moves(reactor: &Reactor, times: u64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while moves(reactor) < times {
+        assert!(Instant::now() < deadline, "never moved");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn deliveries_from_one_other_thread_at_light_load_move_the_connection_there() {
     use lightgate_native::reactor::{MOVE_AFTER, MOVE_SETTLE_S};
@@ -381,10 +396,7 @@ fn deliveries_from_one_other_thread_at_light_load_move_the_connection_there() {
     let reactor = Reactor::start(2, sink.clone()).unwrap();
     let (mut client, socket) = pair();
     adopt(&reactor, 1, socket, 0); // conn 1: thread 1
-    let moved = || {
-        let counters = reactor.handle().counters().snapshot();
-        counters.iter().find(|(n, _)| *n == "moved").unwrap().1
-    };
+    let moved = || moves(&reactor);
     // From its own thread, from nowhere (Python), or alternating: it stays.
     let mut i = 0;
     for from in [Some(1), None, Some(0), Some(1)]
@@ -402,11 +414,7 @@ fn deliveries_from_one_other_thread_at_light_load_move_the_connection_there() {
         reactor.send(qos0(i, Some(0)));
         i += 1;
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while moved() == 0 {
-        assert!(Instant::now() < deadline, "never moved");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_moves(&reactor, 1);
     for _ in 0..100 {
         reactor.send(qos0(i, Some(0)));
         i += 1;
@@ -440,23 +448,13 @@ fn a_publisher_whose_deliveries_go_to_one_other_thread_at_light_load_moves_there
     let reactor = Reactor::start(2, sink.clone()).unwrap();
     let (mut client, socket) = pair();
     adopt(&reactor, 1, socket, 0); // conn 1: thread 1
-    let moved = || {
-        let counters = reactor.handle().counters().snapshot();
-        counters.iter().find(|(n, _)| *n == "moved").unwrap().1
-    };
+    let moved = || moves(&reactor);
     let mut publish = |n: u8| {
         // PUBLISH QoS 0 "a" [n], one pass each.
         client.write_all(&[0x30, 0x04, 0, 1, b'a', n]).unwrap();
         assert_eq!(sink.published()[0].payload, [n]);
     };
     let lean = |to: Option<Lean>| *sink.lean.lock().unwrap() = to;
-    let wait_moved = |times: u64| {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while moved() < times {
-            assert!(Instant::now() < deadline, "never moved");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    };
     // To nobody, to its own thread, or to several: it stays.
     for to in [None, Some(Lean::To(1)), Some(Lean::Spread)] {
         lean(to);
@@ -471,7 +469,7 @@ fn a_publisher_whose_deliveries_go_to_one_other_thread_at_light_load_moves_there
     }
     assert_eq!(moved(), 0, "moved before a run to one other thread");
     publish(9);
-    wait_moved(1);
+    wait_moves(&reactor, 1);
     // Read there; a run back does not move it again before it settled, then does.
     lean(Some(Lean::To(1)));
     for n in 0..LEAN_AFTER as u8 * 2 {
@@ -482,7 +480,7 @@ fn a_publisher_whose_deliveries_go_to_one_other_thread_at_light_load_moves_there
     for n in 0..LEAN_AFTER as u8 {
         publish(n);
     }
-    wait_moved(2);
+    wait_moves(&reactor, 2);
     publish(10);
     assert_eq!(moved(), 2);
     reactor.send(Command::Release { conn: 1 });
