@@ -260,6 +260,7 @@ def bench_alerts(spark: Any, addr: str, mqtt: str, seconds: float, rate: float,
     dev.loop_stop()
     sub.loop_stop()
     first = [round(x, 1) for x in latencies[:5]]  # in arrival order: the query warming up?
+    in_order = [round(x) for x in latencies]  # arrival order: where the slow ones are
     latencies.sort()
     trig = sorted(p["durationMs"]["triggerExecution"] for p in batches)
     parts = ("addBatch", "walCommit", "commitOffsets", "queryPlanning", "latestOffset")
@@ -268,6 +269,7 @@ def bench_alerts(spark: Any, addr: str, mqtt: str, seconds: float, rate: float,
             "alert_p99_ms": _pct(latencies, 0.99),
             "alert_max_ms": round(latencies[-1], 1) if latencies else None,
             "alert_first_ms": first,
+            "alert_ms_in_order": in_order,
             "alert_warmup_s": warmup,
             "alert_batch_ms_p50": _pct(trig, 0.5), "alert_batch_ms_p95": _pct(trig, 0.95),
             "alert_batch_ms_p50_parts": {

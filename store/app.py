@@ -83,6 +83,7 @@ async def store_node(
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         server = NativeServer(store, auth)
+        store.commitlog.waiting = server.waiters.any  # no lazy dispatch while a pull waits
         if repl_cfg is not None:  # `lightgate store`: a master others may copy
             # In place before the port opens: a replica never takes a client's write.
             repl = Replication(store, repl_cfg, native)

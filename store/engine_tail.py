@@ -47,11 +47,11 @@ DISPATCH_COALESCE_S = 0.005
 # False: every reader of those queues is a native subscriber): the index and the
 # counters may lag that much, a reader of the index dispatches first anyway, and one
 # that starts reading (`catch_up`) cuts the wait short; the flusher does not wait for
-# the dispatch. A drain costs ~220 us of interpreter however few rows it takes: at
-# 2,000 msg/s from native publishers to native subscribers, 5 ms batches cost 18 us of
-# CPU per message, 50 ms ones 2.7 us, 250 ms ones 0.7 us. Longer is cheaper, but a
-# subscriber in Python (TLS, WebSocket) waits that long for the first message after a
-# spell in which nobody in Python heard of any.
+# the dispatch, and none is taken while a reader waits (`waiting`). A drain costs ~220
+# us of interpreter however few rows it takes: at 2,000 msg/s from native publishers to
+# native subscribers, 5 ms batches cost 18 us of CPU per message, 50 ms ones 2.7 us, 250
+# ms ones 0.7 us. Longer is cheaper, but a subscriber in Python (TLS, WebSocket) waits
+# that long for the first message after a spell in which nobody in Python heard of any.
 DISPATCH_LAZY_S = 0.1
 # How much less the dispatch's thread weighs for the scheduler than the reactors' (a
 # nice value: each step is ~1.25x less CPU share when cores are contended).
@@ -114,6 +114,11 @@ class EngineTail:
     # Told the names of the queues that grew when no message is wanted (`readers`) and
     # none is this process's: as `on_dispatched`, False if nobody heard.
     on_grown: Callable[[set[str]], bool | None] | None = None
+    # Whether a reader in this process waits for new messages now (a long-polling PULL,
+    # such as a Spark trigger waiting for the next reading): the dispatch takes no lazy
+    # pause then. Told per batch is not enough: a batch nobody heard of, landing while
+    # the reader waits, made the next one wait `DISPATCH_LAZY_S` too.
+    waiting: Callable[[], bool] | None = None
 
     def _init_engine_tail(self) -> None:
         self.engine = None  # lightgate_native.Engine, once start_engine handed it the tail
@@ -173,7 +178,7 @@ class EngineTail:
         while not self._dispatch_stop:
             try:
                 if engine.wait_dispatched(0.5):
-                    if heard:
+                    if heard or (self.waiting is not None and self.waiting()):
                         time.sleep(DISPATCH_COALESCE_S)
                     else:  # cut short by a reader, or native publishers paced to us
                         engine.wait_hurry(DISPATCH_LAZY_S)

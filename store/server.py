@@ -115,6 +115,10 @@ class QueueWaiters:
         events = self._events
         return any(name in events for name in names)
 
+    def any(self) -> bool:
+        """Whether any pull waits (from any thread, as `any_waiting`)."""
+        return bool(self._events)
+
     def wake(self, names: set[str]) -> None:
         for name in names:
             entry = self._events.pop(name, None)
