@@ -39,9 +39,9 @@ def test_alerts_end_to_end(server: Server, tmp_path: Path) -> None:
     sub.subscribe("alerts/#", qos=1)
     app = Consumer(server.native, "alert-app", "alerts")
     ck = tmp_path / "ck"
+    # The job's own trigger: back to back, each batch waiting in the store for a reading.
     job = Job("analytics", "run", "alerts", "--server", server.native, "--rules", str(rules),
-              "--checkpoint", str(ck), "--master", "local[2]",
-              "--trigger", "0.5 seconds", "--starting-offsets", "earliest")
+              "--checkpoint", str(ck), "--master", "local[2]", "--starting-offsets", "earliest")
     devices: dict[str, Client] = {}
     try:
         job.wait_for("analytics alerts running", 240)
