@@ -131,4 +131,4 @@ bench-full: $(STAMP) redis bench-peers
 	$(BIN)/python bench/native_bench.py
 
 clean:
-	rm -rf $(VENV) data .pytest_cache site native/target lightgate_native.*.so bench/.peers
+	rm -rf $(VENV) data .pytest_cache site native/target serving/lightgate_native.*.so bench/.peers

@@ -1,4 +1,4 @@
-"""Which data plane this process runs: the compiled one (`lightgate_native`, built from
+"""Which data plane this process runs: the compiled one (`serving.lightgate_native`, built from
 native/ with the package when a Rust toolchain is there) or pure Python.
 
 `LIGHTGATE_NATIVE=0` runs pure Python even where the extension is installed (the
@@ -20,7 +20,7 @@ def _load() -> ModuleType | None:
     if os.environ.get(ENV, "").strip() == "0":
         return None
     try:
-        import lightgate_native
+        from serving import lightgate_native
     except ImportError:
         return None
     return lightgate_native

@@ -21,8 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 with atheris.instrument_imports():
     from gateway import mqtt
 
-import lightgate_native  # noqa: E402 - the fuzzed code (compiled: not instrumented)
-
+from serving import lightgate_native  # noqa: E402 - the fuzzed code (compiled: not instrumented)
 from tests.plane.codec_outcomes import native_outcome, python_outcome  # noqa: E402
 
 BUDGETS = (16, 64, 300, mqtt.MAX_PACKET_SIZE)

@@ -83,6 +83,34 @@ def test_the_native_plane_is_the_default(tmp_path: Path,
         assert server.stop() == 0
 
 
+def test_the_installed_command_runs_the_native_plane(tmp_path: Path) -> None:
+    """`lightgate serve` as `make serve` and a user run it: the installed script, from
+    another directory, nothing on PYTHONPATH. The extension used to be a top-level module
+    that an editable install builds at the checkout's root, where only `python -m` from
+    the checkout found it: the script ran the Python plane."""
+    script = Path(sys.executable).parent / "lightgate"
+    if not script.exists():
+        pytest.skip("no installed lightgate script beside this interpreter")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LIGHTGATE_NATIVE")}
+    proc = subprocess.Popen([str(script), "serve", "--data-dir", str(tmp_path / "d"),
+                             "--mqtt", "127.0.0.1:0", "--ws", "off", "--native", "127.0.0.1:0",
+                             "--http", "127.0.0.1:0"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ready "):
+                break
+        assert lines and lines[-1].startswith("ready "), "".join(lines)
+        assert "plane=native" in lines[-1], lines[-1]
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
 def test_the_python_plane_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LIGHTGATE_NATIVE", "0")
     server = Server(tmp_path / "d").start()
@@ -107,12 +135,28 @@ def test_a_separated_gateway_takes_io_threads_and_runs_python(
         assert store.stop() == 0
 
 
+# Put in place, before anything imports it, as `serving.lightgate_native`: the module of
+# this source, or None (an import that fails) when the source raises ImportError.
+STUB_SITECUSTOMIZE = """\
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("serving.lightgate_native", {path!r})
+module = importlib.util.module_from_spec(spec)
+try:
+    spec.loader.exec_module(module)
+except ImportError:
+    module = None
+sys.modules["serving.lightgate_native"] = module
+"""
+
+
 def _serve_with_stub(tmp_path: Path, stub_source: str) -> subprocess.CompletedProcess[str]:
-    """`lightgate serve` with LIGHTGATE_NATIVE=1 and a module named lightgate_native of
-    this source first on the path (a missing or an older extension, as a user has it)."""
+    """`lightgate serve` with LIGHTGATE_NATIVE=1 and this source as the extension
+    (`serving.lightgate_native`): a missing or an older extension, as a user has it."""
     stub = tmp_path / "stub"
     stub.mkdir()
-    (stub / "lightgate_native.py").write_text(stub_source)
+    (stub / "native_stub.py").write_text(stub_source)
+    (stub / "sitecustomize.py").write_text(
+        STUB_SITECUSTOMIZE.format(path=str(stub / "native_stub.py")))
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "LIGHTGATE_NATIVE": "1",
            "PYTHONPATH": os.pathsep.join([str(stub), str(root)])}
