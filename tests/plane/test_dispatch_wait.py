@@ -8,8 +8,6 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -18,18 +16,10 @@ from spark_streaming.native import StoreClient
 from store.engine_tail import DISPATCH_LAZY_S
 from tests.conftest import Server
 from tests.mqtt.paho_client import Client
-from tests.plane.test_handover import native_server, wait_native
+from tests.plane.test_handover import wait_native
 
 pytestmark = pytest.mark.skipif(plane.NATIVE is None or not hasattr(plane.NATIVE, "Engine"),
                                 reason="the native data plane is not built")
-
-
-@pytest.fixture
-def srv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
-    s = native_server(tmp_path / "data", monkeypatch)
-    yield s
-    if s.proc is not None:
-        assert s.stop() == 0, s.logs()[-3000:]
 
 
 def _ends(c: StoreClient, topic: str) -> dict[str, int]:

@@ -26,25 +26,13 @@ from serving import plane
 from tests.conftest import Server
 from tests.mqtt.paho_client import Client
 from tests.mqtt.raw import RawClient
+from tests.plane.conftest import native_server
 from tests.security.helpers import ADMIN, add_user, allow
 
 PROMOTED = "promoted to the native plane"
 
 pytestmark = pytest.mark.skipif(plane.NATIVE is None or not hasattr(plane.NATIVE, "Engine"),
                                 reason="the native data plane is not built")
-
-
-def native_server(data: Path, monkeypatch: pytest.MonkeyPatch, *extra: str) -> Server:
-    monkeypatch.setenv("LIGHTGATE_NATIVE", "1")
-    return Server(data, *extra).start()
-
-
-@pytest.fixture
-def srv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
-    s = native_server(tmp_path / "data", monkeypatch)
-    yield s
-    if s.proc is not None:
-        assert s.stop() == 0, s.logs()[-3000:]
 
 
 @pytest.fixture

@@ -19,7 +19,8 @@ import pytest
 from gateway import mqtt
 from serving import plane
 from tests.conftest import Server
-from tests.plane.test_handover import native_counters, native_server
+from tests.plane.conftest import native_server
+from tests.plane.test_handover import native_counters
 
 pytestmark = pytest.mark.skipif(plane.NATIVE is None or not hasattr(plane.NATIVE, "Engine"),
                                 reason="the native data plane is not built")
