@@ -97,7 +97,7 @@ class Broker:
         self.handover: Handover | None = None
 
     def use_engine(self, engine: object) -> None:
-        """Promote connections to `engine` (lightgate_native.Engine) from now on."""
+        """Promote connections to `engine` (serving.lightgate_native.Engine) from now on."""
         self.handover = Handover(self, engine)
         self.stats.native = engine.counters
         self.stats.native_latency = engine.append_latency

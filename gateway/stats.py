@@ -38,7 +38,7 @@ class Stats:
         self.offline_dropped = 0  # skipped past --max-offline-messages / -bytes
         self.topic_refusals = 0  # topics past --max-topic-levels / --max-topic-length
         self.store_errors = 0  # store calls of background work that failed (retried later)
-        # The native plane's own counters (lightgate_native.Engine.counters), once it runs.
+        # The native plane's own counters (serving.lightgate_native.Engine.counters), once it runs.
         self.native: Callable[[], dict[str, int]] | None = None
         # ... and its appends' latency (Engine.append_latency): bounds, cumulative counts,
         # count, sum.

@@ -19,7 +19,7 @@ TRIGGER = "1 second"
 # Alerts run back to back: a trigger with nothing to do waits in the store for the next
 # reading (waitMs), so a reading starts its micro-batch as it lands. With a fixed
 # interval, one that landed while a batch ran waited for the next tick as well: at
-# 0.2 s, publish->alert p95 went 129-282 ms with the phase of the devices' clock
+# 0.2 s, publish->alert p95 went 122-282 ms with the phase of the devices' clock
 # against Spark's, against 137-182 ms back to back (bench/spark_bench.py).
 ALERTS_TRIGGER = "0 seconds"
 

@@ -3,7 +3,7 @@ LIGHTGATE_NATIVE=1): the part of `store.commitlog.CommitLog` that starts the eng
 the tail recovery left, appends through it, feeds the index from its appends in log
 order, and stops it.
 
-The engine (lightgate_native.Engine) is then the log's one writer: the MQTT publishes of
+The engine (serving.lightgate_native.Engine) is then the log's one writer: the MQTT publishes of
 the connections it carries and every append of this process's go through it, so the
 queue offsets it gives out inside the append never collide, and it leaves each append's
 index rows in log order. One dispatch path at a time (`_dispatch_lock`) takes them into
@@ -121,7 +121,7 @@ class EngineTail:
     waiting: Callable[[], bool] | None = None
 
     def _init_engine_tail(self) -> None:
-        self.engine = None  # lightgate_native.Engine, once start_engine handed it the tail
+        self.engine = None  # serving.lightgate_native.Engine, once start_engine handed it the tail
         self._dispatch_lock = threading.Lock()
         self._draining: int | None = None  # the thread in `_drain`, under that lock
         self._own: dict[int, Message] = {}  # this process's appends, by position, until dispatched
@@ -131,7 +131,7 @@ class EngineTail:
         self._unwritten: list[tuple[list, list]] = []  # index runs a failed write left
 
     def start_engine(self, io_threads: int = 1, default_partitions: int = 1) -> Any:
-        """Hand the tail to a native engine (lightgate_native.Engine) after `open`: from
+        """Hand the tail to a native engine (serving.lightgate_native.Engine) after `open`: from
         here on it writes every append, this process's and its native connections', and
         a dispatcher thread feeds the index from its appends in log order. Returns it."""
         if plane.NATIVE is None:

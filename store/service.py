@@ -198,7 +198,7 @@ class EmbeddedStore:
 
     @property
     def engine(self) -> Any:
-        """The native engine that writes the log (lightgate_native.Engine), or None."""
+        """The native engine that writes the log (serving.lightgate_native.Engine), or None."""
         return self.commitlog.engine
 
     def _on_dispatched(self, messages: list[Message]) -> bool:
