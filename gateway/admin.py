@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
-import os
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -31,6 +30,7 @@ from gateway.session import NUL, Session
 from lightqueue.routing import split_partition_queue
 from lightqueue.since import parse_since, parse_time
 from lightqueue.topic import validate_topic_filter
+from serving.fd_budget import open_fds
 from serving.http import paginate
 from store.api import AuthManager, DecisionCache, Message, Store, StoreError, Subject, topic_rows
 
@@ -430,7 +430,7 @@ class GatewayApi:
         """Live tasks and open file descriptors: what a leak would show first."""
         return JSONResponse({
             "tasks": _count_tasks(trio.lowlevel.current_root_task()),
-            "open_fds": len(os.listdir("/proc/self/fd")),
+            "open_fds": open_fds(),  # None where the platform does not list them
             "sessions": len(self.broker.sessions),
             "connections": self.broker.stats.connections,
         })

@@ -151,8 +151,10 @@ def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
     if answers:  # held over every connection; the limit is each connection's
         used.add_metric(["native_unsent_answer_bytes"], answers["held"])
         limit.add_metric(["native_unsent_answer_bytes"], answers["limit"])
-    used.add_metric(["client_fds"], open_fds())  # this process's, all of them
-    limit.add_metric(["client_fds"], client_fd_ceiling())
+    fds = open_fds()  # this process's, all of them (None: the platform does not list them)
+    if fds is not None:
+        used.add_metric(["client_fds"], fds)
+        limit.add_metric(["client_fds"], client_fd_ceiling())
     producers = store_stats.get("producers")
     if producers:  # the store's idempotent producers: ids, and sequences (each capped)
         for kind in ("ids", "sequences"):

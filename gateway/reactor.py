@@ -3,18 +3,18 @@
 A task per connection costs a scheduler pass and an epoll re-arm on every wake-up: with
 many devices each sending a message now and then, that was most of the broker's CPU.
 Here the connections' sockets sit in one epoll set of our own (registered once, level
-triggered); trio waits on that set's fd, and each pass reads every socket that has data,
-hands the bytes to its connection (gateway.connection), appends what they published in
-one batch (gateway.inbound), then writes what waits. Sockets that cannot take what is
-written are watched for writability until they do; timers (the CONNECT's, keepalive,
-credentials) are a heap checked once per pass."""
+triggered; a kqueue where there is no epoll: gateway.poller); trio waits on that set's
+fd, and each pass reads every socket that has data, hands the bytes to its connection
+(gateway.connection), appends what they published in one batch (gateway.inbound), then
+writes what waits. Sockets that cannot take what is written are watched for writability
+until they do; timers (the CONNECT's, keepalive, credentials) are a heap checked once
+per pass."""
 
 from __future__ import annotations
 
 import heapq
 import logging
 import os
-import select
 import socket
 from typing import TYPE_CHECKING
 
@@ -22,6 +22,7 @@ import trio
 
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing
+from gateway.poller import ERR, HUP, RDHUP, READ, WRITE, open_poller
 from serving.accepting import ACCEPT_BACKOFF_S, must_rest
 from serving.fd_budget import over_budget
 from serving.read_budget import ReadBudget
@@ -34,15 +35,15 @@ log = logging.getLogger("lightgate.gateway.reactor")
 
 READ_SIZE = 65536
 MAX_EVENTS = 512  # sockets handled in one pass, at most: other tasks run in between
-IN = select.EPOLLIN | select.EPOLLRDHUP
-OUT = select.EPOLLOUT
+IN = READ | RDHUP
+OUT = WRITE
 STALE_TIMERS = 256  # forgotten timers the heap may hold beyond twice the live ones
 
 
 class Reactor:
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
-        self.ep = select.epoll()
+        self.ep = open_poller()
         self.conns: dict[int, Connection] = {}
         self._listeners: dict[int, tuple[socket.socket, str]] = {}
         self._resting: dict[int, float] = {}  # listener fd -> when it accepts again
@@ -58,7 +59,7 @@ class Reactor:
     def listen(self, sock: socket.socket, addr: str) -> None:
         sock.setblocking(False)
         self._listeners[sock.fileno()] = (sock, addr)
-        self.ep.register(sock.fileno(), select.EPOLLIN)
+        self.ep.register(sock.fileno(), READ)
 
     def _accept(self, sock: socket.socket) -> None:
         from gateway.connection import Connection
@@ -106,7 +107,7 @@ class Reactor:
             if until <= now:
                 del self._resting[fd]
                 try:
-                    self.ep.modify(fd, select.EPOLLIN)
+                    self.ep.modify(fd, READ)
                 except OSError:
                     pass
 
@@ -266,7 +267,7 @@ class Reactor:
             if mask & OUT and conn.writable():
                 self._writing.discard(fd)
                 self._modify(fd)
-            if mask & (IN | select.EPOLLHUP | select.EPOLLERR) and fd not in self._paused:
+            if mask & (IN | HUP | ERR) and fd not in self._paused:
                 self._read(conn, budget)
 
     def _read(self, conn: Connection, budget: ReadBudget) -> None:

@@ -13,14 +13,20 @@ dialling a Raft peer. So:
   socket ever sits at or above it, and the reserve is always there for the node's own
   files, its Raft peers and the Raft port's unauthenticated connections (capped at 64).
 
-The check is one comparison per accepted connection; no descriptor is counted.
+The check is one comparison per accepted connection; no descriptor is counted. A
+platform without RLIMIT_NOFILE (no `resource` module) has no ceiling.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import resource
+import sys
+
+try:
+    import resource
+except ImportError:  # not a Unix: no descriptor limit to read or raise
+    resource = None  # type: ignore[assignment]
 
 from serving.rate_limited_log import RateLimitedLog
 
@@ -31,8 +37,11 @@ RESERVE_MIN = 128  # ... but at least this many descriptors ...
 RESERVE_MAX = 1024  # ... and no more than this many
 
 
-def raise_fd_limit() -> int:
-    """Raise the soft RLIMIT_NOFILE to the hard limit; returns the soft limit now."""
+def raise_fd_limit() -> int | None:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; returns the soft limit now (None
+    where there is no such limit)."""
+    if resource is None:
+        return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard > soft:
         want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
@@ -53,7 +62,8 @@ def ceiling_for(limit: int) -> int:
 
 class _Budget:
     def __init__(self) -> None:
-        self.ceiling = ceiling_for(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        self.ceiling = (ceiling_for(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+                        if resource is not None else sys.maxsize)
         self.refused = 0  # client connections refused, over the process's life
         self.log = RateLimitedLog(log, logging.WARNING)
 
@@ -69,12 +79,19 @@ def refused_connections() -> int:
     return _budget.refused
 
 
-def open_fds() -> int:
-    """How many descriptors the process has open (for /metrics: a scrape, not an accept)."""
-    try:
-        return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir opened
-    except OSError:
-        return 0
+# Where the process's open descriptors are listed: /proc on Linux, /dev/fd on macOS.
+FD_DIRS = ("/proc/self/fd",) if sys.platform.startswith("linux") else ("/dev/fd",)
+
+
+def open_fds() -> int | None:
+    """How many descriptors the process has open (for /metrics and the admin API: a
+    scrape, not an accept); None where the platform does not list them."""
+    for path in FD_DIRS:
+        try:
+            return len(os.listdir(path)) - 1  # less the one listdir opened
+        except OSError:
+            continue
+    return None
 
 
 def over_budget(fd: int, listener: str) -> bool:

@@ -43,7 +43,7 @@ from store.common import StoreClosedError, StoreError, StoreFullError
 from store.engine_tail import EngineTail
 from store.producers import Plan, ProducerTable, Stamp
 from store.record import MARK_FIRST, MARK_MORE, CorruptRecord, Message
-from store.segment import Segment, fsync_dir, is_segment_name, segment_name
+from store.segment import Segment, fdatasync, fsync_dir, is_segment_name, segment_name
 
 log = logging.getLogger("lightgate.store.commitlog")
 
@@ -695,7 +695,7 @@ class CommitLog(EngineTail):
             # The producers' table as of `pos`, saved once `pos` is durable.
             snap = self.producers.snapshot() if due and self.producers.dirty else None
         try:
-            os.fdatasync(fd)
+            fdatasync(fd)
         except OSError as exc:
             # After a failed fsync the page cache state is unknown (fsyncgate): stop.
             self._failed = exc

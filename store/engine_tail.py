@@ -34,7 +34,7 @@ from serving import plane
 from store import record
 from store.common import StoreError, StoreFullError
 from store.record import Message
-from store.segment import Segment, segment_name
+from store.segment import Segment, fdatasync, segment_name
 
 log = logging.getLogger("lightgate.store.commitlog")
 
@@ -155,7 +155,7 @@ class EngineTail:
 
     def _fsync_fd(self) -> None:
         if self._wfd >= 0 and self._flushed < self._write_pos:
-            os.fdatasync(self._wfd)
+            fdatasync(self._wfd)
             self._flushed = self._write_pos
 
     def catch_up(self) -> None:

@@ -91,3 +91,9 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# The file's data (and its size) without the rest of its metadata: Linux's fdatasync.
+# macOS has none; its fsync does the same job (and, like Linux's, leaves the drive's own
+# cache to the drive: docs/deployment.md#platforms).
+fdatasync = getattr(os, "fdatasync", os.fsync)

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 from pathlib import Path
 from typing import IO
 
 from serving.startup import StartupError
 
+try:
+    import fcntl
+except ImportError:  # not a Unix (Windows): no flock, and no store either
+    fcntl = None  # type: ignore[assignment]
+
 
 def lock_data_dir(path: Path) -> IO[str]:
     """Create `path` if needed and hold an exclusive lock on `path`/lock for as long as
     the returned file stays open: two stores on one data directory would both append to
     the CommitLog. The lock file names the holder's pid for the message of the next."""
+    if fcntl is None:
+        raise StartupError("the store runs on Linux (and macOS, for development): this "
+                           "platform has no flock to guard its data directory with")
     try:
         path.mkdir(parents=True, exist_ok=True)
         fh = open(path / "lock", "a+")  # noqa: SIM115 - held open for the store's life

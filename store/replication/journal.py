@@ -43,6 +43,8 @@ from pysyncobj.journal import (
 )
 from pysyncobj.pickle import to_bytes
 
+from store.segment import fdatasync
+
 log = logging.getLogger("lightgate.store.controller")
 
 RESERVE_BYTES = 4 << 20  # reserved past the last record (a compaction's worth: ~15k entries)
@@ -98,7 +100,7 @@ class _Slots:
         seq = self.seq + 1
         data = _SLOT_HEAD.pack(_MAGIC, seq, len(payload), zlib.crc32(payload)) + payload
         _pwrite(self._fd, data, (seq % 2) * SLOT_BYTES)
-        os.fdatasync(self._fd)
+        fdatasync(self._fd)
         self.seq, self.value = seq, dict(value)
 
     def close(self) -> None:
@@ -180,7 +182,7 @@ class ReservedJournal(Journal):
 
     def _set_end(self, end: int) -> None:
         _pwrite(self._fd, _SIZE.pack(end), LAST_RECORD_OFFSET_OFFSET)
-        os.fdatasync(self._fd)
+        fdatasync(self._fd)
 
     # -- entries ---------------------------------------------------------------------
     def add(self, command: bytes, idx: int, term: int) -> None:
@@ -246,7 +248,7 @@ class ReservedJournal(Journal):
             self._meta_saved = True
 
     def flush(self) -> None:
-        os.fdatasync(self._fd)
+        fdatasync(self._fd)
 
     def _destroy(self) -> None:
         if _OPEN.get(self.path) is self:
