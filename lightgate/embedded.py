@@ -5,6 +5,7 @@ other's insides (a separated gateway imports no storage engine at all)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,6 +28,12 @@ from store.api import AuthConfig, auth_app, store_routes
 from store.app import store_node
 from store.config import StoreConfig
 
+log = logging.getLogger("lightgate.serving")
+
+# What `lightgate serve` gives up on the Python plane (docs/benchmarks.md, the native data
+# plane against the Python plane, each against Mosquitto on the same machine, 2026-11-28).
+SERVE_COST = ("MQTT over plain TCP and the log's writes run in Python: 0.1-0.45x the "
+              "native plane's messages a second, at 3-4.5x its CPU a message")
 
 @dataclass
 class ServeOptions:
@@ -79,6 +86,7 @@ async def _serve(opts: ServeOptions, signals: Signals) -> None:
             partial(serve_http, max_body=opts.gateway.http_max_body,
                     allowed_hosts=opts.gateway.http_allowed_hosts), app, opts.http)
         bound["plane"] = plane.writer()
+        plane.warn_if_python(log, SERVE_COST)
         tune_for_serving()
         print(ready_line(bound), flush=True)
         await stop_on_signal(signals, nursery)
