@@ -10,12 +10,15 @@ RUN_STAMP := $(VENV)/.installed-$(SUM)-run
 STAMP := $(VENV)/.installed-$(SUM)-test
 # `make docs` needs only mkdocs and its theme (the `docs` extra); the test extra has them too.
 DOCS_STAMP := $(VENV)/.installed-$(SUM)-docs
+# `make wheel` needs only the build tools (the `build` extra, tools/wheel.py), not the
+# package itself.
+BUILD_STAMP := $(VENV)/.installed-$(SUM)-build
 # `make test` also installs the spark extra (pyspark, pyarrow, pandas: ~700 MB) so that CI
 # runs the Spark end-to-end tests; the other targets do not need it.
 SPARK_STAMP := $(VENV)/.installed-$(SUM)-spark
 
 .PHONY: serve test docs soak lint bench bench-full clean redis chromium java mosquitto netfaults \
-	native-check bench-peers
+	native-check bench-peers wheel
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,7 +33,12 @@ $(RUN_STAMP): $(BIN)/python pyproject.toml $(NATIVE_SRC)
 
 $(STAMP): $(BIN)/python pyproject.toml $(NATIVE_SRC)
 	$(BIN)/pip install -q -e '.[test,bench]'
-	touch $(STAMP) $(RUN_STAMP) $(DOCS_STAMP)
+	touch $(STAMP) $(RUN_STAMP) $(DOCS_STAMP) $(BUILD_STAMP)
+
+$(BUILD_STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python tools/wheel.py --requirements > $(VENV)/build-requirements.txt
+	$(BIN)/pip install -q -r $(VENV)/build-requirements.txt
+	touch $(BUILD_STAMP)
 
 $(DOCS_STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[docs]'
@@ -42,6 +50,13 @@ $(SPARK_STAMP): $(STAMP)
 
 serve: $(RUN_STAMP)
 	$(BIN)/lightgate serve
+
+# The distributions into dist/: the sdist, and built from it a wheel with the native data
+# plane, on CPython's stable ABI (3.11 and later) and tagged manylinux2014 (linked by zig
+# against glibc 2.17, checked by auditwheel). Without cargo: a pure-Python wheel, and a
+# line that says so.
+wheel: $(BUILD_STAMP)
+	$(BIN)/python tools/wheel.py --out dist
 
 # The documentation site (mkdocs.yml, docs/) at http://127.0.0.1:8000/, rebuilt on every
 # change; the configuration page is generated from lightgate/settings.py as it builds.
@@ -131,4 +146,5 @@ bench-full: $(STAMP) redis bench-peers
 	$(BIN)/python bench/native_bench.py
 
 clean:
-	rm -rf $(VENV) data .pytest_cache site native/target serving/lightgate_native.*.so bench/.peers
+	rm -rf $(VENV) data .pytest_cache site native/target serving/lightgate_native.*.so bench/.peers \
+		build dist

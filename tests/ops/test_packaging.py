@@ -1,0 +1,323 @@
+"""The distributions as users get them. No Docker engine runs here, so the image's build
+context is made as Docker makes it (the files the build stage's COPY lines name, less
+what .dockerignore excludes), and its wheel built as the image's RUN line builds it
+(tools/wheel.py, what `make wheel` runs). That wheel must be abi3, tagged manylinux,
+hold the extension, and run `plane=native` from a fresh virtual environment on a PATH
+with no Rust toolchain. The sdist it was built from, built again without Rust, must give
+a pure-Python wheel, say so in one line, and run `plane=python` saying why.
+
+The fresh environments get the dependencies (trio, rocksdict, ...) from this one's
+site-packages by a .pth line instead of from PyPI: the test needs no network. Cargo
+builds into this checkout's native/target (the editable install warmed its host-side
+crates) and the context sits at a fixed path (build/image-context), so a second run
+recompiles nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+CONTEXT = ROOT / "build" / "image-context"
+NO_RUST_PATH = os.pathsep.join(["/usr/local/bin", "/usr/bin", "/bin"])
+MANYLINUX = re.compile(r"^lightgate-[\d.]+-cp311-abi3-(manylinux\w*\.)*manylinux\w*\.whl$")
+
+
+# -- the Docker build context, made as Docker makes it --------------------------------------
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order: continuation lines joined, comments dropped."""
+    out, pending = [], ""
+    for line in text.splitlines():
+        if not pending and line.lstrip().startswith("#"):
+            continue
+        pending += line.rstrip("\\").strip() + " " if line.endswith("\\") else line.strip()
+        if line.endswith("\\") or not pending.strip():
+            continue
+        word, _, rest = pending.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+        pending = ""
+    return out
+
+
+def build_stage_copies(text: str) -> list[tuple[list[str], str]]:
+    """The build stage's COPY lines from the context: (sources, destination in WORKDIR)."""
+    copies, workdir, stages = [], "/", 0
+    for word, args in dockerfile_instructions(text):
+        if word == "FROM":
+            stages += 1
+            if stages > 1:  # the runtime stage copies from the build stage only
+                break
+        elif word == "WORKDIR":
+            workdir = args
+        elif word == "COPY":
+            parts = json.loads(args) if args.startswith("[") else shlex.split(args)
+            if any(p.startswith("--from") for p in parts):
+                continue
+            parts = [p for p in parts if not p.startswith("--")]
+            dest = parts[-1]
+            copies.append((parts[:-1], dest if dest.startswith("/") else f"{workdir}/{dest}"))
+    return copies
+
+
+def _pattern(p: str) -> re.Pattern[str]:
+    """A .dockerignore pattern (Go's filepath.Match, plus `**` for any directories)."""
+    out, i = "", 0
+    while i < len(p):
+        if p.startswith("**/", i):  # no directory, or any number of them
+            out, i = out + "(?:.*/)?", i + 3
+        elif p.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif p[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif p[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(p[i]), i + 1
+    return re.compile(out + "$")
+
+
+@dataclass
+class DockerIgnore:
+    rules: list[tuple[bool, re.Pattern[str]]]  # (exclude?, pattern); the last match wins
+
+    @classmethod
+    def read(cls, path: Path) -> DockerIgnore:
+        rules = []
+        lines = path.read_text().splitlines() if path.exists() else []
+        for line in lines:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            negate = line.startswith("!")
+            pat = os.path.normpath(line.lstrip("!").strip()).lstrip("/")
+            rules.append((not negate, _pattern(pat)))
+        return cls(rules)
+
+    def excluded(self, rel: str) -> bool:
+        """Docker's rule: a path is excluded if it or a directory above it matches."""
+        parts = rel.split("/")
+        candidates = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        verdict = False
+        for exclude, pat in self.rules:
+            if any(pat.match(c) for c in candidates):
+                verdict = exclude
+        return verdict
+
+
+def make_context(root: Path, dest: Path) -> list[str]:
+    """What the build stage's COPY lines put in its WORKDIR, copied to `dest` (mtimes
+    kept, as COPY keeps them); the files' paths relative to `dest`."""
+    ignore = DockerIgnore.read(root / ".dockerignore")
+    text = (root / DOCKERFILE.relative_to(ROOT)).read_text()
+    copies = build_stage_copies(text)
+    workdir = next(args for word, args in dockerfile_instructions(text) if word == "WORKDIR")
+    shutil.rmtree(dest, ignore_errors=True)
+    placed = []
+    for sources, target in copies:
+        into = dest / os.path.relpath(target.rstrip("/") or "/", workdir)
+        for src in sources:
+            assert not ignore.excluded(src), f"COPY {src}: excluded by .dockerignore"
+            path = root / src
+            assert path.exists(), f"COPY {src}: not in the context"
+            files = [path] if path.is_file() else sorted(_walk(path, root, ignore))
+            for f in files:
+                if path.is_file():
+                    out = into / f.name if target.endswith("/") or len(sources) > 1 else into
+                else:
+                    out = into / f.relative_to(path)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, out)
+                placed.append(str(out.relative_to(dest)))
+    return placed
+
+
+def _walk(top: Path, root: Path, ignore: DockerIgnore) -> Iterator[Path]:
+    for dirpath, dirnames, filenames in os.walk(top):
+        rel = Path(dirpath).relative_to(root)
+        dirnames[:] = [d for d in dirnames if not ignore.excluded(str(rel / d))]
+        for name in filenames:
+            if not ignore.excluded(str(rel / name)):
+                yield Path(dirpath) / name
+
+
+def test_the_context_emulation_follows_dockers_rules(tmp_path: Path) -> None:
+    """The few rules the emulation relies on, on a small tree of its own."""
+    ignore = DockerIgnore([(True, _pattern("native/target")), (True, _pattern("**/*.so")),
+                           (True, _pattern("*.md")), (False, _pattern("README.md")),
+                           (True, _pattern("*.pyc"))])
+    assert ignore.excluded("native/target/release/x.rlib")
+    assert ignore.excluded("serving/lightgate_native.abi3.so")
+    assert ignore.excluded("x.so") and ignore.excluded("NOTES.md")
+    assert not ignore.excluded("README.md") and not ignore.excluded("docs/a.md")
+    assert not ignore.excluded("native/src/lib.rs")
+    assert not ignore.excluded("serving/x.pyc")  # `*` stays in its directory (not fnmatch's)
+    text = ("FROM a AS build\nWORKDIR /src\n# a comment\nCOPY x.toml y.py ./\n"
+            "COPY --chown=1 tools/w.py tools/\nCOPY [\"native\", \"native\"]\n"
+            "RUN make \\\n  this\nFROM b\nCOPY --from=build /dist/ /tmp/\n")
+    assert build_stage_copies(text) == [(["x.toml", "y.py"], "/src/./"),
+                                        (["tools/w.py"], "/src/tools/"),
+                                        (["native"], "/src/native")]
+
+
+# -- the builds -----------------------------------------------------------------------------
+@dataclass
+class Built:
+    context: Path
+    files: list[str]
+    wheel: Path
+    sdist: Path
+    seconds: float
+
+
+@pytest.fixture(scope="module")
+def image_build(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """The image's build stage: its context, then its RUN line (tools/wheel.py)."""
+    if not (shutil.which("cargo") and shutil.which("rustc")):
+        pytest.skip("no Rust toolchain: the image's build stage has one")
+    import time
+
+    files = make_context(ROOT, CONTEXT)
+    # The image once had no native/ (nor cargo): it built, and ran the Python plane.
+    assert "native/Cargo.toml" in files and "native/src/lib.rs" in files, files
+    assert not any(f.startswith("native/target/") or f.endswith(".so") for f in files)
+    out = tmp_path_factory.mktemp("dist")
+    env = {**os.environ, "CARGO_TARGET_DIR": str(ROOT / "native" / "target")}
+    env.pop("CARGO", None)
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "tools/wheel.py", "--out", str(out),
+                          "--require-native"], cwd=CONTEXT, env=env, capture_output=True,
+                         text=True, timeout=900)
+    seconds = time.monotonic() - t0
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return Built(CONTEXT, files, next(out.glob("*.whl")), next(out.glob("*.tar.gz")),
+                 seconds)
+
+
+def _fresh_venv(where: Path, wheel: Path) -> Path:
+    """A new virtual environment with `wheel` installed, the rest of what it needs
+    reached through this environment's site-packages (no network); its bin."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    py = where / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q",
+                    "--no-deps", str(wheel)], check=True, timeout=300)
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig."
+                                "get_paths()['purelib'])"], capture_output=True, text=True,
+                               check=True).stdout.strip())
+    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return where / "bin"
+
+
+def _run_server(bin_dir: Path, cwd: Path, command: str, *args: str) -> tuple[str, str]:
+    """Start `lightgate COMMAND` from `bin_dir` with no Rust toolchain on PATH and nothing
+    of this checkout on sys.path; its ready line and what it logged before it."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "LIGHTGATE_NATIVE", "VIRTUAL_ENV")}
+    env["PATH"] = os.pathsep.join([str(bin_dir), NO_RUST_PATH])
+    assert shutil.which("cargo", path=env["PATH"]) is None
+    assert shutil.which("rustc", path=env["PATH"]) is None
+    proc = subprocess.Popen([str(bin_dir / "lightgate"), command, *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()
+        proc.terminate()
+        assert proc.wait(30) == 0
+        log = proc.stderr.read()
+        assert line.startswith("ready "), (line, log)
+        return line.strip(), log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _serve(bin_dir: Path, tmp: Path) -> tuple[str, str]:
+    return _run_server(bin_dir, tmp, "serve", "--data-dir", str(tmp / "d"), "--mqtt",
+                       "127.0.0.1:0", "--ws", "off", "--native", "127.0.0.1:0", "--http",
+                       "127.0.0.1:0")
+
+
+def _plane_warnings(log: str) -> list[str]:
+    return [ln for ln in log.splitlines() if " WARNING " in ln and "native data plane" in ln]
+
+
+def test_the_image_builds_an_abi3_manylinux_wheel_that_runs_native(
+        image_build: Built, tmp_path: Path) -> None:
+    wheel = image_build.wheel
+    assert MANYLINUX.match(wheel.name), wheel.name
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        tags = zf.read(next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode()
+    assert "serving/lightgate_native.abi3.so" in names, names
+    assert "Root-Is-Purelib: false" in tags and "Tag: cp311-abi3-manylinux2014_" in tags
+    assert "gateway/dashboard/index.html" in names  # package data comes too
+    with tarfile.open(image_build.sdist) as tar:
+        members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
+    assert {"setup.py", "native/Cargo.toml", "native/Cargo.lock", "native/src/lib.rs",
+            "native/src/py.rs"} <= members
+
+    bin_dir = _fresh_venv(tmp_path / "venv", wheel)
+    where = subprocess.run([str(bin_dir / "python"), "-c", "import serving.lightgate_native as"
+                            " m; print(m.__file__)"], cwd=tmp_path, capture_output=True,
+                           text=True, check=True).stdout
+    assert where.startswith(str(tmp_path / "venv")), where  # the wheel's, not the checkout's
+    line, log = _serve(bin_dir, tmp_path)
+    assert line.endswith("plane=native"), line
+    assert not _plane_warnings(log), log
+    print(f"the image's wheel built in {image_build.seconds:.1f} s")
+
+
+def test_without_rust_the_sdist_gives_a_pure_wheel_that_says_why(
+        image_build: Built, tmp_path: Path) -> None:
+    """The sdist the image built its wheel from (unpacked where tools/wheel.py left it,
+    with that build's extension still in its build/lib), built again with no cargo."""
+    src = image_build.context / "build" / "sdist" / image_build.sdist.name[:-len(".tar.gz")]
+    assert list((src / "build").glob("lib*/serving/lightgate_native*.so"))  # left there
+    env = {k: v for k, v in os.environ.items() if k != "CARGO"}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), NO_RUST_PATH])
+    res = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation",
+                          "--outdir", str(tmp_path / "w")], cwd=src, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    said = [ln for ln in (res.stdout + res.stderr).splitlines()
+            if "without the native data plane" in ln]
+    assert len(said) == 1 and said[0].startswith("lightgate: building without the native "
+                                                 "data plane (no Rust toolchain"), said
+    wheel = next((tmp_path / "w").glob("*.whl"))
+    assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
+    with zipfile.ZipFile(wheel) as zf:
+        assert not [n for n in zf.namelist() if n.endswith((".so", ".pyd"))]
+        assert "Root-Is-Purelib: true" in zf.read(
+            next(n for n in zf.namelist() if n.endswith(".dist-info/WHEEL"))).decode()
+
+    bin_dir = _fresh_venv(tmp_path / "venv", wheel)
+    line, log = _serve(bin_dir, tmp_path)
+    assert line.endswith("plane=python"), line
+    warned = _plane_warnings(log)
+    assert len(warned) == 1 and "native data plane is not built" in warned[0], log
+    assert "docs/deployment.md#platforms-and-the-native-plane" in warned[0]
+
+    # An extension that is there but does not load (another platform's, say): said too.
+    site = next((tmp_path / "venv" / "lib").glob("python3*/site-packages"))
+    (site / "serving" / "lightgate_native.abi3.so").write_bytes(b"not an ELF file")
+    line, log = _run_server(bin_dir, tmp_path, "store", "--data-dir", str(tmp_path / "s"),
+                            "--native", "127.0.0.1:0", "--http", "127.0.0.1:0")
+    assert line.endswith("plane=python"), line
+    warned = _plane_warnings(log)
+    assert len(warned) == 1 and "native data plane is not importable" in warned[0], log
+    assert "lightgate_native.abi3.so" in warned[0] and "encoded in Python" in warned[0]
+
