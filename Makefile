@@ -18,7 +18,7 @@ BUILD_STAMP := $(VENV)/.installed-$(SUM)-build
 SPARK_STAMP := $(VENV)/.installed-$(SUM)-spark
 
 .PHONY: serve test docs soak lint bench bench-full clean redis chromium java mosquitto netfaults \
-	native-check bench-peers wheel
+	native-check native-check-macos bench-peers wheel
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -125,6 +125,14 @@ native-check:
 	cd native && cargo clippy --quiet --all-targets -- -D warnings
 	cd native && cargo clippy --quiet --all-targets --features python -- -D warnings
 	cd native && cargo test --quiet
+
+# The native crate on macOS, type-checked from here (with and without the Python crossing;
+# not linked: that needs Apple's SDK). Adds the target's standard library with rustup.
+native-check-macos:
+	rustup target add x86_64-apple-darwin
+	cd native && cargo check --quiet --all-targets --target x86_64-apple-darwin
+	cd native && PYO3_CROSS_PYTHON_VERSION=3.11 cargo check --quiet --target x86_64-apple-darwin \
+		--features python
 
 # The MQTT benchmark's peers, before it starts (so that no row waits for a build):
 # Debian's mosquitto and rabbitmq-server (apt-get) and rumqttd built from its crate into

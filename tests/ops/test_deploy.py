@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.ops.dockerfile import dockerfile_instructions
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 PORTS = {"mqtt": 1883, "native": 10911, "http": 18083, "ws": 8083, "wss": 8084, "mqtt_tls": 8883}
@@ -108,3 +110,36 @@ def test_grafana_queries_only_served_metrics() -> None:
             for name in re.findall(r"lightgate_[a-z_]+", target["expr"]):
                 base = re.sub(r"_(total|bucket|count|sum)$", "", name)
                 assert f'"{base}"' in source, f"dashboard uses unknown metric {name}"
+
+
+def test_the_image_exposes_every_port_runs_as_a_user_and_checks_its_health() -> None:
+    stages: list[list[tuple[str, str]]] = []
+    for word, args in dockerfile_instructions((DEPLOY / "docker" / "Dockerfile").read_text()):
+        if word == "FROM":
+            stages.append([])
+        stages[-1].append((word, args))
+    runtime = dict(stages[-1])  # the image that runs: the last stage
+    assert "rust" not in runtime["FROM"]  # no toolchain where Lightgate runs
+    assert {int(p) for p in runtime["EXPOSE"].split()} == set(PORTS.values())
+    assert runtime["USER"] not in ("root", "0")
+    assert "/healthz" in runtime["HEALTHCHECK"] and f":{PORTS['http']}/" in runtime["HEALTHCHECK"]
+    assert "--require-native" in dict(stages[0])["RUN"]  # no image without the native plane
+
+
+def test_compose_and_kubernetes_run_that_image() -> None:
+    """Every service or container that runs a `lightgate` command runs the image of
+    deploy/docker/Dockerfile, as its non-root user."""
+    for path in sorted((DEPLOY / "compose").glob("*.yml")):
+        services = yaml.safe_load(path.read_text())["services"]
+        for name, svc in services.items():
+            if _argvs(svc):
+                assert svc["image"] == "lightgate:latest", (path.name, name)
+                assert svc["build"]["dockerfile"] == "deploy/docker/Dockerfile", (path.name, name)
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            pod = (doc.get("spec") or {}).get("template", {}).get("spec")
+            if not pod or not _argvs(pod):
+                continue
+            assert pod["securityContext"]["runAsNonRoot"] is True, path.name
+            for container in pod["containers"]:
+                assert container["image"] == "lightgate:latest", path.name

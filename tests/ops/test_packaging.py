@@ -14,151 +14,32 @@ recompiles nothing."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tarfile
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.ops.dockerfile import DockerIgnore, build_stage_copies, make_context, pattern
+
 ROOT = Path(__file__).resolve().parents[2]
-DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
 CONTEXT = ROOT / "build" / "image-context"
 NO_RUST_PATH = os.pathsep.join(["/usr/local/bin", "/usr/bin", "/bin"])
 MANYLINUX = re.compile(r"^lightgate-[\d.]+-cp311-abi3-(manylinux\w*\.)*manylinux\w*\.whl$")
 
 
-# -- the Docker build context, made as Docker makes it --------------------------------------
-def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) in order: continuation lines joined, comments dropped."""
-    out, pending = [], ""
-    for line in text.splitlines():
-        if not pending and line.lstrip().startswith("#"):
-            continue
-        pending += line.rstrip("\\").strip() + " " if line.endswith("\\") else line.strip()
-        if line.endswith("\\") or not pending.strip():
-            continue
-        word, _, rest = pending.strip().partition(" ")
-        out.append((word.upper(), rest.strip()))
-        pending = ""
-    return out
-
-
-def build_stage_copies(text: str) -> list[tuple[list[str], str]]:
-    """The build stage's COPY lines from the context: (sources, destination in WORKDIR)."""
-    copies, workdir, stages = [], "/", 0
-    for word, args in dockerfile_instructions(text):
-        if word == "FROM":
-            stages += 1
-            if stages > 1:  # the runtime stage copies from the build stage only
-                break
-        elif word == "WORKDIR":
-            workdir = args
-        elif word == "COPY":
-            parts = json.loads(args) if args.startswith("[") else shlex.split(args)
-            if any(p.startswith("--from") for p in parts):
-                continue
-            parts = [p for p in parts if not p.startswith("--")]
-            dest = parts[-1]
-            copies.append((parts[:-1], dest if dest.startswith("/") else f"{workdir}/{dest}"))
-    return copies
-
-
-def _pattern(p: str) -> re.Pattern[str]:
-    """A .dockerignore pattern (Go's filepath.Match, plus `**` for any directories)."""
-    out, i = "", 0
-    while i < len(p):
-        if p.startswith("**/", i):  # no directory, or any number of them
-            out, i = out + "(?:.*/)?", i + 3
-        elif p.startswith("**", i):
-            out, i = out + ".*", i + 2
-        elif p[i] == "*":
-            out, i = out + "[^/]*", i + 1
-        elif p[i] == "?":
-            out, i = out + "[^/]", i + 1
-        else:
-            out, i = out + re.escape(p[i]), i + 1
-    return re.compile(out + "$")
-
-
-@dataclass
-class DockerIgnore:
-    rules: list[tuple[bool, re.Pattern[str]]]  # (exclude?, pattern); the last match wins
-
-    @classmethod
-    def read(cls, path: Path) -> DockerIgnore:
-        rules = []
-        lines = path.read_text().splitlines() if path.exists() else []
-        for line in lines:
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            negate = line.startswith("!")
-            pat = os.path.normpath(line.lstrip("!").strip()).lstrip("/")
-            rules.append((not negate, _pattern(pat)))
-        return cls(rules)
-
-    def excluded(self, rel: str) -> bool:
-        """Docker's rule: a path is excluded if it or a directory above it matches."""
-        parts = rel.split("/")
-        candidates = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
-        verdict = False
-        for exclude, pat in self.rules:
-            if any(pat.match(c) for c in candidates):
-                verdict = exclude
-        return verdict
-
-
-def make_context(root: Path, dest: Path) -> list[str]:
-    """What the build stage's COPY lines put in its WORKDIR, copied to `dest` (mtimes
-    kept, as COPY keeps them); the files' paths relative to `dest`."""
-    ignore = DockerIgnore.read(root / ".dockerignore")
-    text = (root / DOCKERFILE.relative_to(ROOT)).read_text()
-    copies = build_stage_copies(text)
-    workdir = next(args for word, args in dockerfile_instructions(text) if word == "WORKDIR")
-    shutil.rmtree(dest, ignore_errors=True)
-    placed = []
-    for sources, target in copies:
-        into = dest / os.path.relpath(target.rstrip("/") or "/", workdir)
-        for src in sources:
-            assert not ignore.excluded(src), f"COPY {src}: excluded by .dockerignore"
-            path = root / src
-            assert path.exists(), f"COPY {src}: not in the context"
-            files = [path] if path.is_file() else sorted(_walk(path, root, ignore))
-            for f in files:
-                if path.is_file():
-                    out = into / f.name if target.endswith("/") or len(sources) > 1 else into
-                else:
-                    out = into / f.relative_to(path)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, out)
-                placed.append(str(out.relative_to(dest)))
-    return placed
-
-
-def _walk(top: Path, root: Path, ignore: DockerIgnore) -> Iterator[Path]:
-    for dirpath, dirnames, filenames in os.walk(top):
-        rel = Path(dirpath).relative_to(root)
-        dirnames[:] = [d for d in dirnames if not ignore.excluded(str(rel / d))]
-        for name in filenames:
-            if not ignore.excluded(str(rel / name)):
-                yield Path(dirpath) / name
-
-
 def test_the_context_emulation_follows_dockers_rules(tmp_path: Path) -> None:
     """The few rules the emulation relies on, on a small tree of its own."""
-    ignore = DockerIgnore([(True, _pattern("native/target")), (True, _pattern("**/*.so")),
-                           (True, _pattern("*.md")), (False, _pattern("README.md")),
-                           (True, _pattern("*.pyc"))])
+    ignore = DockerIgnore([(True, pattern("native/target")), (True, pattern("**/*.so")),
+                           (True, pattern("*.md")), (False, pattern("README.md")),
+                           (True, pattern("*.pyc"))])
     assert ignore.excluded("native/target/release/x.rlib")
     assert ignore.excluded("serving/lightgate_native.abi3.so")
     assert ignore.excluded("x.so") and ignore.excluded("NOTES.md")
@@ -190,7 +71,7 @@ def image_build(tmp_path_factory: pytest.TempPathFactory) -> Built:
         pytest.skip("no Rust toolchain: the image's build stage has one")
     import time
 
-    files = make_context(ROOT, CONTEXT)
+    files = make_context(ROOT, "deploy/docker/Dockerfile", CONTEXT)
     # The image once had no native/ (nor cargo): it built, and ran the Python plane.
     assert "native/Cargo.toml" in files and "native/src/lib.rs" in files, files
     assert not any(f.startswith("native/target/") or f.endswith(".so") for f in files)
