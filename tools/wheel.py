@@ -9,7 +9,8 @@ Linux the extension is linked by zig against glibc 2.17 (cargo-zigbuild: no Dock
 old distribution needed), and auditwheel checks the wheel against manylinux2014 and tags
 it so: `lightgate-<version>-cp311-abi3-manylinux_2_17_<arch>.manylinux2014_<arch>.whl`,
 one wheel for CPython 3.11 and later. Without a Rust toolchain the wheel is pure Python
-(`py3-none-any`, setup.py says why); --require-native makes that an error (the image).
+(`py3-none-any`, setup.py says why); --require-native makes that an error (the image),
+and so is a Rust build that failed where there is a toolchain.
 
 Cargo builds into native/target of the source tree (CARGO_TARGET_DIR overrides), and the
 sdist is unpacked at a fixed place (build/sdist/), so a second build recompiles nothing
@@ -83,18 +84,23 @@ def build(root: Path, out: Path, require_native: bool) -> Path:
     with tarfile.open(sdist) as tar:
         tar.extractall(unpacked, filter="data")
     src = unpacked / sdist.name.removesuffix(".tar.gz")
+    rust = _has_rust()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        zig = sys.platform.startswith("linux") and _has_rust()
+        zig = sys.platform.startswith("linux") and rust
         if zig:
+            if not shutil.which("cargo-zigbuild", path=env["PATH"]):
+                raise SystemExit("cargo-zigbuild is not installed: pip install -r "
+                                 "<(python tools/wheel.py --requirements), or make wheel")
             env = _zig_env(env, work)
         _run([py, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(work / "w")],
              src, env)
         wheel = next((work / "w").glob("*.whl"))
         if wheel.name.endswith("-py3-none-any.whl"):
-            if require_native:
-                raise SystemExit(f"{wheel.name}: no native data plane in the wheel (see "
-                                 "the line above), and --require-native")
+            if require_native or rust:
+                why = "though cargo is on PATH" if rust else "and --require-native"
+                raise SystemExit(f"{wheel.name}: no native data plane in the wheel (the "
+                                 f"line above says why), {why}")
             shutil.copy(wheel, out)
         elif zig:  # checked against manylinux2014 and tagged so
             arch = env["CARGO_BUILD_TARGET"].split("-", 1)[0]
