@@ -176,7 +176,7 @@ class Handover:
                 return False  # where it starts is still the store's to say
             subs.append((sub.topic_filter, sub.options.qos, cursor))
         now = trio.current_time()
-        aliases, idle, unread = core.handed_over(now)
+        aliases, idle, unread, unacked = core.handed_over(now)
         limits = core.limits
         conn_id = next(self._ids)
         fd = conn.fd
@@ -190,7 +190,8 @@ class Handover:
                 acl=None if _publishes_anywhere(conn) else set(conn.native_topics or ()),
                 subscriptions=subs, aliases_in=aliases, next_packet_id=s.next_packet_id,
                 max_unsent=conn.out.rules.high,  # --max-unsent-bytes: past it, back
-                client_id=s.client_id)  # each publish's record names its client
+                client_id=s.client_id,  # each publish's record names its client
+                inbound_unacked=unacked)
         except Exception:  # noqa: BLE001 - it stays in Python
             log.exception("promotion of %r failed", s.client_id)
             taken = False
@@ -310,8 +311,9 @@ class Handover:
         elif why == "lost":
             conn.close(Closing(row["detail"] or "connection lost"))
         else:
-            if row["unread"]:
-                conn.data_received(row["unread"])  # the packet that needed Python
+            if row["unread"]:  # the packet that needed Python, counted as it was read
+                with core.read_behind(row["inbound_unacked"]):
+                    conn.data_received(row["unread"])
             assert conn.delivery is not None
             conn.delivery.start()  # from each queue's position
             if back is None:

@@ -113,7 +113,11 @@ pub struct Connection {
     pub settings: Settings,
     /// A B-tree: empty (most connections), it is half a hash map's size.
     aliases_in: BTreeMap<u16, String>,
+    /// Inbound QoS 1 publishes whose PUBACK is not decided yet (our Receive Maximum).
     inbound_unacked: u32,
+    /// `inbound_unacked` when the packet handed back was read: the owner counts that
+    /// packet, and those after it, on top of them (as a burst read at once is counted).
+    unacked_at_demote: u32,
     /// Answers in the order of the packets they answer; None until decided.
     answers: VecDeque<Option<Vec<u8>>>,
     next_ticket: u64,
@@ -135,6 +139,7 @@ impl Connection {
             settings,
             aliases_in: BTreeMap::new(),
             inbound_unacked: 0,
+            unacked_at_demote: 0,
             answers: VecDeque::new(),
             next_ticket: 0,
             out: Vec::new(),
@@ -160,6 +165,17 @@ impl Connection {
         self.next_packet_id = next_packet_id.max(1);
         self.outgoing = outgoing;
         self.unread = unread;
+    }
+
+    /// The owner had read `n` QoS 1 publishes it had not acknowledged before the bytes
+    /// it hands over (`unread` of an adoption): those are read behind them, and
+    /// `caught_up(n)` once they are.
+    pub fn behind(&mut self, n: u32) {
+        self.inbound_unacked += n;
+    }
+
+    pub fn caught_up(&mut self, n: u32) {
+        self.inbound_unacked = self.inbound_unacked.saturating_sub(n);
     }
 
     // -- output -------------------------------------------------------------------------
@@ -214,6 +230,14 @@ impl Connection {
 
     pub fn demoted(&self) -> bool {
         self.demoted
+    }
+
+    /// Inbound QoS 1 publishes not acknowledged yet when the packet at `unread` was
+    /// read (their PUBACKs go out before the demotion): the owner reads that packet, and
+    /// those after it, as if they still were not, as it counts a burst it reads at once
+    /// against our Receive Maximum [MQTT-3.3.4-7].
+    pub fn unacked_at_demote(&self) -> u32 {
+        self.unacked_at_demote
     }
 
     /// A 3.1.1 publish was not stored: the connection must end.
@@ -292,6 +316,7 @@ impl Connection {
 
     fn demote(&mut self, rest: &[u8], events: &mut Vec<Event>) {
         self.unread = rest.to_vec();
+        self.unacked_at_demote = self.inbound_unacked;
         self.demoted = true;
         events.push(Event::Demote);
     }
@@ -691,9 +716,34 @@ mod tests {
         c.receive(&alias("dev/1", 1), 0.0, allow, &mut ev);
         c.receive(&alias("", 2), 0.0, allow, &mut ev);
         assert!(matches!(&ev[1], Event::Publish { topic, .. } if topic == "dev/1"));
-        // A third unacknowledged QoS 1 passes our Receive Maximum of 2: Python's 0x93.
+        // A third unacknowledged QoS 1 passes our Receive Maximum of 2: Python's 0x93,
+        // which counts it behind the two not acknowledged when it was read, although
+        // their PUBACKs go out before the hand-back.
         c.receive(&alias("", 3), 0.0, allow, &mut ev);
         assert_eq!(ev[2], Event::Demote);
+        c.publish_done(0, 1, 0);
+        c.publish_done(1, 2, 0);
+        assert_eq!(c.answers_pending(), 0);
+        assert_eq!(c.unacked_at_demote(), 2);
+    }
+
+    #[test]
+    fn bytes_handed_over_are_read_behind_the_owners_unacknowledged() {
+        let mut c = Connection::new(settings(5), 0.0);
+        let mut ev = Vec::new();
+        c.behind(2);
+        c.receive(&publish("a", b"1", 1, Some(1), 5), 0.0, allow, &mut ev);
+        c.caught_up(2);
+        assert_eq!(ev, vec![Event::Demote], "a third one past our Receive Maximum of 2");
+        let mut c = Connection::new(settings(5), 0.0);
+        c.behind(1);
+        c.receive(&publish("a", b"1", 1, Some(1), 5), 0.0, allow, &mut ev);
+        c.caught_up(1);
+        c.publish_done(0, 1, 0);
+        let two = [publish("a", b"2", 1, Some(2), 5), publish("a", b"3", 1, Some(3), 5)];
+        ev.clear();
+        c.receive(&two.concat(), 0.0, allow, &mut ev);
+        assert_eq!(ev.len(), 2, "caught up: the window is whole again");
     }
 
     #[test]

@@ -430,8 +430,9 @@ impl PyEngine {
     /// is not at its queue's end (the caller delivers the rest, and tries again).
     /// `subscriptions`: (filter, QoS, next offset of its queue), registered with it;
     /// `aliases_in` and `next_packet_id`: the Python core's state to go on from;
-    /// `max_unsent`: bytes waiting for the client past which it comes back (0: 2 MiB).
-    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new()))]
+    /// `max_unsent`: bytes waiting for the client past which it comes back (0: 2 MiB);
+    /// `inbound_unacked`: QoS 1 publishes not acknowledged when `unread` was read.
+    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new(), inbound_unacked=0))]
     #[allow(clippy::too_many_arguments)] // what CONNECT negotiated, one value each
     fn adopt(
         &self,
@@ -455,6 +456,7 @@ impl PyEngine {
         next_packet_id: u16,
         max_unsent: usize,
         client_id: String,
+        inbound_unacked: u32,
     ) -> PyResult<bool> {
         let settings = protocol::Settings {
             version,
@@ -483,6 +485,7 @@ impl PyEngine {
                     aliases_in,
                     next_packet_id,
                     client_id: client_id.as_str().into(),
+                    inbound_unacked,
                 },
                 max_unsent,
             })
@@ -713,7 +716,8 @@ impl PyEngine {
     /// unread (the packet that needs Python first), unsent (to write before anything
     /// else), next_packet_id, outgoing ([(packet_id, encoded PUBLISH, phys_offset)], in
     /// flight at QoS 1), positions ({queue: next offset}, for the queues delivered
-    /// from), idle_for (seconds since the client sent anything), aliases_in.
+    /// from), idle_for (seconds since the client sent anything), aliases_in,
+    /// inbound_unacked (QoS 1 publishes not acknowledged yet when `unread` was read).
     fn take_demoted<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         use std::os::fd::IntoRawFd;
         let engine = self.engine()?;
@@ -745,6 +749,7 @@ impl PyEngine {
             row.set_item("positions", positions)?;
             row.set_item("idle_for", d.idle_for)?;
             row.set_item("aliases_in", d.aliases_in.clone())?;
+            row.set_item("inbound_unacked", d.inbound_unacked)?;
             row.set_item("fd", d.socket.into_raw_fd())?;
             out.append(row)?;
         }
