@@ -281,6 +281,8 @@ pub enum Command {
         ticket: u64,
         packet_id: u16,
         code: u8,
+        /// Why it was not stored (`code` != 0), in the owner's words.
+        reason: Option<Arc<str>>,
     },
     Deliver {
         conn: u64,
@@ -1028,10 +1030,12 @@ impl Worker {
                     ticket,
                     packet_id,
                     code,
+                    reason,
                 } => {
                     if let Some(&token) = self.tokens.get(&conn) {
                         if let Some(c) = self.conns.get_mut(&token) {
-                            c.core.publish_done(ticket, packet_id, code);
+                            c.core
+                                .publish_done(ticket, packet_id, code, reason.as_deref());
                             if c.core.store_failed() {
                                 c.demoting.get_or_insert(Why::Lost(
                                     "store error: a publish was not stored".into(),
