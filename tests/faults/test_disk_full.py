@@ -3,7 +3,10 @@ nothing stored before is damaged, and service comes back once space is freed."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+
+import pytest
 
 from gateway import mqtt
 from tests.conftest import Server, free_bytes
@@ -65,12 +68,18 @@ def test_disk_full_refuses_clearly_keeps_data_and_recovers(small_fs: Path) -> No
     assert srv.stop() == 0
 
 
-def test_a_full_disks_refusal_is_explained_only_to_who_asked(small_fs: Path) -> None:
-    """On either plane (a native one carries both clients, promoted first), a v5
+@pytest.mark.parametrize("plane", ["native", "python"])
+def test_a_full_disks_refusal_is_explained_only_to_who_asked(
+        small_fs: Path, monkeypatch: pytest.MonkeyPatch, plane: str) -> None:
+    """On both planes (the native one carries both clients, promoted first), a v5
     publish refused for a full disk gets PUBACK 0x97 with the one wording of both
     planes, and with no Reason String at all for a client that set Request Problem
     Information 0 [MQTT-3.1.2-29]."""
+    if plane == "native" and importlib.util.find_spec("serving.lightgate_native") is None:
+        pytest.skip("the native data plane is not built")
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane == "native" else "0")
     srv = Server(small_fs / "data", "--segment-size", "262144").start()
+    assert srv.addrs["plane"] == plane
     try:
         told, quiet = RawClient(srv.port, version=5), RawClient(srv.port, version=5)
         told.connect("told")
@@ -78,7 +87,7 @@ def test_a_full_disks_refusal_is_explained_only_to_who_asked(small_fs: Path) -> 
         for raw in (told, quiet):  # the topic in the native side's ACL cache
             raw.send(mqtt.Publish("full/x", b"w", qos=1, packet_id=1))
             assert raw.recv().reason_code == 0
-        if srv.addrs["plane"] == "native":
+        if plane == "native":
             wait_native(srv, "told")
             wait_native(srv, "quiet")
         filler = small_fs / "filler"
