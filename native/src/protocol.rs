@@ -8,8 +8,10 @@
 //! the Python side's: at the first packet it does not carry (a SUBSCRIBE, QoS 2, a
 //! retained publish, a topic the ACL cache cannot answer, DISCONNECT, anything
 //! malformed) it stops and says `Demote`, leaving that packet and the bytes after it
-//! unread (`unread`), so the Python core decides it exactly as it decides any other.
-//! The two therefore share one implementation of every rare path and every error.
+//! unread (`unread`), so the Python core decides it exactly as it decides any other
+//! (with `unacked_at_demote`, the QoS 1 publishes not acknowledged when that packet was
+//! read, so that it counts our Receive Maximum as it would have). The two therefore
+//! share one implementation of every rare path and every error.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
