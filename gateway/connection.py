@@ -391,7 +391,10 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
 
     # -- writing (gateway.output) -------------------------------------------------------
     def flush(self) -> None:
-        """Write what the rules have for the client."""
+        """Write what the rules have for the client (once it is ending, the end writes
+        it, after what the store still answers: gateway.ending)."""
+        if self._closed:
+            return
         core = self.core
         packets = core.pending_packets
         if packets:

@@ -25,9 +25,11 @@ from typing import Any, Protocol
 
 import trio
 
+from gateway.inbound import NOT_STORED, not_stored
 from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing
+from store.api import StoreFullError
 
 # A client connection (gateway.connection.Connection, which imports this room: named,
 # not imported). What is read of it here is its state, not a face of its own.
@@ -94,6 +96,8 @@ class Handover:
         # What a connection that may publish anywhere (adopted with no ACL cache) is
         # held to natively; past it, or on a `$` topic, its publish comes to Python.
         engine.set_topic_limits(broker.max_topic_length, broker.max_topic_levels)
+        # A native publish the store refuses is explained in the words Python uses.
+        engine.set_not_stored(not_stored(StoreFullError()), NOT_STORED)
 
     # -- which connections ---------------------------------------------------------------
     def consider(self, conn: Connection) -> None:
@@ -176,7 +180,7 @@ class Handover:
                 return False  # where it starts is still the store's to say
             subs.append((sub.topic_filter, sub.options.qos, cursor))
         now = trio.current_time()
-        aliases, idle, unread = core.handed_over(now)
+        aliases, idle, unread, unacked = core.handed_over(now)
         limits = core.limits
         conn_id = next(self._ids)
         fd = conn.fd
@@ -190,7 +194,8 @@ class Handover:
                 acl=None if _publishes_anywhere(conn) else set(conn.native_topics or ()),
                 subscriptions=subs, aliases_in=aliases, next_packet_id=s.next_packet_id,
                 max_unsent=conn.out.rules.high,  # --max-unsent-bytes: past it, back
-                client_id=s.client_id)  # each publish's record names its client
+                client_id=s.client_id,  # each publish's record names its client
+                inbound_unacked=unacked, problem_info=core.problem_info)
         except Exception:  # noqa: BLE001 - it stays in Python
             log.exception("promotion of %r failed", s.client_id)
             taken = False
@@ -310,8 +315,9 @@ class Handover:
         elif why == "lost":
             conn.close(Closing(row["detail"] or "connection lost"))
         else:
-            if row["unread"]:
-                conn.data_received(row["unread"])  # the packet that needed Python
+            if row["unread"]:  # the packet that needed Python, counted as it was read
+                with core.read_behind(row["inbound_unacked"]):
+                    conn.data_received(row["unread"])
             assert conn.delivery is not None
             conn.delivery.start()  # from each queue's position
             if back is None:

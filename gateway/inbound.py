@@ -36,6 +36,12 @@ from store.api import (
 log = logging.getLogger("lightgate.gateway.inbound")
 
 MAX_BATCH = 1024  # messages per append, at most
+# A refused publish's Reason String: this, then why (the native plane is given it too).
+NOT_STORED = "not stored: "
+
+
+def not_stored(exc: BaseException) -> str:
+    return f"{NOT_STORED}{exc}"
 
 
 
@@ -173,7 +179,7 @@ class Inbound:
                 conn.stored(p, ticket, 0)
             except StoreError as exc:
                 log.warning("publish effects of %r not kept: %s", msg.client_id, exc)
-                conn.stored(p, ticket, rc.UNSPECIFIED_ERROR, f"not stored: {exc}")
+                conn.stored(p, ticket, rc.UNSPECIFIED_ERROR, not_stored(exc))
             finally:
                 self._done(conn)
             conn.flush()
@@ -187,7 +193,7 @@ class Inbound:
         clients = {}
         for conn, msg, p, ticket in batch:
             clients[conn] = msg.client_id
-            conn.stored(p, ticket, code, f"not stored: {exc}")
+            conn.stored(p, ticket, code, not_stored(exc))
             self._done(conn)
         # Without a store connection the store client (and a gateway cut off from its
         # master, gateway.store_link) says so once: not once per publish.

@@ -150,9 +150,10 @@ class PublishRules:
         self.broker.inbound.stage(self, msg, p, ev.ticket)
 
     def stored(self, p: Publish, ticket: int, code: int, text: str = "") -> None:
-        """The inbound pipeline's answer for a staged publish (gateway.inbound)."""
-        if self._closed:
-            return
+        """The inbound pipeline's answer for a staged publish (gateway.inbound). It is
+        answered even when the connection is ending (a malformed packet came after it,
+        say): the close waits for the store's answers, and its ack goes out before the
+        last words, so that the client does not send again what is stored."""
         if code and self.core.version < 5 and p.qos:
             # 3.1.1 has no negative ack: close so the client resends
             self.close(Closing(f"store error: {text}", will=True))

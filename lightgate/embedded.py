@@ -61,7 +61,8 @@ def io_threads(gateway: GatewayConfig) -> int:
 async def _serve(opts: ServeOptions, signals: Signals) -> None:
     if plane.writer() == "native":  # the engine writes the log (store.service)
         if not all(hasattr(plane.NATIVE.Engine, name) for name in ("append_messages",
-                                                                   "release")):
+                                                                   "release",
+                                                                   "set_not_stored")):
             raise StartupError("the native data plane installed is older than this "
                                "Lightgate (its engine cannot write the log or carry "
                                "connections): reinstall it (cargo on PATH, then `pip "

@@ -515,7 +515,7 @@ class CommitLog(EngineTail):
             self.producers.undo(reversed(sequenced))
             self.index.unassign(reversed(assigned_all))
             err: StoreError = (
-                StoreFullError("no space left on the store's disk")
+                StoreFullError()
                 if exc.errno == errno.ENOSPC
                 else StoreError(f"commitlog write failed: {exc}")
             )

@@ -19,8 +19,14 @@ class StoreError(Exception):
     """The store could not take the message; nothing of it was kept."""
 
 
+DISK_FULL = "no space left on the store's disk"  # what a client is told (both planes)
+
+
 class StoreFullError(StoreError):
     """No space left on the store's disk."""
+
+    def __init__(self, message: str = DISK_FULL) -> None:
+        super().__init__(message)
 
 
 class StoreClosedError(StoreError):

@@ -310,7 +310,7 @@ class EngineTail:
                     self._failed = StoreError(why)
                     log.critical("commitlog stops taking writes: %s", why)
                 err: StoreError = (
-                    StoreFullError("no space left on the store's disk")
+                    StoreFullError()
                     if exc.errno == errno.ENOSPC
                     else StoreError(f"commitlog write failed: {exc}")
                 )

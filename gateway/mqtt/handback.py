@@ -6,6 +6,8 @@ A mixin of MqttProtocol: the state is the protocol's, declared here."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from .codec import Decoder
@@ -55,12 +57,13 @@ class Handback:
                 and self.flows is not None and not self.flows.in_flight()
                 and self.expires_at is None and not self._reauth and not self.exchanging)
 
-    def handed_over(self, now: float) -> tuple[dict[int, str], float, bytes]:
+    def handed_over(self, now: float) -> tuple[dict[int, str], float, bytes, int]:
         """What the native side goes on from: the inbound topic aliases, seconds idle,
-        and the start of a packet read here (taken from the decoder: `handed_back_unread`
-        gives it back should the native side not take the connection)."""
+        the start of a packet read here (taken from the decoder: `handed_back_unread`
+        gives it back should the native side not take the connection), and the QoS 1
+        publishes read before it and not acknowledged (none, once `quiet`)."""
         return (dict(self._aliases_in or {}), max(0.0, now - self._read_at),
-                self.decoder.take_buffered())
+                self.decoder.take_buffered(), self._inbound_unacked)
 
     def handed_back_unread(self, unread: bytes) -> None:
         """The native side did not take the connection: the partial packet is ours."""
@@ -93,3 +96,15 @@ class Handback:
         self._aliases_in = aliases_in or None
         for o in outgoing:
             self.flows.outgoing[o.packet_id] = o
+
+    @contextmanager
+    def read_behind(self, unacked: int) -> Iterator[None]:
+        """Bytes the native side handed back unread, read here behind `unacked` QoS 1
+        publishes it had not acknowledged when it read them (their PUBACKs are out now):
+        counted on top of those against our Receive Maximum, as a burst read here at
+        once is counted [MQTT-3.3.4-7]."""
+        self._inbound_unacked += unacked
+        try:
+            yield
+        finally:
+            self._inbound_unacked -= unacked

@@ -26,6 +26,7 @@ fn settings() -> Settings {
         client_receive_maximum: 32,
         max_inflight: 32,
         client_max_packet: 1 << 20,
+        problem_info: true,
     }
 }
 

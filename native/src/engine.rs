@@ -192,6 +192,8 @@ struct Inner {
     wake: UnixStream,
     /// The owner's topic limits (`Engine::set_topic_limits`): length, levels.
     topic_limits: (AtomicUsize, AtomicUsize),
+    /// What a refused publish's PUBACK says, in the owner's words (`Engine::set_not_stored`).
+    not_stored: RwLock<NotStored>,
     /// How long native publishes took to append (`Engine::append_latency`).
     append_latency: Latency,
 }
@@ -222,6 +224,15 @@ impl Latency {
         self.sum_ns
             .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
     }
+}
+
+/// The reason strings of a publish the store refused, as the owner words them: one
+/// for a full disk, and how any other begins (what went wrong follows). Empty until
+/// the owner says: no reason string then.
+#[derive(Debug, Clone, Default)]
+pub struct NotStored {
+    pub disk_full: Arc<str>,
+    pub prefix: Arc<str>,
 }
 
 pub struct Engine {
@@ -320,6 +331,7 @@ impl Engine {
             refused: Mutex::new((Vec::new(), 0)),
             wake,
             topic_limits: (AtomicUsize::new(usize::MAX), AtomicUsize::new(usize::MAX)),
+            not_stored: RwLock::new(NotStored::default()),
             append_latency: Latency::default(),
         });
         let reactor = Reactor::start(threads, Arc::new(EngineSink(Arc::clone(&inner))))?;
@@ -359,6 +371,14 @@ impl Engine {
         let (length, levels) = &self.inner.topic_limits;
         length.store(limits.max_length, Ordering::Relaxed);
         levels.store(limits.max_levels, Ordering::Relaxed);
+    }
+
+    /// How a native publish the store refused is explained to its client (a v5 PUBACK's
+    /// Reason String, when the client asked for problem information).
+    pub fn set_not_stored(&self, words: NotStored) {
+        if let Ok(mut w) = self.inner.not_stored.write() {
+            *w = words;
+        }
     }
 
     /// The reactor threads (connection `conn` starts on thread `conn % io_threads`).
@@ -511,7 +531,7 @@ impl Engine {
         store_ts: Option<u64>,
     ) -> Result<Vec<Dispatched>, AppendError> {
         let items: Vec<Item<'_>> = messages.iter().map(Item::of).collect();
-        Ok(self.inner.write(&items, store_ts, true)?.rows)
+        Ok(self.inner.write(&items, store_ts, true, Vec::new())?.rows)
     }
 
     /// What was appended since the last call, in log order, for the index, and the
@@ -728,42 +748,55 @@ impl Inner {
                 queues: None,
             })
             .collect();
-        let started = std::time::Instant::now();
-        let appended = self.write(&items, None, false);
-        self.append_latency.observe(started.elapsed());
-        if let Err(e) = &appended {
-            if let Ok(mut r) = self.refused.lock() {
-                if r.0.len() < 8 {
-                    r.0.push(e.to_string());
-                }
-                r.1 += 1;
-            }
-        }
-        let mut commands = Vec::new();
-        // As Python answers: a full disk is Quota exceeded (0x97), anything else 0x80.
-        let code = match &appended {
-            Ok(_) => 0,
-            Err(AppendError::Io(e)) if e.raw_os_error() == Some(ENOSPC) => 0x97,
-            Err(_) => 0x80,
+        let acks = |code: u8, reason: Option<Arc<str>>| -> Vec<Command> {
+            batch
+                .iter()
+                .filter_map(|inb| {
+                    Some(Command::PublishDone {
+                        conn: inb.conn,
+                        ticket: inb.ticket?,
+                        packet_id: inb.packet_id?,
+                        code,
+                        reason: reason.clone(),
+                    })
+                })
+                .collect()
         };
-        for inb in &batch {
-            if let (Some(ticket), Some(packet_id)) = (inb.ticket, inb.packet_id) {
-                commands.push(Command::PublishDone {
-                    conn: inb.conn,
-                    ticket,
-                    packet_id,
-                    code,
-                });
-            }
-        }
-        handle.send_many(commands);
+        let started = std::time::Instant::now();
+        // Stored, the acks are queued before the deliveries (`write`).
+        let appended = self.write(&items, None, false, acks(0, None));
+        self.append_latency.observe(started.elapsed());
         match appended {
             Ok(written) => batch
                 .iter()
                 .zip(written.leans)
                 .filter_map(|(inb, lean)| Some((inb.conn, lean?)))
                 .collect(),
-            Err(_) => Vec::new(),
+            Err(e) => {
+                let (code, reason) = self.refusal(&e);
+                if let Ok(mut r) = self.refused.lock() {
+                    if r.0.len() < 8 {
+                        r.0.push(e.to_string());
+                    }
+                    r.1 += 1;
+                }
+                handle.send_many(acks(code, Some(reason)));
+                Vec::new()
+            }
+        }
+    }
+
+    /// How a refused append is answered, as Python answers: a full disk is Quota
+    /// exceeded (0x97), anything else 0x80; each with the owner's words.
+    fn refusal(&self, e: &AppendError) -> (u8, Arc<str>) {
+        let words = self
+            .not_stored
+            .read()
+            .map(|w| w.clone())
+            .unwrap_or_default();
+        match e {
+            AppendError::Io(io) if io.raw_os_error() == Some(ENOSPC) => (0x97, words.disk_full),
+            _ => (0x80, format!("{}{e}", words.prefix).into()),
         }
     }
 
@@ -772,12 +805,15 @@ impl Inner {
     /// for dispatch in log order, and queue the deliveries to native subscribers before
     /// the lock goes: two appends at once queue theirs in log order, so a subscriber
     /// gets them in order and a demotion's positions never pass a message not sent yet.
-    /// Returns (`keep`) the rows, and where each one's deliveries went.
+    /// Returns (`keep`) the rows, and where each one's deliveries went. `acks`: the
+    /// publishers' acks, queued before the deliveries once written (a client subscribed
+    /// to what it publishes gets its PUBACK first, as from Python).
     fn write(
         &self,
         items: &[Item<'_>],
         store_ts: Option<u64>,
         keep: bool,
+        acks: Vec<Command>,
     ) -> Result<Written, AppendError> {
         if let Some(why) = self.failed() {
             return Err(AppendError::Failed(why));
@@ -862,12 +898,14 @@ impl Inner {
         }
         let mut leans = vec![None; items.len()];
         if let Some(handle) = self.handle.get() {
-            let mut deliveries = Vec::new();
+            let acked = acks.len();
+            let mut commands = acks;
             let mut whose = Vec::new();
-            self.deliver(items, &rows, &mut deliveries, &mut whose);
-            if !deliveries.is_empty() {
-                let went = handle.send_many(deliveries);
-                for (&(item, released), lane) in whose.iter().zip(went) {
+            self.deliver(items, &rows, &mut commands, &mut whose);
+            if !commands.is_empty() {
+                let went = handle.send_many(commands);
+                let went = went.get(acked..).unwrap_or_default();
+                for (&(item, released), &lane) in whose.iter().zip(went) {
                     leans[item] = Some(match leans[item] {
                         _ if released => Lean::Spread,
                         None => Lean::To(lane),

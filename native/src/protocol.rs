@@ -8,8 +8,10 @@
 //! the Python side's: at the first packet it does not carry (a SUBSCRIBE, QoS 2, a
 //! retained publish, a topic the ACL cache cannot answer, DISCONNECT, anything
 //! malformed) it stops and says `Demote`, leaving that packet and the bytes after it
-//! unread (`unread`), so the Python core decides it exactly as it decides any other.
-//! The two therefore share one implementation of every rare path and every error.
+//! unread (`unread`), so the Python core decides it exactly as it decides any other
+//! (with `unacked_at_demote`, the QoS 1 publishes not acknowledged when that packet was
+//! read, so that it counts our Receive Maximum as it would have). The two therefore
+//! share one implementation of every rare path and every error.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
@@ -18,6 +20,8 @@ use crate::codec::wire::varint_or_none;
 
 /// MQTT 5 Reason String.
 const REASON_STRING: u8 = 0x1F;
+/// A PUBACK's bytes but its Reason String's text, at most (Python's `REASON_OVERHEAD`).
+const REASON_OVERHEAD: usize = 16;
 use crate::codec::{decode_packet, encode_ack, encode_pingresp, encode_publish, Packet, Publish};
 
 /// What CONNECT negotiated, handed over by the Python core.
@@ -38,6 +42,9 @@ pub struct Settings {
     pub max_inflight: u32,
     /// The client's Maximum Packet Size: larger deliveries are dropped.
     pub client_max_packet: usize,
+    /// The client's Request Problem Information (v5): false, no Reason String on a
+    /// PUBACK [MQTT-3.1.2-29].
+    pub problem_info: bool,
 }
 
 /// What a call to `receive` found for the driver to act on.
@@ -113,7 +120,11 @@ pub struct Connection {
     pub settings: Settings,
     /// A B-tree: empty (most connections), it is half a hash map's size.
     aliases_in: BTreeMap<u16, String>,
+    /// Inbound QoS 1 publishes whose PUBACK is not decided yet (our Receive Maximum).
     inbound_unacked: u32,
+    /// `inbound_unacked` when the packet handed back was read: the owner counts that
+    /// packet, and those after it, on top of them (as a burst read at once is counted).
+    unacked_at_demote: u32,
     /// Answers in the order of the packets they answer; None until decided.
     answers: VecDeque<Option<Vec<u8>>>,
     next_ticket: u64,
@@ -135,6 +146,7 @@ impl Connection {
             settings,
             aliases_in: BTreeMap::new(),
             inbound_unacked: 0,
+            unacked_at_demote: 0,
             answers: VecDeque::new(),
             next_ticket: 0,
             out: Vec::new(),
@@ -160,6 +172,17 @@ impl Connection {
         self.next_packet_id = next_packet_id.max(1);
         self.outgoing = outgoing;
         self.unread = unread;
+    }
+
+    /// The owner had read `n` QoS 1 publishes it had not acknowledged before the bytes
+    /// it hands over (`unread` of an adoption): those are read behind them, and
+    /// `caught_up(n)` once they are.
+    pub fn behind(&mut self, n: u32) {
+        self.inbound_unacked += n;
+    }
+
+    pub fn caught_up(&mut self, n: u32) {
+        self.inbound_unacked = self.inbound_unacked.saturating_sub(n);
     }
 
     // -- output -------------------------------------------------------------------------
@@ -214,6 +237,14 @@ impl Connection {
 
     pub fn demoted(&self) -> bool {
         self.demoted
+    }
+
+    /// Inbound QoS 1 publishes not acknowledged yet when the packet at `unread` was
+    /// read (their PUBACKs go out before the demotion): the owner reads that packet, and
+    /// those after it, as if they still were not, as it counts a burst it reads at once
+    /// against our Receive Maximum [MQTT-3.3.4-7].
+    pub fn unacked_at_demote(&self) -> u32 {
+        self.unacked_at_demote
     }
 
     /// A 3.1.1 publish was not stored: the connection must end.
@@ -292,6 +323,7 @@ impl Connection {
 
     fn demote(&mut self, rest: &[u8], events: &mut Vec<Event>) {
         self.unread = rest.to_vec();
+        self.unacked_at_demote = self.inbound_unacked;
         self.demoted = true;
         events.push(Event::Demote);
     }
@@ -388,9 +420,9 @@ impl Connection {
         true
     }
 
-    /// The publish at `ticket` was stored (`code` 0) or not (a v5 reason code; 3.1.1
-    /// gets a plain PUBACK, as it has no negative one).
-    pub fn publish_done(&mut self, ticket: u64, packet_id: u16, code: u8) {
+    /// The publish at `ticket` was stored (`code` 0) or not (a v5 reason code, and
+    /// `reason` why in words; 3.1.1 gets no PUBACK, as it has no negative one).
+    pub fn publish_done(&mut self, ticket: u64, packet_id: u16, code: u8, reason: Option<&str>) {
         self.inbound_unacked = self.inbound_unacked.saturating_sub(1);
         if code != 0 && self.settings.version != 5 {
             // No ack at all: its place is given up, and the connection ends.
@@ -399,11 +431,10 @@ impl Connection {
             return;
         }
         let told = if self.settings.version == 5 { code } else { 0 };
-        // Why, in words, as Python's core says it (a v5 client only gets a code != 0).
-        let why = match told {
-            0 => None,
-            0x97 => Some("no space left on the store's disk"),
-            _ => Some("the message was not stored"),
+        let why = if told == 0 {
+            None
+        } else {
+            reason.and_then(|r| self.reason(r))
         };
         let props: Vec<Property<'_>> = why
             .map(|w| Property {
@@ -417,6 +448,27 @@ impl Connection {
         if encode_ack(packet_id, told, &props, self.settings.version, &mut ack).is_ok() {
             self.decide(ticket, ack);
         }
+    }
+
+    /// A Reason String as Python's core sends one (`MqttProtocol.reason`): none unless
+    /// the client asked for problem information [MQTT-3.1.2-29]; cut (at a character)
+    /// to what keeps the packet within the client's Maximum Packet Size and 200 bytes
+    /// [MQTT-3.4.2-2]; none if fewer than 8 characters are left of it.
+    fn reason<'a>(&self, text: &'a str) -> Option<&'a str> {
+        if !self.settings.problem_info || self.settings.version != 5 {
+            return None;
+        }
+        let room = self
+            .settings
+            .client_max_packet
+            .saturating_sub(REASON_OVERHEAD)
+            .min(200);
+        let mut end = text.len().min(room);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let cut = &text[..end];
+        (cut.chars().count() >= 8).then_some(cut)
     }
 
     // -- deliveries -----------------------------------------------------------------------
@@ -547,6 +599,7 @@ mod tests {
             client_receive_maximum: 3,
             max_inflight: 100,
             client_max_packet: 1 << 20,
+            problem_info: true,
         }
     }
 
@@ -587,7 +640,7 @@ mod tests {
             }
         ));
         assert!(c.take_output().is_empty());
-        c.publish_done(0, 7, 0);
+        c.publish_done(0, 7, 0, None);
         assert_eq!(c.take_output(), vec![0x40, 2, 0, 7, 0xD0, 0]);
         assert_eq!(c.deadline(), 91.0);
     }
@@ -599,14 +652,53 @@ mod tests {
         data.extend([0xC0, 0x00]); // PINGREQ after it
         let mut ev = Vec::new();
         c.receive(&data, 1.0, allow, &mut ev);
-        c.publish_done(0, 7, 0x80);
+        c.publish_done(0, 7, 0x80, Some("not stored: the disk failed"));
         assert!(c.store_failed());
         assert_eq!(c.take_output(), vec![0xD0, 0], "the PINGRESP, no PUBACK");
         assert_eq!(c.answers_pending(), 0);
         let mut v5 = Connection::new(settings(5), 0.0);
         v5.receive(&publish("a", b"1", 1, Some(7), 5), 1.0, allow, &mut ev);
-        v5.publish_done(0, 7, 0x80);
+        v5.publish_done(0, 7, 0x80, None);
         assert!(!v5.store_failed(), "v5 says it in the PUBACK");
+    }
+
+    #[test]
+    fn a_refusals_reason_string_only_if_asked_and_within_the_clients_limit() {
+        let why = "not stored: no space left on the store's disk";
+        let ack = |problem_info: bool, client_max_packet: usize| {
+            let mut c = Connection::new(
+                Settings {
+                    problem_info,
+                    client_max_packet,
+                    ..settings(5)
+                },
+                0.0,
+            );
+            let mut ev = Vec::new();
+            c.receive(&publish("a", b"1", 1, Some(7), 5), 1.0, allow, &mut ev);
+            c.publish_done(0, 7, 0x97, Some(why));
+            c.take_output()
+        };
+        let told = ack(true, 1 << 20);
+        assert_eq!(
+            told[..8],
+            [
+                0x40,
+                7 + why.len() as u8,
+                0,
+                7,
+                0x97,
+                3 + why.len() as u8,
+                0x1F,
+                0
+            ]
+        );
+        assert_eq!(&told[9..], why.as_bytes());
+        // Request Problem Information 0: the code alone [MQTT-3.1.2-29].
+        assert_eq!(ack(false, 1 << 20), vec![0x40, 3, 0, 7, 0x97]);
+        // Cut to the client's Maximum Packet Size, or left out if under 8 characters.
+        assert_eq!(ack(true, 16 + 10)[9..], why.as_bytes()[..10]);
+        assert_eq!(ack(true, 16 + 7), vec![0x40, 3, 0, 7, 0x97]);
     }
 
     #[test]
@@ -691,9 +783,41 @@ mod tests {
         c.receive(&alias("dev/1", 1), 0.0, allow, &mut ev);
         c.receive(&alias("", 2), 0.0, allow, &mut ev);
         assert!(matches!(&ev[1], Event::Publish { topic, .. } if topic == "dev/1"));
-        // A third unacknowledged QoS 1 passes our Receive Maximum of 2: Python's 0x93.
+        // A third unacknowledged QoS 1 passes our Receive Maximum of 2: Python's 0x93,
+        // which counts it behind the two not acknowledged when it was read, although
+        // their PUBACKs go out before the hand-back.
         c.receive(&alias("", 3), 0.0, allow, &mut ev);
         assert_eq!(ev[2], Event::Demote);
+        c.publish_done(0, 1, 0, None);
+        c.publish_done(1, 2, 0, None);
+        assert_eq!(c.answers_pending(), 0);
+        assert_eq!(c.unacked_at_demote(), 2);
+    }
+
+    #[test]
+    fn bytes_handed_over_are_read_behind_the_owners_unacknowledged() {
+        let mut c = Connection::new(settings(5), 0.0);
+        let mut ev = Vec::new();
+        c.behind(2);
+        c.receive(&publish("a", b"1", 1, Some(1), 5), 0.0, allow, &mut ev);
+        c.caught_up(2);
+        assert_eq!(
+            ev,
+            vec![Event::Demote],
+            "a third one past our Receive Maximum of 2"
+        );
+        let mut c = Connection::new(settings(5), 0.0);
+        c.behind(1);
+        c.receive(&publish("a", b"1", 1, Some(1), 5), 0.0, allow, &mut ev);
+        c.caught_up(1);
+        c.publish_done(0, 1, 0, None);
+        let two = [
+            publish("a", b"2", 1, Some(2), 5),
+            publish("a", b"3", 1, Some(3), 5),
+        ];
+        ev.clear();
+        c.receive(&two.concat(), 0.0, allow, &mut ev);
+        assert_eq!(ev.len(), 2, "caught up: the window is whole again");
     }
 
     #[test]

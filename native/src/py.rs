@@ -162,7 +162,7 @@ struct PyConnection {
 #[pymethods]
 impl PyConnection {
     #[new]
-    #[pyo3(signature = (version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, now, allowed=None))]
+    #[pyo3(signature = (version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, now, allowed=None, problem_info=true))]
     #[allow(clippy::too_many_arguments)] // what CONNECT negotiated, one value each
     fn new(
         version: u8,
@@ -176,6 +176,7 @@ impl PyConnection {
         client_max_packet: usize,
         now: f64,
         allowed: Option<std::collections::BTreeSet<String>>,
+        problem_info: bool,
     ) -> Self {
         let settings = protocol::Settings {
             version,
@@ -187,6 +188,7 @@ impl PyConnection {
             client_receive_maximum,
             max_inflight,
             client_max_packet,
+            problem_info,
         };
         PyConnection {
             inner: protocol::Connection::new(settings, now),
@@ -239,8 +241,9 @@ impl PyConnection {
         Ok(out)
     }
 
-    fn publish_done(&mut self, ticket: u64, packet_id: u16, code: u8) {
-        self.inner.publish_done(ticket, packet_id, code);
+    #[pyo3(signature = (ticket, packet_id, code, reason=None))]
+    fn publish_done(&mut self, ticket: u64, packet_id: u16, code: u8, reason: Option<&str>) {
+        self.inner.publish_done(ticket, packet_id, code, reason);
     }
 
     fn take_output<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyBytes> {
@@ -430,8 +433,10 @@ impl PyEngine {
     /// is not at its queue's end (the caller delivers the rest, and tries again).
     /// `subscriptions`: (filter, QoS, next offset of its queue), registered with it;
     /// `aliases_in` and `next_packet_id`: the Python core's state to go on from;
-    /// `max_unsent`: bytes waiting for the client past which it comes back (0: 2 MiB).
-    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new()))]
+    /// `max_unsent`: bytes waiting for the client past which it comes back (0: 2 MiB);
+    /// `inbound_unacked`: QoS 1 publishes not acknowledged when `unread` was read;
+    /// `problem_info`: the client's Request Problem Information.
+    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new(), inbound_unacked=0, problem_info=true))]
     #[allow(clippy::too_many_arguments)] // what CONNECT negotiated, one value each
     fn adopt(
         &self,
@@ -455,6 +460,8 @@ impl PyEngine {
         next_packet_id: u16,
         max_unsent: usize,
         client_id: String,
+        inbound_unacked: u32,
+        problem_info: bool,
     ) -> PyResult<bool> {
         let settings = protocol::Settings {
             version,
@@ -466,6 +473,7 @@ impl PyEngine {
             client_receive_maximum,
             max_inflight,
             client_max_packet,
+            problem_info,
         };
         let fd = Fd::checked(fd)?;
         let engine = self.engine()?;
@@ -483,6 +491,7 @@ impl PyEngine {
                     aliases_in,
                     next_packet_id,
                     client_id: client_id.as_str().into(),
+                    inbound_unacked,
                 },
                 max_unsent,
             })
@@ -662,6 +671,18 @@ impl PyEngine {
         Ok(())
     }
 
+    /// How a native publish the store refused is explained to its client (a v5
+    /// PUBACK's Reason String, if it asked for problem information): `disk_full` on a
+    /// full disk, else `prefix` followed by the error. The owner's words: until this
+    /// is called, no Reason String.
+    fn set_not_stored(&self, disk_full: &str, prefix: &str) -> PyResult<()> {
+        self.engine()?.set_not_stored(engine::NotStored {
+            disk_full: disk_full.into(),
+            prefix: prefix.into(),
+        });
+        Ok(())
+    }
+
     /// Cut the dispatch's pause short (a reader came).
     fn hurry(&self) -> PyResult<()> {
         self.engine()?.hurry();
@@ -713,7 +734,8 @@ impl PyEngine {
     /// unread (the packet that needs Python first), unsent (to write before anything
     /// else), next_packet_id, outgoing ([(packet_id, encoded PUBLISH, phys_offset)], in
     /// flight at QoS 1), positions ({queue: next offset}, for the queues delivered
-    /// from), idle_for (seconds since the client sent anything), aliases_in.
+    /// from), idle_for (seconds since the client sent anything), aliases_in,
+    /// inbound_unacked (QoS 1 publishes not acknowledged yet when `unread` was read).
     fn take_demoted<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         use std::os::fd::IntoRawFd;
         let engine = self.engine()?;
@@ -745,6 +767,7 @@ impl PyEngine {
             row.set_item("positions", positions)?;
             row.set_item("idle_for", d.idle_for)?;
             row.set_item("aliases_in", d.aliases_in.clone())?;
+            row.set_item("inbound_unacked", d.inbound_unacked)?;
             row.set_item("fd", d.socket.into_raw_fd())?;
             out.append(row)?;
         }

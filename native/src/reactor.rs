@@ -130,6 +130,9 @@ pub struct Demoted {
     pub outgoing: BTreeMap<u16, Outgoing>,
     pub next_packet_id: u16,
     pub aliases_in: HashMap<u16, String>,
+    /// QoS 1 publishes not acknowledged yet when `unread` was read (their PUBACKs are
+    /// out or in `unsent`): counted against our Receive Maximum by whoever reads on.
+    pub inbound_unacked: u32,
     /// Deliveries accepted but not yet sent (the window was full).
     pub held: Vec<Delivery>,
     /// Queue -> the next offset to deliver from it.
@@ -207,6 +210,8 @@ pub struct Restore {
     pub next_packet_id: u16,
     /// Whose publishes these are: each one's record carries it, as Python's do.
     pub client_id: Arc<str>,
+    /// QoS 1 publishes the owner had not acknowledged when it read `unread`.
+    pub inbound_unacked: u32,
 }
 
 /// What the reactors have done, for the owner's metrics (read without a lock).
@@ -276,6 +281,8 @@ pub enum Command {
         ticket: u64,
         packet_id: u16,
         code: u8,
+        /// Why it was not stored (`code` != 0), in the owner's words.
+        reason: Option<Arc<str>>,
     },
     Deliver {
         conn: u64,
@@ -1023,10 +1030,12 @@ impl Worker {
                     ticket,
                     packet_id,
                     code,
+                    reason,
                 } => {
                     if let Some(&token) = self.tokens.get(&conn) {
                         if let Some(c) = self.conns.get_mut(&token) {
-                            c.core.publish_done(ticket, packet_id, code);
+                            c.core
+                                .publish_done(ticket, packet_id, code, reason.as_deref());
                             if c.core.store_failed() {
                                 c.demoting.get_or_insert(Why::Lost(
                                     "store error: a publish was not stored".into(),
@@ -1208,7 +1217,9 @@ impl Worker {
             return None;
         }
         if !a.unread.is_empty() {
-            // What the owner read but had not parsed (a partial packet) goes first.
+            // What the owner read but had not parsed (a partial packet) goes first,
+            // behind what the owner had not acknowledged when it read it.
+            c.core.behind(a.restore.inbound_unacked);
             Self::feed(
                 &mut c,
                 &a.unread,
@@ -1217,6 +1228,7 @@ impl Worker {
                 &self.counters,
                 published,
             );
+            c.core.caught_up(a.restore.inbound_unacked);
         }
         self.next_deadline = self.next_deadline.min(c.core.deadline());
         self.tokens.insert(conn, token);
@@ -1350,6 +1362,7 @@ impl Worker {
             outgoing: c.core.outgoing().clone(),
             next_packet_id: c.core.next_packet_id(),
             aliases_in: c.core.aliases_in(),
+            inbound_unacked: c.core.unacked_at_demote(),
             held: backlog.held.into(),
             positions: std::mem::take(&mut c.positions).into_iter().collect(),
             idle_for,

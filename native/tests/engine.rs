@@ -34,6 +34,7 @@ fn adoption(conn: u64, socket: OwnedFd) -> Command {
             client_receive_maximum: 10,
             max_inflight: 32,
             client_max_packet: 1 << 20,
+            problem_info: true,
         },
         unread: Vec::new(),
         idle_for: 0.0,

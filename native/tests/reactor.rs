@@ -104,6 +104,7 @@ fn settings(keepalive: u16) -> Settings {
         client_receive_maximum: 2,
         max_inflight: 32,
         client_max_packet: 1 << 20,
+        problem_info: true,
     }
 }
 
@@ -156,6 +157,7 @@ fn publish_ack_ping_deliver_and_hand_back() {
         ticket: batch[0].ticket.unwrap(),
         packet_id: 9,
         code: 0,
+        reason: None,
     });
     assert_eq!(read_exact(&mut client, 6), vec![0x40, 2, 0, 9, 0xD0, 0]);
 

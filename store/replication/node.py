@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from store import protocol as p
-from store.common import StoreClosedError, StoreError, StoreFullError
+from store.common import DISK_FULL, StoreClosedError, StoreError, StoreFullError
 from store.config import ReplicationConfig
 from store.replication.controller import HEARTBEAT_S, Controller, RaftConfig
 from store.replication.epochs import Epoch, EpochFile, fork_point, implicit
@@ -247,7 +247,7 @@ class Replication:
             where = f"the master at {self.master_addr}" if self.master_addr else "the master"
             return StoreError(f"this store node is a replica: writes go to {where}")
         if self.space.full is not None:
-            return StoreFullError(f"no space left on the store's disk ({self.space.full}): "
+            return StoreFullError(f"{DISK_FULL} ({self.space.full}): "
                                   "writes are refused until space is freed")
         if not self.has_lease():
             return StoreError("this store node holds no lease from the group's controller "
@@ -351,7 +351,7 @@ class Replication:
                 if not no_space(exc):
                     raise
                 self.disk_failed(exc)
-                raise StoreFullError(f"no space left on the store's disk ({exc})") from exc
+                raise StoreFullError(f"{DISK_FULL} ({exc})") from exc
             await self.meta_synced()
             return out
         return run

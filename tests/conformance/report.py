@@ -130,6 +130,19 @@ def render() -> str:
         "say), `tests/conformance/test_claims.py` checks the claim. "
         "`tests/conformance/test_report.py` fails when this file is stale.",
         "",
+        "The suite runs on either data plane: the native one where it is built (the "
+        "default), the Python reference with `LIGHTGATE_NATIVE=0`; `make test` runs it "
+        "on both. The native plane takes a connection over only once it is quiet after "
+        "its CONNACK, so most of these exchanges are the Python plane's whichever runs. "
+        "What the native plane answers itself is held to the same bytes by "
+        "`tests/plane/test_planes_wire.py`, which sends one byte sequence to a promoted "
+        "connection and to a Python-plane one and compares the answers byte for byte (a "
+        "QoS 1 publish past the Server's Receive Maximum, 3.3.4-7; a stored publish "
+        "followed by a malformed packet; a publish to the client's own subscription), and "
+        "by `tests/faults/test_disk_full.py`, a publish refused for a full disk on each "
+        "plane, its Reason String left out for a client that set Request Problem "
+        "Information 0 (3.1.2-29).",
+        "",
         "## MQTT 5.0",
         "",
         "| Statement | Binds | Requirement | Status | Test or reason |",

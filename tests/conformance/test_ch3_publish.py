@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from gateway import mqtt
-from tests.conformance.reader import Disconnect, Pingresp, Pubcomp, Publish, Pubrec, Pubrel
+from tests.conformance.reader import (
+    Disconnect,
+    Pingresp,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+)
 from tests.conformance.wire import Peer, connected, props, publish_bytes, s, uid
 
 PUBACK_CODES = {0x00, 0x10, 0x80, 0x83, 0x87, 0x90, 0x91, 0x97, 0x99}
@@ -348,15 +358,21 @@ def test_mqtt_3_3_4_6(port: int) -> None:
     refused_publish(port, publish_bytes("p/x", b"x", pprops=props(b"\x0b\x05")))
 
 
-def test_mqtt_3_3_4_7(port: int) -> None:
-    """[MQTT-3.3.4-7] More unacknowledged QoS 2 publishes than the Server's Receive
-    Maximum: DISCONNECT 0x93, closed."""
+@pytest.mark.parametrize("qos", [1, 2])
+def test_mqtt_3_3_4_7(port: int, qos: int) -> None:
+    """[MQTT-3.3.4-7] More unacknowledged QoS 1 or 2 publishes than the Server's Receive
+    Maximum, in one write: DISCONNECT 0x93, closed; each one stored before the one too
+    many is acknowledged first (PUBACK or PUBREC), so that it is not sent again."""
     c = Peer(port)
     rmax = c.connect(uid()).properties["receive_maximum"]
     topic = uid("p/")
-    c.send_raw(b"".join(mqtt.encode(mqtt.Publish(topic, b"x", 2, packet_id=i + 1), 5)
+    c.send_raw(b"".join(mqtt.encode(mqtt.Publish(topic, b"x", qos, packet_id=i + 1), 5)
                         for i in range(rmax + 1)))
-    c.refused_with(0x93)
+    got = c.refused()
+    ack = Puback if qos == 1 else Pubrec
+    assert [(type(p), p.packet_id) for p in got[:-1]] == \
+        [(ack, i + 1) for i in range(rmax)], got
+    assert isinstance(got[-1], Disconnect) and got[-1].reason_code == 0x93, got
 
 
 def test_mqtt_3_3_4_9(port: int) -> None:

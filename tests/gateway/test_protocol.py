@@ -182,6 +182,23 @@ def test_more_unacknowledged_publishes_than_our_receive_maximum_end_the_connecti
     assert events[-1].closing.reason_code == rc.RECEIVE_MAXIMUM_EXCEEDED
 
 
+def test_handed_back_bytes_count_what_the_native_side_had_not_acknowledged() -> None:
+    c = Client()
+    c.connect()
+    c.got()
+    with c.core.read_behind(3):  # our Receive Maximum is 4: one more fits, not two
+        events = c.send(*(mqtt.Publish("t", b"x", qos=1, packet_id=i) for i in (4, 5)))
+    assert [type(e) for e in events] == [mp.PublishReceived, mp.Closed]
+    assert events[-1].closing.reason_code == rc.RECEIVE_MAXIMUM_EXCEEDED
+    c = Client()
+    c.connect()
+    with c.core.read_behind(3):
+        [ev] = c.send(mqtt.Publish("t", b"x", qos=1, packet_id=4))
+    assert c.core._inbound_unacked == 1, "the three were acknowledged elsewhere"
+    c.core.publish_done(ev.packet, ev.ticket, 0)
+    assert c.core._inbound_unacked == 0
+
+
 def test_topic_aliases_in() -> None:
     c = Client()
     c.connect()
