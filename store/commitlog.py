@@ -41,6 +41,7 @@ from lightqueue.index import ConsumeQueueIndex
 from store import producers, record
 from store.common import StoreClosedError, StoreError, StoreFullError
 from store.engine_tail import EngineTail
+from store.highwater import HighWater
 from store.producers import Plan, ProducerTable, Stamp
 from store.record import MARK_FIRST, MARK_MORE, CorruptRecord, Message
 from store.segment import Segment, fsync_dir, is_segment_name, segment_name
@@ -66,6 +67,7 @@ class RecoveryReport:
     index_rebuilt: bool = False
     redispatched: int = 0
     producer_records: int = 0  # read to rebuild the idempotent producers' sequences
+    marked_queues: int = 0  # queues started at their high-water mark (store.highwater)
     seconds: float = 0.0
 
 
@@ -145,6 +147,25 @@ def _check_records(data: bytes, phys: int, count: int) -> None:
         raise CorruptRecord(f"records at offset {phys} end before their run does")
 
 
+def _boot_id() -> str | None:
+    """This boot of the machine (Linux): a crash with the same one kept the page cache,
+    so every write the process made is in the files."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _page_cache_lost(abort: dict | None) -> bool:
+    """Whether writes of a run that did not stop cleanly may be lost although the files
+    look whole: it appended before its fsyncs (flush async; acks and reads did not wait
+    for the disk) and the machine went down since (another boot, or none known)."""
+    if abort is None:
+        return False
+    boot = abort.get("boot")
+    return abort.get("flush") != "sync" and (boot is None or boot != _boot_id())
+
+
 def _holds_producers(seg: Segment) -> bool:
     """Whether a segment may hold an idempotent producer's record (its property name is
     in the bytes): a search at memory speed, so a log with none is not decoded."""
@@ -216,6 +237,8 @@ class CommitLog(EngineTail):
         # Idempotent producers' sequences, checked inside appends (under the write lock)
         # and rebuilt from the records (store.producers; snapshots: store.producer_state).
         self.producers = ProducerTable(max_producers)
+        # Each queue's high-water mark, raised before an offset past it is assigned.
+        self.marks = HighWater(self.dir)
         self.stats = {"appends": 0, "messages": 0, "bytes_written": 0, "fsyncs": 0, "batches": 0}
         self._init_engine_tail()  # no engine until start_engine (store.engine_tail)
 
@@ -223,7 +246,8 @@ class CommitLog(EngineTail):
     def open(self) -> RecoveryReport:
         self.dir.mkdir(parents=True, exist_ok=True)
         report = self._recover()
-        (self.dir / ABORT_FILE).write_text(str(os.getpid()))
+        (self.dir / ABORT_FILE).write_bytes(orjson.dumps(
+            {"pid": os.getpid(), "boot": _boot_id(), "flush": self.flush_mode}))
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="commitlog-writer", daemon=True)
         self._thread.start()
@@ -247,6 +271,11 @@ class CommitLog(EngineTail):
         self._flushed = self._write_pos
         self._write_checkpoint()
         self._save_producers(self._write_pos, self.producers.snapshot())
+        # The log holds every record whole now: the marks are of no more use. The
+        # index first, with any floors recovery set from them.
+        self.index.flush()
+        self.marks.clear()
+        self.marks.close()
         for seg in self._segments:
             seg.close()
         (self.dir / ABORT_FILE).unlink(missing_ok=True)
@@ -509,6 +538,7 @@ class CommitLog(EngineTail):
         if not accepted:
             return []
         try:
+            self.marks.cover(assigned_all)  # before a reader can be given these offsets
             if any(c for _, c in chunks):  # (a producer's duplicates alone write nothing)
                 self._write_chunks([c for _, c in chunks])
         except OSError as exc:
@@ -868,7 +898,8 @@ class CommitLog(EngineTail):
     def _recover(self) -> RecoveryReport:
         t0 = time.monotonic()
         self._load_segments()
-        clean = not (self.dir / ABORT_FILE).exists()
+        abort = self._read_abort()
+        clean = abort is None
         ckpt = self._read_checkpoint()
         index_ckpt = self.index.checkpoint()
         if ckpt is None or self.full_verify:
@@ -884,11 +915,40 @@ class CommitLog(EngineTail):
         self._wfd = os.open(last.path, os.O_WRONLY | os.O_APPEND)
         self._write_checkpoint()
         self._recover_index(index_ckpt, report)
+        marks = self.marks.load()
+        if marks and (report.truncated_at is not None or report.index_rebuilt
+                      or not clean and _page_cache_lost(abort)):
+            report.marked_queues = self._floors_from_marks(marks)
+        self.marks.open(marks)
         report.producer_records = self._rebuild_producers(end)
         report.seconds = time.monotonic() - t0
         level = logging.INFO if clean and report.truncated_at is None else logging.WARNING
         log.log(level, "commitlog recovered: %s", report)
         return report
+
+    def _read_abort(self) -> dict | None:
+        """What the last run left in the abort file (None: it stopped cleanly); {} when
+        it says nothing this code can read."""
+        try:
+            raw = (self.dir / ABORT_FILE).read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            found = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return {}  # an older version's: its pid alone
+        return found if isinstance(found, dict) else {}
+
+    def _floors_from_marks(self, marks: dict[str, int]) -> int:
+        """Start each queue at its high-water mark at least: records the log lost may
+        have held offsets below it that readers were given. The queues raised."""
+        floors = {q: m for q, m in marks.items() if m > self.index.max_offset(q)}
+        if floors:
+            self.index.set_floors(floors)
+            log.warning("%d queues resume at their high-water marks: the records the log "
+                        "lost may have held offsets up to there, and readers may have seen "
+                        "them", len(floors))
+        return len(floors)
 
     def _segment_for_any(self, offset: int) -> Segment:
         i = max(0, bisect.bisect_right(self._bases, offset) - 1)
