@@ -128,7 +128,7 @@ def test_recovery_cuts_a_torn_tail(logs) -> None:
     assert append(log, "t/1", b"again", ["t/1", "t/#"]).queues == list(ends.items())
 
 
-def test_recovery_cuts_at_a_flipped_byte_and_quarantines_the_rest(logs) -> None:
+def test_recovery_reads_around_a_flipped_byte_and_quarantines_that_record_alone(logs) -> None:
     log = logs.open(segment_size=16 * 1024)
     sent = _fill(log, 200)
     logs.crash(log)
@@ -141,12 +141,19 @@ def test_recovery_cuts_at_a_flipped_byte_and_quarantines_the_rest(logs) -> None:
         fh.write(bytes([byte[0] ^ 0xFF]))
     log = logs.open(segment_size=16 * 1024, full_verify=True)
     rep = log.report
-    assert rep.truncated_at == victim.phys_offset
-    assert [m.body for m in log.scan(log.min_offset)] == [m.body for m in sent[:150]]
-    assert [e.offset for e in log.index.read("t/1", 0, 1000)] == list(range(150))
-    # Nothing is thrown away: the cut bytes wait in quarantine.
-    quarantined = sum(p.stat().st_size for p in (log.dir / "quarantine").iterdir())
-    assert quarantined == rep.truncated_bytes > 0
+    assert rep.truncated_at is None and rep.damaged == 1
+    others = [m.body for m in sent[:150] + sent[151:]]
+    assert [m.body for m in log.scan(log.min_offset)] == others
+    entries = log.index.read("t/1", 0, 1000)
+    assert [e.offset for e in entries] == list(range(200))
+    read = log.read_run([(e.phys_offset, e.size) for e in entries])
+    assert [m.body for m in read if m is not None] == others and read[150] is None
+    # Nothing is thrown away: the damaged record's bytes wait in quarantine.
+    quarantined = list((log.dir / "quarantine").iterdir())
+    assert [p.stat().st_size for p in quarantined] == [victim.size]
+    assert log.damage.ranges() == [(victim.phys_offset, victim.phys_offset + victim.size,
+                                    "CRC mismatch")]
+    assert append(log, "t/1", b"more", ["t/1"]).queues == [("t/1", 200)]
 
 
 def test_index_rebuild_after_deleting_rocksdb_gives_identical_queues(logs, tmp_path: Path) -> None:
