@@ -432,7 +432,7 @@ class CommitLog(EngineTail):
         self.stats["corrupt_reads"] += 1
         self._damage_log.note("a damaged CommitLog record was skipped by a reader (each "
                               "damaged range is logged once when found; /metrics: "
-                              "lightgate_commitlog_corrupt_reads)")
+                              "lightgate_commitlog_corrupt_reads_total)")
 
     def read_records(self, entries: Sequence[tuple[int, int, int, int]], max_bytes: int
                      ) -> tuple[list[list[int]], bytes, int]:
