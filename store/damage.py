@@ -64,28 +64,34 @@ class DamagedRanges:
 
     @property
     def bytes(self) -> int:
-        return sum(e - s for s, e in zip(self._starts, self._ends, strict=True))
+        with self._lock:
+            return sum(e - s for s, e in zip(self._starts, self._ends, strict=True))
 
     def containing(self, pos: int) -> tuple[int, int] | None:
         """The range `pos` lies in, if any."""
-        starts = self._starts
-        if not starts:
+        if not self._starts:
             return None
-        i = bisect.bisect_right(starts, pos) - 1
-        if i >= 0:
-            end = self._ends[i]
-            if pos < end:
-                return starts[i], end
+        with self._lock:
+            return self._containing(pos)
+
+    def _containing(self, pos: int) -> tuple[int, int] | None:
+        i = bisect.bisect_right(self._starts, pos) - 1
+        if i >= 0 and pos < self._ends[i]:
+            return self._starts[i], self._ends[i]
         return None
 
     def ranges(self) -> list[tuple[int, int, str]]:
+        with self._lock:
+            return self._ranges()
+
+    def _ranges(self) -> list[tuple[int, int, str]]:
         return list(zip(self._starts, self._ends, self._why, strict=True))
 
     def add(self, start: int, end: int, why: str, data: bytes) -> bool:
         """A damaged range and its bytes (copied to quarantine): True if it was not known
         (any overlap with a known one merges into it)."""
         with self._lock:
-            known = self.containing(start)
+            known = self._containing(start)
             if known is not None and end <= known[1]:
                 return False
             if len(self._starts) >= MAX_RANGES:
@@ -147,7 +153,7 @@ class DamagedRanges:
         tmp = self.dir / (DAMAGED_FILE + ".tmp")
         try:
             with open(tmp, "wb") as fh:
-                fh.write(orjson.dumps(self.ranges()))
+                fh.write(orjson.dumps(self._ranges()))
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, self.dir / DAMAGED_FILE)

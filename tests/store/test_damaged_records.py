@@ -96,3 +96,27 @@ def test_damaged_ranges_merge_persist_and_go_with_retention_and_cuts(tmp_path: P
     assert again.ranges() == [(400, 420, "other")] and again.bytes == 20
     assert sorted(p.name for p in (tmp_path / "quarantine").iterdir()) == [
         f"{start:020d}.damaged" for start in (100, 150, 400)]  # (the wider one's too)
+
+
+def test_the_seek_by_time_and_the_log_walk_step_over_a_damaged_length(logs) -> None:
+    """A history of a wide filter walks the log: a record's time and length are believed
+    only once its CRC checks, so a damaged length neither sends the walk astray nor
+    ends it early."""
+    from lightqueue.since import TIME, Since
+    from store.history import HistoryReader
+
+    log = logs.open()
+    sent = []
+    for i in range(30):
+        sent.append(_append(log, f"w/{i % 3}", b"%03d" % i * 20))
+        time.sleep(0.002)  # each its own store time
+    _flip(log, sent[10].phys_offset + 5, 0x10)  # total_len: 1 MiB more
+    _flip(log, sent[20].phys_offset + 9)  # CRC: its time can't be believed either
+    reader = HistoryReader(log, log.index, b"k" * 32)
+    assert reader.position_at_time(sent[15].store_ts, log.max_offset) == sent[15].phys_offset
+    assert reader.position_at_time(sent[20].store_ts, log.max_offset) == sent[21].phys_offset
+    batch = reader.first("#", Since(TIME, sent[5].store_ts), None, log.max_offset,
+                         100, 1 << 20, None)
+    assert [m.body for m in batch.messages] == [m.body for m in sent[5:]
+                                                if m not in (sent[10], sent[20])]
+    assert batch.cursor is None
