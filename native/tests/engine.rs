@@ -123,14 +123,7 @@ fn message(topic: &str, body: &[u8], queues: &[&str]) -> Message {
 #[test]
 fn outside_appends_share_the_offsets_and_the_order_of_native_publishes() {
     let dir = tmp_dir("outside");
-    let config = Config {
-        segment_size: 1 << 20,
-        active_base: 0,
-        write_pos: 0,
-        default_partitions: 1,
-        sync: false,
-        io_threads: 1,
-    };
+    let config = one_thread_config();
     let engine = Engine::start(&dir, config, Box::new(|q| if q == "a/b" { 5 } else { 0 })).unwrap();
     let (mut publisher, socket) = pair();
     adopt(&engine, 1, socket);
@@ -209,18 +202,23 @@ fn a_message_no_record_holds_fails_its_batch_and_uses_no_offset() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-#[test]
-fn marks_are_raised_before_the_offsets_past_them_are_written() {
-    use std::sync::{Arc, Mutex};
-    let dir = tmp_dir("marks");
-    let config = Config {
+/// An empty log of 1 MiB segments, one partition, one I/O thread, flush async.
+fn one_thread_config() -> Config {
+    Config {
         segment_size: 1 << 20,
         active_base: 0,
         write_pos: 0,
         default_partitions: 1,
         sync: false,
         io_threads: 1,
-    };
+    }
+}
+
+#[test]
+fn marks_are_raised_before_the_offsets_past_them_are_written() {
+    use std::sync::{Arc, Mutex};
+    let dir = tmp_dir("marks");
+    let config = one_thread_config();
     // "m" has a mark of 2 already; each raise goes 3 past the offset; the third fails.
     type Calls = Vec<Vec<(String, u64)>>;
     let asked: Arc<Mutex<Calls>> = Arc::default();

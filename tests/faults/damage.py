@@ -56,33 +56,6 @@ def subscribe(srv: Server, client_id: str, topic_filter: str) -> None:
     sub.close()
 
 
-def catch_up(srv: Server, client_id: str, count: int, timeout: float = 10.0
-             ) -> tuple[list[bytes], int]:
-    """Resume the session and take messages (acked) until `count` came or `timeout`
-    passed without one; the payloads and how many times the connection was closed by
-    the server."""
-    got: list[bytes] = []
-    closed = 0
-    sub = RawClient(srv.port, timeout=timeout)
-    sub.connect(client_id, clean=False)
-    try:
-        while len(got) < count:
-            try:
-                p = sub.recv()
-            except ConnectionError:
-                closed += 1
-                sub = RawClient(srv.port, timeout=timeout)
-                sub.connect(client_id, clean=False)
-                continue
-            if isinstance(p, mqtt.Publish):
-                got.append(p.payload)
-                sub.send(mqtt.Puback(p.packet_id))
-    except TimeoutError:
-        pass
-    sub.close()
-    return got, closed
-
-
 def pull_all(srv: Server, queue: str, raw: bool = False) -> tuple[list[int], list[bytes]]:
     """Every message of `queue` through PULL (as the Spark source reads it, with `raw`):
     their offsets and bodies."""

@@ -20,13 +20,13 @@ from store import record
 from tests.conftest import Server
 from tests.faults.damage import (
     PLANES,
-    catch_up,
     publish,
     records,
     segments,
     subscribe,
     use_plane,
 )
+from tests.faults.persistent import drain
 
 COUNT = 2000
 TOPIC = "torn/t"
@@ -74,7 +74,7 @@ def test_offsets_handed_out_are_not_given_again_after_a_torn_tail(
         publish(srv, TOPIC, bodies)
         offsets, got, kept = pull_to_end(srv, 0)
         assert offsets == list(range(COUNT)) and kept == COUNT
-        assert catch_up(srv, "keeper", COUNT)[0] == bodies
+        assert drain(srv.port, "keeper", count=COUNT) == bodies
         time.sleep(1.0)  # the session's position is written every 0.5 s
         for round_ in range(2):
             srv.kill()
@@ -90,7 +90,7 @@ def test_offsets_handed_out_are_not_given_again_after_a_torn_tail(
             assert got == [new], (offsets, got, srv.logs()[-3000:])
             assert offsets[0] >= kept
             kept = nxt
-            assert catch_up(srv, "keeper", 1, timeout=3.0)[0] == [new]
+            assert drain(srv.port, "keeper", idle_s=3.0, count=1) == [new]
             time.sleep(1.0)
         assert srv.stop() == 0
     finally:
