@@ -113,6 +113,7 @@ class BrokerCollector:
                                   value=log["messages"])
         yield CounterMetricFamily("lightgate_commitlog_fsyncs", "fsync calls",
                                   value=log["fsyncs"])
+        yield from _damage_metrics(log)
         yield GaugeMetricFamily("lightgate_dispatch_lag_bytes",
                                 "CommitLog bytes not yet in the light-queue index",
                                 value=max(0, log["max_offset"] - s["index_checkpoint"]))
@@ -208,6 +209,34 @@ def _native_metrics(b: Broker) -> Any:
     for name, value in counters.items():
         yield CounterMetricFamily(f"lightgate_native_{name}",
                                   f"Native plane: {name.replace('_', ' ')}", value=value)
+
+
+def _damage_metrics(log: dict[str, Any]) -> Any:
+    """Damaged records read around, the background verification, the queues' offset
+    marks (a store of an older version says nothing of them)."""
+    if "corrupt_reads" not in log:
+        return
+    yield CounterMetricFamily(
+        "lightgate_commitlog_corrupt_reads",
+        "Records a read found damaged (CRC or frame) and skipped", value=log["corrupt_reads"])
+    yield GaugeMetricFamily(
+        "lightgate_commitlog_damaged_records",
+        "Damaged ranges of the CommitLog known (read around, kept in quarantine/)",
+        value=log["damaged_records"])
+    yield GaugeMetricFamily("lightgate_commitlog_damaged_bytes",
+                            "Bytes of the CommitLog's damaged ranges", value=log["damaged_bytes"])
+    yield CounterMetricFamily(
+        "lightgate_commitlog_verified_bytes",
+        "Bytes of older segments verified in the background since start",
+        value=log["verified_bytes"])
+    yield GaugeMetricFamily(
+        "lightgate_commitlog_verify_pending_bytes",
+        "Bytes of older segments the background verification has still to read",
+        value=log["verify_pending_bytes"])
+    yield CounterMetricFamily(
+        "lightgate_commitlog_offset_mark_writes",
+        "Writes (each fdatasync'd) of light queues' high-water marks",
+        value=log["offset_mark_writes"])
 
 
 def _memory_metrics(s: dict[str, Any]) -> Any:

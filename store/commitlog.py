@@ -24,6 +24,7 @@ import bisect
 import contextlib
 import errno
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -38,9 +39,12 @@ import orjson
 from setproctitle import setthreadtitle
 
 from lightqueue.index import ConsumeQueueIndex
+from serving.rate_limited_log import RateLimitedLog
 from store import producers, record
 from store.common import StoreClosedError, StoreError, StoreFullError
+from store.damage import QUARANTINE_DIR, DamagedRanges
 from store.engine_tail import EngineTail
+from store.highwater import HighWater
 from store.producers import Plan, ProducerTable, Stamp
 from store.record import MARK_FIRST, MARK_MORE, CorruptRecord, Message
 from store.segment import Segment, fdatasync, fsync_dir, is_segment_name, segment_name
@@ -50,8 +54,9 @@ log = logging.getLogger("lightgate.store.commitlog")
 ABORT_FILE = "abort"  # present while running; left behind by a crash (as RocketMQ's)
 CHECKPOINT_FILE = "checkpoint"
 PRODUCERS_FILE = "producers"  # the producers' table as of a log offset (store.producers)
-QUARANTINE_DIR = "quarantine"
 REDISPATCH_BATCH = 5000
+VERIFY_CHUNK = 1 << 20  # bytes the background verification reads between its pauses
+__all__ = ["QUARANTINE_DIR"]
 
 
 @dataclass
@@ -63,9 +68,11 @@ class RecoveryReport:
     truncated_at: int | None = None
     truncated_bytes: int = 0
     quarantined: list[str] = field(default_factory=list)
+    damaged: int = 0  # damaged ranges found (and read around), not cut
     index_rebuilt: bool = False
     redispatched: int = 0
     producer_records: int = 0  # read to rebuild the idempotent producers' sequences
+    marked_queues: int = 0  # queues started at their high-water mark (store.highwater)
     seconds: float = 0.0
 
 
@@ -127,22 +134,42 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _check_records(data: bytes, phys: int, count: int) -> None:
-    """CorruptRecord unless `data` is `count` whole records with good CRCs (a run read
-    by index entries: each record's length and checksum, none of its fields)."""
+def _bad_records(data: bytes, sizes: Sequence[int]) -> list[int]:
+    """Which of the records back to back in `data` (of these sizes, from the index) do
+    not check: each one's magic, length and CRC, none of its fields."""
     view = memoryview(data)
     head, crc32 = record.FRAME.unpack_from, zlib.crc32
+    bad = []
     pos = 0
-    for _ in range(count):
-        if len(data) - pos < record.HEADER_SIZE:
-            raise CorruptRecord(f"no whole record at offset {phys + pos}")
-        magic, total, crc = head(data, pos)
-        if (magic != record.MAGIC and magic != record.MAGIC_WIDE) or total < record.HEADER_SIZE \
-                or pos + total > len(data) or crc32(view[pos + 12:pos + total]) != crc:
-            raise CorruptRecord(f"no valid record at offset {phys + pos}")
-        pos += total
-    if pos != len(data):
-        raise CorruptRecord(f"records at offset {phys} end before their run does")
+    for i, size in enumerate(sizes):
+        if len(data) - pos < max(size, record.HEADER_SIZE):
+            bad.append(i)
+        else:
+            magic, total, crc = head(data, pos)
+            if (magic != record.MAGIC and magic != record.MAGIC_WIDE) or total != size \
+                    or crc32(view[pos + 12:pos + total]) != crc:
+                bad.append(i)
+        pos += size
+    return bad
+
+
+def _boot_id() -> str | None:
+    """This boot of the machine (Linux): a crash with the same one kept the page cache,
+    so every write the process made is in the files."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _page_cache_lost(abort: dict | None) -> bool:
+    """Whether writes of a run that did not stop cleanly may be lost although the files
+    look whole: it appended before its fsyncs (flush async; acks and reads did not wait
+    for the disk) and the machine went down since (another boot, or none known)."""
+    if abort is None:
+        return False
+    boot = abort.get("boot")
+    return abort.get("flush") != "sync" and (boot is None or boot != _boot_id())
 
 
 def _holds_producers(seg: Segment) -> bool:
@@ -180,6 +207,7 @@ class CommitLog(EngineTail):
         on_dispatched: Callable[[list[Message]], bool | None] | None = None,
         full_verify: bool = False,
         max_producers: int = 10_000,
+        verify_bytes_per_s: int = 32 << 20,
     ) -> None:
         if flush not in ("sync", "async"):
             raise ValueError("flush must be 'sync' or 'async'")
@@ -216,26 +244,46 @@ class CommitLog(EngineTail):
         # Idempotent producers' sequences, checked inside appends (under the write lock)
         # and rebuilt from the records (store.producers; snapshots: store.producer_state).
         self.producers = ProducerTable(max_producers)
-        self.stats = {"appends": 0, "messages": 0, "bytes_written": 0, "fsyncs": 0, "batches": 0}
+        # Each queue's high-water mark, raised before an offset past it is assigned.
+        self.marks = HighWater(self.dir)
+        # Ranges whose records no longer check: read around, never served.
+        self.damage = DamagedRanges(self.dir)
+        self._damage_log = RateLimitedLog(log)
+        # Segments start-up did not verify are verified after it, at this rate (0: not).
+        self.verify_bytes_per_s = verify_bytes_per_s
+        self._verifier: threading.Thread | None = None
+        self._verify_stop = threading.Event()
+        self.stats = {"appends": 0, "messages": 0, "bytes_written": 0, "fsyncs": 0, "batches": 0,
+                      "corrupt_reads": 0, "verified_bytes": 0, "verify_pending_bytes": 0}
         self._init_engine_tail()  # no engine until start_engine (store.engine_tail)
 
     # -- lifecycle --------------------------------------------------------------------
     def open(self) -> RecoveryReport:
         self.dir.mkdir(parents=True, exist_ok=True)
         report = self._recover()
-        (self.dir / ABORT_FILE).write_text(str(os.getpid()))
+        (self.dir / ABORT_FILE).write_bytes(orjson.dumps(
+            {"pid": os.getpid(), "boot": _boot_id(), "flush": self.flush_mode}))
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="commitlog-writer", daemon=True)
         self._thread.start()
+        old = [s for s in self._segments if s.base < report.verified_from]
+        if old and self.verify_bytes_per_s > 0:
+            self.stats["verify_pending_bytes"] = sum(s.size() for s in old)
+            self._verifier = threading.Thread(target=self._verify_old, args=(old,),
+                                              name="commitlog-verify", daemon=True)
+            self._verifier.start()
         return report
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._verify_stop.set()
         self._requests.put(_STOP)
         if self._thread:
             self._thread.join()
+        if self._verifier is not None:
+            self._verifier.join()
         with self._write_lock:  # an inline append that began before _closed was set
             pass
         if self.engine is not None:
@@ -247,6 +295,11 @@ class CommitLog(EngineTail):
         self._flushed = self._write_pos
         self._write_checkpoint()
         self._save_producers(self._write_pos, self.producers.snapshot())
+        # The log holds every record whole now: the marks are of no more use. The
+        # index first, with any floors recovery set from them.
+        self.index.flush()
+        self.marks.clear()
+        self.marks.close()
         for seg in self._segments:
             seg.close()
         (self.dir / ABORT_FILE).unlink(missing_ok=True)
@@ -304,14 +357,18 @@ class CommitLog(EngineTail):
         try:
             pos = phys_offset - seg.base
             if size is not None:  # from the index: a record starts there
-                return record.decode(seg.pread(size, pos), 0, phys_offset)
+                return self._checked(seg.pread(size, pos), phys_offset, size)
             # Any id may come from a client: an offset inside a record reads a garbage
             # length, which must not become a 4 GiB pread.
             magic, size = record.frame_length(seg.pread(record.FRAME.size, pos))
             if magic not in (record.MAGIC, record.MAGIC_WIDE) or not (
                     record.HEADER_SIZE <= size <= min(record.MAX_RECORD, seg.size() - pos)):
                 raise CorruptRecord(f"no message at offset {phys_offset}")
-            msg = record.decode(seg.pread(size, pos), 0, phys_offset)
+            try:
+                msg = record.decode(seg.pread(size, pos), 0, phys_offset)
+            except CorruptRecord as exc:
+                self._note_corrupt(phys_offset, exc)
+                raise
         finally:
             seg.release()
         # Magic, length and CRC also hold for a record a client sent as a message body:
@@ -345,19 +402,47 @@ class CommitLog(EngineTail):
                 seg.release()
             pos = 0
             for phys, n in entries[i:j]:
-                out.append(record.decode(data, pos, phys))
+                try:
+                    out.append(record.decode(data, pos, phys))
+                except CorruptRecord as exc:  # read around it: the rest are served
+                    out.append(None)
+                    self.note_damaged(phys, n, exc, data, pos)
                 pos += n
             i = j
         return out
 
+    def _checked(self, data: bytes, phys: int, size: int) -> Message:
+        """The record read from an index entry (CorruptRecord, counted, if it does not
+        check)."""
+        try:
+            return record.decode(data, 0, phys)
+        except CorruptRecord as exc:
+            self.note_damaged(phys, size, exc, data, 0)
+            raise
+
+    def note_damaged(self, phys: int, size: int, exc: Exception, data: bytes, pos: int
+                     ) -> None:
+        """A reader found the record of an index entry damaged: counted, and its bytes
+        (the entry says where it ends) listed as damaged."""
+        self._note_corrupt(phys, exc)
+        if len(data) - pos >= size:
+            self.damage.add(phys, phys + size, str(exc), memoryview(data)[pos:pos + size])
+
+    def _note_corrupt(self, phys: int, exc: Exception) -> None:
+        self.stats["corrupt_reads"] += 1
+        self._damage_log.note("a damaged CommitLog record was skipped by a reader (each "
+                              "damaged range is logged once when found; /metrics: "
+                              "lightgate_commitlog_corrupt_reads_total)")
+
     def read_records(self, entries: Sequence[tuple[int, int, int, int]], max_bytes: int
-                     ) -> tuple[list[list[int]], bytes]:
+                     ) -> tuple[list[list[int]], bytes, int]:
         """The records at these index entries ((phys offset, size, store time, queue
         offset), in queue order) as the log holds them, CRC checked, not decoded: what a
         reader that decodes records itself is handed (PULL `raw`). Returns the runs
         [phys offset, bytes, first queue offset, records] of records that lie back to
         back (one pread each) and their bytes concatenated; at most about `max_bytes`
-        (one record at least). Records gone to retention are left out."""
+        (one record at least), and how many of the entries were looked at. Records gone
+        to retention, and damaged ones, are left out."""
         runs: list[list[int]] = []
         parts: list[bytes] = []
         total = 0
@@ -380,12 +465,36 @@ class CommitLog(EngineTail):
                 data = seg.pread(end - start, start - seg.base)
             finally:
                 seg.release()
-            _check_records(data, start, j - i)
-            runs.append([start, end - start, first, j - i])
-            parts.append(data)
+            bad = _bad_records(data, [e[1] for e in entries[i:j]])
+            if bad:  # read around them: the runs between are served
+                self._split_run(entries[i:j], data, bad, runs, parts)
+            else:
+                runs.append([start, end - start, first, j - i])
+                parts.append(data)
             total += end - start
             i = j
-        return runs, b"".join(parts)
+        return runs, b"".join(parts), i
+
+    def _split_run(self, run: Sequence[tuple[int, int, int, int]], data: bytes, bad: list[int],
+                   runs: list[list[int]], parts: list[bytes]) -> None:
+        """The records of a run read at once, less the damaged ones (counted, listed)."""
+        start = run[0][0]
+        lo = 0
+        for k in [*bad, len(run)]:
+            if k > lo:
+                a, b = run[lo][0] - start, run[k - 1][0] + run[k - 1][1] - start
+                runs.append([run[lo][0], b - a, run[lo][3], k - lo])
+                parts.append(data[a:b])
+            if k < len(run):
+                phys, size = run[k][0], run[k][1]
+                at = phys - start
+                why = CorruptRecord("bad frame")
+                try:
+                    record.decode(data[at:at + size], 0, phys)
+                except CorruptRecord as exc:
+                    why = exc
+                self.note_damaged(phys, size, why, data, at)
+            lo = k + 1
 
     def read_bytes(self, pos: int, size: int) -> tuple[bytes, int]:
         """Up to `size` bytes of the log from any position `pos` (a record start or not),
@@ -509,6 +618,7 @@ class CommitLog(EngineTail):
         if not accepted:
             return []
         try:
+            self.marks.cover(assigned_all)  # before a reader can be given these offsets
             if any(c for _, c in chunks):  # (a producer's duplicates alone write nothing)
                 self._write_chunks([c for _, c in chunks])
         except OSError as exc:
@@ -834,6 +944,8 @@ class CommitLog(EngineTail):
         return segs[i]
 
     def _scan_segment(self, seg: Segment, start: int, end: int) -> Iterator[Message]:
+        """The records of `seg` from `start` (a record start) to `end`, verified; a
+        damaged one is stepped over (`_step_over`), the records after it are read."""
         mm = seg.map()
         if mm is None:
             return
@@ -841,11 +953,80 @@ class CommitLog(EngineTail):
             pos = start - seg.base
             limit = min(len(mm), end - seg.base)
             while pos < limit:
-                msg = record.decode(mm, pos, seg.base + pos)
+                try:
+                    msg = record.decode(mm, pos, seg.base + pos)
+                except Exception as exc:  # noqa: BLE001 - whatever a decoder bug raises
+                    self._note_corrupt(seg.base + pos, exc)
+                    written = min(len(mm), self._write_pos - seg.base)
+                    pos = self._step_over(mm, pos, written, seg.base, exc)
+                    continue
                 yield msg
                 pos += msg.size
         finally:
             mm.close()
+
+    def _step_over(self, buf: mmap.mmap, rel: int, limit: int, base: int,
+                   exc: Exception) -> int:
+        """Where the next record starts after the damaged bytes at `rel` of a mapped
+        segment (based at `base`, written up to `limit`), the range between listed as
+        damaged."""
+        end = self._next_record(buf, rel, limit, base)
+        if end <= rel:  # (nothing written past it)
+            return limit
+        self.damage.add(base + rel, base + end, str(exc), memoryview(buf)[rel:end])
+        return end
+
+    def _next_record(self, buf: mmap.mmap | bytes, rel: int, limit: int, base: int) -> int:
+        """The first record start after the damaged bytes at `rel` (relative to `base`,
+        within `limit`), or `limit`: the end of a range known to be damaged, else the
+        first record that checks and that the index knows, or (where it does not cover
+        the log yet) that more records follow (record.next_start)."""
+        known = self.damage.containing(base + rel)
+        if known is not None:
+            return min(limit, known[1] - base)
+        covered = self.index.checkpoint()
+
+        def trusted(at: int, msg: Message) -> bool | None:
+            if base + at < covered and (msg.queues or msg.key):
+                return self.index.holds(base + at, msg.queues, msg.key)
+            return None
+
+        return record.next_start(buf, rel, limit, trusted)
+
+    def past_damage(self, pos: int) -> int:
+        """`pos` (a record start) if a record that checks starts there or the log ends
+        there; else where the next one starts after the damaged bytes (listed)."""
+        if pos >= self._write_pos or self._segment_for(pos) is None:
+            return pos
+        return self.skip_damaged(pos)
+
+    def skip_damaged(self, pos: int) -> int:
+        """For a reader that walks the log: where the next record starts after bytes at
+        `pos` that are not one (the end of its segment when none does). Counted."""
+        seg = self._segment_for(pos)
+        if seg is None or not seg.acquire():
+            return pos + 1
+        try:
+            mm = seg.map()
+            if mm is None:
+                return seg.end
+            try:
+                rel = pos - seg.base
+                why = CorruptRecord("does not check")
+                try:
+                    record.decode(mm, rel, pos)
+                    return pos  # it does, now: the caller read it torn
+                except CorruptRecord as exc:
+                    why = exc
+                self._note_corrupt(pos, why)
+                limit = min(len(mm), self._write_pos - seg.base)
+                end = self._next_record(mm, rel, limit, seg.base)
+                self.damage.add(pos, seg.base + end, str(why), memoryview(mm)[rel:end])
+                return seg.base + end
+            finally:
+                mm.close()
+        finally:
+            seg.release()
 
     # -- recovery ---------------------------------------------------------------------
     def _load_segments(self) -> None:
@@ -868,7 +1049,9 @@ class CommitLog(EngineTail):
     def _recover(self) -> RecoveryReport:
         t0 = time.monotonic()
         self._load_segments()
-        clean = not (self.dir / ABORT_FILE).exists()
+        self.damage.load(self.min_offset)
+        abort = self._read_abort()
+        clean = abort is None
         ckpt = self._read_checkpoint()
         index_ckpt = self.index.checkpoint()
         if ckpt is None or self.full_verify:
@@ -884,18 +1067,51 @@ class CommitLog(EngineTail):
         self._wfd = os.open(last.path, os.O_WRONLY | os.O_APPEND)
         self._write_checkpoint()
         self._recover_index(index_ckpt, report)
+        marks = self.marks.load()
+        # Records lost, or damaged where the index had not taken their offsets yet.
+        unindexed = any(end > index_ckpt for _, end, _ in self.damage.ranges())
+        if marks and (report.truncated_at is not None or report.index_rebuilt or unindexed
+                      or not clean and _page_cache_lost(abort)):
+            report.marked_queues = self._floors_from_marks(marks)
+        self.marks.open(marks)
         report.producer_records = self._rebuild_producers(end)
         report.seconds = time.monotonic() - t0
         level = logging.INFO if clean and report.truncated_at is None else logging.WARNING
         log.log(level, "commitlog recovered: %s", report)
         return report
 
+    def _read_abort(self) -> dict | None:
+        """What the last run left in the abort file (None: it stopped cleanly); {} when
+        it says nothing this code can read."""
+        try:
+            raw = (self.dir / ABORT_FILE).read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            found = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return {}  # an older version's: its pid alone
+        return found if isinstance(found, dict) else {}
+
+    def _floors_from_marks(self, marks: dict[str, int]) -> int:
+        """Start each queue at its high-water mark at least: records the log lost may
+        have held offsets below it that readers were given. The queues raised."""
+        floors = {q: m for q, m in marks.items() if m > self.index.max_offset(q)}
+        if floors:
+            self.index.set_floors(floors)
+            log.warning("%d queues resume at their high-water marks: the records the log "
+                        "lost may have held offsets up to there, and readers may have seen "
+                        "them", len(floors))
+        return len(floors)
+
     def _segment_for_any(self, offset: int) -> Segment:
         i = max(0, bisect.bisect_right(self._bases, offset) - 1)
         return self._segments[i]
 
     def _verify_from(self, start: int, report: RecoveryReport) -> int:
-        """Walk records from `start`; cut the log at the first torn or corrupt one."""
+        """Walk records from `start`. Damaged bytes that records follow are listed as
+        damaged and read around; damage that nothing valid follows in the last segment
+        is a torn tail, where the log is cut."""
         segs = [s for s in self._segments if s.base >= start or s.end > start]
         for i, seg in enumerate(segs):
             pos = max(start, seg.base)
@@ -910,8 +1126,16 @@ class CommitLog(EngineTail):
                         if not isinstance(exc, CorruptRecord):
                             log.error("record at offset %d does not decode (%r): treated "
                                       "as corrupt", seg.base + rel, exc)
-                        self._truncate(seg, rel, segs[i + 1 :], exc, report)
-                        return seg.base + rel
+                        assert mm is not None
+                        nxt = self._next_record(mm, rel, size, seg.base)
+                        if nxt >= size and i == len(segs) - 1:  # nothing valid after it
+                            self._truncate(seg, rel, [], exc, report)
+                            return seg.base + rel
+                        if self.damage.add(seg.base + rel, seg.base + nxt, str(exc),
+                                           memoryview(mm)[rel:nxt]):
+                            report.damaged += 1
+                        rel = nxt
+                        continue
                     rel += msg.size
                     report.records_verified += 1
             finally:
@@ -932,6 +1156,7 @@ class CommitLog(EngineTail):
         report: RecoveryReport,
     ) -> None:
         """Cut `seg` at `rel`, keeping the cut bytes and later segments in quarantine."""
+        self.damage.forget_from(seg.base + rel)
         qdir = self.dir / QUARANTINE_DIR
         qdir.mkdir(exist_ok=True)
         tail_size = seg.size() - rel
@@ -1003,17 +1228,86 @@ class CommitLog(EngineTail):
                         "not given again", len(floors))
 
     def _at_record(self, offset: int) -> bool:
-        """Whether a whole, valid record starts at `offset` (or the log ends there)."""
+        """Whether a whole, valid record starts at `offset`, or a damaged range (read
+        around), or the log ends there."""
         if offset >= self._write_pos:
             return True
-        records = self.scan(offset)
-        try:
-            next(records, None)
-        except CorruptRecord:
+        seg = self._segment_for(offset)
+        mm = seg.map() if seg is not None else None
+        if mm is None:
             return False
+        try:
+            record.decode(mm, offset - seg.base, offset)
+            return True
+        except CorruptRecord:
+            known = self.damage.containing(offset)
+            return known is not None and known[0] == offset
         finally:
-            records.close()
-        return True
+            mm.close()
+
+    # -- background verification ---------------------------------------------------------
+    def _verify_old(self, segs: list[Segment]) -> None:
+        """Verify the segments start-up did not (those before the checkpoint's), at
+        `verify_bytes_per_s`: damaged ranges are listed, counted and read around from
+        then on (readers find them too, when they come first)."""
+        setthreadtitle("commitlog-verify")
+        t0 = time.monotonic()
+        done = records = 0
+        found = self.damage.count
+        for seg in segs:
+            if self._verify_stop.is_set():
+                return
+            if not seg.acquire():
+                continue  # retention removed it meanwhile
+            try:
+                n, size = self._verify_segment(seg, t0, done)
+            finally:
+                seg.release()
+            records += n
+            done += size
+            self.stats["verify_pending_bytes"] = max(0, self.stats["verify_pending_bytes"] - size)
+        log.info("background verification of the log done: %d records in %d segments "
+                 "(%d bytes) in %.1f s, %d damaged ranges found", records, len(segs), done,
+                 time.monotonic() - t0, self.damage.count - found)
+
+    def _verify_segment(self, seg: Segment, t0: float, before: int) -> tuple[int, int]:
+        """Each record's frame and CRC, at the verification's rate: (records, bytes)."""
+        mm = seg.map()
+        if mm is None:
+            return 0, 0
+        view = memoryview(mm)
+        head, crc32 = record.FRAME.unpack_from, zlib.crc32
+        try:
+            size = len(mm)
+            rel = records = 0
+            paused_at = 0
+            while rel < size and not self._verify_stop.is_set():
+                ok = size - rel >= record.HEADER_SIZE
+                if ok:
+                    magic, total, crc = head(mm, rel)
+                    ok = (magic in (record.MAGIC, record.MAGIC_WIDE)
+                          and record.HEADER_SIZE <= total <= size - rel
+                          and crc32(view[rel + 12:rel + total]) == crc)
+                if not ok:
+                    exc: Exception = CorruptRecord("does not check")
+                    try:
+                        record.decode(mm, rel, seg.base + rel)
+                    except CorruptRecord as why:
+                        exc = why
+                    rel = self._step_over(mm, rel, size, seg.base, exc)
+                    continue
+                rel += total
+                records += 1
+                self.stats["verified_bytes"] += total
+                if rel - paused_at >= VERIFY_CHUNK:
+                    paused_at = rel
+                    ahead = (before + rel) / self.verify_bytes_per_s - (time.monotonic() - t0)
+                    if ahead > 0:
+                        self._verify_stop.wait(ahead)
+            return records, size
+        finally:
+            view.release()
+            mm.close()
 
     # -- retention --------------------------------------------------------------------
     def enforce_retention(
@@ -1047,6 +1341,7 @@ class CommitLog(EngineTail):
             log.exception("retention: index flush failed; %d segments stay on disk until "
                           "the next start", len(removed))
             return []
+        self.damage.forget_below(self.min_offset)
         for seg, trimmed in removed:
             gone = seg.doom()
             log.info(
@@ -1177,6 +1472,7 @@ class CommitLog(EngineTail):
                 raise ValueError(f"cannot restart at {offset}, not past the log end "
                                  f"{self._write_pos}")
             dropped = self._write_pos - self.min_offset
+            self.damage.forget_from(0)
             os.close(self._wfd)
             # Files go before the new one is made: a crash in between leaves no log, or
             # the new one alone, never a log with a hole in it.

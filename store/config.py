@@ -52,6 +52,11 @@ class StoreConfig:
         "queued, being written); past it its requests wait until it reads (0: no budget)")
     full_verify: bool = setting(
         False, "verify every CommitLog record on start, not just the tail")
+    # Start-up verifies the log from the checkpoint's segment on; the older segments are
+    # verified after it, in the background, at most this fast (0: not).
+    verify_mb_per_s: float = setting(
+        32.0, "verify the CommitLog segments start-up did not, in the background, at most "
+        "this many MiB/s (0: not)")
     # A registered wildcard queue that no gateway has touched for this long and that no
     # stored reader position names (persistent sessions, shared groups) is unregistered:
     # every message was indexed into every wildcard filter ever used. 0: never.

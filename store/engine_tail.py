@@ -108,6 +108,7 @@ class EngineTail:
 
     dir: Path
     engine: Any
+    marks: Any  # store.highwater.HighWater: the engine raises them through it
     # Who reads the bodies of new messages (the recent rings, store.recent): a native
     # publish none of them wants is not read back.
     readers: Readers | None = None
@@ -144,7 +145,7 @@ class EngineTail:
             engine = plane.NATIVE.Engine(
                 str(self.dir), self.segment_size, active.base, self._write_pos,
                 default_partitions, self.flush_mode == "sync", max(1, io_threads),
-                self.index.max_offset)
+                self.index.max_offset, self.marks)
             os.close(self._wfd)
             self._wfd = -1
             self.engine = engine

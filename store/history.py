@@ -49,6 +49,7 @@ import hashlib
 import hmac
 import struct
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -81,10 +82,11 @@ TOPIC_CACHE = 100_000
 _HEAD = struct.Struct(">IIIQQBBHH")  # magic, length, crc, store_ts, born_ts, qos, flags,
 #                                     client_len, topic_len: a record's leading fields
 _PEEK = struct.Struct(">I26xHH")  # magic, client_len, topic_len: where the topic is
-_SCAN = struct.Struct(">II4xQ10xHH")  # magic, length, store_ts, client_len, topic_len
+_SCAN = struct.Struct(">IIIQ10xHH")  # magic, length, crc, store_ts, client_len, topic_len
 _TOPIC_AT = record.FRAME.size + record.FIXED.size  # + client_len: a record's topic
 _TOPIC_AT_WIDE = record.FRAME.size + record.FIXED_WIDE.size
 _MAGICS = (record.MAGIC.to_bytes(4, "big"), record.MAGIC_WIDE.to_bytes(4, "big"))
+_MAGIC_INTS = (record.MAGIC, record.MAGIC_WIDE)
 _NEVER = 1 << 63
 
 TOPICS, PARTITIONS, LOG = "topics", "partitions", "log"
@@ -292,6 +294,8 @@ class HistoryReader:
                 finished = self._read_queues(state, queues, out, stop)
         state.cut = state.cut or out.lost
         done = finished and (stop >= state.end or out.complete)
+        if not done and state.pos < stop:  # a cursor never points at a damaged record
+            state.pos = self.log.past_damage(state.pos)
         return HistoryBatch(out.messages, out.ends, None if done else state.token(self.key),
                             state.cut, state.end)
 
@@ -370,7 +374,11 @@ class HistoryReader:
                     hit = seen.get(raw)
                     if not (learn(raw) if hit is None else hit):
                         continue
-                found = decode(data, rel, phys)
+                try:
+                    found = decode(data, rel, phys)
+                except CorruptRecord as exc:  # damaged: read around, never served
+                    self.log.note_damaged(phys, size, exc, data, rel)
+                    continue
                 if found is None:
                     continue
                 msg, exact = found
@@ -403,6 +411,7 @@ class HistoryReader:
         seen, learn = keep.seen, keep.learn
         until = _NEVER if state.until is None else state.until
         decode, scan, head = _decode_exact, _SCAN.unpack_from, _HEAD.unpack_from
+        crc32 = zlib.crc32
         messages, ends = out.messages, out.ends
         room, nbytes = out.max_count - len(messages), out.nbytes
         pos = self._log_start(state)
@@ -410,20 +419,35 @@ class HistoryReader:
             if pos < self.log.min_offset:  # retention went past us
                 pos, out.lost = self.log.min_offset, True
                 continue
-            data, _ = self.log.read_bytes(pos, min(CHUNK, stop - pos))
+            data, seg_end = self.log.read_bytes(pos, min(CHUNK, stop - pos))
             if len(data) < record.HEADER_SIZE:
+                if data and pos + len(data) == seg_end:  # no record fits: damaged bytes
+                    pos = max(pos + 1, self.log.skip_damaged(pos))
+                    continue
                 break
-            size = head(data, 0)[1]
-            if size > len(data) and size <= stop - pos:  # one record larger than a chunk
-                data, _ = self.log.read_bytes(pos, size)
-            rel, have, looked = 0, len(data), 0
+            magic, size = head(data, 0)[:2]
+            if magic in _MAGIC_INTS and len(data) < size <= min(stop, seg_end) - pos:
+                data, _ = self.log.read_bytes(pos, size)  # one record larger than a chunk
+            rel, have, looked, damaged = 0, len(data), 0, False
+            view = memoryview(data)
             while rel + record.HEADER_SIZE <= have:
-                magic, size, ts, lc, lt = scan(data, rel)
+                magic, size, crc, ts, lc, lt = scan(data, rel)
+                # Every record's frame and CRC are checked before its length or its time
+                # is believed: a damaged one is stepped over (CommitLog.skip_damaged).
+                if magic not in _MAGIC_INTS or size < record.HEADER_SIZE \
+                        or pos + rel + size > seg_end:
+                    damaged = True
+                    break
                 if rel + size > have:
+                    damaged = rel == 0  # the read above would have taken it whole
+                    break
+                if crc32(view[rel + 12:rel + size]) != crc:
+                    damaged = True
                     break
                 if ts >= until:  # (store times rise along the log): nothing more to come
                     state.pos, out.complete, out.nbytes = state.end, True, nbytes
                     out.looked += looked
+                    view.release()
                     return True
                 looked += 1
                 at = rel
@@ -433,7 +457,11 @@ class HistoryReader:
                 hit = seen.get(raw)
                 if not (learn(raw) if hit is None else hit):
                     continue
-                found = decode(data, at, pos + at)
+                try:
+                    found = decode(data, at, pos + at)
+                except CorruptRecord as exc:  # its fields disagree: never served
+                    self.log.note_damaged(pos + at, size, exc, data, at)
+                    continue
                 if found is None:
                     continue
                 msg, exact = found
@@ -443,7 +471,15 @@ class HistoryReader:
                 room -= 1
                 if room <= 0 or nbytes >= out.max_bytes:
                     break
+            view.release()
             out.looked += looked
+            if damaged:
+                nxt = self.log.skip_damaged(pos + rel)
+                if nxt > pos + rel:
+                    pos = nxt
+                    continue
+                pos += rel  # it checks when read again: a torn read, the next call goes on
+                rel = 0
             if rel == 0:
                 break  # a torn read (the log changed under us): the next call goes on
             pos += rel
@@ -558,7 +594,9 @@ class HistoryReader:
         try:
             self.log.read(pos)  # checks with the index that a record starts there
         except (KeyError, CorruptRecord):
-            if pos >= self.log.min_offset:  # (retention may have just moved the start)
+            # (retention may have just moved the start; a damaged record there is read
+            # around: the batch before stopped at it)
+            if pos >= self.log.min_offset and self.log.damage.containing(pos) is None:
                 raise CursorError(f"{NOT_OURS} (no record starts at its position)"
                                   ) from None
 
@@ -583,13 +621,32 @@ class HistoryReader:
 
     def _walk_to_time(self, pos: int, ms: int, end: int) -> int:
         while pos < end:
-            data, _ = self.log.read_bytes(pos, min(CHUNK, end - pos))
-            rel = 0
+            data, seg_end = self.log.read_bytes(pos, min(CHUNK, end - pos))
+            rel, damaged = 0, False
             while rel + _HEAD.size <= len(data):
-                _, size, _, ts, *_ = _HEAD.unpack_from(data, rel)
-                if ts >= ms:
+                magic, size, crc, ts, *_ = _HEAD.unpack_from(data, rel)
+                if magic not in _MAGIC_INTS or size < record.HEADER_SIZE \
+                        or pos + rel + size > seg_end:
+                    damaged = True
+                    break
+                if rel + size > len(data):
+                    if rel == 0:  # one record larger than a chunk
+                        data, _ = self.log.read_bytes(pos, size)
+                        if len(data) < size:
+                            break
+                    else:
+                        break
+                if zlib.crc32(memoryview(data)[rel + 12:rel + size]) != crc:
+                    damaged = True
+                    break
+                if ts >= ms:  # (its time believed once its CRC checked)
                     return pos + rel
-                rel += size  # (may point past this chunk: the next read starts there)
+                rel += size
+            if damaged:
+                nxt = self.log.skip_damaged(pos + rel)
+                if nxt > pos + rel:
+                    pos = nxt
+                    continue
             if rel == 0:
                 break
             pos += rel

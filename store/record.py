@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,3 +336,57 @@ def decode(buf: bytes | memoryview, pos: int = 0, phys_offset: int = -1,
     if flags & MARK_FIRST:
         msg.producer = props.pop(PRODUCER_PROP, None)
     return msg
+
+
+# Records after a candidate that must check too when nothing else can vouch for it.
+RESYNC_CHAIN = 8
+_MAGIC_BYTES = (MAGIC.to_bytes(4, "big"), MAGIC_WIDE.to_bytes(4, "big"))
+
+
+def next_start(buf: Any, pos: int, limit: int,
+               trusted: Callable[[int, Message], bool | None]) -> int:
+    """After bytes at `pos` that are not a record (a damaged one): the first position in
+    (pos, limit) where a record starts that can be trusted, else `limit`. `buf` holds
+    the bytes (a mapped segment, or a read of one) up to `limit` at least. Magic,
+    length and CRC also hold for a record a client sent inside a message body, so a
+    candidate is taken when `trusted(at, msg)` says so (the index knows it is a record:
+    True; it knows it is not: False) or, where it cannot tell (None), when the records
+    after it check too, up to `limit` or RESYNC_CHAIN of them."""
+    at = pos + 1
+    while at < limit:
+        found = [i for i in (buf.find(m, at, limit) for m in _MAGIC_BYTES) if i >= 0]
+        if not found:
+            break
+        at = min(found)
+        try:
+            msg = _whole(buf, at, limit)
+        except CorruptRecord:
+            at += 1
+            continue
+        verdict = trusted(at, msg)
+        if verdict or (verdict is None and _chain_checks(buf, at + msg.size, limit)):
+            return at
+        at += 1
+    return limit
+
+
+def _chain_checks(buf: Any, at: int, limit: int) -> bool:
+    """Whether records follow on from `at`: to `limit` exactly, or RESYNC_CHAIN of them."""
+    for _ in range(RESYNC_CHAIN):
+        if at == limit:
+            return True
+        try:
+            at += _whole(buf, at, limit).size
+        except CorruptRecord:
+            return False
+    return True
+
+
+def _whole(buf: Any, at: int, limit: int) -> Message:
+    """The record at `at`, if it checks and ends by `limit` (CorruptRecord if not)."""
+    if limit - at < FRAME.size:
+        raise CorruptRecord("truncated frame")
+    total = FRAME.unpack_from(buf, at)[1]
+    if not HEADER_SIZE <= total <= limit - at:
+        raise CorruptRecord(f"bad length {total}")
+    return decode(buf, at, at)

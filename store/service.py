@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import trio
 
-from lightqueue.index import ConsumeQueueIndex
+from lightqueue.index import ConsumeQueueIndex, Entry, IndexEntry
 from lightqueue.rocks import HEAP_TRIM_INTERVAL_S, trim_heap
 from lightqueue.routing import Router, split_partition_queue, validate_first_level
 from lightqueue.since import Since, now_ms, parse_since, parse_time
@@ -44,6 +44,9 @@ log = logging.getLogger("lightgate.store")
 
 MAX_PULL = 1024
 RAW_PULL_BYTES = 4 << 20  # of records in one raw PULL answer (a frame holds 64 MiB)
+# Reads of a PULL at most while every record it read was left out (damaged, or gone to
+# retention): it answers with none, and where to go on, after that many.
+SKIP_READS = 64
 
 WILDCARD_GC_S = 60.0  # how often idle wildcard queues are looked for
 PRODUCER_GC_S = 60.0  # how often idle producers are looked for
@@ -58,6 +61,27 @@ class QueueStats:
     min_offset: int
     max_offset: int
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _contiguous(entries: list[IndexEntry], read: list[Message | None], start: int
+                ) -> tuple[list[Message], int]:
+    """A pull's answer from its index entries and their records (None: gone to
+    retention, or damaged): the messages of consecutive offsets from the first record
+    read, and where the next pull starts. What could not be read before that first
+    record is skipped; a gap after it (a record left out, a queue's floor) ends the
+    answer, so every answer is a run of offsets (the gateway's window of a queue takes
+    it as one)."""
+    messages: list[Message] = []
+    nxt = start
+    for e, m in zip(entries, read, strict=True):
+        if m is None or (messages and e.offset != nxt):
+            if messages:
+                break
+            nxt = e.offset + 1
+            continue
+        messages.append(m)
+        nxt = e.offset + 1
+    return messages, nxt
 
 
 def _within(max_bytes: int, sizes: Iterable[int]) -> int:
@@ -98,6 +122,7 @@ class EmbeddedStore:
             on_dispatched=self._on_dispatched,
             full_verify=config.full_verify,
             max_producers=config.max_producers,
+            verify_bytes_per_s=int(config.verify_mb_per_s * (1 << 20)),
         )
         self.commitlog.readers = self.recent
         self.commitlog.on_grown = self._on_grown
@@ -387,13 +412,15 @@ class EmbeddedStore:
         # Below the minimum: retention took it. Beyond the end: a repaired (cut) log gave
         # those offsets back; a reader that was past them resumes at the new end.
         start = min(max(offset, lo), hi)
-        entries = self.index.read(queue, start, max_count)
-        if max_bytes is not None:  # cut before reading: the sizes are in the index
-            entries = entries[:_within(max_bytes, (e.size for e in entries))]
-        read = self.commitlog.read_run([(e.phys_offset, e.size) for e in entries])
-        # None: removed by retention after the index read; skipped past.
-        messages = [m for m in read if m is not None]
-        next_offset = entries[-1].offset + 1 if entries else start
+        for _ in range(SKIP_READS):
+            entries = self.index.read(queue, start, max_count)
+            if max_bytes is not None:  # cut before reading: the sizes are in the index
+                entries = entries[:_within(max_bytes, (e.size for e in entries))]
+            read = self.commitlog.read_run([(e.phys_offset, e.size) for e in entries])
+            messages, next_offset = _contiguous(entries, read, start)
+            if messages or len(entries) < max_count:
+                break
+            start = next_offset  # every one skipped (damaged, or gone): read on
         return PullResult(messages, next_offset, lo, hi)
 
     def pull_raw(self, queue: str, offset: int, max_count: int = MAX_PULL,
@@ -408,18 +435,26 @@ class EmbeddedStore:
         self.commitlog.catch_up()
         lo, hi = self.index.min_offset(queue), self.index.max_offset(queue)
         start = min(max(offset, lo), hi)
+        entries = self._raw_entries(queue, start, max_count, read_limit)
+        for _ in range(SKIP_READS):
+            runs, data, looked = self.commitlog.read_records(entries, max_bytes)
+            # Past the last entry looked at (max_bytes may have cut the rest): its record
+            # handed out, or left out (gone to retention, damaged); or where it started.
+            nxt = entries[looked - 1][3] + 1 if looked else start
+            if runs or looked < len(entries) or len(entries) < max_count:
+                break
+            start = nxt  # every one left out: read on
+            entries = self._raw_entries(queue, start, max_count, read_limit)
+        return RawPull(runs, data, nxt, lo, hi)
+
+    def _raw_entries(self, queue: str, start: int, max_count: int,
+                     read_limit: int | None) -> list[Entry]:
         entries = self.index.read_tuples(queue, start, max_count)
         if read_limit is not None:
             for i, (phys, size, _, _) in enumerate(entries):
                 if phys + size > read_limit:
-                    entries = entries[:i]
-                    break
-        runs, data = self.commitlog.read_records(entries, max_bytes)
-        # Past the last record handed out (max_bytes may have cut the rest); with none,
-        # past the entries (every one gone to retention), or where it started.
-        last = runs[-1][2] + runs[-1][3] if runs else None
-        nxt = last if last is not None else entries[-1][3] + 1 if entries else start
-        return RawPull(runs, data, nxt, lo, hi)
+                    return entries[:i]
+        return entries
 
     def queue_range(self, queue: str, read_limit: int | None = None) -> tuple[int, int]:
         """The queue's first and end offsets; with a read limit (the acknowledged log
@@ -676,6 +711,9 @@ class EmbeddedStore:
                 "bytes": sum(size for _, size in segs),
                 "flush": self.config.flush,
                 **self.commitlog.stats,
+                "damaged_records": self.commitlog.damage.count,
+                "damaged_bytes": self.commitlog.damage.bytes,
+                "offset_mark_writes": self.commitlog.marks.writes,
             },
             "index_checkpoint": self.index.checkpoint(),
             "queues_active": len(self.index._next),  # queues written since start

@@ -37,6 +37,20 @@ pub const DISPATCH_BUDGET: usize = 16 * 1024;
 /// Where a queue the engine has not appended to yet ends (the index knows).
 pub type QueueEnd = Box<dyn Fn(&str) -> u64 + Send + Sync>;
 
+/// Raise the marks of these (queue, offset) pairs past their offsets, durably; their
+/// marks after it, in order.
+pub type RaiseMarks = Box<dyn Fn(&[(String, u64)]) -> io::Result<Vec<u64>> + Send + Sync>;
+
+/// The queues' high-water marks (`store/highwater.py`): no offset at or past its queue's
+/// mark is given to a message before the mark is raised, durably, past it. After a
+/// crash that took records, recovery starts each queue at its mark, so an offset a
+/// reader was given is never given again.
+pub struct Marks {
+    /// A queue's mark now (0: none), asked once per queue.
+    pub mark: Box<dyn Fn(&str) -> u64 + Send + Sync>,
+    pub raise: RaiseMarks,
+}
+
 pub struct Config {
     pub segment_size: u64,
     pub active_base: u64,
@@ -144,6 +158,8 @@ struct Log {
     routes: Routes,
     next: HashMap<String, u64>,
     queue_end: QueueEnd,
+    /// Each queue's mark, as far as the engine asked (`Marks`); None: no marks kept.
+    marks: Option<(Marks, HashMap<String, u64>)>,
 }
 
 struct Sub {
@@ -295,6 +311,16 @@ fn now_ms() -> u64 {
 
 impl Engine {
     pub fn start(dir: &Path, config: Config, queue_end: QueueEnd) -> io::Result<Engine> {
+        Self::start_marked(dir, config, queue_end, None)
+    }
+
+    /// `start`, with the queues' high-water marks kept (`Marks`).
+    pub fn start_marked(
+        dir: &Path,
+        config: Config,
+        queue_end: QueueEnd,
+        marks: Option<Marks>,
+    ) -> io::Result<Engine> {
         let writer = LogWriter::open(
             dir,
             config.segment_size,
@@ -306,6 +332,7 @@ impl Engine {
             routes: Routes::new(config.default_partitions),
             next: HashMap::new(),
             queue_end,
+            marks: marks.map(|m| (m, HashMap::new())),
         };
         let threads = config.io_threads;
         let (write_pos, base) = (config.write_pos, config.active_base);
@@ -873,6 +900,10 @@ impl Inner {
                 }
             }
         }
+        if let Err(e) = cover(&mut log, &assigned) {
+            unassign(&mut log, &assigned);
+            return Err(AppendError::Io(e));
+        }
         let mut refs: Vec<&[u8]> = Vec::with_capacity(ends.len());
         let mut start = 0;
         for &end in &ends {
@@ -1032,6 +1063,51 @@ struct Target {
 /// Whether a record's properties (JSON, as `store/record.py` keeps them) are none.
 fn no_properties(properties: &[u8]) -> bool {
     properties.is_empty() || properties == b"{}"
+}
+
+/// Raise the marks that these offsets reach (one call for the append), before any of
+/// them is written: from then on a reader may be given them.
+fn cover(log: &mut Log, assigned: &[(String, u64)]) -> io::Result<()> {
+    let Some((source, marks)) = log.marks.as_mut() else {
+        return Ok(());
+    };
+    let mut wanted: HashMap<&str, u64> = HashMap::new();
+    for (name, offset) in assigned {
+        let mark = match marks.get(name) {
+            Some(&m) => m,
+            None => {
+                let m = (source.mark)(name);
+                marks.insert(name.clone(), m);
+                m
+            }
+        };
+        if *offset >= mark {
+            let w = wanted.entry(name.as_str()).or_insert(*offset);
+            *w = (*w).max(*offset);
+        }
+    }
+    if wanted.is_empty() {
+        return Ok(());
+    }
+    let wanted: Vec<(String, u64)> = wanted
+        .into_iter()
+        .map(|(n, o)| (n.to_string(), o))
+        .collect();
+    let raised = (source.raise)(&wanted)?;
+    if raised.len() != wanted.len() {
+        return Err(io::Error::other(
+            "offset marks: one mark per queue expected",
+        ));
+    }
+    for ((name, offset), mark) in wanted.into_iter().zip(raised) {
+        if mark <= offset {
+            return Err(io::Error::other(format!(
+                "offset mark of {name} not raised"
+            )));
+        }
+        marks.insert(name, mark);
+    }
+    Ok(())
 }
 
 fn unassign(log: &mut Log, assigned: &[(String, u64)]) {

@@ -103,6 +103,42 @@ fn os_error(e: std::io::Error) -> PyErr {
     }
 }
 
+/// The engine's `Marks` from Python's (store.highwater.HighWater): `mark(name)` and
+/// `raise_for(pairs)`, each called with the interpreter (the caller holds the log lock,
+/// as for `queue_end`). A Python error comes back as an io::Error with its errno.
+fn py_marks(marks: PyObject) -> engine::Marks {
+    let source = std::sync::Arc::new(marks);
+    let asked = std::sync::Arc::clone(&source);
+    engine::Marks {
+        mark: Box::new(move |name: &str| {
+            Python::with_gil(|py| {
+                asked
+                    .call_method1(py, "mark", (name,))
+                    .and_then(|v| v.extract::<u64>(py))
+                    .unwrap_or(0)
+            })
+        }),
+        raise: Box::new(move |wanted: &[(String, u64)]| {
+            Python::with_gil(|py| {
+                source
+                    .call_method1(py, "raise_for", (wanted.to_vec(),))
+                    .and_then(|v| v.extract::<Vec<u64>>(py))
+                    .map_err(|e| {
+                        let errno = e
+                            .value(py)
+                            .getattr("errno")
+                            .and_then(|n| n.extract::<i32>())
+                            .ok();
+                        match errno {
+                            Some(code) => std::io::Error::from_raw_os_error(code),
+                            None => std::io::Error::other(e.to_string()),
+                        }
+                    })
+            })
+        }),
+    }
+}
+
 #[pymethods]
 impl PyLogWriter {
     #[new]
@@ -391,9 +427,11 @@ impl Fd {
 #[pymethods]
 impl PyEngine {
     /// `queue_end(name) -> int`: where a queue the engine has not appended to ends (the
-    /// index's answer), asked once per queue.
+    /// index's answer), asked once per queue. `marks`: the queues' high-water marks
+    /// (store.highwater.HighWater: `mark(name) -> int`, `raise_for([(name, offset)]) ->
+    /// [int]`), or None to keep none.
     #[new]
-    #[pyo3(signature = (directory, segment_size, active_base, write_pos, default_partitions, sync, io_threads, queue_end))]
+    #[pyo3(signature = (directory, segment_size, active_base, write_pos, default_partitions, sync, io_threads, queue_end, marks=None))]
     #[allow(clippy::too_many_arguments)] // the log's tail and the engine's settings
     fn new(
         directory: std::path::PathBuf,
@@ -404,6 +442,7 @@ impl PyEngine {
         sync: bool,
         io_threads: usize,
         queue_end: PyObject,
+        marks: Option<PyObject>,
     ) -> PyResult<Self> {
         let config = engine::Config {
             segment_size,
@@ -421,7 +460,9 @@ impl PyEngine {
                     .unwrap_or(0)
             })
         });
-        let inner = engine::Engine::start(&directory, config, ends).map_err(os_error)?;
+        let marks = marks.map(py_marks);
+        let inner =
+            engine::Engine::start_marked(&directory, config, ends, marks).map_err(os_error)?;
         Ok(PyEngine {
             inner: Some(inner),
             left: std::sync::Mutex::new(None),

@@ -11,7 +11,7 @@ use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use common::{pair, read_exact};
-use lightgate_native::engine::{AppendError, Config, Engine, Message};
+use lightgate_native::engine::{AppendError, Config, Engine, Marks, Message};
 use lightgate_native::protocol::Settings;
 use lightgate_native::reactor::{Command, Restore};
 use lightgate_native::record;
@@ -124,14 +124,7 @@ fn message(topic: &str, body: &[u8], queues: &[&str]) -> Message {
 #[test]
 fn outside_appends_share_the_offsets_and_the_order_of_native_publishes() {
     let dir = tmp_dir("outside");
-    let config = Config {
-        segment_size: 1 << 20,
-        active_base: 0,
-        write_pos: 0,
-        default_partitions: 1,
-        sync: false,
-        io_threads: 1,
-    };
+    let config = one_thread_config();
     let engine = Engine::start(&dir, config, Box::new(|q| if q == "a/b" { 5 } else { 0 })).unwrap();
     let (mut publisher, socket) = pair();
     adopt(&engine, 1, socket);
@@ -205,6 +198,70 @@ fn a_message_no_record_holds_fails_its_batch_and_uses_no_offset() {
         engine.flushed(),
         engine.write_pos(),
         "sync mode: durable at once"
+    );
+    engine.stop().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An empty log of 1 MiB segments, one partition, one I/O thread, flush async.
+fn one_thread_config() -> Config {
+    Config {
+        segment_size: 1 << 20,
+        active_base: 0,
+        write_pos: 0,
+        default_partitions: 1,
+        sync: false,
+        io_threads: 1,
+    }
+}
+
+#[test]
+fn marks_are_raised_before_the_offsets_past_them_are_written() {
+    use std::sync::{Arc, Mutex};
+    let dir = tmp_dir("marks");
+    let config = one_thread_config();
+    // "m" has a mark of 2 already; each raise goes 3 past the offset; the third fails.
+    type Calls = Vec<Vec<(String, u64)>>;
+    let asked: Arc<Mutex<Calls>> = Arc::default();
+    let seen = Arc::clone(&asked);
+    let marks = Marks {
+        mark: Box::new(|q| if q == "m" { 2 } else { 0 }),
+        raise: Box::new(move |wanted| {
+            let mut calls = seen.lock().unwrap();
+            calls.push(wanted.to_vec());
+            if calls.len() == 3 {
+                return Err(std::io::Error::from_raw_os_error(28));
+            }
+            Ok(wanted.iter().map(|(_, o)| o + 3).collect())
+        }),
+    };
+    let engine = Engine::start_marked(&dir, config, Box::new(|_| 0), Some(marks)).unwrap();
+    let two = [
+        message("m", b"a", &["m", "n"]),
+        message("m", b"b", &["m", "n"]),
+    ];
+    engine.append(&two, None).unwrap(); // m 0, 1 under its mark; n 0, 1 past it
+    assert_eq!(*asked.lock().unwrap(), vec![vec![("n".to_string(), 1)]]);
+    engine.append(&[message("m", b"c", &["m"])], None).unwrap(); // m 2: raised to 5
+    assert_eq!(asked.lock().unwrap()[1], vec![("m".to_string(), 2)]);
+    let before = engine.write_pos();
+    let err = engine
+        .append(&vec![message("n", b"d", &["n"]); 3], None) // n 2, 3 under 4; n 4 not
+        .unwrap_err();
+    assert!(
+        matches!(&err, AppendError::Io(e) if e.raw_os_error() == Some(28)),
+        "{err}"
+    );
+    assert_eq!(
+        engine.write_pos(),
+        before,
+        "nothing written past a mark not raised"
+    );
+    let rows = engine.append(&[message("n", b"e", &["n"])], None).unwrap();
+    assert_eq!(
+        rows[0].queues,
+        vec![("n".to_string(), 2)],
+        "the offsets were not used"
     );
     engine.stop().unwrap();
     std::fs::remove_dir_all(&dir).unwrap();

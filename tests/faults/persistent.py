@@ -31,14 +31,16 @@ def kill_during(srv: Any, rounds: int, rng: random.Random, pause: tuple[float, f
         assert srv.wait_log("clean_shutdown=False", count=r + 1)
 
 
-def drain(port: int, client_id: str, idle_s: float = 5.0) -> list[bytes]:
-    """Resume `client_id`'s session and take every message (acked) until `idle_s` of quiet."""
+def drain(port: int, client_id: str, idle_s: float = 5.0, count: int | None = None
+          ) -> list[bytes]:
+    """Resume `client_id`'s session and take every message (acked) until `idle_s` of quiet
+    (or `count` came)."""
     sub = RawClient(port)
     assert sub.connect(client_id, clean=False).session_present
     found: list[bytes] = []
     sub.sock.settimeout(idle_s)
     try:
-        while True:
+        while count is None or len(found) < count:
             p = sub.recv()
             if isinstance(p, mqtt.Publish):
                 found.append(p.payload)

@@ -1,5 +1,5 @@
 """A node whose files were damaged while it was down starts, says what it repaired, and
-serves everything before the damage."""
+serves everything but the damaged records."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def test_torn_tail_flipped_byte_lost_index_and_checkpoint(tmp_path) -> None:
     assert got == more
     time.sleep(1.0)
     srv.kill()
-    # 3. A flipped byte in the last segment: cut there, the rest kept aside.
+    # 3. A flipped byte in the last segment: that record is read around (its bytes kept
+    #    aside), the records after it are kept.
     seg = last_segment(data)
     raw = bytearray(seg.read_bytes())
     raw[len(raw) // 2] ^= 0xFF

@@ -36,6 +36,7 @@ class LogFactory:
         log._requests.put(_STOP)
         log._thread.join()
         os.close(log._wfd)
+        log.marks.close()
         for seg in log._segments:
             seg.close()
         log.index._db.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from lightqueue.index import ConsumeQueueIndex
+from store import highwater
 from store.commitlog import CommitLog
 from store.record import Message
 
@@ -121,11 +122,13 @@ def test_recovery_cuts_a_torn_tail(logs) -> None:
     assert bodies == [m.body for m in sent[:-1]]
     assert [e.offset for e in log.index.read("t/#", 0, 1000)] == list(range(199))
     # The index had seen offset 199, so readers may have too: it is not given again.
-    assert log.index.max_offset("t/#") == 200
-    assert append(log, "t/1", b"again", ["t/1", "t/#"]).queues == [("t/1", 200), ("t/#", 200)]
+    # Each queue resumes at its high-water mark (written before offsets reached it).
+    ends = {q: log.index.max_offset(q) for q in ("t/1", "t/#")}
+    assert 200 <= ends["t/#"] <= 200 + highwater.STEP_MAX and rep.marked_queues == 2
+    assert append(log, "t/1", b"again", ["t/1", "t/#"]).queues == list(ends.items())
 
 
-def test_recovery_cuts_at_a_flipped_byte_and_quarantines_the_rest(logs) -> None:
+def test_recovery_reads_around_a_flipped_byte_and_quarantines_that_record_alone(logs) -> None:
     log = logs.open(segment_size=16 * 1024)
     sent = _fill(log, 200)
     logs.crash(log)
@@ -138,12 +141,19 @@ def test_recovery_cuts_at_a_flipped_byte_and_quarantines_the_rest(logs) -> None:
         fh.write(bytes([byte[0] ^ 0xFF]))
     log = logs.open(segment_size=16 * 1024, full_verify=True)
     rep = log.report
-    assert rep.truncated_at == victim.phys_offset
-    assert [m.body for m in log.scan(log.min_offset)] == [m.body for m in sent[:150]]
-    assert [e.offset for e in log.index.read("t/1", 0, 1000)] == list(range(150))
-    # Nothing is thrown away: the cut bytes wait in quarantine.
-    quarantined = sum(p.stat().st_size for p in (log.dir / "quarantine").iterdir())
-    assert quarantined == rep.truncated_bytes > 0
+    assert rep.truncated_at is None and rep.damaged == 1
+    others = [m.body for m in sent[:150] + sent[151:]]
+    assert [m.body for m in log.scan(log.min_offset)] == others
+    entries = log.index.read("t/1", 0, 1000)
+    assert [e.offset for e in entries] == list(range(200))
+    read = log.read_run([(e.phys_offset, e.size) for e in entries])
+    assert [m.body for m in read if m is not None] == others and read[150] is None
+    # Nothing is thrown away: the damaged record's bytes wait in quarantine.
+    quarantined = list((log.dir / "quarantine").iterdir())
+    assert [p.stat().st_size for p in quarantined] == [victim.size]
+    assert log.damage.ranges() == [(victim.phys_offset, victim.phys_offset + victim.size,
+                                    "CRC mismatch")]
+    assert append(log, "t/1", b"more", ["t/1"]).queues == [("t/1", 200)]
 
 
 def test_index_rebuild_after_deleting_rocksdb_gives_identical_queues(logs, tmp_path: Path) -> None:
@@ -169,8 +179,9 @@ def test_index_ahead_of_a_cut_log_is_rebuilt(logs) -> None:
     log = logs.open(segment_size=16 * 1024)
     assert log.report.index_rebuilt
     assert [e.offset for e in log.index.read("t/#", 0, 100)] == list(range(40))
-    assert log.index.max_offset("t/1") == 50  # a gap: offsets 40..49 are not reused
-    assert append(log, "t/1", b"new", ["t/1"]).queues == [("t/1", 50)]
+    end = log.index.max_offset("t/1")
+    assert 50 <= end <= 50 + highwater.STEP_MAX  # a gap: offsets 40..49 are not reused
+    assert append(log, "t/1", b"new", ["t/1"]).queues == [("t/1", end)]
 
 
 def test_missing_checkpoint_means_full_verification(logs) -> None:

@@ -316,10 +316,11 @@ def test_retention_survives_a_corrupt_record_in_the_segment_it_deletes(
         _close(log, index)
 
 
-def test_recovery_cuts_at_a_record_whose_decode_raises_anything(
+def test_recovery_reads_around_a_record_whose_decode_raises_anything(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """record.decode is meant to raise only CorruptRecord; should anything else escape
-    it, recovery treats it as corruption at that position instead of never starting."""
+    it, recovery treats it as damage at that position instead of never starting, and
+    reads on after it."""
     log, index = _open(tmp_path)
     sent = [_append(log, "a/t") for _ in range(5)]
     _close(log, index)
@@ -335,9 +336,9 @@ def test_recovery_cuts_at_a_record_whose_decode_raises_anything(
     log = CommitLog(tmp_path / "log", index)
     report = log.open()
     try:
-        assert report.truncated_at == sent[3].phys_offset
-        assert [m.body for m in log.scan(0)] == [m.body for m in sent[:3]]
-        assert _append(log, "a/t").offset_in("a/t") >= 3
+        assert report.truncated_at is None and report.damaged == 1
+        assert [m.body for m in log.scan(0)] == [m.body for m in sent[:3] + sent[4:]]
+        assert _append(log, "a/t").offset_in("a/t") >= 5
     finally:
         _close(log, index)
 
@@ -412,11 +413,15 @@ def test_offsets_keep_rising_after_retention_and_a_kill(tmp_path: Path) -> None:
 def test_a_recovery_cut_is_durable_before_anything_is_appended(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A cut moves the later segments to quarantine; unless the directory is fsync'd, a
-    power loss after new (acknowledged) records can bring them back behind those."""
+    power loss after new (acknowledged) records can bring them back behind those. (A
+    segment missing between two others is such a cut: what follows it cannot be
+    trusted to follow on.)"""
     log, index = _open(tmp_path, segment_size=8 * 1024)
-    sent = [_append(log, "a/t") for _ in range(30)]
+    for _ in range(30):
+        _append(log, "a/t")
     _close(log, index)
-    _flip(tmp_path / "log" / "00000000000000000000", sent[2].phys_offset + 60)
+    second = sorted(p for p in (tmp_path / "log").iterdir() if p.name.isdigit())[1]
+    second.unlink()
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -429,7 +434,7 @@ def test_a_recovery_cut_is_durable_before_anything_is_appended(
     log = CommitLog(tmp_path / "log", index, segment_size=8 * 1024, full_verify=True)
     report = log.open()
     try:
-        assert report.truncated_at == sent[2].phys_offset and report.quarantined
+        assert report.truncated_at == int(second.name) and report.quarantined
         logdir = (tmp_path / "log").resolve()
         assert str(logdir) in synced and str(logdir / "quarantine") in synced, synced
     finally:

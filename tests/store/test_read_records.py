@@ -40,15 +40,17 @@ def test_runs_are_the_bursts_and_decode_as_the_log_holds_them(logs) -> None:
     log = logs.open()
     sent = fill(log)
     entries = log.index.read_tuples("q", 0, 100)
-    runs, data = log.read_records(entries, 1 << 20)
+    runs, data, looked = log.read_records(entries, 1 << 20)
+    assert looked == len(entries) == 30
     assert [r[3] for r in runs] == [5] * 6 and [r[2] for r in runs] == list(range(0, 30, 5))
     assert decode_all(runs, data) == [(i, m.phys_offset, m.body) for i, m in enumerate(sent)]
     # A byte budget cuts the answer short (one record at least).
-    runs, _ = log.read_records(entries, 1)
-    assert runs == [[sent[0].phys_offset, sent[0].size, 0, 1]]
+    runs, _, looked = log.read_records(entries, 1)
+    assert runs == [[sent[0].phys_offset, sent[0].size, 0, 1]] and looked == 1
 
 
-def test_a_damaged_record_is_refused_not_handed_out(logs) -> None:
+def test_a_damaged_record_is_left_out_not_handed_out(logs) -> None:
+    """The records around it are: its run is split in two; it is counted and listed."""
     log = logs.open()
     sent = fill(log)
     seg = next(p for p in log.dir.iterdir() if p.name.isdigit())
@@ -57,5 +59,13 @@ def test_a_damaged_record_is_refused_not_handed_out(logs) -> None:
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(CorruptRecord, match=f"offset {sent[7].phys_offset}"):
-        log.read_records(log.index.read_tuples("q", 0, 100), 1 << 20)
+    entries = log.index.read_tuples("q", 0, 100)
+    runs, data, looked = log.read_records(entries, 1 << 20)
+    assert looked == 30
+    assert [(r[2], r[3]) for r in runs[:3]] == [(0, 5), (5, 2), (8, 2)]
+    assert [o for o, _, _ in decode_all(runs, data)] == [i for i in range(30) if i != 7]
+    assert log.stats["corrupt_reads"] == 1
+    assert log.damage.ranges() == [(sent[7].phys_offset, sent[7].phys_offset + sent[7].size,
+                                    "CRC mismatch")]
+    with pytest.raises(CorruptRecord):  # and by its id
+        log.read(sent[7].phys_offset)
