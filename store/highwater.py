@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from store.segment import fsync_dir
+from store.segment import fdatasync, fsync_dir
 
 MARKS_FILE = "offset-marks"
 HEAD = struct.Struct(">IHQ")  # crc32 of the rest, name length, mark
@@ -140,7 +140,7 @@ class HighWater:
             view = memoryview(data)
             while view:
                 view = view[os.write(self._fd, view):]
-            os.fdatasync(self._fd)
+            fdatasync(self._fd)
             self._bytes += len(data)
             self._marks.update(raised)
             self.writes += 1
