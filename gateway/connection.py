@@ -332,8 +332,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         if t is mp.OutgoingDone:
             return self._on_outgoing_done(ev.outgoing)
         if t is mp.OutgoingReleased:
-            return not (self.session is not None and self.session.persistent
-                        and ev.outgoing.group is None)
+            return not ev.held  # a held PUBREL goes once its state is in the store
         if t is mp.PubrelReceived:
             if self.session is not None and self.session.persistent:
                 return False
@@ -358,6 +357,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         elif t is mp.OutgoingReleased:
             assert self.session is not None
             await self.broker.persist_outgoing(self.session, ev.outgoing)
+            self.core.release(ev.outgoing)
         elif t is mp.PubrelReceived:
             s = self.session
             assert s is not None

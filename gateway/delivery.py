@@ -238,14 +238,14 @@ class Delivery:
         return bool(qos and self.core.window <= 0) or self.conn.out.over
 
     def _send(self, msg: Message, qos: int, retain: bool, sids: list[int] | None,
-              queue: str | None, offset: int, group: SharedGroup | None = None
-              ) -> mp.Outgoing | bool:
+              queue: str | None, offset: int, group: SharedGroup | None = None,
+              buffer: list[bytes] | None = None) -> mp.Outgoing | bool:
         tpl = None
         if queue is not None and len(self.broker.queue_subs.get(queue, ())) > 1:
             tpl = self.broker.template(msg)  # encoded once for the queue's readers
         try:
             sent = self.core.deliver(msg, qos, retain, sids, queue, offset, group, tpl,
-                                     time.time())
+                                     time.time(), buffer)
         except Exception as exc:  # noqa: BLE001 - one bad message must not stop delivery
             self.broker.stats.dropped += 1
             log.error("message %s on %r cannot be sent to %s and is dropped: %s",
@@ -368,13 +368,26 @@ class Delivery:
     async def _push(self, msg: Message, qos: int, retain: bool, sids: list[int] | None,
                     queue: str | None, offset: int, group: SharedGroup | None = None
                     ) -> bool:
-        """Send one message (the window has room); its in-flight record first for a
-        persistent session. False if dropped."""
-        o = self._send(msg, qos, retain, sids, queue, offset, group)
+        """Send one message (the window has room). False if dropped. A persistent
+        session's QoS 1/2 PUBLISH goes to the outbox only once its in-flight record is
+        in the store: one the client saw and a crash forgot would come again, under
+        another packet id, as a new message."""
+        s = self.session
+        held: list[bytes] | None = [] if (
+            qos and s.persistent and queue is not None and group is None) else None
+        o = self._send(msg, qos, retain, sids, queue, offset, group, held)
         if o is False:
             return False
-        if isinstance(o, mp.Outgoing) and group is None:
-            await self.broker.persist_outgoing(self.session, o)  # persistent sessions only
+        if held and isinstance(o, mp.Outgoing):
+            try:
+                await self.broker.persist_outgoing(s, o)
+            except BaseException:
+                # Never sent: its window slot and packet id are free again, and the
+                # message is delivered anew when the delivery goes on.
+                if s.outgoing.get(o.packet_id) is o:
+                    del s.outgoing[o.packet_id]
+                raise
+            self.core.send_encoded(held[0])
         return True
 
     async def _resend_outgoing(self) -> None:
@@ -385,7 +398,11 @@ class Delivery:
         held = [o for o in inflight if o.state != "pubrel"]
         for o in inflight:
             if o.state == "pubrel":  # counts against the window, but is always sent
-                core.resend(o)
+                # Its state may not be in the store yet (the last connection ended
+                # before it was kept): kept before the client can complete it.
+                await self.broker.persist_outgoing(s, o)
+                if s.outgoing.get(o.packet_id) is o:
+                    core.resend(o)
         limit = min(core.receive_maximum, core.limits.max_inflight)
         for i, o in enumerate(held):
             # In flight on this connection: everything outgoing but what is still held

@@ -316,15 +316,19 @@ class SessionRegistry:
         return True
 
     # -- what a persistent session keeps in the store ---------------------------------
-    async def flush_offsets(self, s: Session) -> None:
-        """Persist where each queue of `s` resumes: the first unacknowledged offset."""
+    async def flush_offsets(self, s: Session,
+                            also: list[tuple[str, str, str, Any]] | None = None) -> None:
+        """Persist where each queue of `s` resumes: the first unacknowledged offset, and
+        the first never sent (`also`: more ops, written in the same batch)."""
         if not s.persistent or not s.has_dirty_offsets():
+            if also:
+                await self.store.meta_write(also)
             return
-        ops = []
+        ops = list(also or ())
         for queue in s.offsets_dirty:
             acked = s.acked_offset(queue)
             if acked is not None and queue in s.subscriptions:
-                pos = {"acked": acked, "next": s.cursors.get(queue, acked)}
+                pos = {"acked": acked, "next": _sent_upto(s, queue, acked)}
                 if s._replays and (progress := replay.meta(s, queue)) is not None:
                     pos["replay"] = progress
                 ops.append(("put", "offsets", offset_key(s.client_id, queue), pos))
@@ -346,13 +350,17 @@ class SessionRegistry:
                                        "qos": o.qos})
 
     async def forget_outgoing(self, s: Session, o: Outgoing) -> None:
+        """A send completed: its in-flight record goes, and in the same write the
+        queue's offsets say it was sent (else a crash before the next round of offsets
+        would deliver it again, as a new message)."""
         if s.persistent and o.queue is not None:
+            s.offsets_dirty.add(o.queue)
             try:
-                await self.store.meta_delete("inflight", out_key(s.client_id, o.packet_id))
+                await self.flush_offsets(
+                    s, [("delete", "inflight", out_key(s.client_id, o.packet_id), None)])
             except StoreError as exc:  # the store is away (a failover): the client's ack
                 # stands; the stale record only means a resend with DUP after a restart
                 log.warning("in-flight record of %r not removed: %s", s.client_id, exc)
-            s.offsets_dirty.add(o.queue)
 
     async def remember_incoming_qos2(self, s: Session, pid: int, done: bool,
                                      phys: int = -1) -> None:
@@ -384,6 +392,14 @@ class SessionRegistry:
         if mark is not None and mark.get("done", -1) >= last:
             return None  # that record's exchange was completed
         return last
+
+
+def _sent_upto(s: Session, queue: str, acked: int) -> int:
+    """The first offset of `queue` never sent: the cursor, or past what was sent before
+    a restart while the session reads up to it again (its resends skip it)."""
+    nxt = s.cursors.get(queue, acked)
+    upto = s._restored_upto.get(queue) if s._restored_upto else None
+    return nxt if upto is None else max(nxt, upto + 1)
 
 
 def _expired(info: dict[str, Any], now: float) -> bool:
