@@ -10,9 +10,11 @@ from typing import Any
 import trio
 
 from gateway.stats import Stats
+from serving.rate_limited_log import RateLimitedLog
 from store.api import StoreError
 
 log = logging.getLogger("lightgate.gateway")
+_refused = RateLimitedLog(log)
 
 Work = Callable[..., Awaitable[object]]
 
@@ -48,9 +50,9 @@ class Background:
         loops' next round, the expiry sweep, the stored will record)."""
         try:
             await fn(*args)
-        except StoreError as exc:
+        except StoreError as exc:  # each round would say it again (a full disk: 2/s)
             self.stats.store_errors += 1
-            log.warning("%s failed, tried again later: %s", _what(fn), exc)
+            _refused.note(f"{_what(fn)} failed, tried again later: {exc}")
         except Exception:
             self.stats.store_errors += 1
             log.exception("%s failed", _what(fn))

@@ -24,9 +24,11 @@ from gateway.mqtt.protocol import Closing, MqttProtocol
 from gateway.output import Poller
 from gateway.reserved import refusal as reserved_refusal
 from gateway.session import Session
-from store.api import AuthError, StoreError, Subject
+from serving.rate_limited_log import RateLimitedLog
+from store.api import AuthError, StoreError, StoreFullError, Subject
 
 log = logging.getLogger("lightgate.gateway.conn")
+_refused_full = RateLimitedLog(log)  # a full disk refuses every persistent CONNECT
 
 # The lane's work, in arrival order: events the rules returned, or a step to await.
 LaneItem = mp.Event | Callable[[], Awaitable[object]]
@@ -153,6 +155,13 @@ class ConnectRules:
                               ) from None
         except ClientIdTaken as exc:  # logged where it was decided
             raise core.refuse(rc.NOT_AUTHORIZED, 5, str(exc)) from None
+        except StoreFullError as exc:
+            # The server is up (it takes clean sessions, and serves what is stored); the
+            # session cannot be kept: the limit a full disk sets, told as a refused
+            # publish is (0x97).
+            _refused_full.note(f"persistent sessions refused: {exc}")
+            raise core.refuse(rc.QUOTA_EXCEEDED, rc.CONNACK_SERVER_UNAVAILABLE,
+                              f"session not kept: {exc}") from None
         except StoreError as exc:  # away (a failover): the client retries with its backoff
             log.warning("connect of %r from %s refused: %s", client_id, self.peer, exc)
             raise core.refuse(rc.SERVER_UNAVAILABLE, rc.CONNACK_SERVER_UNAVAILABLE,

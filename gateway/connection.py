@@ -35,6 +35,7 @@ from gateway.output import Output, Poller
 from gateway.parking import Parking
 from gateway.publishing import PublishRules
 from gateway.reading import ReadSwitch
+from gateway.sends import SendRules
 from gateway.session import Session
 from gateway.shared import SharedGroup
 from gateway.stream_reader import StreamReading
@@ -46,8 +47,8 @@ log = logging.getLogger("lightgate.gateway.conn")
 LANE_TURN = 32  # lane items handled before the other tasks get a turn
 
 
-class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamReading,
-                 Ending, Parking):
+class Connection(ConnectRules, PublishRules, SubscribeRules, SendRules, ReadSwitch,
+                 StreamReading, Ending, Parking):
     # Slots: 100k idle devices means 100k of these; a __dict__ each would double them.
     __slots__ = (
         "broker", "core", "stream", "fd", "peer", "cert_identity", "subject",
@@ -332,8 +333,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         if t is mp.OutgoingDone:
             return self._on_outgoing_done(ev.outgoing)
         if t is mp.OutgoingReleased:
-            return not (self.session is not None and self.session.persistent
-                        and ev.outgoing.group is None)
+            return not ev.held  # a held PUBREL goes once its state is in the store
         if t is mp.PubrelReceived:
             if self.session is not None and self.session.persistent:
                 return False
@@ -356,8 +356,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
         elif t is mp.OutgoingDone:
             await self._complete(ev.outgoing)
         elif t is mp.OutgoingReleased:
-            assert self.session is not None
-            await self.broker.persist_outgoing(self.session, ev.outgoing)
+            await self.release_when_kept(ev.outgoing)
         elif t is mp.PubrelReceived:
             s = self.session
             assert s is not None
@@ -365,29 +364,6 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, ReadSwitch, StreamR
             self.core.release_done(ev.packet_id, ev.ticket)
         elif callable(ev):
             await ev()
-
-    # -- QoS 1/2 sends completed --------------------------------------------------------
-    def _on_outgoing_done(self, o: mp.Outgoing) -> bool:
-        s = self.session
-        assert s is not None
-        if o.group is None and s.persistent and o.queue is not None:
-            return False  # its in-flight record goes: the lane's
-        if o.group is not None:
-            o.group.acked(o.offset)
-        self._freed(s)
-        return True
-
-    async def _complete(self, o: mp.Outgoing) -> None:
-        s = self.session
-        assert s is not None
-        await self.broker.forget_outgoing(s, o)
-        self._freed(s)
-
-    def _freed(self, s: Session) -> None:
-        for group in s.groups:
-            group.wake()  # this member has room again
-        if self.delivery is not None:
-            self.delivery.window_freed()
 
     # -- writing (gateway.output) -------------------------------------------------------
     def flush(self) -> None:

@@ -26,6 +26,7 @@ from gateway.output import Output
 from gateway.retained import RetainedMessage
 from gateway.session import Session, Subscription
 from gateway.shared import SharedGroup
+from gateway.shared_member import SharedMember
 from gateway.stats import Stats
 from store.api import Message, Store, StoreError
 
@@ -33,6 +34,7 @@ log = logging.getLogger("lightgate.gateway.delivery")
 
 # What a synchronous drain ended with.
 DONE, BLOCKED, NEEDS_TASK = range(3)
+PAUSE_S = 0.5  # between tries while the store refuses what a delivery writes
 
 
 class Host(Protocol):
@@ -66,6 +68,9 @@ class Client(Protocol):
 
     def flush(self) -> None: ...
 
+    async def release_when_kept(self, o: mp.Outgoing) -> None:
+        """PUBREL for `o` once its released state is in the store."""
+
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None: ...
 
     def may(self, action: str, name: str, is_filter: bool = False) -> bool: ...
@@ -73,9 +78,9 @@ class Client(Protocol):
     async def may_ask(self, action: str, name: str, is_filter: bool = False) -> bool: ...
 
 
-class Delivery:
+class Delivery(SharedMember):
     __slots__ = ("conn", "core", "session", "broker", "_running", "_stopped", "_resume",
-                 "_unsent")
+                 "_unsent", "_paused")
 
     def __init__(self, conn: Client) -> None:
         self.conn = conn
@@ -88,6 +93,7 @@ class Delivery:
         # QoS 0 messages of a persistent session the socket may not have taken yet:
         # (the output's position after it, its queue, its offset), in output order.
         self._unsent: deque[tuple[int, str, int]] | None = None
+        self._paused = False  # the store refused what a delivery writes (logged once)
 
     # -- starting -------------------------------------------------------------------------
     def start(self, resume: bool = False) -> None:
@@ -238,14 +244,14 @@ class Delivery:
         return bool(qos and self.core.window <= 0) or self.conn.out.over
 
     def _send(self, msg: Message, qos: int, retain: bool, sids: list[int] | None,
-              queue: str | None, offset: int, group: SharedGroup | None = None
-              ) -> mp.Outgoing | bool:
+              queue: str | None, offset: int, group: SharedGroup | None = None,
+              buffer: list[bytes] | None = None) -> mp.Outgoing | bool:
         tpl = None
         if queue is not None and len(self.broker.queue_subs.get(queue, ())) > 1:
             tpl = self.broker.template(msg)  # encoded once for the queue's readers
         try:
             sent = self.core.deliver(msg, qos, retain, sids, queue, offset, group, tpl,
-                                     time.time())
+                                     time.time(), buffer)
         except Exception as exc:  # noqa: BLE001 - one bad message must not stop delivery
             self.broker.stats.dropped += 1
             log.error("message %s on %r cannot be sent to %s and is dropped: %s",
@@ -311,14 +317,29 @@ class Delivery:
                 for queue in dirty:
                     try:
                         await self._drain(queue)
-                    except StoreError as exc:  # the store is away: keep the client, retry
-                        log.warning("delivery to %r paused: %s", s.client_id, exc)
+                    except StoreError as exc:  # away, or its disk full: keep the client
+                        self.paused(exc)
                         s.dirty.add(queue)
-                        await trio.sleep(0.5)
+                        await trio.sleep(PAUSE_S)
+                    else:
+                        self.resumed()
         finally:
             self._running = False
         if s._dirty and not self._stopped:
             self.pump()
+
+    def paused(self, exc: StoreError) -> None:
+        """The store refused a write this delivery needs (a message's in-flight record,
+        a PUBREL's state): tried again every PAUSE_S, said once."""
+        if not self._paused:
+            self._paused = True
+            log.warning("delivery to %r paused: %s (tried again every %.1f s)",
+                        self.session.client_id, exc, PAUSE_S)
+
+    def resumed(self) -> None:
+        if self._paused:
+            self._paused = False
+            log.info("delivery to %r resumed", self.session.client_id)
 
     async def _drain(self, queue: str) -> None:
         s, cache = self.session, self.broker.cache
@@ -368,13 +389,26 @@ class Delivery:
     async def _push(self, msg: Message, qos: int, retain: bool, sids: list[int] | None,
                     queue: str | None, offset: int, group: SharedGroup | None = None
                     ) -> bool:
-        """Send one message (the window has room); its in-flight record first for a
-        persistent session. False if dropped."""
-        o = self._send(msg, qos, retain, sids, queue, offset, group)
+        """Send one message (the window has room). False if dropped. A persistent
+        session's QoS 1/2 PUBLISH goes to the outbox only once its in-flight record is
+        in the store: one the client saw and a crash forgot would come again, under
+        another packet id, as a new message."""
+        s = self.session
+        held: list[bytes] | None = [] if (
+            qos and s.persistent and queue is not None and group is None) else None
+        o = self._send(msg, qos, retain, sids, queue, offset, group, held)
         if o is False:
             return False
-        if isinstance(o, mp.Outgoing) and group is None:
-            await self.broker.persist_outgoing(self.session, o)  # persistent sessions only
+        if held and isinstance(o, mp.Outgoing):
+            try:
+                await self.broker.persist_outgoing(s, o)
+            except BaseException:
+                # Never sent: its window slot and packet id are free again, and the
+                # message is delivered anew when the delivery goes on.
+                if s.outgoing.get(o.packet_id) is o:
+                    del s.outgoing[o.packet_id]
+                raise
+            self.core.send_encoded(held[0])
         return True
 
     async def _resend_outgoing(self) -> None:
@@ -385,7 +419,9 @@ class Delivery:
         held = [o for o in inflight if o.state != "pubrel"]
         for o in inflight:
             if o.state == "pubrel":  # counts against the window, but is always sent
-                core.resend(o)
+                # Its state may not be in the store yet (the last connection ended
+                # before it was kept): kept before the client can complete it.
+                await self.conn.release_when_kept(o)
         limit = min(core.receive_maximum, core.limits.max_inflight)
         for i, o in enumerate(held):
             # In flight on this connection: everything outgoing but what is still held
@@ -466,49 +502,6 @@ class Delivery:
                 return
             await self._push(msg, qos, True, sids if self.core.version == 5 else None, None, -1)
             self.conn.flush()
-
-    # -- shared subscriptions ------------------------------------------------------------------
-    def has_window(self) -> bool:
-        return self.conn.alive and self.core.window > 0 and not self.conn.out.over
-
-    async def push_shared(self, group: SharedGroup, msg: Message) -> bool:
-        """Deliver a message of a shared subscription this client is a member of."""
-        s, conn = self.session, self.conn
-        sub = s.subscriptions.get(group.name)
-        if sub is None or not conn.alive:
-            return False
-        qos = min(msg.qos, sub.options.qos)
-        sids = [sub.subscription_id] if sub.subscription_id and self.core.version == 5 \
-            else None
-        offset = msg.offset_in(group.queue)
-        if conn.checks_delivery and not conn.may("SUB", msg.topic) \
-                or conn.asks_hook and await self._hook_refuses(msg.topic):
-            group.acked(offset)  # not for this member's user: dropped, logged in audit
-            return True
-        if qos and self.core.window <= 0:
-            return False
-        sent = await self._push(msg, qos, False, sids, None, offset, group)
-        if qos == 0 or not sent:
-            group.acked(offset)  # at most once: done when written (or dropped)
-        return True
-
-    def give_back_shared(self) -> None:
-        """Shared-subscription messages this client did not acknowledge: a QoS 1 one goes
-        to another member. A QoS 2 one stays with this session, to be completed when it
-        reconnects [MQTT-4.8.2-4], and if the session ends here, no other member gets it
-        [MQTT-4.8.2-5] (it may have been delivered already: exactly once comes first)."""
-        s = self.session
-        for pid, o in list(s.outgoing.items()):
-            if o.group is None:
-                continue
-            if o.qos == 2:
-                if not s.persistent:
-                    del s.outgoing[pid]
-                    o.group.acked(o.offset)
-                continue
-            del s.outgoing[pid]
-            o.group.take_back(o.message)
-
 
 def _only_reader(s: Session, queue: str) -> list[Subscription] | None:
     """The common case, one subscription: a message of its queue matches it by

@@ -24,6 +24,7 @@ from gateway.mqtt import Publish
 from gateway.mqtt import reason as rc
 from gateway.session import Session
 from gateway.stats import Stats
+from serving.rate_limited_log import RateLimitedLog
 from store.api import (
     FutureLike,
     Message,
@@ -34,6 +35,7 @@ from store.api import (
 )
 
 log = logging.getLogger("lightgate.gateway.inbound")
+_refused = RateLimitedLog(log)  # appends the store refuses (a full disk: every one)
 
 MAX_BATCH = 1024  # messages per append, at most
 # A refused publish's Reason String: this, then why (the native plane is given it too).
@@ -196,10 +198,13 @@ class Inbound:
             conn.stored(p, ticket, code, not_stored(exc))
             self._done(conn)
         # Without a store connection the store client (and a gateway cut off from its
-        # master, gateway.store_link) says so once: not once per publish.
-        level = logging.DEBUG if isinstance(exc, StoreUnavailable) else logging.WARNING
+        # master, gateway.store_link) says so once: not once per publish. Otherwise
+        # once in a while: a full disk refuses every append.
         for conn, client_id in clients.items():
-            log.log(level, "publishes from %r not stored: %s", client_id, exc)
+            if isinstance(exc, StoreUnavailable):
+                log.debug("publishes from %r not stored: %s", client_id, exc)
+            else:
+                _refused.note(f"publishes not stored: {exc}")
             conn.flush()
 
     def _done(self, conn: Publisher) -> None:

@@ -124,14 +124,18 @@ def acked(s: Session, taken: int) -> None:
 
 
 def rewind(s: Session, taken: int) -> None:
-    """The connection ended with output unwritten (the socket took up to `taken`): a
-    replay whose messages may be in it goes back to its last snapshot the socket took."""
+    """The connection ended (its socket took up to `taken`): a replay whose messages
+    may be in what it did not take goes back to its last snapshot the socket took; the
+    others' snapshots wait for acknowledgements alone (the next connection's output
+    counts its bytes anew)."""
     for queue, r in list(s.replays.items()):
         r.settle(s, queue, taken)
         if not r.done and r.out_at > taken:
             log.info("replay of %r for %r: the client left with some of it unwritten; it "
                      "goes on from its last snapshot the socket took", queue, s.client_id)
             r.back_to_saved()
+        else:
+            r.taken_by_socket()
 
 
 def _at(d: Deliverer) -> int:

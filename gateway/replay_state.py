@@ -139,6 +139,15 @@ class Replay:
         self.pending.clear()
         self.sent = []
 
+    def taken_by_socket(self) -> None:
+        """The connection ended with everything handed out taken by its socket: the
+        snapshots still waiting wait for their acknowledgements alone. (Their marks are
+        positions on that connection's output; the next one counts from 0 again, and
+        a snapshot marked past what it writes before the replay's next would never be
+        saved: the replay stopped.)"""
+        self.pending = deque((sent, meta, 0) for sent, meta, _ in self.pending)
+        self.out_at = 0
+
     def finish(self, s: Session, queue: str, cursor: int) -> None:
         """Gone, once live reading is past the overlap and every snapshot is saved."""
         if (self.done and not self.pending and self.w2 is not None and cursor >= self.w2

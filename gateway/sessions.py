@@ -32,9 +32,11 @@ from gateway.shared import SharedGroups
 from gateway.stats import Stats
 from gateway.wills import Wills
 from lightqueue.topic import is_wildcard
+from serving.rate_limited_log import RateLimitedLog
 from store.api import AuthManager, Store, StoreError
 
 log = logging.getLogger("lightgate.gateway")
+_not_kept = RateLimitedLog(log)  # the store refusing writes refuses each session's
 
 
 class SessionLimitReached(Exception):
@@ -102,18 +104,26 @@ class SessionRegistry:
         else:
             session = await self._load(client_id)
             present = session is not None
+        made = session is None
         if session is None:
             session = self._new(client_id, expiry, version)
+        if owner is not None:
+            session.owner = owner
+        if expiry > 0:
+            try:
+                await self.store.meta_put("sessions", client_id, {
+                    "version": version, "expiry": expiry, "owner": session.owner})
+            except StoreError:  # refused (a full disk, the store away): as it was
+                if made and self.by_id.get(client_id) is session:
+                    del self.by_id[client_id]
+                    self.persistent = max(0, self.persistent - 1)
+                elif session.connection is None and session.disconnected_at is None:
+                    session.disconnected_at = time.time()  # offline still: it expires
+                raise
         session.persistent = expiry > 0
         session.expiry = expiry
         session.version = version
         session.disconnected_at = None
-        if owner is not None:
-            session.owner = owner
-        if session.persistent:
-            await self.store.meta_put("sessions", client_id, {"version": version,
-                                                               "expiry": expiry,
-                                                               "owner": session.owner})
         return session, present
 
     async def _check_owner(self, client_id: str, owner: str) -> None:
@@ -228,14 +238,18 @@ class SessionRegistry:
             if self.by_id.get(session.client_id) is session:
                 await self.discard(session.client_id)
             return
-        await self.flush_offsets(session)
         info: dict[str, Any] = {"version": session.version, "expiry": session.expiry,
                                 "disconnected_at": session.disconnected_at,
                                 "owner": session.owner}
         will = self.wills.record(session.client_id)
         if will is not None:  # kept with the session: published after a restart too
             info["will"] = will
-        await self.store.meta_put("sessions", session.client_id, info)
+        try:
+            await self.flush_offsets(session)
+            await self.store.meta_put("sessions", session.client_id, info)
+        except StoreError as exc:  # its offsets stay dirty: the periodic round retries
+            _not_kept.note(f"sessions of clients that left not kept in the store yet "
+                           f"(a restart resumes them as they were stored): {exc}")
         if session.expiry != NEVER_EXPIRES:
             self.background.spawn(self._expire_later, session)
 
@@ -316,15 +330,19 @@ class SessionRegistry:
         return True
 
     # -- what a persistent session keeps in the store ---------------------------------
-    async def flush_offsets(self, s: Session) -> None:
-        """Persist where each queue of `s` resumes: the first unacknowledged offset."""
+    async def flush_offsets(self, s: Session,
+                            also: list[tuple[str, str, str, Any]] | None = None) -> None:
+        """Persist where each queue of `s` resumes: the first unacknowledged offset, and
+        the first never sent (`also`: more ops, written in the same batch)."""
         if not s.persistent or not s.has_dirty_offsets():
+            if also:
+                await self.store.meta_write(also)
             return
-        ops = []
+        ops = list(also or ())
         for queue in s.offsets_dirty:
             acked = s.acked_offset(queue)
             if acked is not None and queue in s.subscriptions:
-                pos = {"acked": acked, "next": s.cursors.get(queue, acked)}
+                pos = {"acked": acked, "next": _sent_upto(s, queue, acked)}
                 if s._replays and (progress := replay.meta(s, queue)) is not None:
                     pos["replay"] = progress
                 ops.append(("put", "offsets", offset_key(s.client_id, queue), pos))
@@ -346,13 +364,18 @@ class SessionRegistry:
                                        "qos": o.qos})
 
     async def forget_outgoing(self, s: Session, o: Outgoing) -> None:
+        """A send completed: its in-flight record goes, and in the same write the
+        queue's offsets say it was sent (else a crash before the next round of offsets
+        would deliver it again, as a new message)."""
         if s.persistent and o.queue is not None:
+            s.offsets_dirty.add(o.queue)
             try:
-                await self.store.meta_delete("inflight", out_key(s.client_id, o.packet_id))
+                await self.flush_offsets(
+                    s, [("delete", "inflight", out_key(s.client_id, o.packet_id), None)])
             except StoreError as exc:  # the store is away (a failover): the client's ack
                 # stands; the stale record only means a resend with DUP after a restart
-                log.warning("in-flight record of %r not removed: %s", s.client_id, exc)
-            s.offsets_dirty.add(o.queue)
+                _not_kept.note(f"in-flight records of completed sends not removed (a "
+                               f"restart resends them with DUP): {exc}")
 
     async def remember_incoming_qos2(self, s: Session, pid: int, done: bool,
                                      phys: int = -1) -> None:
@@ -384,6 +407,14 @@ class SessionRegistry:
         if mark is not None and mark.get("done", -1) >= last:
             return None  # that record's exchange was completed
         return last
+
+
+def _sent_upto(s: Session, queue: str, acked: int) -> int:
+    """The first offset of `queue` never sent: the cursor, or past what was sent before
+    a restart while the session reads up to it again (its resends skip it)."""
+    nxt = s.cursors.get(queue, acked)
+    upto = s._restored_upto.get(queue) if s._restored_upto else None
+    return nxt if upto is None else max(nxt, upto + 1)
 
 
 def _expired(info: dict[str, Any], now: float) -> bool:

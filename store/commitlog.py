@@ -50,6 +50,7 @@ from store.record import MARK_FIRST, MARK_MORE, CorruptRecord, Message
 from store.segment import Segment, fdatasync, fsync_dir, is_segment_name, segment_name
 
 log = logging.getLogger("lightgate.store.commitlog")
+_full = RateLimitedLog(log, logging.ERROR)  # a full disk refuses each append
 
 ABORT_FILE = "abort"  # present while running; left behind by a crash (as RocketMQ's)
 CHECKPOINT_FILE = "checkpoint"
@@ -629,7 +630,10 @@ class CommitLog(EngineTail):
                 if exc.errno == errno.ENOSPC
                 else StoreError(f"commitlog write failed: {exc}")
             )
-            log.error("append of %d requests failed: %s", len(accepted), exc)
+            if isinstance(err, StoreFullError):  # every append until space is freed
+                _full.note(f"appends refused: {exc}")
+            else:
+                log.error("append of %d requests failed: %s", len(accepted), exc)
             for req in accepted:
                 req.future.set_exception(err)
             return []

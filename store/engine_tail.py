@@ -31,12 +31,14 @@ from setproctitle import setthreadtitle
 
 from lightqueue.index import RUN_MAX
 from serving import plane
+from serving.rate_limited_log import RateLimitedLog
 from store import record
 from store.common import StoreError, StoreFullError
 from store.record import Message
 from store.segment import Segment, fdatasync, segment_name
 
 log = logging.getLogger("lightgate.store.commitlog")
+_refused = RateLimitedLog(log, logging.ERROR)  # a full disk refuses every append
 
 # After the engine says it appended, the dispatcher waits this long before it takes the
 # rows: at a few thousand messages a second, a wake-up of the interpreter per message
@@ -194,9 +196,9 @@ class EngineTail:
         negative PUBACK (or, on 3.1.1, a closed connection), but the operator reads it
         here, as for Python's appends."""
         whys, batches = self.engine.take_refused()
-        if batches:
-            log.error("append of %d batches of MQTT publishes failed: %s", batches,
-                      "; ".join(dict.fromkeys(whys)))
+        if batches:  # (a full disk refuses every one: said once in a while)
+            _refused.note("appends of MQTT publishes failed: "
+                          + "; ".join(dict.fromkeys(whys)))
 
     def _drain(self) -> bool:
         with self._dispatch_lock:
@@ -315,7 +317,10 @@ class EngineTail:
                     if exc.errno == errno.ENOSPC
                     else StoreError(f"commitlog write failed: {exc}")
                 )
-                log.error("append of %d requests failed: %s", len(chunk), exc)
+                if isinstance(err, StoreFullError):
+                    _refused.note(f"appends refused: {exc}")
+                else:
+                    log.error("append of %d requests failed: %s", len(chunk), exc)
                 for req, _ in chunk:
                     req.future.set_exception(err)
                 return []

@@ -6,6 +6,9 @@ process keeps every completed write.
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,9 +16,11 @@ from typing import Any
 from rocksdict import Cache, Rdict, ReadOptions, WriteBatch, WriteBufferManager
 
 from lightqueue.rocks import bounded_options, memory_usage, uncache_obsolete_files
+from store.common import StoreFullError
 from store.config import METADATA_CACHE_MB, METADATA_MEMTABLE_MB
 from store.record import dumps_json as dumps
 from store.record import loads_json as loads
+from store.replication.space import no_space
 
 COLUMN_FAMILIES = (
     "topics",  # first-level topic -> {"partitions": n}
@@ -36,6 +41,12 @@ CACHE_MB, MEMTABLE_MB = METADATA_CACHE_MB, METADATA_MEMTABLE_MB
 
 MetaOp = tuple[str, str, str, Any]  # ("put"|"delete"|"delete_prefix", cf, key, value)
 
+log = logging.getLogger("lightgate.store.metadata")
+
+FULL = "no space left on the store's disk"  # StoreFullError's text, as the CommitLog's
+# Free bytes at which a metadata store stopped by a full disk is opened again.
+ROOM_TO_REOPEN = 1 << 20
+
 
 class Metadata:
     """Named column families of JSON values (bytes allowed inside, stored as base64).
@@ -52,6 +63,15 @@ class Metadata:
     def __init__(self, path: str | Path, cache_mb: int = CACHE_MB,
                  memtable_mb: int = MEMTABLE_MB) -> None:
         self.path = Path(path)
+        self._sizes = (cache_mb, memtable_mb)
+        # A write met a full disk: RocksDB takes no write after a failed WAL append
+        # (even once there is room) until it is opened again (`_room`).
+        self._full = False
+        self._reopening = threading.Lock()
+        self._open()
+
+    def _open(self) -> None:
+        cache_mb, memtable_mb = self._sizes
         cache = Cache(cache_mb * 1024 * 1024)  # one cache for every column family
         cf_memtable_mb = max(1, memtable_mb // 2)
         opts = bounded_options(write_buffer_mb=cf_memtable_mb, cache=cache)
@@ -72,6 +92,48 @@ class Metadata:
         for db in (self._db, *self._cfs.values()):
             uncache_obsolete_files(db)
 
+    # -- a full disk ---------------------------------------------------------------------
+    def _room(self) -> None:
+        """Before a write: StoreFullError while a full disk stopped the store's writes;
+        once the disk has room again, the store is opened again and the write goes on."""
+        if not self._full:
+            return
+        with self._reopening:
+            if not self._full:
+                return
+            st = os.statvfs(self.path)
+            if st.f_bavail * st.f_frsize < ROOM_TO_REOPEN:
+                raise StoreFullError(FULL)
+            self._close_db()
+            try:
+                self._open()
+            except Exception as exc:  # the old instance not gone yet: the next write
+                raise StoreFullError(f"{FULL} (metadata not open again yet: {exc})"
+                                     ) from exc
+            self._full = False
+            log.warning("metadata writes resume: the store's disk has room again")
+
+    def _failed(self, exc: Exception) -> None:
+        """A write failed: on a full disk, StoreFullError (and writes are refused without
+        asking RocksDB until the disk has room); anything else goes on as it is."""
+        if not no_space(exc):
+            return
+        if not self._full:
+            log.error("metadata writes refused: %s (sessions, offsets and in-flight "
+                      "messages are not kept until it has %d KiB free)", FULL,
+                      ROOM_TO_REOPEN >> 10)
+        self._full = True
+        raise StoreFullError(FULL) from exc
+
+    def _close_db(self) -> None:
+        self._cfs.clear()  # CF handles keep the DB open; drop them first
+        self._handles.clear()
+        try:
+            self._db.close()
+        except Exception:  # noqa: BLE001 - stopped by a full disk, it fails to flush
+            if not self._full:
+                raise
+
     def _cf(self, cf: str) -> Rdict:
         try:
             return self._cfs[cf]
@@ -83,12 +145,22 @@ class Metadata:
         return default if raw is None else loads(raw)
 
     def put(self, cf: str, key: str, value: Any) -> None:
-        self._cf(cf)[key.encode()] = dumps(value)
+        self._room()
+        try:
+            self._cf(cf)[key.encode()] = dumps(value)
+        except Exception as exc:
+            self._failed(exc)
+            raise
         if self.on_change is not None:
             self.on_change([("put", cf, key, value)])
 
     def delete(self, cf: str, key: str) -> None:
-        del self._cf(cf)[key.encode()]
+        self._room()
+        try:
+            del self._cf(cf)[key.encode()]
+        except Exception as exc:
+            self._failed(exc)
+            raise
         if self.on_change is not None:
             self.on_change([("delete", cf, key, None)])
 
@@ -111,8 +183,13 @@ class Metadata:
     def delete_prefix(self, cf: str, prefix: str) -> None:
         raw = prefix.encode()
         wb = WriteBatch(raw_mode=True)
+        self._room()
         wb.delete_range(raw, _prefix_end(raw), self._handles[cf])
-        self._db.write(wb)
+        try:
+            self._db.write(wb)
+        except Exception as exc:
+            self._failed(exc)
+            raise
         if self.on_change is not None:
             self.on_change([("delete_prefix", cf, prefix, None)])
 
@@ -184,12 +261,11 @@ class Metadata:
                 "block_cache_capacity": parts[0]["block_cache_capacity"]}
 
     def batch(self) -> MetaBatch:
+        self._room()  # (the batch takes the column families' handles of the open store)
         return MetaBatch(self)
 
     def close(self) -> None:
-        self._cfs.clear()  # CF handles keep the DB open; drop them first
-        self._handles.clear()
-        self._db.close()
+        self._close_db()
 
 
 class MetaBatch:
@@ -218,7 +294,11 @@ class MetaBatch:
 
     def __exit__(self, exc_type: object, *_: object) -> None:
         if exc_type is None and not self._wb.is_empty():
-            self._meta._db.write(self._wb)
+            try:
+                self._meta._db.write(self._wb)
+            except Exception as exc:
+                self._meta._failed(exc)
+                raise
             if self._meta.on_change is not None:
                 self._meta.on_change(self._ops)
 

@@ -160,10 +160,12 @@ class OutgoingDone:
 
 @dataclass(slots=True)
 class OutgoingReleased:
-    """PUBREC for one of our QoS 2 sends: PUBREL went out; a persistent session keeps
-    that state."""
+    """PUBREC for one of our QoS 2 sends, now awaiting PUBCOMP. `held`: a persistent
+    session's, whose PUBREL waits for the owner to keep that state in the store and
+    call `release` (else the PUBREL went out)."""
 
     outgoing: Outgoing
+    held: bool = False
 
 
 @dataclass(slots=True)

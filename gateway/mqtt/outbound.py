@@ -56,8 +56,19 @@ class Outbound:
             del self.flows.outgoing[p.packet_id]
             return OutgoingDone(o)
         o.state = "pubrel"
+        if self.flows.persistent and o.queue is not None:
+            # A client that got PUBREL may complete the exchange and forget the packet
+            # id: were the state still "publish" in the store, a restart would resend
+            # the PUBLISH, a new message to it. The owner keeps the state, then releases.
+            return OutgoingReleased(o, held=True)
         self._send(encode(Pubrel(p.packet_id), self.version))
         return OutgoingReleased(o)
+
+    def release(self, o: Outgoing) -> None:
+        """PUBREL for a held OutgoingReleased, once its state is kept (unless the
+        exchange ended meanwhile)."""
+        if self.flows.outgoing.get(o.packet_id) is o:
+            self._send(encode(Pubrel(o.packet_id), self.version))
 
     def deliver(self, msg: Stored, qos: int, retain: bool, sids: list[int] | None,
                 queue: str | None, offset: int, group: Handout | None = None,
@@ -83,6 +94,10 @@ class Outbound:
                      version=self.version)
         self.flows.outgoing[pid] = o
         return o
+
+    def send_encoded(self, data: bytes) -> None:
+        """A delivery encoded into a `buffer` of `deliver` goes out now."""
+        self._send(data)
 
     def _packet_id(self) -> int:
         s = self.flows

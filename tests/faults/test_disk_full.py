@@ -4,6 +4,7 @@ nothing stored before is damaged, and service comes back once space is freed."""
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,95 @@ def test_disk_full_refuses_clearly_keeps_data_and_recovers(small_fs: Path) -> No
     srv = Server(small_fs / "data", "--segment-size", "262144").start()
     assert srv.wait_log("truncated_at=None")
     assert srv.stop() == 0
+
+
+def connack(port: int, client_id: str, version: int) -> mqtt.Connack:
+    """The CONNACK of a new persistent session (a ConnectionError: closed without one)."""
+    c = RawClient(port, version=version, timeout=5.0)
+    try:
+        props = {"session_expiry_interval": 300} if version == 5 else {}
+        c.send(mqtt.Connect(client_id=client_id, protocol_level=version, clean_start=False,
+                            keepalive=60, properties=props))
+        ack = c.recv()
+        assert isinstance(ack, mqtt.Connack), ack
+        return ack
+    finally:
+        c.close()
+
+
+def take(sub: RawClient, got: list[bytes], seconds: float) -> None:
+    """Take (and acknowledge) what comes for `seconds`; a closed connection fails."""
+    sub.sock.settimeout(0.2)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            p = sub.recv()
+        except TimeoutError:
+            continue
+        if isinstance(p, mqtt.Publish):
+            got.append(p.payload)
+            sub.send(mqtt.Puback(p.packet_id))
+
+
+def test_a_full_disk_keeps_persistent_subscribers_and_says_so_once(small_fs: Path) -> None:
+    """A persistent subscriber is connected, with messages in flight, when the disk
+    fills: it stays connected (its deliveries wait, one line says so) and gets every
+    message once there is room again. Meanwhile a new persistent session is refused with
+    CONNACK 3 (3.1.1) or 0x97 (5.0), and refused publishes are logged once in a while,
+    not each. (Before, the session's records could not be written: the subscriber was
+    closed with a traceback on each delivery, a persistent CONNECT had no CONNACK, the
+    metadata store took no write again until a restart, and each refused publish wrote
+    two log lines.)"""
+    srv = Server(small_fs / "data", "--segment-size", "262144").start()
+    try:
+        keeper = RawClient(srv.port, timeout=5.0)
+        keeper.connect("keeper", clean=False)
+        keeper.subscribe("full/#", 1)  # not read yet: its window fills and waits
+        filler = small_fs / "filler"
+        filler.write_bytes(b"\0" * (free_bytes(small_fs) - 1_500_000))
+        pub = RawClient(srv.port, version=5)
+        pub.connect("pub")
+        acked: list[bytes] = []
+        for i in range(1, 5000):
+            body = b"%05d" % i + b"." * 2000
+            pub.send(mqtt.Publish("full/x", body, qos=1, packet_id=i))
+            if pub.recv().reason_code:
+                break
+            acked.append(body)
+        assert 100 < len(acked) < 4999, len(acked)
+        got: list[bytes] = []
+        take(keeper, got, 2.0)  # acks whose records cannot go; deliveries that cannot go
+        keeper.send(mqtt.Pingreq())
+        take(keeper, got, 0.5)  # still read: the PINGRESP came (or recv had failed)
+        assert 0 < len(got) < len(acked) and got == acked[:len(got)]
+        assert connack(srv.port, "new-3", 4).return_code == 3  # Server unavailable
+        ack5 = connack(srv.port, "new-5", 5)
+        assert ack5.reason_code == 0x97  # Quota exceeded, as a refused publish
+        assert "no space left" in ack5.properties["reason_string"]
+        before = len(srv.log)
+        codes = []
+        for i in range(0, 480, 16):  # refused publishes, 16 in flight
+            for pid in range(i + 1, i + 17):
+                pub.send(mqtt.Publish("full/x", b"z" * 1000, qos=1, packet_id=pid))
+            codes += [pub.recv().reason_code for _ in range(16)]
+        assert codes.count(0x97) > 400
+        said = [line for line in srv.log[before:] if " DEBUG " not in line]
+        assert len(said) <= 6, said  # once per 10 s per kind (the disk, the gateway)
+        filler.unlink()  # room again: deliveries go on, new sessions are kept
+        deadline = time.monotonic() + 20
+        while len(set(got)) < len(acked) and time.monotonic() < deadline:
+            take(keeper, got, 0.5)
+        firsts = list(dict.fromkeys(got))  # QoS 1: one in flight at the fill may repeat
+        assert firsts == acked, (len(firsts), len(acked))
+        assert connack(srv.port, "new-3", 4).return_code == 0
+        keeper.close()
+        pub.close()
+        logs = srv.logs()
+        assert "Traceback" not in logs, logs[logs.index("Traceback") - 300:][:3000]
+        assert logs.count("delivery to 'keeper' paused") == 1
+        assert "delivery to 'keeper' resumed" in logs
+    finally:
+        assert srv.stop() == 0, srv.logs()[-2000:]
 
 
 @pytest.mark.parametrize("plane", ["native", "python"])

@@ -257,6 +257,22 @@ def test_qos2_out_and_an_unknown_pubrec() -> None:
     assert isinstance(reply, mqtt.Pubrel) and reply.reason_code == rc.PACKET_IDENTIFIER_NOT_FOUND
 
 
+def test_a_persistent_sessions_pubrel_waits_for_its_state_to_be_kept() -> None:
+    """Once a client has PUBREL it may complete and forget the exchange: the owner keeps
+    the "pubrel" state first (a restart resends PUBREL, not the PUBLISH), then releases."""
+    c = Client()
+    c.connect(properties={"session_expiry_interval": 60})
+    c.got()
+    c.core.deliver(Stored("t", b"x", qos=2), 2, False, None, "t", 0)
+    [pub] = c.got()
+    [rel] = c.send(mqtt.Pubrec(pub.packet_id))
+    assert isinstance(rel, mp.OutgoingReleased) and rel.held
+    assert rel.outgoing.state == "pubrel" and c.got() == []
+    c.core.release(rel.outgoing)
+    [pubrel] = c.got()
+    assert isinstance(pubrel, mqtt.Pubrel) and pubrel.packet_id == pub.packet_id
+
+
 def test_too_large_or_expired_messages_are_dropped() -> None:
     c = Client()
     c.connect(properties={"maximum_packet_size": 64})

@@ -65,6 +65,36 @@ def test_a_reconnect_mid_replay_goes_on_where_it_stopped(server: Server) -> None
     raw.close()
 
 
+def test_a_dropped_connection_mid_replay_goes_on_past_a_snapshot_in_flight(
+        server: Server) -> None:
+    """A 3.1.1 client (the server's window of 32) drops TCP without DISCONNECT while the
+    sends of a snapshot are unacknowledged: back, it gets what was in flight, the rest of
+    the history and then live messages. (The snapshot waited for the new connection's
+    socket to take as many bytes as the old one had: the replay stopped after one
+    message.)"""
+    base = uid("r")
+    total = 2000
+    publish(server.port, [(f"{base}/{i % 10}", b"%d" % i) for i in range(total)], qos=1)
+    cid = uid("v3-")
+    raw = RawClient(server.port, timeout=3.0)
+    raw.connect(cid, clean=False)
+    assert raw.subscribe(f"$replay/earliest/{base}/#", 1).reason_codes == [1]
+    first = take(raw, 500) + take(raw, 5, ack=False)
+    time.sleep(0.2)  # the rest of the window reaches the socket: nothing is unwritten
+    raw.close()  # no DISCONNECT
+    raw = RawClient(server.port, timeout=3.0)
+    assert raw.connect(cid, clean=False).session_present
+    second: list[mqtt.Publish] = []
+    while not second or int(second[-1].payload) != total - 1:
+        second += take(raw, 1)  # a stall is a timeout
+    seqs = [int(p.payload) for p in first + second]
+    assert set(seqs) == set(range(total))
+    assert len(seqs) - total <= 32  # at most the window came twice
+    publish(server.port, [(f"{base}/{i % 10}", b"live%d" % i) for i in range(20)], qos=1)
+    assert sorted(p.payload for p in take(raw, 20)) == sorted(b"live%d" % i for i in range(20))
+    raw.close()
+
+
 def test_a_gateway_restart_mid_replay_resumes_from_the_saved_progress(server: Server) -> None:
     """After a restart the replay goes on from its last acknowledged snapshot: nothing
     missing, and what comes twice is at most the messages after that snapshot."""
