@@ -359,6 +359,55 @@ fn budgets_hand_a_connection_back() {
     reactor.stop();
 }
 
+#[test]
+fn held_deliveries_count_every_byte_they_hold() {
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    // A client that reads but never acknowledges: its window (2) fills, and what comes
+    // after waits for it. Empty messages on a long topic: their payloads are nothing,
+    // what holding them costs is not.
+    let (mut client, socket) = pair();
+    reactor.send(Command::Adopt {
+        conn: 3,
+        socket,
+        settings: settings(0),
+        unread: Vec::new(),
+        idle_for: 0.0,
+        acl: None,
+        restore: Default::default(),
+        max_unsent: 100_000,
+    });
+    let topic: Arc<str> = format!("held/{}", "t".repeat(251)).into();
+    let empty: Arc<[u8]> = Vec::new().into();
+    for i in 0..10_000u64 {
+        reactor.send(Command::Deliver {
+            conn: 3,
+            delivery: Delivery {
+                topic: topic.clone(),
+                payload: empty.clone(),
+                qos: u8::from(i < 3), // the third waits for the window: the rest behind it
+                retain: false,
+                source: (0, i),
+                positions: vec![("held/#".into(), i)],
+                from_lane: None,
+            },
+        });
+    }
+    let back = take_demoted(&sink, 3);
+    assert_eq!(back.why, Why::Backlog);
+    // Each held one costs its topic, its positions and its slot: ~100 KB is a few
+    // hundred of them, not 10,000.
+    assert!(
+        (100..500).contains(&back.held.len()),
+        "{} held",
+        back.held.len()
+    );
+    assert_eq!(back.positions.get("held/#"), Some(&2), "the window's two went out");
+    let sent = read_exact(&mut client, 2 * (2 + 2 + 256 + 2));
+    assert_eq!(sent[0], 0x32);
+    reactor.stop();
+}
+
 fn qos0(i: u32, from_lane: Option<usize>) -> Command {
     Command::Deliver {
         conn: 1,

@@ -1,0 +1,106 @@
+"""The budgets of what one client can make the node hold, against a real `lightgate
+serve` on whichever plane the environment picks (the native one where it is built;
+`LIGHTGATE_NATIVE=0` runs the Python reference): a connection the native plane carries
+is held to the same bounds as one Python carries. RSS is the server's, from /proc."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from gateway import mqtt
+from tests.conftest import Server
+from tests.faults.hostile import MiB, rss
+from tests.mqtt.raw import RawClient
+
+PROMOTED = "promoted to the native plane"
+# What the store keeps by design (its newest messages, the index's memtables and block
+# cache) made small, so that what a connection holds shows.
+SMALL_CACHES = ("--recent-cache-mb", "1", "--index-memtable-mb", "1", "--index-cache-mb", "1")
+
+
+def carried(srv: Server, client_id: str, subscriptions: int = 0, timeout: float = 10) -> None:
+    """On the native plane, until it carries `client_id` with that many subscriptions;
+    on the Python plane, nothing to wait for."""
+    if srv.addrs.get("plane") != "native":
+        return
+    said = f"client {client_id!r} ("
+    deadline = time.monotonic() + timeout
+    while not any(said in line and f"{PROMOTED} ({subscriptions} subscriptions)" in line
+                  for line in srv.log):
+        assert time.monotonic() < deadline, f"{client_id} not promoted: {srv.logs()[-3000:]}"
+        time.sleep(0.02)
+
+
+class Sink:
+    """Reads a socket to its end in a thread of its own and throws the bytes away: a
+    client that reads everything and answers nothing."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.got, self.closed = sock, 0, threading.Event()
+        sock.settimeout(None)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            while data := self.sock.recv(1 << 16):
+                self.got += len(data)
+        except OSError:
+            pass
+        self.closed.set()
+
+
+# A topic of 256 bytes, and messages with nothing in them: what a held delivery costs
+# beyond its payload is all there is.
+HELD_TOPIC = "held/" + "t" * 251
+HELD_MESSAGES = 100_000
+
+
+def test_deliveries_held_behind_a_full_window_stay_within_the_budget(tmp_path) -> None:
+    """A QoS 1 subscriber that reads and never acknowledges: once its window is full,
+    what comes for it waits. Counted by its payload only, an empty message cost nothing,
+    and the native plane held each one (its topic, its positions, its slot: 100,000
+    more grew the server by 50-56 MiB); every byte counted, the connection goes back to
+    Python past --max-unsent-bytes, which leaves the rest in the store."""
+    srv = Server(tmp_path, "--io-threads", "1", *SMALL_CACHES).start()
+    try:
+        sub = RawClient(srv.port, timeout=10)
+        sub.connect("never-acks")
+        assert sub.subscribe(HELD_TOPIC, 1).reason_codes == [1]
+        carried(srv, "never-acks", 1)
+        reader = Sink(sub.sock)
+        pub = RawClient(srv.port, timeout=30)
+        pub.connect("held-pub")
+        for i in range(1, 41):  # the subscriber's window (32) full, and some behind it
+            pub.send(mqtt.Publish(HELD_TOPIC, b"w", qos=1, packet_id=i))
+        acks = [pub.recv() for _ in range(40)]
+        assert all(isinstance(a, mqtt.Puback) for a in acks)
+        chunk = mqtt.encode(mqtt.Publish(HELD_TOPIC, b"", qos=0), 4) * 5_000
+
+        def flood() -> int:
+            """HELD_MESSAGES more, all read; the server's RSS once they settled."""
+            for _ in range(HELD_MESSAGES // 5_000):
+                pub.send_raw(chunk)
+            pub.send(mqtt.Pingreq())  # answered once every publish before it was read
+            assert isinstance(pub.recv(), mqtt.Pingresp)
+            time.sleep(0.5)
+            return rss(srv.proc.pid)
+
+        # The first flood brings the store's and the engine's buffers to what they
+        # hold whatever flows; the second shows what the subscriber costs.
+        started = time.monotonic()
+        base = flood()
+        grown = flood() - base
+        print(f"plane {srv.addrs.get('plane')}: {HELD_MESSAGES} empty messages on a "
+              f"256-byte topic behind a full window in {time.monotonic() - started:.1f} s "
+              f"(twice); RSS +{grown / MiB:.1f} MiB the second time; the subscriber read "
+              f"{reader.got} bytes")
+        assert grown < 16 * MiB  # 50-56 MiB when only payloads were counted
+        if srv.addrs.get("plane") == "native":  # Python delivers the rest from the store
+            assert any("client 'never-acks' (" in line and "native plane: backlog" in line
+                       for line in srv.log)
+        sub.close()
+        pub.close()
+    finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]
