@@ -190,7 +190,9 @@ class Handover:
                 acl=None if _publishes_anywhere(conn) else set(conn.native_topics or ()),
                 subscriptions=subs, aliases_in=aliases, next_packet_id=s.next_packet_id,
                 max_unsent=conn.out.rules.high,  # --max-unsent-bytes: past it, back
-                client_id=s.client_id)  # each publish's record names its client
+                client_id=s.client_id,  # each publish's record names its client
+                # --min-drain-bytes per --write-timeout, or back "stuck"
+                min_drain=conn.out.rules.min_drain, write_timeout=conn.out.rules.timeout)
         except Exception:  # noqa: BLE001 - it stays in Python
             log.exception("promotion of %r failed", s.client_id)
             taken = False
@@ -298,13 +300,16 @@ class Handover:
         why = row["why"]
         log.debug("client %r (%s) back from the native plane: %s", s.client_id, conn.peer,
                   why)
-        conn.out.write(row["unsent"])  # before anything Python says
+        if why != "stuck":  # (one that took too little of it is disconnected below)
+            conn.out.write(row["unsent"])  # before anything Python says
         back = self._back.pop(conn_id, None)
         if back is not None:  # taken back for good: `reclaim` goes on from here
             back.set()
         then = self._then.pop(conn_id, None)
         if then is not None:
             conn.close(*then)
+        elif why == "stuck":
+            conn.stuck()  # as when the client stops reading here: said, and closed
         elif why == "timeout":
             conn.close(Closing("keepalive timeout", True, rc.KEEP_ALIVE_TIMEOUT))
         elif why == "lost":

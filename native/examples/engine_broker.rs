@@ -128,6 +128,7 @@ fn main() {
                 acl: None,
                 restore: Default::default(),
                 max_unsent: 0,
+                drain: Default::default(),
             });
         }
     });
@@ -148,6 +149,7 @@ fn main() {
             acl: None,
             restore: Default::default(),
             max_unsent: 0,
+            drain: Default::default(),
         });
         next += 1;
     }

@@ -11,7 +11,7 @@ use crate::commitlog;
 use crate::engine;
 use crate::index;
 use crate::protocol;
-use crate::reactor::{Command as ReactorCommand, Report, Restore};
+use crate::reactor::{Command as ReactorCommand, DrainRule, Report, Restore};
 use crate::record::{self, Record};
 use crate::router;
 
@@ -430,8 +430,10 @@ impl PyEngine {
     /// is not at its queue's end (the caller delivers the rest, and tries again).
     /// `subscriptions`: (filter, QoS, next offset of its queue), registered with it;
     /// `aliases_in` and `next_packet_id`: the Python core's state to go on from;
-    /// `max_unsent`: bytes waiting for the client past which it comes back (0: 2 MiB).
-    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new()))]
+    /// `max_unsent`: bytes waiting for the client past which it comes back (0: 2 MiB);
+    /// `min_drain` bytes of them it must take per `write_timeout` seconds, or it comes
+    /// back "stuck" (0 s: no such rule).
+    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new(), min_drain=0, write_timeout=0.0))]
     #[allow(clippy::too_many_arguments)] // what CONNECT negotiated, one value each
     fn adopt(
         &self,
@@ -455,6 +457,8 @@ impl PyEngine {
         next_packet_id: u16,
         max_unsent: usize,
         client_id: String,
+        min_drain: usize,
+        write_timeout: f64,
     ) -> PyResult<bool> {
         let settings = protocol::Settings {
             version,
@@ -485,6 +489,10 @@ impl PyEngine {
                     client_id: client_id.as_str().into(),
                 },
                 max_unsent,
+                drain: DrainRule {
+                    min_bytes: min_drain,
+                    timeout: write_timeout,
+                },
             })
         });
         taken.map_err(|e| PyValueError::new_err(e.to_string()))
@@ -709,7 +717,7 @@ impl PyEngine {
     }
 
     /// Connections handed back, each a dict: conn, fd (now the caller's), why
-    /// ("packet", "timeout", "lost", "backlog", "released"), detail (a loss's text),
+    /// ("packet", "timeout", "lost", "backlog", "stuck", "released"), detail (a loss's text),
     /// unread (the packet that needs Python first), unsent (to write before anything
     /// else), next_packet_id, outgoing ([(packet_id, encoded PUBLISH, phys_offset)], in
     /// flight at QoS 1), positions ({queue: next offset}, for the queues delivered

@@ -96,6 +96,9 @@ pub enum Why {
     Lost(String),
     /// More waits for the client than the budget allows.
     Backlog,
+    /// The client took less of what waits for it than its `DrainRule` asks: its owner
+    /// disconnects it.
+    Stuck,
     /// The owner asked for it back (`Command::Release`): a takeover, a kick, changed
     /// credentials, a shutdown.
     Released,
@@ -109,6 +112,7 @@ impl Why {
             Why::Timeout => "timeout",
             Why::Lost(_) => "lost",
             Why::Backlog => "backlog",
+            Why::Stuck => "stuck",
             Why::Released => "released",
         }
     }
@@ -284,6 +288,8 @@ pub enum Command {
         /// Bytes waiting for the client past which it is handed back (the owner's
         /// --max-unsent-bytes); 0: `BACKLOG_BUDGET`.
         max_unsent: usize,
+        /// How fast the client must take what waits for it.
+        drain: DrainRule,
     },
     /// Hand this connection back now (it is demoted as for any other reason, once the
     /// publishes it made are answered). Unknown (being handed back already): nothing.
@@ -462,6 +468,25 @@ impl Handle {
 /// did not take, and what the deliveries held for its window cost (`Delivery::cost`).
 pub const BACKLOG_BUDGET: usize = 2 * 1024 * 1024;
 
+/// How fast a client must take what waits for its socket, the owner's rule
+/// (`gateway/backpressure.py`, --min-drain-bytes per --write-timeout): while bytes
+/// wait, `min_bytes` of them (all of them, if fewer wait) within `timeout` seconds,
+/// then as many within the next `timeout`, and so on. A client that takes a byte now
+/// and then is as stuck as one that takes none: it is handed back (`Why::Stuck`), and
+/// its owner disconnects it. A timeout of 0: no rule.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DrainRule {
+    pub min_bytes: usize,
+    pub timeout: f64,
+}
+
+impl DrainRule {
+    /// Bytes the client must take within the next `timeout`, of `waiting`.
+    fn due(&self, waiting: usize) -> usize {
+        self.min_bytes.max(1).min(waiting)
+    }
+}
+
 /// Bytes of an incomplete packet held for one client past which it is handed back: a
 /// large packet in pieces is the owner's, whose read budget bounds what all clients
 /// hold at once.
@@ -506,6 +531,8 @@ impl Reactor {
                 again: Vec::new(),
                 stalled: Vec::new(),
                 next_deadline: f64::INFINITY,
+                writers: HashSet::new(),
+                drain_look: 0.0,
             };
             let handle = std::thread::Builder::new()
                 .name(format!("lightgate-io-{i}"))
@@ -558,6 +585,7 @@ struct Conn {
     /// None while nothing waits for the client (an idle connection's case).
     backlog: Option<Box<Backlog>>,
     max_unsent: usize,
+    drain: DrainRule,
     // B-trees: empty (an idle connection's), each is half a hash map's size; they hold
     // a connection's few queues and (at most 1,024) topics.
     positions: BTreeMap<Arc<str>, u64>,
@@ -586,6 +614,36 @@ struct Backlog {
     held: VecDeque<Delivery>,
     /// The `cost` of each delivery in `held`.
     held_cost: usize,
+    /// Bytes of `unsent` the client must take by `drain_by` (`DrainRule`).
+    due: usize,
+    drain_by: f64,
+}
+
+impl Backlog {
+    /// `data` the socket did not take, behind what waits already: the first byte to
+    /// wait starts the drain rule's clock.
+    fn wait(&mut self, data: &[u8], rule: &DrainRule, now: f64) {
+        if data.is_empty() {
+            return;
+        }
+        if self.unsent.is_empty() {
+            self.due = rule.due(data.len());
+            self.drain_by = now + rule.timeout;
+        }
+        self.unsent.extend_from_slice(data);
+    }
+
+    /// The socket took `n` bytes of what waits: once what was due is in, the next
+    /// share is due within the next `timeout`.
+    fn took(&mut self, n: usize, rule: &DrainRule, now: f64) {
+        self.unsent.drain(..n);
+        if n >= self.due {
+            self.due = rule.due(self.unsent.len());
+            self.drain_by = now + rule.timeout;
+        } else {
+            self.due -= n;
+        }
+    }
 }
 
 impl Conn {
@@ -607,6 +665,15 @@ impl Conn {
 
     fn holds(&self) -> bool {
         self.backlog.as_ref().is_some_and(|b| !b.held.is_empty())
+    }
+
+    /// The client took less of what waits than its drain rule asks, in time.
+    fn stuck(&self, now: f64) -> bool {
+        self.drain.timeout > 0.0
+            && self
+                .backlog
+                .as_ref()
+                .is_some_and(|b| !b.unsent.is_empty() && b.due > 0 && now > b.drain_by)
     }
 
     /// Everything that waits for the client: past `max_unsent`, it is handed back.
@@ -652,6 +719,10 @@ struct Worker {
     stalled: Vec<Token>,
     /// No keepalive of this thread's connections runs out before (`check_timeouts`).
     next_deadline: f64,
+    /// Connections with bytes waiting for their sockets, and when their drain rules
+    /// are looked at next (`check_drains`).
+    writers: HashSet<Token>,
+    drain_look: f64,
 }
 
 impl Worker {
@@ -818,6 +889,7 @@ impl Worker {
                 }
             }
             self.check_timeouts(&mut touched);
+            self.check_drains(&mut touched);
             for token in touched {
                 self.flush(token);
             }
@@ -1030,6 +1102,7 @@ impl Worker {
                     acl,
                     restore,
                     max_unsent,
+                    drain,
                 } => {
                     let adoption = Adoption {
                         settings,
@@ -1038,6 +1111,7 @@ impl Worker {
                         acl,
                         restore,
                         max_unsent,
+                        drain,
                     };
                     if let Some(token) = self.adopt(conn, socket, adoption, published) {
                         touched.push(token);
@@ -1094,7 +1168,7 @@ impl Worker {
                                 if c.core.pending_output() >= WRITE_AT {
                                     // A burst in one batch of commands: out to the socket
                                     // as it grows, so the output stays bounded.
-                                    Self::write_out(c, &self.counters);
+                                    Self::write_out(c, now, &self.counters);
                                 }
                             } else {
                                 let backlog = c.backlog();
@@ -1160,6 +1234,7 @@ impl Worker {
             let Some(mut c) = self.conns.remove(&token) else {
                 continue;
             };
+            self.writers.remove(&token);
             self.tokens.remove(&c.id);
             let _ = self.poll.registry().deregister(&mut c.stream);
             let Ok(mut routes) = self.routes.write() else {
@@ -1216,6 +1291,7 @@ impl Worker {
             } else {
                 a.max_unsent
             },
+            drain: a.drain,
             positions: BTreeMap::new(),
             acl: a.acl.map(|topics| topics.into_iter().collect()),
             demoting: None,
@@ -1280,28 +1356,53 @@ impl Worker {
         self.next_deadline = next;
     }
 
+    /// Clients that took too little of what waits for them (`DrainRule`): looked at
+    /// once a second, as the owner looks at its own (the poll wakes at least as often).
+    fn check_drains(&mut self, touched: &mut Vec<Token>) {
+        if self.writers.is_empty() {
+            return;
+        }
+        let now = self.now();
+        if now < self.drain_look {
+            return;
+        }
+        self.drain_look = now + 1.0;
+        let conns = &mut self.conns;
+        self.writers.retain(|token| {
+            let Some(c) = conns.get_mut(token) else {
+                return false;
+            };
+            if c.demoting.is_none() && c.stuck(now) {
+                c.demoting = Some(Why::Stuck);
+                touched.push(*token);
+            }
+            true
+        });
+    }
+
     /// Write what the socket takes: first the bytes it refused before, then the
     /// output, then deliveries that waited for room, until the socket is full or
     /// nothing is left.
-    fn write_out(c: &mut Conn, counters: &Counters) {
-        Self::write_some_out(c, counters);
+    fn write_out(c: &mut Conn, now: f64, counters: &Counters) {
+        Self::write_some_out(c, now, counters);
         // What the socket did not take waits behind what it refused before: counted
         // against the budget, and handed back whole should the connection go back.
         let out = c.core.take_output();
         if !out.is_empty() {
-            c.backlog().unsent.extend_from_slice(&out);
+            let rule = c.drain;
+            c.backlog().wait(&out, &rule, now);
         }
         c.settle();
     }
 
-    fn write_some_out(c: &mut Conn, counters: &Counters) {
+    fn write_some_out(c: &mut Conn, now: f64, counters: &Counters) {
         loop {
             if let Some(b) = c.backlog.as_mut().filter(|b| !b.unsent.is_empty()) {
                 let Some(n) = write_counted(&mut c.stream, &b.unsent, &mut c.demoting, counters)
                 else {
                     return;
                 };
-                b.unsent.drain(..n);
+                b.took(n, &c.drain, now);
                 if !b.unsent.is_empty() {
                     return;
                 }
@@ -1316,7 +1417,8 @@ impl Worker {
                 return;
             };
             if n < out.len() {
-                c.backlog().unsent.extend_from_slice(&out[n..]);
+                let rule = c.drain;
+                c.backlog().wait(&out[n..], &rule, now);
                 return;
             }
             if !c.holds() {
@@ -1327,10 +1429,16 @@ impl Worker {
     }
 
     fn flush(&mut self, token: Token) {
+        let now = self.now();
         let Some(c) = self.conns.get_mut(&token) else {
             return;
         };
-        Self::write_out(c, &self.counters);
+        Self::write_out(c, now, &self.counters);
+        if c.unsent() > 0 {
+            self.writers.insert(token);
+        } else {
+            self.writers.remove(&token);
+        }
         if c.waiting() > c.max_unsent {
             c.demoting.get_or_insert(Why::Backlog);
         }
@@ -1356,6 +1464,7 @@ impl Worker {
     }
 
     fn demote(&mut self, token: Token) {
+        self.writers.remove(&token);
         let Some(mut c) = self.conns.remove(&token) else {
             return;
         };
@@ -1400,6 +1509,7 @@ struct Adoption {
     acl: Option<HashSet<String>>,
     restore: Restore,
     max_unsent: usize,
+    drain: DrainRule,
 }
 
 /// `write_some`, counted in `bytes_out`; None (and the connection lost) on an error.

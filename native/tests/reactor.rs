@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::{pair, read_exact};
 use lightgate_native::protocol::Settings;
-use lightgate_native::reactor::{Command, Delivery, Lean, Reactor, Report, Sink, Why};
+use lightgate_native::reactor::{Command, Delivery, DrainRule, Lean, Reactor, Report, Sink, Why};
 
 #[derive(Default)]
 struct Collect {
@@ -117,6 +117,7 @@ fn adopt(reactor: &Reactor, conn: u64, socket: OwnedFd, keepalive: u16) {
         acl: None,
         restore: Default::default(),
         max_unsent: 0,
+        drain: Default::default(),
     });
 }
 
@@ -259,6 +260,7 @@ fn release_hands_back_with_held_deliveries_left_to_the_owner() {
             ..Default::default()
         },
         max_unsent: 0,
+        drain: Default::default(),
     });
     // The window is 2: the third QoS 1 delivery is held, not sent.
     for i in 0..3u8 {
@@ -334,6 +336,7 @@ fn budgets_hand_a_connection_back() {
         acl: None,
         restore: Default::default(),
         max_unsent: 100_000,
+        drain: Default::default(),
     });
     // 100 MB offered: more than any loopback socket's kernel buffers hold (a CI
     // kernel took all of a 10 MB offer), so the budget, not the kernel, must stop it.
@@ -376,6 +379,7 @@ fn held_deliveries_count_every_byte_they_hold() {
         acl: None,
         restore: Default::default(),
         max_unsent: 100_000,
+        drain: Default::default(),
     });
     let topic: Arc<str> = format!("held/{}", "t".repeat(251)).into();
     let empty: Arc<[u8]> = Vec::new().into();
@@ -402,9 +406,61 @@ fn held_deliveries_count_every_byte_they_hold() {
         "{} held",
         back.held.len()
     );
-    assert_eq!(back.positions.get("held/#"), Some(&2), "the window's two went out");
+    assert_eq!(
+        back.positions.get("held/#"),
+        Some(&2),
+        "the window's two went out"
+    );
     let sent = read_exact(&mut client, 2 * (2 + 2 + 256 + 2));
     assert_eq!(sent[0], 0x32);
+    reactor.stop();
+}
+
+#[test]
+fn a_client_that_takes_too_little_of_what_waits_is_handed_back_stuck() {
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    // A client that reads nothing, under a backlog budget it does not reach: what the
+    // kernel does not take waits, and the drain rule says how long it may.
+    let (_sleepy, socket) = pair();
+    reactor.send(Command::Adopt {
+        conn: 5,
+        socket,
+        settings: settings(0),
+        unread: Vec::new(),
+        idle_for: 0.0,
+        acl: None,
+        restore: Default::default(),
+        max_unsent: 1 << 30,
+        drain: DrainRule {
+            min_bytes: 65_536,
+            timeout: 0.5,
+        },
+    });
+    // 40 MB offered: more than the kernel's buffers of a loopback pair take.
+    let payload: Arc<[u8]> = vec![0; 50_000].into();
+    let started = Instant::now();
+    for i in 0..800u64 {
+        reactor.send(Command::Deliver {
+            conn: 5,
+            delivery: Delivery {
+                topic: "slow".into(),
+                payload: payload.clone(),
+                qos: 0,
+                retain: false,
+                source: (0, i),
+                positions: vec![("slow".into(), i)],
+                from_lane: None,
+            },
+        });
+    }
+    let back = take_demoted(&sink, 5);
+    assert_eq!(back.why, Why::Stuck);
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "not before the timeout"
+    );
+    assert!(!back.unsent.is_empty(), "what waited goes to the owner");
     reactor.stop();
 }
 

@@ -33,6 +33,16 @@ def carried(srv: Server, client_id: str, subscriptions: int = 0, timeout: float 
         time.sleep(0.02)
 
 
+def logged(srv: Server, *parts: str, timeout: float = 5) -> bool:
+    """Whether a line of the log says all of `parts`, within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not any(all(p in line for p in parts) for line in srv.log):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 class Sink:
     """Reads a socket to its end in a thread of its own and throws the bytes away: a
     client that reads everything and answers nothing."""
@@ -98,9 +108,44 @@ def test_deliveries_held_behind_a_full_window_stay_within_the_budget(tmp_path) -
               f"{reader.got} bytes")
         assert grown < 16 * MiB  # 50-56 MiB when only payloads were counted
         if srv.addrs.get("plane") == "native":  # Python delivers the rest from the store
-            assert any("client 'never-acks' (" in line and "native plane: backlog" in line
-                       for line in srv.log)
+            assert logged(srv, "client 'never-acks' (", "native plane: backlog")
         sub.close()
+        pub.close()
+    finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+def test_a_subscriber_that_stops_reading_is_disconnected_after_the_write_timeout(
+        tmp_path) -> None:
+    """A QoS 0 subscriber that stops reading with 6 MiB waiting for it, under a
+    --max-unsent-bytes it does not reach: it takes less than --min-drain-bytes within
+    --write-timeout, so it is disconnected and the log says why. The native plane kept
+    no drain rule, and such a subscriber stayed open, its bytes held, for good."""
+    srv = Server(tmp_path, "--write-timeout", "2", "--max-unsent-bytes", str(16 * MiB)
+                 ).start()
+    try:
+        sub = RawClient(srv.port, timeout=10)
+        sub.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sub.connect("stops-reading")
+        assert sub.subscribe("drain/t", 0).reason_codes == [0]
+        carried(srv, "stops-reading", 1)
+        pub = RawClient(srv.port, timeout=30)
+        pub.connect("drain-pub")
+        body = b"d" * 10_000
+        chunk = mqtt.encode(mqtt.Publish("drain/t", body, qos=0), 4) * 60
+        for _ in range(10):  # 6 MB, and the subscriber reads none of it
+            pub.send_raw(chunk)
+        pub.send(mqtt.Pingreq())
+        assert isinstance(pub.recv(), mqtt.Pingresp)
+        stopped = time.monotonic()
+        said = "took less than 65536 bytes of what waits for it in 2s " \
+               "(--min-drain-bytes, --write-timeout): disconnecting"
+        # The rule is looked at every second: 2-3 s, and the margin of a loaded machine.
+        assert srv.wait_log(said, timeout=8), srv.logs()[-3000:]
+        print(f"plane {srv.addrs.get('plane')}: disconnected "
+              f"{time.monotonic() - stopped:.1f} s after the last message")
+        assert logged(srv, "client 'stops-reading' (", "disconnected: connection lost while "
+                      "writing")
         pub.close()
     finally:
         assert srv.stop() == 0, srv.logs()[-3000:]
