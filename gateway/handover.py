@@ -28,6 +28,7 @@ import trio
 from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing
+from serving.read_budget import ReadBudget
 
 # A client connection (gateway.connection.Connection, which imports this room: named,
 # not imported). What is read of it here is its state, not a face of its own.
@@ -42,6 +43,7 @@ class Broker(Protocol):
     """The broker, as the handover sees it (gateway.broker.Broker)."""
 
     inbound: Pipeline
+    read_budget: ReadBudget
 
 log = logging.getLogger("lightgate.gateway.handover")
 
@@ -273,6 +275,9 @@ class Handover:
                 self._take()
 
     def _take(self) -> None:
+        # The engine wakes us too when its connections took the node back within the
+        # budget for partial packets: those held back for it here may read again.
+        self.broker.read_budget.refresh()
         for row in self.engine.take_demoted():
             try:
                 self._demoted(row)

@@ -670,6 +670,21 @@ impl PyEngine {
         Ok(())
     }
 
+    /// The node's budget for partly received packets (--max-partial-bytes; 0: none),
+    /// which the engine's connections and, through `partial_update`, Python's count in.
+    fn set_partial_limit(&self, limit: usize) -> PyResult<()> {
+        self.engine()?.partial_budget().set_limit(limit);
+        Ok(())
+    }
+
+    /// One of Python's connections went from holding `before` bytes of a partial packet
+    /// to `after` (0, 0: only a look): the node's count after it, (held, holders, peak).
+    /// The wake-up descriptor is written when the engine's connections free the budget.
+    fn partial_update(&self, before: usize, after: usize) -> PyResult<(usize, usize, usize)> {
+        let count = self.engine()?.partial_budget().update(before, after);
+        Ok((count.held, count.holders, count.peak))
+    }
+
     /// Cut the dispatch's pause short (a reader came).
     fn hurry(&self) -> PyResult<()> {
         self.engine()?.hurry();

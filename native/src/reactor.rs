@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token, Waker};
 
+use crate::partial::PartialBudget;
 use crate::protocol::{Acl, Connection, Event, Outgoing, Settings, TopicLimits};
 
 const WAKER: Token = Token(usize::MAX);
@@ -99,6 +100,9 @@ pub enum Why {
     /// The client took less of what waits for it than its `DrainRule` asks: its owner
     /// disconnects it.
     Stuck,
+    /// It holds its share of an unfinished packet while the node is over its budget
+    /// for them (`PartialBudget::must_wait`): the owner holds it back, as its own.
+    Partial,
     /// The owner asked for it back (`Command::Release`): a takeover, a kick, changed
     /// credentials, a shutdown.
     Released,
@@ -113,6 +117,7 @@ impl Why {
             Why::Lost(_) => "lost",
             Why::Backlog => "backlog",
             Why::Stuck => "stuck",
+            Why::Partial => "partial",
             Why::Released => "released",
         }
     }
@@ -175,6 +180,10 @@ pub trait Sink: Send + Sync + 'static {
     fn behind(&self) -> bool {
         false
     }
+
+    /// A connection's finished (or handed back) packet took the node back within its
+    /// budget for partial packets: whoever the owner holds back for it may read again.
+    fn partial_freed(&self) {}
 }
 
 /// Where the deliveries of one publish went.
@@ -404,6 +413,7 @@ pub struct Reactor {
 pub struct Handle {
     lanes: Vec<Arc<Lane>>,
     counters: Arc<Counters>,
+    partial: Arc<PartialBudget>,
     /// The threads of connections that moved. A command is queued under its read lock,
     /// a move switches a route under its write lock: then no command for the moving
     /// connection is on its way to the old thread, and every later one queues behind
@@ -421,6 +431,12 @@ impl Handle {
 
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// The node's budget for partly received packets, which the connections of every
+    /// thread count in.
+    pub fn partial(&self) -> &PartialBudget {
+        &self.partial
     }
 
     pub fn send(&self, command: Command) {
@@ -497,6 +513,7 @@ impl Reactor {
         let mut lanes = Vec::new();
         let mut handles = Vec::new();
         let counters = Arc::new(Counters::default());
+        let partial = Arc::new(PartialBudget::default());
         let mut polls = Vec::new();
         let routes = Arc::new(RwLock::new(HashMap::new()));
         // One clock for all: a connection's deadlines go with it when it moves.
@@ -524,6 +541,7 @@ impl Reactor {
                 busy_since: Instant::now(),
                 sink: Arc::clone(&sink),
                 counters: Arc::clone(&counters),
+                partial: Arc::clone(&partial),
                 conns: HashMap::new(),
                 tokens: HashMap::new(),
                 next_token: 0,
@@ -543,6 +561,7 @@ impl Reactor {
             handle: Handle {
                 lanes,
                 counters,
+                partial,
                 routes,
             },
             threads: handles,
@@ -586,6 +605,8 @@ struct Conn {
     backlog: Option<Box<Backlog>>,
     max_unsent: usize,
     drain: DrainRule,
+    /// Bytes of an unfinished packet it holds, as counted in the `PartialBudget`.
+    partial: usize,
     // B-trees: empty (an idle connection's), each is half a hash map's size; they hold
     // a connection's few queues and (at most 1,024) topics.
     positions: BTreeMap<Arc<str>, u64>,
@@ -706,6 +727,7 @@ struct Worker {
     busy_since: Instant,
     sink: Arc<dyn Sink>,
     counters: Arc<Counters>,
+    partial: Arc<PartialBudget>,
     /// Boxed: a map grows by doubling, and a table of whole `Conn`s had up to half its
     /// slots (each a `Conn`'s size) empty; a box costs one `Conn` a connection.
     conns: HashMap<Token, Box<Conn>>,
@@ -931,7 +953,14 @@ impl Worker {
                 self.again.push(token);
                 break;
             }
-            match c.stream.read(buf) {
+            if self.partial.must_wait(c.partial) {
+                // Over the node's budget, and holding its share: held back by the
+                // owner, whose timeout closes it should the node stay over.
+                c.demoting = Some(Why::Partial);
+                break;
+            }
+            let size = self.partial.read_size(c.partial, buf.len());
+            match c.stream.read(&mut buf[..size]) {
                 Ok(0) => {
                     c.demoting = Some(Why::Lost("connection closed by the client".into()));
                     break;
@@ -940,6 +969,7 @@ impl Worker {
                     read += n;
                     Counters::add(&self.counters.bytes_in, n as u64);
                     Self::feed(c, &buf[..n], now, &*self.sink, &self.counters, published);
+                    Self::count_partial(c, &self.partial, &*self.sink);
                     if c.core.demoted() {
                         break;
                     }
@@ -947,7 +977,7 @@ impl Worker {
                         c.demoting = Some(Why::Packet);
                         break;
                     }
-                    if short_ends && n < buf.len() {
+                    if short_ends && n < size {
                         // A short read emptied the socket: what comes later is a new
                         // edge for epoll, so no second read only to hear WouldBlock.
                         break;
@@ -1018,6 +1048,17 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// What the client's core holds unparsed now, counted in the node's budget: an
+    /// unfinished packet (or, once it is handed back, everything from the packet that
+    /// needs the owner, until the owner has it).
+    fn count_partial(c: &mut Conn, budget: &PartialBudget, sink: &dyn Sink) {
+        let held = c.core.unread().len();
+        if held != c.partial && budget.update(c.partial, held).freed {
+            sink.partial_freed();
+        }
+        c.partial = held;
     }
 
     fn send_held(c: &mut Conn, counters: &Counters) {
@@ -1292,6 +1333,7 @@ impl Worker {
                 a.max_unsent
             },
             drain: a.drain,
+            partial: 0,
             positions: BTreeMap::new(),
             acl: a.acl.map(|topics| topics.into_iter().collect()),
             demoting: None,
@@ -1326,6 +1368,7 @@ impl Worker {
                 &self.counters,
                 published,
             );
+            Self::count_partial(&mut c, &self.partial, &*self.sink);
         }
         self.next_deadline = self.next_deadline.min(c.core.deadline());
         self.tokens.insert(conn, token);
@@ -1480,6 +1523,10 @@ impl Worker {
             }
         }
         let why = c.demoting.take().unwrap_or(Why::Packet);
+        // What it holds unparsed is the owner's to count from here.
+        if c.partial > 0 && self.partial.update(c.partial, 0).freed {
+            self.sink.partial_freed();
+        }
         let idle_for = (self.now() - c.core.read_at()).max(0.0);
         let backlog = c.backlog.take().map(|b| *b).unwrap_or_default();
         Counters::add(&self.counters.demoted, 1);

@@ -24,6 +24,8 @@ struct Collect {
     behind: AtomicBool,
     /// Where `publish` says each publish's deliveries went (None: to nobody).
     lean: Mutex<Option<Lean>>,
+    /// Times the node's budget for partial packets was freed.
+    freed: std::sync::atomic::AtomicUsize,
 }
 
 impl Sink for Collect {
@@ -34,6 +36,11 @@ impl Sink for Collect {
 
     fn behind(&self) -> bool {
         self.behind.load(Ordering::Relaxed)
+    }
+
+    fn partial_freed(&self) {
+        self.freed.fetch_add(1, Ordering::Relaxed);
+        self.changed.notify_all();
     }
 
     fn publish(&self, batch: Vec<lightgate_native::reactor::Inbound>) -> Vec<(u64, Lean)> {
@@ -461,6 +468,51 @@ fn a_client_that_takes_too_little_of_what_waits_is_handed_back_stuck() {
         "not before the timeout"
     );
     assert!(!back.unsent.is_empty(), "what waited goes to the owner");
+    reactor.stop();
+}
+
+/// Until `check` holds, 5 s at most.
+fn eventually(what: &str, check: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !check() {
+        assert!(Instant::now() < deadline, "{what}: not in 5 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn partial_packets_count_in_the_node_budget_and_past_it_go_back() {
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    let budget = || reactor.handle_ref().partial();
+    budget().set_limit(100_000);
+    // Three clients each begin a PUBLISH of 60,000 bytes and send 50,000 of it.
+    let mut head = vec![0x30, 0xE0, 0xD4, 0x03, 0, 1, b't']; // remaining length 60,000
+    head.resize(50_000, b'x');
+    let mut clients = Vec::new();
+    for conn in 1..=3u64 {
+        let (mut client, socket) = pair();
+        adopt(&reactor, conn, socket, 0);
+        client.write_all(&head).unwrap();
+        clients.push(client);
+        eventually("counted", || budget().held() == 50_000 * conn as usize);
+    }
+    // Over the budget now: the third holds its share, and at its next read it goes
+    // back to the owner (who holds it back) with what it held, uncounted here.
+    assert!(budget().exceeded());
+    clients[2].write_all(&[b'x'; 1_000]).unwrap();
+    let back = take_demoted(&sink, 3);
+    assert_eq!(back.why, Why::Partial);
+    assert_eq!(back.unread, head);
+    assert_eq!(budget().held(), 100_000);
+    assert_eq!(sink.freed.load(Ordering::Relaxed), 1, "the owner is told");
+    // The first one finishes its packet: it is published, and holds nothing.
+    clients[0]
+        .write_all(&vec![b'y'; 60_004 - head.len()])
+        .unwrap();
+    let batch = sink.published();
+    assert_eq!(batch[0].payload.len(), 59_997);
+    eventually("given back", || budget().held() == 50_000);
     reactor.stop();
 }
 

@@ -11,7 +11,7 @@ import time
 
 from gateway import mqtt
 from tests.conftest import Server
-from tests.faults.hostile import MiB, rss
+from tests.faults.hostile import MiB, RssPeak, metric, metrics, rss
 from tests.mqtt.raw import RawClient
 
 PROMOTED = "promoted to the native plane"
@@ -148,4 +148,67 @@ def test_a_subscriber_that_stops_reading_is_disconnected_after_the_write_timeout
                       "writing")
         pub.close()
     finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+# Connections that each begin a 512 KiB PUBLISH and send 60,000 bytes of it, under a
+# budget of 2 MiB: about 35 of them fit.
+PARTIAL_CONNS = 300
+PARTIAL_SENT = 60_000
+
+
+def _still_open(socks: list[socket.socket]) -> int:
+    """How many of the sockets the server has not closed."""
+    open_ = 0
+    for s in socks:
+        s.setblocking(False)
+        try:
+            open_ += s.recv(1) != b""
+        except BlockingIOError:
+            open_ += 1
+        except OSError:
+            pass
+    return open_
+
+
+def test_partial_packets_of_carried_connections_count_in_the_node_budget(tmp_path) -> None:
+    """Connected clients, carried by the native plane where it runs, each begin a large
+    PUBLISH and stop. What they hold counts in --max-partial-bytes with every other
+    connection's; past it, those holding their share are held back and closed after
+    --partial-timeout-s, as on the Python plane. The native plane counted them nowhere:
+    each kept up to 64 KiB for good (300 connections: all open, 18 MB held)."""
+    budget = 2 * MiB
+    srv = Server(tmp_path, "--max-partial-bytes", str(budget), "--partial-timeout-s", "2"
+                 ).start()
+    socks: list[socket.socket] = []
+    try:
+        for i in range(PARTIAL_CONNS):
+            c = RawClient(srv.port, timeout=10)
+            c.connect(f"part-{i}")
+            socks.append(c.sock)
+        for i in range(PARTIAL_CONNS):
+            carried(srv, f"part-{i}")
+        base = rss(srv.proc.pid)
+        peak = RssPeak(srv.proc.pid)
+        # A PUBLISH announcing 512 KiB, and the first 60,000 bytes of it.
+        head = b"\x30" + bytes([0x80, 0x80, 0x20]) + b"\x00\x01t"
+        start = head + b"\x00" * (PARTIAL_SENT - len(head))
+        for s in socks:
+            s.sendall(start)
+        time.sleep(2 + 3)  # the timeout, and the margin of a loaded machine
+        grown = peak.stop() - base
+        text = metrics(srv)
+        held = metric(text, "lightgate_budget_used", "partial_packet_bytes")
+        closed = metric(text, "lightgate_budget_refusals_total", "partial_packet_closed")
+        left = _still_open(socks)
+        print(f"plane {srv.addrs.get('plane')}: {PARTIAL_CONNS} connections holding "
+              f"{PARTIAL_SENT} B each, budget {budget // MiB} MiB: RSS +{grown / MiB:.1f} "
+              f"MiB, {held / MiB:.1f} MiB held now, {closed:.0f} closed, {left} open")
+        assert left < PARTIAL_CONNS // 2, "the budget closed those over it"
+        assert closed >= PARTIAL_CONNS - left
+        assert held <= budget + left * 8 * 1024  # what is left fits the budget
+        assert grown < 14 * MiB  # 7-9 MiB; 17.5 MiB when nothing was counted
+    finally:
+        for s in socks:
+            s.close()
         assert srv.stop() == 0, srv.logs()[-3000:]
