@@ -65,7 +65,10 @@ impl PartialBudget {
                 .saturating_sub(1),
             _ => self.holders.load(Ordering::Relaxed),
         };
-        let peak = self.peak.fetch_max(held, Ordering::Relaxed).max(held);
+        let mut peak = self.peak.load(Ordering::Relaxed);
+        if held > peak {
+            peak = self.peak.fetch_max(held, Ordering::Relaxed).max(held);
+        }
         let limit = self.limit.load(Ordering::Relaxed);
         Count {
             held,
