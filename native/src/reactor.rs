@@ -709,6 +709,8 @@ impl Conn {
                 self.backlog = None;
             } else if b.unsent.is_empty() {
                 b.unsent = Vec::new();
+            } else if b.held.is_empty() {
+                b.held = VecDeque::new(); // its slots count while they are kept
             }
         }
     }
