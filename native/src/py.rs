@@ -732,8 +732,9 @@ impl PyEngine {
     }
 
     /// Connections handed back, each a dict: conn, fd (now the caller's), why
-    /// ("packet", "timeout", "lost", "backlog", "stuck", "released"), detail (a loss's text),
-    /// unread (the packet that needs Python first), unsent (to write before anything
+    /// ("packet", "timeout", "lost", "backlog", "stuck", "partial", "released"), detail
+    /// (a loss's text), unread (the packet that needs Python first, or the start of one
+    /// it holds back for the node's budget), unsent (to write before anything
     /// else), next_packet_id, outgoing ([(packet_id, encoded PUBLISH, phys_offset)], in
     /// flight at QoS 1), positions ({queue: next offset}, for the queues delivered
     /// from), idle_for (seconds since the client sent anything), aliases_in.
