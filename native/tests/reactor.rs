@@ -128,6 +128,47 @@ fn adopt(reactor: &Reactor, conn: u64, socket: OwnedFd, keepalive: u16) {
     });
 }
 
+/// Adopt with the owner's budgets for what waits for the client.
+fn adopt_held_to(
+    reactor: &Reactor,
+    conn: u64,
+    socket: OwnedFd,
+    max_unsent: usize,
+    drain: DrainRule,
+) {
+    reactor.send(Command::Adopt {
+        conn,
+        socket,
+        settings: settings(0),
+        unread: Vec::new(),
+        idle_for: 0.0,
+        acl: None,
+        restore: Default::default(),
+        max_unsent,
+        drain,
+    });
+}
+
+/// `count` messages of `payload` on `topic` for `conn`, the first `qos1` of them at
+/// QoS 1; each at its offset in the queue named as the topic.
+fn offer(reactor: &Reactor, conn: u64, topic: &str, payload: &[u8], count: u64, qos1: u64) {
+    let (topic, payload): (Arc<str>, Arc<[u8]>) = (topic.into(), payload.into());
+    for i in 0..count {
+        reactor.send(Command::Deliver {
+            conn,
+            delivery: Delivery {
+                topic: topic.clone(),
+                payload: payload.clone(),
+                qos: u8::from(i < qos1),
+                retain: false,
+                source: (0, i),
+                positions: vec![(topic.clone(), i)],
+                from_lane: None,
+            },
+        });
+    }
+}
+
 #[test]
 fn publish_ack_ping_deliver_and_hand_back() {
     let sink = Arc::new(Collect::default());
@@ -334,34 +375,10 @@ fn budgets_hand_a_connection_back() {
 
     // A client that does not read: past its own budget of waiting bytes, handed back.
     let (_sleepy, socket) = pair();
-    reactor.send(Command::Adopt {
-        conn: 2,
-        socket,
-        settings: settings(0),
-        unread: Vec::new(),
-        idle_for: 0.0,
-        acl: None,
-        restore: Default::default(),
-        max_unsent: 100_000,
-        drain: Default::default(),
-    });
+    adopt_held_to(&reactor, 2, socket, 100_000, DrainRule::default());
     // 100 MB offered: more than any loopback socket's kernel buffers hold (a CI
     // kernel took all of a 10 MB offer), so the budget, not the kernel, must stop it.
-    let payload: std::sync::Arc<[u8]> = vec![0; 50_000].into();
-    for i in 0..2_000u64 {
-        reactor.send(Command::Deliver {
-            conn: 2,
-            delivery: Delivery {
-                topic: "big".into(),
-                payload: payload.clone(),
-                qos: 0,
-                retain: false,
-                source: (0, i),
-                positions: vec![("big".into(), i)],
-                from_lane: None,
-            },
-        });
-    }
+    offer(&reactor, 2, "big", &[0; 50_000], 2_000, 0);
     let back = take_demoted(&sink, 2);
     assert_eq!(back.why, Why::Backlog);
     let sent = back.positions.get("big").copied().unwrap_or(0);
@@ -377,33 +394,10 @@ fn held_deliveries_count_every_byte_they_hold() {
     // after waits for it. Empty messages on a long topic: their payloads are nothing,
     // what holding them costs is not.
     let (mut client, socket) = pair();
-    reactor.send(Command::Adopt {
-        conn: 3,
-        socket,
-        settings: settings(0),
-        unread: Vec::new(),
-        idle_for: 0.0,
-        acl: None,
-        restore: Default::default(),
-        max_unsent: 100_000,
-        drain: Default::default(),
-    });
-    let topic: Arc<str> = format!("held/{}", "t".repeat(251)).into();
-    let empty: Arc<[u8]> = Vec::new().into();
-    for i in 0..10_000u64 {
-        reactor.send(Command::Deliver {
-            conn: 3,
-            delivery: Delivery {
-                topic: topic.clone(),
-                payload: empty.clone(),
-                qos: u8::from(i < 3), // the third waits for the window: the rest behind it
-                retain: false,
-                source: (0, i),
-                positions: vec![("held/#".into(), i)],
-                from_lane: None,
-            },
-        });
-    }
+    adopt_held_to(&reactor, 3, socket, 100_000, DrainRule::default());
+    // The third waits for the window, and the rest behind it.
+    let topic = format!("held/{}", "t".repeat(251));
+    offer(&reactor, 3, &topic, &[], 10_000, 3);
     let back = take_demoted(&sink, 3);
     assert_eq!(back.why, Why::Backlog);
     // Each held one costs its topic, its positions and its slot: ~100 KB is a few
@@ -414,7 +408,7 @@ fn held_deliveries_count_every_byte_they_hold() {
         back.held.len()
     );
     assert_eq!(
-        back.positions.get("held/#"),
+        back.positions.get(topic.as_str()),
         Some(&2),
         "the window's two went out"
     );
@@ -430,37 +424,14 @@ fn a_client_that_takes_too_little_of_what_waits_is_handed_back_stuck() {
     // A client that reads nothing, under a backlog budget it does not reach: what the
     // kernel does not take waits, and the drain rule says how long it may.
     let (_sleepy, socket) = pair();
-    reactor.send(Command::Adopt {
-        conn: 5,
-        socket,
-        settings: settings(0),
-        unread: Vec::new(),
-        idle_for: 0.0,
-        acl: None,
-        restore: Default::default(),
-        max_unsent: 1 << 30,
-        drain: DrainRule {
-            min_bytes: 65_536,
-            timeout: 0.5,
-        },
-    });
+    let drain = DrainRule {
+        min_bytes: 65_536,
+        timeout: 0.5,
+    };
+    adopt_held_to(&reactor, 5, socket, 1 << 30, drain);
     // 40 MB offered: more than the kernel's buffers of a loopback pair take.
-    let payload: Arc<[u8]> = vec![0; 50_000].into();
     let started = Instant::now();
-    for i in 0..800u64 {
-        reactor.send(Command::Deliver {
-            conn: 5,
-            delivery: Delivery {
-                topic: "slow".into(),
-                payload: payload.clone(),
-                qos: 0,
-                retain: false,
-                source: (0, i),
-                positions: vec![("slow".into(), i)],
-                from_lane: None,
-            },
-        });
-    }
+    offer(&reactor, 5, "slow", &[0; 50_000], 800, 0);
     let back = take_demoted(&sink, 5);
     assert_eq!(back.why, Why::Stuck);
     assert!(
