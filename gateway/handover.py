@@ -289,9 +289,11 @@ class Handover:
         conn = self.promoted.pop(conn_id, None)
         if conn is None:
             os.close(row["fd"])
+            self.broker.read_budget.update(row["partial"], 0)
             return
         conn.native = None
         conn.unpark(row["fd"])
+        conn._held = row["partial"]  # the engine counted it: ours to count from here
         s, core = conn.session, conn.core
         assert s is not None and conn.reactor is not None
         outgoing = [mp.Outgoing(pid, None, -1, data, 1, version=core.version)

@@ -737,7 +737,8 @@ impl PyEngine {
     /// it holds back for the node's budget), unsent (to write before anything
     /// else), next_packet_id, outgoing ([(packet_id, encoded PUBLISH, phys_offset)], in
     /// flight at QoS 1), positions ({queue: next offset}, for the queues delivered
-    /// from), idle_for (seconds since the client sent anything), aliases_in.
+    /// from), idle_for (seconds since the client sent anything), aliases_in, partial
+    /// (bytes of unread counted in the partial-packet budget, the caller's to count).
     fn take_demoted<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         use std::os::fd::IntoRawFd;
         let engine = self.engine()?;
@@ -768,6 +769,7 @@ impl PyEngine {
             }
             row.set_item("positions", positions)?;
             row.set_item("idle_for", d.idle_for)?;
+            row.set_item("partial", d.partial)?;
             row.set_item("aliases_in", d.aliases_in.clone())?;
             row.set_item("fd", d.socket.into_raw_fd())?;
             out.append(row)?;

@@ -145,6 +145,11 @@ pub struct Demoted {
     pub positions: HashMap<Arc<str>, u64>,
     /// Seconds since the client last sent anything.
     pub idle_for: f64,
+    /// Bytes of `unread` counted in the node's `PartialBudget`: the owner's to count
+    /// from here (it releases them, or counts what it keeps of them instead). Released
+    /// here, they would count nowhere until the owner has them, and connections read
+    /// meanwhile would find room that is not there.
+    pub partial: usize,
 }
 
 /// What the reactors tell their owner.
@@ -181,8 +186,8 @@ pub trait Sink: Send + Sync + 'static {
         false
     }
 
-    /// A connection's finished (or handed back) packet took the node back within its
-    /// budget for partial packets: whoever the owner holds back for it may read again.
+    /// A connection's finished packet took the node back within its budget for partial
+    /// packets: whoever the owner holds back for it may read again.
     fn partial_freed(&self) {}
 }
 
@@ -1525,10 +1530,6 @@ impl Worker {
             }
         }
         let why = c.demoting.take().unwrap_or(Why::Packet);
-        // What it holds unparsed is the owner's to count from here.
-        if c.partial > 0 && self.partial.update(c.partial, 0).freed {
-            self.sink.partial_freed();
-        }
         let idle_for = (self.now() - c.core.read_at()).max(0.0);
         let backlog = c.backlog.take().map(|b| *b).unwrap_or_default();
         Counters::add(&self.counters.demoted, 1);
@@ -1544,6 +1545,7 @@ impl Worker {
             held: backlog.held.into(),
             positions: std::mem::take(&mut c.positions).into_iter().collect(),
             idle_for,
+            partial: c.partial,
             socket: OwnedFd::from(c.stream),
         };
         self.sink.report(Report::Demoted(Box::new(report)));

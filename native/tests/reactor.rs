@@ -451,39 +451,66 @@ fn eventually(what: &str, check: impl Fn() -> bool) {
     }
 }
 
+/// The first `sent` bytes of a QoS 0 PUBLISH to "t" whose remaining length is `length`.
+fn publish_start(length: usize, sent: usize) -> Vec<u8> {
+    let mut out = vec![0x30];
+    let mut n = length;
+    loop {
+        let digit = (n & 0x7F) as u8;
+        n >>= 7;
+        out.push(if n > 0 { digit | 0x80 } else { digit });
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend([0, 1, b't']);
+    out.resize(sent, b'x');
+    out
+}
+
 #[test]
 fn partial_packets_count_in_the_node_budget_and_past_it_go_back() {
     let sink = Arc::new(Collect::default());
     let reactor = Reactor::start(1, sink.clone()).unwrap();
     let budget = || reactor.handle_ref().partial();
     budget().set_limit(100_000);
-    // Three clients each begin a PUBLISH of 60,000 bytes and send 50,000 of it.
-    let mut head = vec![0x30, 0xE0, 0xD4, 0x03, 0, 1, b't']; // remaining length 60,000
-    head.resize(50_000, b'x');
+    // Three clients begin a PUBLISH: 10,000 bytes of a small one, and 50,000 of each of
+    // two larger ones.
+    let starts = [
+        publish_start(12_000, 10_000),
+        publish_start(60_000, 50_000),
+        publish_start(60_000, 50_000),
+    ];
     let mut clients = Vec::new();
-    for conn in 1..=3u64 {
+    let mut counted = 0;
+    for (conn, start) in (1..=3u64).zip(&starts) {
         let (mut client, socket) = pair();
         adopt(&reactor, conn, socket, 0);
-        client.write_all(&head).unwrap();
+        client.write_all(start).unwrap();
         clients.push(client);
-        eventually("counted", || budget().held() == 50_000 * conn as usize);
+        counted += start.len();
+        eventually("counted", || budget().held() == counted);
     }
     // Over the budget now: the third holds its share, and at its next read it goes
-    // back to the owner (who holds it back) with what it held, uncounted here.
+    // back to the owner (who holds it back) with what it held, still counted: the
+    // owner's to count from here.
     assert!(budget().exceeded());
     clients[2].write_all(&[b'x'; 1_000]).unwrap();
     let back = take_demoted(&sink, 3);
     assert_eq!(back.why, Why::Partial);
-    assert_eq!(back.unread, head);
-    assert_eq!(budget().held(), 100_000);
-    assert_eq!(sink.freed.load(Ordering::Relaxed), 1, "the owner is told");
-    // The first one finishes its packet: it is published, and holds nothing.
-    clients[0]
-        .write_all(&vec![b'y'; 60_004 - head.len()])
-        .unwrap();
+    assert_eq!(back.unread, starts[2]);
+    assert_eq!(back.partial, 50_000);
+    assert_eq!(budget().held(), 110_000);
+    // The first holds less than its share: it reads on, finishes its packet, holds
+    // nothing, and that takes the node back within the budget: the owner is told.
+    clients[0].write_all(&[b'y'; 3 + 12_000 - 10_000]).unwrap(); // its header is 3 bytes
     let batch = sink.published();
-    assert_eq!(batch[0].payload.len(), 59_997);
-    eventually("given back", || budget().held() == 50_000);
+    assert_eq!(batch[0].payload.len(), 11_997);
+    eventually("given back", || budget().held() == 100_000);
+    eventually("told", || sink.freed.load(Ordering::Relaxed) == 1);
+    // The owner closes the third: what it counted goes.
+    budget().update(back.partial, 0);
+    assert_eq!(budget().held(), 50_000);
     reactor.stop();
 }
 
