@@ -226,9 +226,10 @@ const ARC_COUNTS: usize = 2 * std::mem::size_of::<usize>();
 impl Delivery {
     /// The heap a delivery holds while it waits: its topic and payload (each message
     /// has its own, shared by its subscribers) and its positions. Counted whole for
-    /// every connection that holds it, as each may be the last to: its payload alone,
-    /// an empty message on a long topic cost nothing, and 600,000 of them held for one
-    /// client that never acknowledged grew the process by 318 MiB.
+    /// every connection that holds it, as each may be the last to. Counted by its
+    /// payload alone, an empty message on a long topic cost nothing: 100,000 of them
+    /// (a 256-byte topic) held for a client that never acknowledged grew the process by
+    /// 50-56 MiB, and it was never handed back.
     pub fn cost(&self) -> usize {
         let positions = self.positions.capacity() * std::mem::size_of::<(Arc<str>, u64)>();
         (ARC_COUNTS + self.topic.len() + ALLOC_OVERHEAD)
@@ -1058,8 +1059,8 @@ impl Worker {
     }
 
     /// What the client's core holds unparsed now, counted in the node's budget: an
-    /// unfinished packet (or, once it is handed back, everything from the packet that
-    /// needs the owner, until the owner has it).
+    /// unfinished packet (or, once it is to be handed back, everything from the packet
+    /// that needs the owner: the owner takes the count over with it).
     fn count_partial(c: &mut Conn, budget: &PartialBudget, sink: &dyn Sink) {
         let held = c.core.unread().len();
         if held != c.partial && budget.update(c.partial, held).freed {
