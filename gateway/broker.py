@@ -99,6 +99,8 @@ class Broker:
     def use_engine(self, engine: object) -> None:
         """Promote connections to `engine` (serving.lightgate_native.Engine) from now on."""
         self.handover = Handover(self, engine)
+        # One budget for partial packets: the engine's connections count in it too.
+        self.read_budget.share(engine)
         self.stats.native = engine.counters
         self.stats.native_latency = engine.append_latency
 

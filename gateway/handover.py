@@ -29,6 +29,7 @@ from gateway.inbound import NOT_STORED, not_stored
 from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing
+from serving.read_budget import ReadBudget
 from store.api import StoreFullError
 
 # A client connection (gateway.connection.Connection, which imports this room: named,
@@ -44,6 +45,7 @@ class Broker(Protocol):
     """The broker, as the handover sees it (gateway.broker.Broker)."""
 
     inbound: Pipeline
+    read_budget: ReadBudget
 
 log = logging.getLogger("lightgate.gateway.handover")
 
@@ -195,7 +197,9 @@ class Handover:
                 subscriptions=subs, aliases_in=aliases, next_packet_id=s.next_packet_id,
                 max_unsent=conn.out.rules.high,  # --max-unsent-bytes: past it, back
                 client_id=s.client_id,  # each publish's record names its client
-                inbound_unacked=unacked, problem_info=core.problem_info)
+                inbound_unacked=unacked, problem_info=core.problem_info,
+                # --min-drain-bytes per --write-timeout, or back "stuck"
+                min_drain=conn.out.rules.min_drain, write_timeout=conn.out.rules.timeout)
         except Exception:  # noqa: BLE001 - it stays in Python
             log.exception("promotion of %r failed", s.client_id)
             taken = False
@@ -276,6 +280,9 @@ class Handover:
                 self._take()
 
     def _take(self) -> None:
+        # The engine wakes us too when its connections took the node back within the
+        # budget for partial packets: those held back for it here may read again.
+        self.broker.read_budget.refresh()
         for row in self.engine.take_demoted():
             try:
                 self._demoted(row)
@@ -287,9 +294,11 @@ class Handover:
         conn = self.promoted.pop(conn_id, None)
         if conn is None:
             os.close(row["fd"])
+            self.broker.read_budget.update(row["partial"], 0)
             return
         conn.native = None
         conn.unpark(row["fd"])
+        conn._held = row["partial"]  # the engine counted it: ours to count from here
         s, core = conn.session, conn.core
         assert s is not None and conn.reactor is not None
         outgoing = [mp.Outgoing(pid, None, -1, data, 1, version=core.version)
@@ -303,13 +312,16 @@ class Handover:
         why = row["why"]
         log.debug("client %r (%s) back from the native plane: %s", s.client_id, conn.peer,
                   why)
-        conn.out.write(row["unsent"])  # before anything Python says
+        if why != "stuck":  # (one that took too little of it is disconnected below)
+            conn.out.write(row["unsent"])  # before anything Python says
         back = self._back.pop(conn_id, None)
         if back is not None:  # taken back for good: `reclaim` goes on from here
             back.set()
         then = self._then.pop(conn_id, None)
         if then is not None:
             conn.close(*then)
+        elif why == "stuck":
+            conn.stuck()  # as when the client stops reading here: said, and closed
         elif why == "timeout":
             conn.close(Closing("keepalive timeout", True, rc.KEEP_ALIVE_TIMEOUT))
         elif why == "lost":

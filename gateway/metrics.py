@@ -130,6 +130,7 @@ class BrokerCollector:
 def _budget_metrics(b: Broker, store_stats: dict[str, Any]) -> Any:
     """Each budget: what it holds now, its limit (0: none) and how often it said no."""
     st, rb, ret, cfg = b.stats, b.read_budget, b.retained.budget, b.config
+    rb.refresh()  # with what the native plane's connections hold now
     used = GaugeMetricFamily("lightgate_budget_used", "What a budget holds now",
                              labels=["budget"])
     limit = GaugeMetricFamily("lightgate_budget_limit", "A budget's limit (0: no limit)",

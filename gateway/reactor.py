@@ -163,8 +163,11 @@ class Reactor:
             self._writing.add(fd)
             self._modify(fd)
             waiting = self._waiting
-            if waiting is not None and waiting.deadline == float("inf"):
-                waiting.deadline = trio.current_time() + 1.0  # watch it for the timeout
+            look = trio.current_time() + 1.0  # watch it for the timeout
+            if waiting is not None and look < waiting.deadline:
+                # (A timer further off, such as a CONNECT's left in the heap, must not
+                # put the first look at a stuck writer off until it is due.)
+                waiting.deadline = look
 
     def _modify(self, fd: int) -> None:
         mask = (0 if fd in self._paused else IN) | (OUT if fd in self._writing else 0)

@@ -8,11 +8,18 @@ the connections holding anything) stops reading until the node is back within th
 budget, and is closed if that takes longer than the timeout. Connections that hold
 little, which is every client sending packets smaller than a socket read, keep reading
 meanwhile: a stalled attacker cannot stop them.
+
+Where the native data plane carries connections (`lightgate serve` with the engine),
+the count is the engine's (`share`): its reactors count their connections' partial
+packets in it, and hand a connection that must wait back to this side, which holds it
+back and closes it as its own. One budget for the node, whichever plane reads.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Protocol
 
 import trio
 
@@ -26,6 +33,15 @@ READ_WHILE_OVER = 4096
 OVER_PER_HOLDER = READ_WHILE_OVER + 2048
 
 
+class SharedCount(Protocol):
+    """A count kept elsewhere (the native engine's): `partial_update(before, after)` is
+    one connection's change, (0, 0) a look, and says (held, holders, peak) after it."""
+
+    def set_partial_limit(self, limit: int) -> None: ...
+
+    def partial_update(self, before: int, after: int) -> tuple[int, int, int]: ...
+
+
 class ReadBudget:
     def __init__(self, limit: int, timeout: float) -> None:
         self.limit = limit  # 0: no budget
@@ -37,18 +53,40 @@ class ReadBudget:
         self.paused = 0  # reads held back, over the node's life
         self.closed = 0  # connections closed for holding their share too long
         self._freed = trio.Event()
+        self._shared: Callable[[int, int], tuple[int, int, int]] | None = None
+
+    def share(self, count: SharedCount) -> None:
+        """Count in `count` from now on (before any connection holds anything), with
+        the connections the native plane reads: `refresh` whenever it says it freed
+        some."""
+        count.set_partial_limit(self.limit)
+        self._shared = count.partial_update
+        self.refresh()
+
+    def refresh(self) -> None:
+        """What the shared count holds now: the native plane's connections change it
+        without a word to this side (but when they bring it back within the budget)."""
+        if self._shared is not None:
+            self._counted(*self._shared(0, 0))
 
     def update(self, before: int, after: int) -> None:
         """One connection went from holding `before` bytes to `after`."""
         if before == after:
+            return
+        if self._shared is not None:
+            self._counted(*self._shared(before, after))
             return
         self.held += after - before
         if not before:
             self.holders += 1
         elif not after:
             self.holders -= 1
-        if self.held > self.peak:
-            self.peak = self.held
+        self._counted(self.held, self.holders, self.held)
+
+    def _counted(self, held: int, holders: int, peak: int) -> None:
+        self.held, self.holders = held, holders
+        if peak > self.peak:
+            self.peak = peak
         was = self.exceeded
         self.exceeded = bool(self.limit) and self.held > self.limit
         if was and not self.exceeded:

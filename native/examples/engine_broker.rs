@@ -129,6 +129,7 @@ fn main() {
                 acl: None,
                 restore: Default::default(),
                 max_unsent: 0,
+                drain: Default::default(),
             });
         }
     });
@@ -149,6 +150,7 @@ fn main() {
             acl: None,
             restore: Default::default(),
             max_unsent: 0,
+            drain: Default::default(),
         });
         next += 1;
     }

@@ -19,6 +19,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::commitlog::LogWriter;
+use crate::partial::PartialBudget;
 use crate::protocol::TopicLimits;
 use crate::reactor::{
     Command, Counters, Delivery, Handle, Inbound, Lean, Positions, Reactor, Report, Sink,
@@ -300,6 +301,11 @@ impl Sink for EngineSink {
             }
         }
     }
+
+    fn partial_freed(&self) {
+        // The owner looks at the budget again when it wakes (`partial_budget`).
+        let _ = (&self.0.wake).write(&[1]);
+    }
 }
 
 fn now_ms() -> u64 {
@@ -427,6 +433,12 @@ impl Engine {
 
     pub fn counters(&self) -> &Counters {
         self.reactor.handle_ref().counters()
+    }
+
+    /// The node's budget for partly received packets: the reactors' connections count
+    /// in it, and so do the owner's (it wakes the owner when a count it made freed it).
+    pub fn partial_budget(&self) -> &PartialBudget {
+        self.reactor.handle_ref().partial()
     }
 
     /// Promote a connection: `adopt` makes its Adopt command, sent only if every

@@ -9,6 +9,8 @@
 //! - `codec`: MQTT framing, decoding and encoding (`gateway/mqtt/codec.py`).
 //! - `protocol`: one connection's steady state after CONNACK (`gateway/mqtt/protocol.py`).
 //! - `reactor`: the threads that own promoted sockets (`gateway/reactor.py`).
+//! - `partial`: the node's budget for partly received packets, both planes'
+//!   (`serving/read_budget.py`).
 //! - `engine`: append, acknowledge and deliver each batch the reactors read.
 //! - `index`: the light-queue index's runs for a batch (`lightqueue/index.py`).
 //!
@@ -23,6 +25,7 @@ pub mod codec;
 pub mod commitlog;
 pub mod engine;
 pub mod index;
+pub mod partial;
 pub mod protocol;
 pub mod reactor;
 pub mod record;

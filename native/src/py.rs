@@ -11,7 +11,7 @@ use crate::commitlog;
 use crate::engine;
 use crate::index;
 use crate::protocol;
-use crate::reactor::{Command as ReactorCommand, Report, Restore};
+use crate::reactor::{Command as ReactorCommand, DrainRule, Report, Restore};
 use crate::record::{self, Record};
 use crate::router;
 
@@ -477,7 +477,9 @@ impl PyEngine {
     /// `max_unsent`: bytes waiting for the client past which it comes back (0: 2 MiB);
     /// `inbound_unacked`: QoS 1 publishes not acknowledged when `unread` was read;
     /// `problem_info`: the client's Request Problem Information.
-    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new(), inbound_unacked=0, problem_info=true))]
+    /// `min_drain` bytes of them it must take per `write_timeout` seconds, or it comes
+    /// back "stuck" (0 s: no such rule).
+    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new(), inbound_unacked=0, problem_info=true, min_drain=0, write_timeout=0.0))]
     #[allow(clippy::too_many_arguments)] // what CONNECT negotiated, one value each
     fn adopt(
         &self,
@@ -503,6 +505,8 @@ impl PyEngine {
         client_id: String,
         inbound_unacked: u32,
         problem_info: bool,
+        min_drain: usize,
+        write_timeout: f64,
     ) -> PyResult<bool> {
         let settings = protocol::Settings {
             version,
@@ -535,6 +539,10 @@ impl PyEngine {
                     inbound_unacked,
                 },
                 max_unsent,
+                drain: DrainRule {
+                    min_bytes: min_drain,
+                    timeout: write_timeout,
+                },
             })
         });
         taken.map_err(|e| PyValueError::new_err(e.to_string()))
@@ -724,6 +732,21 @@ impl PyEngine {
         Ok(())
     }
 
+    /// The node's budget for partly received packets (--max-partial-bytes; 0: none),
+    /// which the engine's connections and, through `partial_update`, Python's count in.
+    fn set_partial_limit(&self, limit: usize) -> PyResult<()> {
+        self.engine()?.partial_budget().set_limit(limit);
+        Ok(())
+    }
+
+    /// One of Python's connections went from holding `before` bytes of a partial packet
+    /// to `after` (0, 0: only a look): the node's count after it, (held, holders, peak).
+    /// The wake-up descriptor is written when the engine's connections free the budget.
+    fn partial_update(&self, before: usize, after: usize) -> PyResult<(usize, usize, usize)> {
+        let count = self.engine()?.partial_budget().update(before, after);
+        Ok((count.held, count.holders, count.peak))
+    }
+
     /// Cut the dispatch's pause short (a reader came).
     fn hurry(&self) -> PyResult<()> {
         self.engine()?.hurry();
@@ -771,12 +794,15 @@ impl PyEngine {
     }
 
     /// Connections handed back, each a dict: conn, fd (now the caller's), why
-    /// ("packet", "timeout", "lost", "backlog", "released"), detail (a loss's text),
-    /// unread (the packet that needs Python first), unsent (to write before anything
+    /// ("packet", "timeout", "lost", "backlog", "stuck", "partial", "released"), detail
+    /// (a loss's text), unread (the packet that needs Python first, or the start of one
+    /// it holds back for the node's budget), unsent (to write before anything
     /// else), next_packet_id, outgoing ([(packet_id, encoded PUBLISH, phys_offset)], in
     /// flight at QoS 1), positions ({queue: next offset}, for the queues delivered
     /// from), idle_for (seconds since the client sent anything), aliases_in,
-    /// inbound_unacked (QoS 1 publishes not acknowledged yet when `unread` was read).
+    /// inbound_unacked (QoS 1 publishes not acknowledged yet when `unread` was read),
+    /// partial (bytes of unread counted in the partial-packet budget, the caller's
+    /// to count).
     fn take_demoted<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         use std::os::fd::IntoRawFd;
         let engine = self.engine()?;
@@ -807,6 +833,7 @@ impl PyEngine {
             }
             row.set_item("positions", positions)?;
             row.set_item("idle_for", d.idle_for)?;
+            row.set_item("partial", d.partial)?;
             row.set_item("aliases_in", d.aliases_in.clone())?;
             row.set_item("inbound_unacked", d.inbound_unacked)?;
             row.set_item("fd", d.socket.into_raw_fd())?;

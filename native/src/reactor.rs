@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token, Waker};
 
+use crate::partial::PartialBudget;
 use crate::protocol::{Acl, Connection, Event, Outgoing, Settings, TopicLimits};
 
 const WAKER: Token = Token(usize::MAX);
@@ -96,6 +97,12 @@ pub enum Why {
     Lost(String),
     /// More waits for the client than the budget allows.
     Backlog,
+    /// The client took less of what waits for it than its `DrainRule` asks: its owner
+    /// disconnects it.
+    Stuck,
+    /// It holds its share of an unfinished packet while the node is over its budget
+    /// for them (`PartialBudget::must_wait`): the owner holds it back, as its own.
+    Partial,
     /// The owner asked for it back (`Command::Release`): a takeover, a kick, changed
     /// credentials, a shutdown.
     Released,
@@ -109,6 +116,8 @@ impl Why {
             Why::Timeout => "timeout",
             Why::Lost(_) => "lost",
             Why::Backlog => "backlog",
+            Why::Stuck => "stuck",
+            Why::Partial => "partial",
             Why::Released => "released",
         }
     }
@@ -139,6 +148,11 @@ pub struct Demoted {
     pub positions: HashMap<Arc<str>, u64>,
     /// Seconds since the client last sent anything.
     pub idle_for: f64,
+    /// Bytes of `unread` counted in the node's `PartialBudget`: the owner's to count
+    /// from here (it releases them, or counts what it keeps of them instead). Released
+    /// here, they would count nowhere until the owner has them, and connections read
+    /// meanwhile would find room that is not there.
+    pub partial: usize,
 }
 
 /// What the reactors tell their owner.
@@ -174,6 +188,10 @@ pub trait Sink: Send + Sync + 'static {
     fn behind(&self) -> bool {
         false
     }
+
+    /// A connection's finished packet took the node back within its budget for partial
+    /// packets: whoever the owner holds back for it may read again.
+    fn partial_freed(&self) {}
 }
 
 /// Where the deliveries of one publish went.
@@ -201,6 +219,26 @@ pub struct Delivery {
     pub positions: Positions,
     /// The reactor thread whose publish this is (`current_lane`), or None.
     pub from_lane: Option<usize>,
+}
+
+/// What the allocator keeps beside each allocation, at least (its header, rounding).
+const ALLOC_OVERHEAD: usize = 16;
+/// An `Arc`'s counts, before the value it shares.
+const ARC_COUNTS: usize = 2 * std::mem::size_of::<usize>();
+
+impl Delivery {
+    /// The heap a delivery holds while it waits: its topic and payload (each message
+    /// has its own, shared by its subscribers) and its positions. Counted whole for
+    /// every connection that holds it, as each may be the last to. Counted by its
+    /// payload alone, an empty message on a long topic cost nothing: 100,000 of them
+    /// (a 256-byte topic) held for a client that never acknowledged grew the process by
+    /// 50-56 MiB, and it was never handed back.
+    pub fn cost(&self) -> usize {
+        let positions = self.positions.capacity() * std::mem::size_of::<(Arc<str>, u64)>();
+        (ARC_COUNTS + self.topic.len() + ALLOC_OVERHEAD)
+            + (ARC_COUNTS + self.payload.len() + ALLOC_OVERHEAD)
+            + (positions + ALLOC_OVERHEAD)
+    }
 }
 
 /// What an adopted connection resumes with (the Python core's state at the handover).
@@ -270,6 +308,8 @@ pub enum Command {
         /// Bytes waiting for the client past which it is handed back (the owner's
         /// --max-unsent-bytes); 0: `BACKLOG_BUDGET`.
         max_unsent: usize,
+        /// How fast the client must take what waits for it.
+        drain: DrainRule,
     },
     /// Hand this connection back now (it is demoted as for any other reason, once the
     /// publishes it made are answered). Unknown (being handed back already): nothing.
@@ -315,7 +355,7 @@ impl Command {
     /// Bytes it holds that a client is waiting for (`LANE_BUDGET`).
     fn weight(&self) -> usize {
         match self {
-            Command::Deliver { delivery, .. } => delivery.topic.len() + delivery.payload.len(),
+            Command::Deliver { delivery, .. } => std::mem::size_of::<Command>() + delivery.cost(),
             _ => 0,
         }
     }
@@ -386,6 +426,7 @@ pub struct Reactor {
 pub struct Handle {
     lanes: Vec<Arc<Lane>>,
     counters: Arc<Counters>,
+    partial: Arc<PartialBudget>,
     /// The threads of connections that moved. A command is queued under its read lock,
     /// a move switches a route under its write lock: then no command for the moving
     /// connection is on its way to the old thread, and every later one queues behind
@@ -403,6 +444,12 @@ impl Handle {
 
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// The node's budget for partly received packets, which the connections of every
+    /// thread count in.
+    pub fn partial(&self) -> &PartialBudget {
+        &self.partial
     }
 
     pub fn send(&self, command: Command) {
@@ -446,8 +493,28 @@ impl Handle {
 }
 
 /// Bytes waiting for one client past which it is handed back (a slow reader costs the
-/// store, not the gateway's memory), unless the owner gives its own.
+/// store, not the gateway's memory), unless the owner gives its own: those the socket
+/// did not take, and what the deliveries held for its window cost (`Delivery::cost`).
 pub const BACKLOG_BUDGET: usize = 2 * 1024 * 1024;
+
+/// How fast a client must take what waits for its socket, the owner's rule
+/// (`gateway/backpressure.py`, --min-drain-bytes per --write-timeout): while bytes
+/// wait, `min_bytes` of them (all of them, if fewer wait) within `timeout` seconds,
+/// then as many within the next `timeout`, and so on. A client that takes a byte now
+/// and then is as stuck as one that takes none: it is handed back (`Why::Stuck`), and
+/// its owner disconnects it. A timeout of 0: no rule.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DrainRule {
+    pub min_bytes: usize,
+    pub timeout: f64,
+}
+
+impl DrainRule {
+    /// Bytes the client must take within the next `timeout`, of `waiting`.
+    fn due(&self, waiting: usize) -> usize {
+        self.min_bytes.max(1).min(waiting)
+    }
+}
 
 /// Bytes of an incomplete packet held for one client past which it is handed back: a
 /// large packet in pieces is the owner's, whose read budget bounds what all clients
@@ -459,6 +526,7 @@ impl Reactor {
         let mut lanes = Vec::new();
         let mut handles = Vec::new();
         let counters = Arc::new(Counters::default());
+        let partial = Arc::new(PartialBudget::default());
         let mut polls = Vec::new();
         let routes = Arc::new(RwLock::new(HashMap::new()));
         // One clock for all: a connection's deadlines go with it when it moves.
@@ -486,6 +554,7 @@ impl Reactor {
                 busy_since: Instant::now(),
                 sink: Arc::clone(&sink),
                 counters: Arc::clone(&counters),
+                partial: Arc::clone(&partial),
                 conns: HashMap::new(),
                 tokens: HashMap::new(),
                 next_token: 0,
@@ -493,6 +562,8 @@ impl Reactor {
                 again: Vec::new(),
                 stalled: Vec::new(),
                 next_deadline: f64::INFINITY,
+                writers: HashSet::new(),
+                drain_look: 0.0,
             };
             let handle = std::thread::Builder::new()
                 .name(format!("lightgate-io-{i}"))
@@ -503,6 +574,7 @@ impl Reactor {
             handle: Handle {
                 lanes,
                 counters,
+                partial,
                 routes,
             },
             threads: handles,
@@ -545,6 +617,9 @@ struct Conn {
     /// None while nothing waits for the client (an idle connection's case).
     backlog: Option<Box<Backlog>>,
     max_unsent: usize,
+    drain: DrainRule,
+    /// Bytes of an unfinished packet it holds, as counted in the `PartialBudget`.
+    partial: usize,
     // B-trees: empty (an idle connection's), each is half a hash map's size; they hold
     // a connection's few queues and (at most 1,024) topics.
     positions: BTreeMap<Arc<str>, u64>,
@@ -571,8 +646,38 @@ struct Backlog {
     unsent: Vec<u8>,
     /// Deliveries waiting for the client's window.
     held: VecDeque<Delivery>,
-    /// Payload bytes in `held`: past the budget, the connection is handed back.
-    held_bytes: usize,
+    /// The `cost` of each delivery in `held`.
+    held_cost: usize,
+    /// Bytes of `unsent` the client must take by `drain_by` (`DrainRule`).
+    due: usize,
+    drain_by: f64,
+}
+
+impl Backlog {
+    /// `data` the socket did not take, behind what waits already: the first byte to
+    /// wait starts the drain rule's clock.
+    fn wait(&mut self, data: &[u8], rule: &DrainRule, now: f64) {
+        if data.is_empty() {
+            return;
+        }
+        if self.unsent.is_empty() {
+            self.due = rule.due(data.len());
+            self.drain_by = now + rule.timeout;
+        }
+        self.unsent.extend_from_slice(data);
+    }
+
+    /// The socket took `n` bytes of what waits: once what was due is in, the next
+    /// share is due within the next `timeout`.
+    fn took(&mut self, n: usize, rule: &DrainRule, now: f64) {
+        self.unsent.drain(..n);
+        if n >= self.due {
+            self.due = rule.due(self.unsent.len());
+            self.drain_by = now + rule.timeout;
+        } else {
+            self.due -= n;
+        }
+    }
 }
 
 impl Conn {
@@ -584,8 +689,30 @@ impl Conn {
         self.backlog.as_ref().map_or(0, |b| b.unsent.len())
     }
 
+    /// What the held deliveries cost: their slots (as many as the queue has room for)
+    /// and what each holds.
     fn held_bytes(&self) -> usize {
-        self.backlog.as_ref().map_or(0, |b| b.held_bytes)
+        self.backlog.as_ref().map_or(0, |b| {
+            b.held.capacity() * std::mem::size_of::<Delivery>() + b.held_cost
+        })
+    }
+
+    fn holds(&self) -> bool {
+        self.backlog.as_ref().is_some_and(|b| !b.held.is_empty())
+    }
+
+    /// The client took less of what waits than its drain rule asks, in time.
+    fn stuck(&self, now: f64) -> bool {
+        self.drain.timeout > 0.0
+            && self
+                .backlog
+                .as_ref()
+                .is_some_and(|b| !b.unsent.is_empty() && b.due > 0 && now > b.drain_by)
+    }
+
+    /// Everything that waits for the client: past `max_unsent`, it is handed back.
+    fn waiting(&self) -> usize {
+        self.unsent() + self.held_bytes()
     }
 
     /// Let the backlog's buffers go once they are empty.
@@ -595,6 +722,8 @@ impl Conn {
                 self.backlog = None;
             } else if b.unsent.is_empty() {
                 b.unsent = Vec::new();
+            } else if b.held.is_empty() {
+                b.held = VecDeque::new(); // its slots count while they are kept
             }
         }
     }
@@ -613,6 +742,7 @@ struct Worker {
     busy_since: Instant,
     sink: Arc<dyn Sink>,
     counters: Arc<Counters>,
+    partial: Arc<PartialBudget>,
     /// Boxed: a map grows by doubling, and a table of whole `Conn`s had up to half its
     /// slots (each a `Conn`'s size) empty; a box costs one `Conn` a connection.
     conns: HashMap<Token, Box<Conn>>,
@@ -626,6 +756,10 @@ struct Worker {
     stalled: Vec<Token>,
     /// No keepalive of this thread's connections runs out before (`check_timeouts`).
     next_deadline: f64,
+    /// Connections with bytes waiting for their sockets, and when their drain rules
+    /// are looked at next (`check_drains`).
+    writers: HashSet<Token>,
+    drain_look: f64,
 }
 
 impl Worker {
@@ -792,6 +926,7 @@ impl Worker {
                 }
             }
             self.check_timeouts(&mut touched);
+            self.check_drains(&mut touched);
             for token in touched {
                 self.flush(token);
             }
@@ -833,7 +968,14 @@ impl Worker {
                 self.again.push(token);
                 break;
             }
-            match c.stream.read(buf) {
+            if self.partial.must_wait(c.partial) {
+                // Over the node's budget, and holding its share: held back by the
+                // owner, whose timeout closes it should the node stay over.
+                c.demoting = Some(Why::Partial);
+                break;
+            }
+            let size = self.partial.read_size(c.partial, buf.len());
+            match c.stream.read(&mut buf[..size]) {
                 Ok(0) => {
                     c.demoting = Some(Why::Lost("connection closed by the client".into()));
                     break;
@@ -842,6 +984,7 @@ impl Worker {
                     read += n;
                     Counters::add(&self.counters.bytes_in, n as u64);
                     Self::feed(c, &buf[..n], now, &*self.sink, &self.counters, published);
+                    Self::count_partial(c, &self.partial, &*self.sink);
                     if c.core.demoted() {
                         break;
                     }
@@ -849,7 +992,7 @@ impl Worker {
                         c.demoting = Some(Why::Packet);
                         break;
                     }
-                    if short_ends && n < buf.len() {
+                    if short_ends && n < size {
                         // A short read emptied the socket: what comes later is a new
                         // edge for epoll, so no second read only to hear WouldBlock.
                         break;
@@ -922,6 +1065,17 @@ impl Worker {
         }
     }
 
+    /// What the client's core holds unparsed now, counted in the node's budget: an
+    /// unfinished packet (or, once it is to be handed back, everything from the packet
+    /// that needs the owner: the owner takes the count over with it).
+    fn count_partial(c: &mut Conn, budget: &PartialBudget, sink: &dyn Sink) {
+        let held = c.core.unread().len();
+        if held != c.partial && budget.update(c.partial, held).freed {
+            sink.partial_freed();
+        }
+        c.partial = held;
+    }
+
     fn send_held(c: &mut Conn, counters: &Counters) {
         if c.demoting.is_some() {
             // Handed back soon: what is held stays unsent, so the positions say exactly
@@ -941,7 +1095,7 @@ impl Worker {
                 break;
             }
             let d = backlog.held.pop_front().expect("front exists");
-            backlog.held_bytes -= d.payload.len();
+            backlog.held_cost -= d.cost();
             Self::send(&mut c.core, &mut c.positions, d, counters);
         }
         c.settle();
@@ -1004,6 +1158,7 @@ impl Worker {
                     acl,
                     restore,
                     max_unsent,
+                    drain,
                 } => {
                     let adoption = Adoption {
                         settings,
@@ -1012,6 +1167,7 @@ impl Worker {
                         acl,
                         restore,
                         max_unsent,
+                        drain,
                     };
                     if let Some(token) = self.adopt(conn, socket, adoption, published) {
                         touched.push(token);
@@ -1059,7 +1215,7 @@ impl Worker {
                                 // Its positions say what went out; the owner delivers
                                 // the rest from the store.
                             } else if c.backlog.is_some()
-                                && c.held_bytes() + delivery.payload.len() > c.max_unsent
+                                && c.waiting() + delivery.cost() > c.max_unsent
                             {
                                 c.demoting = Some(Why::Backlog);
                             } else if c.backlog.is_none()
@@ -1070,11 +1226,11 @@ impl Worker {
                                 if c.core.pending_output() >= WRITE_AT {
                                     // A burst in one batch of commands: out to the socket
                                     // as it grows, so the output stays bounded.
-                                    Self::write_out(c, &self.counters);
+                                    Self::write_out(c, now, &self.counters);
                                 }
                             } else {
                                 let backlog = c.backlog();
-                                backlog.held_bytes += delivery.payload.len();
+                                backlog.held_cost += delivery.cost();
                                 backlog.held.push_back(delivery);
                                 Self::send_held(c, &self.counters);
                             }
@@ -1136,6 +1292,7 @@ impl Worker {
             let Some(mut c) = self.conns.remove(&token) else {
                 continue;
             };
+            self.writers.remove(&token);
             self.tokens.remove(&c.id);
             let _ = self.poll.registry().deregister(&mut c.stream);
             let Ok(mut routes) = self.routes.write() else {
@@ -1192,6 +1349,8 @@ impl Worker {
             } else {
                 a.max_unsent
             },
+            drain: a.drain,
+            partial: 0,
             positions: BTreeMap::new(),
             acl: a.acl.map(|topics| topics.into_iter().collect()),
             demoting: None,
@@ -1229,6 +1388,7 @@ impl Worker {
                 published,
             );
             c.core.caught_up(a.restore.inbound_unacked);
+            Self::count_partial(&mut c, &self.partial, &*self.sink);
         }
         self.next_deadline = self.next_deadline.min(c.core.deadline());
         self.tokens.insert(conn, token);
@@ -1259,28 +1419,53 @@ impl Worker {
         self.next_deadline = next;
     }
 
+    /// Clients that took too little of what waits for them (`DrainRule`): looked at
+    /// once a second, as the owner looks at its own (the poll wakes at least as often).
+    fn check_drains(&mut self, touched: &mut Vec<Token>) {
+        if self.writers.is_empty() {
+            return;
+        }
+        let now = self.now();
+        if now < self.drain_look {
+            return;
+        }
+        self.drain_look = now + 1.0;
+        let conns = &mut self.conns;
+        self.writers.retain(|token| {
+            let Some(c) = conns.get_mut(token) else {
+                return false;
+            };
+            if c.demoting.is_none() && c.stuck(now) {
+                c.demoting = Some(Why::Stuck);
+                touched.push(*token);
+            }
+            true
+        });
+    }
+
     /// Write what the socket takes: first the bytes it refused before, then the
     /// output, then deliveries that waited for room, until the socket is full or
     /// nothing is left.
-    fn write_out(c: &mut Conn, counters: &Counters) {
-        Self::write_some_out(c, counters);
+    fn write_out(c: &mut Conn, now: f64, counters: &Counters) {
+        Self::write_some_out(c, now, counters);
         // What the socket did not take waits behind what it refused before: counted
         // against the budget, and handed back whole should the connection go back.
         let out = c.core.take_output();
         if !out.is_empty() {
-            c.backlog().unsent.extend_from_slice(&out);
+            let rule = c.drain;
+            c.backlog().wait(&out, &rule, now);
         }
         c.settle();
     }
 
-    fn write_some_out(c: &mut Conn, counters: &Counters) {
+    fn write_some_out(c: &mut Conn, now: f64, counters: &Counters) {
         loop {
             if let Some(b) = c.backlog.as_mut().filter(|b| !b.unsent.is_empty()) {
                 let Some(n) = write_counted(&mut c.stream, &b.unsent, &mut c.demoting, counters)
                 else {
                     return;
                 };
-                b.unsent.drain(..n);
+                b.took(n, &c.drain, now);
                 if !b.unsent.is_empty() {
                     return;
                 }
@@ -1295,10 +1480,11 @@ impl Worker {
                 return;
             };
             if n < out.len() {
-                c.backlog().unsent.extend_from_slice(&out[n..]);
+                let rule = c.drain;
+                c.backlog().wait(&out[n..], &rule, now);
                 return;
             }
-            if c.held_bytes() == 0 {
+            if !c.holds() {
                 return;
             }
             Self::send_held(c, counters);
@@ -1306,11 +1492,17 @@ impl Worker {
     }
 
     fn flush(&mut self, token: Token) {
+        let now = self.now();
         let Some(c) = self.conns.get_mut(&token) else {
             return;
         };
-        Self::write_out(c, &self.counters);
-        if c.unsent() > c.max_unsent || c.held_bytes() > c.max_unsent {
+        Self::write_out(c, now, &self.counters);
+        if c.unsent() > 0 {
+            self.writers.insert(token);
+        } else {
+            self.writers.remove(&token);
+        }
+        if c.waiting() > c.max_unsent {
             c.demoting.get_or_insert(Why::Backlog);
         }
         let want_write = c.unsent() > 0;
@@ -1335,6 +1527,7 @@ impl Worker {
     }
 
     fn demote(&mut self, token: Token) {
+        self.writers.remove(&token);
         let Some(mut c) = self.conns.remove(&token) else {
             return;
         };
@@ -1366,6 +1559,7 @@ impl Worker {
             held: backlog.held.into(),
             positions: std::mem::take(&mut c.positions).into_iter().collect(),
             idle_for,
+            partial: c.partial,
             socket: OwnedFd::from(c.stream),
         };
         self.sink.report(Report::Demoted(Box::new(report)));
@@ -1380,6 +1574,7 @@ struct Adoption {
     acl: Option<HashSet<String>>,
     restore: Restore,
     max_unsent: usize,
+    drain: DrainRule,
 }
 
 /// `write_some`, counted in `bytes_out`; None (and the connection lost) on an error.
@@ -1447,7 +1642,12 @@ mod tests {
         lane.push([delivery(LANE_BUDGET / 2), Command::Release { conn: 1 }]);
         assert!(!lane.over_budget());
         lane.push([delivery(LANE_BUDGET / 2)]);
-        assert_eq!(lane.queued.load(Ordering::Relaxed), LANE_BUDGET + 2);
+        // Each counts what it holds beside its payload: its topic, positions, itself.
+        let beside = std::mem::size_of::<Command>() + 1 + 2 * (2 * 8 + 16) + 16;
+        assert_eq!(
+            lane.queued.load(Ordering::Relaxed),
+            LANE_BUDGET + 2 * beside
+        );
         assert!(
             lane.over_budget(),
             "past the budget, publishers are not read"

@@ -41,6 +41,7 @@ fn adoption(conn: u64, socket: OwnedFd) -> Command {
         acl: None,
         restore: Restore::default(),
         max_unsent: 0,
+        drain: Default::default(),
     }
 }
 

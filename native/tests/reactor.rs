@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::{pair, read_exact};
 use lightgate_native::protocol::Settings;
-use lightgate_native::reactor::{Command, Delivery, Lean, Reactor, Report, Sink, Why};
+use lightgate_native::reactor::{Command, Delivery, DrainRule, Lean, Reactor, Report, Sink, Why};
 
 #[derive(Default)]
 struct Collect {
@@ -24,6 +24,8 @@ struct Collect {
     behind: AtomicBool,
     /// Where `publish` says each publish's deliveries went (None: to nobody).
     lean: Mutex<Option<Lean>>,
+    /// Times the node's budget for partial packets was freed.
+    freed: std::sync::atomic::AtomicUsize,
 }
 
 impl Sink for Collect {
@@ -34,6 +36,11 @@ impl Sink for Collect {
 
     fn behind(&self) -> bool {
         self.behind.load(Ordering::Relaxed)
+    }
+
+    fn partial_freed(&self) {
+        self.freed.fetch_add(1, Ordering::Relaxed);
+        self.changed.notify_all();
     }
 
     fn publish(&self, batch: Vec<lightgate_native::reactor::Inbound>) -> Vec<(u64, Lean)> {
@@ -118,7 +125,49 @@ fn adopt(reactor: &Reactor, conn: u64, socket: OwnedFd, keepalive: u16) {
         acl: None,
         restore: Default::default(),
         max_unsent: 0,
+        drain: Default::default(),
     });
+}
+
+/// Adopt with the owner's budgets for what waits for the client.
+fn adopt_held_to(
+    reactor: &Reactor,
+    conn: u64,
+    socket: OwnedFd,
+    max_unsent: usize,
+    drain: DrainRule,
+) {
+    reactor.send(Command::Adopt {
+        conn,
+        socket,
+        settings: settings(0),
+        unread: Vec::new(),
+        idle_for: 0.0,
+        acl: None,
+        restore: Default::default(),
+        max_unsent,
+        drain,
+    });
+}
+
+/// `count` messages of `payload` on `topic` for `conn`, the first `qos1` of them at
+/// QoS 1; each at its offset in the queue named as the topic.
+fn offer(reactor: &Reactor, conn: u64, topic: &str, payload: &[u8], count: u64, qos1: u64) {
+    let (topic, payload): (Arc<str>, Arc<[u8]>) = (topic.into(), payload.into());
+    for i in 0..count {
+        reactor.send(Command::Deliver {
+            conn,
+            delivery: Delivery {
+                topic: topic.clone(),
+                payload: payload.clone(),
+                qos: u8::from(i < qos1),
+                retain: false,
+                source: (0, i),
+                positions: vec![(topic.clone(), i)],
+                from_lane: None,
+            },
+        });
+    }
 }
 
 #[test]
@@ -261,6 +310,7 @@ fn release_hands_back_with_held_deliveries_left_to_the_owner() {
             ..Default::default()
         },
         max_unsent: 0,
+        drain: Default::default(),
     });
     // The window is 2: the third QoS 1 delivery is held, not sent.
     for i in 0..3u8 {
@@ -327,37 +377,142 @@ fn budgets_hand_a_connection_back() {
 
     // A client that does not read: past its own budget of waiting bytes, handed back.
     let (_sleepy, socket) = pair();
-    reactor.send(Command::Adopt {
-        conn: 2,
-        socket,
-        settings: settings(0),
-        unread: Vec::new(),
-        idle_for: 0.0,
-        acl: None,
-        restore: Default::default(),
-        max_unsent: 100_000,
-    });
+    adopt_held_to(&reactor, 2, socket, 100_000, DrainRule::default());
     // 100 MB offered: more than any loopback socket's kernel buffers hold (a CI
     // kernel took all of a 10 MB offer), so the budget, not the kernel, must stop it.
-    let payload: std::sync::Arc<[u8]> = vec![0; 50_000].into();
-    for i in 0..2_000u64 {
-        reactor.send(Command::Deliver {
-            conn: 2,
-            delivery: Delivery {
-                topic: "big".into(),
-                payload: payload.clone(),
-                qos: 0,
-                retain: false,
-                source: (0, i),
-                positions: vec![("big".into(), i)],
-                from_lane: None,
-            },
-        });
-    }
+    offer(&reactor, 2, "big", &[0; 50_000], 2_000, 0);
     let back = take_demoted(&sink, 2);
     assert_eq!(back.why, Why::Backlog);
     let sent = back.positions.get("big").copied().unwrap_or(0);
     assert!(sent < 2_000, "stopped well before the end: {sent}");
+    reactor.stop();
+}
+
+#[test]
+fn held_deliveries_count_every_byte_they_hold() {
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    // A client that reads but never acknowledges: its window (2) fills, and what comes
+    // after waits for it. Empty messages on a long topic: their payloads are nothing,
+    // what holding them costs is not.
+    let (mut client, socket) = pair();
+    adopt_held_to(&reactor, 3, socket, 100_000, DrainRule::default());
+    // The third waits for the window, and the rest behind it.
+    let topic = format!("held/{}", "t".repeat(251));
+    offer(&reactor, 3, &topic, &[], 10_000, 3);
+    let back = take_demoted(&sink, 3);
+    assert_eq!(back.why, Why::Backlog);
+    // Each held one costs its topic, its positions and its slot: ~100 KB is a few
+    // hundred of them, not 10,000.
+    assert!(
+        (100..500).contains(&back.held.len()),
+        "{} held",
+        back.held.len()
+    );
+    assert_eq!(
+        back.positions.get(topic.as_str()),
+        Some(&2),
+        "the window's two went out"
+    );
+    let sent = read_exact(&mut client, 2 * (2 + 2 + 256 + 2));
+    assert_eq!(sent[0], 0x32);
+    reactor.stop();
+}
+
+#[test]
+fn a_client_that_takes_too_little_of_what_waits_is_handed_back_stuck() {
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    // A client that reads nothing, under a backlog budget it does not reach: what the
+    // kernel does not take waits, and the drain rule says how long it may.
+    let (_sleepy, socket) = pair();
+    let drain = DrainRule {
+        min_bytes: 65_536,
+        timeout: 0.5,
+    };
+    adopt_held_to(&reactor, 5, socket, 1 << 30, drain);
+    // 40 MB offered: more than the kernel's buffers of a loopback pair take.
+    let started = Instant::now();
+    offer(&reactor, 5, "slow", &[0; 50_000], 800, 0);
+    let back = take_demoted(&sink, 5);
+    assert_eq!(back.why, Why::Stuck);
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "not before the timeout"
+    );
+    assert!(!back.unsent.is_empty(), "what waited goes to the owner");
+    reactor.stop();
+}
+
+/// Until `check` holds, 5 s at most.
+fn eventually(what: &str, check: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !check() {
+        assert!(Instant::now() < deadline, "{what}: not in 5 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The first `sent` bytes of a QoS 0 PUBLISH to "t" whose remaining length is `length`.
+fn publish_start(length: usize, sent: usize) -> Vec<u8> {
+    let mut out = vec![0x30];
+    let mut n = length;
+    loop {
+        let digit = (n & 0x7F) as u8;
+        n >>= 7;
+        out.push(if n > 0 { digit | 0x80 } else { digit });
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend([0, 1, b't']);
+    out.resize(sent, b'x');
+    out
+}
+
+#[test]
+fn partial_packets_count_in_the_node_budget_and_past_it_go_back() {
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    let budget = || reactor.handle_ref().partial();
+    budget().set_limit(100_000);
+    // Three clients begin a PUBLISH: 10,000 bytes of a small one, and 50,000 of each of
+    // two larger ones.
+    let starts = [
+        publish_start(12_000, 10_000),
+        publish_start(60_000, 50_000),
+        publish_start(60_000, 50_000),
+    ];
+    let mut clients = Vec::new();
+    let mut counted = 0;
+    for (conn, start) in (1..=3u64).zip(&starts) {
+        let (mut client, socket) = pair();
+        adopt(&reactor, conn, socket, 0);
+        client.write_all(start).unwrap();
+        clients.push(client);
+        counted += start.len();
+        eventually("counted", || budget().held() == counted);
+    }
+    // Over the budget now: the third holds its share, and at its next read it goes
+    // back to the owner (who holds it back) with what it held, still counted: the
+    // owner's to count from here.
+    assert!(budget().exceeded());
+    clients[2].write_all(&[b'x'; 1_000]).unwrap();
+    let back = take_demoted(&sink, 3);
+    assert_eq!(back.why, Why::Partial);
+    assert_eq!(back.unread, starts[2]);
+    assert_eq!(back.partial, 50_000);
+    assert_eq!(budget().held(), 110_000);
+    // The first holds less than its share: it reads on, finishes its packet, holds
+    // nothing, and that takes the node back within the budget: the owner is told.
+    clients[0].write_all(&[b'y'; 3 + 12_000 - 10_000]).unwrap(); // its header is 3 bytes
+    let batch = sink.published();
+    assert_eq!(batch[0].payload.len(), 11_997);
+    eventually("given back", || budget().held() == 100_000);
+    eventually("told", || sink.freed.load(Ordering::Relaxed) == 1);
+    // The owner closes the third: what it counted goes.
+    budget().update(back.partial, 0);
+    assert_eq!(budget().held(), 50_000);
     reactor.stop();
 }
 
