@@ -30,6 +30,11 @@ class StartupError(Exception):
     """A server cannot start, for a reason named in one line with the setting to change."""
 
 
+class CommandError(Exception):
+    """A client command (`lightgate simulate`, ...) failed for a reason the user fixes,
+    said in one line with the flag to change: status 1 (lightgate.cli)."""
+
+
 # What a failed bind means to someone starting a server, by errno.
 _BIND_REASONS = {
     errno.EADDRINUSE: "the address is already in use (another process listens there)",

@@ -208,9 +208,14 @@ def tls_files(tmp_path: Path) -> tuple[str, str]:
     return str(cert), str(key)
 
 
-def test_debug_log_level_shows_the_traceback(tmp_path: Path, busy: str) -> None:
-    res = lightgate("--log-level", "debug", "serve", "--data-dir", str(tmp_path / "d"),
-                    "--mqtt", busy, "--ws", "off", "--http", FREE, "--native", FREE)
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_log_level_shows_the_traceback(tmp_path: Path, busy: str, where: str) -> None:
+    """--log-level before the command or after it, as the README's "`--log-level debug`
+    adds the traceback" reads either way."""
+    level = ["--log-level", "debug"]
+    serve = ["serve", "--data-dir", str(tmp_path / "d"), "--mqtt", busy, "--ws", "off",
+             "--http", FREE, "--native", FREE]
+    res = lightgate(*(level + serve if where == "before" else serve + level))
     assert res.returncode == 2
     assert "Traceback" in res.stderr and "Address already in use" in res.stderr
     assert res.stderr.splitlines()[-1].startswith("lightgate: MQTT over TCP cannot listen")
