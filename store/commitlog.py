@@ -68,6 +68,26 @@ class RecoveryReport:
     producer_records: int = 0  # read to rebuild the idempotent producers' sequences
     seconds: float = 0.0
 
+    def __str__(self) -> str:
+        """In words, for the log (the first line a server writes)."""
+        how = "after a clean shutdown" if self.clean_shutdown else "after a crash"
+        parts = [f"{self.records_verified} records verified from offset "
+                 f"{self.verified_from}, log end {self.end}"]
+        if self.truncated_at is not None:
+            parts.append(f"a torn tail of {self.truncated_bytes} bytes cut at offset "
+                         f"{self.truncated_at}")
+        if self.quarantined:
+            parts.append(f"{len(self.quarantined)} later segment(s) moved to quarantine: "
+                         f"{', '.join(self.quarantined)}")
+        if self.index_rebuilt:
+            parts.append("the index rebuilt")
+        if self.redispatched:
+            parts.append(f"{self.redispatched} records indexed again")
+        if self.producer_records:
+            parts.append(f"{self.producer_records} records read for the idempotent "
+                         "producers' sequences")
+        return f"{how}: {'; '.join(parts)}; in {self.seconds:.3f} s"
+
 
 class InlineFuture:
     """The future of an inline append: settled before `append` returns. It offers what
@@ -887,7 +907,7 @@ class CommitLog(EngineTail):
         report.producer_records = self._rebuild_producers(end)
         report.seconds = time.monotonic() - t0
         level = logging.INFO if clean and report.truncated_at is None else logging.WARNING
-        log.log(level, "commitlog recovered: %s", report)
+        log.log(level, "commitlog recovered %s", report)
         return report
 
     def _segment_for_any(self, offset: int) -> Segment:

@@ -4,6 +4,7 @@ says what is wrong and which flag fixes it; a traceback only with --log-level de
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -66,6 +67,24 @@ def test_serve_port_in_use_names_the_listener_and_its_flag(
     # Ports are checked before the store opens: that one line is all, at the default
     # log level too (no recovery records before it).
     assert len(res.stderr.splitlines()) == 1, res.stderr
+
+
+def test_every_port_in_use_is_named_in_one_run(tmp_path: Path) -> None:
+    """The default ports taken (another broker runs): one run names them all, not one a
+    run."""
+    with contextlib.ExitStack() as stack:
+        taken = {}
+        for flag in SERVE_FREE:
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+            taken[flag] = f"127.0.0.1:{sock.getsockname()[1]}"
+        res = lightgate("serve", "--data-dir", str(tmp_path / "d"),
+                        *(x for kv in taken.items() for x in kv))
+    line = the_line(res, "already in use", "choose others with", "port 0 picks a free one",
+                    *taken.values(), *taken)
+    assert line.count("already in use") == 1, line  # one reason, said once
+    assert not (tmp_path / "d").exists()
 
 
 @pytest.mark.parametrize("flag, what", [("--native", "native protocol"), ("--http", "HTTP")])
