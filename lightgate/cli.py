@@ -23,6 +23,7 @@ import trio
 from gateway.auth.chain import BackendConfig, split_list
 from gateway.config import GatewayConfig, GatewayOptions, ListenerConfig
 from lightgate.settings import (
+    BOUNDS,
     GATEWAY_CMD_SETTINGS,
     SERVE_SETTINGS,
     STORE_CMD_SETTINGS,
@@ -74,19 +75,22 @@ def _add_settings(
         if typ is bool:
             parser.add_argument(f"--{flag}", action="store_true", default=None, help=help_text)
         else:
+            takes = BOUNDS[flag].describe() if flag in BOUNDS else ""
             parser.add_argument(
-                f"--{flag}", type=typ, default=None, help=f"{help_text} (default: {default})"
-            )
+                f"--{flag}", type=typ, default=None,
+                help=f"{help_text} (default: {default}{'; ' + takes if takes else ''})")
 
 
 def resolve(args: argparse.Namespace, settings: list[tuple[str, Any, Any, str]]) -> dict[str, Any]:
     """Flag > environment > config file > default, for each setting. A value that is not
-    of the setting's type is a StartupError naming the variable or key."""
+    of the setting's type is a StartupError naming the variable or key; values outside
+    what their settings take (BOUNDS) are one StartupError naming every one."""
     file_values = load_config(args.config) if getattr(args, "config", None) else {}
     out: dict[str, Any] = {}
+    refused: list[str] = []
     for flag, typ, default, _ in settings:
         name = flag.replace("-", "_")
-        value = getattr(args, name, None)
+        value, origin = getattr(args, name, None), ""
         env = os.environ.get(f"LIGHTGATE_{name.upper()}")
         if value is None and env is not None:
             try:
@@ -94,9 +98,16 @@ def resolve(args: argparse.Namespace, settings: list[tuple[str, Any, Any, str]])
             except ValueError:
                 raise StartupError(f"LIGHTGATE_{name.upper()}={env!r} is not {_a(typ)} "
                                    f"(--{flag})") from None
+            origin = f" (LIGHTGATE_{name.upper()})"
         if value is None and name in file_values:
             value = _config_value(args.config, name, typ, file_values[name])
+            origin = f" (--config {args.config}: {name})"
         out[name] = default if value is None else value
+        why = BOUNDS[flag].refusal(out[name]) if flag in BOUNDS else None
+        if why is not None:
+            refused.append(f"--{flag} {why}{origin}")
+    if refused:
+        raise StartupError("; ".join(refused))
     return out
 
 
@@ -134,19 +145,10 @@ def load_config(path: str) -> dict[str, Any]:
 
 
 def _store_config(values: dict[str, Any]) -> Any:
-    if values["flush"] not in ("sync", "async"):
-        raise StartupError(f"--flush must be sync or async, not {values['flush']!r}")
-    for size in ("index_cache_mb", "index_memtable_mb", "metadata_cache_mb",
-                 "metadata_memtable_mb", "recent_cache_mb", "recent_per_queue"):
-        if values[size] < 1:
-            raise StartupError(f"--{size.replace('_', '-')} must be at least 1, not "
-                               f"{values[size]}")
     return _config(StoreConfig, values, data_dir=Path(values["data_dir"]), **_http(values))
 
 
 def _gateway_config(values: dict[str, Any]) -> GatewayConfig:
-    if values["io_threads"] is not None and values["io_threads"] < 1:
-        raise StartupError(f"--io-threads must be at least 1, not {values['io_threads']}")
     why = plane.require_native()
     if why is not None:
         raise StartupError(why)
@@ -191,8 +193,6 @@ def _backend_config(values: dict[str, Any]) -> BackendConfig:
 
 def _auth_config(values: dict[str, Any], backends: BackendConfig) -> AuthConfig:
     """The store's auth settings; `backends` (MQTT's, _backend_config) may turn it on."""
-    if values["auth_strategy"] not in ("stateful", "stateless"):
-        raise StartupError("--auth-strategy must be stateful or stateless")
     cfg: AuthConfig = _config(AuthConfig, values, audit_log=values.get("audit_log"),
                               mqtt_chain=backends.chain)
     return cfg
@@ -234,9 +234,6 @@ async def _store_main(cfg: Any, native: str, http: str, notify: str | None,
 
 
 def _replication_config(values: dict[str, Any]) -> ReplicationConfig:
-    mode = values["replication"]
-    if mode not in ("sync", "async"):
-        raise StartupError(f"--replication must be sync or async, not {mode!r}")
     raft, advertise = values["raft"], values["raft_advertise"] or values["raft"]
     peers = [x.strip() for x in (values["group_peers"] or "").split(",")
              if x.strip() and x.strip() != advertise]  # the list may name this node
@@ -246,7 +243,7 @@ def _replication_config(values: dict[str, Any]) -> ReplicationConfig:
         raise StartupError("--replica-of and --group-peers exclude each other: in a group "
                            "the controller says who is master")
     group = len(peers) + 1 if peers else None
-    if values["min_insync"] < 1 or (group is not None and values["min_insync"] > group):
+    if group is not None and values["min_insync"] > group:
         raise StartupError(f"--min-insync must be between 1 and the group's size, not "
                            f"{values['min_insync']}")
     if values["failover_after_s"] < values["controller_lease_s"] + 0.5:
@@ -286,9 +283,6 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.app import run_gateway
 
     values = resolve(args, GATEWAY_CMD_SETTINGS)
-    if values["master_unreachable_s"] <= 0:
-        raise StartupError("--master-unreachable-s must be more than 0 (and longer than "
-                           "the store group's failover, --failover-after-s)")
     opts = _config(GatewayOptions, values, notify=values["notify"],
                    peers=list(split_list(values["peers"]) or ()),
                    gateway=_gateway_config(values), listeners=_listener_config(values),
