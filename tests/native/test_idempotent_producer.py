@@ -126,6 +126,11 @@ def test_a_send_that_never_reached_the_store_fails_as_not_stored(
         with Producer(proxy.addr, timeout=0.5, delivery_timeout=1.5) as producer:
             producer.send(topic, b"a")
             proxy.close()  # the connection is cut, and new ones are refused
+            client = producer._portal.obj.client
+            deadline = time.monotonic() + 10
+            while client.connected and time.monotonic() < deadline:
+                time.sleep(0.01)  # (a send on the cut connection before the client saw
+                # the cut would go out, and its answer be lost: "may have been stored")
             with pytest.raises(DeliveryTimeout, match="was not stored") as failed:
                 producer.send(topic, b"b")
             assert not failed.value.maybe_stored
