@@ -60,7 +60,6 @@ class Client(Protocol):
     broker: Host
     peer: str
     alive: bool
-    native: int | None  # promoted to the native plane: its id there (gateway.handover)
     asks_hook: bool
     checks_delivery: bool
     out: Output  # what waits for its socket
@@ -468,36 +467,9 @@ class Delivery:
             await self._push(msg, qos, True, sids if self.core.version == 5 else None, None, -1)
             self.conn.flush()
 
-    # -- the broker's statistics ---------------------------------------------------------------
-    def statistics(self, msgs: list[Message]) -> None:
-        """The `$SYS` values of a round (gateway.housekeeping), which come from the
-        broker, not from a queue: QoS 0 to each subscription they match, dropped for a
-        client with too much waiting already (the next round says them again)."""
-        conn = self.conn
-        if conn.native is not None:  # promoted: never with a `$` subscription (handover)
-            return
-        sent = False
-        for msg in msgs:
-            subs = [x for x in self.session.matching(msg.topic) if x.shared is None]
-            if not subs or conn.out.over or conn.checks_delivery and \
-                    not conn.may("SUB", msg.topic):
-                continue
-            if conn.asks_hook:
-                conn.spawn(self._statistic_asked, msg, subs)
-                continue
-            sent |= self._statistic(msg, subs)
-        if sent:
-            conn.flush()
-
-    def _statistic(self, msg: Message, subs: list[Subscription]) -> bool:
-        retain = any(x.options.retain_as_published for x in subs)
-        sids = [x.subscription_id for x in subs if x.subscription_id] \
-            if self.core.version == 5 else None
-        return self._send(msg, 0, retain, sids or None, None, -1) is not False
-
-    async def _statistic_asked(self, msg: Message, subs: list[Subscription]) -> None:
-        if not await self._hook_refuses(msg.topic) and self._statistic(msg, subs):
-            self.conn.flush()
+    def send_now(self, msg: Message, retain: bool, sids: list[int] | None) -> bool:
+        """A QoS 0 message of the broker's own, now: a `$SYS` value (gateway.statistics)."""
+        return self._send(msg, 0, retain, sids, None, -1) is not False
 
     # -- shared subscriptions ------------------------------------------------------------------
     def has_window(self) -> bool:

@@ -5,22 +5,20 @@ each round is guarded (gateway.background)."""
 from __future__ import annotations
 
 import logging
-import time
-from functools import cache, partial
-from importlib.metadata import PackageNotFoundError, version
+from functools import partial
 
 import trio
 
+from gateway import statistics
 from gateway.background import Background
 from gateway.config import GatewayConfig
-from gateway.reserved import SERVER_ID
 from gateway.retained import Retained
 from gateway.sessions import SessionRegistry
 from gateway.shared import SharedGroups
 from gateway.stats import Stats
 from gateway.wills import Wills
 from lightqueue.topic import is_wildcard
-from store.api import Message, Store, StoreError
+from store.api import Store, StoreError
 
 log = logging.getLogger("lightgate.gateway")
 
@@ -83,43 +81,10 @@ class Housekeeping:
         await self.groups.flush_offsets()
 
     async def publish_sys(self) -> None:
-        """The broker's statistics, to the `$SYS` subscribers here and as the values a
-        new subscription finds (Retained.statistics): not into the store, as Mosquitto
-        keeps `$SYS` out of its persistence. They are this gateway's, and said again
-        each round; stored, they were 9 records every round, and a `$SYS` topic in the
-        store's pages beside the devices'."""
-        st = self.stats
-        totals = st.totals()
-        store_stats = (await self.store.get_stats())["commitlog"]
-        values = {
-            "$SYS/broker/version": f"lightgate version {lightgate_version()}",
-            "$SYS/broker/uptime": f"{int(time.time() - st.started)} seconds",
-            "$SYS/broker/clients/connected": st.connections,
-            "$SYS/broker/clients/total": len(self.sessions.by_id),
-            "$SYS/broker/messages/received": totals["messages_in"],
-            "$SYS/broker/messages/sent": totals["messages_out"],
-            "$SYS/broker/bytes/received": totals["bytes_in"],
-            "$SYS/broker/bytes/sent": totals["bytes_out"],
-            "$SYS/broker/store/bytes": store_stats["bytes"],
-            "$SYS/broker/store/segments": store_stats["segments"],
-        }
-        now = int(time.time() * 1000)
-        msgs = [Message(t, str(v).encode(), 0, True, SERVER_ID, born_ts=now, store_ts=now)
-                for t, v in values.items()]
+        """The broker's statistics: to the `$SYS` subscribers here, and as the current
+        values a new subscription finds; never into the store (gateway.statistics)."""
+        commitlog = (await self.store.get_stats())["commitlog"]
+        msgs = statistics.round_of(self.stats, len(self.sessions.by_id), commitlog)
         for msg in msgs:
             self.retained.statistic(msg)
-        for queue, readers in list(self.sessions.by_queue.items()):
-            if queue.startswith("$"):  # only a filter naming `$` matches a `$` topic
-                for s in list(readers):
-                    conn = s.connection
-                    if conn is not None and conn.delivery is not None and conn.alive:
-                        conn.delivery.statistics(msgs)
-
-
-@cache
-def lightgate_version() -> str:
-    """The installed package's version ($SYS/broker/version)."""
-    try:
-        return version("lightgate")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
+        statistics.hand_out(self.sessions.by_queue, msgs)

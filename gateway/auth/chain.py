@@ -23,7 +23,6 @@ if TYPE_CHECKING:  # the command line reads these settings without loading the s
 log = logging.getLogger("lightgate.auth")
 
 BACKENDS = ("builtin", "jwt", "http")
-ON_ERROR = ("deny", "allow", "next")  # what the HTTP hook's failure means (http_hook)
 HMAC_ALGORITHMS = ("HS256", "HS384", "HS512")
 PUBLIC_KEY_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256",
                          "ES384", "ES512", "EdDSA")
@@ -53,7 +52,7 @@ class BackendConfig:
         least=0)
     http_on_error: str = setting(
         "deny", "when the hook fails or times out: deny, allow or next (ask the next "
-        "backend)", choices=ON_ERROR)
+        "backend)", choices=("deny", "allow", "next"))  # http_hook.ON_ERROR (it loads httpx)
     http_acl: bool = setting(
         False, "also ask the hook for each PUBLISH/SUBSCRIBE of the clients it let in")
 

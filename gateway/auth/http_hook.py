@@ -33,11 +33,11 @@ import httpx
 import orjson
 import trio
 
-from gateway.auth.chain import ON_ERROR
 from store.api import ALLOW, DENY, IGNORE, Credentials, Decision, TopicAcl
 
 log = logging.getLogger("lightgate.auth.http")
 
+ON_ERROR = ("deny", "allow", "next")
 CACHE_MAX = 10_000
 _ACTIONS = {"PUB": "publish", "SUB": "subscribe"}
 

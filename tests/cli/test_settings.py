@@ -157,5 +157,10 @@ def test_a_value_from_the_environment_or_a_file_names_where_it_came_from(
                     settings.GATEWAY_CMD_SETTINGS)
 
 
-def test_the_largest_packet_is_mqtts() -> None:
+def test_the_written_out_bounds_are_those_of_the_modules_they_stand_for() -> None:
+    """Two the settings name without loading their modules (the command line stays
+    light): MQTT's largest packet, and what the HTTP hook does when it fails."""
+    from gateway.auth.http_hook import ON_ERROR
+
     assert MAX_PACKET == MAX_PACKET_SIZE
+    assert settings.BOUNDS["auth-http-on-error"].choices == ON_ERROR
