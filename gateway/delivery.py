@@ -503,6 +503,11 @@ class Delivery(SharedMember):
             await self._push(msg, qos, True, sids if self.core.version == 5 else None, None, -1)
             self.conn.flush()
 
+    def send_now(self, msg: Message, retain: bool, sids: list[int] | None) -> bool:
+        """A QoS 0 message of the broker's own, now: a `$SYS` value (gateway.statistics)."""
+        return self._send(msg, 0, retain, sids, None, -1) is not False
+
+
 def _only_reader(s: Session, queue: str) -> list[Subscription] | None:
     """The common case, one subscription: a message of its queue matches it by
     construction, no trie walk needed."""

@@ -11,8 +11,8 @@ Python core, and lets Python's delivery go on from each queue's position. Once i
 quiet again it is promoted again.
 
 Promoted: clean sessions (3.1.1 clean session, v5 session expiry 0) on plain TCP, with
-plain subscriptions (no shared, no `$replay`, no v5 No Local, Retain As Published or
-subscription identifiers), no HTTP hook or per-delivery ACL check, no publish rate
+plain subscriptions (no shared, no `$replay`, no `$` filter, no v5 No Local, Retain As
+Published or subscription identifiers), no HTTP hook or per-delivery ACL check, no publish rate
 limit, no credentials' end, and nothing under way in Python. Everything else stays in
 Python (TLS, WebSocket, persistent sessions, ...)."""
 
@@ -125,7 +125,8 @@ class Handover:
         for sub in s.subscriptions.values():
             o = sub.options
             if sub.shared or sub.replay or sub.subscription_id or o.no_local \
-                    or o.retain_as_published:
+                    or o.retain_as_published or sub.topic_filter.startswith("$"):
+                # ($SYS values come from Python's housekeeping, not from a queue)
                 return PARKED  # until an UNSUBSCRIBE
         if not core.quiet() or conn._lane or conn._lane_busy or conn._paused \
                 or not self.broker.inbound.idle(conn) or not self._delivery_idle(conn):

@@ -5,21 +5,20 @@ each round is guarded (gateway.background)."""
 from __future__ import annotations
 
 import logging
-import time
 from functools import partial
 
 import trio
 
+from gateway import statistics
 from gateway.background import Background
 from gateway.config import GatewayConfig
-from gateway.reserved import SERVER_ID
 from gateway.retained import Retained
 from gateway.sessions import SessionRegistry
 from gateway.shared import SharedGroups
 from gateway.stats import Stats
 from gateway.wills import Wills
 from lightqueue.topic import is_wildcard
-from store.api import Message, Store, StoreError
+from store.api import Store, StoreError
 
 log = logging.getLogger("lightgate.gateway")
 
@@ -82,21 +81,10 @@ class Housekeeping:
         await self.groups.flush_offsets()
 
     async def publish_sys(self) -> None:
-        st = self.stats
-        totals = st.totals()
-        store_stats = (await self.store.get_stats())["commitlog"]
-        values = {
-            "$SYS/broker/uptime": f"{int(time.time() - st.started)} seconds",
-            "$SYS/broker/clients/connected": st.connections,
-            "$SYS/broker/clients/total": len(self.sessions.by_id),
-            "$SYS/broker/messages/received": totals["messages_in"],
-            "$SYS/broker/messages/sent": totals["messages_out"],
-            "$SYS/broker/bytes/received": totals["bytes_in"],
-            "$SYS/broker/bytes/sent": totals["bytes_out"],
-            "$SYS/broker/store/bytes": store_stats["bytes"],
-            "$SYS/broker/store/segments": store_stats["segments"],
-        }
-        msgs = [Message(t, str(v).encode(), 0, True, SERVER_ID, born_ts=int(time.time() * 1000))
-                for t, v in values.items()]
-        for stored in await self.store.publish(msgs):
-            await self.retained.set(stored)
+        """The broker's statistics: to the `$SYS` subscribers here, and as the current
+        values a new subscription finds; never into the store (gateway.statistics)."""
+        commitlog = (await self.store.get_stats())["commitlog"]
+        msgs = statistics.round_of(self.stats, len(self.sessions.by_id), commitlog)
+        for msg in msgs:
+            self.retained.statistic(msg)
+        statistics.hand_out(self.sessions.by_queue, msgs)

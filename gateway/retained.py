@@ -131,12 +131,20 @@ class RetainedMessage:
 
 class Retained:
     """The retained messages as subscribers find them: the store's `retained` records,
-    plus those stored whose record is still to be written (`retaining`)."""
+    plus those stored whose record is still to be written (`retaining`), plus the
+    broker's own statistics, which live here only (`statistic`)."""
 
     def __init__(self, store: Store, limits: RetainedLimits) -> None:
         self.store = store
         self.budget = RetainedBudget(limits)
         self._retaining: dict[str, Message] = {}  # stored, their retained record to come
+        # $SYS/broker/...: the current value of each, never stored (housekeeping)
+        self.statistics: dict[str, RetainedMessage] = {}
+
+    def statistic(self, msg: Message) -> None:
+        """The broker's statistic `msg` is its topic's current value: what a new
+        subscription finds, from memory (a fixed set of topics, said every round)."""
+        self.statistics[msg.topic] = RetainedMessage.of(msg)
 
     async def publish(self, msg: Message) -> Message:
         """Store one message the gateway makes (a will) and keep it retained if flagged."""
@@ -171,9 +179,13 @@ class Retained:
         self.budget.remove(topic)
 
     async def load_budget(self) -> None:
-        """The retained messages the store already holds count from the start."""
+        """The retained messages the store already holds count from the start. The
+        broker's statistics an older version kept there are dropped: they live here."""
         try:
             for topic, d in await self.store.meta_items("retained"):
+                if is_broker_statistic(topic, d.get("client_id", "")):
+                    await self.store.meta_delete("retained", topic)
+                    continue
                 size = stored_size(topic, d["body"], d.get("props") or {})
                 self.budget.set(topic, d.get("client_id", ""), size)
         except StoreError as exc:  # separated mode, store away
@@ -181,6 +193,9 @@ class Retained:
 
     async def matching(self, topic_filter: str) -> list[RetainedMessage]:
         found = await self._stored(topic_filter)
+        if topic_filter.startswith("$"):
+            found += [r for topic, r in self.statistics.items()
+                      if matches(topic_filter, topic)]
         if not self._retaining:
             return found
         by_topic = {r.topic: r for r in found}

@@ -23,6 +23,7 @@ import trio
 from gateway.auth.chain import BackendConfig, split_list
 from gateway.config import GatewayConfig, GatewayOptions, ListenerConfig
 from lightgate.settings import (
+    BOUNDS,
     GATEWAY_CMD_SETTINGS,
     SERVE_SETTINGS,
     STORE_CMD_SETTINGS,
@@ -34,6 +35,7 @@ from serving.settings import flag_values
 from serving.startup import (
     HTTP_LISTENER,
     NATIVE_LISTENER,
+    CommandError,
     StartupError,
     check_ports,
     first_of,
@@ -73,19 +75,22 @@ def _add_settings(
         if typ is bool:
             parser.add_argument(f"--{flag}", action="store_true", default=None, help=help_text)
         else:
+            takes = BOUNDS[flag].describe() if flag in BOUNDS else ""
             parser.add_argument(
-                f"--{flag}", type=typ, default=None, help=f"{help_text} (default: {default})"
-            )
+                f"--{flag}", type=typ, default=None,
+                help=f"{help_text} (default: {default}{'; ' + takes if takes else ''})")
 
 
 def resolve(args: argparse.Namespace, settings: list[tuple[str, Any, Any, str]]) -> dict[str, Any]:
     """Flag > environment > config file > default, for each setting. A value that is not
-    of the setting's type is a StartupError naming the variable or key."""
+    of the setting's type is a StartupError naming the variable or key; values outside
+    what their settings take (BOUNDS) are one StartupError naming every one."""
     file_values = load_config(args.config) if getattr(args, "config", None) else {}
     out: dict[str, Any] = {}
+    refused: list[str] = []
     for flag, typ, default, _ in settings:
         name = flag.replace("-", "_")
-        value = getattr(args, name, None)
+        value, origin = getattr(args, name, None), ""
         env = os.environ.get(f"LIGHTGATE_{name.upper()}")
         if value is None and env is not None:
             try:
@@ -93,9 +98,16 @@ def resolve(args: argparse.Namespace, settings: list[tuple[str, Any, Any, str]])
             except ValueError:
                 raise StartupError(f"LIGHTGATE_{name.upper()}={env!r} is not {_a(typ)} "
                                    f"(--{flag})") from None
+            origin = f" (LIGHTGATE_{name.upper()})"
         if value is None and name in file_values:
             value = _config_value(args.config, name, typ, file_values[name])
+            origin = f" (--config {args.config}: {name})"
         out[name] = default if value is None else value
+        why = BOUNDS[flag].refusal(out[name]) if flag in BOUNDS else None
+        if why is not None:
+            refused.append(f"--{flag} {why}{origin}")
+    if refused:
+        raise StartupError("; ".join(refused))
     return out
 
 
@@ -133,19 +145,10 @@ def load_config(path: str) -> dict[str, Any]:
 
 
 def _store_config(values: dict[str, Any]) -> Any:
-    if values["flush"] not in ("sync", "async"):
-        raise StartupError(f"--flush must be sync or async, not {values['flush']!r}")
-    for size in ("index_cache_mb", "index_memtable_mb", "metadata_cache_mb",
-                 "metadata_memtable_mb", "recent_cache_mb", "recent_per_queue"):
-        if values[size] < 1:
-            raise StartupError(f"--{size.replace('_', '-')} must be at least 1, not "
-                               f"{values[size]}")
     return _config(StoreConfig, values, data_dir=Path(values["data_dir"]), **_http(values))
 
 
 def _gateway_config(values: dict[str, Any]) -> GatewayConfig:
-    if values["io_threads"] is not None and values["io_threads"] < 1:
-        raise StartupError(f"--io-threads must be at least 1, not {values['io_threads']}")
     why = plane.require_native()
     if why is not None:
         raise StartupError(why)
@@ -190,8 +193,6 @@ def _backend_config(values: dict[str, Any]) -> BackendConfig:
 
 def _auth_config(values: dict[str, Any], backends: BackendConfig) -> AuthConfig:
     """The store's auth settings; `backends` (MQTT's, _backend_config) may turn it on."""
-    if values["auth_strategy"] not in ("stateful", "stateless"):
-        raise StartupError("--auth-strategy must be stateful or stateless")
     cfg: AuthConfig = _config(AuthConfig, values, audit_log=values.get("audit_log"),
                               mqtt_chain=backends.chain)
     return cfg
@@ -233,9 +234,6 @@ async def _store_main(cfg: Any, native: str, http: str, notify: str | None,
 
 
 def _replication_config(values: dict[str, Any]) -> ReplicationConfig:
-    mode = values["replication"]
-    if mode not in ("sync", "async"):
-        raise StartupError(f"--replication must be sync or async, not {mode!r}")
     raft, advertise = values["raft"], values["raft_advertise"] or values["raft"]
     peers = [x.strip() for x in (values["group_peers"] or "").split(",")
              if x.strip() and x.strip() != advertise]  # the list may name this node
@@ -245,7 +243,7 @@ def _replication_config(values: dict[str, Any]) -> ReplicationConfig:
         raise StartupError("--replica-of and --group-peers exclude each other: in a group "
                            "the controller says who is master")
     group = len(peers) + 1 if peers else None
-    if values["min_insync"] < 1 or (group is not None and values["min_insync"] > group):
+    if group is not None and values["min_insync"] > group:
         raise StartupError(f"--min-insync must be between 1 and the group's size, not "
                            f"{values['min_insync']}")
     if values["failover_after_s"] < values["controller_lease_s"] + 0.5:
@@ -285,9 +283,6 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.app import run_gateway
 
     values = resolve(args, GATEWAY_CMD_SETTINGS)
-    if values["master_unreachable_s"] <= 0:
-        raise StartupError("--master-unreachable-s must be more than 0 (and longer than "
-                           "the store group's failover, --failover-after-s)")
     opts = _config(GatewayOptions, values, notify=values["notify"],
                    peers=list(split_list(values["peers"]) or ()),
                    gateway=_gateway_config(values), listeners=_listener_config(values),
@@ -325,8 +320,13 @@ def cmd_produce(args: argparse.Namespace) -> int:
     with Producer(args.server, idempotent=args.idempotent, **_credentials(args)) as producer:
         for line in sys.stdin:
             body = line.rstrip("\n").encode()
-            res = producer.send(args.topic, body, mqtt_topic=args.mqtt_topic, key=args.key,
-                                qos=args.qos)
+            try:
+                res = producer.send(args.topic, body, mqtt_topic=args.mqtt_topic,
+                                    key=args.key, qos=args.qos)
+            except Exception as exc:
+                if n:  # (the line `main` prints says what failed; this, what went before)
+                    exc.add_note(f"{n} messages were sent before it")
+                raise
             n += 1
             if args.verbose:
                 print(res.msg_id, flush=True)
@@ -356,7 +356,8 @@ def cmd_consume(args: argparse.Namespace) -> int:
 
 
 def _admin_request(args: argparse.Namespace, code_name: str, header: dict[str, Any]) -> dict:
-    """One users/ACL request to the store (Super credentials from --as or LIGHTGATE_AUTH)."""
+    """One users/ACL request to the store (Super credentials from --as or LIGHTGATE_AUTH);
+    a refusal is raised, and `main` says it in one line."""
     from store import protocol as p
     from store.client import NativeClient
 
@@ -366,21 +367,10 @@ def _admin_request(args: argparse.Namespace, code_name: str, header: dict[str, A
         async with NativeClient.open(
             args.server, credentials=(creds["username"], creds["password"]) if creds else None
         ) as client:
-            try:  # returned, not raised: the client's nursery would wrap it in a group
-                reply, _ = await client.request(getattr(p, code_name), header)
-            except p.RemoteError as exc:
-                return {"__error__": exc}
+            reply, _ = await client.request(getattr(p, code_name), header)
             return reply
 
-    try:
-        out = trio.run(call)
-        if "__error__" in out:
-            raise out["__error__"]
-        return out
-    except p.RemoteError as exc:
-        raise SystemExit(f"lightgate: {exc.message} ({exc.status})") from None
-    except OSError as exc:
-        raise SystemExit(f"lightgate: {exc}") from None
+    return trio.run(call)
 
 
 def cmd_user(args: argparse.Namespace) -> int:
@@ -464,9 +454,7 @@ def _add_auth_commands(sub: Any, client_flags: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lightgate", description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--log-level", default=os.environ.get("LIGHTGATE_LOG_LEVEL", "INFO"),
-                        help="debug, info, warning or error (default: INFO, or "
-                             "LIGHTGATE_LOG_LEVEL)")
+    parser.add_argument("--log-level", help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, func, settings in (("serve", cmd_serve, SERVE_SETTINGS),
@@ -507,7 +495,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="every key with its default, as TOML")
     config.set_defaults(func=cmd_config)
     _add_room_commands(sub)
+    _log_level_everywhere(parser)
     return parser
+
+
+LOG_LEVEL_HELP = ("debug, info, warning or error (default: LIGHTGATE_LOG_LEVEL, else INFO "
+                  "for the servers and WARNING for the client commands); debug adds the "
+                  "traceback to an error")
+
+
+def _log_level_everywhere(parser: argparse.ArgumentParser) -> None:
+    """--log-level after any command too (`lightgate serve --log-level debug`), not only
+    before it: each command's parser takes it, and says nothing when it is not given
+    (SUPPRESS), so that one given before the command stands."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                if not any("--log-level" in a.option_strings for a in command._actions):
+                    command.add_argument("--log-level", default=argparse.SUPPRESS,
+                                         help=LOG_LEVEL_HELP)
+                _log_level_everywhere(command)
 
 
 def _add_room_commands(sub: Any) -> None:
@@ -534,15 +541,18 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    debug = args.log_level.upper() == "DEBUG"
+    server = args.command in COMMANDS
+    level = (args.log_level or os.environ.get("LIGHTGATE_LOG_LEVEL")
+             or ("INFO" if server else "WARNING"))
+    debug = level.upper() == "DEBUG"
     try:
         logging.basicConfig(
-            level=args.log_level.upper(),
+            level=level.upper(),
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
             stream=sys.stderr,
         )
     except ValueError:
-        print(f"lightgate: --log-level {args.log_level!r} is not one of debug, info, "
+        print(f"lightgate: --log-level {level!r} is not one of debug, info, "
               "warning, error", file=sys.stderr)
         sys.exit(2)
     try:
@@ -550,12 +560,63 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.exit(0)
     except BaseException as exc:
-        # The one place a start-up failure becomes a line and status 2; trio hands it
-        # over inside exception groups, from whichever nursery it crossed.
+        # The one place a failure the user fixes becomes a line: a server's start-up
+        # failure with status 2, a client command's with 1. trio hands it over inside
+        # exception groups, from whichever nursery it crossed.
+        if isinstance(exc, SystemExit):
+            raise
+        line, status = None, 2
         failure = first_of(exc, StartupError)
-        if failure is None or isinstance(exc, SystemExit):
+        if failure is not None:
+            line = str(failure)
+        elif not server:
+            line, status = client_failure(exc, args), 1
+        if line is None:
             raise
         if debug:
             traceback.print_exception(exc)
-        print(f"lightgate: {failure}", file=sys.stderr)
-        sys.exit(2)
+        prefix = "lightgate" if server else f"lightgate {args.command}"
+        print(f"{prefix}: {line}", file=sys.stderr)
+        sys.exit(status)
+
+
+# Optional modules, by the extra that installs them (pyproject.toml).
+EXTRAS = {"pyspark": "spark", "pyarrow": "spark", "pandas": "spark", "py4j": "spark",
+          "paho": "spark"}
+
+
+def client_failure(exc: BaseException, args: argparse.Namespace) -> str | None:
+    """A client command's failure in one line that says what to do, or None for what
+    is not the user's to fix (a bug: the traceback)."""
+    from store import protocol as p
+    from store.client import AuthFailed
+    from store.common import StoreError
+    from store.sdk import DeliveryTimeout
+
+    notes = "; ".join(getattr(exc, "__notes__", []))
+    if (found := first_of(exc, CommandError)) is not None:
+        line = str(found)
+    elif (found := first_of(exc, AuthFailed)) is not None:
+        who = _credentials(args).get("username")
+        said = (f"the store refused the credentials of {who!r}" if who else
+                "the store needs credentials")
+        line = (f"{said}: {found.message} ({found.status}); give a user's with --as "
+                "NAME:PASSWORD or LIGHTGATE_AUTH")
+    elif (found := first_of(exc, p.RemoteError)) is not None:
+        line = f"{found.message} ({found.status})"
+    elif (found := first_of(exc, DeliveryTimeout)) is not None:
+        line = str(found)
+    elif (found := first_of(exc, StoreError)) is not None:
+        line = f"{found}; give the store's native HOST:PORT with --server"
+    elif (found := first_of(exc, ModuleNotFoundError)) is not None:
+        root = (found.name or "").partition(".")[0]
+        if root not in EXTRAS:
+            return None
+        extra = EXTRAS[root]
+        line = (f"needs {root}, which is not installed: pip install 'lightgate[{extra}]' "
+                f"(in a checkout: pip install -e '.[{extra}]')")
+    elif (found := first_of(exc, OSError)) is not None:
+        line = str(found)
+    else:
+        return None
+    return f"{line} ({notes})" if notes else line

@@ -9,6 +9,7 @@ import textwrap
 from typing import Any
 
 from lightgate.settings import (
+    BOUNDS,
     GATEWAY_CMD_SETTINGS,
     SERVE_SETTINGS,
     STORE_CMD_SETTINGS,
@@ -54,7 +55,9 @@ def example() -> str:
         out.append(f"\n# ---- read by: {', '.join(commands)} ----\n")
         for key in keys:
             flag, _, default, help_text = all_settings()[key]
-            out.append("\n" + textwrap.fill(f"--{flag}: {help_text}", 88, initial_indent="# ",
+            takes = BOUNDS[flag].describe() if flag in BOUNDS else ""
+            said = f"--{flag}: {help_text}" + (f" ({takes})" if takes else "")
+            out.append("\n" + textwrap.fill(said, 88, initial_indent="# ",
                                              subsequent_indent="#   ") + "\n")
             value = "" if default is None else f" {_toml(default)}"
             out.append(f"{'# ' if default is None else ''}{key} ={value}\n")

@@ -11,7 +11,7 @@ from typing import Any
 
 from gateway.auth.chain import BackendConfig
 from gateway.config import GatewayConfig, GatewayOptions, ListenerConfig
-from serving.settings import Setting, setting_of, settings_of
+from serving.settings import Bounds, Setting, bounds_of, setting_of, settings_of
 from serving.values import HTTP_ADDR, HTTP_MAX_BODY, NATIVE_ADDR
 from store.config import AuthConfig, ReplicationConfig, StoreConfig
 
@@ -22,6 +22,13 @@ REPLICATION_SETTINGS: list[Setting] = settings_of(ReplicationConfig)
 HTTP_SETTING = ("http", str, HTTP_ADDR, "HTTP (dashboard, admin API, metrics) HOST:PORT")
 HTTP_BODY_SETTING = ("http-max-body", int, HTTP_MAX_BODY,
                      "largest HTTP request body (413 past it)")
+# The values each setting may take, by flag: the config dataclasses' (serving.settings),
+# and those of the rows written here that are numbers.
+BOUNDS: dict[str, Bounds] = {
+    **bounds_of(StoreConfig), **bounds_of(ReplicationConfig), **bounds_of(AuthConfig),
+    **bounds_of(GatewayConfig), **bounds_of(ListenerConfig), **bounds_of(GatewayOptions),
+    **bounds_of(BackendConfig, "auth-"), HTTP_BODY_SETTING[0]: Bounds(least=1),
+}
 HTTP_HOSTS_SETTING = ("http-allowed-hosts", str, None,
                       "more Host names HTTP answers to, comma list (* for any): loopback "
                       "names, IP addresses and --http's own host always are")

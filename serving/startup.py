@@ -30,6 +30,11 @@ class StartupError(Exception):
     """A server cannot start, for a reason named in one line with the setting to change."""
 
 
+class CommandError(Exception):
+    """A client command (`lightgate simulate`, ...) failed for a reason the user fixes,
+    said in one line with the flag to change: status 1 (lightgate.cli)."""
+
+
 # What a failed bind means to someone starting a server, by errno.
 _BIND_REASONS = {
     errno.EADDRINUSE: "the address is already in use (another process listens there)",
@@ -50,29 +55,54 @@ def listening(what: str, flag: str, addr: str) -> Iterator[None]:
         failed = first_of(exc, OSError)
         if failed is None:
             raise
-        reason = _BIND_REASONS.get(failed.errno or 0) or failed.strerror or str(failed)
-        raise StartupError(
-            f"{what} cannot listen on {addr}: {reason}; choose another with "
-            f"{flag} HOST:PORT (port 0 picks a free one)") from exc
+        raise StartupError(_cannot_listen(_bind_reason(failed), [(what, flag, addr)])) \
+            from exc
+
+
+def _bind_reason(failed: OSError) -> str:
+    return _BIND_REASONS.get(failed.errno or 0) or failed.strerror or str(failed)
+
+
+def _cannot_listen(reason: str, listeners: list[tuple[str, str, str]]) -> str:
+    """"X cannot listen on A, Y on B: reason; choose others with --x and --y HOST:PORT"."""
+    where = [f"{what} on {addr}" for what, _, addr in listeners]
+    where[0] = where[0].replace(" on ", " cannot listen on ", 1)
+    flags = [flag for _, flag, _ in listeners]
+    return (f"{_and(where)}: {reason}; choose {'another' if len(flags) == 1 else 'others'} "
+            f"with {_and(flags)} HOST:PORT (port 0 picks a free one)")
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def check_ports(listeners: list[tuple[str, str, str | None]]) -> None:
     """Before anything opens, try to bind each (what, flag, addr) listener's address and
-    let it go: a port in use is then reported at once, in one line, not after the
-    store's recovery (which logs, and may take long). The real bind later still reports
-    a port taken in between. Port 0 and disabled listeners are skipped."""
+    let it go: ports in use are then reported at once, every one in the one line (not
+    one a run), and not after the store's recovery (which logs, and may take long). The
+    real bind later still reports a port taken in between. Port 0 and disabled
+    listeners are skipped."""
+    failed: dict[str, list[tuple[str, str, str]]] = {}  # reason -> the listeners
+    first: OSError | None = None  # (the traceback --log-level debug shows)
     for what, flag, addr in listeners:
         if not addr:
             continue
         with listening(what, flag, addr):
             host, port = split_hostport(addr)
-            if port == 0:
-                continue
+        if port == 0:
+            continue
+        try:
             for family, kind, proto, _, sockaddr in socket.getaddrinfo(
                     host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
                 with socket.socket(family, kind, proto) as probe:
                     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                     probe.bind(sockaddr)
+        except OSError as exc:
+            failed.setdefault(_bind_reason(exc), []).append((what, flag, addr))
+            first = first or exc
+    if failed:
+        raise StartupError("; and ".join(_cannot_listen(reason, taken)
+                                         for reason, taken in failed.items())) from first
 
 
 NATIVE_LISTENER = ("the native protocol", "--native")

@@ -12,8 +12,10 @@ import sys
 import time
 from typing import Any
 
+from serving.startup import CommandError
 from serving.values import NATIVE_ADDR, split_credentials
 from spark_streaming.jobs import JOBS
+from spark_streaming.session import INSTALL_EXTRA
 
 TRIGGER = "1 second"
 # Alerts run back to back: a trigger with nothing to do waits in the store for the next
@@ -74,6 +76,11 @@ def add_commands(sub: Any) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    try:
+        import paho.mqtt.client  # noqa: F401
+    except ModuleNotFoundError:
+        raise CommandError(f"needs paho-mqtt, which is not installed: {INSTALL_EXTRA}"
+                           ) from None
     from spark_streaming.simulate import SimConfig, run
 
     username, password = _credentials(args)
@@ -97,8 +104,13 @@ def _credentials(args: argparse.Namespace) -> tuple[str | None, str | None]:
 
 
 def cmd_analytics_run(args: argparse.Namespace) -> int:
+    from spark_streaming.session import SparkSetupError, check_requirements
+
+    try:
+        check_requirements()  # before the jobs' modules, which import pyspark
+    except SparkSetupError as exc:
+        raise CommandError(str(exc)) from None
     from spark_streaming.jobs.rules import load_rules
-    from spark_streaming.session import SparkSetupError
 
     rules = None
     if args.job == "alerts":
@@ -113,8 +125,7 @@ def cmd_analytics_run(args: argparse.Namespace) -> int:
     try:
         return _run(args, rules)
     except SparkSetupError as exc:
-        print(f"lightgate: {exc}", file=sys.stderr)
-        return 2
+        raise CommandError(str(exc)) from None
 
 
 def _default_trigger(job: str) -> str:

@@ -21,6 +21,10 @@ CHECKPOINT_FILE_MANAGERS = [
     for pkg in ("checkpointing.", "")]
 
 
+# What installs pyspark, pyarrow and pandas (and paho-mqtt for `lightgate simulate`).
+INSTALL_EXTRA = "pip install 'lightgate[spark]' (in a checkout: pip install -e '.[spark]')"
+
+
 class SparkSetupError(RuntimeError):
     """Spark cannot start here; the message says what to install or set."""
 
@@ -31,14 +35,14 @@ def check_requirements() -> None:
         import pyspark  # noqa: F401
     except ImportError:
         raise SparkSetupError(
-            "pyspark is not installed: pip install 'lightgate[spark]' "
-            "(or pip install 'pyspark[sql]>=4.2')") from None
+            f"needs pyspark, which is not installed: {INSTALL_EXTRA}") from None
     try:
         import pyarrow  # noqa: F401
     except ImportError:
         raise SparkSetupError(
-            "pyarrow is not installed; Python data sources need it (without it Spark only "
-            "says 'Python worker failed to connect back'): pip install pyarrow") from None
+            "needs pyarrow, which is not installed (Python data sources need it; without it "
+            f"Spark only says 'Python worker failed to connect back'): {INSTALL_EXTRA}"
+        ) from None
     find_java()
 
 

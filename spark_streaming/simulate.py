@@ -8,13 +8,18 @@ Temperatures random-walk around `base`; the first `hot` devices read around `hot
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
+from serving.startup import CommandError
 from serving.values import split_hostport
+
+CONNACK_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -41,14 +46,27 @@ def run(cfg: SimConfig, progress: bool = True) -> int:
     host, port = split_hostport(cfg.mqtt, "127.0.0.1")
     rng = random.Random(cfg.seed)
     clients = []
-    for i in range(1, cfg.devices + 1):
-        c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"sim-dev-{i}")
-        if cfg.username:
-            c.username_pw_set(cfg.username, cfg.password)
-        c.max_queued_messages_set(10_000)
-        c.connect(host, port)
-        c.loop_start()
-        clients.append(c)
+    try:
+        for i in range(1, cfg.devices + 1):
+            c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"sim-dev-{i}")
+            if cfg.username:
+                c.username_pw_set(cfg.username, cfg.password)
+            c.max_queued_messages_set(10_000)
+            connack = _Connack()
+            c.on_connect = connack.on_connect
+            try:
+                c.connect(host, port)
+            except OSError as exc:
+                raise CommandError(
+                    f"cannot connect to the MQTT broker at {cfg.mqtt}: "
+                    f"{os.strerror(exc.errno).lower() if exc.errno else exc}; give its "
+                    "HOST:PORT with --mqtt") from None
+            c.loop_start()
+            clients.append(c)
+            connack.check(cfg, f"sim-dev-{i}")
+    except BaseException:
+        _stop(clients)
+        raise
     temps = [cfg.hot_temp if i < cfg.hot else cfg.base + rng.uniform(-2, 2)
              for i in range(cfg.devices)]
     sent = 0
@@ -78,10 +96,36 @@ def run(cfg: SimConfig, progress: bool = True) -> int:
             if delay > 0:
                 time.sleep(delay)
     finally:
-        for c in clients:
-            c.disconnect()
-            c.loop_stop()
+        _stop(clients)
     if progress:
         print(f"\rsimulate: {sent} messages from {cfg.devices} devices in "
               f"{time.monotonic() - start:.1f} s", file=sys.stderr)
     return sent
+
+
+class _Connack:
+    """A device's CONNACK, as paho's network thread hands it over."""
+
+    def __init__(self) -> None:
+        self.answered = threading.Event()
+        self.code: Any = None
+
+    def on_connect(self, client: Any, userdata: Any, flags: Any, code: Any,
+                   properties: Any) -> None:
+        self.code = code
+        self.answered.set()
+
+    def check(self, cfg: SimConfig, who: str) -> None:
+        """A CommandError saying why the broker did not let `who` in, if it did not."""
+        if not self.answered.wait(CONNACK_TIMEOUT_S):
+            raise CommandError(f"the MQTT broker at {cfg.mqtt} did not answer {who}'s "
+                               f"CONNECT within {CONNACK_TIMEOUT_S:g} s (--mqtt HOST:PORT)")
+        if self.code.is_failure:
+            raise CommandError(f"the MQTT broker at {cfg.mqtt} refused {who}: {self.code} "
+                               "(credentials: --as NAME:PASSWORD or LIGHTGATE_AUTH)")
+
+
+def _stop(clients: list[Any]) -> None:
+    for c in clients:
+        c.disconnect()
+        c.loop_stop()

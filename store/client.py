@@ -9,7 +9,7 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -21,6 +21,7 @@ from serving.startup import first_of
 from serving.values import split_hostport
 from store import protocol as p
 from store.common import (
+    AnswerLost,
     HistoryBatch,
     PullResult,
     QueueSeek,
@@ -154,6 +155,8 @@ class NativeClient:
         self._last_heard = 0.0  # when the connection last brought bytes
         self._recheck = False  # the node refused a request (503): is it still master?
         self._send: trio.MemorySendChannel[bytes] | None = None
+        self._session_no = 0  # counts the connections to a master made so far
+        self._leave: Callable[[str], None] | None = None  # ends the current session
         self._connected = trio.Event()
         self._closed = False
         self.reconnects = 0
@@ -237,7 +240,7 @@ class NativeClient:
                 if self._connected.is_set():  # keep an unset one: requests wait on it
                     self._connected = trio.Event()
                 self._send = None
-                self._fail_all(StoreUnavailable(
+                self._fail_all(AnswerLost(
                     f"connection to the store {_name(found.addr)} lost"))
                 with trio.CancelScope(shield=True):
                     await found.stream.aclose()
@@ -386,12 +389,19 @@ class NativeClient:
         error: Exception | None = None
         self._last_heard = trio.current_time()
         self._recheck = False
-        lost: list[str] = []  # why the watchdog ended the session
+        lost: list[str] = []  # why the watchdog (or `leave`) ended the session
         # On the way out, requests still waiting for room fail (and may go to the next master).
         with recv:
             async with trio.open_nursery() as nursery:
+
+                def leave(why: str) -> None:
+                    lost.append(why)
+                    nursery.cancel_scope.cancel()
+
                 nursery.start_soon(batched_writer, stream, recv, nursery.cancel_scope)
                 nursery.start_soon(self._watch, nursery.cancel_scope, lost)
+                self._session_no += 1
+                self._leave = leave
                 self._send = send
                 self._connected.set()
                 self._settled.set()
@@ -406,6 +416,8 @@ class NativeClient:
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError,
                         p.ProtocolError) as exc:
                     error = exc
+                finally:
+                    self._leave = None
                 nursery.cancel_scope.cancel()
         if lost:
             raise StoreUnavailable(lost[0])
@@ -517,28 +529,38 @@ class NativeClient:
 
     async def request(
         self, code: int, header: dict[str, Any], body: bytes = b"",
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float = DEFAULT_TIMEOUT, *, leave_if_silent: bool = False,
     ) -> tuple[dict[str, Any], bytes]:
         """One request; `timeout` bounds all of it, waiting for the master included, and
-        StoreUnavailable says it ran out. A RETRY_SAFE request whose connection was lost
-        goes to the next master."""
+        StoreUnavailable says it ran out: AnswerLost when the request had gone out (the
+        store may have carried it out). A RETRY_SAFE request whose connection was lost
+        goes to the next master. `leave_if_silent`: a request sent and unanswered within
+        `timeout` ends its connection (when it is still the current one), so that what
+        is sent next goes on a new one: a connection can stay open and carry nothing
+        back (a NAT or firewall that lost the flow) while the node answers others."""
         attempts = MAX_ATTEMPTS if code in RETRY_SAFE else 1
+        sent_on: list[int] = []  # the session each attempt went out on
         try:
             with trio.fail_after(timeout):
                 for attempt in range(1, attempts + 1):
                     try:
-                        frame = await self._once(code, header, body)
+                        frame = await self._once(code, header, body, sent_on)
                         break
                     except StoreUnavailable:
                         if attempt == attempts:
                             raise
         except trio.TooSlowError:
-            raise StoreUnavailable(f"no answer from the store {self.addr} within "
-                                   f"{timeout:g} s") from None
+            why = f"no answer from the store {self.addr} within {timeout:g} s"
+            if not sent_on:
+                raise StoreUnavailable(why) from None
+            if leave_if_silent and sent_on[-1] == self._session_no and self._leave:
+                self._leave(f"a request went unanswered for {timeout:g} s")
+            raise AnswerLost(why) from None
         _raise_for(frame)
         return frame.header, frame.body
 
-    async def _once(self, code: int, header: dict[str, Any], body: bytes) -> p.Frame:
+    async def _once(self, code: int, header: dict[str, Any], body: bytes,
+                    sent_on: list[int]) -> p.Frame:
         while self._send is None or not self._connected.is_set():
             if self.fatal is not None:
                 raise self.fatal
@@ -546,7 +568,9 @@ class NativeClient:
         if self.fatal is not None:
             raise self.fatal
         fut: Future = Future()
+        session = self._session_no
         await self._send_waiting(code, header, body, fut)
+        sent_on.append(session)  # (a cancelled send sent nothing)
         try:
             frame: p.Frame = await await_future(fut)
         except trio.Cancelled:

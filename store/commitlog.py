@@ -76,6 +76,26 @@ class RecoveryReport:
     marked_queues: int = 0  # queues started at their high-water mark (store.highwater)
     seconds: float = 0.0
 
+    def __str__(self) -> str:
+        """In words, for the log (the first line a server writes)."""
+        how = "after a clean shutdown" if self.clean_shutdown else "after a crash"
+        parts = [f"{self.records_verified} records verified from offset "
+                 f"{self.verified_from}, log end {self.end}"]
+        if self.truncated_at is not None:
+            parts.append(f"a torn tail of {self.truncated_bytes} bytes cut at offset "
+                         f"{self.truncated_at}")
+        if self.quarantined:
+            parts.append(f"{len(self.quarantined)} later segment(s) moved to quarantine: "
+                         f"{', '.join(self.quarantined)}")
+        if self.index_rebuilt:
+            parts.append("the index rebuilt")
+        if self.redispatched:
+            parts.append(f"{self.redispatched} records indexed again")
+        if self.producer_records:
+            parts.append(f"{self.producer_records} records read for the idempotent "
+                         "producers' sequences")
+        return f"{how}: {'; '.join(parts)}; in {self.seconds:.3f} s"
+
 
 class InlineFuture:
     """The future of an inline append: settled before `append` returns. It offers what
@@ -682,10 +702,8 @@ class CommitLog(EngineTail):
                 for req in accepted:
                     for m in req.new():
                         self._own.pop(m.phys_offset, None)
-        msgs = [m for req in accepted for m in req.new()]
         self.stats["batches"] += 1
-        self.stats["appends"] += len(accepted)
-        self.stats["messages"] += len(msgs)
+        self.stats["appends"] += len(accepted)  # (their messages count as they are taken)
         return accepted
 
     def _announce(self, written: list[_Append]) -> None:
@@ -1081,7 +1099,7 @@ class CommitLog(EngineTail):
         report.producer_records = self._rebuild_producers(end)
         report.seconds = time.monotonic() - t0
         level = logging.INFO if clean and report.truncated_at is None else logging.WARNING
-        log.log(level, "commitlog recovered: %s", report)
+        log.log(level, "commitlog recovered %s", report)
         return report
 
     def _read_abort(self) -> dict | None:

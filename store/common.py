@@ -37,6 +37,12 @@ class StoreUnavailable(StoreError):
     """No connection to the store right now (it is reconnecting)."""
 
 
+class AnswerLost(StoreUnavailable):
+    """The request went to the store and its answer never came (the connection was lost,
+    or stayed silent past the timeout): unlike the other StoreUnavailable, the store may
+    have carried it out."""
+
+
 @dataclass
 class PullResult:
     messages: list[Message]

@@ -25,31 +25,32 @@ class StoreConfig:
     data_dir: Path = setting(Path("data"), "directory for the CommitLog, index and metadata",
                              type=str)
     flush: str = setting(
-        "async", "sync: ack after fsync (group commit); async: fsync periodically")
-    flush_interval_ms: int = setting(500, "async mode: fsync at least this often")
-    segment_size: int = setting(1 << 30, "CommitLog segment size in bytes")
-    retention_hours: float | None = setting(72.0, "delete whole segments older than this")
+        "async", "sync: ack after fsync (group commit); async: fsync periodically",
+        choices=("sync", "async"))
+    flush_interval_ms: int = setting(500, "async mode: fsync at least this often", least=1)
+    segment_size: int = setting(1 << 30, "CommitLog segment size in bytes", least=4096)
+    retention_hours: float | None = setting(72.0, "delete whole segments older than this", above=0)
     retention_bytes: int | None = setting(
-        None, "delete the oldest segments beyond this total size")
+        None, "delete the oldest segments beyond this total size", least=1)
     retention_check_s: float = setting(
-        60.0, "how often retention looks for segments to delete")
+        60.0, "how often retention looks for segments to delete", above=0)
     default_partitions: int = setting(
-        4, "default partitions of a first-level topic", flag="partitions")
+        4, "default partitions of a first-level topic", flag="partitions", least=1)
     # Bytes of partly received native frames the store holds over all its connections
     # (see serving/read_budget.py). 0: no budget.
     native_max_partial_bytes: int = setting(
         256 * MiB, "bytes of partly received native frames the store holds; past it the "
-        "connections holding the most wait (0: no budget)")
+        "connections holding the most wait (0: no budget)", least=0)
     # NACK copies a message into its group's retry (or dead-letter) queue: a reader with
     # no right to publish could fill the disk (store.redelivery).
     max_retry_messages: int = setting(
         100_000, "messages a consumer group's retry and dead-letter queues may hold (what "
-        "retention keeps of them); a NACK past it is refused (0: no limit)")
+        "retention keeps of them); a NACK past it is refused (0: no limit)", least=0)
     # Bytes of a native connection's answers not yet written to it (store.outbox): past
     # it the connection's next requests wait. 0: no budget.
     native_max_unsent_bytes: int = setting(
         32 * MiB, "bytes of answers a native connection may have unsent (being read, "
-        "queued, being written); past it its requests wait until it reads (0: no budget)")
+        "queued, being written); past it its requests wait until it reads (0: no budget)", least=0)
     full_verify: bool = setting(
         False, "verify every CommitLog record on start, not just the tail")
     # Start-up verifies the log from the checkpoint's segment on; the older segments are
@@ -62,33 +63,33 @@ class StoreConfig:
     # every message was indexed into every wildcard filter ever used. 0: never.
     wildcard_idle_s: float = setting(
         600.0, "unregister a wildcard queue no session has used for this long, so "
-        "messages stop being indexed into it (0: never)")
+        "messages stop being indexed into it (0: never)", least=0)
     # Memory (docs/configuration.md, "Sizing"): RocksDB block caches and memtables, and the ring of
     # recent messages that readers at the head of a queue are served from (store.recent).
     # A small device may halve them all, a big node raise them.
     index_cache_mb: int = setting(
-        index_sizes.CACHE_MB, "the light-queue index's RocksDB block cache, MiB")
+        index_sizes.CACHE_MB, "the light-queue index's RocksDB block cache, MiB", least=1)
     index_memtable_mb: int = setting(
-        index_sizes.MEMTABLE_MB, "the index's write buffer (two at most), MiB")
+        index_sizes.MEMTABLE_MB, "the index's write buffer (two at most), MiB", least=1)
     metadata_cache_mb: int = setting(
         METADATA_CACHE_MB, "the metadata's RocksDB block cache (sessions, offsets, "
-        "retained ...), MiB")
+        "retained ...), MiB", least=1)
     metadata_memtable_mb: int = setting(
         METADATA_MEMTABLE_MB, "the metadata's write buffers over all its column "
-        "families, MiB")
+        "families, MiB", least=1)
     recent_cache_mb: int = setting(
         recent_sizes.MAX_BYTES // MiB, "recent messages kept in memory for readers at "
-        "the head of their queue, MiB")
+        "the head of their queue, MiB", least=1)
     recent_per_queue: int = setting(
-        recent_sizes.PER_QUEUE, "recent messages kept per queue being read")
+        recent_sizes.PER_QUEUE, "recent messages kept per queue being read", least=1)
     # Idempotent producers (store.producers): each producer id, and each first-level
     # topic one writes to, is remembered until it has sent nothing for the idle time.
     max_producers: int = setting(
         10_000, "idempotent producers the store remembers: producer ids, and the sequence "
-        "of each first-level topic one writes to; past it new ones are refused")
+        "of each first-level topic one writes to; past it new ones are refused", least=1)
     producer_idle_s: float = setting(
         7 * 24 * 3600.0, "forget an idempotent producer (its id and sequences) that sent "
-        "nothing for this long; a retry after it may be stored twice")
+        "nothing for this long; a retry after it may be stored twice", above=0)
     flush_bytes: int = 16 << 20
     max_pending_appends: int = 10_000
     http_max_body: int = HTTP_MAX_BODY  # the store's HTTP API (413 past it)
@@ -107,15 +108,15 @@ class ReplicationConfig:
         "controller; with --group-peers the controller decides)")
     mode: str = setting(  # sync: acks wait for every node of the in-sync set
         "async", "async: ack when the master has the bytes; sync: when every node of the "
-        "in-sync set has them", flag="replication")
+        "in-sync set has them", flag="replication", choices=("sync", "async"))
     min_insync: int = setting(  # sync: writes are refused while the in-sync set is smaller
         1, "sync mode: the in-sync set (master included) must have at least this many "
-        "nodes; with fewer, writes are refused")
+        "nodes; with fewer, writes are refused", least=1)
     max_lag_bytes: int = setting(
-        64 * MiB, "a replica further behind leaves the in-sync set")
+        64 * MiB, "a replica further behind leaves the in-sync set", least=1)
     max_lag_s: float = setting(
         2.0, "a replica that has not fetched for this long leaves the in-sync set (sync "
-        "mode: acks wait for it until then)")
+        "mode: acks wait for it until then)", above=0)
     raft: str | None = setting(  # this node's Raft bind HOST:PORT (with group_peers)
         None, "HOST:PORT the embedded controller's Raft port binds (with --group-peers)")
     raft_advertise: str | None = setting(  # the Raft HOST:PORT peers dial
@@ -136,10 +137,10 @@ class ReplicationConfig:
         "(default: --native as bound; set it when binding 0.0.0.0)", flag="native-advertise")
     lease_s: float = setting(  # a master acknowledges only this long after a report
         3.0, "a master acknowledges writes only this long after the controller last heard "
-        "from it; then it steps down", flag="controller-lease-s")
+        "from it; then it steps down", flag="controller-lease-s", above=0)
     dead_s: float = setting(  # the controller elects a new master after this long
         4.0, "the controller elects a new master once the master has not reported for "
-        "this long (at least --controller-lease-s + 0.5)", flag="failover-after-s")
+        "this long (at least --controller-lease-s + 0.5)", flag="failover-after-s", above=0)
     credentials: tuple[str, str] | None = setting(  # to fetch from a master with --auth
         None, "NAME:PASSWORD of a Super user a replica without the group secret "
         "(--replica-of, no --raft-secret) fetches from its master with, when it runs with "
@@ -160,7 +161,8 @@ class AuthConfig:
         "user 'anonymous')")
     strategy: str = setting(  # stateless: decide every request afresh
         "stateful", "stateful: decide once per connection and resource until policies "
-        "change; stateless: decide every request", flag="auth-strategy")
+        "change; stateless: decide every request", flag="auth-strategy",
+        choices=("stateful", "stateless"))
     audit_log: str | None = setting(  # a file for the audit lines alone
         None, "write the [AUTHENTICATION]/[AUTHORIZATION] audit lines to this file")
     # The backends MQTT clients meet, in order (--auth-order): any but the built-in users

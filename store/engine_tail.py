@@ -236,6 +236,9 @@ class EngineTail:
             self._update_segments(lambda old: (*old, *segs))
         if end is None:
             return taken, True
+        # Every record the engine appended, this process's and the native plane's, is
+        # taken here once: counted here (the native ones had no other place).
+        self.stats["messages"] += taken
         return taken, self._dispatch_step(runs, keys, end, rows)
 
     def _dispatch_step(self, runs: list[tuple[str, int, bytes]], keys: list[tuple[str, int]],

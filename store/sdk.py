@@ -8,7 +8,9 @@ as the RocketMQ 5.0 SDK does.
 
 The async twins `AsyncProducer` / `AsyncConsumer` run on trio (the loop the gateway and
 store use); from asyncio, use the sync classes in a thread (`asyncio.to_thread`).
-Every call's `timeout` bounds all of it: reconnecting, sending and the reply.
+Every call's `timeout` bounds all of it: reconnecting, sending and the reply; but for an
+idempotent producer's send, where it bounds one attempt, and `delivery_timeout` the
+send (as Kafka's request.timeout.ms and delivery.timeout.ms).
 """
 
 from __future__ import annotations
@@ -28,13 +30,25 @@ import trio
 
 from store import protocol as p
 from store.client import DEFAULT_TIMEOUT, NativeClient
-from store.common import StoreError, StoreFullError, StoreUnavailable
+from store.common import AnswerLost, StoreError, StoreFullError, StoreUnavailable
 from store.groups import retry_queue
 from store.record import Message
 
 log = logging.getLogger("lightgate.sdk")
 HEARTBEAT_S = 3.0
 COMMIT_INTERVAL_S = 0.2
+DELIVERY_TIMEOUT = 120.0  # an idempotent send is retried this long (Kafka's default)
+
+
+class DeliveryTimeout(StoreUnavailable):
+    """An idempotent send that no attempt got an answer for within the producer's
+    `delivery_timeout`. `maybe_stored`: whether an attempt reached the store (the store
+    may then hold the message, and a send of it again under a new id would store it
+    twice); False: no attempt went out, nothing was stored."""
+
+    def __init__(self, message: str, maybe_stored: bool) -> None:
+        super().__init__(message)
+        self.maybe_stored = maybe_stored
 
 
 # -- tracing hooks ----------------------------------------------------------------------
@@ -103,19 +117,27 @@ class AsyncProducer:
 
     Idempotent unless `idempotent=False`: the store issues the producer an id and
     numbers what it sends to each first-level topic; a send whose answer was lost (a
-    dropped connection, a store group's failover) is sent again with the same numbers
-    within its timeout, and the store keeps it once (store.producers). Sends to one
-    topic go one after the other, in call order. A send that fails for good (its
-    timeout ran out) may or may not be stored; the producer takes a new id then, so
-    what follows is not refused for the gap."""
+    dropped connection, a store group's failover, a connection that went silent: each
+    attempt waits `timeout`, then the next goes on a new connection) is sent again with
+    the same numbers until `delivery_timeout`, and the store keeps it once
+    (store.producers). Sends to one topic go one after the other, in call order. A send
+    that fails for good raises DeliveryTimeout, whose `maybe_stored` says whether the
+    store may hold it; if it may, the producer takes a new id, so that what follows is
+    not refused for the gap. Without idempotence `timeout` bounds the send, and a lost
+    answer is the caller's (StoreUnavailable)."""
 
     def __init__(self, addr: str, *, username: str | None = None,
                  password: str | None = None, client_id: str = "",
-                 timeout: float = DEFAULT_TIMEOUT, idempotent: bool = True) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, idempotent: bool = True,
+                 delivery_timeout: float = DELIVERY_TIMEOUT) -> None:
+        if not timeout > 0 or not delivery_timeout > 0:
+            raise ValueError(f"timeout ({timeout}) and delivery_timeout "
+                             f"({delivery_timeout}) must be above 0")
         self.addr = addr
         self.credentials = (username, password) if username else None
         self.client_id = client_id or f"producer-{uuid.uuid4().hex[:8]}"
         self.timeout = timeout
+        self.delivery_timeout = delivery_timeout
         self.idempotent = idempotent
         self.producer_id: str | None = None  # the store's id for this producer
         self.resent = 0  # requests sent again after a lost answer
@@ -177,45 +199,80 @@ class AsyncProducer:
 
     async def _send_once(self, topic: str, header: dict[str, Any], body: bytes,
                          timeout: float) -> dict[str, Any]:
-        """An idempotent SEND, sent again with the same sequence while its answer is
-        lost or the store cannot take it now (503: no master yet, a replica, a lease
-        lost), until `timeout`."""
+        """An idempotent SEND, each attempt within `timeout`, sent again with the same
+        sequence while its answer is lost or the store cannot take it now (503: no
+        master yet, a replica, a lease lost), until the delivery timeout."""
         assert self.client is not None
-        deadline = trio.current_time() + timeout
+        deadline = trio.current_time() + self.delivery_timeout
         count = len(header["messages"])
+        what = f"{count} message{'s' if count > 1 else ''} to {topic}"
         async with self._turns.setdefault(topic, trio.Lock()):
-            pid = await self._current_id(deadline)
+            pid = await self._id_for(what, deadline)
             attempt = 0
-            last: StoreError | None = None  # why the last try failed (the error to raise)
+            maybe_stored = False  # an attempt went out and its answer never came
+            last: StoreError | None = None  # why it failed: the most telling error
             while True:
                 seq = self._next.get((pid, topic), 0)
                 stamped = {**header, "producer": pid, "seq": seq}
                 try:
                     answer, _ = await self.client.request(
-                        p.SEND, stamped, body, timeout=max(0.0, deadline - trio.current_time()))
+                        p.SEND, stamped, body, timeout=self._attempt(timeout, deadline),
+                        leave_if_silent=True)
                 except StoreFullError:
                     raise  # nothing was stored: the same sequence goes next
                 except StoreError as exc:  # lost, or refused for now: the same again
+                    maybe_stored |= isinstance(exc, AnswerLost)
+                    if last is None or not isinstance(exc, StoreUnavailable) \
+                            or isinstance(last, StoreUnavailable):
+                        last = exc  # (a refusal says more than the timeout after it)
                     if not self._again(exc, deadline):
-                        self._drop_id(pid)  # stored or not, nobody knows: a new id next
-                        raise (last if isinstance(exc, StoreUnavailable) and last
-                               else exc) from None
-                    last = exc
+                        if maybe_stored:
+                            self._drop_id(pid)  # the sequence may be taken: a new id next
+                        raise self._failed(what, seq, maybe_stored, last,
+                                           trio.current_time() >= deadline) from None
                     attempt += 1
                     self.resent += 1
-                    log.info("%s: sending %d messages to %s again (sequence %d): %s",
-                             self.client_id, count, topic, seq, exc)
-                    await trio.sleep(min(0.05 * attempt, 0.5))
+                    log.info("%s: sending %s again (sequence %d): %s", self.client_id,
+                             what, seq, exc)
+                    await trio.sleep(min(0.05 * attempt, 0.5, _left(deadline)))
                     continue
                 except p.RemoteError as exc:
                     if exc.status == 410 and attempt < 3:  # forgotten while idle
                         attempt += 1
                         self._drop_id(pid)
-                        pid = await self._current_id(deadline)
+                        pid = await self._id_for(what, deadline)
                         continue
                     raise  # refused: nothing of it was stored
                 self._next[(pid, topic)] = seq + count
                 return answer
+
+    def _attempt(self, timeout: float, deadline: float) -> float:
+        """How long one attempt may wait: `timeout`, within the delivery timeout."""
+        return max(0.001, min(timeout, _left(deadline)))
+
+    async def _id_for(self, what: str, deadline: float) -> str:
+        """The producer id for a send of `what`; DeliveryTimeout (nothing sent) when
+        there is none by `deadline`."""
+        try:
+            return await self._current_id(deadline)
+        except StoreUnavailable as exc:
+            raise self._failed(what, None, False, exc, True) from None
+
+    def _failed(self, what: str, seq: int | None, maybe_stored: bool, last: StoreError,
+                timed_out: bool) -> StoreError:
+        """The error a send that failed for good raises: DeliveryTimeout past the
+        delivery timeout; before it (a single store's refusal is its answer) the
+        refusal, which says so when an attempt before it may have stored the message."""
+        if maybe_stored:
+            doubt = (f"{what} may have been stored (sequence {seq} reached the store, its "
+                     "answer was lost): sending it again may store it twice")
+        else:
+            doubt = f"{what} was not stored (no attempt reached the store)"
+        if timed_out:
+            return DeliveryTimeout(f"not delivered within delivery_timeout="
+                                   f"{self.delivery_timeout:g} s: {doubt}; last: {last}",
+                                   maybe_stored)
+        return type(last)(f"{last}; before it, {doubt}") if maybe_stored else last
 
     def _again(self, exc: StoreError, deadline: float) -> bool:
         """Whether to send again after `exc`: a lost connection, until the deadline; a
@@ -234,8 +291,8 @@ class AsyncProducer:
 
     async def _current_id(self, deadline: float | None = None) -> str:
         """The producer id, asked for when there is none (again while the store cannot
-        answer, until `deadline`: an id whose answer was lost is never used, and the
-        store forgets it when idle)."""
+        answer, each attempt within `timeout`, until `deadline`: an id whose answer was
+        lost is never used, and the store forgets it when idle)."""
         assert self.client is not None
         async with self._init_lock:
             if deadline is None:
@@ -243,17 +300,21 @@ class AsyncProducer:
             while self.producer_id is None:
                 try:
                     header, _ = await self.client.request(
-                        p.PRODUCER_INIT, {},
-                        timeout=max(0.0, deadline - trio.current_time()))
+                        p.PRODUCER_INIT, {}, timeout=self._attempt(self.timeout, deadline),
+                        leave_if_silent=True)
                 except StoreFullError:
                     raise
                 except StoreError as exc:
                     if not self._again(exc, deadline):
                         raise
-                    await trio.sleep(0.1)
+                    await trio.sleep(min(0.1, _left(deadline)))
                     continue
                 self.producer_id = str(header["producer"])
             return self.producer_id
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - trio.current_time())
 
 
 @dataclass

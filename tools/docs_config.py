@@ -46,6 +46,7 @@ def _cell(text: str) -> str:
 def settings_tables() -> str:
     """One table per set of commands that read the same keys, in the example's order."""
     from lightgate.settings import (
+        BOUNDS,
         GATEWAY_CMD_SETTINGS,
         SERVE_SETTINGS,
         STORE_CMD_SETTINGS,
@@ -72,7 +73,9 @@ def settings_tables() -> str:
         for key in keys:
             flag, typ, default, help_text = first[key]
             name = f"`--{flag}`<br>`LIGHTGATE_{key.upper()}`<br>`{key}`"
-            out.append(f"| {name} | {typ.__name__} | {_default(flag, default)} | "
+            takes = BOUNDS[flag].describe() if flag in BOUNDS else ""
+            kind = f"{typ.__name__}: {takes}" if takes else typ.__name__
+            out.append(f"| {name} | {kind} | {_default(flag, default)} | "
                        f"{_cell(help_text)} |\n")
         out.append("\n")
     return "".join(out)

@@ -42,16 +42,17 @@ class BackendConfig:
     jwt_jwks: str | None = setting(
         None, "JWT in the password, RS256/ES256 with the keys of this JWKS file or "
         "http(s) URL")
-    jwt_jwks_refresh_s: float = setting(300.0, "re-read the JWKS this often")
+    jwt_jwks_refresh_s: float = setting(300.0, "re-read the JWKS this often", above=0)
     jwt_algorithms: tuple[str, ...] | None = setting(  # None: HS256 and/or RS256,ES256
         None, "accepted JWT algorithms, comma list (default: HS256 with a secret, "
         "RS256,ES256 with a JWKS)", type=str)
     http_url: str | None = setting(None, "POST CONNECTs (JSON) to this auth hook URL")
-    http_timeout_s: float = setting(5.0, "how long to wait for the auth hook")
-    http_cache_s: float = setting(30.0, "remember the hook's answers this long (0: never)")
+    http_timeout_s: float = setting(5.0, "how long to wait for the auth hook", above=0)
+    http_cache_s: float = setting(30.0, "remember the hook's answers this long (0: never)",
+        least=0)
     http_on_error: str = setting(
         "deny", "when the hook fails or times out: deny, allow or next (ask the next "
-        "backend)")
+        "backend)", choices=("deny", "allow", "next"))  # http_hook.ON_ERROR (it loads httpx)
     http_acl: bool = setting(
         False, "also ask the hook for each PUBLISH/SUBSCRIBE of the clients it let in")
 
@@ -125,8 +126,6 @@ class BackendConfig:
             else:
                 raise ValueError(f"--auth-jwt-algorithms: unknown algorithm {alg!r} (use "
                                  f"{', '.join(HMAC_ALGORITHMS + PUBLIC_KEY_ALGORITHMS)})")
-        if self.jwt_jwks_refresh_s <= 0:
-            raise ValueError("--auth-jwt-jwks-refresh-s must be above 0")
         if self.jwt_jwks:
             from gateway.auth.jwt_backend import is_url, parse_jwks
 
@@ -149,18 +148,10 @@ class BackendConfig:
             log.warning("--auth-jwt-secret is %d bytes: HS256 wants at least 32", len(secret))
 
     def _check_http(self) -> None:
-        from gateway.auth.http_hook import ON_ERROR
-
         assert self.http_url is not None
         if not self.http_url.startswith(("http://", "https://")):
             raise ValueError(f"--auth-http-url must be an http:// or https:// URL, not "
                              f"{self.http_url!r}")
-        if self.http_timeout_s <= 0:
-            raise ValueError("--auth-http-timeout-s must be above 0")
-        if self.http_cache_s < 0:
-            raise ValueError("--auth-http-cache-s must be 0 (no cache) or more")
-        if self.http_on_error not in ON_ERROR:
-            raise ValueError(f"--auth-http-on-error must be one of {', '.join(ON_ERROR)}")
 
 
 def _loopback(url: str) -> bool:

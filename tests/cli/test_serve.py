@@ -88,3 +88,16 @@ def test_sigterm_right_at_ready_still_stops_cleanly(tmp_path: Path) -> None:
         proc, _ = start_serve(tmp_path / f"d{i}")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
+
+
+def test_the_first_log_lines_are_words(tmp_path: Path) -> None:
+    """What a newcomer reads first: the recovery said in words, not a dataclass's repr."""
+    proc, _ = start_serve(tmp_path / "data")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    [recovered] = [ln for ln in err.splitlines() if "commitlog recovered" in ln]
+    assert "Report(" not in err and "=" not in recovered.split(": ", 1)[1], recovered
+    assert "commitlog recovered after a clean shutdown: 0 records verified from offset 0, " \
+           "log end 0; in " in recovered, recovered

@@ -4,6 +4,7 @@ says what is wrong and which flag fixes it; a traceback only with --log-level de
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from lightgate import settings
 from tests.cli.test_serve import start_serve
 from tests.conftest import Server
 
@@ -66,6 +68,24 @@ def test_serve_port_in_use_names_the_listener_and_its_flag(
     # Ports are checked before the store opens: that one line is all, at the default
     # log level too (no recovery records before it).
     assert len(res.stderr.splitlines()) == 1, res.stderr
+
+
+def test_every_port_in_use_is_named_in_one_run(tmp_path: Path) -> None:
+    """The default ports taken (another broker runs): one run names them all, not one a
+    run."""
+    with contextlib.ExitStack() as stack:
+        taken = {}
+        for flag in SERVE_FREE:
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+            taken[flag] = f"127.0.0.1:{sock.getsockname()[1]}"
+        res = lightgate("serve", "--data-dir", str(tmp_path / "d"),
+                        *(x for kv in taken.items() for x in kv))
+    line = the_line(res, "already in use", "choose others with", "port 0 picks a free one",
+                    *taken.values(), *taken)
+    assert line.count("already in use") == 1, line  # one reason, said once
+    assert not (tmp_path / "d").exists()
 
 
 @pytest.mark.parametrize("flag, what", [("--native", "native protocol"), ("--http", "HTTP")])
@@ -175,6 +195,14 @@ def test_missing_config_file(tmp_path: Path) -> None:
                                              "--partitions")),
     (["--tls-client-auth", "always"], {}, ("--tls-client-auth must be",)),
     (["--io-threads", "0"], {}, ("--io-threads must be at least 1, not 0",)),
+    # Each of these used to start, and then fail every publish (a division by zero
+    # partitions), or run with no window, a log of one record a segment, no retention.
+    (["--partitions", "0"], {}, ("--partitions must be at least 1, not 0",)),
+    (["--max-inflight", "-5"], {}, ("--max-inflight must be at least 1, not -5",)),
+    (["--segment-size", "10"], {}, ("--segment-size must be at least 4096, not 10",)),
+    (["--retention-hours", "-1"], {}, ("--retention-hours must be more than 0, not -1",)),
+    ([], {"LIGHTGATE_MAX_KEEPALIVE": "70000"},
+     ("--max-keepalive must be at most 65535, not 70000 (LIGHTGATE_MAX_KEEPALIVE)",)),
 ])
 def test_bad_value(tmp_path: Path, args: list[str], env: dict[str, str],
                    needles: tuple[str, ...]) -> None:
@@ -208,9 +236,14 @@ def tls_files(tmp_path: Path) -> tuple[str, str]:
     return str(cert), str(key)
 
 
-def test_debug_log_level_shows_the_traceback(tmp_path: Path, busy: str) -> None:
-    res = lightgate("--log-level", "debug", "serve", "--data-dir", str(tmp_path / "d"),
-                    "--mqtt", busy, "--ws", "off", "--http", FREE, "--native", FREE)
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_log_level_shows_the_traceback(tmp_path: Path, busy: str, where: str) -> None:
+    """--log-level before the command or after it, as the README's "`--log-level debug`
+    adds the traceback" reads either way."""
+    level = ["--log-level", "debug"]
+    serve = ["serve", "--data-dir", str(tmp_path / "d"), "--mqtt", busy, "--ws", "off",
+             "--http", FREE, "--native", FREE]
+    res = lightgate(*(level + serve if where == "before" else serve + level))
     assert res.returncode == 2
     assert "Traceback" in res.stderr and "Address already in use" in res.stderr
     assert res.stderr.splitlines()[-1].startswith("lightgate: MQTT over TCP cannot listen")
@@ -219,3 +252,29 @@ def test_debug_log_level_shows_the_traceback(tmp_path: Path, busy: str) -> None:
 def test_usage_errors_are_one_line(tmp_path: Path) -> None:
     res = lightgate("serve", "--no-such-flag")
     the_line(res, "unrecognized arguments: --no-such-flag", "--help")
+
+
+@pytest.mark.parametrize("command", ["serve", "store", "gateway"])
+def test_every_setting_out_of_bounds_is_named_in_one_run(tmp_path: Path, command: str
+                                                         ) -> None:
+    """Walks the command's table: every number and choice set past what it takes, and
+    the one line names each flag, before anything opens."""
+    table = {"serve": settings.SERVE_SETTINGS, "store": settings.STORE_CMD_SETTINGS,
+             "gateway": settings.GATEWAY_CMD_SETTINGS}[command]
+    args: list[str] = []
+    for flag, typ, _, _ in table:
+        b = settings.BOUNDS.get(flag)
+        if b is None or not b.bounded or typ is bool:
+            continue
+        if b.choices:
+            bad = "nope"
+        else:  # just below the least, or the bound it must be above
+            bad = str(typ(b.least) - 1 if b.least is not None else typ(b.above))
+        args += [f"--{flag}", bad]
+    flags = args[::2]
+    assert len(flags) >= 25, flags  # the tables, not a few
+    data = ["--data-dir", str(tmp_path / "d")] if command != "gateway" else []
+    res = lightgate(command, *data, *args)
+    line = the_line(res, *(f"{flag} must be" for flag in flags))
+    assert line.count(" must be ") == len(flags), line
+    assert not (tmp_path / "d").exists()

@@ -28,7 +28,7 @@ def kill_during(srv: Any, rounds: int, rng: random.Random, pause: tuple[float, f
         for t in threads:
             t.join(10)
         srv.start()
-        assert srv.wait_log("clean_shutdown=False", count=r + 1)
+        assert srv.wait_log("commitlog recovered after a crash", count=r + 1)
 
 
 def drain(port: int, client_id: str, idle_s: float = 5.0, count: int | None = None

@@ -66,7 +66,7 @@ def test_torn_tail_flipped_byte_lost_index_and_checkpoint(tmp_path) -> None:
     shutil.rmtree(data / "index")
     (data / "commitlog" / "checkpoint").unlink()
     srv.start()
-    assert srv.wait_log("redispatched=")
+    assert srv.wait_log("records indexed again")
     more = publish(srv, 10, start=1000)
     got = receive_all(srv, 10)
     assert got == more

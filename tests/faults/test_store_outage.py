@@ -91,7 +91,7 @@ def test_store_kill_9_under_load_loses_nothing_acked(tmp_path, redis_server: Red
         killed_at = time.monotonic()
         time.sleep(2.0)
         store.start()  # same port, same data
-        assert store.wait_log("clean_shutdown=False")
+        assert store.wait_log("commitlog recovered after a crash")
         restarted_at = time.monotonic()
         # Load goes on until every device has had publishes acked after the restart.
         deadline = time.monotonic() + 30

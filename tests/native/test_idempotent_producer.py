@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
-from lightgate import Producer
+from lightgate import AsyncProducer, DeliveryTimeout, Producer
 from store import protocol as p
+from store.common import StoreUnavailable
 from store.record import Message
 from tests.conftest import ROOT, Server
 from tests.ha.cluster import read_topic
@@ -54,6 +57,86 @@ def test_a_send_whose_answer_was_cut_is_stored_once_in_order(shared_server: Serv
     finally:
         proxy.close()
     assert stored(shared_server, topic) == [b"%04d" % i for i in range(200)]
+
+
+def test_a_send_whose_connection_went_silent_is_sent_again_on_a_new_one(
+        shared_server: Server) -> None:
+    """The proxy forwards the request, the store appends it, and no answer ever comes
+    on that connection: each attempt waits `timeout`, then the producer leaves the
+    connection and sends the same sequence on a new one, until the delivery timeout."""
+    topic = uid("silent")
+    proxy = TcpProxy(("127.0.0.1", shared_server.native_port))
+    try:
+        with Producer(proxy.addr, timeout=0.5, delivery_timeout=20) as producer:
+            for i in range(300):
+                if i % 50 == 25:
+                    proxy.silence_next_answer()  # appended by the store, never answered
+                producer.send(topic, b"%04d" % i, key="one-queue")
+            resent = producer._portal.obj.resent
+        assert proxy.silenced == 6 and resent >= 6
+    finally:
+        proxy.close()
+    assert stored(shared_server, topic) == [b"%04d" % i for i in range(300)]
+
+
+def test_the_async_producer_sends_again_on_a_new_connection(shared_server: Server) -> None:
+    topic = uid("asilent")
+    proxy = TcpProxy(("127.0.0.1", shared_server.native_port))
+
+    async def run() -> int:
+        async with AsyncProducer(proxy.addr, timeout=0.5, delivery_timeout=20) as producer:
+            for i in range(20):
+                if i % 10 == 5:
+                    proxy.silence_next_answer()
+                await producer.send(topic, b"%02d" % i, key="one-queue")
+            return producer.resent
+
+    try:
+        assert trio.run(run) >= 2 and proxy.silenced == 2
+    finally:
+        proxy.close()
+    assert stored(shared_server, topic) == [b"%02d" % i for i in range(20)]
+
+
+def test_a_send_never_answered_fails_after_the_delivery_timeout_as_maybe_stored(
+        shared_server: Server) -> None:
+    topic = uid("mute")
+    proxy = TcpProxy(("127.0.0.1", shared_server.native_port))
+    try:
+        with Producer(proxy.addr, timeout=0.5, delivery_timeout=2.5) as producer:
+            producer.send(topic, b"a")
+            for _ in range(100):  # every connection from now on: the answers vanish
+                proxy.silence_next_answer()
+            began = time.monotonic()
+            with pytest.raises(DeliveryTimeout, match="may have been stored") as failed:
+                producer.send(topic, b"b")
+            took = time.monotonic() - began
+            assert failed.value.maybe_stored and isinstance(failed.value, StoreUnavailable)
+            assert 2.5 <= took < 10, took
+    finally:
+        proxy.close()
+    assert stored(shared_server, topic) == [b"a", b"b"]  # every attempt the same: once
+
+
+def test_a_send_that_never_reached_the_store_fails_as_not_stored(
+        shared_server: Server) -> None:
+    topic = uid("away")
+    proxy = TcpProxy(("127.0.0.1", shared_server.native_port))
+    try:
+        with Producer(proxy.addr, timeout=0.5, delivery_timeout=1.5) as producer:
+            producer.send(topic, b"a")
+            proxy.close()  # the connection is cut, and new ones are refused
+            client = producer._portal.obj.client
+            deadline = time.monotonic() + 10
+            while client.connected and time.monotonic() < deadline:
+                time.sleep(0.01)  # (a send on the cut connection before the client saw
+                # the cut would go out, and its answer be lost: "may have been stored")
+            with pytest.raises(DeliveryTimeout, match="was not stored") as failed:
+                producer.send(topic, b"b")
+            assert not failed.value.maybe_stored
+    finally:
+        proxy.close()
+    assert stored(shared_server, topic) == [b"a"]
 
 
 def test_without_idempotence_the_cut_send_fails_to_the_caller(shared_server: Server) -> None:

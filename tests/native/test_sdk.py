@@ -7,10 +7,12 @@ import time
 import uuid
 from collections import Counter
 
+import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from lightgate import Consumer, Producer
+from store.common import StoreUnavailable
 from store.sdk import ReceivedMessage
 from tests.mqtt.paho_client import Client
 
@@ -159,23 +161,27 @@ def test_device_user_properties_reach_server_apps(shared_server) -> None:
         dev.disconnect()
 
 
-def test_timeout_bounds_the_whole_call_when_the_store_is_gone(tmp_path) -> None:
+def test_the_delivery_timeout_bounds_a_send_when_the_store_is_gone(tmp_path) -> None:
+    """An idempotent send tries until its delivery_timeout, then says so; without
+    idempotence `timeout` bounds the whole call."""
+    from lightgate import DeliveryTimeout
     from tests.conftest import Server
 
     srv = Server(tmp_path / "d").start()
-    producer = Producer(srv.native, timeout=1.0)
+    producer = Producer(srv.native, timeout=1.0, delivery_timeout=2.0)
+    plain = Producer(srv.native, timeout=1.0, idempotent=False)
     try:
         producer.send("t", b"ok")
         srv.kill()
-        t0 = time.monotonic()
-        try:
-            producer.send("t", b"lost")
-        except Exception as exc:  # StoreUnavailable or a timeout, but never a hang
-            assert time.monotonic() - t0 < 3, exc
-        else:
-            raise AssertionError("send to a dead store succeeded")
+        for sender, bound, error in ((producer, 2.0, DeliveryTimeout),
+                                     (plain, 1.0, StoreUnavailable)):
+            t0 = time.monotonic()
+            with pytest.raises(error):
+                sender.send("t", b"lost")
+            assert time.monotonic() - t0 < bound + 2
     finally:
         producer.close()
+        plain.close()
 
 
 def _keys_by_partition(topic: str, partitions: int = 4) -> dict[int, str]:

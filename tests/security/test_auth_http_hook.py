@@ -298,7 +298,7 @@ def test_when_the_service_is_down(tmp_path: Path, on_error: str | None) -> None:
     (["--auth-order", "builtin,http"], "the http backend needs --auth-http-url"),
     (["--auth-http-url", "ftp://x"], "--auth-http-url must be an http:// or https:// URL"),
     (["--auth-http-url", "http://x", "--auth-http-on-error", "maybe"],
-     "--auth-http-on-error must be one of deny, allow, next"),
+     "--auth-http-on-error must be deny, allow or next, not 'maybe'"),
 ])
 def test_a_bad_hook_setting_stops_start_up_with_one_line(tmp_path: Path, args: list[str],
                                                          message: str) -> None:
