@@ -57,7 +57,7 @@ class StoreConfig:
     # verified after it, in the background, at most this fast (0: not).
     verify_mb_per_s: float = setting(
         32.0, "verify the CommitLog segments start-up did not, in the background, at most "
-        "this many MiB/s (0: not)")
+        "this many MiB/s (0: not)", least=0)
     # A registered wildcard queue that no gateway has touched for this long and that no
     # stored reader position names (persistent sessions, shared groups) is unregistered:
     # every message was indexed into every wildcard filter ever used. 0: never.
