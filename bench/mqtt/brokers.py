@@ -1,6 +1,7 @@
 """The brokers under test, each started on a free 127.0.0.1 port with equivalent settings
 for one scenario and stopped after it (SIGTERM), so that no scenario inherits another's
-state. A broker that fails to start raises with its log's tail."""
+state; on its TLS listener instead, with the run's certificates, when the row asks for it
+(Options). A broker that fails to start raises with its log's tail."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,20 +32,34 @@ from .installs import (
     MOSQUITTO,
     RABBITMQ_SERVER,
     RUMQTTD,
+    RUMQTTD_MTLS,
     ensure_mosquitto,
     ensure_rabbitmq,
     ensure_rumqttd,
 )
+from .tls import Certs
 
 BROKERS = ["mosquitto", "lightgate-async", "lightgate-sync", "lightgate-native",
            "lightgate-separated", "amqtt", "rabbitmq", "rumqttd"]
 # Not in every run: the native plane's scaling row (the same scenario with 1 and 2 I/O
-# threads), asked for by name (`make bench` runs it on the fan-out scenario).
-SCALING = ["lightgate-native-io1", "lightgate-native-io2"]
+# threads), asked for by name (`make bench` runs it on the fan-out scenario), and a
+# 3-node store group with a gateway over it.
+SCALING = ["lightgate-native-io1", "lightgate-native-io2", "lightgate-group"]
 # The bounds every broker gets, as far as its settings allow: the Mosquitto config's.
 MAX_INFLIGHT = 32
 MAX_QUEUED = 100_000
 MAX_PACKET = 1 << 20  # Lightgate's default --max-packet-size
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a row needs of its broker beyond the shared bounds: its TLS listener with the
+    run's certificates (`certs`), asking every client for a certificate when `mutual`;
+    room for `max_queued` messages per offline session (catchup_persistent)."""
+
+    certs: Certs | None = None
+    mutual: bool = False
+    max_queued: int = MAX_QUEUED
 
 
 def free_port() -> int:
@@ -74,6 +90,8 @@ class Broker:
     notes: str = ""  # what every row of this broker should say about how it ran
     keepalive: int = 0  # what its clients ask for in CONNECT (0: none)
     window: Window = field(default_factory=Window)  # the runner's, while a row runs
+    opts: Options = field(default_factory=Options)
+    python: list[int] = field(default_factory=list)  # pids of Lightgate processes
 
     @property
     def pid(self) -> int:
@@ -114,6 +132,8 @@ def _spawn(b: Broker, cmd: list[str], tag: str, ready_line: bool,
                          stderr=log, text=True, env=env, start_new_session=own_group)
     log.close()
     b.procs.append(p)
+    if cmd[:3] == [sys.executable, "-m", "lightgate"]:
+        b.python.append(p.pid)
     if own_group:
         b.groups.append(p.pid)
     return p
@@ -152,8 +172,8 @@ def _lightgate_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "lightgate", "--log-level", "WARNING", *args]
 
 
-def start_broker(name: str) -> Broker:
-    b = Broker(name, free_port())
+def start_broker(name: str, opts: Options | None = None) -> Broker:
+    b = Broker(name, free_port(), opts=opts or Options())
     try:
         _start(b)
     except BaseException:
@@ -162,16 +182,23 @@ def start_broker(name: str) -> Broker:
     return b
 
 
+# Brokers started with the load generator's clients on TLS: every one but the trio floor.
+TLS_BROKERS = [*BROKERS, *SCALING]
+
+
 def _start(b: Broker) -> None:
-    name = b.name
+    name, opts = b.name, b.opts
+    if opts.certs and name not in TLS_BROKERS:
+        raise RuntimeError(f"{name} has no TLS listener here")
     if name == "mosquitto":
         ensure_mosquitto()
         conf = b.tmp / "mosquitto.conf"
-        conf.write_text(f"listener {b.port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-                        "max_inflight_messages 32\nmax_queued_messages 100000\n"
-                        "log_dest stderr\nlog_type error\n")
+        conf.write_text(mosquitto_config(b.port, opts))
         _spawn(b, [str(MOSQUITTO), "-c", str(conf)], "mosquitto", False)
         _wait_port(b, b.port)
+        if opts.max_queued > MAX_QUEUED:
+            b.notes = ("offline sessions' messages queued in memory (persistence false: "
+                       "Mosquitto's persistence is a periodic snapshot)")
     elif name == "trio-floor":
         # What trio itself costs a message, stored (bench/floors.py: a task per
         # connection, each PUBLISH stored and indexed, then forwarded): QoS 0 only.
@@ -179,10 +206,14 @@ def _start(b: Broker) -> None:
                    str(b.port)], "trio-floor", False)
         _wait_port(b, b.port)
     elif name == "amqtt":
-        p = _spawn(b, [sys.executable, str(ROOT / "bench" / "amqtt_broker.py"), str(b.port)],
-                   "amqtt", True)
+        tls = [str(opts.certs.cert), str(opts.certs.key), str(opts.certs.ca)] if \
+            opts.certs else []
+        p = _spawn(b, [sys.executable, str(ROOT / "bench" / "amqtt_broker.py"), str(b.port),
+                       *tls], "amqtt", True)
         _wait_ready(b, p)
         _wait_port(b, b.port)
+        if opts.mutual:
+            b.notes = "amqtt verifies a client certificate when one comes (CERT_OPTIONAL)"
     elif name in ("lightgate-async", "lightgate-sync"):
         _start_lightgate(b, "--flush", name.split("-")[1], env={**os.environ,
                                                                 "LIGHTGATE_NATIVE": "0"})
@@ -195,47 +226,146 @@ def _start(b: Broker) -> None:
         if ready.get("plane") != "native":
             raise RuntimeError(f"{name}: the server runs plane={ready.get('plane')}")
         b.notes = "the native data plane (LIGHTGATE_NATIVE=1), --flush async"
+        if opts.certs:
+            b.notes += "; TLS connections are carried in Python, as the native plane does"
     elif name == "lightgate-separated":
-        if not shutil.which("redis-server"):
-            raise RuntimeError("redis-server missing (apt-get install redis-server)")
-        redis_port = free_port()
-        _spawn(b, ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
-                   "--save", "", "--appendonly", "no"], "redis", False)
-        _wait_port(b, redis_port)
-        url = f"redis://127.0.0.1:{redis_port}"
+        url = _start_redis(b)
         store = _spawn(b, _lightgate_cmd("store", "--data-dir", str(b.tmp / "d"), "--native",
                                          "127.0.0.1:0", "--http", "127.0.0.1:0", "--notify",
                                          url), "store", True)
         native = _wait_ready(b, store)["native"]
-        gw = _spawn(b, _lightgate_cmd("gateway", "--store", native, "--notify", url, "--mqtt",
-                                      f"127.0.0.1:{b.port}", "--http", "127.0.0.1:0",
-                                      "--max-inflight", "32"), "gateway", True)
-        _wait_ready(b, gw)
+        _start_gateway(b, native, url)
+    elif name == "lightgate-group":
+        _start_group(b)
     elif name == "rabbitmq":
         _start_rabbitmq(b)
     elif name == "rumqttd":
-        ensure_rumqttd()
+        binary = RUMQTTD_MTLS if opts.mutual else RUMQTTD
+        ensure_rumqttd(binary)
         conf = b.tmp / "rumqttd.toml"
-        conf.write_text(rumqttd_config(b.port, resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
-        _spawn(b, [str(RUMQTTD), "--quiet", "--config", str(conf)], "rumqttd", False)
+        conf.write_text(rumqttd_config(b.port, resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                                       opts))
+        _spawn(b, [str(binary), "--quiet", "--config", str(conf)], "rumqttd", False)
         _wait_port(b, b.port)
         # It refuses a CONNECT without keepalive: its clients ask for the longest.
         b.keepalive = 0xFFFF
         b.notes = ("in memory (no persistence); its delivery window is fixed at 100 "
                    "unacked (compiled in), no bound on queued messages but its log's "
                    "segments; clients keepalive 65535 s (it refuses 0)")
+        if opts.certs:
+            b.notes += ("; rustls, each TLS handshake done in its accept loop, one at a time"
+                        + (" (the build with verify-client-cert)" if opts.mutual else ""))
     else:
         raise ValueError(f"unknown broker {name}")
 
 
+def mosquitto_config(port: int, opts: Options) -> str:
+    """The same bounds as every broker: 32 in flight, `max_queued` queued per session."""
+    conf = f"listener {port} 127.0.0.1\n"
+    if opts.certs:
+        conf += (f"certfile {opts.certs.cert}\nkeyfile {opts.certs.key}\n"
+                 f"cafile {opts.certs.ca}\n")
+        if opts.mutual:
+            conf += "require_certificate true\n"
+    return conf + ("allow_anonymous true\npersistence false\n"
+                   f"max_inflight_messages {MAX_INFLIGHT}\n"
+                   f"max_queued_messages {opts.max_queued}\n"
+                   "log_dest stderr\nlog_type error\n")
+
+
+def _lightgate_listeners(b: Broker) -> list[str]:
+    """The MQTT listener on b.port: plain TCP, or TLS with the run's certificates (then
+    the plain one is off, and WebSocket over TLS too)."""
+    opts = b.opts
+    if not opts.certs:
+        return ["--mqtt", f"127.0.0.1:{b.port}"]
+    args = ["--mqtt", "off", "--wss", "off", "--mqtt-tls", f"127.0.0.1:{b.port}",
+            "--tls-cert", str(opts.certs.cert), "--tls-key", str(opts.certs.key)]
+    if opts.mutual:
+        args += ["--tls-ca", str(opts.certs.ca), "--tls-client-auth", "required"]
+    return args
+
+
+def _lightgate_bounds(b: Broker) -> list[str]:
+    # Same bounds as the Mosquitto config: 32 in flight, as many queued per offline
+    # session, and no bound in bytes (Mosquitto's max_queued_bytes is 0, none).
+    return ["--max-inflight", str(MAX_INFLIGHT), "--max-offline-messages",
+            str(b.opts.max_queued), "--max-offline-bytes", "0"]
+
+
 def _start_lightgate(b: Broker, *args: str, env: dict[str, str]) -> dict[str, str]:
-    # Same bounds as the Mosquitto config: 32 in flight, 100,000 queued per session.
     p = _spawn(b, _lightgate_cmd(
-        "serve", "--data-dir", str(b.tmp / "d"), "--ws", "off",
-        "--mqtt", f"127.0.0.1:{b.port}",
-        "--native", "127.0.0.1:0", "--http", "127.0.0.1:0", "--max-inflight", "32",
-        "--max-offline-messages", "100000", *args), "lightgate", True, env=env)
+        "serve", "--data-dir", str(b.tmp / "d"), "--ws", "off", *_lightgate_listeners(b),
+        "--native", "127.0.0.1:0", "--http", "127.0.0.1:0", *_lightgate_bounds(b), *args),
+        "lightgate", True, env=env)
     return _wait_ready(b, p)
+
+
+def _start_redis(b: Broker) -> str:
+    """A redis-server of the broker's own for notify, on a free port: its URL."""
+    if not shutil.which("redis-server"):
+        raise RuntimeError("redis-server missing (apt-get install redis-server)")
+    redis_port = free_port()
+    _spawn(b, ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
+               "--save", "", "--appendonly", "no"], "redis", False)
+    _wait_port(b, redis_port)
+    return f"redis://127.0.0.1:{redis_port}"
+
+
+def _start_gateway(b: Broker, stores: str, url: str) -> None:
+    """`lightgate gateway` over the store (a group: every node's address), last in
+    b.procs: it holds the MQTT connections."""
+    gw = _spawn(b, _lightgate_cmd("gateway", "--store", stores, "--notify", url,
+                                  *_lightgate_listeners(b), "--ws", "off", "--http",
+                                  "127.0.0.1:0", *_lightgate_bounds(b)), "gateway", True)
+    _wait_ready(b, gw)
+
+
+def _start_group(b: Broker) -> None:
+    """Three `lightgate store` nodes with their Raft controller (`--raft`, the shared
+    `--raft-secret`), synchronous replication with at least 2 in sync, Redis notify, and
+    a gateway over them once the group has its master and every node is in sync."""
+    url = _start_redis(b)
+    raft = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    secret = b.tmp / "group.secret"
+    secret.write_text(f"{os.urandom(16).hex()}\n")
+    natives, https = [], []
+    for i in range(3):
+        node = _spawn(b, _lightgate_cmd(
+            "store", "--data-dir", str(b.tmp / f"s{i}"), "--native", "127.0.0.1:0",
+            "--http", "127.0.0.1:0", "--raft", raft[i], "--group-peers", ",".join(raft),
+            "--raft-secret", f"@{secret}", "--replication", "sync", "--min-insync", "2",
+            "--notify", url), f"store{i}", True)
+        ready = _wait_ready(b, node)
+        natives.append(ready["native"])
+        https.append(ready["http"])
+    _wait_group(b, https)
+    _start_gateway(b, ",".join(natives), url)
+    b.notes = ("3 store nodes (Raft controller, --replication sync --min-insync 2), one "
+               "gateway, Redis notify; CPU of every process")
+
+
+def _wait_group(b: Broker, https: list[str], timeout: float = 60) -> None:
+    """Until one node is master and its in-sync set holds every node."""
+    deadline = time.monotonic() + timeout
+    roles: list[str | None] = []
+    while time.monotonic() < deadline:
+        if (err := b.died()) is not None:
+            raise RuntimeError(err)
+        roles, insync = [], 0
+        for http in https:
+            try:
+                with urllib.request.urlopen(f"http://{http}/api/v1/cluster", timeout=2) as r:
+                    state = json.loads(r.read())
+                roles.append(state["role"])
+                insync = max(insync, len(state.get("insync", [])))
+            except (OSError, ValueError, KeyError):
+                roles.append(None)
+        if roles.count("master") == 1 and insync == len(https):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{b.name}: no master with every node in sync within {timeout:.0f} s "
+                       f"(roles {roles}): {b.log_tail()}")
 
 
 def _start_rabbitmq(b: Broker) -> None:
@@ -246,8 +376,9 @@ def _start_rabbitmq(b: Broker) -> None:
     epmd_port, amqp_port, dist_port = free_port(), free_port(), free_port()
     _spawn(b, [str(EPMD), "-port", str(epmd_port), "-address", "127.0.0.1"], "epmd", False)
     _wait_port(b, epmd_port)
-    (b.tmp / "rabbitmq.conf").write_text(rabbitmq_config(b.port, amqp_port, b.tmp))
-    (b.tmp / "definitions.json").write_text(json.dumps(rabbitmq_definitions()))
+    (b.tmp / "rabbitmq.conf").write_text(rabbitmq_config(b.port, amqp_port, b.tmp, b.opts))
+    (b.tmp / "definitions.json").write_text(json.dumps(rabbitmq_definitions(
+        b.opts.max_queued)))
     (b.tmp / "enabled_plugins").write_text("[rabbitmq_mqtt].\n")
     (b.tmp / "rabbitmq-env.conf").write_text("")  # not /etc/rabbitmq's
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -278,11 +409,22 @@ def _start_rabbitmq(b: Broker) -> None:
                "in memory")
 
 
-def rabbitmq_config(mqtt_port: int, amqp_port: int, tmp: Path) -> str:
+def rabbitmq_config(mqtt_port: int, amqp_port: int, tmp: Path,
+                    opts: Options | None = None) -> str:
     # prefetch: the unacknowledged QoS 1 deliveries per subscriber (the inflight window);
-    # the queue bound is a policy in the definitions, imported at boot.
-    return (f"listeners.tcp.default = 127.0.0.1:{amqp_port}\n"
-            f"mqtt.listeners.tcp.default = 127.0.0.1:{mqtt_port}\n"
+    # the queue bound is a policy in the definitions, imported at boot. With TLS the MQTT
+    # listener is the ssl one alone.
+    certs = opts.certs if opts else None
+    if certs:
+        verify = "verify_peer" if opts and opts.mutual else "verify_none"
+        mqtt = ("mqtt.listeners.tcp = none\n"
+                f"mqtt.listeners.ssl.default = 127.0.0.1:{mqtt_port}\n"
+                f"ssl_options.cacertfile = {certs.ca}\nssl_options.certfile = {certs.cert}\n"
+                f"ssl_options.keyfile = {certs.key}\nssl_options.verify = {verify}\n"
+                f"ssl_options.fail_if_no_peer_cert = {str(verify == 'verify_peer').lower()}\n")
+    else:
+        mqtt = f"mqtt.listeners.tcp.default = 127.0.0.1:{mqtt_port}\n"
+    return (f"listeners.tcp.default = 127.0.0.1:{amqp_port}\n" + mqtt +
             "mqtt.allow_anonymous = true\nmqtt.default_user = guest\n"
             f"mqtt.default_pass = guest\nmqtt.prefetch = {MAX_INFLIGHT}\n"
             "log.console = false\nlog.file.level = warning\n"
@@ -290,7 +432,7 @@ def rabbitmq_config(mqtt_port: int, amqp_port: int, tmp: Path) -> str:
             f"definitions.local.path = {tmp / 'definitions.json'}\n")
 
 
-def rabbitmq_definitions() -> dict[str, Any]:
+def rabbitmq_definitions(max_queued: int = MAX_QUEUED) -> dict[str, Any]:
     """What a fresh node would create (vhost /, user guest, loopback only as ever) plus
     the bound on each MQTT subscription's queue: a node that imports definitions at boot
     creates no defaults of its own."""
@@ -303,14 +445,15 @@ def rabbitmq_definitions() -> dict[str, Any]:
                              "write": ".*", "read": ".*"}],
             "policies": [{"vhost": "/", "name": "bench-queue-bound",
                           "pattern": "^mqtt-subscription-", "apply-to": "queues",
-                          "priority": 0, "definition": {"max-length": MAX_QUEUED}}]}
+                          "priority": 0, "definition": {"max-length": max_queued}}]}
 
 
-def rumqttd_config(port: int, max_connections: int) -> str:
+def rumqttd_config(port: int, max_connections: int, opts: Options | None = None) -> str:
     """rumqttd's TOML (its lib.rs: Config, RouterConfig, ServerSettings): one MQTT 3.1.1
     listener, no console, no metrics. Accepting without its default 1 ms pause between
     connections (next_connection_delay_ms) lets the idle scenario connect at full speed;
-    max_inflight_count is how many packets it reads from a connection at once."""
+    max_inflight_count is how many packets it reads from a connection at once. TLS: its
+    TlsConfig::Rustls (capath only for the build that verifies client certificates)."""
     return (f"id = 0\n\n[router]\nid = 0\nmax_connections = {max(max_connections, 10_010)}\n"
             "max_outgoing_packet_count = 200\nmax_segment_size = 104857600\n"
             "max_segment_count = 10\n\n"
@@ -318,7 +461,15 @@ def rumqttd_config(port: int, max_connections: int) -> str:
             "next_connection_delay_ms = 0\n"
             "[v4.1.connections]\nconnection_timeout_ms = 60000\n"
             f"max_payload_size = {MAX_PACKET}\nmax_inflight_count = 100\n"
-            "dynamic_filters = true\n")
+            "dynamic_filters = true\n" + _rumqttd_tls(opts))
+
+
+def _rumqttd_tls(opts: Options | None) -> str:
+    if not opts or not opts.certs:
+        return ""
+    ca = f'capath = "{opts.certs.ca}"\n' if opts.mutual else ""
+    return (f'[v4.1.tls]\n{ca}certpath = "{opts.certs.cert}"\n'
+            f'keypath = "{opts.certs.key}"\n')
 
 
 def _wait_log(b: Broker, path: Path, text: str, timeout: float) -> None:

@@ -14,6 +14,7 @@ messages and in seconds.
     python bench/mqtt_bench.py                  # the full set: make bench-full
     python bench/mqtt_bench.py --brokers lightgate-async,mosquitto --scenarios qos0_1to1
     python bench/mqtt_bench.py --quick --scenarios qos0_1to1 --profile /tmp/prof
+    python bench/mqtt_bench.py --quick --tls    # every broker on its TLS listener
     python -m bench.mqtt --quick                # the same, from the repository root
 
 Prints one JSON list of rows (bench/README.md, "Reading the JSON", explains them)
@@ -25,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +36,8 @@ from . import CORES, ROOT, progress, report
 from .brokers import BROKERS, SCALING
 from .procfs import raise_nofile
 from .runner import run_one
-from .scenarios import QUICK_SCENARIOS, SCENARIOS, SIZES
+from .scenarios import NEEDS, QUICK_SCENARIOS, SCENARIOS, SIZES, TLS_ONLY
+from .tls import Certs, make_certs
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -47,7 +51,12 @@ def main() -> None:
                         help=f"comma-separated subset of {','.join(BROKERS + SCALING)}")
     parser.add_argument("--scenarios", default=None,
                         help=f"comma-separated subset of {','.join(SCENARIOS)}")
-    parser.add_argument("--out", default=str(RESULTS), help="where latest.json and PNGs go")
+    parser.add_argument("--out", default=None,
+                        help=f"where latest.json and PNGs go (default {RESULTS}, with --tls "
+                             f"{RESULTS / 'tls'})")
+    parser.add_argument("--tls", action="store_true",
+                        help="every broker on its TLS listener (one P-256 certificate made "
+                             "for the run); adds device_fleet_mtls to the default scenarios")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="py-spy record each Lightgate broker; top self time per row")
     parser.add_argument("--idle-conns", type=int, default=None, metavar="N",
@@ -57,7 +66,10 @@ def main() -> None:
     if args.idle_conns:
         size["idle_conns"] = args.idle_conns
     scenarios = (args.scenarios.split(",") if args.scenarios else
-                 QUICK_SCENARIOS if args.quick or args.tiny else list(SCENARIOS))
+                 list(QUICK_SCENARIOS) if args.quick or args.tiny else
+                 [s for s in SCENARIOS if s not in TLS_ONLY])
+    if args.tls and not args.scenarios:
+        scenarios += [s for s in TLS_ONLY if s not in scenarios]
     brokers = args.brokers.split(",")
     if bad := [s for s in scenarios if s not in SCENARIOS] + [b for b in brokers
                                                              if b not in BROKERS + SCALING]:
@@ -66,27 +78,44 @@ def main() -> None:
     profile_dir = Path(args.profile) if args.profile else None
     if profile_dir:
         profile_dir.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else RESULTS / "tls" if args.tls else RESULTS
+    # One CA and certificate for the whole run, where any row is on TLS.
+    mutual = any(NEEDS[s](size).get("mutual") for s in scenarios if s in NEEDS)
+    cert_dir = Path(tempfile.mkdtemp(prefix="bench-certs-")) if args.tls or mutual else None
+    certs = make_certs(cert_dir) if cert_dir else None
     progress(f"{len(scenarios)} scenarios x {len(brokers)} brokers, {CORES} cores, "
-             f"RLIMIT_NOFILE {nofile}, load {os.getloadavg()[0]:.2f}")
+             f"RLIMIT_NOFILE {nofile}, load {os.getloadavg()[0]:.2f}"
+             + (", on TLS" if args.tls else ""))
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
-    for scenario in scenarios:
-        figure = SCENARIOS[scenario][1]
-        mine = []
-        # At 2,000 msg/s of QoS 0 the floor under the goal runs beside the brokers: what a
-        # bare trio forwarder storing every message costs, in the same run.
-        extra = ["trio-floor"] if scenario == "cpu_at_rate" and not args.tiny else []
-        for name in [*brokers, *extra]:
-            progress(f"{scenario} on {name}")
-            row = run_one(scenario, name, size, profile_dir)
-            mine.append(row)
-            progress(f"  -> {figure}={row.get(figure)} in {row['duration_s']} s "
-                     f"{row.get('error', '')}")
-        add_ratios(mine, figure)
-        rows.extend(mine)
-    report.write(rows, Path(args.out))
+    try:
+        for scenario in scenarios:
+            rows.extend(run_scenario(scenario, brokers, size, profile_dir, certs, args))
+    finally:
+        if cert_dir:
+            shutil.rmtree(cert_dir, ignore_errors=True)
+    report.write(rows, out)
     progress(f"done in {time.monotonic() - started:.0f} s\n{report.table(rows)}")
     print(json.dumps(rows))
+
+
+def run_scenario(scenario: str, brokers: list[str], size: dict[str, Any],
+                 profile_dir: Path | None, certs: Certs | None, args: argparse.Namespace
+                 ) -> list[dict[str, Any]]:
+    """Every broker in turn on one scenario, with the ratios between them."""
+    figure = SCENARIOS[scenario][1]
+    mine = []
+    # At 2,000 msg/s of QoS 0 the floor under the goal runs beside the brokers: what a
+    # bare trio forwarder storing every message costs, in the same run (plain TCP only).
+    floor = scenario == "cpu_at_rate" and not args.tiny and not args.tls
+    for name in [*brokers, *(["trio-floor"] if floor else [])]:
+        progress(f"{scenario} on {name}")
+        row = run_one(scenario, name, size, profile_dir, certs, args.tls)
+        mine.append(row)
+        progress(f"  -> {figure}={row.get(figure)} in {row['duration_s']} s "
+                 f"{row.get('error', '')}")
+    add_ratios(mine, figure)
+    return mine
 
 
 # Every row is compared with Mosquitto's (ratio_vs_mosquitto, null without it); with the

@@ -24,22 +24,35 @@ from .wire import (
     acks_in,
     connect,
     connect_packet,
+    dial,
+    handshake,
+    handshaking,
     nb_connect,
     puback,
     publish_fields,
     read_acks,
+    recv_batch,
     split_frames,
     subscribe,
 )
 
 STAMP = struct.Struct(">qI")  # send time (perf_counter_ns, system-wide monotonic), seq
 
+# The CPU seconds the workers of metered Crews spent from their start signal to their
+# result, summed in the parent (the runner's `loadgen_cpu_us_per_msg`).
+_loadgen_cpu = 0.0
+
+
+def loadgen_cpu() -> float:
+    return _loadgen_cpu
+
 
 class Crew:
     """Worker processes with a common start signal, results over one queue, and a bound
     on everything: setup, run, and the kill of whatever is left at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, metered: bool = True) -> None:
+        self.metered = metered  # False: set-up work (e.g. filling a queue), not the row's
         self.ctx = mp.get_context("fork")
         self.q: Any = self.ctx.Queue()
         self.go_evt = self.ctx.Event()
@@ -82,7 +95,11 @@ class Crew:
         return t0
 
     def results(self, timeout: float) -> list[dict[str, Any]]:
-        return self._get("result", len(self.procs), timeout)
+        global _loadgen_cpu
+        res = self._get("result", len(self.procs), timeout)
+        if self.metered:
+            _loadgen_cpu += sum(r.pop("cpu_s", 0.0) for r in res)
+        return res
 
     def close(self) -> None:
         self.release.set()
@@ -99,15 +116,21 @@ def _worker_main(fn: Callable[..., dict[str, Any]], wid: int, q: Any, go_evt: An
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     try:
         res = fn(wid, lambda info=None: q.put(("ready", wid, info or {})), go_evt, *args)
+        res["cpu_s"] = time.process_time() - _cpu_at_go if _cpu_at_go else 0.0
         q.put(("result", wid, res))
         release.wait(600)  # e.g. idle connections stay open until RSS was measured
     except BaseException as exc:
         q.put(("error", wid, f"{type(exc).__name__}: {exc}"))
 
 
+_cpu_at_go = 0.0  # this worker's CPU time when its start signal came
+
+
 def _await_go(go_evt: Any) -> float:
+    global _cpu_at_go
     if not go_evt.wait(300):
         raise TimeoutError("no start signal")
+    _cpu_at_go = time.process_time()
     return time.monotonic()
 
 
@@ -143,7 +166,7 @@ def w_subscribers(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
         for key, _ in sel.select(timeout=0.2):
             s = key.fileobj
             try:
-                data = s.recv(1 << 20)  # type: ignore[union-attr]
+                data = recv_batch(s, 1 << 20)  # type: ignore[arg-type]
             except BlockingIOError:
                 continue
             if not data:
@@ -202,7 +225,7 @@ def w_publishers(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
                 if burst:
                     s.sendall(b"".join(burst))
                 try:
-                    data = s.recv(65536)
+                    data = recv_batch(s, 65536)
                 except TimeoutError:
                     continue
                 acked, rest = acks_in(rest, data)
@@ -219,7 +242,8 @@ def w_devices(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
               topics: list[str], per_device: int, seconds: float) -> dict[str, Any]:
     """Devices as a fleet publishes: one connection per topic, each sending a QoS 1
     PUBLISH and waiting for its PUBACK before the next (one message in flight each), all
-    at once from one selector."""
+    at once from one selector. Reports the PUBLISH -> PUBACK round trips (ack_*_ms) from
+    each device's second message on, as this loop sees them."""
     socks = [connect(port, f"dev-{wid}-{i}-{os.getpid()}") for i in range(len(topics))]
     payload = b"x" * PAYLOAD
     pkts = {s: [mqtt.encode_publish(t, payload, 1, False, False, pid, 4) for pid in (1, 2)]
@@ -227,6 +251,8 @@ def w_devices(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
     sel = selectors.DefaultSelector()
     sent: dict[socket.socket, int] = {}
     rest: dict[socket.socket, bytes] = {}
+    sent_at: dict[socket.socket, int] = {}  # perf_counter_ns of the message in flight
+    rtts: list[int] = []
     for s in socks:
         s.setblocking(False)
         sel.register(s, selectors.EVENT_READ)
@@ -247,16 +273,31 @@ def w_devices(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
         for key, _ in sel.select(timeout=0.2):
             s = key.fileobj  # type: ignore[assignment]
             try:
-                data = s.recv(4096)
+                data = recv_batch(s, 4096)
             except BlockingIOError:
                 continue
+            now = time.perf_counter_ns()
             n, rest[s] = acks_in(rest[s], data)
             acked += n
+            if n and s in sent_at:
+                rtts.append(now - sent_at[s])
             if n and sent[s] < per_device:
+                sent_at[s] = time.perf_counter_ns()
                 s.send(pkts[s][sent[s] % 2])  # the next one, now that this one is acked
                 sent[s] += 1
     globals()["_held"] = socks  # connected until the subscriber is done (see w_publishers)
-    return {"sent": sum(sent.values()), "acked": acked}
+    return {"sent": sum(sent.values()), "acked": acked, **percentiles(rtts, "ack_")}
+
+
+def percentiles(ns: list[int], prefix: str = "") -> dict[str, float | None]:
+    """p50, p99 and the maximum of durations in ns, in ms (None for none)."""
+    ns = sorted(ns)
+
+    def pick(q: float) -> float | None:
+        return round(ns[min(len(ns) - 1, int(len(ns) * q))] / 1e6, 3) if ns else None
+
+    return {f"{prefix}p50_ms": pick(0.5), f"{prefix}p99_ms": pick(0.99),
+            f"{prefix}max_ms": pick(1.0)}
 
 
 def w_fleet(wid: int, ready: Callable[..., None], go_evt: Any, port: int, ids: list[int],
@@ -265,7 +306,9 @@ def w_fleet(wid: int, ready: Callable[..., None], go_evt: Any, port: int, ids: l
     (at most 32 handshakes in flight) before ready(); after go, device g publishes QoS 1
     on fleet/g/t at go + period * (g / fleet + k), k < per_device (so the fleet offers
     fleet / period msg/s evenly spread), each message stamped with its send time and
-    sent only once the device's previous one was PUBACKed (`late` counts those held)."""
+    sent only once the device's previous one was PUBACKed (`late` counts those held).
+    Returns the PUBLISH -> PUBACK round trips from each device's second message on
+    (`ack_ns`, for the scenario to merge)."""
     sel = selectors.DefaultSelector()
     n = len(ids)
     socks: list[socket.socket] = []  # device j of this worker: fleet device ids[j]
@@ -280,13 +323,20 @@ def w_fleet(wid: int, ready: Callable[..., None], go_evt: Any, port: int, ids: l
             sel.register(socks[-1], selectors.EVENT_WRITE, len(socks) - 1)
         for key, ev in sel.select(timeout=0.2):
             s, j = socks[key.data], key.data
-            if ev & selectors.EVENT_WRITE:
-                if err := s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-                    raise OSError(err, f"device {ids[j]}: {os.strerror(err)}")
+            if ev & selectors.EVENT_WRITE or handshaking(s):
+                try:
+                    if want := handshake(s):  # TLS: its handshake goes on
+                        sel.modify(s, want, j)
+                        continue
+                except OSError as exc:
+                    raise OSError(f"device {ids[j]}: {exc}") from exc
                 s.send(connect_packet(f"fleet-{ids[j]}"))
                 sel.modify(s, selectors.EVENT_READ, j)
                 continue
-            data = s.recv(16)
+            try:
+                data = recv_batch(s, 16)
+            except BlockingIOError:  # TLS: a session ticket, no CONNACK yet
+                continue
             if data[:2] != b"\x20\x02" or data[3:4] != b"\x00":
                 raise OSError(f"device {ids[j]}: no CONNACK: {data!r}")
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -301,6 +351,8 @@ def w_fleet(wid: int, ready: Callable[..., None], go_evt: Any, port: int, ids: l
     sent_by = [0] * n
     inflight = [False] * n
     owed = [0] * n  # messages that fell due while the previous one was unacknowledged
+    sent_at = [0] * n  # perf_counter_ns of each device's message in flight
+    rtts: list[int] = []
     sent = acked = late = 0
     cursor = 0  # the next message due: device cursor % n, its number cursor // n
 
@@ -310,7 +362,8 @@ def w_fleet(wid: int, ready: Callable[..., None], go_evt: Any, port: int, ids: l
     def send(j: int) -> None:
         nonlocal sent
         k = sent_by[j]
-        pkt = mqtt.encode_publish(topics[j], STAMP.pack(time.perf_counter_ns(), k) + pad, 1,
+        sent_at[j] = time.perf_counter_ns()
+        pkt = mqtt.encode_publish(topics[j], STAMP.pack(sent_at[j], k) + pad, 1,
                                   False, False, k % 65535 + 1, 4)
         if socks[j].send(pkt) != len(pkt):
             raise OSError(f"device {ids[j]}: short send")
@@ -337,18 +390,20 @@ def w_fleet(wid: int, ready: Callable[..., None], go_evt: Any, port: int, ids: l
         for key, _ in sel.select(timeout=min(0.2, max(0.0, wait))):
             j = key.data
             try:
-                data = socks[j].recv(4096)
+                data = recv_batch(socks[j], 4096)
             except BlockingIOError:
                 continue
             got, rest[j] = acks_in(rest[j], data)
             if got:
+                if sent_by[j] > 1:
+                    rtts.append(time.perf_counter_ns() - sent_at[j])
                 acked += got
                 inflight[j] = False
                 if owed[j]:
                     owed[j] -= 1
                     send(j)
     globals()["_held"] = socks  # connected until the subscriber is done (see w_publishers)
-    return {"sent": sent, "acked": acked, "late": late}
+    return {"sent": sent, "acked": acked, "late": late, "ack_ns": rtts}
 
 
 def w_latency_pub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, rate: int,
@@ -401,7 +456,7 @@ def w_latency_sub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, 
     deadline = _await_go(go_evt) + seconds + 5
     while got < total and time.monotonic() < deadline:
         try:
-            data = s.recv(1 << 20)
+            data = recv_batch(s, 1 << 20)
         except TimeoutError:
             continue
         now = time.perf_counter_ns()
@@ -423,10 +478,60 @@ def w_latency_sub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, 
         if acks:
             s.sendall(b"".join(acks))
     s.close()
-    lat.sort()
-    pick = (lambda q: round(lat[min(len(lat) - 1, int(len(lat) * q))] / 1e6, 3)) if lat else None
-    return {"got": got, "timed": len(lat), "p50_ms": pick(0.5) if pick else None,
-            "p99_ms": pick(0.99) if pick else None, "max_ms": pick(1.0) if pick else None}
+    return {"got": got, "timed": len(lat), **percentiles(lat)}
+
+
+def w_catchup(wid: int, ready: Callable[..., None], go_evt: Any, port: int, client_id: str,
+              expect: int, seconds: float) -> dict[str, Any]:
+    """A persistent session's subscriber coming back (clean session 0): connect on go,
+    PUBACK every queued message as it comes until `expect` of them (or a deadline, or 5 s
+    of quiet). The CONNACK is read from the same stream: the messages may follow it in
+    the same read."""
+    ready()
+    t0 = _await_go(go_evt)
+    deadline = t0 + seconds
+    s = dial(port)  # the TCP (and TLS) connect counts: the session starts with it
+    s.sendall(connect_packet(client_id, clean=False))
+    s.settimeout(0.2)
+    got = 0
+    rest = b""
+    t_connack = t_first = t_last = 0.0
+    present = None
+    while got < expect and time.monotonic() < deadline:
+        if t_last and time.monotonic() - t_last > 5:
+            break
+        try:
+            data = recv_batch(s, 1 << 20)
+        except TimeoutError:
+            continue
+        if not data:
+            break
+        now = time.monotonic()
+        buf = rest + data
+        _, frames, used = split_frames(buf, True)
+        rest = buf[used:]
+        acks = []
+        for b0, body in frames:
+            if b0 >> 4 == 2:  # CONNACK: session present, return code
+                if body[1] != 0:
+                    raise RuntimeError(f"CONNACK refused: {body[1]}")
+                t_connack, present = now, bool(body[0] & 1)
+            elif b0 >> 4 == 3:
+                got += 1
+                t_first = t_first or now
+                t_last = now
+                pid = publish_fields(b0, body)[0]
+                if pid:
+                    acks.append(puback(pid))
+        if acks:
+            s.sendall(b"".join(acks))
+    s.close()
+
+    def ms(t: float) -> float | None:
+        return round((t - t0) * 1e3, 1) if t else None
+
+    return {"got": got, "t0": t0, "t_last": t_last, "present": present,
+            "connack_ms": ms(t_connack), "first_ms": ms(t_first)}
 
 
 def w_idle(wid: int, ready: Callable[..., None], go_evt: Any, port: int, n: int,
@@ -461,14 +566,17 @@ def w_idle(wid: int, ready: Callable[..., None], go_evt: Any, port: int, n: int,
         for key, ev in sel.select(timeout=0.2):
             s = key.fileobj  # type: ignore[assignment]
             try:
-                if ev & selectors.EVENT_WRITE:
-                    err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                    if err:
-                        raise OSError(err, os.strerror(err))
+                if ev & selectors.EVENT_WRITE or handshaking(s):
+                    if want := handshake(s):  # TLS: its handshake goes on
+                        sel.modify(s, want, key.data)
+                        continue
                     s.send(pkt.pop(key.data))
                     sel.modify(s, selectors.EVENT_READ, key.data)
                     continue
-                data = s.recv(16)
+                try:
+                    data = recv_batch(s, 16)
+                except BlockingIOError:  # TLS: a session ticket, no CONNACK yet
+                    continue
                 if data[:2] != b"\x20\x02" or data[3:4] != b"\x00":
                     raise OSError(f"no CONNACK: {data!r}")
                 sel.unregister(s)
@@ -519,13 +627,18 @@ def w_storm(wid: int, ready: Callable[..., None], go_evt: Any, port: int, ids: l
         for key, ev in sel.select(timeout=0.2):
             s = key.fileobj  # type: ignore[assignment]
             try:
-                if ev & selectors.EVENT_WRITE:
+                if ev & selectors.EVENT_WRITE or handshaking(s):
+                    if want := handshake(s):  # TLS: its handshake goes on
+                        sel.modify(s, want)
+                        continue
                     s.send(pkt[s])
                     sel.modify(s, selectors.EVENT_READ)
                     continue
-                data = s.recv(1 << 16)
+                data = recv_batch(s, 1 << 16)
                 if not data:
                     raise ConnectionError("closed")
+            except BlockingIOError:  # TLS: a session ticket, no data yet
+                continue
             except OSError:
                 errors += 1
                 sel.unregister(s)

@@ -57,15 +57,49 @@ def cpu_seconds(pids: list[int]) -> float:
 @dataclass(frozen=True)
 class Usage:
     """One reading of a broker's CPU: in all (seconds), per thread name (thread_times),
-    and when it was taken (monotonic)."""
+    when it was taken (monotonic), and of its Lightgate processes' threads, those that
+    run Python and all of them (python_split)."""
 
     cpu: float
     threads: dict[str, list[float]]
     at: float
+    python: tuple[float, float] = (0.0, 0.0)
 
 
-def usage(pids: list[int]) -> Usage:
-    return Usage(cpu_seconds(pids), thread_times(pids), time.monotonic())
+def usage(pids: list[int], python_pids: list[int] | None = None) -> Usage:
+    return Usage(cpu_seconds(pids), thread_times(pids), time.monotonic(),
+                 python_split(python_pids or []))
+
+
+# The threads of a Lightgate process that never run Python: the native plane's reactors
+# (native/src/reactor.rs names them) and RocksDB's background threads. Every other
+# thread does: the trio loop, trio's worker threads, the CommitLog's writer and
+# dispatcher, the Raft controller's, the Redis client's.
+NATIVE_THREADS = ("lightgate-io-", "rocksdb:")
+
+
+def python_split(pids: list[int]) -> tuple[float, float]:
+    """CPU seconds so far of these processes' threads that run Python, and of all their
+    threads (a thread that ended is not counted: take both readings while they run)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    python = total = 0.0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                    head, _, rest = fh.read().rpartition(")")
+            except OSError:
+                continue
+            fields = rest.split()
+            used = (int(fields[11]) + int(fields[12])) / tick
+            total += used
+            if not head.split("(", 1)[1].startswith(NATIVE_THREADS):
+                python += used
+    return python, total
 
 
 def thread_times(pids: list[int]) -> dict[str, list[float]]:

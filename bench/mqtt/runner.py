@@ -13,32 +13,44 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .brokers import Broker, Window, start_broker
+from .brokers import Broker, Options, Window, start_broker
+from .loadgen import loadgen_cpu
 from .procfs import Usage, thread_report, usage
-from .scenarios import SCENARIOS
-from .wire import set_keepalive
+from .scenarios import NEEDS, SCENARIOS
+from .tls import Certs, client_context
+from .wire import set_keepalive, set_tls
 
 FIELDS = ("msgs_per_s", "p50_ms", "p99_ms", "kb_per_conn", "connects_per_s")
 
 
-def run_one(scenario: str, name: str, size: dict[str, Any],
-            profile_dir: Path | None) -> dict[str, Any]:
+def run_one(scenario: str, name: str, size: dict[str, Any], profile_dir: Path | None,
+            certs: Certs | None = None, tls: bool = False) -> dict[str, Any]:
+    """One row; on the broker's TLS listener with `certs` when `tls` or when the scenario
+    needs mutual TLS (its clients then present the run's client certificate)."""
     fn, figure, higher = SCENARIOS[scenario]
+    needs = NEEDS[scenario](size) if scenario in NEEDS else {}
+    opts = Options(certs=certs if tls or needs.get("mutual") else None, **needs)
     row: dict[str, Any] = {"scenario": scenario, "broker": name, **dict.fromkeys(FIELDS),
                            "ratio_vs_mosquitto": None, "higher_is_better": higher,
-                           "main_figure": figure}
+                           "main_figure": figure, "tls": opts.certs is not None,
+                           "mutual_tls": opts.mutual}
     t0 = time.monotonic()
     broker = None
     meter = None
     try:
+        if (tls or opts.mutual) and certs is None:
+            raise ValueError("TLS without the run's certificates")
         row["load_1m_before"] = os.getloadavg()[0]  # other work on the machine skews results
-        broker = start_broker(name)
+        broker = start_broker(name, opts)
         profile = (profile_dir, f"{scenario}-{name}") if profile_dir and \
             name.startswith("lightgate") else None
         set_keepalive(broker.keepalive)
+        set_tls(client_context(opts.certs, opts.mutual) if opts.certs else None)
         meter = broker.window = Meter(broker, profile)
         meter.begin()
+        loadgen_before = loadgen_cpu()
         row.update(fn(broker, size))
+        loadgen_used = loadgen_cpu() - loadgen_before
         meter.end()
         if broker.notes:
             row["notes"] = "; ".join(filter(None, [row.get("notes"), broker.notes]))
@@ -49,12 +61,17 @@ def run_one(scenario: str, name: str, size: dict[str, Any],
             row["cpu_us_per_msg"] = round((after.cpu - before.cpu) * 1e6 / msgs, 2)
             row["threads"] = thread_report(before.threads, after.threads, msgs,
                                            after.at - before.at)
+            # What the load generator's workers spent meanwhile (TLS costs them too).
+            row["loadgen_cpu_us_per_msg"] = round(loadgen_used * 1e6 / msgs, 2)
+        if broker.python and (total := after.python[1] - before.python[1]) > 0:
+            row["python_cpu_share"] = round((after.python[0] - before.python[0]) / total, 3)
         if err := broker.died():
             row["error"] = err
     except Exception as exc:  # record it; the other brokers and scenarios still run
         row["error"] = f"{type(exc).__name__}: {exc}"[:1000]
     finally:
         set_keepalive(0)
+        set_tls(None)
         if meter:
             meter.end()
             if meter.top is not None:
@@ -73,6 +90,7 @@ class Meter(Window):
     def __init__(self, b: Broker, profile: tuple[Path, str] | None) -> None:
         self.broker, self.profile = b, profile
         self.pids = [p.pid for p in b.procs]
+        self.python = b.python
         self.before: Usage | None = None
         self.after: Usage | None = None
         self.prof: tuple[subprocess.Popen[Any], Path] | None = None
@@ -85,11 +103,11 @@ class Meter(Window):
             self.prof[1].with_suffix(".top.txt").unlink(missing_ok=True)
         if self.profile:
             self.prof = profile_start(self.broker, *self.profile)
-        self.before, self.after = usage(self.pids), None
+        self.before, self.after = usage(self.pids, self.python), None
 
     def end(self) -> None:
         if self.after is None:
-            self.after = usage(self.pids)
+            self.after = usage(self.pids, self.python)
             if self.prof:
                 self.top = profile_stop(*self.prof)
                 self.prof = None

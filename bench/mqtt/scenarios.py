@@ -12,9 +12,11 @@ from typing import Any
 from gateway import mqtt
 
 from . import CORES, PAYLOAD
-from .brokers import Broker
+from .brokers import MAX_QUEUED, Broker
 from .loadgen import (
     Crew,
+    percentiles,
+    w_catchup,
     w_devices,
     w_fleet,
     w_idle,
@@ -25,7 +27,7 @@ from .loadgen import (
     w_subscribers,
 )
 from .procfs import listen_overflows, rss_kb, usage
-from .wire import acks_in, connect
+from .wire import acks_in, connect, recv_batch, subscribe
 
 
 def run_flow(port: int, pub_topics: list[str], sub_filter: str, n_subs: int, qos: int,
@@ -106,8 +108,11 @@ def sc_device_fanin(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"received": sub["count"], "expected": per_device * n,
                            "sent": dev["sent"], "acked": dev["acked"],
                            "msgs_per_s": round(sub["count"] / span) if span > 0 else None,
+                           "ack_p50_ms": dev["ack_p50_ms"], "ack_p99_ms": dev["ack_p99_ms"],
+                           "ack_max_ms": dev["ack_max_ms"],
                            "notes": f"{n} QoS 1 devices, one message in flight each, one "
-                                    "QoS 1 subscriber"}
+                                    "QoS 1 subscriber; ack_*_ms: PUBLISH -> PUBACK from "
+                                    "each device's second message on"}
     if not sub["count"]:
         out["error"] = "nothing delivered"
     return out
@@ -155,12 +160,17 @@ def sc_device_fleet(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
         "received": sub["got"], "expected": total, "window_msgs": sub["timed"],
         "sent": sent, "acked": acked, "msgs_per_s": round(sub["timed"] / seconds),
         "p50_ms": sub["p50_ms"], "p99_ms": sub["p99_ms"], "max_ms": sub["max_ms"],
+        **percentiles([ns for d in devs for ns in d["ack_ns"]], "ack_"),
         "late": late,
         "first_round_cpu_us_per_msg": round((timed.cpu - first.cpu) * 1e6 / n, 1),
         "notes": f"{n} QoS 1 devices x {per_device} messages, one every {period} s each "
                  f"({n / period:.0f} msg/s offered), one QoS 1 subscriber of fleet/+/t; "
                  f"connected in {t_setup:.1f} s, then one round, neither timed; then "
                  f"{seconds} s timed"}
+    if b.opts.mutual:
+        out["notes"] += ("; over mutual TLS: every device presents a client certificate "
+                         "signed by the run's CA (one for the fleet), which the broker "
+                         "verifies at each handshake")
     if n < wanted:
         out["notes"] += (f"; capped from {wanted} by RLIMIT_NOFILE {limit} (raising the hard "
                          "limit needs CAP_SYS_RESOURCE)")
@@ -170,6 +180,56 @@ def sc_device_fleet(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
         out["notes"] += f"; {total - sub['got']} not delivered within the deadline"
     if not sub["timed"]:
         out["error"] = "nothing delivered in the timed window"
+    return out
+
+
+def sc_catchup(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    """A persistent session catching up: its subscriber (clean session 0, QoS 1 on
+    catchup/t) goes offline, `catchup_msgs` QoS 1 messages are published and
+    acknowledged (not timed), then it connects again: msg/s from its CONNECT to the last
+    queued message, each PUBACKed as it comes (the broker's window: 32 in flight)."""
+    n, seconds = size["catchup_msgs"], size["catchup_seconds"]
+    client_id = f"catchup-{time.monotonic_ns()}"
+    s = connect(b.port, client_id, clean=False)
+    subscribe(s, "catchup/t", 1)
+    s.sendall(mqtt.encode(mqtt.Disconnect(), 4))
+    s.close()
+    time.sleep(0.3)  # the session is offline before the first message
+    pub = Crew(metered=False)  # filling the queue is set-up, not the row's
+    try:
+        pub.add(w_publishers, b.port, ["catchup/t"], 1, n, seconds)
+        pub.start(setup_timeout=60)
+        t_pub = pub.go()
+        [res] = pub.results(seconds + 30)
+        t_pub = time.monotonic() - t_pub
+    finally:
+        pub.close()
+    queued = res["sent"]  # every one acknowledged, so stored for the session
+    time.sleep(0.5)
+    crew = Crew()
+    try:
+        crew.add(w_catchup, b.port, client_id, queued, seconds)
+        crew.start(setup_timeout=30)
+        b.window.begin()
+        crew.go()
+        [sub] = crew.results(seconds + 30)
+        b.window.end()
+    finally:
+        crew.close()
+    span = sub["t_last"] - sub["t0"] if sub["got"] else 0.0
+    out: dict[str, Any] = {
+        "received": sub["got"], "expected": queued, "session_present": sub["present"],
+        "msgs_per_s": round(sub["got"] / span) if span > 0 else None,
+        "connack_ms": sub["connack_ms"], "first_ms": sub["first_ms"],
+        "notes": f"{queued} QoS 1 messages queued for one offline persistent session "
+                 f"(published in {t_pub:.1f} s, not timed), then it reconnects: from its "
+                 f"CONNECT to the last one, each PUBACKed as it comes"}
+    if queued < n:
+        out["notes"] += f"; {n - queued} of {n} not acknowledged within {seconds} s"
+    if sub["got"] < queued:
+        out["notes"] += f"; {queued - sub['got']} not delivered within the deadline"
+    if not sub["got"]:
+        out["error"] = f"nothing delivered (session present: {sub['present']})"
     return out
 
 
@@ -268,7 +328,7 @@ def sc_reconnect_storm(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
         pub.sendall(b"".join(pkts))
         acked, rest, deadline = 0, b"", time.monotonic() + 30
         while acked < m and time.monotonic() < deadline:
-            n, rest = acks_in(rest, pub.recv(65536))
+            n, rest = acks_in(rest, recv_batch(pub, 65536))
             acked += n
         pub.close()
         time.sleep(0.5)  # queued for every offline session
@@ -309,22 +369,34 @@ SCENARIOS: dict[str, tuple[Callable[[Broker, dict[str, Any]], dict[str, Any]], s
     "cpu_at_rate": (sc_cpu_at_rate, "cpu_us_per_msg", False),
     "cpu_at_rate_qos1": (sc_cpu_at_rate_qos1, "cpu_us_per_msg", False),
     "reconnect_storm": (sc_reconnect_storm, "msgs_per_s", True),
+    "catchup_persistent": (sc_catchup, "msgs_per_s", True),
+    # device_fleet with every client presenting a certificate: always on TLS.
+    "device_fleet_mtls": (sc_device_fleet, "cpu_us_per_msg", False),
 }
-QUICK_SCENARIOS = [s for s in SCENARIOS if s != "reconnect_storm"]
+# What a scenario needs of its broker beyond the shared bounds (brokers.Options' fields).
+NEEDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "device_fleet_mtls": lambda size: {"mutual": True},
+    "catchup_persistent": lambda size: {"max_queued": max(MAX_QUEUED, size["catchup_msgs"])},
+}
+# Only in a run with --tls (or when asked for by name).
+TLS_ONLY = ["device_fleet_mtls"]
+QUICK_SCENARIOS = [s for s in SCENARIOS if s not in ("reconnect_storm", *TLS_ONLY)]
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"msgs": 2000, "qos1_msgs": 1000, "seconds": 8, "fanout_subs": 10,
              "fanout_msgs": 50, "idle_conns": 100, "idle_seconds": 10, "latency_rate": 200,
              "latency_seconds": 1, "storm_clients": 10, "storm_msgs": 4, "cpu_rate": 200,
              "cpu_seconds": 1, "device_msgs": 1000, "fleet_devices": 300, "fleet_period": 1.0,
-             "fleet_seconds": 2},
+             "fleet_seconds": 2, "catchup_msgs": 500, "catchup_seconds": 20},
     "quick": {"msgs": 100_000, "qos1_msgs": 25_000, "seconds": 15, "fanout_subs": 200,
               "fanout_msgs": 500, "idle_conns": 2000, "idle_seconds": 30,
               "latency_rate": 2000, "latency_seconds": 5, "storm_clients": 500,
               "storm_msgs": 10, "cpu_rate": 2000, "cpu_seconds": 5, "device_msgs": 40_000,
-              "fleet_devices": 5000, "fleet_period": 2.5, "fleet_seconds": 10},
+              "fleet_devices": 5000, "fleet_period": 2.5, "fleet_seconds": 10,
+              "catchup_msgs": 50_000, "catchup_seconds": 60},
     "full": {"msgs": 500_000, "qos1_msgs": 100_000, "seconds": 45, "fanout_subs": 1000,
              "fanout_msgs": 1000, "idle_conns": 100_000, "idle_seconds": 120,
              "latency_rate": 20_000, "latency_seconds": 10, "storm_clients": 5000,
              "storm_msgs": 20, "cpu_rate": 2000, "cpu_seconds": 10, "device_msgs": 200_000,
-             "fleet_devices": 5000, "fleet_period": 2.5, "fleet_seconds": 60},
+             "fleet_devices": 5000, "fleet_period": 2.5, "fleet_seconds": 60,
+             "catchup_msgs": 1_000_000, "catchup_seconds": 300},
 }
