@@ -222,7 +222,7 @@ def sc_catchup(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
         "msgs_per_s": round(sub["got"] / span) if span > 0 else None,
         "connack_ms": sub["connack_ms"], "first_ms": sub["first_ms"],
         "notes": f"{queued} QoS 1 messages queued for one offline persistent session "
-                 f"(published in {t_pub:.1f} s, not timed), then it reconnects: from its "
+                 f"(published in {t_pub:.2f} s, not timed), then it reconnects: from its "
                  f"CONNECT to the last one, each PUBACKed as it comes"}
     if queued < n:
         out["notes"] += f"; {n - queued} of {n} not acknowledged within {seconds} s"
