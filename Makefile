@@ -136,15 +136,18 @@ native-check-macos:
 
 # The MQTT benchmark's peers, before it starts (so that no row waits for a build):
 # Debian's mosquitto and rabbitmq-server (apt-get) and rumqttd built from its crate into
-# bench/.peers (a few minutes the first time); each only if missing.
+# bench/.peers (a few minutes the first time, and a minute more for the build that asks
+# clients for certificates); each only if missing.
 bench-peers: $(STAMP)
-	$(BIN)/python -m bench.mqtt.installs mosquitto rabbitmq rumqttd
+	$(BIN)/python -m bench.mqtt.installs mosquitto rabbitmq rumqttd rumqttd-mtls
 
 # Benchmarks print JSON and write bench/results/ (a PNG per MQTT scenario beside it).
 bench: $(STAMP) redis bench-peers
 	$(BIN)/python bench/mqtt_bench.py --quick
 	$(BIN)/python bench/mqtt_bench.py --quick --scenarios fanout_1to1000 \
 		--brokers mosquitto,lightgate-native-io1,lightgate-native-io2 --out bench/results/scaling
+	$(BIN)/python bench/mqtt_bench.py --quick --tls \
+		--brokers mosquitto,lightgate-native,lightgate-async,rumqttd --out bench/results/tls
 	$(BIN)/python bench/replay_bench.py
 	$(BIN)/python bench/replay_bench.py --mqtt
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from . import CORES, ROOT, progress, report
-from .brokers import BROKERS, SCALING
+from .brokers import BROKERS, OPT_IN
 from .procfs import raise_nofile
 from .runner import run_one
 from .scenarios import NEEDS, QUICK_SCENARIOS, SCENARIOS, SIZES, TLS_ONLY
@@ -48,7 +48,8 @@ def main() -> None:
                         help="every scenario but reconnect_storm, small (~10 min)")
     parser.add_argument("--tiny", action="store_true", help="a smoke run for the tests")
     parser.add_argument("--brokers", default=",".join(BROKERS),
-                        help=f"comma-separated subset of {','.join(BROKERS + SCALING)}")
+                        help=f"comma-separated, of {','.join(BROKERS + OPT_IN)} "
+                             "(default: all but the last three)")
     parser.add_argument("--scenarios", default=None,
                         help=f"comma-separated subset of {','.join(SCENARIOS)}")
     parser.add_argument("--out", default=None,
@@ -72,7 +73,7 @@ def main() -> None:
         scenarios += [s for s in TLS_ONLY if s not in scenarios]
     brokers = args.brokers.split(",")
     if bad := [s for s in scenarios if s not in SCENARIOS] + [b for b in brokers
-                                                             if b not in BROKERS + SCALING]:
+                                                             if b not in BROKERS + OPT_IN]:
         parser.error(f"unknown scenario or broker: {', '.join(bad)}")
     nofile = raise_nofile(2 * max(size["idle_conns"], size["fleet_devices"]) + 10_000)
     profile_dir = Path(args.profile) if args.profile else None

@@ -1,7 +1,7 @@
 """The peer brokers, installed on first use (CI machines start empty): Debian's mosquitto
 and rabbitmq-server (apt-get), and rumqttd built from its crate into bench/.peers (git
-ignores it). `make bench` runs `python -m bench.mqtt.installs rabbitmq rumqttd` first, so
-that a long build is not counted in a scenario's row."""
+ignores it). `make bench` runs `python -m bench.mqtt.installs mosquitto rabbitmq rumqttd
+rumqttd-mtls` first, so that a long build is not counted in a scenario's row."""
 
 from __future__ import annotations
 

@@ -484,8 +484,8 @@ def w_latency_sub(wid: int, ready: Callable[..., None], go_evt: Any, port: int, 
 def w_catchup(wid: int, ready: Callable[..., None], go_evt: Any, port: int, client_id: str,
               expect: int, seconds: float) -> dict[str, Any]:
     """A persistent session's subscriber coming back (clean session 0): connect on go,
-    PUBACK every queued message as it comes until `expect` of them (or a deadline, or 5 s
-    of quiet). The CONNACK is read from the same stream: the messages may follow it in
+    PUBACK every queued message as it comes until `expect` of them (or a deadline, or 10
+    s of quiet). The CONNACK is read from the same stream: the messages may follow it in
     the same read."""
     ready()
     t0 = _await_go(go_evt)
@@ -498,7 +498,7 @@ def w_catchup(wid: int, ready: Callable[..., None], go_evt: Any, port: int, clie
     t_connack = t_first = t_last = 0.0
     present = None
     while got < expect and time.monotonic() < deadline:
-        if t_last and time.monotonic() - t_last > 5:
+        if time.monotonic() - (t_last or t_connack or t0) > 10:  # a broker gone quiet
             break
         try:
             data = recv_batch(s, 1 << 20)

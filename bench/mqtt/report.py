@@ -48,7 +48,10 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
                         ha="center", va="bottom", fontsize=9)
         ax.set_ylim(0, max(values + [1]) * 1.25)
         ax.set_ylabel(figure)
-        ax.set_title(f"{scenario}: {figure} ({'higher' if higher else 'lower'} is better)")
+        over = (" on mutual TLS" if all(r.get("mutual_tls") for r in mine) else
+                " on TLS" if all(r.get("tls") for r in mine) else "")
+        ax.set_title(f"{scenario}{over}: {figure} ({'higher' if higher else 'lower'} is "
+                     "better)")
         ax.tick_params(axis="x", labelsize=9)
         fig.tight_layout()
         fig.savefig(out / f"{scenario}.png", dpi=100)
