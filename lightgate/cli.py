@@ -42,6 +42,7 @@ from serving.startup import (
     read_secret,
 )
 from serving.values import NATIVE_ADDR, split_credentials
+from serving.version import version_line
 from store.config import AuthConfig, ReplicationConfig, StoreConfig
 
 DESCRIPTION = """\
@@ -454,6 +455,8 @@ def _add_auth_commands(sub: Any, client_flags: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lightgate", description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the installed version and exit")
     parser.add_argument("--log-level", help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
