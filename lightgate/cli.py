@@ -29,8 +29,9 @@ from lightgate.settings import (
     STORE_CMD_SETTINGS,
     all_settings,
 )
-from serving import plane
+from serving import logs, plane
 from serving.fd_budget import raise_fd_limit
+from serving.logs import LOG_FORMATS
 from serving.settings import flag_values
 from serving.startup import (
     HTTP_LISTENER,
@@ -458,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=version_line(),
                         help="print the installed version and exit")
     parser.add_argument("--log-level", help=LOG_LEVEL_HELP)
+    parser.add_argument("--log-format", help=LOG_FORMAT_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, func, settings in (("serve", cmd_serve, SERVE_SETTINGS),
@@ -498,26 +500,30 @@ def build_parser() -> argparse.ArgumentParser:
                         help="every key with its default, as TOML")
     config.set_defaults(func=cmd_config)
     _add_room_commands(sub)
-    _log_level_everywhere(parser)
+    _logging_everywhere(parser)
     return parser
 
 
 LOG_LEVEL_HELP = ("debug, info, warning or error (default: LIGHTGATE_LOG_LEVEL, else INFO "
                   "for the servers and WARNING for the client commands); debug adds the "
                   "traceback to an error")
+LOG_FORMAT_HELP = ("text, or json: one JSON object a line (ts, level, logger, message, "
+                   "exc_info) (default: LIGHTGATE_LOG_FORMAT, else text)")
+LOGGING_FLAGS = (("--log-level", LOG_LEVEL_HELP), ("--log-format", LOG_FORMAT_HELP))
 
 
-def _log_level_everywhere(parser: argparse.ArgumentParser) -> None:
-    """--log-level after any command too (`lightgate serve --log-level debug`), not only
-    before it: each command's parser takes it, and says nothing when it is not given
-    (SUPPRESS), so that one given before the command stands."""
+def _logging_everywhere(parser: argparse.ArgumentParser) -> None:
+    """--log-level and --log-format after any command too (`lightgate serve --log-level
+    debug`), not only before it: each command's parser takes them, and says nothing
+    when one is not given (SUPPRESS), so that one given before the command stands."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for command in action.choices.values():
-                if not any("--log-level" in a.option_strings for a in command._actions):
-                    command.add_argument("--log-level", default=argparse.SUPPRESS,
-                                         help=LOG_LEVEL_HELP)
-                _log_level_everywhere(command)
+                for flag, help_text in LOGGING_FLAGS:
+                    if not any(flag in a.option_strings for a in command._actions):
+                        command.add_argument(flag, default=argparse.SUPPRESS,
+                                             help=help_text)
+                _logging_everywhere(command)
 
 
 def _add_room_commands(sub: Any) -> None:
@@ -547,13 +553,14 @@ def main(argv: list[str] | None = None) -> None:
     server = args.command in COMMANDS
     level = (args.log_level or os.environ.get("LIGHTGATE_LOG_LEVEL")
              or ("INFO" if server else "WARNING"))
+    fmt = (args.log_format or os.environ.get("LIGHTGATE_LOG_FORMAT") or "text").lower()
     debug = level.upper() == "DEBUG"
+    if fmt not in LOG_FORMATS:
+        print(f"lightgate: --log-format {fmt!r} is not one of {', '.join(LOG_FORMATS)}",
+              file=sys.stderr)
+        sys.exit(2)
     try:
-        logging.basicConfig(
-            level=level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-            stream=sys.stderr,
-        )
+        logs.configure(level, fmt)
     except ValueError:
         print(f"lightgate: --log-level {level!r} is not one of debug, info, "
               "warning, error", file=sys.stderr)
@@ -574,11 +581,16 @@ def main(argv: list[str] | None = None) -> None:
             line = str(failure)
         elif not server:
             line, status = client_failure(exc, args), 1
-        if line is None:
+        if line is None and fmt == "text":
             raise
+        prefix = "lightgate" if server else f"lightgate {args.command}"
+        if fmt == "json":  # one object, the traceback in it: a bug's, or debug's
+            logging.getLogger("lightgate").error(
+                f"{prefix}: {line or 'failed'}",
+                exc_info=exc if debug or line is None else None)
+            sys.exit(1 if line is None else status)
         if debug:
             traceback.print_exception(exc)
-        prefix = "lightgate" if server else f"lightgate {args.command}"
         print(f"{prefix}: {line}", file=sys.stderr)
         sys.exit(status)
 
