@@ -25,6 +25,9 @@ from gateway.config import GatewayConfig, GatewayOptions, ListenerConfig
 from lightgate.settings import (
     BOUNDS,
     GATEWAY_CMD_SETTINGS,
+    GROUP_TITLES,
+    GROUPS,
+    LIVE,
     SERVE_SETTINGS,
     STORE_CMD_SETTINGS,
     all_settings,
@@ -72,15 +75,25 @@ COMMANDS = {  # name: (one line for the list, what `lightgate NAME --help` expla
 
 def _add_settings(
     parser: argparse.ArgumentParser, settings: list[tuple[str, Any, Any, str]]
-) -> None:
+) -> dict[str, Any]:
+    """Each setting's flag, in the group of its concern (GROUPS): `--help` lists them so,
+    as the configuration page does. The groups by name."""
+    used = {GROUPS[row[0]] for row in settings} | {"observability"}  # (--log-level)
+    groups = {name: parser.add_argument_group(title, about)
+              for name, (title, about) in GROUP_TITLES.items() if name in used}
     for flag, typ, default, help_text in settings:
+        group = groups[GROUPS[flag]]
+        said = [BOUNDS[flag].describe() if flag in BOUNDS else "",
+                "re-read on SIGHUP" if flag in LIVE else ""]
         if typ is bool:
-            parser.add_argument(f"--{flag}", action="store_true", default=None, help=help_text)
+            more = "; ".join(x for x in said if x)
+            group.add_argument(f"--{flag}", action="store_true", default=None,
+                               help=f"{help_text} ({more})" if more else help_text)
         else:
-            takes = BOUNDS[flag].describe() if flag in BOUNDS else ""
-            parser.add_argument(
-                f"--{flag}", type=typ, default=None,
-                help=f"{help_text} (default: {default}{'; ' + takes if takes else ''})")
+            more = "".join(f"; {x}" for x in said if x)
+            group.add_argument(f"--{flag}", type=typ, default=None,
+                               help=f"{help_text} (default: {default}{more})")
+    return groups
 
 
 def resolve(args: argparse.Namespace, settings: list[tuple[str, Any, Any, str]]) -> dict[str, Any]:
@@ -466,9 +479,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  ("store", cmd_store, STORE_CMD_SETTINGS),
                                  ("gateway", cmd_gateway, GATEWAY_CMD_SETTINGS)):
         help_text, description = COMMANDS[name]
-        cmd = sub.add_parser(name, help=help_text, description=description)
-        cmd.add_argument("--config", help="TOML file with settings (keys named like the flags)")
-        _add_settings(cmd, settings)
+        cmd = sub.add_parser(name, help=help_text, description=description,
+                             usage=f"lightgate {name} [--config FILE] [--SETTING VALUE ...]")
+        cmd.add_argument("--config", metavar="FILE", help="TOML file with settings (keys "
+                         "named like the flags); SIGHUP re-reads it")
+        watching = _add_settings(cmd, settings)["observability"]
+        for flag, flag_help in LOGGING_FLAGS:
+            watching.add_argument(flag, default=argparse.SUPPRESS, help=flag_help)
         cmd.set_defaults(func=func)
 
     client_flags = argparse.ArgumentParser(add_help=False)
