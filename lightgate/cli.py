@@ -15,6 +15,7 @@ import os
 import sys
 import tomllib
 import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -22,6 +23,7 @@ import trio
 
 from gateway.auth.chain import BackendConfig, split_list
 from gateway.config import GatewayConfig, GatewayOptions, ListenerConfig
+from lightgate.reloading import ConfigFile, Target
 from lightgate.settings import (
     BOUNDS,
     GATEWAY_CMD_SETTINGS,
@@ -35,7 +37,8 @@ from lightgate.settings import (
 from serving import logs, plane
 from serving.fd_budget import raise_fd_limit
 from serving.logs import LOG_FORMATS
-from serving.settings import flag_values
+from serving.reload import Reload
+from serving.settings import Setting, flag_values
 from serving.startup import (
     HTTP_LISTENER,
     NATIVE_LISTENER,
@@ -219,6 +222,18 @@ def _listener_ports(listeners: ListenerConfig) -> list[tuple[str, str, str | Non
     return [(*label, listeners.address(name)) for name, label in LISTENERS.items()]
 
 
+def _reload(args: argparse.Namespace, settings: list[Setting], values: dict[str, Any],
+            *targets: Target) -> Reload:
+    """SIGHUP's steps as far as the command line knows them: the config file, whose live
+    settings go to `targets` (the configs the server runs with). The server adds its
+    own (users and policies, TLS certificates)."""
+    reload = Reload()
+    if getattr(args, "config", None):
+        reload.add(f"the configuration file {args.config}",
+                   ConfigFile(partial(resolve, args, settings), values, list(targets)))
+    return reload
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from lightgate.embedded import ServeOptions, run_serve
 
@@ -232,20 +247,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_ports([*_listener_ports(opts.listeners), (*NATIVE_LISTENER, opts.native),
                  (*HTTP_LISTENER, opts.http)])
     raise_fd_limit()
-    trio.run(run_serve, opts)
+    reload = _reload(args, SERVE_SETTINGS, values, (opts.store, StoreConfig, ""),
+                     (opts.gateway, GatewayConfig, ""))
+    trio.run(run_serve, opts, reload)
     return 0
 
 
 async def _store_main(cfg: Any, native: str, http: str, notify: str | None,
-                      auth: Any, repl: Any) -> None:
+                      auth: Any, repl: Any, reload: Reload) -> None:
     from notify import open_bus
     from store.app import run_store
 
     if notify:
         async with open_bus(notify) as bus:
-            await run_store(cfg, native, http, bus.publish_from_thread, auth, repl)
+            await run_store(cfg, native, http, bus.publish_from_thread, auth, repl, reload)
     else:
-        await run_store(cfg, native, http, None, auth, repl)
+        await run_store(cfg, native, http, None, auth, repl, reload)
 
 
 def _replication_config(values: dict[str, Any]) -> ReplicationConfig:
@@ -289,8 +306,10 @@ def cmd_store(args: argparse.Namespace) -> int:
     check_ports([(*NATIVE_LISTENER, values["native"]), (*HTTP_LISTENER, values["http"]),
                  *raft])
     raise_fd_limit()
-    trio.run(_store_main, _store_config(values), values["native"], values["http"],
-             values["notify"], _auth_config(values, _backend_config(values)), repl)
+    cfg = _store_config(values)
+    trio.run(_store_main, cfg, values["native"], values["http"], values["notify"],
+             _auth_config(values, _backend_config(values)), repl,
+             _reload(args, STORE_CMD_SETTINGS, values, (cfg, StoreConfig, "")))
     return 0
 
 
@@ -305,7 +324,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                    audit_log=values["audit_log"], auth_backends=_backend_config(values))
     check_ports([*_listener_ports(opts.listeners), (*HTTP_LISTENER, opts.http)])
     raise_fd_limit()
-    trio.run(run_gateway, opts)
+    trio.run(run_gateway, opts,
+             _reload(args, GATEWAY_CMD_SETTINGS, values, (opts.gateway, GatewayConfig, "")))
     return 0
 
 

@@ -119,6 +119,11 @@ def live_of(cls: type, prefix: str = "") -> set[str]:
     return {_row(f, prefix)[0] for f in _flagged(cls).values() if f.metadata[_KEY].live}
 
 
+def fields_by_flag(cls: type, prefix: str = "") -> dict[str, str]:
+    """Flag (without "--") -> the name of `cls`'s field it sets."""
+    return {_row(f, prefix)[0]: name for name, f in _flagged(cls).items()}
+
+
 def setting_of(cls: type, name: str) -> Setting:
     [row] = settings_of(cls, name)
     return row
