@@ -23,6 +23,7 @@ import trio
 
 from gateway.auth.chain import BackendConfig, split_list
 from gateway.config import GatewayConfig, GatewayOptions, ListenerConfig
+from lightgate import clients
 from lightgate.reloading import ConfigFile, Target
 from lightgate.settings import (
     BOUNDS,
@@ -532,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--max", type=int, help="stop after this many messages")
     consume.set_defaults(func=cmd_consume)
     _add_auth_commands(sub, client_flags)
+    clients.add_commands(sub, _credentials)
     config = sub.add_parser("config", help="print a config file with every setting")
     config.add_argument("--example", action="store_true", required=True,
                         help="every key with its default, as TOML")
