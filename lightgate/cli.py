@@ -14,7 +14,6 @@ import logging
 import os
 import sys
 import tomllib
-import traceback
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
@@ -366,7 +365,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
             n += 1
             if args.verbose:
                 print(res.msg_id, flush=True)
-    print(f"sent {n} messages to {args.topic}", file=sys.stderr)
+    logs.say(f"sent {n} messages to {args.topic}")
     return 0
 
 
@@ -623,14 +622,10 @@ def main(argv: list[str] | None = None) -> None:
         if line is None and fmt == "text":
             raise
         prefix = "lightgate" if server else f"lightgate {args.command}"
-        if fmt == "json":  # one object, the traceback in it: a bug's, or debug's
-            logging.getLogger("lightgate").error(
-                f"{prefix}: {line or 'failed'}",
-                exc_info=exc if debug or line is None else None)
-            sys.exit(1 if line is None else status)
-        if debug:
-            traceback.print_exception(exc)
-        print(f"{prefix}: {line}", file=sys.stderr)
+        if line is None:  # a bug, in JSON: one object, with the traceback in it
+            logs.say(f"{prefix}: failed", logging.ERROR, exc)
+            sys.exit(1)
+        logs.say(f"{prefix}: {line}", logging.ERROR, exc if debug else None)
         sys.exit(status)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from datetime import UTC, datetime
 
 import orjson
@@ -34,12 +35,31 @@ class JsonLines(logging.Formatter):
         return orjson.dumps(row).decode()
 
 
+_format = "text"  # the process's, once `configure` has run
+
+
 def configure(level: str, fmt: str) -> None:
     """Log at `level` (debug, info ...: ValueError if it is none) in `fmt` (LOG_FORMATS)
     to stderr. In JSON, Python's warnings become records too, so that every line of
     stderr is one object."""
+    global _format
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLines() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    _format = fmt
     if fmt == "json":
         logging.captureWarnings(True)
+
+
+def say(text: str, level: int = logging.INFO, exc: BaseException | None = None) -> None:
+    """A line a command writes to stderr whatever the log level (a client command's
+    summary, a failure's one line), with `exc`'s traceback before it: as it is, or, in
+    JSON, one object as a log record of the `lightgate` logger would be."""
+    if _format == "json":
+        info = (type(exc), exc, exc.__traceback__) if exc is not None else None
+        record = logging.LogRecord("lightgate", level, "", 0, text, None, info)
+        print(JsonLines().format(record), file=sys.stderr, flush=True)
+        return
+    if exc is not None:
+        traceback.print_exception(exc)
+    print(text, file=sys.stderr, flush=True)

@@ -40,6 +40,13 @@ def test_every_line_of_a_serve_run_is_json(tmp_path: Path) -> None:
         with socket.create_connection(("127.0.0.1", srv.port)) as raw:
             raw.sendall(b"\x10\x02\x00\x00")  # a CONNECT cut short: a refusal is logged
             raw.recv(16)
+        # A client command's summary line is an object too.
+        res = subprocess.run(
+            [sys.executable, "-m", "lightgate", "--log-format", "json", "produce", "t",
+             "--server", srv.native], cwd=ROOT, capture_output=True, text=True, timeout=60,
+            input="one\ntwo\n")
+        assert res.returncode == 0, res.stderr
+        assert [r["message"] for r in parsed(res.stderr)] == ["sent 2 messages to t"]
     finally:
         assert srv.stop() == 0
     rows = parsed(srv.logs())
