@@ -51,7 +51,7 @@ def test_every_line_of_a_serve_run_is_json(tmp_path: Path) -> None:
         assert srv.stop() == 0
     rows = parsed(srv.logs())
     assert len(rows) > 5
-    assert {"INFO", "DEBUG"} <= {r["level"] for r in rows}
+    assert "INFO" in {r["level"] for r in rows}
     assert any(r["logger"] == "lightgate.store.app" for r in rows)
     assert any("shutting down" in r["message"] for r in rows)
 
