@@ -64,12 +64,12 @@ def test_a_client_commands_failure_is_json_with_its_traceback() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nobody listens there once closed
     res = subprocess.run(
-        [sys.executable, "-m", "lightgate", "consume", "t", "--group", "g", "--server",
-         f"127.0.0.1:{port}", "--log-level", "debug", "--max", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env, input="")
+        [sys.executable, "-m", "lightgate", "clients", "list", "--http", f"127.0.0.1:{port}",
+         "--log-level", "debug"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env=env)
     assert res.returncode == 1, res.stderr
     [row] = [r for r in parsed(res.stderr) if r["level"] == "ERROR"]
-    assert row["logger"] == "lightgate" and "cannot reach the store" in row["message"]
+    assert row["logger"] == "lightgate" and "cannot reach the admin API" in row["message"]
     assert "Traceback" in row["exc_info"]
 
 
