@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tests.conftest import ROOT, Server
 from tests.mqtt.paho_client import Client
+from tests.mqtt.raw import RawClient
 
 ADMIN = "admin:admin-pw"
 
@@ -22,6 +23,16 @@ ADMIN = "admin:admin-pw"
 def hup(srv: Server) -> None:
     assert srv.proc is not None
     os.kill(srv.proc.pid, signal.SIGHUP)
+
+
+def refused(srv: Server, client_id: str) -> bool:
+    """Whether an MQTT 5 CONNECT gets 0x97, Quota exceeded (raw: paho may see the close
+    before it reports the CONNACK)."""
+    raw = RawClient(srv.port, version=5)
+    try:
+        return raw.connect(client_id).reason_code == 0x97
+    finally:
+        raw.close()
 
 
 def test_serve_takes_a_live_setting_and_says_which_wait_for_a_restart(tmp_path: Path) -> None:
@@ -36,8 +47,7 @@ def test_serve_takes_a_live_setting_and_says_which_wait_for_a_restart(tmp_path: 
         assert srv.wait_log(f"{said}: --max-connections is now 1 (was 0)")
         assert srv.wait_log(f"{said}: --max-inflight is 64 in the file, 32 in effect: it "
                             "takes effect at the next start")
-        second = Client(srv.port, "second", version=5)  # one is the limit now
-        assert second.connack[1].value == 0x97, second.connack  # Quota exceeded
+        assert refused(srv, "second")  # one is the limit now
         # A file that does not read: one line, the settings in effect stay, it serves on.
         conf.write_text('max_connections = "many"\n')
         hup(srv)
@@ -45,8 +55,7 @@ def test_serve_takes_a_live_setting_and_says_which_wait_for_a_restart(tmp_path: 
                             " max_connections = 'many' is not an integer")
         with urllib.request.urlopen(f"http://{srv.addrs['http']}/healthz", timeout=5) as r:
             assert r.status == 200
-        third = Client(srv.port, "third", version=5)
-        assert third.connack[1].value == 0x97, "the limit in effect stays"
+        assert refused(srv, "third"), "the limit in effect stays"
         first.disconnect()
         assert srv.logs().count(f"{said}:") == 2  # one line per change, no more
     finally:
