@@ -52,6 +52,9 @@ def _client_row(s: Session) -> dict[str, Any]:
         "peer": conn.peer if conn is not None else None,
         "protocol": s.version,
         "protocol_name": PROTOCOLS.get(s.version, str(s.version)),
+        # Which plane carries it: the native engine (gateway.handover) or Python.
+        "plane": "native" if getattr(conn, "native", None) is not None else
+                 "python" if conn is not None else None,
         "persistent": s.persistent,
         "expiry": s.expiry,
         "subscriptions": len(s.subscriptions),

@@ -20,6 +20,7 @@ from gateway.store_link import StoreLink
 from notify import open_bus
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
+from serving.reload import Reload
 from serving.startup import Signals, StartupError, shutdown_signals, stop_on_signal
 from serving.values import split_credentials
 from store.api import (
@@ -83,12 +84,13 @@ async def _announce(store: RemoteStore, gateway_id: str, info: dict) -> None:
         await trio.sleep(5)
 
 
-async def run_gateway(opts: GatewayOptions) -> None:
+async def run_gateway(opts: GatewayOptions, reload: Reload | None = None) -> None:
+    """`reload`: what SIGHUP re-reads beside what the gateway adds (the config file)."""
     with shutdown_signals() as signals:
-        await _gateway(opts, signals)
+        await _gateway(opts, signals, reload or Reload())
 
 
-async def _gateway(opts: GatewayOptions, signals: Signals) -> None:
+async def _gateway(opts: GatewayOptions, signals: Signals, reload: Reload) -> None:
     if not opts.notify:
         log.warning("no --notify: this gateway polls the store for new messages")
     async with NativeClient.open(opts.store, credentials=_credentials(opts.store_auth),
@@ -101,6 +103,7 @@ async def _gateway(opts: GatewayOptions, signals: Signals) -> None:
             broker = Broker(store, opts.gateway, auth, opts.auth_backends)
             if auth.enabled:
                 nursery.start_soon(broker.run_auth_refresh)
+                reload.add("users and policies", auth.reread)
             if opts.notify:
                 nursery.start_soon(broker.run_notify, bus)
             nursery.start_soon(broker.run_poll_fallback, bus if opts.notify else None)
@@ -108,7 +111,7 @@ async def _gateway(opts: GatewayOptions, signals: Signals) -> None:
             await nursery.start(broker.run_housekeeping)
             link = StoreLink(client, opts.peers, opts.master_unreachable_s)
             nursery.start_soon(link.run, broker)
-            bound = await start_listeners(nursery, broker, opts.listeners)
+            bound = await start_listeners(nursery, broker, opts.listeners, reload)
             app = auth_app([*link.routes(), *gateway_routes(broker)], auth,
                            manage_auth=False)
             bound["http"] = await nursery.start(
@@ -120,7 +123,7 @@ async def _gateway(opts: GatewayOptions, signals: Signals) -> None:
             bound["plane"] = "python"  # no native engine in a separated gateway yet
             tune_for_serving()
             print(ready_line(bound), flush=True)
-            await stop_on_signal(signals, nursery)
+            await stop_on_signal(signals, nursery, reload)
 
 
 async def _wait_for_store(client: NativeClient, opts: GatewayOptions, signals: Signals
@@ -145,6 +148,9 @@ async def _wait_for_store(client: NativeClient, opts: GatewayOptions, signals: S
         async def on_signal() -> None:
             nonlocal stopped
             async for signum in signals:
+                if signum == signal.SIGHUP:  # nothing read yet to read again
+                    log.info("SIGHUP while waiting for the store: nothing to re-read yet")
+                    continue
                 log.info("signal %s while waiting for the store: stopping",
                          signal.Signals(signum).name)
                 stopped = True

@@ -37,11 +37,12 @@ class GatewayConfig:
         64, "publishes per client in the store pipeline at once", least=1, most=65535)
     max_offline_messages: int = setting(
         10_000, "per queue of an offline persistent session; older ones are dropped on "
-        "reconnect", least=0)
+        "reconnect", least=0, live=True)
     connect_timeout: float = 10.0
     pull_batch: int = 256
     offsets_flush_interval: float = 0.5
-    sys_interval: float = setting(10.0, "seconds between $SYS/broker/... updates", above=0)
+    sys_interval: float = setting(10.0, "seconds between $SYS/broker/... updates", above=0,
+                                 group="observability")
     # The native data plane's reactors (LIGHTGATE_NATIVE=1); None: one per core.
     io_threads: int | None = setting(
         None, "I/O threads of the native data plane (none given: one per core); taken "
@@ -64,14 +65,17 @@ class GatewayConfig:
     topic_alias_maximum: int = 64  # per connection, client to server (v5)
     # Limits; 0 means unlimited.
     max_connections: int = setting(
-        0, "refuse connects beyond this many clients (0: no limit)", least=0)
+        0, "refuse connects beyond this many clients (0: no limit)", least=0, live=True)
     max_connect_rate: float = setting(
         0.0, "connects per second per source IP (0: no limit)", least=0)
     max_publish_rate: float = setting(
-        0.0, "publishes per second per client (0: no limit)", least=0)
+        0.0, "publishes per second per client, from its next connection (0: no limit)",
+        least=0, live=True)
     max_publish_bytes_rate: float = setting(
-        0.0, "publish bytes per second per client (0: no limit)", least=0)
-    max_subscriptions: int = setting(1000, "subscriptions per client (0: no limit)", least=0)
+        0.0, "publish bytes per second per client, from its next connection (0: no limit)",
+        least=0, live=True)
+    max_subscriptions: int = setting(1000, "subscriptions per client (0: no limit)", least=0,
+                                    live=True)
     max_topic_levels: int = setting(128, "levels of a topic name or filter (0: no limit)", least=0)
     max_topic_length: int = setting(
         4096, "characters of a topic name or filter (0: no limit)", least=0, most=65535)
@@ -95,7 +99,7 @@ class GatewayConfig:
         100_000, "persistent sessions held; new ones past it are refused (0: no limit)", least=0)
     max_offline_bytes: int = setting(
         64 * MiB, "per queue of an offline persistent session, in message bytes; older "
-        "ones are dropped on reconnect (0: no limit)", least=0)
+        "ones are dropped on reconnect (0: no limit)", least=0, live=True)
     # History read for replay subscriptions and not handed out yet (gateway.replay_budget).
     max_replay_bytes: int = setting(
         256 * MiB, "bytes of replay history the gateway holds for all clients (0: no "
@@ -109,7 +113,7 @@ class GatewayConfig:
     # store, which unregisters those nobody touched for its --wildcard-idle-s.
     wildcard_touch_s: float = setting(
         60.0, "how often the wildcard filters in use here are reported to the store (keep "
-        "it well under the store's --wildcard-idle-s)", above=0)
+        "it well under the store's --wildcard-idle-s)", above=0, group="store")
 
 
 TLS_LISTENERS = ("mqtt_tls", "wss")  # on only with a certificate
@@ -128,16 +132,17 @@ class ListenerConfig:
     wss: str | None = setting(
         "0.0.0.0:8084", "MQTT over secure WebSocket HOST:PORT (on with --tls-cert)")
     tls_cert: str | None = setting(
-        None, "PEM certificate chain for TLS and WSS (re-read when it changes)")
-    tls_key: str | None = setting(None, "PEM private key for --tls-cert")
+        None, "PEM certificate chain for TLS and WSS (re-read when it changes, and on "
+        "SIGHUP)", group="security")
+    tls_key: str | None = setting(None, "PEM private key for --tls-cert", group="security")
     tls_ca: str | None = setting(
-        None, "CA bundle that signs client certificates (mutual TLS)")
+        None, "CA bundle that signs client certificates (mutual TLS)", group="security")
     tls_client_auth: str = setting(
         "none", "client certificates: none, optional or required",
-        choices=("none", "optional", "required"))
+        choices=("none", "optional", "required"), group="security")
     tls_username_from: str = setting(
         "none", "use the client certificate's cn or san as username",
-        choices=("none", "cn", "san"))
+        choices=("none", "cn", "san"), group="security")
 
     def address(self, name: str) -> str | None:
         """Where listener `name` (mqtt, mqtt_tls, ws, wss) binds; None when it is off."""
@@ -178,7 +183,7 @@ class GatewayOptions:
     http: str = HTTP_ADDR
     store_auth: str | None = setting(
         None, "NAME:PASSWORD this gateway authenticates to the store with (a node user: "
-        "lightgate user add NAME --node)")
+        "lightgate user add NAME --node)", group="security")
     auth_strategy: str | None = None  # None: the store's default (AuthConfig)
     audit_log: str | None = None
     auth_backends: BackendConfig = field(default_factory=BackendConfig)  # jwt, http hook

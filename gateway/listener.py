@@ -26,6 +26,7 @@ from gateway.reactor import Reactor
 from gateway.transports import ServerTLS, WebSocketStream, receive_upgrade, reject_upgrade
 from serving.accepting import budgeted
 from serving.read_budget import ReadBudget, read_fd
+from serving.reload import Reload
 from serving.startup import StartupError, listening
 from serving.values import split_hostport
 
@@ -258,10 +259,13 @@ def _server_tls(cfg: ListenerConfig) -> ServerTLS | None:
 
 
 async def start_listeners(
-    nursery: trio.Nursery, broker: Broker, cfg: ListenerConfig
+    nursery: trio.Nursery, broker: Broker, cfg: ListenerConfig, reload: Reload | None = None
 ) -> dict[str, str]:
-    """Start every configured listener; returns {name: bound host:port} for `ready`."""
+    """Start every configured listener; returns {name: bound host:port} for `ready`.
+    `reload`: SIGHUP's, which re-reads the TLS files from then on."""
     tls = _server_tls(cfg)  # a bad certificate stops start-up here, before any accept
+    if tls is not None and reload is not None:
+        reload.add("TLS certificates", partial(_reread_tls, tls))
     bound: dict[str, str] = {}
     if addr := cfg.address("mqtt"):
         bound["mqtt"] = await nursery.start(serve_mqtt_tcp, broker, addr)
@@ -272,3 +276,8 @@ async def start_listeners(
     if (addr := cfg.address("wss")) and tls is not None:
         bound["wss"] = await nursery.start(serve_mqtt_ws, broker, addr, tls)
     return bound
+
+
+async def _reread_tls(tls: ServerTLS) -> list[str]:
+    return [f"{path} changed: new connections get it, open ones keep theirs"
+            for path in tls.contexts.reload()]

@@ -1,5 +1,7 @@
 """`GET /metrics`: Prometheus text, names prefixed `lightgate_`, read from the broker's
-and the store's own counters at scrape time (no second bookkeeping)."""
+and the store's own counters at scrape time (no second bookkeeping), and the process's
+own `process_*` figures (CPU seconds, resident memory, open descriptors: prometheus_client
+reads them from /proc)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import time
 from typing import Any
 
 import trio
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, ProcessCollector, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -267,6 +269,7 @@ def metrics_route(broker: Broker) -> Route:
     registry = CollectorRegistry(auto_describe=False)
     collector = BrokerCollector(broker)
     registry.register(collector)
+    ProcessCollector(registry=registry)  # our own registry: the default one's is not here
 
     async def metrics(_: Request) -> Response:
         collector.store_stats = {}

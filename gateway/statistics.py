@@ -11,13 +11,12 @@ own."""
 from __future__ import annotations
 
 import time
-from functools import cache
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from gateway.reserved import SERVER_ID
 from gateway.session import Subscription
 from gateway.stats import Stats
+from serving.version import version_line
 from store.api import Message
 
 # A client connection (gateway.connection.Connection): named, not imported (it imports
@@ -26,21 +25,12 @@ Connection = Any
 PREFIX = "$SYS/broker/"
 
 
-@cache
-def lightgate_version() -> str:
-    """The installed package's version ($SYS/broker/version)."""
-    try:
-        return version("lightgate")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
-
-
 def round_of(stats: Stats, sessions: int, commitlog: dict[str, Any]) -> list[Message]:
     """This round's values as retained messages of the broker's (`sessions`: how many
     the gateway holds; `commitlog`: the store's stats of it)."""
     totals = stats.totals()
     values = {
-        "version": f"lightgate version {lightgate_version()}",
+        "version": version_line(),
         "uptime": f"{int(time.time() - stats.started)} seconds",
         "clients/connected": stats.connections,
         "clients/total": sessions,

@@ -10,6 +10,7 @@ The listeners in `gateway.listener` put these together; `Connection` only ever s
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import ssl
@@ -96,7 +97,30 @@ class ReloadingContext:
         self._args = (cert, key, ca, client_auth)
         self._files = tuple(p for p in (cert, key, ca if client_auth != "none" else None) if p)
         self._signature = self._stat()
+        self._digests = self._digest()  # what the context in service was built from
         self._context = build_server_context(*self._args)  # a bad file at start is fatal
+
+    def _digest(self) -> tuple[bytes | None, ...]:
+        out: list[bytes | None] = []
+        for path in self._files:
+            try:
+                with open(path, "rb") as fh:
+                    out.append(hashlib.sha256(fh.read()).digest())
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def reload(self) -> list[str]:
+        """Rebuild the context now (SIGHUP), whatever the files' stats say: the files
+        whose contents differ from those of the context in service. A file that does not
+        load raises, and the context in service stays."""
+        self._signature = self._stat()  # (one error per change: `current` says no more)
+        digests = self._digest()
+        self._context = build_server_context(*self._args)
+        changed = [path for path, old, new in zip(self._files, self._digests, digests,
+                                                  strict=True) if old != new]
+        self._digests = digests
+        return changed
 
     def _stat(self) -> tuple[tuple[int, int, int] | None, ...]:
         # mtime, size and inode: an atomic rename and an in-place rewrite both show up.
@@ -115,7 +139,9 @@ class ReloadingContext:
             # Remember the signature even on failure: one error per change, not per accept.
             self._signature = signature
             try:
+                digests = self._digest()
                 self._context = build_server_context(*self._args)
+                self._digests = digests
                 log.info("reloaded TLS certificate from %s", self._args[0])
             except (OSError, ssl.SSLError, ValueError) as exc:
                 log.error("TLS certificate %s did not load, keeping the previous one: %s",

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import tomllib
-import traceback
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -22,16 +22,23 @@ import trio
 
 from gateway.auth.chain import BackendConfig, split_list
 from gateway.config import GatewayConfig, GatewayOptions, ListenerConfig
+from lightgate import clients
+from lightgate.reloading import ConfigFile, Target
 from lightgate.settings import (
     BOUNDS,
     GATEWAY_CMD_SETTINGS,
+    GROUP_TITLES,
+    GROUPS,
+    LIVE,
     SERVE_SETTINGS,
     STORE_CMD_SETTINGS,
     all_settings,
 )
-from serving import plane
+from serving import logs, plane
 from serving.fd_budget import raise_fd_limit
-from serving.settings import flag_values
+from serving.logs import LOG_FORMATS
+from serving.reload import Reload
+from serving.settings import Setting, flag_values
 from serving.startup import (
     HTTP_LISTENER,
     NATIVE_LISTENER,
@@ -42,6 +49,7 @@ from serving.startup import (
     read_secret,
 )
 from serving.values import NATIVE_ADDR, split_credentials
+from serving.version import version_line
 from store.config import AuthConfig, ReplicationConfig, StoreConfig
 
 DESCRIPTION = """\
@@ -70,15 +78,25 @@ COMMANDS = {  # name: (one line for the list, what `lightgate NAME --help` expla
 
 def _add_settings(
     parser: argparse.ArgumentParser, settings: list[tuple[str, Any, Any, str]]
-) -> None:
+) -> dict[str, Any]:
+    """Each setting's flag, in the group of its concern (GROUPS): `--help` lists them so,
+    as the configuration page does. The groups by name."""
+    used = {GROUPS[row[0]] for row in settings} | {"observability"}  # (--log-level)
+    groups = {name: parser.add_argument_group(title, about)
+              for name, (title, about) in GROUP_TITLES.items() if name in used}
     for flag, typ, default, help_text in settings:
+        group = groups[GROUPS[flag]]
+        said = [BOUNDS[flag].describe() if flag in BOUNDS else "",
+                "re-read on SIGHUP" if flag in LIVE else ""]
         if typ is bool:
-            parser.add_argument(f"--{flag}", action="store_true", default=None, help=help_text)
+            more = "; ".join(x for x in said if x)
+            group.add_argument(f"--{flag}", action="store_true", default=None,
+                               help=f"{help_text} ({more})" if more else help_text)
         else:
-            takes = BOUNDS[flag].describe() if flag in BOUNDS else ""
-            parser.add_argument(
-                f"--{flag}", type=typ, default=None,
-                help=f"{help_text} (default: {default}{'; ' + takes if takes else ''})")
+            more = "".join(f"; {x}" for x in said if x)
+            group.add_argument(f"--{flag}", type=typ, default=None,
+                               help=f"{help_text} (default: {default}{more})")
+    return groups
 
 
 def resolve(args: argparse.Namespace, settings: list[tuple[str, Any, Any, str]]) -> dict[str, Any]:
@@ -204,6 +222,18 @@ def _listener_ports(listeners: ListenerConfig) -> list[tuple[str, str, str | Non
     return [(*label, listeners.address(name)) for name, label in LISTENERS.items()]
 
 
+def _reload(args: argparse.Namespace, settings: list[Setting], values: dict[str, Any],
+            *targets: Target) -> Reload:
+    """SIGHUP's steps as far as the command line knows them: the config file, whose live
+    settings go to `targets` (the configs the server runs with). The server adds its
+    own (users and policies, TLS certificates)."""
+    reload = Reload()
+    if getattr(args, "config", None):
+        reload.add(f"the configuration file {args.config}",
+                   ConfigFile(partial(resolve, args, settings), values, list(targets)))
+    return reload
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from lightgate.embedded import ServeOptions, run_serve
 
@@ -217,20 +247,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_ports([*_listener_ports(opts.listeners), (*NATIVE_LISTENER, opts.native),
                  (*HTTP_LISTENER, opts.http)])
     raise_fd_limit()
-    trio.run(run_serve, opts)
+    reload = _reload(args, SERVE_SETTINGS, values, (opts.store, StoreConfig, ""),
+                     (opts.gateway, GatewayConfig, ""))
+    trio.run(run_serve, opts, reload)
     return 0
 
 
 async def _store_main(cfg: Any, native: str, http: str, notify: str | None,
-                      auth: Any, repl: Any) -> None:
+                      auth: Any, repl: Any, reload: Reload) -> None:
     from notify import open_bus
     from store.app import run_store
 
     if notify:
         async with open_bus(notify) as bus:
-            await run_store(cfg, native, http, bus.publish_from_thread, auth, repl)
+            await run_store(cfg, native, http, bus.publish_from_thread, auth, repl, reload)
     else:
-        await run_store(cfg, native, http, None, auth, repl)
+        await run_store(cfg, native, http, None, auth, repl, reload)
 
 
 def _replication_config(values: dict[str, Any]) -> ReplicationConfig:
@@ -274,8 +306,10 @@ def cmd_store(args: argparse.Namespace) -> int:
     check_ports([(*NATIVE_LISTENER, values["native"]), (*HTTP_LISTENER, values["http"]),
                  *raft])
     raise_fd_limit()
-    trio.run(_store_main, _store_config(values), values["native"], values["http"],
-             values["notify"], _auth_config(values, _backend_config(values)), repl)
+    cfg = _store_config(values)
+    trio.run(_store_main, cfg, values["native"], values["http"], values["notify"],
+             _auth_config(values, _backend_config(values)), repl,
+             _reload(args, STORE_CMD_SETTINGS, values, (cfg, StoreConfig, "")))
     return 0
 
 
@@ -290,7 +324,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                    audit_log=values["audit_log"], auth_backends=_backend_config(values))
     check_ports([*_listener_ports(opts.listeners), (*HTTP_LISTENER, opts.http)])
     raise_fd_limit()
-    trio.run(run_gateway, opts)
+    trio.run(run_gateway, opts,
+             _reload(args, GATEWAY_CMD_SETTINGS, values, (opts.gateway, GatewayConfig, "")))
     return 0
 
 
@@ -330,7 +365,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
             n += 1
             if args.verbose:
                 print(res.msg_id, flush=True)
-    print(f"sent {n} messages to {args.topic}", file=sys.stderr)
+    logs.say(f"sent {n} messages to {args.topic}")
     return 0
 
 
@@ -454,16 +489,23 @@ def _add_auth_commands(sub: Any, client_flags: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lightgate", description=DESCRIPTION,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the installed version and exit")
     parser.add_argument("--log-level", help=LOG_LEVEL_HELP)
+    parser.add_argument("--log-format", help=LOG_FORMAT_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, func, settings in (("serve", cmd_serve, SERVE_SETTINGS),
                                  ("store", cmd_store, STORE_CMD_SETTINGS),
                                  ("gateway", cmd_gateway, GATEWAY_CMD_SETTINGS)):
         help_text, description = COMMANDS[name]
-        cmd = sub.add_parser(name, help=help_text, description=description)
-        cmd.add_argument("--config", help="TOML file with settings (keys named like the flags)")
-        _add_settings(cmd, settings)
+        cmd = sub.add_parser(name, help=help_text, description=description,
+                             usage=f"lightgate {name} [--config FILE] [--SETTING VALUE ...]")
+        cmd.add_argument("--config", metavar="FILE", help="TOML file with settings (keys "
+                         "named like the flags); SIGHUP re-reads it")
+        watching = _add_settings(cmd, settings)["observability"]
+        for flag, flag_help in LOGGING_FLAGS:
+            watching.add_argument(flag, default=argparse.SUPPRESS, help=flag_help)
         cmd.set_defaults(func=func)
 
     client_flags = argparse.ArgumentParser(add_help=False)
@@ -490,31 +532,36 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--max", type=int, help="stop after this many messages")
     consume.set_defaults(func=cmd_consume)
     _add_auth_commands(sub, client_flags)
+    clients.add_commands(sub, _credentials)
     config = sub.add_parser("config", help="print a config file with every setting")
     config.add_argument("--example", action="store_true", required=True,
                         help="every key with its default, as TOML")
     config.set_defaults(func=cmd_config)
     _add_room_commands(sub)
-    _log_level_everywhere(parser)
+    _logging_everywhere(parser)
     return parser
 
 
 LOG_LEVEL_HELP = ("debug, info, warning or error (default: LIGHTGATE_LOG_LEVEL, else INFO "
                   "for the servers and WARNING for the client commands); debug adds the "
                   "traceback to an error")
+LOG_FORMAT_HELP = ("text, or json: one JSON object a line (ts, level, logger, message, "
+                   "exc_info) (default: LIGHTGATE_LOG_FORMAT, else text)")
+LOGGING_FLAGS = (("--log-level", LOG_LEVEL_HELP), ("--log-format", LOG_FORMAT_HELP))
 
 
-def _log_level_everywhere(parser: argparse.ArgumentParser) -> None:
-    """--log-level after any command too (`lightgate serve --log-level debug`), not only
-    before it: each command's parser takes it, and says nothing when it is not given
-    (SUPPRESS), so that one given before the command stands."""
+def _logging_everywhere(parser: argparse.ArgumentParser) -> None:
+    """--log-level and --log-format after any command too (`lightgate serve --log-level
+    debug`), not only before it: each command's parser takes them, and says nothing
+    when one is not given (SUPPRESS), so that one given before the command stands."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for command in action.choices.values():
-                if not any("--log-level" in a.option_strings for a in command._actions):
-                    command.add_argument("--log-level", default=argparse.SUPPRESS,
-                                         help=LOG_LEVEL_HELP)
-                _log_level_everywhere(command)
+                for flag, help_text in LOGGING_FLAGS:
+                    if not any(flag in a.option_strings for a in command._actions):
+                        command.add_argument(flag, default=argparse.SUPPRESS,
+                                             help=help_text)
+                _logging_everywhere(command)
 
 
 def _add_room_commands(sub: Any) -> None:
@@ -544,13 +591,14 @@ def main(argv: list[str] | None = None) -> None:
     server = args.command in COMMANDS
     level = (args.log_level or os.environ.get("LIGHTGATE_LOG_LEVEL")
              or ("INFO" if server else "WARNING"))
+    fmt = (args.log_format or os.environ.get("LIGHTGATE_LOG_FORMAT") or "text").lower()
     debug = level.upper() == "DEBUG"
+    if fmt not in LOG_FORMATS:
+        print(f"lightgate: --log-format {fmt!r} is not one of {', '.join(LOG_FORMATS)}",
+              file=sys.stderr)
+        sys.exit(2)
     try:
-        logging.basicConfig(
-            level=level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-            stream=sys.stderr,
-        )
+        logs.configure(level, fmt)
     except ValueError:
         print(f"lightgate: --log-level {level!r} is not one of debug, info, "
               "warning, error", file=sys.stderr)
@@ -571,12 +619,13 @@ def main(argv: list[str] | None = None) -> None:
             line = str(failure)
         elif not server:
             line, status = client_failure(exc, args), 1
-        if line is None:
+        if line is None and fmt == "text":
             raise
-        if debug:
-            traceback.print_exception(exc)
         prefix = "lightgate" if server else f"lightgate {args.command}"
-        print(f"{prefix}: {line}", file=sys.stderr)
+        if line is None:  # a bug, in JSON: one object, with the traceback in it
+            logs.say(f"{prefix}: failed", logging.ERROR, exc)
+            sys.exit(1)
+        logs.say(f"{prefix}: {line}", logging.ERROR, exc if debug else None)
         sys.exit(status)
 
 

@@ -22,6 +22,7 @@ from notify import LocalBus
 from serving import plane
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
+from serving.reload import Reload
 from serving.startup import Signals, StartupError, shutdown_signals, stop_on_signal
 from serving.values import HTTP_ADDR, NATIVE_ADDR
 from store.api import AuthConfig, auth_app, store_routes
@@ -48,9 +49,10 @@ class ServeOptions:
 
 
 
-async def run_serve(opts: ServeOptions) -> None:
+async def run_serve(opts: ServeOptions, reload: Reload | None = None) -> None:
+    """`reload`: what SIGHUP re-reads beside what the server adds (the config file)."""
     with shutdown_signals() as signals:
-        await _serve(opts, signals)
+        await _serve(opts, signals, reload or Reload())
 
 
 def io_threads(gateway: GatewayConfig) -> int:
@@ -58,7 +60,7 @@ def io_threads(gateway: GatewayConfig) -> int:
     return gateway.io_threads or os.cpu_count() or 1
 
 
-async def _serve(opts: ServeOptions, signals: Signals) -> None:
+async def _serve(opts: ServeOptions, signals: Signals, reload: Reload) -> None:
     if plane.writer() == "native":  # the engine writes the log (store.service)
         if not all(hasattr(plane.NATIVE.Engine, name) for name in ("append_messages",
                                                                    "release",
@@ -79,7 +81,9 @@ async def _serve(opts: ServeOptions, signals: Signals) -> None:
         nursery.start_soon(broker.run_notify, bus)
         await nursery.start(broker.run_connections)
         await nursery.start(broker.run_housekeeping)
-        bound = await start_listeners(nursery, broker, opts.listeners)
+        if node.auth.enabled:
+            reload.add("users and policies", node.auth.reread)
+        bound = await start_listeners(nursery, broker, opts.listeners, reload)
         app = auth_app([*store_routes(node.store), *gateway_routes(broker, opts.store)],
                        node.auth)
         bound["native"] = node.native_addr
@@ -90,4 +94,4 @@ async def _serve(opts: ServeOptions, signals: Signals) -> None:
         plane.warn_if_python(log, SERVE_COST)
         tune_for_serving()
         print(ready_line(bound), flush=True)
-        await stop_on_signal(signals, nursery)
+        await stop_on_signal(signals, nursery, reload)

@@ -11,7 +11,15 @@ from typing import Any
 
 from gateway.auth.chain import BackendConfig
 from gateway.config import GatewayConfig, GatewayOptions, ListenerConfig
-from serving.settings import Bounds, Setting, bounds_of, setting_of, settings_of
+from serving.settings import (
+    Bounds,
+    Setting,
+    bounds_of,
+    groups_of,
+    live_of,
+    setting_of,
+    settings_of,
+)
 from serving.values import HTTP_ADDR, HTTP_MAX_BODY, NATIVE_ADDR
 from store.config import AuthConfig, ReplicationConfig, StoreConfig
 
@@ -60,6 +68,40 @@ GATEWAY_CMD_SETTINGS = [STORE_ADDR_SETTING, STORE_WAIT_SETTING, *GATEWAY_PEER_SE
                         NOTIFY_SETTING, *GATEWAY_SETTINGS,
                         *GATEWAY_AUTH_SETTINGS, *AUTH_BACKEND_SETTINGS, HTTP_SETTING,
                         HTTP_BODY_SETTING, HTTP_HOSTS_SETTING]
+
+
+# The concerns `--help`, the configuration page and the example file list the settings
+# under, in this order: each one's title, and what it is about.
+GROUP_TITLES: dict[str, tuple[str, str]] = {
+    "listeners": ("listeners", "where MQTT clients, applications and browsers connect"),
+    "security": ("security", "TLS, authentication, authorisation, audit"),
+    "limits": ("limits", "what clients may make the node hold and do, and what it spends"),
+    "store": ("store", "the log, its retention and memory"),
+    "cluster": ("cluster", "store groups, and gateways on a store elsewhere"),
+    "observability": ("logging and observability", "what the node says of itself"),
+}
+# Flag -> its concern: the config dataclasses say theirs (a field's own `group`, else
+# the class's, given here); the rows written above, here.
+GROUPS: dict[str, str] = {
+    **groups_of(StoreConfig, "store"), **groups_of(ReplicationConfig, "cluster"),
+    **groups_of(AuthConfig, "security"), **groups_of(GatewayConfig, "limits"),
+    **groups_of(ListenerConfig, "listeners"), **groups_of(GatewayOptions, "cluster"),
+    **groups_of(BackendConfig, "security", "auth-"),
+    HTTP_SETTING[0]: "listeners", NATIVE_SETTING[0]: "listeners",
+    HTTP_BODY_SETTING[0]: "limits", HTTP_HOSTS_SETTING[0]: "security",
+    NOTIFY_SETTING[0]: "cluster",
+}
+# The flags a running server takes a new value of from its config file on SIGHUP
+# (lightgate.reloading); every other one is read at start only.
+LIVE: set[str] = {*live_of(StoreConfig), *live_of(GatewayConfig)}
+
+
+def grouped(settings: list[Setting]) -> dict[str, list[Setting]]:
+    """`settings` by concern, in GROUP_TITLES' order (each group's in theirs)."""
+    out: dict[str, list[Setting]] = {name: [] for name in GROUP_TITLES}
+    for row in settings:
+        out[GROUPS[row[0]]].append(row)
+    return {name: rows for name, rows in out.items() if rows}
 
 
 def all_settings() -> dict[str, tuple[str, Any, Any, str]]:

@@ -73,16 +73,22 @@ class _Flag:
     flag: str | None  # None: the field's name with "-" for "_"
     type: type | None  # None: the field's annotation (Optional's inner type)
     bounds: Bounds
+    group: str | None  # None: its dataclass's (groups_of)
+    live: bool
 
 
 def setting(default: Any = None, help: str = "", *, flag: str | None = None,
             type: type | None = None, default_factory: Callable[[], Any] | None = None,
             least: float | None = None, above: float | None = None,
-            most: float | None = None, choices: tuple[str, ...] = ()) -> Any:
+            most: float | None = None, choices: tuple[str, ...] = (),
+            group: str | None = None, live: bool = False) -> Any:
     """A dataclass field that is also a setting of the command line, and the values it
     may take (Bounds: checked at start-up, before anything opens). A field made with
-    `default_factory` (a list from a comma list) is a setting without a default."""
-    meta = {_KEY: _Flag(help, flag, type, Bounds(least, above, most, choices))}
+    `default_factory` (a list from a comma list) is a setting without a default.
+    `group`: the concern `--help` and the docs list it under, when not its dataclass's;
+    `live`: read where it is used each time, so that a new value from the config file
+    takes effect on SIGHUP (lightgate.reloading), not only at the next start."""
+    meta = {_KEY: _Flag(help, flag, type, Bounds(least, above, most, choices), group, live)}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -99,6 +105,23 @@ def settings_of(cls: type, *names: str, prefix: str = "") -> list[Setting]:
 def bounds_of(cls: type, prefix: str = "") -> dict[str, Bounds]:
     """Flag (without "--") -> the values it may take, for each of `cls`'s settings."""
     return {_row(f, prefix)[0]: f.metadata[_KEY].bounds for f in _flagged(cls).values()}
+
+
+def groups_of(cls: type, default: str, prefix: str = "") -> dict[str, str]:
+    """Flag -> the concern it is listed under, for each of `cls`'s settings: its own
+    group, else `default`."""
+    return {_row(f, prefix)[0]: f.metadata[_KEY].group or default
+            for f in _flagged(cls).values()}
+
+
+def live_of(cls: type, prefix: str = "") -> set[str]:
+    """The flags of `cls`'s settings that take a new value at run time (`live`)."""
+    return {_row(f, prefix)[0] for f in _flagged(cls).values() if f.metadata[_KEY].live}
+
+
+def fields_by_flag(cls: type, prefix: str = "") -> dict[str, str]:
+    """Flag (without "--") -> the name of `cls`'s field it sets."""
+    return {_row(f, prefix)[0]: name for name, f in _flagged(cls).items()}
 
 
 def setting_of(cls: type, name: str) -> Setting:

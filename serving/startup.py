@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import trio
 
+from serving.reload import Reload
 from serving.values import split_hostport
 
 log = logging.getLogger("lightgate.serving")
@@ -121,18 +122,28 @@ def first_of(exc: BaseException, kind: type[E]) -> E | None:
     return None
 
 
-# SIGTERM/SIGINT as they arrive (signal numbers), from `shutdown_signals`.
+# SIGTERM/SIGINT (and SIGHUP) as they arrive (signal numbers), from `shutdown_signals`.
 Signals = AsyncIterator[int]
 
 
 def shutdown_signals() -> AbstractContextManager[Signals]:
     """Catch SIGTERM/SIGINT from the very start, so that one arriving while the server
-    starts (before `ready`) still ends in a clean stop, not a kill."""
-    return trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
+    starts (before `ready`) still ends in a clean stop, not a kill; and SIGHUP, whose
+    default would kill the process too: it asks for a reload (`stop_on_signal`)."""
+    return trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-async def stop_on_signal(signals: Signals, nursery: trio.Nursery) -> None:
+async def stop_on_signal(signals: Signals, nursery: trio.Nursery,
+                         reload: Reload | None = None) -> None:
+    """Cancel `nursery` on SIGTERM or SIGINT; on SIGHUP run `reload` (serving.reload)
+    beside the server, which goes on."""
     async for signum in signals:
+        if signum == signal.SIGHUP:
+            if reload is None:
+                log.info("SIGHUP: nothing to re-read")
+            else:
+                nursery.start_soon(reload.run)
+            continue
         log.info("signal %s: shutting down", signal.Signals(signum).name)
         nursery.cancel_scope.cancel()
         return

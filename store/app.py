@@ -17,6 +17,7 @@ import trio
 from serving import plane
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
+from serving.reload import Reload
 from serving.startup import StartupError, shutdown_signals, stop_on_signal
 from store.auth import AuthConfig, AuthManager
 from store.config import StoreConfig
@@ -119,10 +120,15 @@ async def store_node(
 async def run_store(
     cfg: StoreConfig, native: str, http: str, publish: Callable[[set[str]], bool | None] | None,
     auth_cfg: AuthConfig | None = None, repl_cfg: ReplicationConfig | None = None,
+    reload: Reload | None = None,
 ) -> None:
+    """`reload`: what SIGHUP re-reads beside the users and policies (the config file)."""
+    reload = reload or Reload()
     with shutdown_signals() as signals:
         async with store_node(cfg, native, publish, auth_cfg, repl_cfg) as node, \
                 trio.open_nursery() as nursery:
+            if node.auth.enabled:
+                reload.add("users and policies", node.auth.reread)
             app = auth_app(store_routes(node.store), node.auth)
             http_addr = await nursery.start(
                 partial(serve_http, max_body=cfg.http_max_body,
@@ -134,4 +140,4 @@ async def run_store(
             tune_for_serving()
             print(f"ready native={node.native_addr} http={http_addr} plane={where}",
                   flush=True)
-            await stop_on_signal(signals, nursery)
+            await stop_on_signal(signals, nursery, reload)

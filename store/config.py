@@ -29,28 +29,31 @@ class StoreConfig:
         choices=("sync", "async"))
     flush_interval_ms: int = setting(500, "async mode: fsync at least this often", least=1)
     segment_size: int = setting(1 << 30, "CommitLog segment size in bytes", least=4096)
-    retention_hours: float | None = setting(72.0, "delete whole segments older than this", above=0)
+    retention_hours: float | None = setting(72.0, "delete whole segments older than this", above=0,
+                                           live=True)
     retention_bytes: int | None = setting(
-        None, "delete the oldest segments beyond this total size", least=1)
+        None, "delete the oldest segments beyond this total size", least=1, live=True)
     retention_check_s: float = setting(
-        60.0, "how often retention looks for segments to delete", above=0)
+        60.0, "how often retention looks for segments to delete", above=0, live=True)
     default_partitions: int = setting(
         4, "default partitions of a first-level topic", flag="partitions", least=1)
     # Bytes of partly received native frames the store holds over all its connections
     # (see serving/read_budget.py). 0: no budget.
     native_max_partial_bytes: int = setting(
         256 * MiB, "bytes of partly received native frames the store holds; past it the "
-        "connections holding the most wait (0: no budget)", least=0)
+        "connections holding the most wait (0: no budget)", least=0, group="limits")
     # NACK copies a message into its group's retry (or dead-letter) queue: a reader with
     # no right to publish could fill the disk (store.redelivery).
     max_retry_messages: int = setting(
         100_000, "messages a consumer group's retry and dead-letter queues may hold (what "
-        "retention keeps of them); a NACK past it is refused (0: no limit)", least=0)
+        "retention keeps of them); a NACK past it is refused (0: no limit)", least=0,
+        group="limits")
     # Bytes of a native connection's answers not yet written to it (store.outbox): past
     # it the connection's next requests wait. 0: no budget.
     native_max_unsent_bytes: int = setting(
         32 * MiB, "bytes of answers a native connection may have unsent (being read, "
-        "queued, being written); past it its requests wait until it reads (0: no budget)", least=0)
+        "queued, being written); past it its requests wait until it reads (0: no budget)", least=0,
+        group="limits")
     full_verify: bool = setting(
         False, "verify every CommitLog record on start, not just the tail")
     # Start-up verifies the log from the checkpoint's segment on; the older segments are
@@ -63,7 +66,7 @@ class StoreConfig:
     # every message was indexed into every wildcard filter ever used. 0: never.
     wildcard_idle_s: float = setting(
         600.0, "unregister a wildcard queue no session has used for this long, so "
-        "messages stop being indexed into it (0: never)", least=0)
+        "messages stop being indexed into it (0: never)", least=0, live=True)
     # Memory (docs/configuration.md, "Sizing"): RocksDB block caches and memtables, and the ring of
     # recent messages that readers at the head of a queue are served from (store.recent).
     # A small device may halve them all, a big node raise them.
@@ -86,10 +89,12 @@ class StoreConfig:
     # topic one writes to, is remembered until it has sent nothing for the idle time.
     max_producers: int = setting(
         10_000, "idempotent producers the store remembers: producer ids, and the sequence "
-        "of each first-level topic one writes to; past it new ones are refused", least=1)
+        "of each first-level topic one writes to; past it new ones are refused", least=1,
+        group="limits")
     producer_idle_s: float = setting(
         7 * 24 * 3600.0, "forget an idempotent producer (its id and sequences) that sent "
-        "nothing for this long; a retry after it may be stored twice", above=0)
+        "nothing for this long; a retry after it may be stored twice", above=0,
+        group="limits", live=True)
     flush_bytes: int = 16 << 20
     max_pending_appends: int = 10_000
     http_max_body: int = HTTP_MAX_BODY  # the store's HTTP API (413 past it)

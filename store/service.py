@@ -327,11 +327,8 @@ class EmbeddedStore:
         return self._ids().check(producer, user)
 
     async def _producer_gc_loop(self) -> None:
-        idle = self.config.producer_idle_s
-        if idle <= 0:
-            return
-        while True:
-            await trio.sleep(min(PRODUCER_GC_S, idle / 2))
+        while True:  # the idle time (more than 0) read each round: SIGHUP may change it
+            await trio.sleep(min(PRODUCER_GC_S, self.config.producer_idle_s / 2))
             try:
                 await trio.to_thread.run_sync(self.expire_producers)
             except Exception:  # the next round tries again; appends are unaffected
@@ -620,11 +617,11 @@ class EmbeddedStore:
 
     # -- housekeeping -----------------------------------------------------------------
     async def _retention_loop(self) -> None:
-        cfg = self.config
-        if cfg.retention_hours is None and cfg.retention_bytes is None:
-            return
+        cfg = self.config  # read each round: SIGHUP may change it (lightgate.reloading)
         while True:
             await trio.sleep(cfg.retention_check_s)
+            if cfg.retention_hours is None and cfg.retention_bytes is None:
+                continue
             if await self.enforce_retention():
                 await trio.to_thread.run_sync(self._drop_gone_nacks)
 
@@ -637,11 +634,11 @@ class EmbeddedStore:
             self.meta.write([("delete", NACK_CF, key, None) for key in gone])
 
     async def _wildcard_gc_loop(self) -> None:
-        idle = self.config.wildcard_idle_s
-        if idle <= 0:
-            return
-        while True:
-            await trio.sleep(min(WILDCARD_GC_S, idle / 2))
+        while True:  # the idle time read each round: SIGHUP may change it
+            idle = self.config.wildcard_idle_s
+            await trio.sleep(min(WILDCARD_GC_S, idle / 2) if idle > 0 else WILDCARD_GC_S)
+            if self.config.wildcard_idle_s <= 0:
+                continue
             if self.replication is not None and self.replication.role != "master":
                 continue  # a replica's wildcards are the master's (copied metadata)
             try:

@@ -44,39 +44,27 @@ def _cell(text: str) -> str:
 
 
 def settings_tables() -> str:
-    """One table per set of commands that read the same keys, in the example's order."""
-    from lightgate.settings import (
-        BOUNDS,
-        GATEWAY_CMD_SETTINGS,
-        SERVE_SETTINGS,
-        STORE_CMD_SETTINGS,
-    )
+    """One table per concern (listeners, security, limits ...), in the order and with
+    the titles `lightgate serve --help` uses; each row says which commands read it."""
+    from lightgate.config_example import readers
+    from lightgate.settings import BOUNDS, GROUP_TITLES, LIVE, all_settings, grouped
 
-    first: dict[str, tuple[str, Any, Any, str]] = {}
-    readers: dict[str, list[str]] = {}
-    for command, settings in (("serve", SERVE_SETTINGS), ("store", STORE_CMD_SETTINGS),
-                              ("gateway", GATEWAY_CMD_SETTINGS)):
-        for setting in settings:
-            key = setting[0].replace("-", "_")
-            first.setdefault(key, setting)
-            if command not in readers.setdefault(key, []):
-                readers[key].append(command)
-    groups: dict[tuple[str, ...], list[str]] = {}
-    for key in first:
-        groups.setdefault(tuple(readers[key]), []).append(key)
+    commands = readers()
     out: list[str] = []
-    for commands, keys in groups.items():
-        names = ", ".join(f"`lightgate {c}`" for c in commands)
-        out.append(f"### Read by {names}\n\n")
-        out.append("| flag · environment · file key | type | default | what it does |\n")
-        out.append("|---|---|---|---|\n")
-        for key in keys:
-            flag, typ, default, help_text = first[key]
+    for group, rows in grouped(list(all_settings().values())).items():
+        title, about = GROUP_TITLES[group]
+        out.append(f"### {title[0].upper()}{title[1:]}\n\n{about[0].upper()}{about[1:]}.\n\n")
+        out.append("| flag · environment · file key | type | default | what it does | "
+                   "read by |\n")
+        out.append("|---|---|---|---|---|\n")
+        for flag, typ, default, help_text in rows:
+            key = flag.replace("-", "_")
             name = f"`--{flag}`<br>`LIGHTGATE_{key.upper()}`<br>`{key}`"
             takes = BOUNDS[flag].describe() if flag in BOUNDS else ""
             kind = f"{typ.__name__}: {takes}" if takes else typ.__name__
+            live = " Re-read on SIGHUP." if flag in LIVE else ""
             out.append(f"| {name} | {kind} | {_default(flag, default)} | "
-                       f"{_cell(help_text)} |\n")
+                       f"{_cell(help_text)}.{live} | {', '.join(commands[key])} |\n")
         out.append("\n")
     return "".join(out)
 

@@ -19,6 +19,7 @@ from serving.values import split_credentials
 from store.auth import audit
 from store.auth.backends import ALLOW, IGNORE, Backend, Credentials, Decision
 from store.auth.backoff import FailureBackoff
+from store.auth.changes import policy_changes, user_changes
 from store.auth.passwords import PasswordChecker, hash_password, make_verifier
 from store.auth.policy import EVERYONE, Policy, decide
 from store.auth.topic_acl import TopicAcl
@@ -202,6 +203,15 @@ class AuthManager:
             self.version += 1
             for listener in self._listeners:
                 listener()
+
+    async def reread(self) -> list[str]:
+        """Load users and policies again (SIGHUP), and what changed since the copy in
+        memory, one line each. A change reaches the connections as any other does
+        (`on_change`: sessions of disabled users end, cached decisions and the native
+        plane's ACL caches are dropped)."""
+        users, policies = self.users, self.policies
+        await self.load()
+        return [*user_changes(users, self.users), *policy_changes(policies, self.policies)]
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call `listener` (in the trio thread) after users or policies changed."""

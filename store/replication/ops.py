@@ -1,16 +1,23 @@
 """The group on the store's HTTP: `GET /api/v1/cluster` (role, epoch, log end, the
 replicated offset, each replica's lag, the controller's view) and `GET /metrics`
-(Prometheus: lightgate_role, lightgate_replication_lag_bytes, lightgate_epoch ...)."""
+(Prometheus: lightgate_role, lightgate_replication_lag_bytes, lightgate_epoch ..., and
+the process's own process_* figures)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from prometheus_client import ProcessCollector, generate_latest
+from prometheus_client.registry import CollectorRegistry
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 ROLES = {"master": 1, "replica": 0, "fenced": 2}
+# CPU seconds, resident memory, open descriptors ... of this process, from /proc at
+# scrape time (prometheus_client's; it says nothing where there is no /proc).
+PROCESS = CollectorRegistry(auto_describe=False)
+ProcessCollector(registry=PROCESS)
 
 
 def cluster_view(store: Any) -> dict[str, Any]:
@@ -99,7 +106,7 @@ def metrics_text(repl: Any) -> str:
     else:
         lines.append(f'lightgate_replication_lag_bytes{{node="{node}",replica="{node}"}} '
                      f'{st["lag_bytes"]}')
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + generate_latest(PROCESS).decode()
 
 
 def cluster_routes(repl: Any) -> list[Route]:

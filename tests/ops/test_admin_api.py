@@ -242,7 +242,8 @@ def test_metrics_parse_with_prometheus_client(busy) -> None:
                  "lightgate_light_queues_active", "lightgate_wildcard_queues",
                  "lightgate_store_up"):
         assert name in fams, name
-    assert all(name.startswith("lightgate_") for name in fams)
+    # Ours, and the process's own (CPU, memory, descriptors: test_process_metrics.py).
+    assert all(name.startswith(("lightgate_", "process_")) for name in fams)
     value = {(s.name, tuple(sorted(s.labels.items()))): s.value
              for f in fams.values() for s in f.samples}
     assert value[("lightgate_connections", ())] == 2

@@ -143,3 +143,39 @@ def test_compose_and_kubernetes_run_that_image() -> None:
             assert pod["securityContext"]["runAsNonRoot"] is True, path.name
             for container in pod["containers"]:
                 assert container["image"] == "lightgate:latest", path.name
+
+
+def unit_settings() -> dict[str, str]:
+    """The systemd unit's Key=Value lines (comments left out)."""
+    lines = (DEPLOY / "systemd" / "lightgate.service").read_text().splitlines()
+    return dict(ln.split("=", 1) for ln in lines if "=" in ln and not ln.startswith("#"))
+
+
+def test_the_systemd_unit_is_installed_as_the_docs_say() -> None:
+    """docs/deployment.md makes the unit's user, its virtual environment (where ExecStart
+    runs from) and its config file, and reloads it with systemctl."""
+    unit = unit_settings()
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    binary, _, args = unit["ExecStart"].partition(" ")
+    venv = binary.removesuffix("/bin/lightgate")
+    assert f"useradd --system --home-dir /var/lib/lightgate --shell /usr/sbin/nologin " \
+           f"{unit['User']}" in docs
+    assert f"python3 -m venv {venv}" in docs and f"{venv}/bin/pip install dist/" in docs
+    assert "--config /etc/lightgate/lightgate.toml" in args
+    assert "cp deploy/lightgate.toml /etc/lightgate/" in docs
+    assert unit["StateDirectory"] == "lightgate" and "--data-dir /var/lib/lightgate" in args
+    assert "systemctl reload lightgate" in docs
+
+
+def test_the_units_reload_command_reloads_a_running_server(tmp_path: Path) -> None:
+    """ExecReload run as systemd runs it ($MAINPID: the server's pid) on a real server."""
+    from tests.conftest import Server
+
+    srv = Server(tmp_path / "data").start()
+    assert srv.proc is not None
+    try:
+        argv = unit_settings()["ExecReload"].replace("$MAINPID", str(srv.proc.pid)).split()
+        subprocess.run(argv, check=True, timeout=10)
+        assert srv.wait_log("SIGHUP: re-reading")
+    finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import ssl
 import threading
@@ -385,6 +386,31 @@ def test_certificate_reload_without_restart(tmp_path: Path, pki: Pki) -> None:
         assert wss.expect(1)[0].payload == b"again"
         for c in (old_client, fresh, wss):
             c.disconnect()
+    finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+def test_sighup_rereads_the_certificate_and_says_so(tmp_path: Path, pki: Pki) -> None:
+    """SIGHUP rebuilds the TLS context at once, whatever the files' stats say, and logs
+    which file changed; a file that does not load keeps the one in service, in one line,
+    and the server goes on."""
+    srv = start(tmp_path, *tls_args(pki))
+    assert srv.proc is not None
+    try:
+        port = port_of(srv, "mqtt_tls")
+        new = make_pki(tmp_path / "renewed")
+        _replace(pki.server_key, new.server_key.read_bytes())
+        _replace(pki.server_cert, new.server_cert.read_bytes())
+        os.kill(srv.proc.pid, signal.SIGHUP)  # before any connection: SIGHUP, not a stat
+        assert srv.wait_log(f"SIGHUP: TLS certificates: {pki.server_cert} changed")
+        assert srv.wait_log(f"SIGHUP: TLS certificates: {pki.server_key} changed")
+        assert raw_tls_connect(port, new.client_context(), uid("new")) == CONNACK_OK
+        os.kill(srv.proc.pid, signal.SIGHUP)
+        assert srv.wait_log("SIGHUP: TLS certificates unchanged")
+        _replace(pki.server_cert, b"-----BEGIN CERTIFICATE-----\nbroken\n")
+        os.kill(srv.proc.pid, signal.SIGHUP)
+        assert srv.wait_log("SIGHUP: TLS certificates not re-read, those in effect are kept")
+        assert raw_tls_connect(port, new.client_context(), uid("still")) == CONNACK_OK
     finally:
         assert srv.stop() == 0, srv.logs()[-3000:]
 
