@@ -14,6 +14,7 @@ use crate::protocol;
 use crate::reactor::{Command as ReactorCommand, DrainRule, Report, Restore};
 use crate::record::{self, Record};
 use crate::router;
+use crate::tls;
 
 /// One CommitLog record, byte for byte as `store.record.encode` makes it.
 #[pyfunction]
@@ -869,6 +870,47 @@ impl PyEngine {
     }
 }
 
+/// `--tls-cert`/`--tls-key`/`--tls-ca` as the native listeners read them: the
+/// settings, checked (ValueError: the files do not make a configuration, and why).
+fn tls_settings(
+    cert: &str,
+    key: &str,
+    ca: Option<&str>,
+    client_auth: &str,
+    username_from: &str,
+) -> PyResult<tls::TlsSettings> {
+    Ok(tls::TlsSettings {
+        cert: cert.into(),
+        key: key.into(),
+        ca: ca.map(Into::into),
+        client_auth: tls::ClientAuth::parse(client_auth).map_err(value_error)?,
+        username_from: tls::UsernameFrom::parse(username_from).map_err(value_error)?,
+    })
+}
+
+/// Whether the TLS files load as the native listeners load them: None, or ValueError
+/// with the reason.
+#[pyfunction]
+#[pyo3(signature = (cert, key, ca=None, client_auth="none", username_from="none"))]
+fn tls_check(
+    cert: &str,
+    key: &str,
+    ca: Option<&str>,
+    client_auth: &str,
+    username_from: &str,
+) -> PyResult<()> {
+    let settings = tls_settings(cert, key, ca, client_auth, username_from)?;
+    tls::build(&settings).map(|_| ()).map_err(value_error)
+}
+
+/// The identity a verified client certificate (DER) stands for, as the native
+/// listeners read it (`gateway.transports.cert_identity`'s rule).
+#[pyfunction]
+fn tls_identity(der: &[u8], source: &str) -> PyResult<Option<String>> {
+    let from = tls::UsernameFrom::parse(source).map_err(value_error)?;
+    Ok(tls::identity(der, from))
+}
+
 #[pymodule]
 fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -884,6 +926,8 @@ fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_publish, m)?)?;
     m.add_function(wrap_pyfunction!(encode_puback, m)?)?;
     m.add_function(wrap_pyfunction!(encode_pingresp, m)?)?;
+    m.add_function(wrap_pyfunction!(tls_check, m)?)?;
+    m.add_function(wrap_pyfunction!(tls_identity, m)?)?;
     Ok(())
 }
 
