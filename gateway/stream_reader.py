@@ -12,6 +12,7 @@ import trio
 from gateway.broker import Broker
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing, MqttProtocol
+from gateway.reading import ReadAgain
 
 log = logging.getLogger("lightgate.gateway.conn")
 
@@ -69,7 +70,10 @@ class StreamReading:
                 self._over_budget(held)
                 return
             with trio.move_on_at(self.core.deadline) as scope:
-                data = await self.stream.receive_some(budget.read_size(held, 65536))
+                try:
+                    data = await self.stream.receive_some(budget.read_size(held, 65536))
+                except ReadAgain:
+                    continue
             if scope.cancelled_caught:
                 self.timeout(trio.current_time())
                 continue

@@ -27,6 +27,7 @@ pub mod codec;
 pub mod commitlog;
 pub mod engine;
 pub mod index;
+pub mod link;
 pub mod partial;
 pub mod protocol;
 pub mod reactor;

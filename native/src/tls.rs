@@ -116,15 +116,17 @@ pub fn build(s: &TlsSettings) -> Result<Arc<ServerConfig>, String> {
             let Some(ca) = &s.ca else {
                 return Err(format!(
                     "TLS client auth {:?} needs a CA file (--tls-ca)",
-                    if auth == ClientAuth::Optional { "optional" } else { "required" }
+                    if auth == ClientAuth::Optional {
+                        "optional"
+                    } else {
+                        "required"
+                    }
                 ));
             };
             let mut roots = RootCertStore::empty();
             for c in CertificateDer::pem_slice_iter(&read(ca)?) {
                 let c = c.map_err(|e| format!("{}: {e}", ca.display()))?;
-                roots
-                    .add(c)
-                    .map_err(|e| format!("{}: {e}", ca.display()))?;
+                roots.add(c).map_err(|e| format!("{}: {e}", ca.display()))?;
             }
             if roots.is_empty() {
                 return Err(format!("{}: no CA certificate in it", ca.display()));
@@ -313,11 +315,18 @@ mod tests {
         let first = files.current().0;
         assert!(files.current().1.is_none(), "nothing changed: no reload");
         // Half written: the old configuration stays, said once.
-        fs::write(dir.join("server.pem"), b"-----BEGIN CERTIFICATE-----\nbroken\n").unwrap();
+        fs::write(
+            dir.join("server.pem"),
+            b"-----BEGIN CERTIFICATE-----\nbroken\n",
+        )
+        .unwrap();
         let (kept, said) = files.current();
         assert!(Arc::ptr_eq(&kept, &first));
         assert!(matches!(said, Some(Reload::Failed(t)) if t.contains("keeping the previous")));
-        assert!(files.current().1.is_none(), "one error per change, not per connection");
+        assert!(
+            files.current().1.is_none(),
+            "one error per change, not per connection"
+        );
         // A renewal by rename (a temporary file, then a rename): a new one.
         let tmp = dir.join("new.tmp");
         fs::copy(fixture("other-server.pem"), &tmp).unwrap();
@@ -329,8 +338,16 @@ mod tests {
         assert!(!Arc::ptr_eq(&renewed, &first));
         assert!(matches!(said, Some(Reload::Reloaded(_))));
         // A rewrite in place (same inode), back to the first pair.
-        fs::write(dir.join("server.key"), fs::read(fixture("server.key")).unwrap()).unwrap();
-        fs::write(dir.join("server.pem"), fs::read(fixture("server.pem")).unwrap()).unwrap();
+        fs::write(
+            dir.join("server.key"),
+            fs::read(fixture("server.key")).unwrap(),
+        )
+        .unwrap();
+        fs::write(
+            dir.join("server.pem"),
+            fs::read(fixture("server.pem")).unwrap(),
+        )
+        .unwrap();
         let (again, said) = files.current();
         assert!(!Arc::ptr_eq(&again, &renewed));
         assert!(matches!(said, Some(Reload::Reloaded(_))), "{said:?}");
@@ -349,7 +366,10 @@ mod tests {
     #[test]
     fn identity_from_cn_or_san() {
         let client = der("client.pem");
-        assert_eq!(identity(&client, UsernameFrom::Cn).as_deref(), Some("device-1"));
+        assert_eq!(
+            identity(&client, UsernameFrom::Cn).as_deref(),
+            Some("device-1")
+        );
         assert_eq!(
             identity(&client, UsernameFrom::San).as_deref(),
             Some("sensor-9.devices.example")
