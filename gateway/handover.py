@@ -241,7 +241,7 @@ class Handover:
             return False
         conn.native = conn_id
         if stream is not None:
-            stream.carried()
+            stream.carry()
             stream.read_again()  # its reader waits until the connection is back
         conn._quiescing = False  # read by the engine now; by Python again once back
         left = getattr(self.broker.store, "readers_left", None)  # an embedded store's
@@ -355,7 +355,8 @@ class Handover:
                 s.cursors[queue] = nxt
         if conn.reactor is not None:
             conn.reactor.take_back(conn)
-        else:  # its stream's reader reads again
+        elif (stream := _linked(conn)) is not None:  # its stream's reader reads again
+            stream.carried = False
             conn._reading_changed()
         why = row["why"]
         log.debug("client %r (%s) back from the native plane: %s", s.client_id, conn.peer,

@@ -24,15 +24,9 @@ from gateway.connection import Connection
 from gateway.mqtt import Decoder
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing
-from gateway.native_link import MAX_HANDSHAKES, NativeLinks, NativeStream
+from gateway.native_link import NativeLinks, NativeStream
 from gateway.reactor import Reactor
-from gateway.transports import (
-    TLS_HANDSHAKE_TIMEOUT,
-    ServerTLS,
-    WebSocketStream,
-    receive_upgrade,
-    reject_upgrade,
-)
+from gateway.transports import ServerTLS, WebSocketStream, receive_upgrade, reject_upgrade
 from serving.accepting import budgeted
 from serving.fd_budget import client_fd_ceiling
 from serving.read_budget import ReadBudget, read_fd
@@ -161,8 +155,8 @@ async def serve_mqtt_tls_native(
     try:
         engine.listen(sock.fileno(), 0, LISTENERS["mqtt_tls"][0], cfg.tls_cert, cfg.tls_key,
                       cfg.tls_ca, cfg.tls_client_auth, cfg.tls_username_from,
-                      fd_ceiling=client_fd_ceiling(), handshake_timeout=TLS_HANDSHAKE_TIMEOUT,
-                      max_handshakes=MAX_HANDSHAKES)
+                      fd_ceiling=client_fd_ceiling(), handshake_timeout=cfg.tls_handshake_timeout,
+                      max_handshakes=cfg.tls_max_handshakes)
     except ValueError as exc:
         sock.close()
         raise StartupError(f"--tls-cert {cfg.tls_cert} with --tls-key {cfg.tls_key} does not "
@@ -310,7 +304,8 @@ def _server_tls(cfg: ListenerConfig) -> ServerTLS | None:
             raise StartupError(f"{flag} {path}: the file {why}")
     try:
         return ServerTLS(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.tls_client_auth,
-                         cfg.tls_username_from)
+                         cfg.tls_username_from, cfg.tls_handshake_timeout,
+                         cfg.tls_max_handshakes)
     except (OSError, ssl.SSLError, ValueError) as exc:
         raise StartupError(f"--tls-cert {cfg.tls_cert} with --tls-key {cfg.tls_key} does not "
                            f"load: {exc}") from exc

@@ -29,9 +29,6 @@ from serving.fd_budget import refused_natively
 log = logging.getLogger("lightgate.gateway.tls")
 
 WINDOW = 64 * 1024  # what the engine relays ahead of what is consumed (link.rs)
-# At most this many TLS handshakes under way at once on the node (its listeners'); past
-# it the listener accepts nothing until some finish (the kernel's backlog holds the rest).
-MAX_HANDSHAKES = 1024
 
 
 class NativeStream(trio.abc.Stream):
@@ -50,6 +47,7 @@ class NativeStream(trio.abc.Stream):
         self._full = False  # what waits in the engine is past the mark: wait for room
         self._room: trio.Event | None = None
         self._closed = False
+        self.carried = False  # the engine carries the connection (gateway.handover)
 
     # -- what the engine says (the handover task's events) ------------------------------
     def fed(self, data: bytes) -> None:
@@ -93,8 +91,9 @@ class NativeStream(trio.abc.Stream):
             self._in.appendleft(data)
             self.consumed -= len(data)
 
-    def carried(self) -> None:
+    def carry(self) -> None:
         """The engine carries the connection: everything relayed is accounted for."""
+        self.carried = True
         self._acked = self.consumed
         self.link.consumed(self.consumed)
 
@@ -211,7 +210,8 @@ class NativeLinks:
             await self._serve(stream, stream.peer, identity)
         finally:
             self.streams.pop(stream.link.id, None)
-            if not stream._closed:
+            # (One the engine carries is closed once it is back: gateway.handover.)
+            if not stream._closed and not stream.carried:
                 stream._closed = True
                 stream.link.close()
 

@@ -30,6 +30,7 @@ class StreamReading:
     _closed: bool
     _unpaused: trio.Event | None
     _held: int
+    native: int | None
 
     if TYPE_CHECKING:  # the connection's own, used here
         def close(self, closing: Closing, nursery: trio.Nursery | None = None) -> None: ...
@@ -50,7 +51,9 @@ class StreamReading:
         except Exception as exc:  # noqa: BLE001 - each becomes a Closing
             self.close(self._closing_for(exc))
         finally:
-            if not self._closed:  # cancelled: the gateway shuts down
+            # Cancelled: the gateway shuts down (one the native plane carries is closed
+            # once it is back: gateway.handover's release_all).
+            if not self._closed and self.native is None:
                 with trio.CancelScope(shield=True), trio.move_on_after(5):
                     async with trio.open_nursery() as ending:
                         self.close(Closing("server shutting down", True,

@@ -1011,6 +1011,7 @@ impl Worker {
             }
             touched.extend(relays);
             if !self.commands(&mut touched, &mut published) {
+                self.last_words();
                 return;
             }
             if !published.is_empty() {

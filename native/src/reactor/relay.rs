@@ -524,6 +524,18 @@ impl Worker {
         }
     }
 
+    /// Stopping: what Python sent its relayed connections goes out as far as their
+    /// sockets take it now (a shutdown's DISCONNECTs), with their close_notify.
+    pub(super) fn last_words(&mut self) {
+        let tokens: Vec<Token> = self.relays.keys().copied().collect();
+        for token in tokens {
+            if let Some(r) = self.relays.get_mut(&token) {
+                r.phase = Phase::Closing;
+            }
+            self.relay_flush(token);
+        }
+    }
+
     /// Handshakes past their deadline, and closes past their linger.
     pub(super) fn check_relays(&mut self, touched: &mut Vec<Token>) {
         let now_ms = millis(self.now());
