@@ -1103,9 +1103,11 @@ impl Worker {
                         c.demoting = Some(Why::Packet);
                         break;
                     }
-                    if short_ends && n < size {
+                    if short_ends && n < size && !c.link.is_tls() {
                         // A short read emptied the socket: what comes later is a new
                         // edge for epoll, so no second read only to hear WouldBlock.
+                        // (Not so of TLS: a record's plaintext can be short while the
+                        // socket holds more records.)
                         break;
                     }
                 }

@@ -374,6 +374,38 @@ fn many_writes_of_python_go_out_in_order_through_a_small_send_buffer() {
     assert!(got == expected, "the bytes came out of order or altered");
 }
 
+#[test]
+fn a_handshake_message_announced_past_the_limit_is_refused_before_it_is_held() {
+    let server = Server::start(ClientAuth::None, UsernameFrom::None, 10.0, 64);
+    let mut s = server.connect();
+    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    // A ClientHello announcing 16 MiB, then full records of it: rustls takes at most
+    // 64 KiB of one handshake message, so the connection ends long before 16 MiB.
+    let mut first = vec![0x16, 0x03, 0x01, 0x40, 0x00, 0x01, 0xff, 0xff, 0xff];
+    first.resize(5 + 0x4000, 0x41);
+    let mut sent = 0usize;
+    let mut refused = false;
+    for i in 0..1024 {
+        let record: &[u8] = if i == 0 { &first } else { &first[..5] };
+        let mut data = record.to_vec();
+        if i > 0 {
+            data.resize(5 + 0x4000, 0x41);
+        }
+        if s.write_all(&data).is_err() {
+            refused = true;
+            break;
+        }
+        sent += data.len();
+    }
+    assert!(refused, "16 MiB of one handshake message taken");
+    assert!(
+        sent < 8 * 1024 * 1024,
+        "{sent} bytes taken before the refusal"
+    );
+    let text = server.sink.logged(5, LogTarget::Handshake);
+    assert!(text.contains("failed"), "{text}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 

@@ -29,6 +29,8 @@ use crate::tls::{self, UsernameFrom};
 /// Time a thread spends on TLS handshakes in one pass, at most (the rest wait for the
 /// next one): an RSA-2048 signature is 1-2 ms, an ECDSA one a tenth of that.
 pub const HANDSHAKE_SLICE: Duration = Duration::from_millis(1);
+/// Socket reads of one handshake in one go, at most.
+const HANDSHAKE_READS: usize = 16;
 /// How long a closing link may take to write what Python sent before it (a client
 /// that reads nothing is not waited for longer).
 pub const CLOSE_LINGER_S: f64 = 1.0;
@@ -273,10 +275,17 @@ impl Worker {
         let Link::Tls(t) = &mut r.link else {
             return;
         };
+        let mut reads = 0;
         let outcome = loop {
             match t.receive() {
                 Ok(true) if !t.tls.is_handshaking() => break Ok(true),
-                Ok(true) => continue,
+                Ok(true) if reads >= HANDSHAKE_READS => {
+                    // A handshake is a few records: one that goes on is read on in
+                    // the next pass, after the others'.
+                    self.again.push(token);
+                    break Ok(false);
+                }
+                Ok(true) => reads += 1,
                 Ok(false) => break Err("connection closed".to_string()),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break Ok(false),
                 Err(e) => break Err(e.to_string()),
@@ -471,15 +480,21 @@ impl Worker {
         }
         let r = self.relays.get_mut(&token).expect("looked up above");
         if let Some(e) = failed {
+            if r.phase == Phase::Handshake {
+                // Python never heard of it: it goes here.
+                let text = format!("TLS handshake with {} failed: {e}", r.peer);
+                handshake_over(&self.links);
+                Counters::add(&self.counters.tls_handshake_failures, 1);
+                self.drop_relay(token);
+                self.say(LogTarget::Handshake, text);
+                return;
+            }
             // Nothing more goes out: what waits is given up, and Python told.
             let n = std::mem::take(&mut r.unsent).len();
             let share = r.share();
             share.took(n);
             share.gone.store(true, Ordering::SeqCst);
-            if matches!(r.phase, Phase::Open | Phase::Handshake) {
-                if r.phase == Phase::Handshake {
-                    handshake_over(&self.links);
-                }
+            if r.phase == Phase::Open {
                 r.phase = Phase::Ended;
                 let conn = r.id;
                 self.events.push(LinkEvent::Ended {
