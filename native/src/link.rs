@@ -170,15 +170,23 @@ impl TlsLink {
         }
     }
 
+    /// As a socket's write: as much as goes out before the socket would block. rustls
+    /// takes at most its buffer's limit at a time, so a take short of `data` with the
+    /// socket still taking more is written on: a caller waiting for the socket to be
+    /// writable again would wait for an edge that never comes.
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
-        self.flush()?;
-        let n = if data.is_empty() {
-            0
-        } else {
-            self.tls.writer().write(data)?
-        };
-        self.flush()?;
-        Ok(n)
+        let mut sent = 0;
+        loop {
+            self.flush()?;
+            if sent == data.len() || self.tls.wants_write() {
+                return Ok(sent); // all of it, or the socket is full
+            }
+            let n = self.tls.writer().write(&data[sent..])?;
+            if n == 0 {
+                return Ok(sent);
+            }
+            sent += n;
+        }
     }
 
     fn flush(&mut self) -> io::Result<()> {

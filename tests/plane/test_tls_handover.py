@@ -217,3 +217,24 @@ def test_a_certificates_identity_is_the_user_while_carried(
         assert raw.closed_by_server()
     finally:
         assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+def test_a_burst_from_a_carried_tls_publisher_is_all_read(srv: Server, pki: Pki) -> None:
+    """Many small records arrive at once: each decrypts short of a read's size while
+    the socket holds more, and all of them are read without the client writing again."""
+    port = port_of(srv, "mqtt_tls")
+    sub = TlsRaw(port, pki.client_context(), timeout=10)
+    sub.connect(uid("bsub"))
+    sub.subscribe("burst/t", 0)
+    pub_id = uid("bpub")
+    pub = TlsRaw(port, pki.client_context())
+    pub.connect(pub_id)
+    wait_native(srv, pub_id)
+    packets = [mqtt.encode(mqtt.Publish("burst/t", b"%05d" % i + b"x" * 90, 0), 4)
+               for i in range(3000)]
+    for i in range(0, len(packets), 10):  # a record per 10 publishes
+        pub.send_raw(b"".join(packets[i:i + 10]))
+    got = [sub.recv() for _ in range(len(packets))]
+    assert [p.payload[:5] for p in got] == [b"%05d" % i for i in range(len(packets))]
+    pub.close()
+    sub.close()
