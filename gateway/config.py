@@ -143,6 +143,12 @@ class ListenerConfig:
     tls_username_from: str = setting(
         "none", "use the client certificate's cn or san as username",
         choices=("none", "cn", "san"), group="security")
+    tls_handshake_timeout: float = setting(
+        10.0, "seconds a TLS client has for its handshake (then closed)", above=0,
+        group="security")
+    tls_max_handshakes: int = setting(
+        1024, "TLS handshakes under way at once, at most; the next clients wait their "
+        "turn", least=1, group="limits")
 
     def address(self, name: str) -> str | None:
         """Where listener `name` (mqtt, mqtt_tls, ws, wss) binds; None when it is off."""

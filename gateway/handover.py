@@ -10,11 +10,15 @@ writes what the socket had not taken, hands the packet that needed Python to the
 Python core, and lets Python's delivery go on from each queue's position. Once it is
 quiet again it is promoted again.
 
-Promoted: clean sessions (3.1.1 clean session, v5 session expiry 0) on plain TCP, with
-plain subscriptions (no shared, no `$replay`, no `$` filter, no v5 No Local, Retain As
-Published or subscription identifiers), no HTTP hook or per-delivery ACL check, no publish rate
-limit, no credentials' end, and nothing under way in Python. Everything else stays in
-Python (TLS, WebSocket, persistent sessions, ...)."""
+TLS connections on the native plane are the engine's from the accept (gateway.native_link):
+promoting one switches its link in the engine to the carried steady state, and demoting it
+switches it back to relaying bytes to Python; its session and socket never move.
+
+Promoted: clean sessions (3.1.1 clean session, v5 session expiry 0) on plain TCP or TLS
+(the native listener's), with plain subscriptions (no shared, no `$replay`, no `$`
+filter, no v5 No Local, Retain As Published or subscription identifiers), no HTTP hook
+or per-delivery ACL check, no publish rate limit, no credentials' end, and nothing under
+way in Python. Everything else stays in Python (WebSocket, persistent sessions, ...)."""
 
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from gateway.inbound import NOT_STORED, not_stored
 from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing
+from gateway.native_link import NativeLinks, NativeStream
 from serving.read_budget import ReadBudget
 from store.api import StoreFullError
 
@@ -64,6 +69,12 @@ QUIESCE_TRIES = 8
 NEVER, PARKED, BUSY, READY = range(4)
 
 
+def _linked(conn: Connection) -> NativeStream | None:
+    """The native link of a connection the engine accepted (a TLS one), if it is."""
+    stream = conn.stream
+    return stream if type(stream) is NativeStream else None
+
+
 def _publishes_anywhere(conn: Connection) -> bool:
     """Whether every topic within the limits is the connection's to publish to (no
     authentication, or a Super user the built-in rules decide for): the engine then
@@ -95,6 +106,8 @@ class Handover:
         self._waiting: trio.CancelScope | None = None  # the task's wait, until a look
         self._ending = trio.Lock()  # one waits on the engine's descriptor at a time
         self.running = False
+        # The connections the engine accepted (its TLS listener), once it listens.
+        self.links: NativeLinks | None = None
         # What a connection that may publish anywhere (adopted with no ACL cache) is
         # held to natively; past it, or on a `$` topic, its publish comes to Python.
         engine.set_topic_limits(broker.max_topic_length, broker.max_topic_levels)
@@ -104,7 +117,7 @@ class Handover:
     # -- which connections ---------------------------------------------------------------
     def consider(self, conn: Connection) -> None:
         """Promote `conn` once it is quiet (looked at from the handover task)."""
-        if conn.native is None and conn.alive and conn.reactor is not None:
+        if conn.native is None and conn.alive and (conn.reactor is not None or _linked(conn)):
             now = trio.current_time()
             self._candidates[conn] = (now, FIRST_LOOK)
             if self._waiting is not None:
@@ -114,11 +127,13 @@ class Handover:
         s, core = conn.session, conn.core
         if not conn.alive or s is None or conn.delivery is None or conn.native is not None:
             return NEVER
-        if conn.stream is not None or conn.reactor is None or s.persistent \
+        linked = _linked(conn) is not None
+        if (conn.stream is not None or conn.reactor is None) and not linked or s.persistent \
                 or conn._limits is not None or conn._taken_over or core.version < 3 \
                 or core.alias_out_max:
-            # TLS/WebSocket, a persistent session, a publish rate limit, a client that
-            # takes topic aliases (the native side sends none: Python keeps it to use them)
+            # WebSocket, Python's TLS, a persistent session, a publish rate limit, a client
+            # that takes topic aliases (the native side sends none: Python keeps it to
+            # use them)
             return NEVER
         if conn.asks_hook or conn.checks_delivery and s.subscriptions:
             return PARKED  # until the rights change (`rights_changed`)
@@ -160,6 +175,8 @@ class Handover:
             log.debug("client %r (%s) not read for a moment: it settles to be promoted",
                       conn.session.client_id, conn.peer)
             conn.quiesce(True)
+            if (stream := _linked(conn)) is not None:
+                stream.read_again()  # its reader waits for no bytes now
             self._quiesced[conn] = (now, tries + 1)
             return True
         return False
@@ -175,7 +192,8 @@ class Handover:
         """Hand `conn` to the engine; False if a queue holds more than Python delivered
         (it delivers the rest first) and nothing changed."""
         s, core, reactor = conn.session, conn.core, conn.reactor
-        assert s is not None and reactor is not None
+        stream = _linked(conn)
+        assert s is not None and (reactor is not None or stream is not None)
         subs = []
         for sub in s.subscriptions.values():
             cursor = s.cursors.get(sub.queue)
@@ -185,15 +203,24 @@ class Handover:
         now = trio.current_time()
         aliases, idle, unread, unacked = core.handed_over(now)
         limits = core.limits
-        conn_id = next(self._ids)
-        fd = conn.fd
-        reactor.forget(conn)  # out of the set; the socket stays open
+        relayed = b""
+        if stream is not None:
+            # Its link stays in the engine: what was relayed and not read yet goes to
+            # the carried connection, behind the partial packet read here.
+            conn_id = stream.link.id
+            relayed = stream.take_unread()
+            carry, first = self.engine.carry, (stream.link, stream.relayed)
+        else:
+            conn_id = next(self._ids)
+            assert reactor is not None
+            reactor.forget(conn)  # out of the set; the socket stays open
+            carry, first = self.engine.adopt, (conn_id, conn.fd)
         try:
-            taken = self.engine.adopt(
-                conn_id, fd, 5 if core.version == 5 else 4, core.keepalive,
+            taken = carry(
+                *first, 5 if core.version == 5 else 4, core.keepalive,
                 core.decoder.max_packet_size, limits.max_qos, limits.topic_alias_maximum,
                 limits.receive_maximum, core.receive_maximum, limits.max_inflight,
-                core.client_max_packet, unread=unread, idle_for=idle,
+                core.client_max_packet, unread=unread + relayed, idle_for=idle,
                 acl=None if _publishes_anywhere(conn) else set(conn.native_topics or ()),
                 subscriptions=subs, aliases_in=aliases, next_packet_id=s.next_packet_id,
                 max_unsent=conn.out.rules.high,  # --max-unsent-bytes: past it, back
@@ -206,9 +233,16 @@ class Handover:
             taken = False
         if not taken:
             core.handed_back_unread(unread)
-            reactor.take_back(conn)
+            if stream is not None:
+                stream.put_back(relayed)
+            else:
+                assert reactor is not None
+                reactor.take_back(conn)
             return False
         conn.native = conn_id
+        if stream is not None:
+            stream.carry()
+            stream.read_again()  # its reader waits until the connection is back
         conn._quiescing = False  # read by the engine now; by Python again once back
         left = getattr(self.broker.store, "readers_left", None)  # an embedded store's
         if left is not None and s.subscriptions:
@@ -270,7 +304,8 @@ class Handover:
 
     async def release_all(self, reactor: object, closing: Closing,
                           nursery: trio.Nursery) -> None:
-        """At shutdown: every promoted connection of `reactor` back, and closed."""
+        """At shutdown: every promoted connection of `reactor` back, and closed (None:
+        those the engine accepted)."""
         mine = [c for c in self.promoted.values() if c.reactor is reactor]
         for conn in mine:
             self.release(conn, closing, nursery)
@@ -284,7 +319,12 @@ class Handover:
         # The engine wakes us too when its connections took the node back within the
         # budget for partial packets: those held back for it here may read again.
         self.broker.read_budget.refresh()
-        for row in self.engine.take_demoted():
+        links = self.links
+        for row in self.engine.take_events():
+            if type(row) is tuple:  # news of a connection the engine accepted
+                if links is not None:
+                    links.on_event(row)
+                continue
             try:
                 self._demoted(row)
             except Exception:  # noqa: BLE001 - one connection's trouble is its own
@@ -293,15 +333,19 @@ class Handover:
     def _demoted(self, row: dict[str, Any]) -> None:
         conn_id = row["conn"]
         conn = self.promoted.pop(conn_id, None)
+        fd = row["fd"]
         if conn is None:
-            os.close(row["fd"])
+            if fd is not None:
+                os.close(fd)
+            elif self.links is not None:
+                self.links.forget(conn_id)
             self.broker.read_budget.update(row["partial"], 0)
             return
         conn.native = None
-        conn.unpark(row["fd"])
+        conn.unpark(-1 if fd is None else fd)
         conn._held = row["partial"]  # the engine counted it: ours to count from here
         s, core = conn.session, conn.core
-        assert s is not None and conn.reactor is not None
+        assert s is not None
         outgoing = [mp.Outgoing(pid, None, -1, data, 1, version=core.version)
                     for pid, data, _ in row["outgoing"]]
         core.handed_back(trio.current_time(), row["idle_for"], row["next_packet_id"],
@@ -309,7 +353,11 @@ class Handover:
         for queue, nxt in row["positions"].items():
             if s.cursors.get(queue, -1) < nxt:  # Python delivers from here
                 s.cursors[queue] = nxt
-        conn.reactor.take_back(conn)
+        if conn.reactor is not None:
+            conn.reactor.take_back(conn)
+        elif (stream := _linked(conn)) is not None:  # its stream's reader reads again
+            stream.carried = False
+            conn._reading_changed()
         why = row["why"]
         log.debug("client %r (%s) back from the native plane: %s", s.client_id, conn.peer,
                   why)
@@ -337,8 +385,15 @@ class Handover:
                 self.consider(conn)
 
     # -- the task ------------------------------------------------------------------------
+    def start(self, nursery: trio.Nursery) -> None:
+        """Run the task in `nursery` unless it runs (one for the node's listeners)."""
+        if not self.running:
+            self.running = True
+            nursery.start_soon(self.run)
+
     async def run(self) -> None:
-        """Take each demotion as the engine reports it; promote quiet candidates."""
+        """Take each demotion as the engine reports it, and the news of the connections
+        it accepted; promote quiet candidates."""
         self.running = True
         fd = self.engine.wake_fd
         try:

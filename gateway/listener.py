@@ -22,9 +22,13 @@ from gateway.broker import Broker
 from gateway.config import GatewayConfig, ListenerConfig
 from gateway.connection import Connection
 from gateway.mqtt import Decoder
+from gateway.mqtt import reason as rc
+from gateway.mqtt.protocol import Closing
+from gateway.native_link import NativeLinks, NativeStream
 from gateway.reactor import Reactor
 from gateway.transports import ServerTLS, WebSocketStream, receive_upgrade, reject_upgrade
 from serving.accepting import budgeted
+from serving.fd_budget import client_fd_ceiling
 from serving.read_budget import ReadBudget, read_fd
 from serving.reload import Reload
 from serving.startup import StartupError, listening
@@ -128,6 +132,55 @@ async def serve_mqtt_tls(
     listeners, bound = await _open(addr, "mqtt_tls")
     task_status.started(bound)
     await trio.serve_listeners(handle, budgeted(listeners, LISTENERS["mqtt_tls"][0]))
+
+
+async def serve_mqtt_tls_native(
+    broker: Broker, addr: str, cfg: ListenerConfig, *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """MQTT over TLS on the native plane (docs/native-plane.md): this binds `addr` (its
+    errors, port 0 and the ready line stay as for every listener), the engine accepts,
+    does the handshake, and relays each connection's bytes to a `Connection` here
+    (gateway.native_link) until it is promoted, as a plain-TCP one is, to be carried
+    there on the same TLS session."""
+    handover = broker.handover
+    assert handover is not None
+    engine = handover.engine
+    with listening(*LISTENERS["mqtt_tls"], addr):
+        host, port = split_hostport(addr)
+        sock = socket.create_server((host or "0.0.0.0", port), backlog=BACKLOG,
+                                    reuse_port=False)
+    bound = sock.getsockname()
+    if handover.links is None:
+        handover.links = NativeLinks(lambda: broker.connection_nursery, _serve_link(broker))
+    try:
+        engine.listen(sock.fileno(), 0, LISTENERS["mqtt_tls"][0], cfg.tls_cert, cfg.tls_key,
+                      cfg.tls_ca, cfg.tls_client_auth, cfg.tls_username_from,
+                      fd_ceiling=client_fd_ceiling(), handshake_timeout=cfg.tls_handshake_timeout,
+                      max_handshakes=cfg.tls_max_handshakes)
+    except ValueError as exc:
+        sock.close()
+        raise StartupError(f"--tls-cert {cfg.tls_cert} with --tls-key {cfg.tls_key} does not "
+                           f"load: {exc}") from exc
+    sock.detach()  # the engine's now: it closes it when it stops
+    try:
+        async with trio.open_nursery() as nursery:
+            handover.start(nursery)
+            task_status.started(f"{bound[0]}:{bound[1]}")
+            await trio.sleep_forever()
+    finally:
+        # Shutting down: the connections the engine carries come back and are closed
+        # (those relayed here close as their tasks are cancelled).
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            async with trio.open_nursery() as ending:
+                await handover.release_all(None, Closing("server shutting down", True,
+                                                         rc.SERVER_SHUTTING_DOWN), ending)
+
+
+def _serve_link(broker: Broker):  # type: ignore[no-untyped-def]
+    async def serve(stream: NativeStream, peer: str, identity: str | None) -> None:
+        await handle_connection(broker, stream, peer, identity)
+    return serve
 
 
 async def serve_mqtt_ws(
@@ -252,7 +305,8 @@ def _server_tls(cfg: ListenerConfig) -> ServerTLS | None:
             raise StartupError(f"{flag} {path}: the file {why}")
     try:
         return ServerTLS(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.tls_client_auth,
-                         cfg.tls_username_from)
+                         cfg.tls_username_from, cfg.tls_handshake_timeout,
+                         cfg.tls_max_handshakes)
     except (OSError, ssl.SSLError, ValueError) as exc:
         raise StartupError(f"--tls-cert {cfg.tls_cert} with --tls-key {cfg.tls_key} does not "
                            f"load: {exc}") from exc
@@ -270,7 +324,10 @@ async def start_listeners(
     if addr := cfg.address("mqtt"):
         bound["mqtt"] = await nursery.start(serve_mqtt_tcp, broker, addr)
     if (addr := cfg.address("mqtt_tls")) and tls is not None:
-        bound["mqtt_tls"] = await nursery.start(serve_mqtt_tls, broker, addr, tls)
+        if broker.handover is not None:  # the native plane's engine accepts TLS too
+            bound["mqtt_tls"] = await nursery.start(serve_mqtt_tls_native, broker, addr, cfg)
+        else:
+            bound["mqtt_tls"] = await nursery.start(serve_mqtt_tls, broker, addr, tls)
     if addr := cfg.address("ws"):
         bound["ws"] = await nursery.start(serve_mqtt_ws, broker, addr, None)
     if (addr := cfg.address("wss")) and tls is not None:

@@ -138,7 +138,10 @@ class Output:
             self.owner.reactor.want_write(self.owner)
         elif not self._writer:
             self._writer = True
-            self.owner.spawn(self._drain_stream)
+            try:
+                self.owner.spawn(self._drain_stream)
+            except RuntimeError:  # shutting down, its tasks gone: `last_words` sends it
+                self._writer = False
 
     def writable(self) -> bool:
         """The socket takes more (the reactor says): write what waits; True when all of

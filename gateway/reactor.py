@@ -204,8 +204,8 @@ class Reactor:
                 # (a cancel scope per pass) cost a tenth of a message's CPU at low rates.
                 nursery.start_soon(self._run_timers)
                 handover = self.broker.handover
-                if handover is not None and not handover.running:
-                    nursery.start_soon(handover.run)  # one for the node's reactors
+                if handover is not None:
+                    handover.start(nursery)  # one for the node's listeners
                 while True:
                     await trio.lowlevel.wait_readable(epfd)
                     self._pass()

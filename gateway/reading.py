@@ -10,6 +10,12 @@ import trio
 from gateway.output import Poller
 
 
+class ReadAgain(Exception):  # noqa: N818 - not an error: a signal to the reader
+    """A stream gave up a read so that its reader looks again whether to read, and
+    until when (gateway.native_link: a connection the native plane took over, or held
+    still to be taken)."""
+
+
 class ReadSwitch:
     """The read switch of gateway.connection.Connection (a mixin: what it uses of the
     connection is declared here)."""
@@ -22,6 +28,7 @@ class ReadSwitch:
     _full: bool  # too much waits for the socket
     _quiescing: bool  # held still to be handed to the native plane (gateway.handover)
     _unpaused: trio.Event | None  # a stream reader waits on it
+    native: int | None  # promoted: its id in the engine (gateway.handover)
 
     def _pause(self) -> None:
         """Read no more while the lane works (the socket's buffer holds the rest)."""
@@ -61,4 +68,6 @@ class ReadSwitch:
 
     @property
     def reading(self) -> bool:
-        return not self._paused and not self._full and not self._quiescing
+        # (Not while the native plane carries it: its engine reads the socket.)
+        return not self._paused and not self._full and not self._quiescing \
+            and self.native is None

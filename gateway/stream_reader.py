@@ -12,6 +12,7 @@ import trio
 from gateway.broker import Broker
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing, MqttProtocol
+from gateway.reading import ReadAgain
 
 log = logging.getLogger("lightgate.gateway.conn")
 
@@ -29,6 +30,7 @@ class StreamReading:
     _closed: bool
     _unpaused: trio.Event | None
     _held: int
+    native: int | None
 
     if TYPE_CHECKING:  # the connection's own, used here
         def close(self, closing: Closing, nursery: trio.Nursery | None = None) -> None: ...
@@ -49,7 +51,9 @@ class StreamReading:
         except Exception as exc:  # noqa: BLE001 - each becomes a Closing
             self.close(self._closing_for(exc))
         finally:
-            if not self._closed:  # cancelled: the gateway shuts down
+            # Cancelled: the gateway shuts down (one the native plane carries is closed
+            # once it is back: gateway.handover's release_all).
+            if not self._closed and self.native is None:
                 with trio.CancelScope(shield=True), trio.move_on_after(5):
                     async with trio.open_nursery() as ending:
                         self.close(Closing("server shutting down", True,
@@ -69,7 +73,10 @@ class StreamReading:
                 self._over_budget(held)
                 return
             with trio.move_on_at(self.core.deadline) as scope:
-                data = await self.stream.receive_some(budget.read_size(held, 65536))
+                try:
+                    data = await self.stream.receive_some(budget.read_size(held, 65536))
+                except ReadAgain:
+                    continue
             if scope.cancelled_caught:
                 self.timeout(trio.current_time())
                 continue

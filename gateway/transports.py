@@ -154,12 +154,17 @@ class ServerTLS:
 
     def __init__(
         self, cert: str, key: str, ca: str | None = None, client_auth: str = "none",
-        username_from: str = "none",
+        username_from: str = "none", handshake_timeout: float = TLS_HANDSHAKE_TIMEOUT,
+        max_handshakes: int = 1024,
     ) -> None:
         if username_from not in USERNAME_SOURCES:
             raise ValueError(f"TLS username source must be none, cn or san, not {username_from!r}")
         self.contexts = ReloadingContext(cert, key, ca, client_auth)
         self.username_from = username_from
+        self.handshake_timeout = handshake_timeout
+        # Handshakes under way at once (each is a private-key operation): the next ones
+        # wait for a turn, then have their own time.
+        self._turns = trio.CapacityLimiter(max_handshakes)
         if username_from != "none" and client_auth == "none":
             log.warning("--tls-username-from %s has no effect without --tls-client-auth",
                         username_from)
@@ -173,8 +178,9 @@ class ServerTLS:
         tls = trio.SSLStream(stream, self.contexts.current(), server_side=True,
                              https_compatible=True)
         try:
-            with trio.fail_after(TLS_HANDSHAKE_TIMEOUT):
-                await tls.do_handshake()
+            async with self._turns:
+                with trio.fail_after(self.handshake_timeout):
+                    await tls.do_handshake()
         except trio.TooSlowError:
             log.info("TLS handshake with %s timed out", peer)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:

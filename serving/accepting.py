@@ -45,6 +45,11 @@ def must_rest(exc: OSError, listener: str) -> bool:
     return True
 
 
+def note_failure(text: str) -> None:
+    """A native listener's failed accept (it rests, as `must_rest` says), said as ours."""
+    _failures.note(text)
+
+
 class BudgetedListener(trio.abc.Listener[trio.SocketStream]):
     """A trio socket listener that rests on accept errors instead of raising them, and
     refuses connections over the descriptor budget."""

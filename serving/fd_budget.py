@@ -99,8 +99,14 @@ def over_budget(fd: int, listener: str) -> bool:
     refused (the caller closes it): its descriptor is in the reserve."""
     if fd < _budget.ceiling:
         return False
-    _budget.refused += 1
+    refused_natively(listener, 1)
+    return True
+
+
+def refused_natively(listener: str, count: int) -> None:
+    """`count` client connections `listener` refused for the reserve (the native
+    listeners check `client_fd_ceiling` themselves): counted and said."""
+    _budget.refused += count
     _budget.log.note(
         f"{listener}: client connections refused: the process's file descriptors are "
         f"used up to the {_budget.ceiling} kept for clients (the rest is the node's own)")
-    return True

@@ -97,7 +97,8 @@ fn main() {
                 filters_of.remove(&d.conn);
                 continue; // the connection ends: its socket closes
             }
-            let mut s = TcpStream::from(d.socket);
+            let Some(socket) = d.socket else { continue };
+            let mut s = TcpStream::from(socket);
             let _ = s.set_nonblocking(false);
             let mut held: &[u8] = &d.unread;
             let Ok((_, body)) = read_packet(&mut held) else {

@@ -22,7 +22,7 @@ use crate::commitlog::LogWriter;
 use crate::partial::PartialBudget;
 use crate::protocol::TopicLimits;
 use crate::reactor::{
-    Command, Counters, Delivery, Handle, Inbound, Lean, Positions, Reactor, Report, Sink,
+    Command, Counters, Delivery, Handle, Inbound, Lean, LinkEvent, Positions, Reactor, Report, Sink,
 };
 use crate::record::{self, Record, RecordError};
 use crate::router::{FilterError, Routes, TopicTrie};
@@ -289,6 +289,7 @@ impl Sink for EngineSink {
             // Our deliveries are all of clean sessions: an ack only frees the window,
             // which the reactor did already.
             Report::Acked { .. } => {}
+            Report::Link(e) => self.link_events(vec![e]),
             Report::Demoted(d) => {
                 // Its subscriptions go first: nothing is delivered to it after the
                 // positions it hands back.
@@ -304,6 +305,13 @@ impl Sink for EngineSink {
 
     fn partial_freed(&self) {
         // The owner looks at the budget again when it wakes (`partial_budget`).
+        let _ = (&self.0.wake).write(&[1]);
+    }
+
+    fn link_events(&self, events: Vec<LinkEvent>) {
+        if let Ok(mut r) = self.0.reports.lock() {
+            r.extend(events.into_iter().map(Report::Link));
+        }
         let _ = (&self.0.wake).write(&[1]);
     }
 }
@@ -378,6 +386,11 @@ impl Engine {
 
     pub fn send(&self, command: Command) {
         self.reactor.send(command);
+    }
+
+    /// Where commands go (a relayed connection's handle keeps one).
+    pub fn handle(&self) -> Handle {
+        self.reactor.handle()
     }
 
     /// The native publishes' append latency: per bucket of `APPEND_BUCKETS` (cumulative),

@@ -13,6 +13,8 @@
 //!   (`serving/read_budget.py`).
 //! - `engine`: append, acknowledge and deliver each batch the reactors read.
 //! - `index`: the light-queue index's runs for a batch (`lightqueue/index.py`).
+//! - `tls`: the TLS listeners' configuration, its reload and client identities
+//!   (`gateway/transports.py`).
 //!
 //! Everything outside `py` is plain, safe Rust with no Python in it: `cargo test` runs
 //! it without an interpreter.
@@ -25,11 +27,13 @@ pub mod codec;
 pub mod commitlog;
 pub mod engine;
 pub mod index;
+pub mod link;
 pub mod partial;
 pub mod protocol;
 pub mod reactor;
 pub mod record;
 pub mod router;
+pub mod tls;
 
 #[cfg(feature = "python")]
 mod py;

@@ -14,6 +14,7 @@ use crate::protocol;
 use crate::reactor::{Command as ReactorCommand, DrainRule, Report, Restore};
 use crate::record::{self, Record};
 use crate::router;
+use crate::tls;
 
 /// One CommitLog record, byte for byte as `store.record.encode` makes it.
 #[pyfunction]
@@ -399,6 +400,97 @@ impl PyEngine {
         self.inner
             .as_ref()
             .ok_or_else(|| PyValueError::new_err("the engine is stopped"))
+    }
+}
+
+/// A demotion as Python takes it (`PyEngine::take_demoted`).
+fn demoted_row<'py>(py: Python<'py>, d: crate::reactor::Demoted) -> PyResult<Bound<'py, PyDict>> {
+    use std::os::fd::IntoRawFd;
+    let row = PyDict::new(py);
+    row.set_item("conn", d.conn)?;
+    row.set_item("why", d.why.name())?;
+    let detail = match &d.why {
+        crate::reactor::Why::Lost(text) => text.as_str(),
+        _ => "",
+    };
+    row.set_item("detail", detail)?;
+    row.set_item("unread", PyBytes::new(py, &d.unread))?;
+    row.set_item("unsent", PyBytes::new(py, &d.unsent))?;
+    row.set_item("next_packet_id", d.next_packet_id)?;
+    let outgoing = PyList::empty(py);
+    for (pid, o) in &d.outgoing {
+        outgoing.append((*pid, PyBytes::new(py, &o.data), o.source.1))?;
+    }
+    row.set_item("outgoing", outgoing)?;
+    let positions = PyDict::new(py);
+    for (queue, next) in &d.positions {
+        positions.set_item(&**queue, *next)?;
+    }
+    row.set_item("positions", positions)?;
+    row.set_item("idle_for", d.idle_for)?;
+    row.set_item("partial", d.partial)?;
+    row.set_item("aliases_in", d.aliases_in.clone())?;
+    row.set_item("inbound_unacked", d.inbound_unacked)?;
+    row.set_item("fd", d.socket.map(IntoRawFd::into_raw_fd))?;
+    Ok(row)
+}
+
+/// A connection the engine accepted and relays to Python (`take_events`' "opened"):
+/// Python's end of it. Its bytes go out with `send`; `consumed` says how much of what
+/// was relayed Python has taken (the engine relays at most a window ahead of it).
+#[pyclass(name = "Link", module = "lightgate_native")]
+struct PyLink {
+    id: u64,
+    share: std::sync::Arc<crate::link::LinkShare>,
+    handle: crate::reactor::Handle,
+}
+
+#[pymethods]
+impl PyLink {
+    #[getter]
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Bytes for the client, in order: True when the caller should wait for "room"
+    /// before it sends more (what waits for the link is past the mark).
+    /// BrokenPipeError once the link is closed.
+    fn send(&self, data: Vec<u8>) -> PyResult<bool> {
+        if self.share.gone.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(pyo3::exceptions::PyBrokenPipeError::new_err(
+                "connection closed",
+            ));
+        }
+        let wait = self.share.sent(data.len());
+        self.handle.send(ReactorCommand::Send {
+            conn: self.id,
+            data,
+        });
+        Ok(wait)
+    }
+
+    /// Python has consumed `total` bytes of what was relayed, over the link's life.
+    fn consumed(&self, total: u64) {
+        if self.share.consumed(total) {
+            self.handle.send(ReactorCommand::Resume { conn: self.id });
+        }
+    }
+
+    /// Bytes Python sent that the link has not taken yet.
+    #[getter]
+    fn queued(&self) -> usize {
+        self.share.queued.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    #[getter]
+    fn gone(&self) -> bool {
+        self.share.gone.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Close it: what was sent goes out first (a moment at most), then the
+    /// close_notify.
+    fn close(&self) {
+        self.handle.send(ReactorCommand::Close { conn: self.id });
     }
 }
 
@@ -804,42 +896,213 @@ impl PyEngine {
     /// partial (bytes of unread counted in the partial-packet budget, the caller's
     /// to count).
     fn take_demoted<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        use std::os::fd::IntoRawFd;
         let engine = self.engine()?;
         engine.clear_wake();
         let out = PyList::empty(py);
         for report in engine.take_reports() {
-            let Report::Demoted(d) = report else { continue };
-            let d = *d;
-            let row = PyDict::new(py);
-            row.set_item("conn", d.conn)?;
-            row.set_item("why", d.why.name())?;
-            let detail = match &d.why {
-                crate::reactor::Why::Lost(text) => text.as_str(),
-                _ => "",
-            };
-            row.set_item("detail", detail)?;
-            row.set_item("unread", PyBytes::new(py, &d.unread))?;
-            row.set_item("unsent", PyBytes::new(py, &d.unsent))?;
-            row.set_item("next_packet_id", d.next_packet_id)?;
-            let outgoing = PyList::empty(py);
-            for (pid, o) in &d.outgoing {
-                outgoing.append((*pid, PyBytes::new(py, &o.data), o.source.1))?;
+            if let Report::Demoted(d) = report {
+                out.append(demoted_row(py, *d)?)?;
             }
-            row.set_item("outgoing", outgoing)?;
-            let positions = PyDict::new(py);
-            for (queue, next) in &d.positions {
-                positions.set_item(&**queue, *next)?;
-            }
-            row.set_item("positions", positions)?;
-            row.set_item("idle_for", d.idle_for)?;
-            row.set_item("partial", d.partial)?;
-            row.set_item("aliases_in", d.aliases_in.clone())?;
-            row.set_item("inbound_unacked", d.inbound_unacked)?;
-            row.set_item("fd", d.socket.into_raw_fd())?;
-            out.append(row)?;
         }
         Ok(out)
+    }
+
+    /// Everything the reactors have to say since the last call, in order: each
+    /// demotion as `take_demoted` gives it (fd None for a TLS connection, which the
+    /// engine keeps and relays), and the news of the connections the native listeners
+    /// accepted, as tuples:
+    /// ("opened", Link, listener, peer, identity | None): its handshake is done;
+    /// ("data", conn, bytes): plaintext from the client;
+    /// ("ended", conn, eof, why): the client ended it (eof) or it broke;
+    /// ("room", conn): what Python sent is down to the mark;
+    /// ("log", what, text, count): "handshake", "reloaded", "reload_failed",
+    /// "accept_failed", "refused" (count connections of the listener named by text).
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        use crate::reactor::{LinkEvent, LogTarget};
+        let engine = self.engine()?;
+        engine.clear_wake();
+        let handle = engine.handle();
+        let out = PyList::empty(py);
+        let mut logs = 0;
+        for report in engine.take_reports() {
+            let item = match report {
+                Report::Demoted(d) => demoted_row(py, *d)?.into_any(),
+                Report::Link(LinkEvent::Opened {
+                    conn,
+                    listener,
+                    share,
+                    peer,
+                    identity,
+                }) => {
+                    let link = PyLink {
+                        id: conn,
+                        share,
+                        handle: handle.clone(),
+                    };
+                    ("opened", link, listener, peer, identity)
+                        .into_pyobject(py)?
+                        .into_any()
+                }
+                Report::Link(LinkEvent::Data { conn, data }) => {
+                    ("data", conn, PyBytes::new(py, &data))
+                        .into_pyobject(py)?
+                        .into_any()
+                }
+                Report::Link(LinkEvent::Ended { conn, eof, why }) => {
+                    ("ended", conn, eof, why).into_pyobject(py)?.into_any()
+                }
+                Report::Link(LinkEvent::Room { conn }) => {
+                    ("room", conn).into_pyobject(py)?.into_any()
+                }
+                Report::Link(LinkEvent::Log { target, text }) => {
+                    logs += 1;
+                    let (what, count) = match target {
+                        LogTarget::Handshake => ("handshake", 1),
+                        LogTarget::Reloaded => ("reloaded", 1),
+                        LogTarget::ReloadFailed => ("reload_failed", 1),
+                        LogTarget::AcceptFailed => ("accept_failed", 1),
+                        LogTarget::Refused { count } => ("refused", count),
+                    };
+                    ("log", what, text, count).into_pyobject(py)?.into_any()
+                }
+                Report::Published(_) | Report::Acked { .. } => continue,
+            };
+            out.append(item)?;
+        }
+        handle
+            .links()
+            .logs
+            .fetch_sub(logs, std::sync::atomic::Ordering::Relaxed);
+        Ok(out)
+    }
+
+    /// Accept MQTT over TLS on the listening socket `fd` (bound by the caller, which
+    /// gives it up: `socket.detach()`), with the TLS files and choices given (loaded
+    /// now: ValueError when they do not make a configuration; reloaded when they
+    /// change). `index` names the listener in "opened" events, `name` in the log; a
+    /// connection on a descriptor at `fd_ceiling` or above is refused; a handshake may
+    /// take `handshake_timeout` seconds; at most `max_handshakes` run at once (the
+    /// engine's, for all its listeners).
+    #[pyo3(signature = (fd, index, name, cert, key, ca=None, client_auth="none", username_from="none", fd_ceiling=usize::MAX, handshake_timeout=10.0, max_handshakes=usize::MAX))]
+    #[allow(clippy::too_many_arguments)] // the listener's settings, one value each
+    fn listen(
+        &self,
+        fd: i32,
+        index: u32,
+        name: String,
+        cert: &str,
+        key: &str,
+        ca: Option<&str>,
+        client_auth: &str,
+        username_from: &str,
+        fd_ceiling: usize,
+        handshake_timeout: f64,
+        max_handshakes: usize,
+    ) -> PyResult<()> {
+        let engine = self.engine()?;
+        let settings = tls_settings(cert, key, ca, client_auth, username_from)?;
+        let files = tls::TlsFiles::load(settings).map_err(value_error)?;
+        let fd = Fd::checked(fd)?;
+        let socket = std::net::TcpListener::from(adopt_fd(fd));
+        let listener = crate::reactor::Listener::new(
+            index,
+            name,
+            socket,
+            std::sync::Arc::new(std::sync::Mutex::new(files)),
+            fd_ceiling,
+            handshake_timeout,
+        )
+        .map_err(os_error)?;
+        engine
+            .handle()
+            .links()
+            .max_handshakes
+            .store(max_handshakes.max(1), std::sync::atomic::Ordering::Relaxed);
+        engine.send(ReactorCommand::Listen(Box::new(listener)));
+        Ok(())
+    }
+
+    /// Carry a connection the engine relays (`link`) from here on, as `adopt` does a
+    /// plain one: True; False, and nothing changed, when more bytes than `relayed` (the
+    /// total Python took of it) are on their way to Python, or a subscription's
+    /// position is not at its queue's end. `unread`: what Python took and did not parse
+    /// (the engine reads it first); the rest as for `adopt`.
+    #[pyo3(signature = (link, relayed, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new(), inbound_unacked=0, problem_info=true, min_drain=0, write_timeout=0.0))]
+    #[allow(clippy::too_many_arguments)] // what CONNECT negotiated, one value each
+    fn carry(
+        &self,
+        py: Python<'_>,
+        link: PyRef<'_, PyLink>,
+        relayed: u64,
+        version: u8,
+        keepalive: u16,
+        max_packet: usize,
+        max_qos: u8,
+        topic_alias_maximum: u16,
+        receive_maximum: u32,
+        client_receive_maximum: u32,
+        max_inflight: u32,
+        client_max_packet: usize,
+        unread: Vec<u8>,
+        idle_for: f64,
+        acl: Option<std::collections::HashSet<String>>,
+        subscriptions: Vec<(String, u8, u64)>,
+        aliases_in: std::collections::HashMap<u16, String>,
+        next_packet_id: u16,
+        max_unsent: usize,
+        client_id: String,
+        inbound_unacked: u32,
+        problem_info: bool,
+        min_drain: usize,
+        write_timeout: f64,
+    ) -> PyResult<bool> {
+        let engine = self.engine()?;
+        let conn = link.id;
+        if link.share.gone.load(std::sync::atomic::Ordering::SeqCst)
+            || !link.share.begin_carry(relayed)
+        {
+            return Ok(false);
+        }
+        let adoption = crate::reactor::Adoption {
+            settings: protocol::Settings {
+                version,
+                keepalive,
+                max_packet,
+                max_qos,
+                topic_alias_maximum,
+                receive_maximum,
+                client_receive_maximum,
+                max_inflight,
+                client_max_packet,
+                problem_info,
+            },
+            unread,
+            idle_for,
+            acl,
+            restore: Restore {
+                aliases_in,
+                next_packet_id,
+                client_id: client_id.as_str().into(),
+                inbound_unacked,
+            },
+            max_unsent,
+            drain: DrainRule {
+                min_bytes: min_drain,
+                timeout: write_timeout,
+            },
+        };
+        let taken = py.allow_threads(|| {
+            engine.promote(conn, version, &subscriptions, || ReactorCommand::Carry {
+                conn,
+                adoption: Box::new(adoption),
+            })
+        });
+        if !matches!(taken, Ok(true)) {
+            // Not taken: relayed on, from what was held back for it.
+            link.share.end_carry();
+            engine.send(ReactorCommand::Resume { conn });
+        }
+        taken.map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
     #[getter]
@@ -869,6 +1132,47 @@ impl PyEngine {
     }
 }
 
+/// `--tls-cert`/`--tls-key`/`--tls-ca` as the native listeners read them: the
+/// settings, checked (ValueError: the files do not make a configuration, and why).
+fn tls_settings(
+    cert: &str,
+    key: &str,
+    ca: Option<&str>,
+    client_auth: &str,
+    username_from: &str,
+) -> PyResult<tls::TlsSettings> {
+    Ok(tls::TlsSettings {
+        cert: cert.into(),
+        key: key.into(),
+        ca: ca.map(Into::into),
+        client_auth: tls::ClientAuth::parse(client_auth).map_err(value_error)?,
+        username_from: tls::UsernameFrom::parse(username_from).map_err(value_error)?,
+    })
+}
+
+/// Whether the TLS files load as the native listeners load them: None, or ValueError
+/// with the reason.
+#[pyfunction]
+#[pyo3(signature = (cert, key, ca=None, client_auth="none", username_from="none"))]
+fn tls_check(
+    cert: &str,
+    key: &str,
+    ca: Option<&str>,
+    client_auth: &str,
+    username_from: &str,
+) -> PyResult<()> {
+    let settings = tls_settings(cert, key, ca, client_auth, username_from)?;
+    tls::build(&settings).map(|_| ()).map_err(value_error)
+}
+
+/// The identity a verified client certificate (DER) stands for, as the native
+/// listeners read it (`gateway.transports.cert_identity`'s rule).
+#[pyfunction]
+fn tls_identity(der: &[u8], source: &str) -> PyResult<Option<String>> {
+    let from = tls::UsernameFrom::parse(source).map_err(value_error)?;
+    Ok(tls::identity(der, from))
+}
+
 #[pymodule]
 fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -878,12 +1182,15 @@ fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyConnection>()?;
     m.add_class::<PyRoutes>()?;
     m.add_class::<PyEngine>()?;
+    m.add_class::<PyLink>()?;
     m.add("MqttError", m.py().get_type::<MqttError>())?;
     m.add_class::<MqttDecoder>()?;
     m.add_function(wrap_pyfunction!(decode_frames, m)?)?;
     m.add_function(wrap_pyfunction!(encode_publish, m)?)?;
     m.add_function(wrap_pyfunction!(encode_puback, m)?)?;
     m.add_function(wrap_pyfunction!(encode_pingresp, m)?)?;
+    m.add_function(wrap_pyfunction!(tls_check, m)?)?;
+    m.add_function(wrap_pyfunction!(tls_identity, m)?)?;
     Ok(())
 }
 

@@ -13,7 +13,7 @@
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
-use std::io::{self, Read, Write};
+use std::io;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
@@ -23,8 +23,15 @@ use std::time::{Duration, Instant};
 use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token, Waker};
 
+use crate::link::Link;
 use crate::partial::PartialBudget;
 use crate::protocol::{Acl, Connection, Event, Outgoing, Settings, TopicLimits};
+
+mod accept;
+mod relay;
+
+pub use accept::Listener;
+pub use relay::{LinkEvent, Links, LogTarget, Relay};
 
 const WAKER: Token = Token(usize::MAX);
 const READ_SIZE: usize = 64 * 1024;
@@ -132,7 +139,9 @@ impl Why {
 #[derive(Debug)]
 pub struct Demoted {
     pub conn: u64,
-    pub socket: OwnedFd,
+    /// The socket, for a plain-TCP connection; None for a TLS one, which the reactor
+    /// keeps and relays (its session cannot leave it): its unsent bytes stay with it.
+    pub socket: Option<OwnedFd>,
     pub why: Why,
     pub unread: Vec<u8>,
     pub unsent: Vec<u8>,
@@ -165,6 +174,8 @@ pub enum Report {
         source: (u64, u64),
     },
     Demoted(Box<Demoted>),
+    /// What happened on a connection the native side accepted (`relay`).
+    Link(LinkEvent),
 }
 
 pub trait Sink: Send + Sync + 'static {
@@ -192,6 +203,13 @@ pub trait Sink: Send + Sync + 'static {
     /// A connection's finished packet took the node back within its budget for partial
     /// packets: whoever the owner holds back for it may read again.
     fn partial_freed(&self) {}
+
+    /// A pass's news of the connections the native side accepted, in order.
+    fn link_events(&self, events: Vec<LinkEvent>) {
+        for e in events {
+            self.report(Report::Link(e));
+        }
+    }
 }
 
 /// Where the deliveries of one publish went.
@@ -268,6 +286,11 @@ pub struct Counters {
     pub connections: AtomicU64,
     /// Connections moved to the thread their deliveries come from.
     pub moved: AtomicU64,
+    /// TLS handshakes the native listeners completed, failed, and gave up on (the
+    /// client said nothing in time).
+    pub tls_handshakes: AtomicU64,
+    pub tls_handshake_failures: AtomicU64,
+    pub tls_handshake_timeouts: AtomicU64,
 }
 
 impl Counters {
@@ -290,6 +313,9 @@ impl Counters {
             ("demoted", get(&self.demoted)),
             ("connections", get(&self.connections)),
             ("moved", get(&self.moved)),
+            ("tls_handshakes", get(&self.tls_handshakes)),
+            ("tls_handshake_failures", get(&self.tls_handshake_failures)),
+            ("tls_handshake_timeouts", get(&self.tls_handshake_timeouts)),
         ]
     }
 }
@@ -331,6 +357,30 @@ pub enum Command {
     /// A connection moving in from another thread, with the commands it had waiting
     /// there (applied first, in order).
     Arrive(Migrant),
+    /// Accept on this listener (it goes to thread 0).
+    Listen(Box<Listener>),
+    /// A connection a listener accepted, for the thread it belongs to (`conn % N`).
+    Accepted(Box<Relay>),
+    /// Python's bytes for a relayed connection.
+    Send {
+        conn: u64,
+        data: Vec<u8>,
+    },
+    /// Python closes a relayed connection: what it sent goes out first (a moment at
+    /// most), then the close_notify.
+    Close {
+        conn: u64,
+    },
+    /// Python consumed what was relayed (or a carry was refused): read it again.
+    Resume {
+        conn: u64,
+    },
+    /// Carry a relayed connection from here on (a promotion: the same link, the same
+    /// thread, its unsent bytes kept).
+    Carry {
+        conn: u64,
+        adoption: Box<Adoption>,
+    },
     Stop,
 }
 
@@ -346,9 +396,14 @@ impl Command {
             Command::Adopt { conn, .. }
             | Command::Release { conn }
             | Command::PublishDone { conn, .. }
-            | Command::Deliver { conn, .. } => *conn,
+            | Command::Deliver { conn, .. }
+            | Command::Send { conn, .. }
+            | Command::Close { conn }
+            | Command::Resume { conn }
+            | Command::Carry { conn, .. } => *conn,
             Command::Arrive(m) => m.conn.id,
-            Command::Stop => 0,
+            Command::Accepted(r) => r.id,
+            Command::Listen(_) | Command::Stop => 0,
         }
     }
 
@@ -432,6 +487,8 @@ pub struct Handle {
     /// connection is on its way to the old thread, and every later one queues behind
     /// the connection's arrival on the new one.
     routes: Arc<RwLock<HashMap<u64, usize>>>,
+    /// What the threads share of the connections the native side accepts.
+    links: Arc<Links>,
 }
 
 impl Handle {
@@ -450,6 +507,10 @@ impl Handle {
     /// thread count in.
     pub fn partial(&self) -> &PartialBudget {
         &self.partial
+    }
+
+    pub fn links(&self) -> &Links {
+        &self.links
     }
 
     pub fn send(&self, command: Command) {
@@ -529,6 +590,7 @@ impl Reactor {
         let partial = Arc::new(PartialBudget::default());
         let mut polls = Vec::new();
         let routes = Arc::new(RwLock::new(HashMap::new()));
+        let links = Arc::new(Links::default());
         // One clock for all: a connection's deadlines go with it when it moves.
         let epoch = Instant::now();
         for _ in 0..threads.max(1) {
@@ -564,6 +626,12 @@ impl Reactor {
                 next_deadline: f64::INFINITY,
                 writers: HashSet::new(),
                 drain_look: 0.0,
+                links: Arc::clone(&links),
+                relays: HashMap::new(),
+                listeners: HashMap::new(),
+                relay_timers: std::collections::BinaryHeap::new(),
+                events: Vec::new(),
+                handshake_spent: Duration::ZERO,
             };
             let handle = std::thread::Builder::new()
                 .name(format!("lightgate-io-{i}"))
@@ -576,6 +644,7 @@ impl Reactor {
                 counters,
                 partial,
                 routes,
+                links,
             },
             threads: handles,
         })
@@ -612,7 +681,7 @@ impl Reactor {
 struct Conn {
     id: u64,
     client_id: Arc<str>,
-    stream: TcpStream,
+    link: Link,
     core: Connection,
     /// None while nothing waits for the client (an idle connection's case).
     backlog: Option<Box<Backlog>>,
@@ -760,6 +829,19 @@ struct Worker {
     /// are looked at next (`check_drains`).
     writers: HashSet<Token>,
     drain_look: f64,
+    /// The connections the native side accepted, of all threads (`relay::Links`).
+    links: Arc<Links>,
+    /// This thread's connections in their handshake or relayed to Python (a carried
+    /// one is in `conns`; the same token either way).
+    relays: HashMap<Token, Box<Relay>>,
+    listeners: HashMap<Token, Box<Listener>>,
+    /// Relays' deadlines (a handshake's, a close's): (ms since `epoch`, token), the
+    /// earliest first; checked against the relay when due.
+    relay_timers: std::collections::BinaryHeap<std::cmp::Reverse<(u64, usize)>>,
+    /// News for Python, sent at the end of the pass in one go.
+    events: Vec<LinkEvent>,
+    /// Time spent on TLS handshakes this pass (`relay::HANDSHAKE_SLICE`).
+    handshake_spent: Duration,
 }
 
 impl Worker {
@@ -869,6 +951,8 @@ impl Worker {
                 Duration::ZERO
             } else if !self.stalled.is_empty() {
                 STALL_LOOK.min(self.next_timeout())
+            } else if let Some(look) = self.listeners_wait() {
+                look.min(self.next_timeout())
             } else {
                 self.next_timeout()
             };
@@ -878,8 +962,16 @@ impl Worker {
                 }
             }
             let pass = Instant::now();
+            self.handshake_spent = Duration::ZERO;
             let mut published = Vec::new();
             let mut touched = std::mem::take(&mut self.again);
+            let (relays, rest): (Vec<Token>, Vec<Token>) = touched
+                .into_iter()
+                .partition(|t| self.relays.contains_key(t));
+            touched = rest;
+            for &token in &relays {
+                self.relay_ready(token, &mut buf);
+            }
             let stall = self.lanes.iter().any(|l| l.over_budget()) || self.sink.behind();
             if stall {
                 self.stalled.append(&mut touched);
@@ -894,7 +986,15 @@ impl Worker {
                 if token == WAKER {
                     continue;
                 }
+                if self.listeners.contains_key(&token) {
+                    self.accept(token);
+                    continue;
+                }
                 touched.push(token);
+                if self.relays.contains_key(&token) {
+                    self.relay_ready(token, &mut buf);
+                    continue;
+                }
                 if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                     if stall {
                         self.stalled.push(token);
@@ -909,7 +1009,9 @@ impl Worker {
                 self.stalled.sort_unstable();
                 self.stalled.dedup();
             }
+            touched.extend(relays);
             if !self.commands(&mut touched, &mut published) {
+                self.last_words();
                 return;
             }
             if !published.is_empty() {
@@ -927,18 +1029,27 @@ impl Worker {
             }
             self.check_timeouts(&mut touched);
             self.check_drains(&mut touched);
+            self.check_relays(&mut touched);
+            self.accept_waiting();
+            touched.sort_unstable();
+            touched.dedup();
             for token in touched {
-                self.flush(token);
+                if self.relays.contains_key(&token) {
+                    self.relay_flush(token);
+                } else {
+                    self.flush(token);
+                }
             }
             if !self.moves.is_empty() {
                 self.migrate();
             }
+            self.send_events();
             self.account(pass.elapsed());
         }
     }
 
     fn next_timeout(&self) -> Duration {
-        let wait = self.next_deadline - self.now();
+        let wait = self.next_deadline.min(self.next_relay_deadline()) - self.now();
         Duration::from_secs_f64(if wait.is_nan() {
             0.0
         } else {
@@ -975,7 +1086,7 @@ impl Worker {
                 break;
             }
             let size = self.partial.read_size(c.partial, buf.len());
-            match c.stream.read(&mut buf[..size]) {
+            match c.link.read(&mut buf[..size]) {
                 Ok(0) => {
                     c.demoting = Some(Why::Lost("connection closed by the client".into()));
                     break;
@@ -992,9 +1103,11 @@ impl Worker {
                         c.demoting = Some(Why::Packet);
                         break;
                     }
-                    if short_ends && n < size {
+                    if short_ends && n < size && !c.link.is_tls() {
                         // A short read emptied the socket: what comes later is a new
                         // edge for epoll, so no second read only to hear WouldBlock.
+                        // (Not so of TLS: a record's plaintext can be short while the
+                        // socket holds more records.)
                         break;
                     }
                 }
@@ -1144,6 +1257,14 @@ impl Worker {
         {
             match command {
                 Command::Stop => return false,
+                Command::Listen(listener) => self.listen(listener),
+                Command::Accepted(relay) => self.insert_relay(relay, touched),
+                Command::Send { conn, data } => self.relay_send(conn, data, touched),
+                Command::Close { conn } => self.relay_close(conn, touched),
+                Command::Resume { conn } => self.relay_resume(conn, touched),
+                Command::Carry { conn, adoption } => {
+                    self.carry(conn, *adoption, touched, published);
+                }
                 Command::Arrive(m) => {
                     if let Some(token) = self.arrive(m, touched, published) {
                         touched.push(token);
@@ -1261,7 +1382,7 @@ impl Worker {
         if let Err(e) = self
             .poll
             .registry()
-            .register(&mut conn.stream, token, interest)
+            .register(conn.link.socket(), token, interest)
         {
             // Not watched: handed back to the owner, as an adoption that failed is.
             conn.demoting = Some(Why::Lost(format!("not moved: {e}")));
@@ -1294,7 +1415,7 @@ impl Worker {
             };
             self.writers.remove(&token);
             self.tokens.remove(&c.id);
-            let _ = self.poll.registry().deregister(&mut c.stream);
+            let _ = self.poll.registry().deregister(c.link.socket());
             let Ok(mut routes) = self.routes.write() else {
                 return;
             };
@@ -1320,9 +1441,35 @@ impl Worker {
         a: Adoption,
         published: &mut Vec<Inbound>,
     ) -> Option<Token> {
-        let mut stream = TcpStream::from(socket);
+        let mut link = Link::Plain(TcpStream::from(socket));
         let token = Token(self.next_token);
         self.next_token = (self.next_token + 1) % (usize::MAX - 1);
+        let registered = self
+            .poll
+            .registry()
+            .register(link.socket(), token, Interest::READABLE);
+        let (mut c, unread, unacked, last_read) = self.conn_of(conn, link, a);
+        if let Err(e) = registered {
+            // Not watched: handed straight back, so the owner's state never waits on it.
+            c.demoting = Some(Why::Lost(format!("not adopted: {e}")));
+            c.core.restore(
+                c.core.aliases_in(),
+                c.core.next_packet_id(),
+                BTreeMap::new(),
+                unread,
+            );
+            self.report_demoted(c);
+            return None;
+        }
+        self.take_in(c, token, &unread, unacked, last_read, published);
+        Some(token)
+    }
+
+    /// A carried connection made of an adoption's parts, on `link`; and what it has to
+    /// read first (`take_in`): the bytes the owner read and did not parse, the QoS 1
+    /// publishes the owner had not acknowledged when it read them, and when the client
+    /// last sent anything.
+    fn conn_of(&self, conn: u64, link: Link, a: Adoption) -> (Conn, Vec<u8>, u32, f64) {
         let last_read = self.now() - a.idle_for.max(0.0);
         let mut core = Connection::new(a.settings, last_read);
         let client_id = a.restore.client_id.clone();
@@ -1332,16 +1479,12 @@ impl Worker {
             BTreeMap::new(),
             Vec::new(),
         );
-        let registered = self
-            .poll
-            .registry()
-            .register(&mut stream, token, Interest::READABLE);
         Counters::add(&self.counters.adopted, 1);
         Counters::add(&self.counters.connections, 1);
-        let mut c = Conn {
+        let c = Conn {
             id: conn,
             client_id,
-            stream,
+            link,
             core,
             backlog: None,
             max_unsent: if a.max_unsent == 0 {
@@ -1363,37 +1506,37 @@ impl Worker {
             // second of deliveries across threads was 2 us a message of the run).
             adopted_at: f64::NEG_INFINITY,
         };
-        if let Err(e) = registered {
-            // Not watched: handed straight back, so the owner's state never waits on it.
-            c.demoting = Some(Why::Lost(format!("not adopted: {e}")));
-            c.core.restore(
-                c.core.aliases_in(),
-                c.core.next_packet_id(),
-                BTreeMap::new(),
-                a.unread,
-            );
-            self.report_demoted(c);
-            return None;
-        }
-        if !a.unread.is_empty() {
-            // What the owner read but had not parsed (a partial packet) goes first,
-            // behind what the owner had not acknowledged when it read it.
-            c.core.behind(a.restore.inbound_unacked);
+        (c, a.unread, a.restore.inbound_unacked, last_read)
+    }
+
+    /// A carried connection joins this thread's, under `token`, after reading what the
+    /// owner read but had not parsed (a partial packet), behind what the owner had not
+    /// acknowledged when it read it.
+    fn take_in(
+        &mut self,
+        mut c: Conn,
+        token: Token,
+        unread: &[u8],
+        unacked: u32,
+        last_read: f64,
+        published: &mut Vec<Inbound>,
+    ) {
+        if !unread.is_empty() {
+            c.core.behind(unacked);
             Self::feed(
                 &mut c,
-                &a.unread,
+                unread,
                 last_read,
                 &*self.sink,
                 &self.counters,
                 published,
             );
-            c.core.caught_up(a.restore.inbound_unacked);
+            c.core.caught_up(unacked);
             Self::count_partial(&mut c, &self.partial, &*self.sink);
         }
         self.next_deadline = self.next_deadline.min(c.core.deadline());
-        self.tokens.insert(conn, token);
+        self.tokens.insert(c.id, token);
         self.conns.insert(token, Box::new(c));
-        Some(token)
     }
 
     /// Keepalives that ran out. A deadline only moves later (a read), so the earliest
@@ -1459,9 +1602,14 @@ impl Worker {
     }
 
     fn write_some_out(c: &mut Conn, now: f64, counters: &Counters) {
+        if let Err(e) = c.link.flush() {
+            c.demoting
+                .get_or_insert(Why::Lost(format!("connection lost while writing: {e}")));
+            return;
+        }
         loop {
             if let Some(b) = c.backlog.as_mut().filter(|b| !b.unsent.is_empty()) {
-                let Some(n) = write_counted(&mut c.stream, &b.unsent, &mut c.demoting, counters)
+                let Some(n) = write_counted(&mut c.link, &b.unsent, &mut c.demoting, counters)
                 else {
                     return;
                 };
@@ -1476,7 +1624,7 @@ impl Worker {
             if out.is_empty() {
                 return;
             }
-            let Some(n) = write_counted(&mut c.stream, &out, &mut c.demoting, counters) else {
+            let Some(n) = write_counted(&mut c.link, &out, &mut c.demoting, counters) else {
                 return;
             };
             if n < out.len() {
@@ -1505,7 +1653,7 @@ impl Worker {
         if c.waiting() > c.max_unsent {
             c.demoting.get_or_insert(Why::Backlog);
         }
-        let want_write = c.unsent() > 0;
+        let want_write = c.unsent() > 0 || c.link.pending();
         if c.demoting.is_some() && c.core.answers_pending() == 0 {
             self.demote(token);
             return;
@@ -1520,8 +1668,8 @@ impl Worker {
             c.writing = want_write;
             let registry = self.poll.registry();
             let _ = match interest {
-                Some(i) => registry.reregister(&mut c.stream, token, i),
-                None => registry.deregister(&mut c.stream),
+                Some(i) => registry.reregister(c.link.socket(), token, i),
+                None => registry.deregister(c.link.socket()),
             };
         }
     }
@@ -1531,22 +1679,41 @@ impl Worker {
         let Some(mut c) = self.conns.remove(&token) else {
             return;
         };
+        if c.link.is_tls() {
+            // The session stays here, relayed to Python: same token, same thread.
+            self.report_demoted_tls(token, c);
+            return;
+        }
         self.tokens.remove(&c.id);
-        let _ = self.poll.registry().deregister(&mut c.stream);
+        let _ = self.poll.registry().deregister(c.link.socket());
         self.report_demoted(*c);
     }
 
-    fn report_demoted(&mut self, mut c: Conn) {
+    fn report_demoted(&mut self, c: Conn) {
         if c.id % self.lanes.len() as u64 != self.index as u64 {
             if let Ok(mut routes) = self.routes.write() {
                 routes.remove(&c.id); // it moved here once: its route goes with it
             }
         }
+        let (report, link) = self.demoted(c);
+        // A TLS link that cannot be relayed here (its move failed) is closed.
+        drop(link);
+        self.sink.report(Report::Demoted(Box::new(report)));
+    }
+
+    /// What a connection's owner is told of it at its demotion, and its link when it
+    /// is a TLS one (the owner gets a plain one's socket in the report).
+    fn demoted(&mut self, mut c: Conn) -> (Demoted, Option<Link>) {
+        self.send_events(); // what was relayed before it comes first
         let why = c.demoting.take().unwrap_or(Why::Packet);
         let idle_for = (self.now() - c.core.read_at()).max(0.0);
         let backlog = c.backlog.take().map(|b| *b).unwrap_or_default();
         Counters::add(&self.counters.demoted, 1);
         self.counters.connections.fetch_sub(1, Ordering::Relaxed);
+        let (socket, link) = match c.link.into_socket() {
+            Ok(fd) => (Some(fd), None),
+            Err(link) => (None, Some(link)),
+        };
         let report = Demoted {
             conn: c.id,
             why,
@@ -1560,31 +1727,32 @@ impl Worker {
             positions: std::mem::take(&mut c.positions).into_iter().collect(),
             idle_for,
             partial: c.partial,
-            socket: OwnedFd::from(c.stream),
+            socket,
         };
-        self.sink.report(Report::Demoted(Box::new(report)));
+        (report, link)
     }
 }
 
-/// The parts of an Adopt command the new connection is made of.
-struct Adoption {
-    settings: Settings,
-    unread: Vec<u8>,
-    idle_for: f64,
-    acl: Option<HashSet<String>>,
-    restore: Restore,
-    max_unsent: usize,
-    drain: DrainRule,
+/// The parts of an Adopt (or Carry) command the new connection is made of.
+pub struct Adoption {
+    pub settings: Settings,
+    pub unread: Vec<u8>,
+    pub idle_for: f64,
+    pub acl: Option<HashSet<String>>,
+    pub restore: Restore,
+    pub max_unsent: usize,
+    pub drain: DrainRule,
 }
 
-/// `write_some`, counted in `bytes_out`; None (and the connection lost) on an error.
+/// What the link takes of `data`, counted in `bytes_out`; None (and the connection
+/// lost) on an error.
 fn write_counted(
-    stream: &mut TcpStream,
+    link: &mut Link,
     data: &[u8],
     demoting: &mut Option<Why>,
     counters: &Counters,
 ) -> Option<usize> {
-    match write_some(stream, data) {
+    match link.write(data) {
         Ok(n) => {
             Counters::add(&counters.bytes_out, n as u64);
             Some(n)
@@ -1594,20 +1762,6 @@ fn write_counted(
             None
         }
     }
-}
-
-fn write_some(stream: &mut TcpStream, data: &[u8]) -> io::Result<usize> {
-    let mut sent = 0;
-    while sent < data.len() {
-        match stream.write(&data[sent..]) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket closed")),
-            Ok(n) => sent += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(sent)
 }
 
 #[cfg(test)]

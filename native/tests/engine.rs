@@ -403,7 +403,9 @@ fn a_promotion_waits_for_its_queues_end_and_a_demotion_hands_positions_back() {
         assert!(std::time::Instant::now() < deadline, "not appended");
         std::thread::sleep(Duration::from_millis(10));
     }
-    drop(std::net::TcpStream::from(demoted.socket));
+    drop(std::net::TcpStream::from(
+        demoted.socket.expect("a plain socket"),
+    ));
     let mut buf = [0u8; 8];
     assert_eq!(
         subscriber.read(&mut buf).unwrap(),

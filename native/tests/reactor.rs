@@ -262,7 +262,7 @@ fn publish_ack_ping_deliver_and_hand_back() {
         "after the last one sent"
     );
     // The socket still works: the owner answers on it.
-    let mut server = TcpStream::from(back.socket);
+    let mut server = TcpStream::from(back.socket.expect("a plain socket"));
     server.write_all(&[0x90, 3, 0, 5, 0]).unwrap();
     assert_eq!(read_exact(&mut client, 5), vec![0x90, 3, 0, 5, 0]);
     reactor.stop();

@@ -12,6 +12,7 @@ import signal
 import socket
 import ssl
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -466,5 +467,46 @@ def test_certificate_identity_logs_in_when_auth_is_on(tmp_path: Path, pki: Pki) 
                          transport="websockets")
         round_trip(c, c, uid("cert-user") + "/t", b"as device-1")
         c.disconnect()
+    finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+def test_a_silent_client_is_closed_at_the_handshake_deadline(tmp_path: Path, pki: Pki) -> None:
+    """--tls-handshake-timeout: a client that connects and says nothing is closed when
+    it runs out, with one line, and others are served meanwhile."""
+    srv = start(tmp_path, *tls_args(pki, "--tls-handshake-timeout", "1"))
+    try:
+        port = port_of(srv, "mqtt_tls")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
+            began = time.monotonic()
+            assert raw_tls_connect(port, pki.client_context(), uid("meanwhile")) == CONNACK_OK
+            assert silent.recv(1) == b""  # closed by the server
+            took = time.monotonic() - began
+        assert 0.8 < took < 5, took
+        assert srv.wait_log("timed out")
+    finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+def test_handshakes_under_way_are_bounded(tmp_path: Path, pki: Pki) -> None:
+    """--tls-max-handshakes: past that many handshakes under way, the next client waits
+    its turn (here until the silent ones time out), and is then served."""
+    srv = start(tmp_path, *tls_args(pki, "--tls-max-handshakes", "3",
+                                     "--tls-handshake-timeout", "1.5"))
+    try:
+        port = port_of(srv, "mqtt_tls")
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+        time.sleep(0.3)  # the three hold every turn
+        began = time.monotonic()
+        assert raw_tls_connect(port, pki.client_context(), uid("waited")) == CONNACK_OK
+        waited = time.monotonic() - began
+        assert 0.8 < waited < 8, waited  # until the silent ones' 1.5 s ran out
+        for s in silent:
+            assert s.recv(1) == b""
+            s.close()
+        # With turns free, a client is served at once.
+        began = time.monotonic()
+        assert raw_tls_connect(port, pki.client_context(), uid("at-once")) == CONNACK_OK
+        assert time.monotonic() - began < 0.8
     finally:
         assert srv.stop() == 0, srv.logs()[-3000:]
