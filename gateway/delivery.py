@@ -240,8 +240,16 @@ class Delivery(SharedMember):
                 s.offsets_dirty.add(queue)
 
     def _blocked(self, qos: int) -> bool:
-        """No room: the client's window (QoS 1/2), or too much waiting for its socket."""
-        return bool(qos and self.core.window <= 0) or self.conn.out.over
+        """No room: the client's window (QoS 1/2), or too much waiting for its socket,
+        the outbox counted (a drain fills it before its flush: one through a backlog held
+        10,000 messages of 1 KiB at once). Past the mark it flushes, and looks again."""
+        out, core = self.conn.out, self.core
+        if qos and core.window <= 0 or out.over:
+            return True
+        if core.pending_packets and out.would_pass(core.pending_output, core.pending_packets):
+            self.conn.flush()  # (a closed connection writes nothing: still no room)
+            return out.over or core.pending_packets > 0
+        return False
 
     def _send(self, msg: Message, qos: int, retain: bool, sids: list[int] | None,
               queue: str | None, offset: int, group: SharedGroup | None = None,

@@ -25,10 +25,16 @@ from store.record import Message
 # one burst; at 8,192 the subscriber fell out of the ring and read every message back
 # through the index, a pread and a worker thread (measured at 65,536: 34k -> 54k msgs/s,
 # QoS 0, one publisher to one subscriber).
-# MAX_BYTES bounds it all the same.
+# MAX_BYTES bounds it all the same (it holds ~43,000 messages of 64 B, ~19,000 of 1 KiB).
 PER_QUEUE = 65536
-MAX_BYTES = 32 * 1024 * 1024  # bodies kept over all queues
-OVERHEAD = 400  # bytes of a stored Message beyond its body (tracemalloc: ~380 at 64 B)
+MAX_BYTES = 32 * 1024 * 1024  # what the kept messages hold, over all queues (`_cost`)
+# Bytes of a kept Message beyond its body and its strings' characters, and of each of its
+# queues beyond the name's: a message read back from the log holds a string per name, a
+# tuple and an int per queue (tracemalloc: 690 with one queue, 140 more per queue, at any
+# body size). Counted as 400 in all, the ring held 39 MiB at its 32 MiB mark (1 KiB
+# bodies), and 49 MiB at 65,536 messages of 64 B that it counted as 29.
+OVERHEAD = 550
+QUEUE_OVERHEAD = 140
 IDLE_S = 60.0  # a ring nobody read for this long is dropped
 # Messages freed at a time when a ring is over its bounds. Freeing is the cost that
 # matters: the writer frees them holding the GIL, so a ring trimmed by half at once (32k
@@ -50,6 +56,13 @@ class _Ring:
     @property
     def end(self) -> int:
         return self.base + len(self.messages)
+
+
+def _cost(msg: Message) -> int:
+    """What a kept message holds: its body, its strings and the objects around them."""
+    queues = msg.queues
+    return (len(msg.body) + len(msg.topic) + len(msg.client_id) + OVERHEAD
+            + QUEUE_OVERHEAD * len(queues) + sum([len(name) for name, _ in queues]))
 
 
 def _read_lately(ring: _Ring) -> bool:
@@ -80,7 +93,7 @@ class RecentMessages:
                 if body is None:  # a native publish nobody read when it was dispatched
                     self._skip(msg.queues)
                     continue
-                size = len(body) + OVERHEAD  # the body and the object around it
+                size = _cost(msg)
                 for queue, offset in msg.queues:
                     ring = self._rings.get(queue)
                     if ring is None or ring.end != offset:
@@ -169,7 +182,7 @@ class RecentMessages:
             return ring.messages[i : i + max_count], ring.end
 
     def _trim(self, ring: _Ring, n: int) -> None:
-        gone = sum(len(m.body) + OVERHEAD for m in ring.messages[:n])
+        gone = sum([_cost(m) for m in ring.messages[:n]])
         del ring.messages[:n]
         ring.base += n
         ring.bytes -= gone

@@ -695,6 +695,10 @@ struct Conn {
     acl: Option<BTreeSet<String>>,
     demoting: Option<Why>,
     writing: bool,
+    /// It read its `READ_PASS` in this pass and waits in `again` for the next one: not
+    /// read again in this pass (another edge of it would read it again, and an `again`
+    /// that named it twice read it twice in the next pass, then three times...).
+    spent: bool,
     /// The other thread its last deliveries came from, how many in a row, and when it
     /// came to this one (`MOVE_AFTER`).
     streak_lane: u32,
@@ -972,6 +976,11 @@ impl Worker {
             for &token in &relays {
                 self.relay_ready(token, &mut buf);
             }
+            for token in &touched {
+                if let Some(c) = self.conns.get_mut(token) {
+                    c.spent = false;
+                }
+            }
             let stall = self.lanes.iter().any(|l| l.over_budget()) || self.sink.behind();
             if stall {
                 self.stalled.append(&mut touched);
@@ -1070,12 +1079,13 @@ impl Worker {
         let Some(c) = self.conns.get_mut(&token) else {
             return;
         };
-        if c.demoting.is_some() {
+        if c.demoting.is_some() || c.spent {
             return;
         }
         let mut read = 0;
         loop {
             if read >= READ_PASS {
+                c.spent = true;
                 self.again.push(token);
                 break;
             }
@@ -1391,6 +1401,7 @@ impl Worker {
         }
         conn.streak = 0;
         conn.lean = 0;
+        conn.spent = false; // in the old thread's `again`, not in this one's
         conn.adopted_at = self.now();
         self.next_deadline = self.next_deadline.min(conn.core.deadline());
         self.tokens.insert(conn.id, token);
@@ -1498,6 +1509,7 @@ impl Worker {
             acl: a.acl.map(|topics| topics.into_iter().collect()),
             demoting: None,
             writing: false,
+            spent: false,
             streak_lane: self.index as u32,
             streak: 0,
             lean_lane: self.index as u16,

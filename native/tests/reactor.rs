@@ -662,3 +662,48 @@ fn publishers_are_not_read_while_the_owner_is_behind() {
     assert_eq!(batch[0].payload, b"x");
     reactor.stop();
 }
+
+#[test]
+fn a_pass_reads_a_flooding_client_once_however_long_it_floods() {
+    // One pass reads at most 256 KiB of a client (the reactor's READ_PASS) and then
+    // comes back to it in the next. A client that filled that much in every pass while
+    // new data kept arriving was read once more in each pass than in the one before
+    // (it was queued for the next pass once per read): a flood from one publisher came
+    // as batches of 3-5 MiB, each encoded, copied for the write and delivered at once.
+    const READ_PASS: usize = 256 * 1024;
+    const PACKET: usize = 1030; // PUBLISH QoS 0 "a", 1,024 bytes of payload
+    let sink = Arc::new(Collect::default());
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    let (mut client, socket) = pair();
+    adopt(&reactor, 1, socket, 0);
+    let mut packet = vec![0x30, 0x83, 0x08, 0, 1, b'a'];
+    packet.extend_from_slice(&[b'x'; 1024]);
+    assert_eq!(packet.len(), PACKET);
+    let chunk = packet.repeat(1024);
+    let chunks = 48; // 48 MiB
+    sink.behind.store(true, Ordering::Relaxed); // the socket's buffers fill first
+    let writer = std::thread::spawn(move || {
+        for _ in 0..chunks {
+            client.write_all(&chunk).unwrap();
+        }
+        client
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    sink.behind.store(false, Ordering::Relaxed);
+    let (mut taken, mut largest) = (0, 0);
+    while taken < chunks * 1024 {
+        let batch = sink.published();
+        taken += batch.len();
+        largest = largest.max(batch.len());
+    }
+    let client = writer.join().unwrap();
+    // A client read to its budget is not read again in that pass; one whose first
+    // read came short may be once more, as new data arrives.
+    assert!(
+        largest * PACKET <= 2 * READ_PASS + 64 * 1024,
+        "a batch of {largest} publishes ({} KiB)",
+        largest * PACKET / 1024
+    );
+    drop(client);
+    reactor.stop();
+}

@@ -3,16 +3,28 @@ other subscribers are unaffected, and the stuck one is disconnected (its persist
 session keeps its place in the store).
 
 What may grow is what the store keeps by design, whatever flows: the newest messages of
-each queue in memory (store.recent, 32 MB), the index memtables (two of 16 MiB) and the
-index's block cache (32 MiB). With 1M x 1 KiB messages (`make soak`) RSS rises by ~60 MB
-in the first 200k and stays there: a plateau, checked in that long form."""
+each queue in memory (store.recent, 32 MiB of what they hold), the index memtables (two
+of 16 MiB) and the index's block cache (32 MiB). With 1M x 1 KiB messages (`make soak`)
+RSS rises by ~60 MB in the first 200k and stays there: a plateau, checked in that long
+form. The growth is anonymous memory (in /proc/PID/smaps_rollup the file-backed part does
+not move), so RSS is the measure.
+
+Here 150,000 messages take it +46 to +77 MiB, the ring filling first. It stepped past
++96 MiB now and then, most on a machine short of CPU: a drain of the stuck session put
+the ring's whole backlog in one write (26,712 messages, three copies of them at once:
+`test_a_drain_after_a_backlog_holds_no_more_than_the_mark`), and the native reactor read
+a flooding publisher several times in one pass (batches of 3-5 MiB, several copies of
+each: native/tests/reactor.rs)."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
+
+import pytest
 
 from gateway import mqtt
 from tests.conftest import Server
@@ -83,5 +95,59 @@ def test_stuck_subscriber_is_bounded_and_others_unaffected(tmp_path) -> None:
         again.close()
         pub.close()
         healthy.close()
+    finally:
+        assert srv.stop() == 0, srv.logs()[-2000:]
+
+
+BACKLOG = 20_000  # of SIZE bytes: within what the recent ring keeps (32 MB)
+SIZE = 1024
+MARK = 2 * 1024 * 1024  # --max-unsent-bytes, the default
+
+
+@pytest.mark.parametrize("plane", ["native", "python"])
+def test_a_drain_after_a_backlog_holds_no_more_than_the_mark(tmp_path, monkeypatch,
+                                                              plane: str) -> None:
+    """A persistent subscriber whose socket takes what waited for it goes on from the
+    ring of recent messages, where the rest of a flood waits: what it takes from there at
+    once is held to --max-unsent-bytes like any other delivery. It was not: the drain
+    put the whole backlog in the connection's outbox before one write (here ~10,000
+    messages of 1 KiB waited for the socket when the client left; 26,712 for one that
+    read nothing, when the gateway's thread had lagged behind a flood), and held three
+    copies of it at once (the packets, their join, the output's buffer)."""
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane == "native" else "0")
+    srv = Server(tmp_path / "d").start()
+    try:
+        slow = RawClient(srv.port, timeout=10)
+        # The kernel holds little of what comes for it, and reading 8 MiB takes a
+        # moment (through a 4 KiB receive buffer: over a minute).
+        slow.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        slow.connect("slow", clean=False)
+        slow.subscribe("flow/#", 0)  # ... then reads nothing while the flood comes
+        # A persistent reader (in Python on either plane) reads the ring all along.
+        reader = RawClient(srv.port, timeout=30)
+        reader.connect("reader", clean=False)
+        reader.subscribe("flow/#", 0)
+        pub = RawClient(srv.port)
+        pub.connect("pub")
+        body = b"p" * SIZE
+        for _ in range(BACKLOG):
+            pub.send(mqtt.Publish("flow/a", body, qos=0))
+        got = 0
+        while got < BACKLOG:
+            got += isinstance(reader.recv(), mqtt.Publish)
+        # The slow one takes what waited for it (the socket's buffers, 4 MiB at most,
+        # and the output), so its delivery goes on from the ring; then it leaves.
+        taken = 0
+        while taken < 8 * 1024 * 1024:
+            taken += len(slow.sock.recv(1 << 20))
+        slow.send(mqtt.Disconnect())
+        slow.close()
+        assert srv.wait_log("client 'slow' (")  # ... disconnected
+        m = re.search(r"client 'slow' left with (\d+) QoS 0 messages", srv.logs())
+        unwritten = int(m[1]) if m else 0  # what waited for its socket
+        print(f"{plane}: took {taken} bytes, left with {unwritten} messages unwritten")
+        assert unwritten * SIZE <= MARK, unwritten
+        reader.close()
+        pub.close()
     finally:
         assert srv.stop() == 0, srv.logs()[-2000:]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
-from store import recent
+from store import recent, record
 from store.engine_tail import Appended
 from store.recent import RecentMessages
 from store.record import Message
@@ -81,6 +83,35 @@ def test_memory_is_bounded() -> None:
     assert s["bytes"] <= 50_000
     got = r.get("q19", 95, 100)
     assert got is None or len(got[0]) <= 20
+
+
+@pytest.mark.parametrize(("body", "topic", "client", "queues"), [
+    (64, "flow/a", "pub", ["flow/a"]),
+    (1024, "flow/a", "pub", ["flow/a"]),
+    (0, "building-7/floor-3/room-12/temperature", "", ["building-7/floor-3/room-12/temperature"]),
+    (256, "plant/line-4/press", "sensor-0000123456",
+     ["plant/line-4/press", "plant/#", "+/line-4/+"]),
+])
+def test_the_ring_counts_what_its_messages_hold(body: int, topic: str, client: str,
+                                                queues: list[str]) -> None:
+    """The byte budget is of what the kept messages hold, as read back from the log for
+    the ring (a native publish is): not less (within a tenth), and not much more (an
+    empty body and client id are shared objects, counted as any other)."""
+    now = 1_700_000_000_000  # ms: a time stamp is an int object of its own
+    records = [record.encode(Message(topic, b"p" * body, client_id=client, born_ts=now + i,
+                                     store_ts=now + i, queues=[(q, 1000 + i) for q in queues]))
+               for i in range(5000)]
+    r = RecentMessages(per_queue=10**6, max_bytes=1 << 40)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        r.get(queues[0], 1000, 1)  # its reader: the ring starts at the next message
+        r.add([record.decode(raw, 0, 64 * i) for i, raw in enumerate(records)])
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    counted = r.stats()["bytes"]
+    assert 0.9 * held <= counted <= 1.2 * held, (counted / len(records), held / len(records))
 
 
 async def test_pull_at_the_head_is_served_from_memory(tmp_path: Path) -> None:
