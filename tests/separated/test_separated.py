@@ -45,6 +45,19 @@ def test_device_on_a_reaches_wildcard_subscriber_on_b(cluster) -> None:
     pub.disconnect()
 
 
+def test_only_gateways_subscribe_to_redis(cluster) -> None:
+    """The store publishes what grew and reads nothing back: every batch of every node
+    would otherwise be read, decoded and handed to its event loop for nothing."""
+    import redis
+
+    _, gateways, redis_server = cluster
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        assert raw.pubsub_numsub("lightgate:notify") == [(b"lightgate:notify", len(gateways))]
+    finally:
+        raw.close()
+
+
 def test_persistent_session_moves_from_a_to_b_without_loss(cluster) -> None:
     store, (a, b), _ = cluster
     topic = uid("cmd") + "/dev1"
