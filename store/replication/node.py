@@ -46,6 +46,8 @@ SNAPSHOT_PAGE_BYTES = 8 << 20  # of metadata keys and values in one answer (fram
 META_INCOMPLETE_FILE = "metadata.incomplete"  # a replica amid a paged snapshot
 # An in-sync proposal the controller has not answered within this long is sent again.
 PROPOSAL_RETRY_S = 2.0
+# Appends whose readers wait to be told, kept apart at most (then merged, names and all).
+UNTOLD_MAX = 1024
 # Native requests a replica refuses: they change the log or the metadata.
 WRITE_CODES = frozenset({
     p.SEND, p.PUBLISH, p.COMMIT, p.NACK, p.TOPIC_CREATE, p.META_PUT, p.META_DELETE,
@@ -88,6 +90,9 @@ class Replication:
         # As a replica: the master's read limit (None: none); 0 until its first answer.
         self.master_confirmed: int | None = 0
         self._held: deque[tuple[int, set[str]]] = deque()  # copied, not yet readable
+        # As master in sync mode: appended, readers not yet told (they are once the
+        # in-sync set holds it, acknowledged or not: an ack that timed out is still read).
+        self._untold: deque[tuple[int, set[str]]] = deque()
         self.notify: Callable[[set[str]], None] = lambda names: None  # readers: queues grew
         self._follow_scope: trio.CancelScope | None = None
         self._grew = trio.Event()
@@ -291,6 +296,12 @@ class Replication:
         msgs: list[Message] = inner.result()
         end = msgs[-1].phys_offset + msgs[-1].size if msgs else 0
         self.insync.wait(end, time.monotonic() + self.cfg.ack_timeout_s, (outer, msgs))
+        names = {name for m in msgs for name, _ in m.queues}
+        untold = self._untold
+        if untold and len(untold) >= UNTOLD_MAX:  # (replicas away: merged, not grown)
+            _, more = untold.pop()
+            names |= more
+        untold.append((end, names))
         self._release()
 
     def _release(self) -> None:
@@ -306,9 +317,14 @@ class Replication:
         for outer, msgs in ready:
             if not outer.done():
                 outer.set_result(msgs)
-        if ready:  # readers held back at the read limit may go on
+        if ready:
             self._acked_now()
-            self.notify({name for _, msgs in ready for m in msgs for name, _ in m.queues})
+        names: set[str] = set()
+        untold = self._untold
+        while untold and untold[0][0] <= self.confirmed:
+            names |= untold.popleft()[1]
+        if names:  # readers held back at the read limit may go on
+            self.notify(names)
 
     def _release_meta(self) -> None:
         if not self._meta_waiters or not self.has_lease():
@@ -638,6 +654,7 @@ class Replication:
         self.metalog = MetaLog(self._wake_soon)
         store.meta.on_change = self.metalog.record
         self._fail_pending("this node's mastership changed")
+        self._untold.clear()
         self.insync = self._new_insync()
         self.confirmed = log_end  # what it holds at its election is the group's log
         self.epoch, self.role, self.master_addr = epoch, MASTER, self.native_addr
@@ -653,6 +670,7 @@ class Replication:
         self._stop_following()
         self.role, self.master_addr, self.followed_epoch = REPLICA, master_addr, epoch
         self.master_confirmed, self._held = 0, deque()  # until the new master's answer
+        self._untold.clear()
         self.store.meta.on_change = None
         self._fail_pending("this node stopped being master")
         if was != REPLICA:
