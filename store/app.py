@@ -114,6 +114,8 @@ async def store_node(
             server.hello_extra = repl.hello
             server.read_limit = repl.read_limit
             repl.notify = readable
+            repl.readers_waiting = server.waiters.any
+            server.waiters.on_wait = repl.reader_waits
             repl.drop_clients = server.drop_clients
             for code in META_CODES:  # sync mode: answered once replicated
                 server.wrap(code, repl.synced)

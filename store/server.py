@@ -91,9 +91,12 @@ class QueueWaiters:
 
     def __init__(self) -> None:
         self._events: dict[str, tuple[trio.Event, int]] = {}  # queue -> (event, waiters)
+        self.on_wait: Callable[[], None] | None = None  # a pull starts waiting
 
     @contextmanager
     def waiting(self, queue: str) -> Iterator[trio.Event]:
+        if self.on_wait is not None:
+            self.on_wait()
         ev, n = self._events.get(queue, (None, 0))
         if ev is None:
             ev = trio.Event()

@@ -100,6 +100,12 @@ class Replication:
         self._trio_thread = threading.get_ident()
         self._nursery: trio.Nursery | None = None
         self._meta_waiters: list[tuple[int, trio.Event]] = []
+        self.fetches = 0  # as master: fetches answered
+        self._eager = 0  # as master: fetches waiting that a new read limit answers
+        # As a replica: whether a reader waits here (the native server's pulls), and the
+        # scope of a lazy fetch a reader that starts waiting cuts short (`reader_waits`).
+        self.readers_waiting: Callable[[], bool] = lambda: True
+        self.lazy_fetch: trio.CancelScope | None = None
         # Per epoch this node was master of: monotonic times of its first and last
         # acknowledgement (nodes on one host compare them: never two at once).
         self.ack_times: dict[int, list[float]] = {}
@@ -311,7 +317,7 @@ class Replication:
         end = self.store.commitlog.max_offset
         before = self.confirmed
         self.confirmed = max(self.confirmed, self.insync.ack_offset(end))
-        if self.confirmed > before and self.read_limit() is not None:
+        if self.confirmed > before and self._eager and self.read_limit() is not None:
             self._wake_soon()  # replicas' readers may see more: answer their long polls
         ready = self.insync.ready(self.confirmed)
         for outer, msgs in ready:
@@ -441,12 +447,14 @@ class Replication:
         self.insync.replicas[node].meta = meta_seq if meta_inc == self.metalog.incarnation else -1
         self._release_meta()
         wait_ms = min(int(h.get("wait_ms", 0)), MAX_WAIT_MS)
+        # A lazy replica (no reader waits there) is not answered for a new read limit
+        # alone: the next bytes carry it. One answer per append, not two.
+        lazy = bool(h.get("lazy"))
         limit = self.read_limit()
-        if (offset >= log_.max_offset and wait_ms > 0 and meta_inc == self.metalog.incarnation
-                and meta_seq >= self.metalog.seq
-                and (limit is None or h.get("confirmed") == limit)):
-            with trio.move_on_after(wait_ms / 1000):
-                await self._grew.wait()
+        if (offset >= log_.max_offset and wait_ms > 0 and self._meta_current(meta_inc, meta_seq)
+                and (limit is None or lazy or h.get("confirmed") == limit)):
+            await self._park(offset, meta_inc, meta_seq, lazy, wait_ms)
+        self.fetches += 1
         data, base = log_.read_raw(offset, max(1, int(h.get("max_bytes", 1 << 20))))
         changes = self.metalog.since(meta_inc, meta_seq)
         if changes is None:
@@ -457,6 +465,27 @@ class Replication:
         return {"end": log_.max_offset, "base": base, "epoch": self.epoch,
                 "confirmed": self.read_limit(),
                 "epochs": [list(x) for x in history], "meta": meta}, data
+
+    def _meta_current(self, inc: str, seq: int) -> bool:
+        return inc == self.metalog.incarnation and seq >= self.metalog.seq
+
+    async def _park(self, offset: int, meta_inc: str, meta_seq: int, lazy: bool,
+                    wait_ms: int) -> None:
+        """A fetch at the log's end waits for what it is to be answered for: new bytes,
+        metadata changes, a new read limit (not a lazy one), or this node's role."""
+        if not lazy:
+            self._eager += 1
+        try:
+            with trio.move_on_after(wait_ms / 1000):
+                while True:
+                    await self._grew.wait()
+                    if (not lazy or self.store.commitlog.max_offset > offset
+                            or not self._meta_current(meta_inc, meta_seq)
+                            or self.role != MASTER):
+                        return
+        finally:
+            if not lazy:
+                self._eager -= 1
 
     async def _snapshot_page(self, snap: list[Any] | None) -> dict[str, Any]:
         """The next page of a metadata snapshot for a replica that needs one: pages as
@@ -625,6 +654,15 @@ class Replication:
         if names:
             self.notify(names)
 
+    def reader_waits(self) -> None:
+        """A pull starts waiting here: if this replica holds bytes its readers may not
+        see yet while its fetch is lazy (the master does not answer it for a new read
+        limit alone), that fetch is cut short and sent again, eager."""
+        scope = self.lazy_fetch
+        if (scope is not None and self.role == REPLICA and self.master_confirmed is not None
+                and self.master_confirmed < self.store.commitlog.max_offset):
+            scope.cancel()
+
     def adopt_epochs(self, master_history: list[Epoch]) -> None:
         end = self.store.commitlog.max_offset
         self.epochs.save([e for e in master_history if e[1] <= end])
@@ -792,6 +830,7 @@ class Replication:
                                 "write_error": r.failed}
                                for r in self.insync.replicas.values()]
             out["pending_acks"] = self.insync.pending()
+            out["fetches"] = self.fetches
             out["replicated_offset"] = max(0, self.confirmed)
             if self.controller is not None:
                 out["lease_s_left"] = round(
