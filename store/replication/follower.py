@@ -29,6 +29,10 @@ FETCH_MAX_BYTES = 4 << 20
 RETRY_S = 0.3
 BLOCKED_POLL_S = 1.0  # unable to write: how often it asks the master (and tries again)
 BLOCKED_MAX_BYTES = 64 << 10  # and how much it asks for (a record or so, to try)
+# Metadata changes applied in the event loop, as the master applied them (a session's
+# in-flight state, an offset commit: a RocksDB batch of a few keys, tens of µs; a hop
+# to a thread and back cost more); more in one answer go to a thread.
+INLINE_OPS = 256
 
 
 class Replica(Protocol):
@@ -182,8 +186,11 @@ async def _take(repl: Replica, header: dict[str, Any], body: bytes, offset: int,
         if pos.snap is None:  # the last page: the changes since it began next
             pos.meta["inc"], pos.meta["seq"] = meta["inc"], int(meta["seq"])
     elif meta:
-        if meta.get("ops"):
-            await trio.to_thread.run_sync(store.meta.apply, meta["ops"])
+        ops = meta.get("ops")
+        if ops and len(ops) <= INLINE_OPS:  # as the master wrote them: inline
+            store.meta.apply(ops)
+        elif ops:
+            await trio.to_thread.run_sync(store.meta.apply, ops)
         pos.meta["inc"], pos.meta["seq"] = meta["inc"], int(meta["seq"])
     if repl.still_following(master_addr, epoch):
         repl.adopt_epochs([(int(e), int(s)) for e, s in header["epochs"]])
