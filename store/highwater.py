@@ -14,8 +14,9 @@ Cost: a mark is raised ahead of need, by a quarter of the queue's offset (1,024 
 rarely (once in its first thousand messages, about 35 times in its first million); each
 write is one `write` and one `fdatasync` for every queue of an append that needs one,
 in the appender's path (with an async log, the store's event loop): with steps of 64,
-a few new queues at a few thousand messages a second paid one every few milliseconds. After a clean stop the
-marks are of no use (the log holds every record whole) and the file is emptied.
+a few new queues at a few thousand messages a second paid one every few milliseconds.
+After a clean stop the marks are of no use (the log holds every record whole) and the
+file is emptied.
 
 File: records `crc32 u32 | name_len u16 | mark u64 | name`, appended; the last mark of
 a queue counts; a torn last record (its append never went on) is ignored. Rewritten
