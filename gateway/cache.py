@@ -112,8 +112,13 @@ class QueueCache:
         if not msgs:  # next_offset: past what retention removed, or back to a cut end
             return [], next_offset
         start = msgs[0].offset_in(queue)
-        if start == w.end and w.messages:  # extends the window: keep it contiguous
-            w.messages.extend(msgs)
+        dense = msgs[-1].offset_in(queue) == start + len(msgs) - 1
+        if w.messages and dense and w.base <= start <= w.end:
+            # Continues the window, or overlaps it: an answer that this gateway's own
+            # appends (`offer`) overtook while it was on its way. Only what is past the
+            # window's end is new; moving the window back to `start` would drop those
+            # appends, and every later one would miss it.
+            w.messages.extend(msgs[w.end - start:])
         else:
             w.base, w.messages = start, list(msgs)
         if len(w.messages) > self.window:
