@@ -23,6 +23,9 @@ from store.api import LocalStore, Message, Store
 class _Window:
     base: int = 0  # offset of messages[0]
     messages: list[Message] = field(default_factory=list)
+    # Empty, its base is where the store said the queue ends: what this gateway appends
+    # there starts it (`offer`).
+    anchored: bool = False
     lock: trio.Lock = field(default_factory=trio.Lock)
 
     @property
@@ -66,7 +69,7 @@ class QueueCache:
         for msg in stored:
             for queue, offset in msg.queues:
                 w = queues.get(queue)
-                if w is not None and w.messages and offset == w.end:
+                if w is not None and (w.messages or w.anchored) and offset == w.end:
                     w.messages.append(msg)
                     if len(w.messages) > self.window * 2:  # trim in steps, not per message
                         drop = len(w.messages) - self.window
@@ -110,6 +113,8 @@ class QueueCache:
               max_count: int) -> tuple[list[Message], int]:
         """Put what the store returned in the window; the caller's share of it."""
         if not msgs:  # next_offset: past what retention removed, or back to a cut end
+            if not w.messages:
+                w.base, w.anchored = next_offset, True
             return [], next_offset
         start = msgs[0].offset_in(queue)
         dense = msgs[-1].offset_in(queue) == start + len(msgs) - 1

@@ -137,8 +137,21 @@ class Delivery(SharedMember):
         if s._dirty:
             self.pump()
 
-    def pump(self) -> None:
-        """Drain the dirty queues here, or wake (or start) the task for what needs it."""
+    def cached(self, queue: str) -> None:
+        """This gateway's own append to `queue` is acknowledged and in its cache (a
+        separated store): deliver from the cache at once, without asking the store for
+        more. The queue stays dirty: the store's notify, when it comes through the bus,
+        has the rest looked for as usual."""
+        self.session.dirty.add(queue)
+        later = self.broker.deferred
+        if later is not None:
+            later.add(self)
+            return
+        self.pump(cached_only=True)
+
+    def pump(self, cached_only: bool = False) -> None:
+        """Drain the dirty queues here, or wake (or start) the task for what needs it
+        (`cached_only`: leave that to the next news)."""
         s = self.session
         if self._stopped:
             return
@@ -152,7 +165,7 @@ class Delivery(SharedMember):
                 s.dirty.discard(queue)
             elif outcome == BLOCKED:
                 break
-            else:
+            elif not cached_only:
                 self._start_task()
                 break
         self.conn.flush()

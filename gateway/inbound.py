@@ -66,6 +66,8 @@ class Host(Protocol):
 
     def retaining(self, msg: Message) -> None: ...
 
+    def stored_here(self, stored: list[Message]) -> None: ...
+
     async def set_retained(self, msg: Message) -> None: ...
 
     async def remember_incoming_qos2(self, s: Session, pid: int, done: bool,
@@ -151,6 +153,7 @@ class Inbound:
         broker = self.broker
         broker.stats.observe_append(time.perf_counter() - started)
         broker.cache.offer(stored)
+        broker.stored_here(stored)
         later = []
         for (conn, _, p, ticket), msg in zip(batch, stored, strict=True):
             if p.retain or (p.qos == 2 and conn.session is not None

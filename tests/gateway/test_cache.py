@@ -57,3 +57,17 @@ async def test_an_answer_overtaken_by_the_gateways_appends_does_not_move_the_win
     rest, start = cache.pull_now(QUEUE, 15, 64) or ([], -1)
     assert start == 15 and [m.body for m in rest] == [b"%d" % i for i in range(15, 25)]
     assert cache.misses == misses
+
+
+async def test_an_empty_answer_anchors_the_window_for_the_gateways_appends() -> None:
+    """A subscriber that caught up (the store answered nothing at its offset) is served
+    this gateway's next appends from memory."""
+    store = _SlowStore()
+    cache = QueueCache(store)  # type: ignore[arg-type]
+    store.go.set()
+    assert await cache.pull(QUEUE, 7) == ([], 7)
+    cache.offer(_msgs(8, 2))  # another's append took 7: not ours to start the window
+    assert cache.pull_now(QUEUE, 7, 64) is None
+    cache.offer(_msgs(7, 3))
+    got, start = cache.pull_now(QUEUE, 7, 64) or ([], -1)
+    assert start == 7 and [m.body for m in got] == [b"7", b"8", b"9"]
