@@ -260,7 +260,7 @@ class Broker:
                 conn = session.connection
                 if conn is not None and conn.native is None and conn.delivery is not None:
                     try:
-                        conn.delivery.cached(name)
+                        conn.delivery.notify(name, cached_only=True)
                     except Exception:  # one client's delivery must not cost the others
                         log.exception("delivery to %r failed", session.client_id)
 

@@ -113,17 +113,19 @@ class Delivery(SharedMember):
         if s.wakeup is not None:
             s.wakeup.set()
 
-    def notify(self, queue: str) -> None:
+    def notify(self, queue: str, cached_only: bool = False) -> None:
         """`queue` grew (the broker's notify callback). Within a pass of the reactor the
         delivery waits for the pass's end: the pass's appends are all in the gateway's
-        cache by then, and one write takes them all."""
+        cache by then, and one write takes them all. `cached_only`: this gateway's own
+        append, acknowledged by a separated store, is served from the cache at once; the
+        store's notify, when it comes through the bus, has the rest looked for."""
         s = self.session
         s.dirty.add(queue)
         later = self.broker.deferred
         if later is not None:
             later.add(self)
             return
-        self.pump()
+        self.pump(cached_only)
 
     def window_freed(self) -> None:
         """A QoS 1/2 send completed, or the socket took its backlog."""
@@ -136,18 +138,6 @@ class Delivery(SharedMember):
             replay.acked(s, self.conn.out.taken)
         if s._dirty:
             self.pump()
-
-    def cached(self, queue: str) -> None:
-        """This gateway's own append to `queue` is acknowledged and in its cache (a
-        separated store): deliver from the cache at once, without asking the store for
-        more. The queue stays dirty: the store's notify, when it comes through the bus,
-        has the rest looked for as usual."""
-        self.session.dirty.add(queue)
-        later = self.broker.deferred
-        if later is not None:
-            later.add(self)
-            return
-        self.pump(cached_only=True)
 
     def pump(self, cached_only: bool = False) -> None:
         """Drain the dirty queues here, or wake (or start) the task for what needs it
