@@ -13,6 +13,7 @@
 //!   (`serving/read_budget.py`).
 //! - `engine`: append, acknowledge and deliver each batch the reactors read.
 //! - `index`: the light-queue index's runs for a batch (`lightqueue/index.py`).
+//! - `frame`: the store's native protocol framing (`store/protocol.py`).
 //!
 //! Everything outside `py` is plain, safe Rust with no Python in it: `cargo test` runs
 //! it without an interpreter.
@@ -24,6 +25,7 @@
 pub mod codec;
 pub mod commitlog;
 pub mod engine;
+pub mod frame;
 pub mod index;
 pub mod partial;
 pub mod protocol;
