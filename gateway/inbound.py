@@ -153,7 +153,6 @@ class Inbound:
         broker = self.broker
         broker.stats.observe_append(time.perf_counter() - started)
         broker.cache.offer(stored)
-        broker.stored_here(stored)
         later = []
         for (conn, _, p, ticket), msg in zip(batch, stored, strict=True):
             if p.retain or (p.qos == 2 and conn.session is not None
@@ -168,6 +167,7 @@ class Inbound:
             self._spawn(self._effects, later)
         for conn in {c for c, _, _, _ in batch}:
             conn.flush()
+        broker.stored_here(stored)  # after the publishers' acks: theirs wait for nothing
 
     async def _effects(self, items: list[Staged]) -> None:
         """What follows a stored publish before its ack: the retained store, a persistent
