@@ -37,7 +37,7 @@ from gateway.store_link import Elsewhere
 from gateway.wills import Wills
 from notify import Bus, LocalBus
 from serving.read_budget import ReadBudget
-from store.api import AUTH_EVENT, AuthManager, Message, Store
+from store.api import AUTH_EVENT, AuthManager, LocalStore, Message, Store
 
 log = logging.getLogger("lightgate.gateway")
 
@@ -87,6 +87,8 @@ class Broker:
             max_keepalive=cfg.max_keepalive, connect_timeout=cfg.connect_timeout,
             v3_session_expiry=int(cfg.v3_session_expiry_s) or NEVER_EXPIRES)
         self.inbound = Inbound(self)
+        # The store appends in this process and tells this broker of it at once.
+        self._notified_in_process = isinstance(store, LocalStore)
         # Deliveries news reached within a pass of the reactor: run at the pass's end.
         self.deferred: set[Delivery] | None = None
         # Tasks connections start on demand (their lanes, deliveries, writers, ends).
@@ -244,6 +246,23 @@ class Broker:
                     session.notify(name)
             for group in self.queue_groups.get(name, ()):
                 group.wake()
+
+    def stored_here(self, stored: list[Message]) -> None:
+        """This gateway's appends, acknowledged by a separated store and in its cache:
+        its subscribers of those queues are served from the cache at once, not once the
+        store's notify has come back through the bus (Redis: a batching window and two
+        hops later). The notify still comes, and has the store asked for anything more
+        (another gateway's appends). An embedded store notifies in-process already."""
+        if self._notified_in_process:
+            return
+        for name in {q for m in stored for q, _ in m.queues}:
+            for session in self.queue_subs.get(name, ()):
+                conn = session.connection
+                if conn is not None and conn.native is None and conn.delivery is not None:
+                    try:
+                        conn.delivery.notify(name, cached_only=True)
+                    except Exception:  # one client's delivery must not cost the others
+                        log.exception("delivery to %r failed", session.client_id)
 
     def wants_news(self, name: str) -> bool:
         """Whether `on_queues_changed` would do anything for this name: a Python-side

@@ -23,6 +23,9 @@ from store.api import LocalStore, Message, Store
 class _Window:
     base: int = 0  # offset of messages[0]
     messages: list[Message] = field(default_factory=list)
+    # Empty, its base is where the store said the queue ends: what this gateway appends
+    # there starts it (`offer`).
+    anchored: bool = False
     lock: trio.Lock = field(default_factory=trio.Lock)
 
     @property
@@ -66,7 +69,7 @@ class QueueCache:
         for msg in stored:
             for queue, offset in msg.queues:
                 w = queues.get(queue)
-                if w is not None and w.messages and offset == w.end:
+                if w is not None and (w.messages or w.anchored) and offset == w.end:
                     w.messages.append(msg)
                     if len(w.messages) > self.window * 2:  # trim in steps, not per message
                         drop = len(w.messages) - self.window
@@ -110,10 +113,17 @@ class QueueCache:
               max_count: int) -> tuple[list[Message], int]:
         """Put what the store returned in the window; the caller's share of it."""
         if not msgs:  # next_offset: past what retention removed, or back to a cut end
+            if not w.messages:
+                w.base, w.anchored = next_offset, True
             return [], next_offset
         start = msgs[0].offset_in(queue)
-        if start == w.end and w.messages:  # extends the window: keep it contiguous
-            w.messages.extend(msgs)
+        dense = msgs[-1].offset_in(queue) == start + len(msgs) - 1
+        if w.messages and dense and w.base <= start <= w.end:
+            # Continues the window, or overlaps it: an answer that this gateway's own
+            # appends (`offer`) overtook while it was on its way. Only what is past the
+            # window's end is new; moving the window back to `start` would drop those
+            # appends, and every later one would miss it.
+            w.messages.extend(msgs[w.end - start:])
         else:
             w.base, w.messages = start, list(msgs)
         if len(w.messages) > self.window:

@@ -113,17 +113,19 @@ class Delivery(SharedMember):
         if s.wakeup is not None:
             s.wakeup.set()
 
-    def notify(self, queue: str) -> None:
+    def notify(self, queue: str, cached_only: bool = False) -> None:
         """`queue` grew (the broker's notify callback). Within a pass of the reactor the
         delivery waits for the pass's end: the pass's appends are all in the gateway's
-        cache by then, and one write takes them all."""
+        cache by then, and one write takes them all. `cached_only`: this gateway's own
+        append, acknowledged by a separated store, is served from the cache at once; the
+        store's notify, when it comes through the bus, has the rest looked for."""
         s = self.session
         s.dirty.add(queue)
         later = self.broker.deferred
         if later is not None:
             later.add(self)
             return
-        self.pump()
+        self.pump(cached_only)
 
     def window_freed(self) -> None:
         """A QoS 1/2 send completed, or the socket took its backlog."""
@@ -137,8 +139,9 @@ class Delivery(SharedMember):
         if s._dirty:
             self.pump()
 
-    def pump(self) -> None:
-        """Drain the dirty queues here, or wake (or start) the task for what needs it."""
+    def pump(self, cached_only: bool = False) -> None:
+        """Drain the dirty queues here, or wake (or start) the task for what needs it
+        (`cached_only`: leave that to the next news)."""
         s = self.session
         if self._stopped:
             return
@@ -152,7 +155,7 @@ class Delivery(SharedMember):
                 s.dirty.discard(queue)
             elif outcome == BLOCKED:
                 break
-            else:
+            elif not cached_only:
                 self._start_task()
                 break
         self.conn.flush()

@@ -66,6 +66,8 @@ class Host(Protocol):
 
     def retaining(self, msg: Message) -> None: ...
 
+    def stored_here(self, stored: list[Message]) -> None: ...
+
     async def set_retained(self, msg: Message) -> None: ...
 
     async def remember_incoming_qos2(self, s: Session, pid: int, done: bool,
@@ -165,6 +167,7 @@ class Inbound:
             self._spawn(self._effects, later)
         for conn in {c for c, _, _, _ in batch}:
             conn.flush()
+        broker.stored_here(stored)  # after the publishers' acks: theirs wait for nothing
 
     async def _effects(self, items: list[Staged]) -> None:
         """What follows a stored publish before its ack: the retained store, a persistent

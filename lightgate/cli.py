@@ -259,7 +259,8 @@ async def _store_main(cfg: Any, native: str, http: str, notify: str | None,
     from store.app import run_store
 
     if notify:
-        async with open_bus(notify) as bus:
+        # A store only tells: what gateways publish back is no business of its own.
+        async with open_bus(notify, receive=False) as bus:
             await run_store(cfg, native, http, bus.publish_from_thread, auth, repl, reload)
     else:
         await run_store(cfg, native, http, None, auth, repl, reload)

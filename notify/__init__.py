@@ -22,8 +22,10 @@ __all__ = ["CHANNEL", "RESYNC", "Bus", "Counters", "LocalBus", "RedisBus", "Subs
 @asynccontextmanager
 async def open_bus(url: str | None = None, **options: Any) -> AsyncIterator[Bus]:
     """None, "" or "local": in-process (LocalBus); "redis://HOST:PORT[/DB]" (or rediss://,
-    unix://): across nodes via Redis pub/sub (RedisBus). `options` go to the bus."""
+    unix://): across nodes via Redis pub/sub (RedisBus). `options` go to the bus;
+    `receive=False` (Redis): a node that only publishes (a store) reads no events."""
     if url in (None, "", "local"):
+        options.pop("receive", None)  # in-process: nothing to read that is not asked for
         async with LocalBus(**options) as bus:
             yield bus
     elif url.startswith(("redis://", "rediss://", "unix://")):

@@ -57,6 +57,7 @@ class RedisBus(Counters):
         buffer: int = DEFAULT_BUFFER,
         backoff: tuple[float, float] = (0.1, 2.0),
         connect_timeout: float = 2.0,
+        receive: bool = True,
     ) -> None:
         super().__init__()
         self.url = url
@@ -64,6 +65,9 @@ class RedisBus(Counters):
         self.window = window
         self.backoff = backoff
         self.connect_timeout = connect_timeout
+        # False: this node only publishes (a store node): no subscriber thread, so that
+        # the events of every node are not read, decoded and handed to its event loop.
+        self.receive = receive
         self.sent = 0  # names sent to Redis
         self.received = 0  # names received from Redis (this node's own included)
         self.resyncs = 0  # reconnects after which subscribers were told to resync
@@ -77,7 +81,7 @@ class RedisBus(Counters):
         self._token: trio.lowlevel.TrioToken | None = None
         self._health_lock = threading.Lock()
         self._pub_ok = True  # no failed send pending
-        self._sub_ok = False  # subscribed to the channel
+        self._sub_ok = not receive  # subscribed to the channel (or never to be)
         self._outage = False  # a warning was logged and no recovery since
 
     # -- state ------------------------------------------------------------------------
@@ -120,16 +124,19 @@ class RedisBus(Counters):
         await self._local.__aenter__()
         self._token = trio.lowlevel.current_trio_token()
         first_try = threading.Event()
+        threads: list[tuple[str, Any, tuple[Any, ...]]] = [("publisher", self._publisher, ())]
+        if self.receive:
+            threads.append(("subscriber", self._subscriber, (first_try,)))
         try:
-            for name, target, args in (("publisher", self._publisher, ()),
-                                       ("subscriber", self._subscriber, (first_try,))):
+            for name, target, args in threads:
                 t = threading.Thread(target=_named, args=(f"redis-{name}", target, *args),
                                      daemon=True, name=f"notify-redis-{name}")
                 t.start()
                 self._threads.append(t)
             # Subscribed before returning (or gave up on the first try), so that events
             # published right after entering are not missed when Redis is up.
-            await trio.to_thread.run_sync(first_try.wait, self.connect_timeout + 1)
+            if self.receive:
+                await trio.to_thread.run_sync(first_try.wait, self.connect_timeout + 1)
         except BaseException as exc:
             await self._shutdown()
             await self._local.__aexit__(type(exc), exc, exc.__traceback__)
@@ -289,6 +296,8 @@ class RedisBus(Counters):
     @asynccontextmanager
     async def subscribe(self, buffer: int | None = None) -> AsyncIterator[Subscription]:
         """A subscription receiving every batch from Redis (broadcast)."""
+        if not self.receive:
+            raise RuntimeError("this bus only publishes (receive=False)")
         async with self._local.subscribe(buffer) as sub:
             yield sub
 

@@ -25,7 +25,7 @@ from store.cursor_key import group_key
 from store.http import store_routes
 from store.http_auth import auth_app
 from store.protocol import REPL_FETCH
-from store.replication.node import META_CODES, Replication, ReplicationConfig
+from store.replication.node import META_CODES, REPLICA, Replication, ReplicationConfig
 from store.server import NativeServer
 from store.service import EmbeddedStore
 
@@ -56,13 +56,10 @@ async def store_node(
     server: NativeServer | None = None
     repl: Replication | None = None
 
-    def on_dispatched(names: set[str]) -> bool:
-        """Wake whoever waits for these queues; False if nobody here did (no replica,
-        no pull, no gateway's session: the engine's dispatch may take its time)."""
+    def readable(names: set[str]) -> bool:
+        """Readers of these queues may read more: wake the pulls waiting here and tell
+        gateways. False if nobody here heard (the engine's dispatch may take its time)."""
         told = False
-        if repl is not None:  # wake replicas long-polling the log
-            repl.grew()
-            told = True
         if server is not None:  # wake long-polling pulls in this process
             if threading.get_ident() == trio_thread:  # an inline append: no hop
                 server.waiters.wake(names)
@@ -72,9 +69,22 @@ async def store_node(
                     token.run_sync_soon(server.waiters.wake, names)
                 except trio.RunFinishedError:
                     pass
-        if publish is not None and publish(names) is not False:
+        # Gateways read from the master: a replica's copy is news to nobody there.
+        if (publish is not None and (repl is None or repl.role != REPLICA)
+                and publish(names) is not False):
             told = True
         return told
+
+    def on_dispatched(names: set[str]) -> bool:
+        """The log grew (called from whichever thread appended). In a group, replicas
+        long-polling the log are woken; readers are told once they may read it: at once,
+        or where readers see acknowledged messages only (sync mode, and the replicas of a
+        master in sync mode), once acknowledged (`repl.notify`)."""
+        if repl is not None:
+            repl.grew()
+            if repl.read_limit() is not None:
+                return True
+        return readable(names)
 
     async with EmbeddedStore.open(cfg, notify=on_dispatched) as store, \
             trio.open_nursery() as nursery:
@@ -104,7 +114,9 @@ async def store_node(
             server.write_refusal = repl.write_refusal
             server.hello_extra = repl.hello
             server.read_limit = repl.read_limit
-            repl.notify = on_dispatched
+            repl.notify = readable
+            repl.readers_waiting = server.waiters.any
+            server.waiters.on_wait = repl.reader_waits
             repl.drop_clients = server.drop_clients
             for code in META_CODES:  # sync mode: answered once replicated
                 server.wrap(code, repl.synced)

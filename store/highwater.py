@@ -9,11 +9,14 @@ Why a file of its own: the light-queue index has no WAL (the CommitLog is its lo
 after such a crash it lost its newest entries together with the records; the index is
 also derived data that may be deleted. The marks are neither.
 
-Cost: a mark is raised ahead of need, by a quarter of the queue's offset (64 to 65,536
-at a time), so a queue writes a mark on its first message after a start and then rarely
-(about 50 writes for a queue's first million messages); each write is one `write` and
-one `fdatasync` for every queue of an append that needs one. After a clean stop the
-marks are of no use (the log holds every record whole) and the file is emptied.
+Cost: a mark is raised ahead of need, by a quarter of the queue's offset (1,024 to
+65,536 at a time), so a queue writes a mark on its first message after a start and then
+rarely (once in its first thousand messages, about 35 times in its first million); each
+write is one `write` and one `fdatasync` for every queue of an append that needs one,
+in the appender's path (with an async log, the store's event loop): with steps of 64,
+a few new queues at a few thousand messages a second paid one every few milliseconds.
+After a clean stop the marks are of no use (the log holds every record whole) and the
+file is emptied.
 
 File: records `crc32 u32 | name_len u16 | mark u64 | name`, appended; the last mark of
 a queue counts; a torn last record (its append never went on) is ignored. Rewritten
@@ -33,7 +36,7 @@ from store.segment import fdatasync, fsync_dir
 
 MARKS_FILE = "offset-marks"
 HEAD = struct.Struct(">IHQ")  # crc32 of the rest, name length, mark
-STEP_MIN, STEP_MAX = 64, 65536
+STEP_MIN, STEP_MAX = 1024, 65536
 COMPACT_MIN = 1 << 20  # bytes below which the file is never rewritten
 
 

@@ -47,6 +47,7 @@ class Outbox:
         self.held = 0
         self.stats = stats
         self._lot = trio.lowlevel.ParkingLot()
+        self._closed = False
 
     def _add(self, n: int) -> None:
         self.held += n
@@ -63,6 +64,18 @@ class Outbox:
         """Queue an answer for the writer; it counts until `written`."""
         self._add(len(data))
         await self._channel.send(data)
+
+    def send_nowait(self, data: bytes) -> bool:
+        """`send` from synchronous code: False, nothing queued, when the writer's
+        channel is full (then `send`)."""
+        if self._closed:  # the connection ended: nothing to write to (dropped)
+            return True
+        try:
+            self._channel.send_nowait(data)
+        except trio.WouldBlock:
+            return False
+        self._add(len(data))
+        return True
 
     def written(self, n: int) -> None:
         """The writer wrote `n` bytes of answers to the socket."""
@@ -94,3 +107,4 @@ class Outbox:
         """The connection is gone: what it held is not held any more."""
         self.stats.held -= self.held
         self.held = 0
+        self._closed = True

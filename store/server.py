@@ -3,7 +3,7 @@
 Each connection has a reader (this task), a writer and bounded request concurrency.
 Appends (SEND, PUBLISH) are submitted to the CommitLog in frame order by the reader
 itself, so one connection's messages are stored in the order they were sent; their
-responses follow when the store acknowledges them.
+responses follow, in that order, from the store's acknowledgement itself.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import hmac
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ from serving.values import split_hostport
 from store import protocol as p
 from store.auth import AuthError, AuthManager, Policy, Subject, audit
 from store.auth.manager import DecisionCache
-from store.common import PullResult, RawPull, StoreError, StoreFullError, await_future
+from store.common import PullResult, RawPull, StoreError, StoreFullError
 from store.groups import MAX_ATTEMPTS, GroupRegistry, offset_key
 from store.history import MAX_BYTES as HISTORY_MAX_BYTES
 from store.native_acl import NODE, STORE_NODE, SUPER, Need, message_need, needs
@@ -91,9 +92,12 @@ class QueueWaiters:
 
     def __init__(self) -> None:
         self._events: dict[str, tuple[trio.Event, int]] = {}  # queue -> (event, waiters)
+        self.on_wait: Callable[[], None] | None = None  # a pull starts waiting
 
     @contextmanager
     def waiting(self, queue: str) -> Iterator[trio.Event]:
+        if self.on_wait is not None:
+            self.on_wait()
         ev, n = self._events.get(queue, (None, 0))
         if ev is None:
             ev = trio.Event()
@@ -299,7 +303,7 @@ class NativeServer:
                 status = getattr(exc, "status", 400)
                 nursery.start_soon(self._reply_error, frame, send, limit, status, str(exc))
                 return
-            nursery.start_soon(self._reply_append, frame, pending, send, limit)
+            self._answer_when_stored(nursery, frame, pending, send, limit)
             return
         try:
             self._check(frame, ctx)
@@ -478,22 +482,61 @@ class NativeServer:
             raise _refusal(exc) from None
         return {"producer": pid}, b""
 
-    async def _reply_append(self, frame: p.Frame, fut: Any, send: Any, limit: Any) -> None:
-        try:
+    def _answer_when_stored(self, nursery: trio.Nursery, frame: p.Frame, fut: Any, send: Any,
+                            limit: Any) -> None:
+        """Answer an append once the store acknowledges it, from the acknowledgement itself
+        (no task per append): appends acknowledged together (a group commit, the in-sync
+        set's copy) are answered in the order they were sent, which a gateway's cache
+        relies on to serve its subscribers without reading back what it just stored."""
+        def answer(_: Any = None) -> None:
             try:
-                stored = await await_future(fut)
-            except StoreFullError as exc:
-                out = _error(frame, 507, str(exc))
-            except StoreError as exc:
-                out = _error(frame, 503, str(exc))
-            except ValueError as exc:  # refused by the writer (a record too large, a
-                # producer's sequence: store.producers)
-                out = _error(frame, getattr(exc, "status", 400), str(exc))
-            else:
-                results = [{"msg_id": m.msg_id, "queues": m.queues, "store_ts": m.store_ts,
-                            "phys": m.phys_offset, "rsize": m.size} for m in stored]
-                out = p.encode_frame(p.Frame(p.RESPONSE, frame.code, frame.request_id,
-                                             {"results": results}))
+                out = self._append_answer(frame, fut)
+            except Exception:  # a bug: this request fails, never the callback's caller
+                log.exception("answering an append failed")
+                out = _error(frame, 500, "internal error")
+            try:
+                if send.send_nowait(out):
+                    limit.release()
+                    return
+                nursery.start_soon(self._send_answer, out, send, limit)  # room first
+            except (trio.ClosedResourceError, trio.BrokenResourceError, RuntimeError):
+                limit.release()  # the connection ended meanwhile: nobody to answer
+
+        if fut.done():
+            answer()
+            return
+        token, loop = trio.lowlevel.current_trio_token(), threading.get_ident()
+
+        def settled(_: Any) -> None:  # (a writer thread's group commit: to the loop)
+            if threading.get_ident() == loop:
+                answer()
+                return
+            try:
+                token.run_sync_soon(answer)
+            except trio.RunFinishedError:
+                pass
+
+        fut.add_done_callback(settled)
+
+    @staticmethod
+    def _append_answer(frame: p.Frame, fut: Any) -> bytes:
+        try:
+            stored = fut.result()
+        except StoreFullError as exc:
+            return _error(frame, 507, str(exc))
+        except StoreError as exc:
+            return _error(frame, 503, str(exc))
+        except ValueError as exc:  # refused by the writer (a record too large, a
+            # producer's sequence: store.producers)
+            return _error(frame, getattr(exc, "status", 400), str(exc))
+        results = [{"msg_id": m.msg_id, "queues": m.queues, "store_ts": m.store_ts,
+                    "phys": m.phys_offset, "rsize": m.size} for m in stored]
+        return p.encode_frame(p.Frame(p.RESPONSE, frame.code, frame.request_id,
+                                      {"results": results}))
+
+    @staticmethod
+    async def _send_answer(out: bytes, send: Any, limit: Any) -> None:
+        try:
             await send.send(out)
         finally:
             limit.release()

@@ -15,6 +15,7 @@
 //! - `index`: the light-queue index's runs for a batch (`lightqueue/index.py`).
 //! - `tls`: the TLS listeners' configuration, its reload and client identities
 //!   (`gateway/transports.py`).
+//! - `frame`: the store's native protocol framing (`store/protocol.py`).
 //!
 //! Everything outside `py` is plain, safe Rust with no Python in it: `cargo test` runs
 //! it without an interpreter.
@@ -26,6 +27,7 @@
 pub mod codec;
 pub mod commitlog;
 pub mod engine;
+pub mod frame;
 pub mod index;
 pub mod link;
 pub mod partial;

@@ -52,9 +52,11 @@ class EpochFile:
     def __init__(self, data_dir: str | Path) -> None:
         self.path = Path(data_dir) / EPOCHS_FILE
         self.history: list[Epoch] = []
+        self._saved = False  # the file holds `history` (a replica's every fetch asks)
         try:
             raw = orjson.loads(self.path.read_bytes())
             self.history = [(int(e), int(s)) for e, s in raw]
+            self._saved = True
         except FileNotFoundError:
             pass
 
@@ -70,7 +72,7 @@ class EpochFile:
         self.save([*hist, (epoch, offset)])
 
     def save(self, history: list[Epoch]) -> None:
-        if history == self.history and self.path.exists():
+        if self._saved and history == self.history:
             return
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "wb") as fh:
@@ -79,3 +81,4 @@ class EpochFile:
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)
         self.history = list(history)
+        self._saved = True

@@ -10,6 +10,7 @@ nothing, and asks for one record a second to stay known to the master as alive."
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -22,11 +23,16 @@ from store.replication.epochs import Epoch, EpochFile
 
 log = logging.getLogger("lightgate.store.follower")
 
-FETCH_WAIT_MS = 1000
+# How long the master holds a fetch at its log's end (the tests' may be longer).
+FETCH_WAIT_MS = int(os.environ.get("LIGHTGATE_REPL_FETCH_WAIT_MS", "1000"))
 FETCH_MAX_BYTES = 4 << 20
 RETRY_S = 0.3
 BLOCKED_POLL_S = 1.0  # unable to write: how often it asks the master (and tries again)
 BLOCKED_MAX_BYTES = 64 << 10  # and how much it asks for (a record or so, to try)
+# Metadata changes applied in the event loop, as the master applied them (a session's
+# in-flight state, an offset commit: a RocksDB batch of a few keys, tens of µs; a hop
+# to a thread and back cost more); more in one answer go to a thread.
+INLINE_OPS = 256
 
 
 class Replica(Protocol):
@@ -42,6 +48,7 @@ class Replica(Protocol):
     master_confirmed: int | None
     space: Any  # store.replication.space.Space
     write_error: str | None
+    lazy_fetch: trio.CancelScope | None
 
     def write_failed(self, exc: BaseException) -> bool: ...
 
@@ -57,6 +64,8 @@ class Replica(Protocol):
     async def write(self, offset: int, data: bytes, base: int) -> None: ...
 
     def confirm(self, upto: int | None) -> None: ...
+
+    def readers_waiting(self) -> bool: ...
 
     def adopt_epochs(self, master_history: list[Epoch]) -> None: ...
 
@@ -92,16 +101,25 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                         return
                     offset = store.commitlog.max_offset
                     blocked = repl.space.full or repl.write_error
-                    header, body = await client.request(p.REPL_FETCH, {
-                        "node": repl.node_id, "addr": repl.native_addr, "offset": offset,
-                        "epoch": epoch, "epochs": repl.epochs.history if pos.check else None,
-                        "meta_inc": pos.meta["inc"], "meta_seq": pos.meta["seq"],
-                        "meta_complete": repl.meta_complete, "snap": pos.snap,
-                        "restart": pos.restart, "confirmed": repl.master_confirmed,
-                        "write_error": blocked,
-                        "wait_ms": 0 if blocked else FETCH_WAIT_MS,
-                        "max_bytes": BLOCKED_MAX_BYTES if blocked else FETCH_MAX_BYTES,
-                    }, timeout=FETCH_WAIT_MS / 1000 + 10)
+                    # Lazy while no reader waits here: a new read limit alone does not
+                    # answer it (a reader that starts waiting cuts it short).
+                    lazy = not blocked and not repl.readers_waiting()
+                    with trio.CancelScope() as scope:
+                        repl.lazy_fetch = scope if lazy else None
+                        header, body = await client.request(p.REPL_FETCH, {
+                            "node": repl.node_id, "addr": repl.native_addr, "offset": offset,
+                            "epoch": epoch,
+                            "epochs": repl.epochs.history if pos.check else None,
+                            "meta_inc": pos.meta["inc"], "meta_seq": pos.meta["seq"],
+                            "meta_complete": repl.meta_complete, "snap": pos.snap,
+                            "restart": pos.restart, "confirmed": repl.master_confirmed,
+                            "write_error": blocked, "lazy": lazy,
+                            "wait_ms": 0 if blocked else FETCH_WAIT_MS,
+                            "max_bytes": BLOCKED_MAX_BYTES if blocked else FETCH_MAX_BYTES,
+                        }, timeout=FETCH_WAIT_MS / 1000 + 10)
+                    repl.lazy_fetch = None
+                    if scope.cancelled_caught:
+                        continue  # a reader waits: the same fetch again, eager
                     # The role may have changed while the request was out (promoted, or
                     # told to follow another master): then the answer is not ours to apply.
                     if not repl.still_following(master_addr, epoch):
@@ -168,8 +186,11 @@ async def _take(repl: Replica, header: dict[str, Any], body: bytes, offset: int,
         if pos.snap is None:  # the last page: the changes since it began next
             pos.meta["inc"], pos.meta["seq"] = meta["inc"], int(meta["seq"])
     elif meta:
-        if meta.get("ops"):
-            await trio.to_thread.run_sync(store.meta.apply, meta["ops"])
+        ops = meta.get("ops")
+        if ops and len(ops) <= INLINE_OPS:  # as the master wrote them: inline
+            store.meta.apply(ops)
+        elif ops:
+            await trio.to_thread.run_sync(store.meta.apply, ops)
         pos.meta["inc"], pos.meta["seq"] = meta["inc"], int(meta["seq"])
     if repl.still_following(master_addr, epoch):
         repl.adopt_epochs([(int(e), int(s)) for e, s in header["epochs"]])

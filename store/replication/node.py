@@ -46,6 +46,8 @@ SNAPSHOT_PAGE_BYTES = 8 << 20  # of metadata keys and values in one answer (fram
 META_INCOMPLETE_FILE = "metadata.incomplete"  # a replica amid a paged snapshot
 # An in-sync proposal the controller has not answered within this long is sent again.
 PROPOSAL_RETRY_S = 2.0
+# Appends whose readers wait to be told, kept apart at most (then merged, names and all).
+UNTOLD_MAX = 1024
 # Native requests a replica refuses: they change the log or the metadata.
 WRITE_CODES = frozenset({
     p.SEND, p.PUBLISH, p.COMMIT, p.NACK, p.TOPIC_CREATE, p.META_PUT, p.META_DELETE,
@@ -88,6 +90,9 @@ class Replication:
         # As a replica: the master's read limit (None: none); 0 until its first answer.
         self.master_confirmed: int | None = 0
         self._held: deque[tuple[int, set[str]]] = deque()  # copied, not yet readable
+        # As master in sync mode: appended, readers not yet told (they are once the
+        # in-sync set holds it, acknowledged or not: an ack that timed out is still read).
+        self._untold: deque[tuple[int, set[str]]] = deque()
         self.notify: Callable[[set[str]], None] = lambda names: None  # readers: queues grew
         self._follow_scope: trio.CancelScope | None = None
         self._grew = trio.Event()
@@ -95,6 +100,12 @@ class Replication:
         self._trio_thread = threading.get_ident()
         self._nursery: trio.Nursery | None = None
         self._meta_waiters: list[tuple[int, trio.Event]] = []
+        self.fetches = 0  # as master: fetches answered
+        self._eager = 0  # as master: fetches waiting that a new read limit answers
+        # As a replica: whether a reader waits here (the native server's pulls), and the
+        # scope of a lazy fetch a reader that starts waiting cuts short (`reader_waits`).
+        self.readers_waiting: Callable[[], bool] = lambda: True
+        self.lazy_fetch: trio.CancelScope | None = None
         # Per epoch this node was master of: monotonic times of its first and last
         # acknowledgement (nodes on one host compare them: never two at once).
         self.ack_times: dict[int, list[float]] = {}
@@ -291,6 +302,12 @@ class Replication:
         msgs: list[Message] = inner.result()
         end = msgs[-1].phys_offset + msgs[-1].size if msgs else 0
         self.insync.wait(end, time.monotonic() + self.cfg.ack_timeout_s, (outer, msgs))
+        names = {name for m in msgs for name, _ in m.queues}
+        untold = self._untold
+        if untold and len(untold) >= UNTOLD_MAX:  # (replicas away: merged, not grown)
+            _, more = untold.pop()
+            names |= more
+        untold.append((end, names))
         self._release()
 
     def _release(self) -> None:
@@ -300,15 +317,20 @@ class Replication:
         end = self.store.commitlog.max_offset
         before = self.confirmed
         self.confirmed = max(self.confirmed, self.insync.ack_offset(end))
-        if self.confirmed > before and self.read_limit() is not None:
+        if self.confirmed > before and self._eager and self.read_limit() is not None:
             self._wake_soon()  # replicas' readers may see more: answer their long polls
         ready = self.insync.ready(self.confirmed)
         for outer, msgs in ready:
             if not outer.done():
                 outer.set_result(msgs)
-        if ready:  # readers held back at the read limit may go on
+        if ready:
             self._acked_now()
-            self.notify({name for _, msgs in ready for m in msgs for name, _ in m.queues})
+        names: set[str] = set()
+        untold = self._untold
+        while untold and untold[0][0] <= self.confirmed:
+            names |= untold.popleft()[1]
+        if names:  # readers held back at the read limit may go on
+            self.notify(names)
 
     def _release_meta(self) -> None:
         if not self._meta_waiters or not self.has_lease():
@@ -425,12 +447,14 @@ class Replication:
         self.insync.replicas[node].meta = meta_seq if meta_inc == self.metalog.incarnation else -1
         self._release_meta()
         wait_ms = min(int(h.get("wait_ms", 0)), MAX_WAIT_MS)
+        # A lazy replica (no reader waits there) is not answered for a new read limit
+        # alone: the next bytes carry it. One answer per append, not two.
+        lazy = bool(h.get("lazy"))
         limit = self.read_limit()
-        if (offset >= log_.max_offset and wait_ms > 0 and meta_inc == self.metalog.incarnation
-                and meta_seq >= self.metalog.seq
-                and (limit is None or h.get("confirmed") == limit)):
-            with trio.move_on_after(wait_ms / 1000):
-                await self._grew.wait()
+        if (offset >= log_.max_offset and wait_ms > 0 and self._meta_current(meta_inc, meta_seq)
+                and (limit is None or lazy or h.get("confirmed") == limit)):
+            await self._park(offset, meta_inc, meta_seq, lazy, wait_ms)
+        self.fetches += 1
         data, base = log_.read_raw(offset, max(1, int(h.get("max_bytes", 1 << 20))))
         changes = self.metalog.since(meta_inc, meta_seq)
         if changes is None:
@@ -441,6 +465,27 @@ class Replication:
         return {"end": log_.max_offset, "base": base, "epoch": self.epoch,
                 "confirmed": self.read_limit(),
                 "epochs": [list(x) for x in history], "meta": meta}, data
+
+    def _meta_current(self, inc: str, seq: int) -> bool:
+        return inc == self.metalog.incarnation and seq >= self.metalog.seq
+
+    async def _park(self, offset: int, meta_inc: str, meta_seq: int, lazy: bool,
+                    wait_ms: int) -> None:
+        """A fetch at the log's end waits for what it is to be answered for: new bytes,
+        metadata changes, a new read limit (not a lazy one), or this node's role."""
+        if not lazy:
+            self._eager += 1
+        try:
+            with trio.move_on_after(wait_ms / 1000):
+                while True:
+                    await self._grew.wait()
+                    if (not lazy or self.store.commitlog.max_offset > offset
+                            or not self._meta_current(meta_inc, meta_seq)
+                            or self.role != MASTER):
+                        return
+        finally:
+            if not lazy:
+                self._eager -= 1
 
     async def _snapshot_page(self, snap: list[Any] | None) -> dict[str, Any]:
         """The next page of a metadata snapshot for a replica that needs one: pages as
@@ -609,6 +654,15 @@ class Replication:
         if names:
             self.notify(names)
 
+    def reader_waits(self) -> None:
+        """A pull starts waiting here: if this replica holds bytes its readers may not
+        see yet while its fetch is lazy (the master does not answer it for a new read
+        limit alone), that fetch is cut short and sent again, eager."""
+        scope = self.lazy_fetch
+        if (scope is not None and self.role == REPLICA and self.master_confirmed is not None
+                and self.master_confirmed < self.store.commitlog.max_offset):
+            scope.cancel()
+
     def adopt_epochs(self, master_history: list[Epoch]) -> None:
         end = self.store.commitlog.max_offset
         self.epochs.save([e for e in master_history if e[1] <= end])
@@ -638,6 +692,7 @@ class Replication:
         self.metalog = MetaLog(self._wake_soon)
         store.meta.on_change = self.metalog.record
         self._fail_pending("this node's mastership changed")
+        self._untold.clear()
         self.insync = self._new_insync()
         self.confirmed = log_end  # what it holds at its election is the group's log
         self.epoch, self.role, self.master_addr = epoch, MASTER, self.native_addr
@@ -653,6 +708,7 @@ class Replication:
         self._stop_following()
         self.role, self.master_addr, self.followed_epoch = REPLICA, master_addr, epoch
         self.master_confirmed, self._held = 0, deque()  # until the new master's answer
+        self._untold.clear()
         self.store.meta.on_change = None
         self._fail_pending("this node stopped being master")
         if was != REPLICA:
@@ -774,6 +830,7 @@ class Replication:
                                 "write_error": r.failed}
                                for r in self.insync.replicas.values()]
             out["pending_acks"] = self.insync.pending()
+            out["fetches"] = self.fetches
             out["replicated_offset"] = max(0, self.confirmed)
             if self.controller is not None:
                 out["lease_s_left"] = round(

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -261,4 +262,36 @@ def test_readers_of_a_replica_see_acknowledged_messages_only(tmp_path: Path) -> 
         for node in (a, b, master):
             if node.proc is not None:
                 node.proc.send_signal(signal.SIGCONT)
+                node.kill()
+
+
+def test_one_fetch_answer_per_append_and_waiting_readers_see_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sync mode: each replica is answered once per append (the bytes), not a second time
+    for the read limit alone while nobody reads it; a pull that starts waiting on a
+    replica holding a tail its readers may not see yet gets it at once, not when the
+    replica's fetch would next be answered (held 5 s here)."""
+    monkeypatch.setenv("LIGHTGATE_REPL_FETCH_WAIT_MS", "5000")
+    master = Server(tmp_path / "m", "--replication", "sync", "--min-insync", "3",
+                    command="store").start()
+    a = Server(tmp_path / "a", "--replica-of", master.native, command="store").start()
+    b = Server(tmp_path / "b", "--replica-of", master.native, command="store").start()
+    try:
+        wait_for(lambda: len(cluster(master)["insync"]) == 3, 10, "both replicas in sync")
+        n = 40
+        before = cluster(master)["fetches"]
+        _send(master.native, n)
+        answered = cluster(master)["fetches"] - before
+        assert answered <= n * 2 + 8, answered  # was about 4 an append
+        # The last append is acknowledged, and a and b hold it; their fetches are held
+        # at the master, lazy: neither knows yet that its readers may see it.
+        with Producer(master.native, idempotent=False) as prod:
+            ((queue, offset),) = prod.send(TOPIC, b"last", key="k0").queues
+        t0 = time.monotonic()
+        got = native_call(a.native, p.PULL, {"queue": queue, "offset": offset,
+                                             "wait_ms": 4000})
+        assert len(got["messages"]) == 1 and time.monotonic() - t0 < 2.5
+    finally:
+        for node in (a, b, master):
+            if node.proc is not None:
                 node.kill()

@@ -253,6 +253,24 @@ async def test_one_node_reaches_another_through_redis(redis_server) -> None:
         assert b.received == 3 and b.delivered == 3
 
 
+async def test_a_bus_that_only_publishes_reads_nothing(redis_server) -> None:
+    """A store node tells gateways what grew and hears nothing back: no subscriber thread,
+    no subscription at Redis, its publishes still reach the others."""
+    async with RedisBus(redis_server.url, receive=False) as store, \
+            RedisBus(redis_server.url) as gateway, gateway.subscribe() as events:
+        assert [t.name for t in notify_threads() if t in store._threads] == \
+            ["notify-redis-publisher"]
+        raw = redis.Redis.from_url(redis_server.url)
+        assert raw.pubsub_numsub(store.channel) == [(store.channel.encode(), 1)]
+        raw.close()
+        assert store.healthy
+        store.publish(NAMES)
+        assert set().union(*await collect_until(events, NAMES)) == NAMES
+        with pytest.raises(RuntimeError, match="only publishes"):
+            async with store.subscribe():
+                pass
+
+
 async def test_redis_merges_a_burst(redis_server) -> None:
     async with RedisBus(redis_server.url) as a, RedisBus(redis_server.url) as b, \
             b.subscribe() as events:

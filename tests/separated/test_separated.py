@@ -45,6 +45,45 @@ def test_device_on_a_reaches_wildcard_subscriber_on_b(cluster) -> None:
     pub.disconnect()
 
 
+def test_only_gateways_subscribe_to_redis(cluster) -> None:
+    """The store publishes what grew and reads nothing back: every batch of every node
+    would otherwise be read, decoded and handed to its event loop for nothing."""
+    import redis
+
+    _, gateways, redis_server = cluster
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        assert raw.pubsub_numsub("lightgate:notify") == [(b"lightgate:notify", len(gateways))]
+    finally:
+        raw.close()
+
+
+def test_a_gateways_own_publishes_reach_its_subscribers_without_the_bus(tmp_path) -> None:
+    """A gateway whose append the store acknowledged delivers it to its own subscribers
+    from its cache at once, not when the store's notify comes back through Redis: here
+    the store tells another Redis than the gateway's, so nothing ever comes back."""
+    theirs, ours = RedisServer().start(), RedisServer().start()
+    store = Server(tmp_path / "store", "--notify", theirs.url, command="store").start()
+    gw = Server(None, "--store", store.native, "--notify", ours.url, command="gateway").start()
+    try:
+        base = uid("here")
+        sub = Client(gw.port, uid("sub"))
+        sub.subscribe(f"{base}/+", 1)
+        pub = Client(gw.port, uid("pub"))
+        for i in range(5):
+            pub.publish(f"{base}/d{i}", b"%d" % i, 1)
+        assert sorted(m.payload for m in sub.expect(5, timeout=5)) == [b"%d" % i
+                                                                       for i in range(5)]
+        sub.disconnect()
+        pub.disconnect()
+    finally:
+        for srv in (gw, store):
+            if srv.proc is not None:
+                srv.stop()
+        theirs.stop()
+        ours.stop()
+
+
 def test_persistent_session_moves_from_a_to_b_without_loss(cluster) -> None:
     store, (a, b), _ = cluster
     topic = uid("cmd") + "/dev1"
