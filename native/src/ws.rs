@@ -459,7 +459,7 @@ impl Codec {
     fn text(&mut self, chunk: &[u8]) -> Result<(), Stop> {
         if let Err(e) = std::str::from_utf8(chunk) {
             if e.error_len().is_some() {
-                return Err(self.fail(INVALID_PAYLOAD, &format!("'utf-8' codec can't decode: {e}")));
+                return Err(self.fail(INVALID_PAYLOAD, &utf8_error(chunk, &e)));
             }
         }
         self.queue_close(UNSUPPORTED_DATA, "MQTT needs binary frames");
@@ -525,8 +525,10 @@ impl Codec {
         if code < 3000 && payload.len() >= 2 && !PEER_CODES.contains(&code) {
             return Err(self.fail(PROTOCOL_ERROR, "CLOSE with unknown reserved code"));
         }
-        if payload.len() > 2 && std::str::from_utf8(&payload[2..]).is_err() {
-            return Err(self.fail(INVALID_PAYLOAD, "Error decoding CLOSE reason"));
+        let reason = payload.get(2..).unwrap_or_default();
+        if let Err(e) = std::str::from_utf8(reason) {
+            let why = format!("Error decoding CLOSE reason: {}", utf8_error(reason, &e));
+            return Err(self.fail(INVALID_PAYLOAD, &why));
         }
         self.peer_done = true;
         if !self.close_sent {
@@ -640,6 +642,22 @@ impl Codec {
             + self.pong.as_ref().map_or(0, Vec::capacity)
             + self.close_out.as_ref().map_or(0, Vec::capacity)
     }
+}
+
+/// What Python says of bytes that are not UTF-8 (wsproto's close reason repeats it).
+fn utf8_error(data: &[u8], e: &std::str::Utf8Error) -> String {
+    let at = e.valid_up_to();
+    let Some(&byte) = data.get(at) else {
+        return "'utf-8' codec can't decode: unexpected end of data".into();
+    };
+    let what = if e.error_len().is_none() {
+        "unexpected end of data"
+    } else if matches!(byte, 0x80..=0xC1 | 0xF5..=0xFF) {
+        "invalid start byte"
+    } else {
+        "invalid continuation byte"
+    };
+    format!("'utf-8' codec can't decode byte {byte:#04x} in position {at}: {what}")
 }
 
 fn opcode_name(d: Data) -> &'static str {

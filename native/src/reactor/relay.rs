@@ -684,6 +684,8 @@ impl Worker {
                 r.deadline = now + ws::CLOSE_TIMEOUT_S;
                 let deadline = r.deadline;
                 self.arm(token, deadline);
+                // It may have come already (its edge seen while it was not read).
+                self.again.push(token);
             }
         } else if r.phase == Phase::Closing && (written || gone) {
             self.drop_relay(token);
