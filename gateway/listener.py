@@ -3,7 +3,10 @@
 Every listener hands `Connection` a byte stream, the peer address and, for a verified
 client certificate, the identity taken from it (used as the username when configured).
 Handshakes (TLS, then the WebSocket upgrade) run in the connection's own task under a
-timeout, so a slow or hostile client never holds up the accept loop.
+timeout, so a slow or hostile client never holds up the accept loop. On the native plane
+the engine accepts TLS, WebSocket and secure WebSocket (`serve_native`): it does the
+handshakes and the framing, and Python decides what it decides here (the subprotocol,
+CONNECT and every rule after it) over the bytes it relays.
 """
 
 from __future__ import annotations

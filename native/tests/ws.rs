@@ -12,6 +12,7 @@ mod links;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -439,6 +440,44 @@ fn our_close_waits_a_moment_for_the_clients() {
     let began = Instant::now();
     assert!(closed_within(&mut c, 3.0));
     assert!(began.elapsed() >= Duration::from_millis(800));
+}
+
+#[test]
+fn the_relay_holds_its_window_and_no_more_until_python_reads() {
+    use lightgate_native::link::RELAY_WINDOW;
+    let server = Server::start(false, 10.0);
+    let mut c = server.connect();
+    c.write_all(&head("mqtt")).unwrap();
+    let (conn, share, ..) = server.opened();
+    share.set_message_limit(1 << 20, "--max-packet-size");
+    server.command(Command::Upgrade {
+        conn,
+        subprotocol: Some("mqtt".into()),
+    });
+    read_answer(&mut c);
+    // 256 KiB in messages of 16 KiB: the socket's buffers take them, the engine relays
+    // its window's worth and waits.
+    let message = vec![0x41u8; 16 * 1024];
+    for _ in 0..16 {
+        c.write_all(&frame(0x82, &message)).unwrap();
+    }
+    let first = server.sink.data(conn, RELAY_WINDOW as usize);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        first.len() + server.sink.data_now(conn).len(),
+        RELAY_WINDOW as usize
+    );
+    // Python read it all: the rest comes, a window at a time.
+    let mut total = RELAY_WINDOW;
+    while total < 256 * 1024 {
+        if share.consumed(total) {
+            server.command(Command::Resume { conn });
+        }
+        total += server.sink.data(conn, 1).len() as u64;
+        total += server.sink.data_now(conn).len() as u64;
+        assert!(total - share.acked.load(Ordering::SeqCst) <= RELAY_WINDOW);
+    }
+    assert_eq!(total, 256 * 1024);
 }
 
 /// A stream of client frames, valid ones, for the codec.

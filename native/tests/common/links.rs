@@ -61,6 +61,20 @@ impl Collect {
         got
     }
 
+    /// The plaintext relayed for `conn` so far, without waiting.
+    pub fn data_now(&self, conn: u64) -> Vec<u8> {
+        let mut reports = self.reports.lock().unwrap();
+        let mut got = Vec::new();
+        reports.retain(|r| match r {
+            Report::Link(LinkEvent::Data { conn: c, data }) if *c == conn => {
+                got.extend_from_slice(data);
+                false
+            }
+            _ => true,
+        });
+        got
+    }
+
     pub fn ended(&self, conn: u64) -> (bool, String) {
         self.wait(5, |e| match e {
             LinkEvent::Ended { conn: c, eof, why } if *c == conn => Some((*eof, why.clone())),
