@@ -26,13 +26,13 @@ from gateway.config import GatewayConfig, ListenerConfig
 from gateway.connection import Connection
 from gateway.mqtt import Decoder
 from gateway.mqtt import reason as rc
-from gateway.mqtt.protocol import Closing
+from gateway.mqtt.protocol import Closing, MqttProtocol
 from gateway.native_link import NativeLinks, NativeStream
 from gateway.reactor import Reactor
 from gateway.transports import ServerTLS, WebSocketStream, receive_upgrade, reject_upgrade
 from serving.accepting import budgeted
 from serving.fd_budget import client_fd_ceiling
-from serving.read_budget import ReadBudget, read_fd
+from serving.read_budget import READ_SIZE, ReadBudget, read_fd
 from serving.reload import Reload
 from serving.startup import StartupError, listening
 from serving.values import split_hostport
@@ -162,7 +162,8 @@ async def serve_native(
                                     reuse_port=False)
     bound = sock.getsockname()
     if handover.links is None:
-        handover.links = NativeLinks(lambda: broker.connection_nursery, _serve_link(broker))
+        handover.links = NativeLinks(lambda: broker.connection_nursery, _serve_link(broker),
+                                     broker.read_budget)
     tls = name != "ws"
     try:
         engine.listen(sock.fileno(), NATIVE_LISTENERS[name], LISTENERS[name][0],
@@ -194,10 +195,25 @@ def _serve_link(broker: Broker):  # type: ignore[no-untyped-def]
     async def serve(stream: NativeStream, peer: str, identity: str | None,
                     upgrade: tuple[str, list[str]] | None) -> None:
         if upgrade is None:
-            await handle_connection(broker, stream, peer, identity)
+            await run_connection(_linked_connection(broker, stream, peer, identity))
         else:
             await _serve_native_websocket(broker, stream, peer, identity, *upgrade)
     return serve
+
+
+def _linked_connection(broker: Broker, stream: NativeStream, peer: str,
+                       identity: str | None) -> Connection:
+    """A Connection over a stream the engine relays, whose reads take what the node's
+    read budget allows when their bytes are there (as `read_fd` does for a socket)."""
+    conn = Connection(broker, stream, peer, cert_identity=identity)
+    # (Its core, not the Connection: a cycle would keep a closed one's buffers.)
+    stream.read_size = partial(_read_size, broker.read_budget, conn.core)
+    return conn
+
+
+def _read_size(budget: ReadBudget, core: MqttProtocol) -> int:
+    decoder = core.decoder  # (None while the engine carries the connection)
+    return budget.read_size(decoder.buffered if decoder is not None else 0, READ_SIZE)
 
 
 async def _serve_native_websocket(broker: Broker, stream: NativeStream, peer: str,
@@ -209,7 +225,7 @@ async def _serve_native_websocket(broker: Broker, stream: NativeStream, peer: st
     if chosen is None:
         stream.refuse(400, WS_REFUSAL)
         return
-    conn = Connection(broker, stream, peer, cert_identity=identity)
+    conn = _linked_connection(broker, stream, peer, identity)
     # (The decoder the CONNECT is read with: the limit changes once it has a version.)
     stream.message_limit = partial(_message_limit, broker.config, conn.decoder)
     stream.upgrade(chosen)

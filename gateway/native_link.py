@@ -12,7 +12,11 @@ with and how large its messages may be.
 The engine relays at most a window ahead of what Python consumed (past it, it does not
 read the socket: TCP holds the rest), and what Python writes waits for the link in the
 engine, in order; past a mark the writer waits until the engine says there is room, as
-a socket's full send buffer makes it wait. A connection Python promotes (gateway.handover)
+a socket's full send buffer makes it wait. What was relayed and not consumed yet counts
+in the node's read budget (--max-partial-bytes), as the bytes of Python's own reads do
+until they reach the decoder: while the node is over it, the engine reads no more of a
+connection holding its share, and a read here takes what the budget allows when the
+bytes are there, not when the wait for them began. A connection Python promotes (gateway.handover)
 stays on its link in the engine, carried there; its demotion relays it again."""
 
 from __future__ import annotations
@@ -20,13 +24,16 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from gateway.reading import ReadAgain
 from serving.accepting import note_failure
 from serving.fd_budget import refused_natively
+
+if TYPE_CHECKING:
+    from serving.read_budget import ReadBudget
 
 log = logging.getLogger("lightgate.gateway.tls")
 listener_log = logging.getLogger("lightgate.gateway.listener")
@@ -38,9 +45,13 @@ WINDOW = 64 * 1024  # what the engine relays ahead of what is consumed (link.rs)
 class NativeStream(trio.abc.Stream):
     """A connection the engine accepted, as a byte stream (one `Connection` reads it)."""
 
-    def __init__(self, link: Any, peer: str) -> None:
+    def __init__(self, link: Any, peer: str, budget: ReadBudget | None = None) -> None:
         self.link = link  # serving.lightgate_native.Link
         self.peer = peer
+        self.budget = budget  # the node's read budget, which counts what waits here
+        # How much a read may take once its bytes are there (set by whoever makes the
+        # Connection reading it: the budget's answer for that connection, now).
+        self.read_size: Callable[[], int] | None = None
         self._in: deque[bytes] = deque()  # relayed, not taken yet
         self.relayed = 0  # bytes the engine relayed, over the connection's life
         self.consumed = 0  # of them, taken (read, or handed to the engine with a carry)
@@ -104,8 +115,13 @@ class NativeStream(trio.abc.Stream):
     def carry(self) -> None:
         """The engine carries the connection: everything relayed is accounted for."""
         self.carried = True
+        self._ack()
+
+    def _ack(self) -> None:
+        """Tell the engine what was consumed: it may relay more, and counts less."""
         self._acked = self.consumed
-        self.link.consumed(self.consumed)
+        if self.link.consumed(self.consumed) and self.budget is not None:
+            self.budget.refresh()  # the node is back within its budget
 
     def upgrade(self, subprotocol: str) -> None:
         """Accept the WebSocket's upgrade with `subprotocol`: the engine writes the 101,
@@ -145,11 +161,14 @@ class NativeStream(trio.abc.Stream):
                 raise ReadAgain
             self._ready = trio.Event()
             await self._ready.wait()
+            if self.read_size is not None:  # the budget as it is now the bytes came
+                max_bytes = self.read_size()
         data = self._take(max_bytes)
         self.consumed += len(data)
-        if self.consumed - self._acked >= WINDOW // 2:  # the engine reads on
-            self._acked = self.consumed
-            self.link.consumed(self.consumed)
+        # Acknowledged when all was taken (nothing waits here: nothing counts), or every
+        # half window (the engine reads on).
+        if not self._in or self.consumed - self._acked >= WINDOW // 2:
+            self._ack()
         return data
 
     def _take(self, max_bytes: int | None) -> bytes:
@@ -210,9 +229,11 @@ class NativeLinks:
     """The engine's news of the connections it accepted, for their streams (taken by
     the handover task, which waits on the engine's wake-up for both)."""
 
-    def __init__(self, nursery: Callable[[], trio.Nursery | None], serve: Serve) -> None:
+    def __init__(self, nursery: Callable[[], trio.Nursery | None], serve: Serve,
+                 budget: ReadBudget | None = None) -> None:
         self._nursery = nursery  # where each connection's task runs
         self._serve = serve  # a connection's life, over its stream
+        self._budget = budget  # the node's read budget
         self.streams: dict[int, NativeStream] = {}
 
     def on_event(self, ev: tuple[Any, ...]) -> None:
@@ -240,7 +261,7 @@ class NativeLinks:
         if nursery is None:  # shutting down
             link.close()
             return
-        stream = NativeStream(link, peer)
+        stream = NativeStream(link, peer, self._budget)
         self.streams[link.id] = stream
         nursery.start_soon(self._run, stream, identity, upgrade)
 

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use mio::net::TcpStream;
 use rustls::ServerConnection;
 
+use crate::partial::PartialBudget;
 use crate::ws;
 
 pub enum Link {
@@ -560,6 +561,9 @@ pub struct LinkShare {
     /// says so (Python's, changed once its CONNECT is read).
     pub message_limit: AtomicUsize,
     pub setting: std::sync::Mutex<String>,
+    /// What of it is counted in the node's budget for partial packets (`recount`): the
+    /// bytes relayed that Python has not consumed, which wait in its memory.
+    counted: std::sync::Mutex<usize>,
 }
 
 impl LinkShare {
@@ -632,6 +636,32 @@ impl LinkShare {
         self.relayed.load(Ordering::SeqCst) & CARRYING != 0
     }
 
+    /// Bytes relayed that Python has not consumed yet.
+    pub fn unconsumed(&self) -> usize {
+        let relayed = self.relayed.load(Ordering::SeqCst) & !CARRYING;
+        relayed.saturating_sub(self.acked.load(Ordering::SeqCst)) as usize
+    }
+
+    /// Count what waits for Python now in the node's budget for partial packets (they
+    /// are bytes Python holds as surely as its decoder's; nothing once the link is
+    /// gone), from either side: whether that took the node back within the budget.
+    pub fn recount(&self, budget: &PartialBudget) -> bool {
+        let Ok(mut counted) = self.counted.lock() else {
+            return false;
+        };
+        let now = if self.gone.load(Ordering::SeqCst) {
+            0
+        } else {
+            self.unconsumed()
+        };
+        if now == *counted {
+            return false;
+        }
+        let freed = budget.update(*counted, now).freed;
+        *counted = now;
+        freed
+    }
+
     /// A WebSocket message may hold `limit` bytes from now on, as `setting` says.
     pub fn set_message_limit(&self, limit: usize, setting: &str) {
         if let Ok(mut s) = self.setting.lock() {
@@ -671,6 +701,26 @@ mod tests {
         share.end_carry();
         assert!(share.relay(3));
         assert_eq!(share.relayed.load(Ordering::SeqCst), 13);
+    }
+
+    #[test]
+    fn what_waits_for_python_counts_in_the_node_budget_until_consumed() {
+        let budget = PartialBudget::default();
+        budget.set_limit(1000);
+        let share = LinkShare::default();
+        assert!(share.relay(1200));
+        assert!(!share.recount(&budget));
+        assert_eq!(budget.held(), 1200);
+        assert!(budget.must_wait(share.unconsumed()), "over, holding it all");
+        share.consumed(700);
+        assert!(share.recount(&budget), "back within the budget");
+        assert_eq!(budget.held(), 500);
+        share.gone.store(true, Ordering::SeqCst);
+        share.recount(&budget);
+        assert_eq!(budget.held(), 0, "a link gone holds nothing");
+        share.consumed(1200);
+        share.recount(&budget);
+        assert_eq!(budget.held(), 0);
     }
 
     #[test]

@@ -469,11 +469,15 @@ impl PyLink {
         Ok(wait)
     }
 
-    /// Python has consumed `total` bytes of what was relayed, over the link's life.
-    fn consumed(&self, total: u64) {
+    /// Python has consumed `total` bytes of what was relayed, over the link's life:
+    /// what still waits for it counts in the node's budget for partial packets. True
+    /// when that took the node back within the budget (the caller's `ReadBudget` should
+    /// `refresh`).
+    fn consumed(&self, total: u64) -> bool {
         if self.share.consumed(total) {
             self.handle.send(ReactorCommand::Resume { conn: self.id });
         }
+        self.share.recount(self.handle.partial())
     }
 
     /// Bytes Python sent that the link has not taken yet.

@@ -502,11 +502,20 @@ impl Worker {
                 self.again.push(token);
                 return;
             }
-            let window = share.window() as usize;
+            // What waits for Python counts in the node's budget: while the node is over
+            // it, one that holds its share is not read (TCP holds the client back), the
+            // others read as little as Python's own connections do.
+            let held = share.unconsumed();
+            let window = if self.partial.must_wait(held) {
+                0
+            } else {
+                (share.window() as usize).min(self.partial.read_size(held, buf.len()))
+            };
             if window == 0 {
                 share.stalled.store(true, Ordering::SeqCst);
                 // Python may have consumed meanwhile: then it did not see the stall.
-                if share.window() == 0 || !share.stalled.swap(false, Ordering::SeqCst) {
+                let still = share.window() == 0 || self.partial.must_wait(share.unconsumed());
+                if still || !share.stalled.swap(false, Ordering::SeqCst) {
                     return;
                 }
                 continue;
@@ -532,6 +541,9 @@ impl Worker {
                     }
                     let data = buf[..n].to_vec();
                     self.events.push(LinkEvent::Data { conn: r.id, data });
+                    if share.recount(&self.partial) {
+                        self.sink.partial_freed();
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -611,6 +623,9 @@ impl Worker {
             let data = std::mem::take(&mut r.held_back);
             share.relay(data.len() as u64);
             self.events.push(LinkEvent::Data { conn, data });
+        }
+        if share.recount(&self.partial) {
+            self.sink.partial_freed();
         }
         self.again.push(token);
         touched.push(token);
@@ -708,6 +723,9 @@ impl Worker {
         let share = r.share();
         share.gone.store(true, Ordering::SeqCst);
         share.took(std::mem::take(&mut r.unsent).len());
+        if share.recount(&self.partial) {
+            self.sink.partial_freed(); // what waited for Python counts no more
+        }
         self.tokens.remove(&r.id);
         if r.id % self.lanes.len() as u64 != self.index as u64 {
             if let Ok(mut routes) = self.routes.write() {
@@ -792,6 +810,15 @@ impl Worker {
             ..
         } = *r;
         share.end_carry();
+        // Python took all that was relayed (its ack follows): carried, what the
+        // connection holds is counted as its unfinished packet.
+        share.acked.fetch_max(
+            share.relayed.load(Ordering::SeqCst) & !crate::link::CARRYING,
+            Ordering::SeqCst,
+        );
+        if share.recount(&self.partial) {
+            self.sink.partial_freed();
+        }
         a.unread.extend_from_slice(&held_back);
         // What waits for the client stays, first: the carried connection's now.
         share.took(unsent.len());
