@@ -286,7 +286,9 @@ def test_partial_packets_of_relayed_websocket_connections_count_in_the_node_budg
         assert first < PARTIAL_CONNS // 2, "the budget closed those over it"
         assert second < PARTIAL_CONNS // 10, "over budget from the start: all but a few"
         assert most <= budget + 2 * PARTIAL_CONNS * 8 * 1024
-        assert grown < 8 * MiB
+        # 6.3-7.6 MiB native (300 relayed connections' own costs in), 3.2 on the Python
+        # plane; 20.8 MiB when the relayed bytes counted nowhere.
+        assert grown < 12 * MiB
     finally:
         for s in socks:
             s.close()
