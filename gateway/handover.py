@@ -10,15 +10,17 @@ writes what the socket had not taken, hands the packet that needed Python to the
 Python core, and lets Python's delivery go on from each queue's position. Once it is
 quiet again it is promoted again.
 
-TLS connections on the native plane are the engine's from the accept (gateway.native_link):
-promoting one switches its link in the engine to the carried steady state, and demoting it
-switches it back to relaying bytes to Python; its session and socket never move.
+TLS and WebSocket connections on the native plane are the engine's from the accept
+(gateway.native_link): promoting one switches its link in the engine to the carried steady
+state, and demoting it switches it back to relaying bytes to Python; its session, its
+WebSocket framing and its socket never move.
 
-Promoted: clean sessions (3.1.1 clean session, v5 session expiry 0) on plain TCP or TLS
-(the native listener's), with plain subscriptions (no shared, no `$replay`, no `$`
-filter, no v5 No Local, Retain As Published or subscription identifiers), no HTTP hook
-or per-delivery ACL check, no publish rate limit, no credentials' end, and nothing under
-way in Python. Everything else stays in Python (WebSocket, persistent sessions, ...)."""
+Promoted: clean sessions (3.1.1 clean session, v5 session expiry 0) on plain TCP, TLS,
+WebSocket or secure WebSocket (the native listeners'), with plain subscriptions (no
+shared, no `$replay`, no `$` filter, no v5 No Local, Retain As Published or subscription
+identifiers), no HTTP hook or per-delivery ACL check, no publish rate limit, no
+credentials' end, and nothing under way in Python. Everything else stays in Python
+(persistent sessions, the Python plane's own TLS and WebSocket streams, ...)."""
 
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ NEVER, PARKED, BUSY, READY = range(4)
 
 
 def _linked(conn: Connection) -> NativeStream | None:
-    """The native link of a connection the engine accepted (a TLS one), if it is."""
+    """The native link of a connection the engine accepted (TLS, WebSocket), if it is."""
     stream = conn.stream
     return stream if type(stream) is NativeStream else None
 
@@ -106,7 +108,7 @@ class Handover:
         self._waiting: trio.CancelScope | None = None  # the task's wait, until a look
         self._ending = trio.Lock()  # one waits on the engine's descriptor at a time
         self.running = False
-        # The connections the engine accepted (its TLS listener), once it listens.
+        # The connections the engine accepted (its TLS and WebSocket listeners), once it listens.
         self.links: NativeLinks | None = None
         # What a connection that may publish anywhere (adopted with no ACL cache) is
         # held to natively; past it, or on a `$` topic, its publish comes to Python.
@@ -131,7 +133,7 @@ class Handover:
         if (conn.stream is not None or conn.reactor is None) and not linked or s.persistent \
                 or conn._limits is not None or conn._taken_over or core.version < 3 \
                 or core.alias_out_max:
-            # WebSocket, Python's TLS, a persistent session, a publish rate limit, a client
+            # Python's TLS or WebSocket, a persistent session, a publish rate limit, a client
             # that takes topic aliases (the native side sends none: Python keeps it to
             # use them)
             return NEVER

@@ -3,7 +3,10 @@
 Every listener hands `Connection` a byte stream, the peer address and, for a verified
 client certificate, the identity taken from it (used as the username when configured).
 Handshakes (TLS, then the WebSocket upgrade) run in the connection's own task under a
-timeout, so a slow or hostile client never holds up the accept loop.
+timeout, so a slow or hostile client never holds up the accept loop. On the native plane
+the engine accepts TLS, WebSocket and secure WebSocket (`serve_native`): it does the
+handshakes and the framing, and Python decides what it decides here (the subprotocol,
+CONNECT and every rule after it) over the bytes it relays.
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ from gateway.config import GatewayConfig, ListenerConfig
 from gateway.connection import Connection
 from gateway.mqtt import Decoder
 from gateway.mqtt import reason as rc
-from gateway.mqtt.protocol import Closing
+from gateway.mqtt.protocol import Closing, MqttProtocol
 from gateway.native_link import NativeLinks, NativeStream
 from gateway.reactor import Reactor
 from gateway.transports import ServerTLS, WebSocketStream, receive_upgrade, reject_upgrade
 from serving.accepting import budgeted
 from serving.fd_budget import client_fd_ceiling
-from serving.read_budget import ReadBudget, read_fd
+from serving.read_budget import READ_SIZE, ReadBudget, read_fd
 from serving.reload import Reload
 from serving.startup import StartupError, listening
 from serving.values import split_hostport
@@ -40,6 +43,7 @@ BACKLOG = 4096
 WS_HANDSHAKE_TIMEOUT = 10.0  # from TCP accept (after TLS, for wss) to the HTTP upgrade
 WS_SUBPROTOCOLS = ("mqtt", "mqttv3.1")  # MQTT 3.1.1/5.0's name, then MQTT 3.1 clients'
 WS_MESSAGE_SLACK = 64 * 1024  # a message may carry more than one packet, a little over
+WS_REFUSAL = b"MQTT over WebSocket needs subprotocol mqtt\n"  # the 400's body
 
 
 def peer_of(stream: trio.SocketStream) -> str:
@@ -134,30 +138,40 @@ async def serve_mqtt_tls(
     await trio.serve_listeners(handle, budgeted(listeners, LISTENERS["mqtt_tls"][0]))
 
 
-async def serve_mqtt_tls_native(
-    broker: Broker, addr: str, cfg: ListenerConfig, *,
+# The listeners the engine accepts on, on the native plane: name -> its index there.
+NATIVE_LISTENERS = {"mqtt_tls": 0, "ws": 1, "wss": 2}
+
+
+async def serve_native(
+    broker: Broker, addr: str, name: str, cfg: ListenerConfig, *,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """MQTT over TLS on the native plane (docs/native-plane.md): this binds `addr` (its
-    errors, port 0 and the ready line stay as for every listener), the engine accepts,
-    does the handshake, and relays each connection's bytes to a `Connection` here
-    (gateway.native_link) until it is promoted, as a plain-TCP one is, to be carried
-    there on the same TLS session."""
+    """MQTT over TLS, WebSocket or secure WebSocket (`name`) on the native plane
+    (docs/native-plane.md): this binds `addr` (its errors, port 0 and the ready line
+    stay as for every listener), the engine accepts, does the TLS handshake and a
+    WebSocket's upgrade (Python chooses the subprotocol: `_serve_native_websocket`),
+    and relays each connection's bytes to a `Connection` here (gateway.native_link)
+    until it is promoted, as a plain-TCP one is, to be carried there on the same
+    link."""
     handover = broker.handover
     assert handover is not None
     engine = handover.engine
-    with listening(*LISTENERS["mqtt_tls"], addr):
+    with listening(*LISTENERS[name], addr):
         host, port = split_hostport(addr)
         sock = socket.create_server((host or "0.0.0.0", port), backlog=BACKLOG,
                                     reuse_port=False)
     bound = sock.getsockname()
     if handover.links is None:
-        handover.links = NativeLinks(lambda: broker.connection_nursery, _serve_link(broker))
+        handover.links = NativeLinks(lambda: broker.connection_nursery, _serve_link(broker),
+                                     broker.read_budget)
+    tls = name != "ws"
     try:
-        engine.listen(sock.fileno(), 0, LISTENERS["mqtt_tls"][0], cfg.tls_cert, cfg.tls_key,
+        engine.listen(sock.fileno(), NATIVE_LISTENERS[name], LISTENERS[name][0],
+                      cfg.tls_cert if tls else None, cfg.tls_key if tls else None,
                       cfg.tls_ca, cfg.tls_client_auth, cfg.tls_username_from,
                       fd_ceiling=client_fd_ceiling(), handshake_timeout=cfg.tls_handshake_timeout,
-                      max_handshakes=cfg.tls_max_handshakes)
+                      max_handshakes=cfg.tls_max_handshakes, websocket=name != "mqtt_tls",
+                      upgrade_timeout=WS_HANDSHAKE_TIMEOUT)
     except ValueError as exc:
         sock.close()
         raise StartupError(f"--tls-cert {cfg.tls_cert} with --tls-key {cfg.tls_key} does not "
@@ -178,9 +192,44 @@ async def serve_mqtt_tls_native(
 
 
 def _serve_link(broker: Broker):  # type: ignore[no-untyped-def]
-    async def serve(stream: NativeStream, peer: str, identity: str | None) -> None:
-        await handle_connection(broker, stream, peer, identity)
+    async def serve(stream: NativeStream, peer: str, identity: str | None,
+                    upgrade: tuple[str, list[str]] | None) -> None:
+        if upgrade is None:
+            await run_connection(_linked_connection(broker, stream, peer, identity))
+        else:
+            await _serve_native_websocket(broker, stream, peer, identity, *upgrade)
     return serve
+
+
+def _linked_connection(broker: Broker, stream: NativeStream, peer: str,
+                       identity: str | None) -> Connection:
+    """A Connection over a stream the engine relays, whose reads take what the node's
+    read budget allows when their bytes are there (as `read_fd` does for a socket)."""
+    conn = Connection(broker, stream, peer, cert_identity=identity)
+    # (Its core, not the Connection: a cycle would keep a closed one's buffers.)
+    stream.read_size = partial(_read_size, broker.read_budget, conn.core)
+    return conn
+
+
+def _read_size(budget: ReadBudget, core: MqttProtocol) -> int:
+    decoder = core.decoder  # (None while the engine carries the connection)
+    return budget.read_size(decoder.buffered if decoder is not None else 0, READ_SIZE)
+
+
+async def _serve_native_websocket(broker: Broker, stream: NativeStream, peer: str,
+                                  identity: str | None, target: str, offered: list[str]
+                                  ) -> None:
+    """A WebSocket the engine accepted and read the upgrade request of: answered as
+    `_serve_websocket` answers its own, then MQTT over the engine's frames."""
+    chosen = _subprotocol(peer, target, offered)
+    if chosen is None:
+        stream.refuse(400, WS_REFUSAL)
+        return
+    conn = _linked_connection(broker, stream, peer, identity)
+    # (The decoder the CONNECT is read with: the limit changes once it has a version.)
+    stream.message_limit = partial(_message_limit, broker.config, conn.decoder)
+    stream.upgrade(chosen)
+    await run_connection(conn)
 
 
 async def serve_mqtt_ws(
@@ -224,18 +273,26 @@ async def _serve_websocket(
     if upgrade is None:
         return
     ws, request = upgrade
-    chosen = next((p for p in WS_SUBPROTOCOLS if p in request.subprotocols), None)
+    chosen = _subprotocol(peer, request.target, request.subprotocols)
     if chosen is None:
-        # MQTT 6.0: the server must select "mqtt"; without it this is not MQTT.
-        log.info("websocket client %s (path %s) offered subprotocols %s, not mqtt: rejected",
-                 peer, request.target, request.subprotocols)
-        await reject_upgrade(stream, ws, 400, b"MQTT over WebSocket needs subprotocol mqtt\n")
+        await reject_upgrade(stream, ws, 400, WS_REFUSAL)
         return
     await stream.send_all(ws.send(AcceptConnection(subprotocol=chosen)))
     ws_stream = WebSocketStream(stream, ws, peer)
     conn = Connection(broker, ws_stream, peer, cert_identity=identity)
     _attach(ws_stream, stream, conn.decoder, broker)
     await run_connection(conn)
+
+
+def _subprotocol(peer: str, target: str, offered: list[str]) -> str | None:
+    """The subprotocol to accept a client's upgrade with; None (said in the log) when it
+    offered no MQTT one. MQTT 6.0: the server must select "mqtt"; without it this is
+    not MQTT."""
+    chosen = next((p for p in WS_SUBPROTOCOLS if p in offered), None)
+    if chosen is None:
+        log.info("websocket client %s (path %s) offered subprotocols %s, not mqtt: rejected",
+                 peer, target, offered)
+    return chosen
 
 
 def _attach(ws_stream: WebSocketStream, transport: trio.abc.Stream, decoder: Decoder,
@@ -323,15 +380,23 @@ async def start_listeners(
     bound: dict[str, str] = {}
     if addr := cfg.address("mqtt"):
         bound["mqtt"] = await nursery.start(serve_mqtt_tcp, broker, addr)
+    # The native plane's engine accepts TLS and WebSocket too (gateway.native_link).
+    native = broker.handover is not None
     if (addr := cfg.address("mqtt_tls")) and tls is not None:
-        if broker.handover is not None:  # the native plane's engine accepts TLS too
-            bound["mqtt_tls"] = await nursery.start(serve_mqtt_tls_native, broker, addr, cfg)
+        if native:
+            bound["mqtt_tls"] = await nursery.start(serve_native, broker, addr, "mqtt_tls", cfg)
         else:
             bound["mqtt_tls"] = await nursery.start(serve_mqtt_tls, broker, addr, tls)
     if addr := cfg.address("ws"):
-        bound["ws"] = await nursery.start(serve_mqtt_ws, broker, addr, None)
+        if native:
+            bound["ws"] = await nursery.start(serve_native, broker, addr, "ws", cfg)
+        else:
+            bound["ws"] = await nursery.start(serve_mqtt_ws, broker, addr, None)
     if (addr := cfg.address("wss")) and tls is not None:
-        bound["wss"] = await nursery.start(serve_mqtt_ws, broker, addr, tls)
+        if native:
+            bound["wss"] = await nursery.start(serve_native, broker, addr, "wss", cfg)
+        else:
+            bound["wss"] = await nursery.start(serve_mqtt_ws, broker, addr, tls)
     return bound
 
 

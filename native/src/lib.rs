@@ -36,6 +36,7 @@ pub mod reactor;
 pub mod record;
 pub mod router;
 pub mod tls;
+pub mod ws;
 
 #[cfg(feature = "python")]
 mod py;

@@ -469,11 +469,15 @@ impl PyLink {
         Ok(wait)
     }
 
-    /// Python has consumed `total` bytes of what was relayed, over the link's life.
-    fn consumed(&self, total: u64) {
+    /// Python has consumed `total` bytes of what was relayed, over the link's life:
+    /// what still waits for it counts in the node's budget for partial packets. True
+    /// when that took the node back within the budget (the caller's `ReadBudget` should
+    /// `refresh`).
+    fn consumed(&self, total: u64) -> bool {
         if self.share.consumed(total) {
             self.handle.send(ReactorCommand::Resume { conn: self.id });
         }
+        self.share.recount(self.handle.partial())
     }
 
     /// Bytes Python sent that the link has not taken yet.
@@ -488,9 +492,37 @@ impl PyLink {
     }
 
     /// Close it: what was sent goes out first (a moment at most), then the
-    /// close_notify.
+    /// close_notify (a WebSocket's close frame, and a moment for the client's).
     fn close(&self) {
         self.handle.send(ReactorCommand::Close { conn: self.id });
+    }
+
+    /// Accept a WebSocket's upgrade ("opened" with its request) with `subprotocol`,
+    /// one it offered: the 101 goes out, then every `send` is a binary message. A
+    /// message that begins from here may hold `limit` bytes, as `setting` says.
+    #[pyo3(signature = (subprotocol, limit, setting))]
+    fn upgrade(&self, subprotocol: Option<String>, limit: usize, setting: &str) {
+        self.share.set_message_limit(limit, setting);
+        self.handle.send(ReactorCommand::Upgrade {
+            conn: self.id,
+            subprotocol,
+        });
+    }
+
+    /// Refuse a WebSocket's upgrade: HTTP `status` with `body` (text/plain), as
+    /// `transports.reject_upgrade` answers, then the connection closes.
+    fn refuse(&self, status: u16, body: Vec<u8>) {
+        self.handle.send(ReactorCommand::Refuse {
+            conn: self.id,
+            status,
+            body,
+        });
+    }
+
+    /// A WebSocket message that begins from now on may hold `limit` bytes, as
+    /// `setting` says (the engine closes one past it with 1009 and says so).
+    fn set_message_limit(&self, limit: usize, setting: &str) {
+        self.share.set_message_limit(limit, setting);
     }
 }
 
@@ -911,12 +943,15 @@ impl PyEngine {
     /// demotion as `take_demoted` gives it (fd None for a TLS connection, which the
     /// engine keeps and relays), and the news of the connections the native listeners
     /// accepted, as tuples:
-    /// ("opened", Link, listener, peer, identity | None): its handshake is done;
+    /// ("opened", Link, listener, peer, identity | None, upgrade | None): its handshake
+    /// is done (a WebSocket's upgrade: (target, [subprotocols]), for `Link.upgrade` or
+    /// `Link.refuse`);
     /// ("data", conn, bytes): plaintext from the client;
     /// ("ended", conn, eof, why): the client ended it (eof) or it broke;
     /// ("room", conn): what Python sent is down to the mark;
     /// ("log", what, text, count): "handshake", "reloaded", "reload_failed",
-    /// "accept_failed", "refused" (count connections of the listener named by text).
+    /// "accept_failed", "refused" (count connections of the listener named by text),
+    /// "ws_handshake" (an upgrade that failed), "ws_limit" (a message past its limit).
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         use crate::reactor::{LinkEvent, LogTarget};
         let engine = self.engine()?;
@@ -933,13 +968,14 @@ impl PyEngine {
                     share,
                     peer,
                     identity,
+                    upgrade,
                 }) => {
                     let link = PyLink {
                         id: conn,
                         share,
                         handle: handle.clone(),
                     };
-                    ("opened", link, listener, peer, identity)
+                    ("opened", link, listener, peer, identity, upgrade)
                         .into_pyobject(py)?
                         .into_any()
                 }
@@ -962,6 +998,8 @@ impl PyEngine {
                         LogTarget::ReloadFailed => ("reload_failed", 1),
                         LogTarget::AcceptFailed => ("accept_failed", 1),
                         LogTarget::Refused { count } => ("refused", count),
+                        LogTarget::Upgrade => ("ws_handshake", 1),
+                        LogTarget::MessageLimit => ("ws_limit", 1),
                     };
                     ("log", what, text, count).into_pyobject(py)?.into_any()
                 }
@@ -982,36 +1020,56 @@ impl PyEngine {
     /// change). `index` names the listener in "opened" events, `name` in the log; a
     /// connection on a descriptor at `fd_ceiling` or above is refused; a handshake may
     /// take `handshake_timeout` seconds; at most `max_handshakes` run at once (the
-    /// engine's, for all its listeners).
-    #[pyo3(signature = (fd, index, name, cert, key, ca=None, client_auth="none", username_from="none", fd_ceiling=usize::MAX, handshake_timeout=10.0, max_handshakes=usize::MAX))]
+    /// engine's, for all its listeners). `websocket`: MQTT over WebSocket (over TLS
+    /// when `cert` is given), its upgrade within `upgrade_timeout` seconds.
+    #[pyo3(signature = (fd, index, name, cert, key, ca=None, client_auth="none", username_from="none", fd_ceiling=usize::MAX, handshake_timeout=10.0, max_handshakes=usize::MAX, websocket=false, upgrade_timeout=10.0))]
     #[allow(clippy::too_many_arguments)] // the listener's settings, one value each
     fn listen(
         &self,
         fd: i32,
         index: u32,
         name: String,
-        cert: &str,
-        key: &str,
+        cert: Option<&str>,
+        key: Option<&str>,
         ca: Option<&str>,
         client_auth: &str,
         username_from: &str,
         fd_ceiling: usize,
         handshake_timeout: f64,
         max_handshakes: usize,
+        websocket: bool,
+        upgrade_timeout: f64,
     ) -> PyResult<()> {
         let engine = self.engine()?;
-        let settings = tls_settings(cert, key, ca, client_auth, username_from)?;
-        let files = tls::TlsFiles::load(settings).map_err(value_error)?;
+        let files = match (cert, key) {
+            (Some(cert), Some(key)) => {
+                let settings = tls_settings(cert, key, ca, client_auth, username_from)?;
+                let files = tls::TlsFiles::load(settings).map_err(value_error)?;
+                Some(std::sync::Arc::new(std::sync::Mutex::new(files)))
+            }
+            (None, None) if websocket => None,
+            _ => {
+                return Err(value_error(
+                    "a TLS listener needs a certificate and its key",
+                ))
+            }
+        };
         let fd = Fd::checked(fd)?;
         let socket = std::net::TcpListener::from(adopt_fd(fd));
-        let listener = crate::reactor::Listener::new(
-            index,
-            name,
-            socket,
-            std::sync::Arc::new(std::sync::Mutex::new(files)),
-            fd_ceiling,
-            handshake_timeout,
-        )
+        let listener = if websocket {
+            crate::reactor::Listener::websocket(
+                index,
+                name,
+                socket,
+                files,
+                fd_ceiling,
+                handshake_timeout,
+                upgrade_timeout,
+            )
+        } else {
+            let files = files.expect("checked above");
+            crate::reactor::Listener::new(index, name, socket, files, fd_ceiling, handshake_timeout)
+        }
         .map_err(os_error)?;
         engine
             .handle()

@@ -381,6 +381,17 @@ pub enum Command {
         conn: u64,
         adoption: Box<Adoption>,
     },
+    /// Python accepts a WebSocket's upgrade with this subprotocol: the 101, then frames.
+    Upgrade {
+        conn: u64,
+        subprotocol: Option<String>,
+    },
+    /// Python refuses a WebSocket's upgrade: this answer, then the close.
+    Refuse {
+        conn: u64,
+        status: u16,
+        body: Vec<u8>,
+    },
     Stop,
 }
 
@@ -400,7 +411,9 @@ impl Command {
             | Command::Send { conn, .. }
             | Command::Close { conn }
             | Command::Resume { conn }
-            | Command::Carry { conn, .. } => *conn,
+            | Command::Carry { conn, .. }
+            | Command::Upgrade { conn, .. }
+            | Command::Refuse { conn, .. } => *conn,
             Command::Arrive(m) => m.conn.id,
             Command::Accepted(r) => r.id,
             Command::Listen(_) | Command::Stop => 0,
@@ -1083,6 +1096,7 @@ impl Worker {
             return;
         }
         let mut read = 0;
+        let mut note = None;
         loop {
             if read >= READ_PASS {
                 c.spent = true;
@@ -1113,11 +1127,11 @@ impl Worker {
                         c.demoting = Some(Why::Packet);
                         break;
                     }
-                    if short_ends && n < size && !c.link.is_tls() {
+                    if short_ends && n < size && c.link.is_plain() {
                         // A short read emptied the socket: what comes later is a new
                         // edge for epoll, so no second read only to hear WouldBlock.
-                        // (Not so of TLS: a record's plaintext can be short while the
-                        // socket holds more records.)
+                        // (Not so of TLS or WebSocket: a record's plaintext, a frame's
+                        // payload, can be short while the socket holds more.)
                         break;
                     }
                 }
@@ -1125,9 +1139,13 @@ impl Worker {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
                     c.demoting = Some(Why::Lost(format!("connection lost: {e}")));
+                    note = c.link.take_note();
                     break;
                 }
             }
+        }
+        if let Some(text) = note {
+            self.say(LogTarget::MessageLimit, text); // a WebSocket message past its limit
         }
     }
 
@@ -1275,6 +1293,10 @@ impl Worker {
                 Command::Carry { conn, adoption } => {
                     self.carry(conn, *adoption, touched, published);
                 }
+                Command::Upgrade { conn, subprotocol } => {
+                    self.ws_accept(conn, subprotocol, touched);
+                }
+                Command::Refuse { conn, status, body } => self.ws_refuse(conn, status, &body),
                 Command::Arrive(m) => {
                     if let Some(token) = self.arrive(m, touched, published) {
                         touched.push(token);
@@ -1691,7 +1713,7 @@ impl Worker {
         let Some(mut c) = self.conns.remove(&token) else {
             return;
         };
-        if c.link.is_tls() {
+        if !c.link.is_plain() {
             // The session stays here, relayed to Python: same token, same thread.
             self.report_demoted_tls(token, c);
             return;

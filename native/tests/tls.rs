@@ -4,89 +4,22 @@
 //! bytes on the TLS port refused, the cap on handshakes in flight, and hostile bytes
 //! into the handshake (no panic, nothing left held).
 
+#[path = "common/links.rs"]
+mod links;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lightgate_native::reactor::{
-    Command, Counters, LinkEvent, Listener, LogTarget, Reactor, Report, Sink,
-};
+use lightgate_native::reactor::{Command, Counters, Listener, LogTarget, Reactor};
 use lightgate_native::tls::{ClientAuth, TlsFiles, TlsSettings, UsernameFrom};
+use links::Collect;
 use proptest::prelude::*;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-
-#[derive(Default)]
-struct Collect {
-    reports: Mutex<Vec<Report>>,
-    changed: Condvar,
-}
-
-impl Sink for Collect {
-    fn report(&self, report: Report) {
-        self.reports.lock().unwrap().push(report);
-        self.changed.notify_all();
-    }
-}
-
-impl Collect {
-    /// The first link event `pick` accepts, waiting up to `secs` for it.
-    fn wait<T>(&self, secs: u64, mut pick: impl FnMut(&LinkEvent) -> Option<T>) -> T {
-        let deadline = Instant::now() + Duration::from_secs(secs);
-        let mut reports = self.reports.lock().unwrap();
-        loop {
-            let found = reports.iter().position(|r| match r {
-                Report::Link(e) => pick(e).is_some(),
-                _ => false,
-            });
-            if let Some(i) = found {
-                let Report::Link(e) = reports.remove(i) else {
-                    unreachable!()
-                };
-                return pick(&e).unwrap();
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            assert!(!left.is_zero(), "no such event in {secs} s");
-            reports = self.changed.wait_timeout(reports, left).unwrap().0;
-        }
-    }
-
-    fn opened(&self) -> (u64, Option<String>) {
-        self.wait(5, |e| match e {
-            LinkEvent::Opened { conn, identity, .. } => Some((*conn, identity.clone())),
-            _ => None,
-        })
-    }
-
-    /// Plaintext relayed for `conn` until `n` bytes came.
-    fn data(&self, conn: u64, n: usize) -> Vec<u8> {
-        let mut got = Vec::new();
-        while got.len() < n {
-            got.extend(self.wait(5, |e| match e {
-                LinkEvent::Data { conn: c, data } if *c == conn => Some(data.clone()),
-                _ => None,
-            }));
-        }
-        got
-    }
-
-    fn ended(&self, conn: u64) -> (bool, String) {
-        self.wait(5, |e| match e {
-            LinkEvent::Ended { conn: c, eof, why } if *c == conn => Some((*eof, why.clone())),
-            _ => None,
-        })
-    }
-
-    fn logged(&self, secs: u64, target: LogTarget) -> String {
-        self.wait(secs, |e| match e {
-            LinkEvent::Log { target: t, text } if *t == target => Some(text.clone()),
-            _ => None,
-        })
-    }
-}
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -10,6 +10,7 @@ import base64
 import hashlib
 import os
 import socket
+import ssl
 import struct
 
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 §1.3
@@ -28,8 +29,11 @@ class WebSocket:
     the payload of the next data frame."""
 
     def __init__(self, port: int, subprotocols: tuple[str, ...] = ("mqtt",),
-                 path: str = "/mqtt", timeout: float = 3.0) -> None:
+                 path: str = "/mqtt", timeout: float = 3.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        if tls is not None:  # secure WebSocket
+            self.sock = tls.wrap_socket(self.sock, server_hostname="localhost")
         self.frames: list[tuple[bool, int, bytes]] = []  # (FIN, opcode, payload) received
         self.close_code: int | None = None
         self._buf = b""
@@ -127,7 +131,7 @@ class WebSocket:
         try:
             while self.sock.recv(65536):
                 pass
-        except ConnectionResetError:
+        except (ConnectionResetError, ssl.SSLError):
             pass
         except TimeoutError:
             return False

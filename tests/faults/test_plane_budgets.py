@@ -11,7 +11,7 @@ import time
 
 from gateway import mqtt
 from tests.conftest import Server
-from tests.faults.hostile import MiB, RssPeak, metric, metrics, rss
+from tests.faults.hostile import MiB, RssPeak, metric, metrics, rss, ws_frame, ws_upgrade
 from tests.mqtt.raw import RawClient
 
 PROMOTED = "promoted to the native plane"
@@ -227,6 +227,68 @@ def test_partial_packets_of_carried_connections_count_in_the_node_budget(tmp_pat
         # The budget and a few KiB per connection holding any: 4.0 MiB on both planes.
         assert most <= budget + 2 * PARTIAL_CONNS * 8 * 1024
         assert grown < 8 * MiB  # 3-4.6 MiB; 17.3 MiB when nothing was counted
+    finally:
+        for s in socks:
+            s.close()
+        assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+def _ws_partial_round(srv: Server, name: str, socks: list[socket.socket]
+                      ) -> tuple[int, int]:
+    """As `_partial_round`, over WebSocket, with persistent sessions: Python's rules
+    serve them (on the native plane the engine relays their bytes), and each begins a
+    message of 600 KiB whose first PARTIAL_SENT bytes begin a 512 KiB PUBLISH."""
+    port = int(srv.addrs["ws"].rsplit(":", 1)[1])
+    mine = []
+    for i in range(PARTIAL_CONNS):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        ws_upgrade(s, srv.addrs["ws"])
+        s.sendall(ws_frame(mqtt.encode(mqtt.Connect(client_id=f"{name}-{i}",
+                                                    clean_start=False), 4)))
+        assert s.recv(16) == b"\x82\x04\x20\x02\x00\x00", "no CONNACK"
+        mine.append(s)
+    socks += mine
+    base = rss(srv.proc.pid)
+    peak = RssPeak(srv.proc.pid)
+    head = b"\x30" + bytes([0x80, 0x80, 0x20]) + b"\x00\x01t"  # remaining length 512 KiB
+    message = b"\x82\xff" + (600 * 1024).to_bytes(8, "big") + b"\0\0\0\0"  # zero mask
+    for s in mine:
+        s.sendall(message + head + b"\x00" * (PARTIAL_SENT - len(head)))
+    deadline, left, seen = time.monotonic() + 12, PARTIAL_CONNS, []
+    while time.monotonic() < deadline and (left >= PARTIAL_CONNS // 2
+                                           or seen[-3:] != [left] * 3):
+        time.sleep(0.25)
+        left = _still_open(mine)
+        seen.append(left)
+    return peak.stop() - base, left
+
+
+def test_partial_packets_of_relayed_websocket_connections_count_in_the_node_budget(
+        tmp_path) -> None:
+    """WebSocket clients Python serves (the native plane relays their bytes to it) each
+    begin a large PUBLISH and stop: what they hold counts in --max-partial-bytes, the
+    bytes relayed to Python and not yet read by it included, and those holding their
+    share are closed after --partial-timeout-s, as on the Python plane. Before the
+    relayed bytes counted, each connection's 60,000 B waited in Python uncounted."""
+    budget = 2 * MiB
+    srv = Server(tmp_path, "--max-partial-bytes", str(budget), "--partial-timeout-s", "2"
+                 ).start()
+    socks: list[socket.socket] = []
+    try:
+        _, first = _ws_partial_round(srv, "wpart-a", socks)
+        grown, second = _ws_partial_round(srv, "wpart-b", socks)
+        text = metrics(srv)
+        most = metric(text, "lightgate_budget_peak", "partial_packet_bytes")
+        print(f"plane {srv.addrs.get('plane')}: twice {PARTIAL_CONNS} WebSocket "
+              f"connections holding {PARTIAL_SENT} B each, budget {budget // MiB} MiB: "
+              f"{first} and {second} left open; {most / MiB:.1f} MiB held at most; RSS "
+              f"+{grown / MiB:.1f} MiB the second time")
+        assert first < PARTIAL_CONNS // 2, "the budget closed those over it"
+        assert second < PARTIAL_CONNS // 10, "over budget from the start: all but a few"
+        assert most <= budget + 2 * PARTIAL_CONNS * 8 * 1024
+        # 6.3-7.6 MiB native (300 relayed connections' own costs in), 3.2 on the Python
+        # plane; 20.8 MiB when the relayed bytes counted nowhere.
+        assert grown < 12 * MiB
     finally:
         for s in socks:
             s.close()

@@ -3,7 +3,8 @@
 //! line stay Python's) and hands it over; thread 0 accepts on it, checks each new
 //! connection against the descriptor reserve, begins its TLS session with the current
 //! configuration (reloaded when its files changed) and hands it to the thread it
-//! belongs to (`conn % N`), where its handshake runs (`relay`).
+//! belongs to (`conn % N`), where its handshake runs (`relay`). A WebSocket listener's
+//! connections (over TLS or not) then read their HTTP upgrade there.
 //!
 //! As Python's listeners do, a listener never stops for good and never spins: a
 //! connection gone before it was accepted is skipped, running out of something
@@ -18,6 +19,7 @@ use mio::net::TcpListener;
 
 use super::relay::{LogTarget, Relay};
 use super::*;
+use crate::link::Link;
 use crate::tls::{Reload, TlsFiles};
 
 /// How long a listener rests after accept(2) failed for want of something.
@@ -34,7 +36,11 @@ pub struct Listener {
     /// As Python's logs name it ("MQTT over TLS").
     pub name: String,
     pub socket: TcpListener,
-    pub tls: Arc<Mutex<TlsFiles>>,
+    /// Its TLS configuration (None: plain WebSocket).
+    pub tls: Option<Arc<Mutex<TlsFiles>>>,
+    /// A WebSocket listener: seconds a connection's upgrade may take (after its TLS
+    /// handshake, over TLS).
+    pub upgrade_timeout: Option<f64>,
     /// A connection on this descriptor or above is refused (serving.fd_budget).
     pub fd_ceiling: usize,
     /// Seconds a handshake may take from the accept.
@@ -46,6 +52,7 @@ pub struct Listener {
 }
 
 impl Listener {
+    /// MQTT over TLS.
     pub fn new(
         index: u32,
         name: String,
@@ -54,12 +61,56 @@ impl Listener {
         fd_ceiling: usize,
         handshake_timeout: f64,
     ) -> io::Result<Listener> {
+        Listener::with(
+            index,
+            name,
+            socket,
+            Some(tls),
+            fd_ceiling,
+            handshake_timeout,
+            None,
+        )
+    }
+
+    /// MQTT over WebSocket, over TLS when `tls` is given; an upgrade may take
+    /// `upgrade_timeout` seconds.
+    pub fn websocket(
+        index: u32,
+        name: String,
+        socket: std::net::TcpListener,
+        tls: Option<Arc<Mutex<TlsFiles>>>,
+        fd_ceiling: usize,
+        handshake_timeout: f64,
+        upgrade_timeout: f64,
+    ) -> io::Result<Listener> {
+        let timeout = Some(upgrade_timeout);
+        Listener::with(
+            index,
+            name,
+            socket,
+            tls,
+            fd_ceiling,
+            handshake_timeout,
+            timeout,
+        )
+    }
+
+    fn with(
+        index: u32,
+        name: String,
+        socket: std::net::TcpListener,
+        tls: Option<Arc<Mutex<TlsFiles>>>,
+        fd_ceiling: usize,
+        handshake_timeout: f64,
+        upgrade_timeout: Option<f64>,
+    ) -> io::Result<Listener> {
         socket.set_nonblocking(true)?;
         Ok(Listener {
             index,
             name,
             socket: TcpListener::from_std(socket),
             tls,
+            upgrade_timeout,
             fd_ceiling,
             handshake_timeout,
             resting_until: 0.0,
@@ -163,8 +214,9 @@ impl Worker {
         while tries < ACCEPTS_PER_PASS {
             tries += 1;
             let links = &self.links;
-            if links.handshakes.load(Ordering::SeqCst)
-                >= links.max_handshakes.load(Ordering::Relaxed)
+            if l.tls.is_some()
+                && links.handshakes.load(Ordering::SeqCst)
+                    >= links.max_handshakes.load(Ordering::Relaxed)
             {
                 l.waiting = true; // the kernel's backlog holds the rest meanwhile
                 break;
@@ -192,7 +244,22 @@ impl Worker {
                 continue; // closed here: the node's own files keep their reserve
             }
             let _ = tcp.set_nodelay(true); // small MQTT packets must not wait for Nagle
-            let (config, reload) = match l.tls.lock() {
+            let peer = peer_of(&addr);
+            let id = links.next_id.fetch_add(1, Ordering::Relaxed);
+            let Some(tls) = &l.tls else {
+                // Plain WebSocket: its upgrade has its time from the accept.
+                let timeout = l.upgrade_timeout.unwrap_or(l.handshake_timeout);
+                let link = Link::ws(Link::Plain(tcp), &peer);
+                accepted.push(Box::new(Relay::upgrade(
+                    id,
+                    l.index,
+                    link,
+                    peer,
+                    now + timeout,
+                )));
+                continue;
+            };
+            let (config, reload) = match tls.lock() {
                 Ok(mut files) => files.current(),
                 Err(_) => break,
             };
@@ -201,7 +268,7 @@ impl Worker {
                 Some(Reload::Failed(text)) => said.push((LogTarget::ReloadFailed, text)),
                 None => {}
             }
-            let username_from = match l.tls.lock() {
+            let username_from = match tls.lock() {
                 Ok(files) => files.settings.username_from,
                 Err(_) => break,
             };
@@ -211,22 +278,26 @@ impl Worker {
                     s
                 }
                 Err(e) => {
-                    let text = format!("TLS handshake with {} failed: {e}", peer_of(&addr));
+                    let text = format!("TLS handshake with {peer} failed: {e}");
                     said.push((LogTarget::Handshake, text));
                     continue;
                 }
             };
+            let mut link = Link::tls(tcp, session);
+            if l.upgrade_timeout.is_some() {
+                link = Link::ws(link, &peer);
+            }
             links.handshakes.fetch_add(1, Ordering::SeqCst);
-            let id = links.next_id.fetch_add(1, Ordering::Relaxed);
-            accepted.push(Box::new(Relay::handshake(
+            let mut relay = Relay::handshake(
                 id,
                 l.index,
-                tcp,
-                session,
-                peer_of(&addr),
+                link,
+                peer,
                 username_from,
                 now + l.handshake_timeout,
-            )));
+            );
+            relay.upgrade_timeout = l.upgrade_timeout.unwrap_or(0.0);
+            accepted.push(Box::new(relay));
         }
         if tries == ACCEPTS_PER_PASS {
             l.waiting = true; // more may wait: the edge said so once

@@ -16,15 +16,21 @@
 //! - *carried* (a `Conn` in `conns`): the steady state, as for a plain-TCP connection
 //!   Python promoted. A promotion (`Command::Carry`) and a demotion are switches of
 //!   mode here: the link, its session and the bytes waiting for it stay.
+//!
+//! A WebSocket listener's connection (`Link::ws`, over TLS or not) reads its HTTP
+//! upgrade after its handshake (*upgrade*, under its own deadline), and waits while
+//! Python chooses its subprotocol (*deciding*, not read); Python's answer writes the
+//! 101 (`Command::Upgrade`) or its refusal (`Command::Refuse`). Relayed or carried, its
+//! bytes are a WebSocket's messages; closing, it waits a moment for the client's close
+//! frame, as `WebSocketStream.aclose` does.
 
 use std::cmp::Reverse;
 use std::sync::atomic::AtomicUsize;
 
-use rustls::ServerConnection;
-
 use super::*;
-use crate::link::LinkShare;
+use crate::link::{HeadRead, LinkShare};
 use crate::tls::{self, UsernameFrom};
+use crate::ws;
 
 /// Time a thread spends on TLS handshakes in one pass, at most (the rest wait for the
 /// next one): an RSA-2048 signature is 1-2 ms, an ECDSA one a tenth of that.
@@ -81,18 +87,25 @@ pub enum LogTarget {
     Refused {
         count: u64,
     },
+    /// A WebSocket upgrade that failed or timed out (INFO, as the listener says it).
+    Upgrade,
+    /// A WebSocket message past its limit (WARNING, as `WebSocketStream` says it).
+    MessageLimit,
 }
 
 /// What Python hears of a connection the native side accepted.
 #[derive(Debug)]
 pub enum LinkEvent {
-    /// The handshake is done: Python's rules take the connection from here.
+    /// The handshake is done: Python's rules take the connection from here. A
+    /// WebSocket's comes with its upgrade request (target, subprotocols offered), for
+    /// Python to answer.
     Opened {
         conn: u64,
         listener: u32,
         share: Arc<LinkShare>,
         peer: String,
         identity: Option<String>,
+        upgrade: Option<(String, Vec<String>)>,
     },
     /// Plaintext from the client.
     Data {
@@ -118,6 +131,10 @@ pub enum LinkEvent {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Phase {
     Handshake,
+    /// A WebSocket's HTTP upgrade is read.
+    Upgrade,
+    /// Python chooses what to answer the upgrade: not read meanwhile.
+    Deciding,
     /// Relayed: read for Python.
     Open,
     /// The client ended it (or it broke): nothing more to read; Python closes it.
@@ -143,17 +160,23 @@ pub struct Relay {
     pub(super) held_back: Vec<u8>,
     /// Watched for writability.
     pub(super) writing: bool,
-    /// Closing: the close_notify is queued.
+    /// Closing: the close_notify (or close frame) is queued.
     pub(super) notified: bool,
+    /// Closing a WebSocket: its close frame is out, the client's answer awaited.
+    pub(super) awaiting: bool,
+    /// Seconds a WebSocket's upgrade may take after its TLS handshake.
+    pub(super) upgrade_timeout: f64,
+    /// A secure WebSocket's certificate identity, from the handshake to the upgrade.
+    pub(super) identity: Option<String>,
 }
 
 impl Relay {
-    /// A connection just accepted, its handshake to come by `deadline`.
+    /// A connection just accepted, its TLS handshake to come by `deadline` (`link`: a
+    /// TLS one, or a WebSocket over one).
     pub fn handshake(
         id: u64,
         listener: u32,
-        tcp: TcpStream,
-        tls: ServerConnection,
+        link: Link,
         peer: String,
         username_from: UsernameFrom,
         deadline: f64,
@@ -161,7 +184,7 @@ impl Relay {
         Relay {
             id,
             listener,
-            link: Link::tls(tcp, tls),
+            link,
             peer,
             username_from,
             phase: Phase::Handshake,
@@ -170,7 +193,17 @@ impl Relay {
             held_back: Vec::new(),
             writing: false,
             notified: false,
+            awaiting: false,
+            upgrade_timeout: 0.0,
+            identity: None,
         }
+    }
+
+    /// A plain WebSocket connection just accepted, its upgrade to come by `deadline`.
+    pub fn upgrade(id: u64, listener: u32, link: Link, peer: String, deadline: f64) -> Relay {
+        let mut relay = Relay::handshake(id, listener, link, peer, UsernameFrom::None, deadline);
+        relay.phase = Phase::Upgrade;
+        relay
     }
 
     /// What Python shares of it (a relayed link is a TLS one).
@@ -180,13 +213,13 @@ impl Relay {
 
     fn interest(&self) -> Option<Interest> {
         let write = !self.unsent.is_empty() || self.link.pending();
-        match (self.phase, write) {
-            (Phase::Handshake | Phase::Open | Phase::Ended, false) => Some(Interest::READABLE),
-            (Phase::Handshake | Phase::Open | Phase::Ended, true) => {
-                Some(Interest::READABLE | Interest::WRITABLE)
-            }
-            (Phase::Closing, true) => Some(Interest::WRITABLE),
-            (Phase::Closing, false) => None,
+        // Closing, it is read only for a WebSocket's close frame.
+        let read = self.phase != Phase::Closing || self.link.awaits_close();
+        match (read, write) {
+            (true, false) => Some(Interest::READABLE),
+            (true, true) => Some(Interest::READABLE | Interest::WRITABLE),
+            (false, true) => Some(Interest::WRITABLE),
+            (false, false) => None,
         }
     }
 }
@@ -236,10 +269,15 @@ impl Worker {
                 .registry()
                 .register(relay.link.socket(), token, Interest::READABLE)
         {
-            handshake_over(&self.links);
-            Counters::add(&self.counters.tls_handshake_failures, 1);
-            let text = format!("TLS handshake with {} failed: {e}", relay.peer);
-            self.say(LogTarget::Handshake, text);
+            if relay.phase == Phase::Handshake {
+                handshake_over(&self.links);
+                Counters::add(&self.counters.tls_handshake_failures, 1);
+                let text = format!("TLS handshake with {} failed: {e}", relay.peer);
+                self.say(LogTarget::Handshake, text);
+            } else {
+                let text = format!("websocket handshake with {} failed: {e}", relay.peer);
+                self.say(LogTarget::Upgrade, text);
+            }
             return;
         }
         relay.writing = false;
@@ -258,8 +296,15 @@ impl Worker {
         };
         match phase {
             Phase::Handshake => self.handshake_step(token, buf),
+            Phase::Upgrade => self.upgrade_step(token),
             Phase::Open => self.relay_read(token, buf),
-            Phase::Ended | Phase::Closing => {}
+            Phase::Closing => {
+                // Read past for a WebSocket's close frame; dropped once it came.
+                if let Some(w) = self.relays.get_mut(&token).and_then(|r| r.link.ws_mut()) {
+                    w.drain_close(buf);
+                }
+            }
+            Phase::Deciding | Phase::Ended => {}
         }
     }
 
@@ -272,7 +317,7 @@ impl Worker {
         let Some(r) = self.relays.get_mut(&token) else {
             return;
         };
-        let Link::Tls(t) = &mut r.link else {
+        let Some(t) = r.link.tls_mut() else {
             return;
         };
         let mut reads = 0;
@@ -301,7 +346,18 @@ impl Worker {
             Ok(true) => {
                 handshake_over(&self.links);
                 Counters::add(&self.counters.tls_handshakes, 1);
+                let now = self.now();
                 let r = self.relays.get_mut(&token).expect("looked up above");
+                if r.link.ws_mut().is_some() {
+                    // A secure WebSocket: its upgrade next, with a time of its own.
+                    r.phase = Phase::Upgrade;
+                    r.identity = identity;
+                    r.deadline = now + r.upgrade_timeout;
+                    let deadline = r.deadline;
+                    self.arm(token, deadline);
+                    self.upgrade_step(token);
+                    return;
+                }
                 r.phase = Phase::Open;
                 self.events.push(LinkEvent::Opened {
                     conn: r.id,
@@ -309,6 +365,7 @@ impl Worker {
                     share: r.share(),
                     peer: r.peer.clone(),
                     identity,
+                    upgrade: None,
                 });
                 // The client's first bytes (its CONNECT) may have come with its Finished.
                 self.relay_read(token, buf);
@@ -328,6 +385,108 @@ impl Worker {
         }
     }
 
+    /// Read a WebSocket's upgrade request; once whole, Python hears of the connection
+    /// and answers it. One that is no upgrade is refused here, as wsproto refuses it.
+    fn upgrade_step(&mut self, token: Token) {
+        let Some(r) = self.relays.get_mut(&token) else {
+            return;
+        };
+        let Some(w) = r.link.ws_mut() else {
+            return;
+        };
+        match w.read_head() {
+            HeadRead::Incomplete => {}
+            HeadRead::Request(target, subprotocols) => {
+                r.phase = Phase::Deciding;
+                r.deadline = f64::INFINITY;
+                self.events.push(LinkEvent::Opened {
+                    conn: r.id,
+                    listener: r.listener,
+                    share: r.share(),
+                    peer: r.peer.clone(),
+                    identity: r.identity.take(),
+                    upgrade: Some((target, subprotocols)),
+                });
+            }
+            HeadRead::Refused => {
+                let text = format!(
+                    "websocket handshake with {} failed: no upgrade request",
+                    r.peer
+                );
+                self.close_unheard(token);
+                self.say(LogTarget::Upgrade, text);
+            }
+            HeadRead::Ended => {
+                let text = format!(
+                    "websocket handshake with {} failed: no upgrade request",
+                    r.peer
+                );
+                self.drop_relay(token);
+                self.say(LogTarget::Upgrade, text);
+            }
+        }
+    }
+
+    /// A connection Python never heard of closes once what waits for it went out (a
+    /// moment at most).
+    fn close_unheard(&mut self, token: Token) {
+        let deadline = self.now() + CLOSE_LINGER_S;
+        if let Some(r) = self.relays.get_mut(&token) {
+            r.phase = Phase::Closing;
+            r.deadline = deadline;
+            self.arm(token, deadline);
+            self.again.push(token); // flushed, and dropped once written
+        }
+    }
+
+    /// Python's answer to a WebSocket's upgrade: the 101 with `subprotocol`, then
+    /// frames (the client's read from here, what it sent behind its request first).
+    pub(super) fn ws_accept(
+        &mut self,
+        conn: u64,
+        subprotocol: Option<String>,
+        touched: &mut Vec<Token>,
+    ) {
+        let Some(&token) = self.tokens.get(&conn) else {
+            return;
+        };
+        let Some(r) = self.relays.get_mut(&token) else {
+            return;
+        };
+        if r.phase != Phase::Deciding {
+            return;
+        }
+        let Some(w) = r.link.ws_mut() else {
+            return;
+        };
+        if let Err(e) = w.accept(subprotocol.as_deref()) {
+            let text = format!("websocket handshake with {} failed: {e}", r.peer);
+            self.close_unheard(token);
+            self.say(LogTarget::Upgrade, text);
+            return;
+        }
+        r.phase = Phase::Open;
+        self.again.push(token);
+        touched.push(token);
+    }
+
+    /// Python refuses a WebSocket's upgrade: `status` and `body`, then the close.
+    pub(super) fn ws_refuse(&mut self, conn: u64, status: u16, body: &[u8]) {
+        let Some(&token) = self.tokens.get(&conn) else {
+            return;
+        };
+        let Some(r) = self.relays.get_mut(&token) else {
+            return;
+        };
+        if r.phase != Phase::Deciding {
+            return;
+        }
+        if let Some(w) = r.link.ws_mut() {
+            w.refuse(status, body);
+        }
+        self.close_unheard(token);
+    }
+
     /// Relay what the client sent, within the window.
     fn relay_read(&mut self, token: Token, buf: &mut [u8]) {
         let Some(r) = self.relays.get_mut(&token) else {
@@ -343,11 +502,20 @@ impl Worker {
                 self.again.push(token);
                 return;
             }
-            let window = share.window() as usize;
+            // What waits for Python counts in the node's budget: while the node is over
+            // it, one that holds its share is not read (TCP holds the client back), the
+            // others read as little as Python's own connections do.
+            let held = share.unconsumed();
+            let window = if self.partial.must_wait(held) {
+                0
+            } else {
+                (share.window() as usize).min(self.partial.read_size(held, buf.len()))
+            };
             if window == 0 {
                 share.stalled.store(true, Ordering::SeqCst);
                 // Python may have consumed meanwhile: then it did not see the stall.
-                if share.window() == 0 || !share.stalled.swap(false, Ordering::SeqCst) {
+                let still = share.window() == 0 || self.partial.must_wait(share.unconsumed());
+                if still || !share.stalled.swap(false, Ordering::SeqCst) {
                     return;
                 }
                 continue;
@@ -373,17 +541,24 @@ impl Worker {
                     }
                     let data = buf[..n].to_vec();
                     self.events.push(LinkEvent::Data { conn: r.id, data });
+                    if share.recount(&self.partial) {
+                        self.sink.partial_freed();
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
                     r.phase = Phase::Ended;
                     let conn = r.id;
+                    let note = r.link.take_note();
                     self.events.push(LinkEvent::Ended {
                         conn,
                         eof: false,
                         why: format!("connection lost: {e}"),
                     });
+                    if let Some(text) = note {
+                        self.say(LogTarget::MessageLimit, text);
+                    }
                     return;
                 }
             }
@@ -449,6 +624,9 @@ impl Worker {
             share.relay(data.len() as u64);
             self.events.push(LinkEvent::Data { conn, data });
         }
+        if share.recount(&self.partial) {
+            self.sink.partial_freed();
+        }
         self.again.push(token);
         touched.push(token);
     }
@@ -504,17 +682,31 @@ impl Worker {
                 });
             }
         }
+        let now = self.now();
         let r = self.relays.get_mut(&token).expect("looked up above");
         if r.phase == Phase::Closing && r.unsent.is_empty() && !r.notified {
-            // What Python sent is with rustls: the close_notify goes behind it.
+            // What Python sent is with the link: the close_notify (or the WebSocket's
+            // close frame) goes behind it.
             r.notified = true;
             r.link.close();
         }
         let written = r.notified && !r.link.pending();
-        if r.phase == Phase::Closing && (written || r.share().gone.load(Ordering::SeqCst)) {
+        let gone = r.share().gone.load(Ordering::SeqCst);
+        if r.phase == Phase::Closing && written && !gone && r.link.awaits_close() {
+            if !r.awaiting {
+                // The close frame is out: the client has a moment to answer it.
+                r.awaiting = true;
+                r.deadline = now + ws::CLOSE_TIMEOUT_S;
+                let deadline = r.deadline;
+                self.arm(token, deadline);
+                // It may have come already (its edge seen while it was not read).
+                self.again.push(token);
+            }
+        } else if r.phase == Phase::Closing && (written || gone) {
             self.drop_relay(token);
             return;
         }
+        let r = self.relays.get_mut(&token).expect("looked up above");
         let want = r.interest().is_some_and(|i| i.is_writable());
         if want != r.writing {
             r.writing = want;
@@ -531,6 +723,9 @@ impl Worker {
         let share = r.share();
         share.gone.store(true, Ordering::SeqCst);
         share.took(std::mem::take(&mut r.unsent).len());
+        if share.recount(&self.partial) {
+            self.sink.partial_freed(); // what waited for Python counts no more
+        }
         self.tokens.remove(&r.id);
         if r.id % self.lanes.len() as u64 != self.index as u64 {
             if let Ok(mut routes) = self.routes.write() {
@@ -577,8 +772,16 @@ impl Worker {
                         format!("TLS handshake with {peer} timed out"),
                     );
                 }
+                Phase::Upgrade => {
+                    let peer = r.peer.clone();
+                    self.drop_relay(token);
+                    self.say(
+                        LogTarget::Upgrade,
+                        format!("websocket handshake with {peer} timed out"),
+                    );
+                }
                 Phase::Closing => self.drop_relay(token),
-                Phase::Open | Phase::Ended => touched.push(token),
+                Phase::Open | Phase::Ended | Phase::Deciding => touched.push(token),
             }
         }
     }
@@ -607,6 +810,15 @@ impl Worker {
             ..
         } = *r;
         share.end_carry();
+        // Python took all that was relayed (its ack follows): carried, what the
+        // connection holds is counted as its unfinished packet.
+        share.acked.fetch_max(
+            share.relayed.load(Ordering::SeqCst) & !crate::link::CARRYING,
+            Ordering::SeqCst,
+        );
+        if share.recount(&self.partial) {
+            self.sink.partial_freed();
+        }
         a.unread.extend_from_slice(&held_back);
         // What waits for the client stays, first: the carried connection's now.
         share.took(unsent.len());
@@ -651,6 +863,9 @@ impl Worker {
             held_back: Vec::new(),
             writing: false,
             notified: false,
+            awaiting: false,
+            upgrade_timeout: 0.0,
+            identity: None,
         });
         relay.writing = relay.interest().is_some_and(|i| i.is_writable());
         watch(&self.poll, &mut relay, token);
