@@ -16,7 +16,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::commitlog::LogWriter;
 use crate::partial::PartialBudget;
@@ -34,6 +34,13 @@ const ENOSPC: i32 = 28;
 /// behind by before native publishers are paced to it: what waits for it in memory, and
 /// how far the index may lag the log, stay bounded whatever a client floods.
 pub const DISPATCH_BUDGET: usize = 16 * 1024;
+/// Bytes of records the rows waiting for dispatch may keep for the owner's readers
+/// (`Engine::want_queues`): past it a record is not kept, and its readers read it from
+/// the log as they would any other.
+pub const KEPT_BYTES: usize = 32 << 20;
+/// Queues the owner may want at once (`Engine::want_queues`): names come from readers,
+/// and a table that only time empties must not grow with every name ever read.
+pub const WANTED_MAX: usize = 100_000;
 
 /// Where a queue the engine has not appended to yet ends (the index knows).
 pub type QueueEnd = Box<dyn Fn(&str) -> u64 + Send + Sync>;
@@ -71,6 +78,11 @@ pub struct Dispatched {
     pub queues: Vec<(String, u64)>,
     /// The message's key ("" for none): the index refers to it by position.
     pub key: String,
+    /// Appended by the owner (`Engine::append`), which holds the message already.
+    pub own: bool,
+    /// The record, kept for a reader of one of its queues (`Engine::want_queues`): the
+    /// dispatch hands it over without reading it back.
+    pub record: Option<Arc<[u8]>>,
 }
 
 /// A message appended from outside the reactors (Python's: TLS and WebSocket clients,
@@ -120,6 +132,23 @@ impl std::error::Error for AppendError {}
 pub struct Pending {
     pub rows: Vec<Dispatched>,
     pub new_segments: Vec<u64>,
+}
+
+/// The queues whose new records the owner reads, each until when (`Engine::want_queues`).
+#[derive(Default)]
+struct Wanted {
+    until: HashMap<String, Instant>,
+    /// When the expired ones go next (a sweep a second, not one per call).
+    sweep: Option<Instant>,
+}
+
+impl Wanted {
+    /// Whether any of these queues is wanted at `now`.
+    fn any(&self, queues: &[(String, u64)], now: Instant) -> bool {
+        queues
+            .iter()
+            .any(|(name, _)| self.until.get(name).is_some_and(|until| *until > now))
+    }
 }
 
 /// One record to append, borrowed: a native publish's (`queues` None: routed under the
@@ -191,6 +220,12 @@ struct Inner {
     /// Rows in `pending`, kept under its lock: past `DISPATCH_BUDGET` the reactors stop
     /// reading publishers until the dispatch took them.
     pending_rows: AtomicUsize,
+    /// Bytes of the records `pending` keeps (`Dispatched::record`), under its lock.
+    kept_bytes: AtomicUsize,
+    /// Queues the owner reads new records of (`Engine::want_queues`); `wanted_len`: how
+    /// many, so that an append looks no further while there are none.
+    wanted: RwLock<Wanted>,
+    wanted_len: AtomicUsize,
     appended: Condvar,
     /// Set (and `hurried` told) when the dispatch should not wait out its pause: the
     /// reactors are paced to it, or a reader came (`Engine::hurry`).
@@ -360,6 +395,9 @@ impl Engine {
             handle: OnceLock::new(),
             pending: Mutex::new(Pending::default()),
             pending_rows: AtomicUsize::new(0),
+            kept_bytes: AtomicUsize::new(0),
+            wanted: RwLock::new(Wanted::default()),
+            wanted_len: AtomicUsize::new(0),
             hurry: Mutex::new(false),
             hurried: Condvar::new(),
             appended: Condvar::new(),
@@ -610,7 +648,45 @@ impl Engine {
         self.inner
             .pending_rows
             .store(p.rows.len(), Ordering::Relaxed);
+        self.inner
+            .kept_bytes
+            .fetch_sub(record_bytes(&taken.rows), Ordering::Relaxed);
         taken
+    }
+
+    /// The owner reads the new records of these queues for the next `for_` (zero: no
+    /// longer): their rows keep their records (`Dispatched::record`, within `KEPT_BYTES`)
+    /// and the dispatch hands them over, where it would read them back from the log.
+    pub fn want_queues(&self, names: &[String], for_: Duration) {
+        let Ok(mut w) = self.inner.wanted.write() else {
+            return;
+        };
+        let now = Instant::now();
+        if for_.is_zero() {
+            for name in names {
+                w.until.remove(name);
+            }
+        } else {
+            let until = now + for_;
+            for name in names {
+                match w.until.get_mut(name.as_str()) {
+                    Some(u) => *u = until,
+                    None => {
+                        w.until.insert(name.clone(), until);
+                    }
+                }
+            }
+        }
+        if w.sweep.is_none_or(|at| at <= now) {
+            w.until.retain(|_, until| *until > now);
+            w.sweep = Some(now + Duration::from_secs(1));
+        }
+        if w.until.len() > WANTED_MAX {
+            w.until.clear(); // never read again, most of them (store/recent.py does so too)
+        }
+        self.inner
+            .wanted_len
+            .store(w.until.len(), Ordering::Relaxed);
     }
 
     /// What was appended since the last call, in log order, for the index.
@@ -874,6 +950,14 @@ impl Inner {
             return Err(AppendError::Failed("engine lock poisoned".into()));
         };
         let store_ts = store_ts.unwrap_or_else(now_ms);
+        // The owner's readers (`want_queues`): looked at only while there are some.
+        let wanted = if !keep && self.wanted_len.load(Ordering::Relaxed) > 0 {
+            self.wanted.read().ok()
+        } else {
+            None
+        };
+        let mut kept_bytes = self.kept_bytes.load(Ordering::Relaxed);
+        let now = Instant::now();
         let mut buf: Vec<u8> = Vec::new();
         let mut ends = Vec::with_capacity(items.len());
         let mut rows = Vec::with_capacity(items.len());
@@ -910,12 +994,21 @@ impl Inner {
             match record::encode_into(&rec, &mut buf) {
                 Ok(size) => {
                     ends.push(buf.len());
+                    let record = match &wanted {
+                        Some(w) if kept_bytes < KEPT_BYTES && w.any(&queues, now) => {
+                            kept_bytes += size;
+                            Some(Arc::from(&buf[start..]))
+                        }
+                        _ => None,
+                    };
                     rows.push(Dispatched {
                         phys_offset: 0,
                         size: size as u32,
                         store_ts,
                         queues,
                         key: item.key.to_string(),
+                        own: keep,
+                        record,
                     });
                 }
                 Err(e) => {
@@ -971,10 +1064,13 @@ impl Inner {
                 }
             }
         }
+        drop(wanted);
         let kept = if keep { rows.clone() } else { Vec::new() };
         let mut first = false;
         if let Ok(mut p) = self.pending.lock() {
             first = p.rows.is_empty();
+            self.kept_bytes
+                .fetch_add(record_bytes(&rows), Ordering::Relaxed);
             p.rows.extend(rows);
             p.new_segments.extend(&appended.new_segments);
             self.pending_rows.store(p.rows.len(), Ordering::Relaxed);
@@ -1083,6 +1179,14 @@ struct Target {
     qos: u8,
     version: u8,
     positions: Positions,
+}
+
+/// Bytes of the records these rows keep (`Dispatched::record`).
+fn record_bytes(rows: &[Dispatched]) -> usize {
+    rows.iter()
+        .filter_map(|d| d.record.as_ref())
+        .map(|r| r.len())
+        .sum()
 }
 
 /// Whether a record's properties (JSON, as `store/record.py` keeps them) are none.

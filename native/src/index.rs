@@ -3,7 +3,7 @@
 //! consecutive offsets, each run one value of 20-byte entries (physical offset, size,
 //! store time, big-endian) under the key of its first offset; and a key reference per
 //! message with a key. The dispatcher then writes one value per run, not one Python
-//! object per message.
+//! object per message, under the keys made here (`queue_key`, `key_ref`).
 
 use std::collections::HashMap;
 
@@ -35,12 +35,35 @@ impl Run {
 }
 
 /// What a batch adds to the index: its runs, the key references (key, phys offset) and
-/// the number of entries.
+/// the number of entries; and each queue that grew, with its end after the batch (one
+/// past its last offset), in the order the batch first names them.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Rows {
     pub runs: Vec<Run>,
     pub keys: Vec<(String, u64)>,
     pub entries: usize,
+    pub ends: Vec<(String, u64)>,
+}
+
+/// The index's key of a run (`lightqueue/index.py`): b"q", the queue's name, a NUL, its
+/// first offset (u64, big-endian). Queue names never hold a NUL.
+pub fn queue_key(queue: &str, first: u64) -> Vec<u8> {
+    let mut key = Vec::with_capacity(queue.len() + 10);
+    key.push(b'q');
+    key.extend_from_slice(queue.as_bytes());
+    key.push(0);
+    key.extend_from_slice(&first.to_be_bytes());
+    key
+}
+
+/// The index's key of a key reference: b"k", the message key, a NUL, its phys offset.
+pub fn key_ref(key: &str, phys_offset: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(key.len() + 10);
+    out.push(b'k');
+    out.extend_from_slice(key.as_bytes());
+    out.push(0);
+    out.extend_from_slice(&phys_offset.to_be_bytes());
+    out
 }
 
 /// The runs of `rows` (in log order): a run ends at a gap in its queue's offsets (a
@@ -76,6 +99,7 @@ pub fn runs(rows: &[Dispatched], run_max: usize) -> Rows {
             out.keys.push((d.key.clone(), d.phys_offset));
         }
     }
+    out.ends = open.iter().map(|r| (r.queue.clone(), r.next())).collect();
     out.runs.extend(open);
     out
 }
@@ -91,6 +115,8 @@ mod tests {
             store_ts: 7,
             queues: queues.iter().map(|(q, o)| (q.to_string(), *o)).collect(),
             key: String::new(),
+            own: false,
+            record: None,
         }
     }
 
@@ -126,6 +152,7 @@ mod tests {
             ]
         );
         assert!(got.keys.is_empty());
+        assert_eq!(got.ends, vec![("a/b".into(), 6), ("a#0".into(), 12)]);
     }
 
     #[test]
@@ -141,6 +168,7 @@ mod tests {
         let firsts: Vec<(u64, usize)> = got.runs.iter().map(|r| (r.first, r.len())).collect();
         assert_eq!(firsts, vec![(0, 2), (5, 2), (7, 1)]);
         assert_eq!(got.runs[2].entries, entry(120));
+        assert_eq!(got.ends, vec![("q".into(), 8)]);
     }
 
     #[test]
@@ -150,5 +178,16 @@ mod tests {
         let got = runs(&[row(0, &[("q", 0)]), keyed], 4096);
         assert_eq!(got.keys, vec![("k1".to_string(), 30)]);
         assert_eq!(runs(&[], 4096), Rows::default());
+    }
+
+    #[test]
+    fn keys_are_the_python_index_s() {
+        // lightqueue/index.py: queue_prefix(q) + U64.pack(first), key_prefix(k) + U64.pack(phys)
+        assert_eq!(
+            queue_key("a/b", 258),
+            b"qa/b\0\0\0\0\0\0\0\x01\x02".to_vec()
+        );
+        assert_eq!(key_ref("k1", 7), b"kk1\0\0\0\0\0\0\0\0\x07".to_vec());
+        assert_eq!(queue_key("é", 0).len(), 1 + 2 + 1 + 8);
     }
 }

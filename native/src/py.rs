@@ -372,13 +372,93 @@ fn row(d: engine::Dispatched) -> DispatchedRow {
     (d.phys_offset, d.size, d.store_ts, d.queues)
 }
 
+/// One dispatch's worth of the engine's appends (`PyEngine::take_batch`), held natively:
+/// what Python does with it costs a call per run, queue or message it reads, none per
+/// message it does not.
+#[pyclass(name = "DispatchBatch", module = "lightgate_native", frozen)]
+struct PyDispatchBatch {
+    taken: usize,
+    end: Option<u64>,
+    new_segments: Vec<u64>,
+    runs: Vec<index::Run>,
+    keys: Vec<(String, u64)>,
+    ends: Vec<(String, u64)>,
+    /// (phys offset, record) of the rows the owner wants: its own (no record: it holds
+    /// the message) and those kept for its readers, in log order.
+    bodies: Vec<(u64, Option<std::sync::Arc<[u8]>>)>,
+}
+
+#[pymethods]
+impl PyDispatchBatch {
+    /// Rows taken.
+    #[getter]
+    fn taken(&self) -> usize {
+        self.taken
+    }
+
+    /// The end of the last record taken, or None when none was.
+    #[getter]
+    fn end(&self) -> Option<u64> {
+        self.end
+    }
+
+    /// The bases of the segments begun meanwhile, oldest first.
+    #[getter]
+    fn new_segments(&self) -> Vec<u64> {
+        self.new_segments.clone()
+    }
+
+    /// Runs in the batch (one index value each).
+    #[getter]
+    fn runs(&self) -> usize {
+        self.runs.len()
+    }
+
+    /// Each of the batch's index entries to `put(key, value)`, with the index's keys
+    /// (`lightqueue/index.py`): a value per run of a queue's consecutive offsets, an
+    /// empty one per key reference. How many puts.
+    fn put_index(&self, py: Python<'_>, put: &Bound<'_, PyAny>) -> PyResult<usize> {
+        for run in &self.runs {
+            put.call1((
+                PyBytes::new(py, &index::queue_key(&run.queue, run.first)),
+                PyBytes::new(py, &run.entries),
+            ))?;
+        }
+        for (key, phys) in &self.keys {
+            put.call1((
+                PyBytes::new(py, &index::key_ref(key, *phys)),
+                PyBytes::new(py, b""),
+            ))?;
+        }
+        Ok(self.runs.len() + self.keys.len())
+    }
+
+    /// {queue: its end after the batch} for every queue that grew.
+    fn grown<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (queue, end) in &self.ends {
+            out.set_item(queue, end)?;
+        }
+        Ok(out)
+    }
+
+    /// [(phys offset, record bytes or None)] in log order: the owner's own appends (None:
+    /// it holds them) and the records kept for its readers (`PyEngine::want_queues`).
+    fn bodies<'py>(&self, py: Python<'py>) -> Vec<(u64, Option<Bound<'py, PyBytes>>)> {
+        self.bodies
+            .iter()
+            .map(|(phys, record)| (*phys, record.as_ref().map(|r| PyBytes::new(py, r))))
+            .collect()
+    }
+}
+
 /// The native per-message path (`engine::Engine`): reactors, the log's tail, routing,
 /// acks and deliveries. Python hands it sockets after their CONNACK and takes back
 /// what only Python decides.
 #[pyclass(name = "Engine", module = "lightgate_native")]
 struct PyEngine {
     inner: Option<engine::Engine>,
-    /// What was left for dispatch when it stopped: `take_runs` hands it over once.
+    /// What was left for dispatch when it stopped: `take_batch` hands it over once.
     left: std::sync::Mutex<Option<engine::Pending>>,
 }
 
@@ -705,38 +785,41 @@ impl PyEngine {
             .collect())
     }
 
-    /// What was appended since the last call (the oldest `limit` rows at most) as the
-    /// index takes it (`index::runs`), and the segments begun meanwhile: ([(queue, first
-    /// offset, packed entries)], [(key, phys_offset)], rows taken, the end of the last
-    /// record or None, the rows as `take_dispatched` gives them when `rows` (else None),
-    /// [base]). Once stopped, what was left when it stopped (then nothing).
-    #[pyo3(signature = (run_max, rows=false, limit=usize::MAX))]
-    #[allow(clippy::type_complexity)]
-    fn take_runs<'py>(
-        &self,
-        py: Python<'py>,
-        run_max: usize,
-        rows: bool,
-        limit: usize,
-    ) -> PyResult<(
-        Vec<(String, u64, Bound<'py, PyBytes>)>,
-        Vec<(String, u64)>,
-        usize,
-        Option<u64>,
-        Option<Vec<DispatchedRow>>,
-        Vec<u64>,
-    )> {
-        let p = self.pending(limit);
-        let taken = p.rows.len();
-        let made = index::runs(&p.rows, run_max);
-        let end = p.rows.last().map(|d| d.phys_offset + u64::from(d.size));
-        let runs = made
-            .runs
-            .into_iter()
-            .map(|r| (r.queue, r.first, PyBytes::new(py, &r.entries)))
-            .collect();
-        let rows = rows.then(|| p.rows.into_iter().map(row).collect());
-        Ok((runs, made.keys, taken, end, rows, p.new_segments))
+    /// What was appended since the last call (the oldest `limit` rows at most), as one
+    /// `DispatchBatch`: the index's entries, the queues that grew, the records the
+    /// owner reads. Once stopped, what was left when it stopped (then nothing).
+    #[pyo3(signature = (run_max, limit=usize::MAX))]
+    fn take_batch(&self, py: Python<'_>, run_max: usize, limit: usize) -> PyDispatchBatch {
+        py.allow_threads(|| {
+            let p = self.pending(limit);
+            let made = index::runs(&p.rows, run_max);
+            let bodies = p
+                .rows
+                .iter()
+                .filter(|d| d.own || d.record.is_some())
+                .map(|d| (d.phys_offset, d.record.clone()))
+                .collect();
+            PyDispatchBatch {
+                taken: p.rows.len(),
+                end: p.rows.last().map(|d| d.phys_offset + u64::from(d.size)),
+                new_segments: p.new_segments,
+                runs: made.runs,
+                keys: made.keys,
+                ends: made.ends,
+                bodies,
+            }
+        })
+    }
+
+    /// The owner reads the new messages of these queues for the next `seconds` (0: no
+    /// longer): the dispatch hands their records over (`DispatchBatch.bodies`).
+    /// Nothing once stopped. The interpreter goes first: an append may hold the engine's
+    /// lock on them while it asks Python where a new queue ends.
+    fn want_queues(&self, py: Python<'_>, names: Vec<String>, seconds: f64) {
+        if let Some(engine) = &self.inner {
+            let for_ = std::time::Duration::from_secs_f64(seconds.clamp(0.0, 3600.0));
+            py.allow_threads(|| engine.want_queues(&names, for_));
+        }
     }
 
     /// Append Python's messages (`MessageRow`s) through the log's one writer: each
@@ -1117,7 +1200,7 @@ impl PyEngine {
     }
 
     /// Stop the reactors (their sockets close) and make the log durable: its end.
-    /// What was appended and not taken yet stays for `take_runs`.
+    /// What was appended and not taken yet stays for `take_batch`.
     fn stop(&mut self, py: Python<'_>) -> PyResult<u64> {
         match self.inner.take() {
             Some(e) => {
@@ -1182,6 +1265,7 @@ fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyConnection>()?;
     m.add_class::<PyRoutes>()?;
     m.add_class::<PyEngine>()?;
+    m.add_class::<PyDispatchBatch>()?;
     m.add_class::<PyLink>()?;
     m.add("MqttError", m.py().get_type::<MqttError>())?;
     m.add_class::<MqttDecoder>()?;
