@@ -252,7 +252,7 @@ class EmbeddedStore:
 
     def readers_left(self, queues: list[str]) -> None:
         """A gateway's reader of these queues went to the native plane: their new messages
-        need no longer be read back for the recent rings (store.recent `unwant`)."""
+        no longer come whole for the recent rings (store.recent `unwant`)."""
         self.recent.unwant(queues)
 
     # -- writes -----------------------------------------------------------------------

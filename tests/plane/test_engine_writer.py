@@ -11,10 +11,8 @@ import os
 import random
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import pytest
@@ -430,71 +428,3 @@ def test_while_nobody_reads_bodies_only_the_queue_names_are_told(tmp_path: Path)
         publisher.close()
         log.close()
 
-
-def _python_events(fn: Any) -> int:
-    """The Python calls and lines that `fn()` runs in this thread (sys.settrace)."""
-    count = 0
-
-    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
-        nonlocal count
-        count += 1
-        return tracer
-
-    sys.settrace(tracer)
-    try:
-        fn()
-    finally:
-        sys.settrace(None)
-    return count
-
-
-@pytest.mark.parametrize("distinct", [False, True], ids=["one-topic", "distinct-topics"])
-def test_a_drain_costs_python_the_same_however_many_messages_it_takes(
-        tmp_path: Path, distinct: bool) -> None:
-    """Native publishes that nobody in Python reads, on one topic, or each on a topic of
-    its own (a fleet of devices: its own queue, index run and name per message): the
-    drain that takes 1,000 of them into the index and tells who waits runs as much
-    Python as the one that takes 10. Once a Python reader reads their queue, it grows
-    with them: it decodes each (the count sees per-message work where there is some)."""
-    log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"))
-    log.open()
-    told: list[tuple[list[Message], dict[str, int]]] = []
-    log.on_batch = lambda msgs, grown: bool(told.append((msgs, grown)))
-    engine = log.start_engine(1, 1)
-    engine.register_wildcard("t/+")
-    listener = socket.create_server(("127.0.0.1", 0))
-    publisher, fd = pair(listener)
-    engine.adopt(1, fd, **SETTINGS)
-    sent = 0
-
-    def drain(n: int) -> int:
-        """Publish `n` (all acknowledged: in the log), then count one drain of them."""
-        nonlocal sent
-        with log._dispatch_lock:  # the dispatcher takes none of them meanwhile
-            for first in range(sent, sent + n, 50):  # within the connection's window
-                ids = range(first, min(first + 50, sent + n))
-                publisher.sendall(b"".join(
-                    mqtt.encode_publish(f"t/{i if distinct else 0}", b"m", 1, False, False,
-                                        i % 60_000 + 1, 4) for i in ids))
-                recv_exact(publisher, 4 * len(ids))
-            sent += n
-            told.clear()
-            events = _python_events(log._drain_locked)
-        assert sum(len(grown) for _, grown in told) == (n + 2 if distinct else 3)
-        return events
-
-    try:
-        few, many = drain(10), drain(1000)
-        assert few < 200, f"{few} Python events for a drain of 10"
-        assert many <= few + 20, f"{few} Python events for 10 messages, {many} for 1,000"
-        entries = log.index.read("t/+", 0, 2000)
-        assert [e.offset for e in entries] == list(range(1010))
-        assert told[-1][0] == [] and told[-1][1]["t/+"] == 1010
-        engine.want_queues(["t/+"], 60.0)  # a reader in Python: each body is its work
-        read = drain(1000)
-        assert read > 10 * many
-        assert [m.body for m in told[-1][0]] == [b"m"] * 1000
-    finally:
-        publisher.close()
-        log.close()
-        log.index.close()
