@@ -66,7 +66,8 @@ class RecentMessages:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._rings: OrderedDict[str, _Ring] = OrderedDict()  # least recently read first
-        self._wanted: set[str] = set()  # read lately; a ring starts at their next message
+        # Missed lately (when the engine was told): a ring starts at their next message.
+        self._wanted: dict[str, float] = {}
         self._bytes = 0
         self.hits = 0
         self.misses = 0
@@ -90,7 +91,7 @@ class RecentMessages:
                         if ring is None and queue not in self._wanted:
                             continue
                         self._drop(queue)
-                        self._wanted.discard(queue)
+                        self._wanted.pop(queue, None)
                         ring = self._rings[queue] = _Ring(offset)
                         ring.told_at = ring.read_at
                         started.append(queue)
@@ -133,7 +134,7 @@ class RecentMessages:
         messages are no longer kept for the rings, until someone reads them again."""
         with self._lock:
             for queue in queues:
-                self._wanted.discard(queue)
+                self._wanted.pop(queue, None)
                 ring = self._rings.get(queue)
                 if ring is not None:
                     ring.read_at = ring.told_at = 0.0
@@ -150,10 +151,12 @@ class RecentMessages:
             if ring is None or not ring.base <= offset <= ring.end:
                 self.misses += 1
                 if ring is None:
-                    self._wanted.add(queue)  # a ring starts at its next message
-                    if len(self._wanted) > 100_000:  # never read again, most of them
-                        self._wanted.clear()
-                    tell = IDLE_S  # however long the next message takes
+                    now = time.monotonic()
+                    if now - self._wanted.get(queue, -IDLE_S) >= IDLE_S / 2:
+                        tell = IDLE_S  # however long the next message takes
+                        if len(self._wanted) >= 100_000:  # never read again, most of them
+                            self._wanted.clear()
+                        self._wanted[queue] = now  # a ring starts at its next message
                 found = None
             else:
                 self.hits += 1

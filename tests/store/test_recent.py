@@ -83,6 +83,16 @@ def test_a_ring_tells_the_engine_at_most_twice_per_wanted_time(
     assert told[2:] == [(["q"], recent.WANTED_S * 1.5)]
 
 
+def test_a_reader_that_misses_again_and_again_tells_the_engine_once() -> None:
+    """A reader with no ring (reading the store, or waiting at the end) wants the next
+    message: the engine is told once per IDLE_S / 2, not once per read."""
+    r = RecentMessages()
+    told = telling(r)
+    for _ in range(100):
+        assert r.get("q", 0, 1) is None
+    assert told == [(["q"], recent.IDLE_S)]
+
+
 def test_memory_is_bounded() -> None:
     r = RecentMessages(per_queue=10, max_bytes=50_000)
     for q in range(20):
