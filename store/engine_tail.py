@@ -244,17 +244,11 @@ class EngineTail:
                           sum(b.runs for b in self._unwritten))
 
     def _messages(self, batch: Any) -> list[Message]:
-        """The batch's messages whose bodies Python has, in log order: this process's
-        appends as their Messages, the native publishes its readers read decoded from
-        the records the engine kept (none is read back). An append of this process's
-        that a drain took before `_engine_append` knew of it comes without its body."""
-        own, decode = self._own, record.decode
-        done: list[Message] = []
-        for phys, rec in batch.bodies():
-            m = own.pop(phys, None) if rec is None else decode(rec, 0, phys)
-            if m is not None:
-                done.append(m)
-        return done
+        """The batch's messages whose bodies Python has, in log order, made natively:
+        this process's appends as their Messages (one a drain took before
+        `_engine_append` knew of it comes without its body), the native publishes its
+        readers read from the records the engine kept (none is read back)."""
+        return batch.messages(Message, self._own, record.decode_properties)
 
     def _engine_append(self, chunk: Chunk, now: int
                        ) -> list[Any]:

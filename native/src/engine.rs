@@ -226,6 +226,11 @@ struct Inner {
     /// many, so that an append looks no further while there are none.
     wanted: RwLock<Wanted>,
     wanted_len: AtomicUsize,
+    /// Rows the dispatch took and is done with (`Engine::recycle`), and how many: the next
+    /// native append frees them, on the reactor thread that allocated them, not the
+    /// dispatch's thread, which runs Python.
+    spent: Mutex<Vec<Vec<Dispatched>>>,
+    spent_rows: AtomicUsize,
     appended: Condvar,
     /// Set (and `hurried` told) when the dispatch should not wait out its pause: the
     /// reactors are paced to it, or a reader came (`Engine::hurry`).
@@ -398,6 +403,8 @@ impl Engine {
             kept_bytes: AtomicUsize::new(0),
             wanted: RwLock::new(Wanted::default()),
             wanted_len: AtomicUsize::new(0),
+            spent: Mutex::new(Vec::new()),
+            spent_rows: AtomicUsize::new(0),
             hurry: Mutex::new(false),
             hurried: Condvar::new(),
             appended: Condvar::new(),
@@ -652,6 +659,20 @@ impl Engine {
             .kept_bytes
             .fetch_sub(record_bytes(&taken.rows), Ordering::Relaxed);
         taken
+    }
+
+    /// Rows taken (`take_pending_upto`) that the caller is done with: freed by the next
+    /// native append's reactor thread, or here once `DISPATCH_BUDGET` rows wait so (no
+    /// native append comes).
+    pub fn recycle(&self, rows: Vec<Dispatched>) {
+        let n = rows.len();
+        if n == 0 || self.inner.spent_rows.load(Ordering::Relaxed) + n > DISPATCH_BUDGET {
+            return; // (dropped here)
+        }
+        if let Ok(mut spent) = self.inner.spent.lock() {
+            spent.push(rows);
+            self.inner.spent_rows.fetch_add(n, Ordering::Relaxed);
+        }
     }
 
     /// The owner reads the new records of these queues for the next `for_` (zero: no
@@ -1083,7 +1104,22 @@ impl Inner {
             // dispatches itself before its ack (a wake-up each would cost more).
             self.appended.notify_all();
         }
+        if !keep && self.spent_rows.load(Ordering::Relaxed) > 0 {
+            self.free_spent();
+        }
         Ok(Written { rows: kept, leans })
+    }
+
+    /// Free the rows the dispatch is done with (`Engine::recycle`), outside every lock.
+    fn free_spent(&self) {
+        let spent = match self.spent.lock() {
+            Ok(mut s) => {
+                self.spent_rows.store(0, Ordering::Relaxed);
+                std::mem::take(&mut *s)
+            }
+            Err(_) => return,
+        };
+        drop(spent);
     }
 
     /// Where the tail is, for readers that do not take the log lock.

@@ -5,6 +5,7 @@
 //! message with a key. The dispatcher then writes one value per run, not one Python
 //! object per message, under the keys made here (`queue_key`, `key_ref`).
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use crate::engine::Dispatched;
@@ -35,14 +36,23 @@ impl Run {
 }
 
 /// What a batch adds to the index: its runs, the key references (key, phys offset) and
-/// the number of entries; and each queue that grew, with its end after the batch (one
-/// past its last offset), in the order the batch first names them.
+/// the number of entries. The last `grown` runs are the last of each queue that grew,
+/// in the order the batch first names them (`ends`).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Rows {
     pub runs: Vec<Run>,
     pub keys: Vec<(String, u64)>,
     pub entries: usize,
-    pub ends: Vec<(String, u64)>,
+    pub grown: usize,
+}
+
+impl Rows {
+    /// Each queue that grew, with its end after the batch (one past its last offset).
+    pub fn ends(&self) -> impl Iterator<Item = (&str, u64)> {
+        self.runs[self.runs.len() - self.grown..]
+            .iter()
+            .map(|r| (r.queue.as_str(), r.next()))
+    }
 }
 
 /// The index's key of a run (`lightqueue/index.py`): b"q", the queue's name, a NUL, its
@@ -72,7 +82,7 @@ pub fn runs(rows: &[Dispatched], run_max: usize) -> Rows {
     let run_max = run_max.max(1);
     let mut out = Rows::default();
     let mut open: Vec<Run> = Vec::new();
-    let mut at: HashMap<&str, usize> = HashMap::new();
+    let mut at: HashMap<&str, usize> = HashMap::with_capacity(rows.len().min(1 << 16));
     for d in rows {
         let mut entry = [0u8; ENTRY_SIZE];
         entry[..8].copy_from_slice(&d.phys_offset.to_be_bytes());
@@ -84,22 +94,28 @@ pub fn runs(rows: &[Dispatched], run_max: usize) -> Rows {
                 first: *offset,
                 entries: Vec::with_capacity(ENTRY_SIZE),
             };
-            match at.get(queue.as_str()) {
-                Some(&i) if open[i].next() == *offset && open[i].len() < run_max => {}
-                Some(&i) => out.runs.push(std::mem::replace(&mut open[i], fresh())),
-                None => {
-                    at.insert(queue.as_str(), open.len());
-                    open.push(fresh());
+            let i = match at.entry(queue.as_str()) {
+                Entry::Occupied(e) => {
+                    let i = *e.get();
+                    if open[i].next() != *offset || open[i].len() >= run_max {
+                        out.runs.push(std::mem::replace(&mut open[i], fresh()));
+                    }
+                    i
                 }
-            }
-            open[at[queue.as_str()]].entries.extend_from_slice(&entry);
+                Entry::Vacant(e) => {
+                    e.insert(open.len());
+                    open.push(fresh());
+                    open.len() - 1
+                }
+            };
+            open[i].entries.extend_from_slice(&entry);
             out.entries += 1;
         }
         if !d.key.is_empty() {
             out.keys.push((d.key.clone(), d.phys_offset));
         }
     }
-    out.ends = open.iter().map(|r| (r.queue.clone(), r.next())).collect();
+    out.grown = open.len();
     out.runs.extend(open);
     out
 }
@@ -152,7 +168,10 @@ mod tests {
             ]
         );
         assert!(got.keys.is_empty());
-        assert_eq!(got.ends, vec![("a/b".into(), 6), ("a#0".into(), 12)]);
+        assert_eq!(
+            got.ends().collect::<Vec<_>>(),
+            vec![("a/b", 6), ("a#0", 12)]
+        );
     }
 
     #[test]
@@ -168,7 +187,7 @@ mod tests {
         let firsts: Vec<(u64, usize)> = got.runs.iter().map(|r| (r.first, r.len())).collect();
         assert_eq!(firsts, vec![(0, 2), (5, 2), (7, 1)]);
         assert_eq!(got.runs[2].entries, entry(120));
-        assert_eq!(got.ends, vec![("q".into(), 8)]);
+        assert_eq!(got.ends().collect::<Vec<_>>(), vec![("q", 8)]);
     }
 
     #[test]

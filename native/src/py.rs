@@ -382,7 +382,8 @@ struct PyDispatchBatch {
     new_segments: Vec<u64>,
     runs: Vec<index::Run>,
     keys: Vec<(String, u64)>,
-    ends: Vec<(String, u64)>,
+    /// The last `grown` runs are each grown queue's last (`index::Rows::ends`).
+    grown: usize,
     /// (phys offset, record) of the rows the owner wants: its own (no record: it holds
     /// the message) and those kept for its readers, in log order.
     bodies: Vec<(u64, Option<std::sync::Arc<[u8]>>)>,
@@ -436,20 +437,83 @@ impl PyDispatchBatch {
     /// {queue: its end after the batch} for every queue that grew.
     fn grown<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
-        for (queue, end) in &self.ends {
-            out.set_item(queue, end)?;
+        for run in &self.runs[self.runs.len() - self.grown..] {
+            out.set_item(&run.queue, run.first + run.len() as u64)?;
         }
         Ok(out)
     }
 
-    /// [(phys offset, record bytes or None)] in log order: the owner's own appends (None:
-    /// it holds them) and the records kept for its readers (`PyEngine::want_queues`).
-    fn bodies<'py>(&self, py: Python<'py>) -> Vec<(u64, Option<Bound<'py, PyBytes>>)> {
-        self.bodies
-            .iter()
-            .map(|(phys, record)| (*phys, record.as_ref().map(|r| PyBytes::new(py, r))))
-            .collect()
+    /// The messages the owner has or reads, in log order, without a line of Python each:
+    /// its own appends taken out of `own` ({phys offset: message}; one a drain took
+    /// before `own` knew of it is left out), and the records kept for its readers made
+    /// into `cls` (store.record.Message) with every field `store.record.decode` sets,
+    /// properties through `decode_properties` (JSON) when a record has any.
+    fn messages<'py>(
+        &self,
+        py: Python<'py>,
+        cls: &Bound<'py, pyo3::types::PyType>,
+        own: &Bound<'py, PyDict>,
+        decode_properties: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for (phys, kept) in &self.bodies {
+            match kept {
+                None => {
+                    if let Some(m) = own.get_item(phys)? {
+                        own.del_item(phys)?;
+                        out.append(m)?;
+                    }
+                }
+                Some(bytes) => out.append(message(py, cls, bytes, *phys, decode_properties)?)?,
+            }
+        }
+        Ok(out)
     }
+}
+
+/// `store.record.decode(bytes, 0, phys)` without the interpreter: a Message made with
+/// `__new__` and its fields set one by one (`tests/plane/test_dispatch_cost.py` holds
+/// it to `decode`'s, field for field).
+fn message<'py>(
+    py: Python<'py>,
+    cls: &Bound<'py, pyo3::types::PyType>,
+    bytes: &[u8],
+    phys: u64,
+    decode_properties: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    use pyo3::intern;
+    let (rec, size) = record::decode(bytes).map_err(value_error)?;
+    let properties = if rec.properties.is_empty() {
+        PyDict::new(py).into_any()
+    } else {
+        decode_properties.call1((PyBytes::new(py, rec.properties),))?
+    };
+    // An idempotent producer's first record carries its sequence in its properties.
+    let producer = if rec.marks & record::MARK_FIRST != 0 {
+        properties.call_method1(intern!(py, "pop"), (intern!(py, "lg_producer"), py.None()))?
+    } else {
+        py.None().into_bound(py)
+    };
+    let queues = PyList::empty(py);
+    for (name, offset) in &rec.queues {
+        queues.append((*name, *offset))?;
+    }
+    let m = cls.call_method1(intern!(py, "__new__"), (cls,))?;
+    m.setattr(intern!(py, "topic"), rec.topic)?;
+    m.setattr(intern!(py, "body"), PyBytes::new(py, rec.body))?;
+    m.setattr(intern!(py, "qos"), rec.qos)?;
+    m.setattr(intern!(py, "retain"), rec.retain)?;
+    m.setattr(intern!(py, "client_id"), rec.client_id)?;
+    m.setattr(intern!(py, "properties"), properties)?;
+    m.setattr(intern!(py, "born_ts"), rec.born_ts)?;
+    m.setattr(intern!(py, "key"), rec.key)?;
+    m.setattr(intern!(py, "store_ts"), rec.store_ts)?;
+    m.setattr(intern!(py, "phys_offset"), phys)?;
+    m.setattr(intern!(py, "size"), size)?;
+    m.setattr(intern!(py, "queues"), queues)?;
+    m.setattr(intern!(py, "mark"), rec.marks & record::MARKS)?;
+    m.setattr(intern!(py, "producer"), producer)?;
+    Ok(m)
 }
 
 /// The native per-message path (`engine::Engine`): reactors, the log's tail, routing,
@@ -791,28 +855,32 @@ impl PyEngine {
     #[pyo3(signature = (run_max, limit=usize::MAX))]
     fn take_batch(&self, py: Python<'_>, run_max: usize, limit: usize) -> PyDispatchBatch {
         py.allow_threads(|| {
-            let p = self.pending(limit);
+            let mut p = self.pending(limit);
             let made = index::runs(&p.rows, run_max);
             let bodies = p
                 .rows
-                .iter()
+                .iter_mut()
                 .filter(|d| d.own || d.record.is_some())
-                .map(|d| (d.phys_offset, d.record.clone()))
+                .map(|d| (d.phys_offset, d.record.take()))
                 .collect();
-            PyDispatchBatch {
+            let batch = PyDispatchBatch {
                 taken: p.rows.len(),
                 end: p.rows.last().map(|d| d.phys_offset + u64::from(d.size)),
                 new_segments: p.new_segments,
                 runs: made.runs,
                 keys: made.keys,
-                ends: made.ends,
+                grown: made.grown,
                 bodies,
+            };
+            if let Some(engine) = &self.inner {
+                engine.recycle(p.rows); // freed by a reactor thread, not this one
             }
+            batch
         })
     }
 
     /// The owner reads the new messages of these queues for the next `seconds` (0: no
-    /// longer): the dispatch hands their records over (`DispatchBatch.bodies`).
+    /// longer): the dispatch hands their records over (`DispatchBatch.messages`).
     /// Nothing once stopped. The interpreter goes first: an append may hold the engine's
     /// lock on them while it asks Python where a new queue ends.
     fn want_queues(&self, py: Python<'_>, names: Vec<String>, seconds: f64) {
