@@ -9,7 +9,7 @@
 //! One lock covers the log's tail, the routes and the queue offsets, so offsets are
 //! given out in log order and never twice, whichever reactor thread appends.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -134,6 +134,29 @@ pub struct Pending {
     pub new_segments: Vec<u64>,
 }
 
+/// `Pending` as the engine keeps it: taken from the front in bounded steps, without
+/// moving what stays (a `Vec` split moved the whole rest at every step).
+#[derive(Default)]
+struct Waiting {
+    rows: VecDeque<Dispatched>,
+    new_segments: Vec<u64>,
+}
+
+impl Waiting {
+    /// The oldest `limit` rows at most, and every new segment.
+    fn take(&mut self, limit: usize) -> Pending {
+        let rows = if self.rows.len() <= limit {
+            Vec::from(std::mem::take(&mut self.rows))
+        } else {
+            self.rows.drain(..limit).collect()
+        };
+        Pending {
+            rows,
+            new_segments: std::mem::take(&mut self.new_segments),
+        }
+    }
+}
+
 /// The queues whose new records the owner reads, each until when (`Engine::want_queues`).
 #[derive(Default)]
 struct Wanted {
@@ -216,7 +239,7 @@ struct Inner {
     subs: RwLock<Subs>,
     handle: OnceLock<Handle>,
     /// Taken only after `log` (or alone): rows enter it in log order.
-    pending: Mutex<Pending>,
+    pending: Mutex<Waiting>,
     /// Rows in `pending`, kept under its lock: past `DISPATCH_BUDGET` the reactors stop
     /// reading publishers until the dispatch took them.
     pending_rows: AtomicUsize,
@@ -398,7 +421,7 @@ impl Engine {
             log: Mutex::new(log),
             subs: RwLock::new(Subs::default()),
             handle: OnceLock::new(),
-            pending: Mutex::new(Pending::default()),
+            pending: Mutex::new(Waiting::default()),
             pending_rows: AtomicUsize::new(0),
             kept_bytes: AtomicUsize::new(0),
             wanted: RwLock::new(Wanted::default()),
@@ -643,15 +666,7 @@ impl Engine {
         let Ok(mut p) = self.inner.pending.lock() else {
             return Pending::default();
         };
-        let taken = if p.rows.len() <= limit {
-            std::mem::take(&mut *p)
-        } else {
-            let rest = p.rows.split_off(limit);
-            Pending {
-                rows: std::mem::replace(&mut p.rows, rest),
-                new_segments: std::mem::take(&mut p.new_segments),
-            }
-        };
+        let taken = p.take(limit);
         self.inner
             .pending_rows
             .store(p.rows.len(), Ordering::Relaxed);
@@ -851,7 +866,7 @@ impl Engine {
         let left = inner
             .pending
             .lock()
-            .map(|mut p| std::mem::take(&mut *p))
+            .map(|mut p| p.take(usize::MAX))
             .unwrap_or_default();
         (synced, left)
     }

@@ -83,33 +83,48 @@ pub fn runs(rows: &[Dispatched], run_max: usize) -> Rows {
     let mut out = Rows::default();
     let mut open: Vec<Run> = Vec::new();
     let mut at: HashMap<&str, usize> = HashMap::with_capacity(rows.len().min(1 << 16));
+    // The open run of each queue of the row before: a device, or a burst of one topic,
+    // names the same queues row after row, found without hashing them again.
+    let mut before: Vec<(&str, usize)> = Vec::new();
     for d in rows {
         let mut entry = [0u8; ENTRY_SIZE];
         entry[..8].copy_from_slice(&d.phys_offset.to_be_bytes());
         entry[8..12].copy_from_slice(&d.size.to_be_bytes());
         entry[12..].copy_from_slice(&d.store_ts.to_be_bytes());
-        for (queue, offset) in &d.queues {
+        for (j, (queue, offset)) in d.queues.iter().enumerate() {
             let fresh = || Run {
                 queue: queue.clone(),
                 first: *offset,
                 entries: Vec::with_capacity(ENTRY_SIZE),
             };
-            let i = match at.entry(queue.as_str()) {
-                Entry::Occupied(e) => {
-                    let i = *e.get();
+            let known = match before.get(j) {
+                Some(&(name, i)) if name == queue.as_str() => Some(i),
+                _ => match at.entry(queue.as_str()) {
+                    Entry::Occupied(e) => Some(*e.get()),
+                    Entry::Vacant(e) => {
+                        e.insert(open.len());
+                        None
+                    }
+                },
+            };
+            let i = match known {
+                Some(i) => {
                     if open[i].next() != *offset || open[i].len() >= run_max {
                         out.runs.push(std::mem::replace(&mut open[i], fresh()));
                     }
                     i
                 }
-                Entry::Vacant(e) => {
-                    e.insert(open.len());
+                None => {
                     open.push(fresh());
                     open.len() - 1
                 }
             };
             open[i].entries.extend_from_slice(&entry);
             out.entries += 1;
+            match before.get_mut(j) {
+                Some(slot) => *slot = (queue.as_str(), i),
+                None => before.push((queue.as_str(), i)),
+            }
         }
         if !d.key.is_empty() {
             out.keys.push((d.key.clone(), d.phys_offset));
@@ -197,6 +212,58 @@ mod tests {
         let got = runs(&[row(0, &[("q", 0)]), keyed], 4096);
         assert_eq!(got.keys, vec![("k1".to_string(), 30)]);
         assert_eq!(runs(&[], 4096), Rows::default());
+    }
+
+    /// The runs as `lightqueue/index.py`'s write_messages cuts them, one queue at a time.
+    fn reference(rows: &[Dispatched], run_max: usize) -> Vec<(String, u64, usize)> {
+        let mut open: Vec<(String, u64, usize)> = Vec::new();
+        let mut closed = Vec::new();
+        for d in rows {
+            for (queue, offset) in &d.queues {
+                match open.iter_mut().find(|r| r.0 == *queue) {
+                    Some(r) if r.1 + r.2 as u64 == *offset && r.2 < run_max => r.2 += 1,
+                    Some(r) => closed.push(std::mem::replace(r, (queue.clone(), *offset, 1))),
+                    None => open.push((queue.clone(), *offset, 1)),
+                }
+            }
+        }
+        closed.extend(open);
+        closed
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn runs_are_the_python_index_s(
+            picks in proptest::collection::vec(
+                (proptest::collection::vec(0usize..4, 0..4), proptest::bool::ANY), 0..60),
+            run_max in 1usize..5,
+        ) {
+            let names = ["a/b", "a/+", "a#0", "c"];
+            let mut next = [0u64; 4];
+            let rows: Vec<Dispatched> = picks.iter().enumerate().map(|(n, (qs, gap))| {
+                let mut seen = Vec::new();
+                let queues: Vec<(&str, u64)> = qs.iter().filter(|q| {
+                    let fresh = !seen.contains(*q);
+                    seen.push(**q);
+                    fresh
+                }).map(|&q| {
+                    next[q] += if *gap { 3 } else { 1 }; // a floor moved a queue on, or not
+                    (names[q], next[q])
+                }).collect();
+                row(n as u64 * 30, &queues)
+            }).collect();
+            let got = runs(&rows, run_max);
+            let cut: Vec<(String, u64, usize)> =
+                got.runs.iter().map(|r| (r.queue.clone(), r.first, r.len())).collect();
+            proptest::prop_assert_eq!(cut, reference(&rows, run_max));
+            let mut ends: Vec<(&str, u64)> = got.ends().collect();
+            ends.sort();
+            let mut want: Vec<(&str, u64)> = (0..4)
+                .filter(|&q| rows.iter().any(|d| d.queues.iter().any(|(n, _)| n == names[q])))
+                .map(|q| (names[q], next[q] + 1)).collect();
+            want.sort();
+            proptest::prop_assert_eq!(ends, want);
+        }
     }
 
     #[test]
