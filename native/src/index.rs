@@ -58,22 +58,21 @@ impl Rows {
 /// The index's key of a run (`lightqueue/index.py`): b"q", the queue's name, a NUL, its
 /// first offset (u64, big-endian). Queue names never hold a NUL.
 pub fn queue_key(queue: &str, first: u64) -> Vec<u8> {
-    let mut key = Vec::with_capacity(queue.len() + 10);
-    key.push(b'q');
-    key.extend_from_slice(queue.as_bytes());
-    key.push(0);
-    key.extend_from_slice(&first.to_be_bytes());
-    key
+    tagged(b'q', queue, first)
 }
 
 /// The index's key of a key reference: b"k", the message key, a NUL, its phys offset.
 pub fn key_ref(key: &str, phys_offset: u64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(key.len() + 10);
-    out.push(b'k');
-    out.extend_from_slice(key.as_bytes());
-    out.push(0);
-    out.extend_from_slice(&phys_offset.to_be_bytes());
-    out
+    tagged(b'k', key, phys_offset)
+}
+
+fn tagged(tag: u8, name: &str, n: u64) -> Vec<u8> {
+    let mut key = Vec::with_capacity(name.len() + 10);
+    key.push(tag);
+    key.extend_from_slice(name.as_bytes());
+    key.push(0);
+    key.extend_from_slice(&n.to_be_bytes());
+    key
 }
 
 /// The runs of `rows` (in log order): a run ends at a gap in its queue's offsets (a
