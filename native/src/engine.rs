@@ -4,7 +4,9 @@
 //! (`record`) and appended once (`commitlog::LogWriter`), made as durable as the flush
 //! mode asks, acknowledged to its publishers, and delivered to the native subscribers
 //! it matches. What the light-queue index and notify need of each batch waits for the
-//! Python side (`take_dispatched`), which follows the log as RocketMQ's dispatch does.
+//! dispatch (`take_pending_upto`; Python takes it as one batch, `py.rs` DispatchBatch),
+//! which follows the log as RocketMQ's dispatch does; with it go the records of the
+//! queues the owner's readers read (`want_queues`).
 //!
 //! One lock covers the log's tail, the routes and the queue offsets, so offsets are
 //! given out in log order and never twice, whichever reactor thread appends.
