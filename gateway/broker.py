@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import trio
@@ -40,6 +41,8 @@ from serving.read_budget import ReadBudget
 from store.api import AUTH_EVENT, AuthManager, LocalStore, Message, Store
 
 log = logging.getLogger("lightgate.gateway")
+# Names of the gateway's own events, never a queue's: always news (`wants_news`).
+_EVENTS = frozenset((AUTH_EVENT, "*"))
 
 # Importers of the broker find these here as before.
 __all__ = ["APPEND_BUCKETS", "Broker", "GatewayConfig", "RetainedMessage",
@@ -270,7 +273,7 @@ class Broker:
         a shared group) or an event of the gateway's own. Asked from the store's writer
         thread, so that a batch only native subscribers read wakes no event loop. A
         session promoted back to Python reads its queues from its position then."""
-        if name in (AUTH_EVENT, "*") or name in self.queue_groups:
+        if name in _EVENTS or name in self.queue_groups:
             return True
         try:
             for session in self.queue_subs.get(name, ()):
@@ -281,10 +284,23 @@ class Broker:
             return True
         return False
 
+    def news_among(self, names: AbstractSet[str]) -> list[str]:
+        """The names of a batch `wants_news` says yes to, asked only of those that some
+        session or shared group reads (or the gateway's own events): a set intersection
+        picks them out, so a batch naming a queue per message (devices on topics of their
+        own, which nobody subscribes to one by one) costs no call per name. From the
+        store's writer thread, as `wants_news`."""
+        try:
+            candidates = names & self.queue_subs.keys() | names & self.queue_groups.keys()
+        except RuntimeError:  # changed under us (the event loop's thread): ask of each
+            candidates = set(names)
+        candidates |= names & _EVENTS
+        return [name for name in candidates if self.wants_news(name)]
+
     async def run_notify(self, bus: Bus) -> None:
         if isinstance(bus, LocalBus) and bus.window == 0:
             # In-process: no task in between.
-            with bus.listen(self.on_queues_changed, self.wants_news):
+            with bus.listen(self.on_queues_changed, among=self.news_among):
                 await trio.sleep_forever()
         async with bus.subscribe() as events:
             async for names in events:

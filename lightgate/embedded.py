@@ -64,7 +64,8 @@ async def _serve(opts: ServeOptions, signals: Signals, reload: Reload) -> None:
     if plane.writer() == "native":  # the engine writes the log (store.service)
         if not all(hasattr(plane.NATIVE.Engine, name) for name in ("append_messages",
                                                                    "release",
-                                                                   "set_not_stored")):
+                                                                   "set_not_stored",
+                                                                   "take_batch")):
             raise StartupError("the native data plane installed is older than this "
                                "Lightgate (its engine cannot write the log or carry "
                                "connections): reinstall it (cargo on PATH, then `pip "

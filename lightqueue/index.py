@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import shutil
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -52,6 +52,15 @@ class StoredRecord(Protocol):
     store_ts: int
     key: str
     queues: list[tuple[str, int]]
+
+
+class PackedBatch(Protocol):
+    """The index entries of a native dispatch (serving.lightgate_native's DispatchBatch),
+    keyed and packed as `write_messages` would."""
+
+    def put_index(self, put: Callable[[bytes, bytes], None]) -> int:
+        """`put(key, value)` each entry; how many."""
+        ...
 
 
 # (phys offset, size, store time, queue offset): `read_tuples`, for readers of millions
@@ -158,19 +167,14 @@ class ConsumeQueueIndex:
         self._db.write(wb, self._no_wal)
         return n
 
-    def write_runs(self, runs: Iterable[tuple[str, int, bytes]],
-                   keys: Iterable[tuple[str, int]], checkpoint: int) -> None:
-        """`write_messages` of entries packed already (the native engine's): runs of
-        (queue, first offset, entries), key references (key, phys offset)."""
+    def write_batch(self, batch: PackedBatch, checkpoint: int) -> None:
+        """`write_messages` of a native dispatch's batch (serving.lightgate_native's
+        DispatchBatch), whose entries come packed and keyed already: it puts each of its
+        runs and key references into the write batch itself, so that this costs the
+        interpreter a few calls however many runs the batch holds."""
         wb = WriteBatch(raw_mode=True)
-        put = wb.put
-        u64 = U64.pack
-        prefixes = self._prefixes
-        for queue, first, entries in runs:
-            put(self._prefix(prefixes, queue) + u64(first), entries)
-        for key, phys in keys:
-            put(key_prefix(key) + u64(phys), b"")
-        put(CHECKPOINT_KEY, u64(checkpoint))
+        batch.put_index(wb.put)
+        wb.put(CHECKPOINT_KEY, U64.pack(checkpoint))
         self._db.write(wb, self._no_wal)
 
     @staticmethod

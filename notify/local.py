@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Set
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 
 import trio
@@ -49,7 +49,8 @@ class LocalBus(Counters):
         self.buffer = buffer
         self._subs: list[Subscription] = []
         self._listeners: list[Callable[[set[str]], None]] = []
-        self._wants: list[Callable[[str], bool] | None] = []  # per listener (`listen`)
+        # Per listener (`listen`): the names it wants of a batch, None if it does not say.
+        self._wants: list[Callable[[Set[str]], Collection[str]] | None] = []
         self._lock = threading.Lock()
         self._incoming: set[str] = set()
         self._wake = trio.Event()
@@ -171,30 +172,39 @@ class LocalBus(Counters):
 
     @contextmanager
     def listen(self, fn: Callable[[set[str]], None],
-               wants: Callable[[str], bool] | None = None) -> Iterator[None]:
+               wants: Callable[[str], bool] | None = None,
+               among: Callable[[Set[str]], Collection[str]] | None = None) -> Iterator[None]:
         """Call `fn(names)` in the trio thread on every delivery, synchronously: it must
         not block (e.g. set events). Counted as a delivery like a subscription's.
-        `wants(name)`, from any thread: whether `fn` cares for a name. While every
-        listener says which and no subscription listens, names published from another
-        thread that none of them wants do not wake the event loop."""
+        `wants(name)`, from any thread: whether `fn` cares for a name; or `among(names)`:
+        the names of a batch it cares for (a listener that picks them out of a large
+        batch without a call per name: the native engine's dispatch publishes a name per
+        queue that grew). While every listener says which and no subscription listens,
+        names published from another thread that none of them wants do not wake the
+        event loop."""
         def counted(batch: set[str]) -> None:
             self.count(delivered=len(batch))
             fn(batch)
 
+        if among is None and wants is not None:
+            among = _one_by_one(wants)
         self._listeners.append(counted)
-        self._wants.append(wants)
+        self._wants.append(among)
         try:
             yield
         finally:
             self._listeners.remove(counted)
-            self._wants.remove(wants)
+            self._wants.remove(among)
 
     def _wanted(self, names: Iterable[str]) -> Iterable[str]:
         """The names some listener wants (all of them, unless every listener says)."""
         wants = tuple(self._wants)  # a copy: the trio thread may change the list
         if self._subs or not wants or None in wants:
             return names
-        return [n for n in names if any(w(n) for w in wants)]  # type: ignore[misc]
+        batch = names if isinstance(names, Set) else set(names)
+        if len(wants) == 1:
+            return wants[0](batch)  # type: ignore[misc]
+        return set().union(*(w(batch) for w in wants))  # type: ignore[misc]
 
     # -- subscribing ------------------------------------------------------------------
     @asynccontextmanager
@@ -209,3 +219,8 @@ class LocalBus(Counters):
         finally:
             sub.close()
             self._subs.remove(sub)
+
+
+def _one_by_one(wants: Callable[[str], bool]) -> Callable[[Set[str]], Collection[str]]:
+    """`among` of a listener that says per name."""
+    return lambda names: [n for n in names if wants(n)]

@@ -11,11 +11,16 @@ the index and `on_dispatched`: a thread the engine wakes for its own publishes, 
 appender of this process's before its ack, a reader of the index before it reads
 (`catch_up`). The CommitLog keeps what is Python's: the idempotent producers' checks,
 recovery, reads, retention, the flusher and the checkpoint.
+
+A drain costs Python the same few calls however many messages it takes, except for the
+messages Python holds or reads: the engine hands over one `DispatchBatch` that writes
+the index's entries (one put per run, made natively), names the queues that grew with
+their new ends, and carries the records of the queues Python's readers read (they tell
+the engine which: `want_queues`), so that nothing is read back from the log.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import errno
 import logging
@@ -23,9 +28,8 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from setproctitle import setthreadtitle
 
@@ -70,31 +74,6 @@ Row = tuple[Any, ...]
 Chunk = list[tuple[Any, list[Row]]]
 
 
-@dataclass(slots=True)
-class Appended:
-    """A native publish as the index and notify take it: where it is, when it was stored
-    and its queues, without its body, which is read back only for a reader that wants it
-    (`EngineTail.readers`). The store's readers read it from the log like any other."""
-
-    phys_offset: int
-    size: int
-    store_ts: int
-    queues: list[tuple[str, int]]
-    key: str = ""  # MQTT publishes have no key
-
-
-class Readers(Protocol):
-    """Who reads new messages' bodies as they are dispatched (store.recent)."""
-
-    def reading(self) -> bool:
-        """Whether any queue is read so."""
-        ...
-
-    def wants(self, queue: str) -> bool:
-        """Whether this queue's next message is wanted, body and all."""
-        ...
-
-
 def _background() -> None:
     """Lower the calling thread's CPU priority (the dispatch is background work): on a
     machine whose cores the reactors share with other processes, a drain of thousands
@@ -111,12 +90,11 @@ class EngineTail:
     dir: Path
     engine: Any
     marks: Any  # store.highwater.HighWater: the engine raises them through it
-    # Who reads the bodies of new messages (the recent rings, store.recent): a native
-    # publish none of them wants is not read back.
-    readers: Readers | None = None
-    # Told the names of the queues that grew when no message is wanted (`readers`) and
-    # none is this process's: as `on_dispatched`, False if nobody heard.
-    on_grown: Callable[[set[str]], bool | None] | None = None
+    # Told of each batch the dispatch takes: the messages whose bodies Python has (its
+    # own appends, and the native publishes of queues its readers read: `want_queues`),
+    # in log order, and every queue that grew with its end after the batch. False if
+    # nobody heard. Unset: `on_dispatched` gets the messages.
+    on_batch: Callable[[list[Message], dict[str, int]], bool | None] | None = None
     # Whether a reader in this process waits for new messages now (a long-polling PULL,
     # such as a Spark trigger waiting for the next reading): the dispatch takes no lazy
     # pause then. Told per batch is not enough: a batch nobody heard of, landing while
@@ -220,30 +198,22 @@ class EngineTail:
             self._draining = None
 
     def _drain_step(self) -> tuple[int, bool]:
-        """Up to `DRAIN_ROWS` of the engine's appends into the index (runs the engine
-        packed, in log order), then who waits for them: `on_dispatched` with this
-        process's appends as their Messages and the native ones as `Appended` rows (read
-        back from the log for a reader that wants their bodies), or only `on_grown` with
-        the queues' names while no message is wanted. How many were taken, and whether
-        anyone heard of them."""
-        readers = self.readers
-        detail = (self.on_grown is None or bool(self._own)
-                  or (readers is not None and readers.reading()))
-        runs, keys, taken, end, rows, new_segments = self.engine.take_runs(
-            RUN_MAX, detail, DRAIN_ROWS)
-        if new_segments:
+        """Up to `DRAIN_ROWS` of the engine's appends into the index, then who waits for
+        them (`on_batch`). How many were taken, and whether anyone heard of them."""
+        batch = self.engine.take_batch(RUN_MAX, DRAIN_ROWS)
+        if new_segments := batch.new_segments:
             segs = tuple(Segment(self.dir / segment_name(b), b) for b in new_segments)
             self._update_segments(lambda old: (*old, *segs))
+        end = batch.end
         if end is None:
-            return taken, True
+            return batch.taken, True
         # Every record the engine appended, this process's and the native plane's, is
         # taken here once: counted here (the native ones had no other place).
-        self.stats["messages"] += taken
-        return taken, self._dispatch_step(runs, keys, end, rows)
+        self.stats["messages"] += batch.taken
+        return batch.taken, self._dispatch_step(batch, end)
 
-    def _dispatch_step(self, runs: list[tuple[str, int, bytes]], keys: list[tuple[str, int]],
-                       end: int, rows: list[Any] | None) -> bool:
-        self._write_runs(runs, keys, end)
+    def _dispatch_step(self, batch: Any, end: int) -> bool:
+        self._write_index(batch, end)
         before = self._write_pos
         self._write_pos = end
         if not self._engine_stopped:
@@ -252,49 +222,33 @@ class EngineTail:
         if self.flush_mode == "async":
             self._dirtied(before)
         try:
-            if rows is None:
-                assert self.on_grown is not None
-                return self.on_grown({queue for queue, _, _ in runs}) is not False
-            done = self._messages(rows)
-            return bool(self.on_dispatched) and self.on_dispatched(done) is not False
+            done = self._messages(batch)
+            if self.on_batch is not None:
+                return self.on_batch(done, batch.grown()) is not False
+            return bool(self.on_dispatched) and (
+                not done or self.on_dispatched(done) is not False)
         except Exception:
             log.exception("on_dispatched callback failed")
             return True
 
-    def _write_runs(self, runs: list[tuple[str, int, bytes]], keys: list[tuple[str, int]],
-                    end: int) -> None:
+    def _write_index(self, batch: Any, end: int) -> None:
         """The index entries of a drain (and of any before whose write failed: the
         records are safe in the log, and the next drain writes them again)."""
-        self._unwritten.append((runs, keys))
+        self._unwritten.append(batch)
         try:
-            for r, k in self._unwritten:
-                self.index.write_runs(r, k, end)
+            for b in self._unwritten:
+                self.index.write_batch(b, end)
             self._unwritten = []
         except Exception:
             log.exception("dispatch of %d runs failed; will retry",
-                          sum(len(r) for r, _ in self._unwritten))
+                          sum(b.runs for b in self._unwritten))
 
-    def _messages(self, rows: list[tuple[int, int, int, list[tuple[str, int]]]]
-                  ) -> list[Any]:
-        """Rows as `on_dispatched` takes them: this process's appends as their Messages,
-        the native ones as `Appended`, read back where a reader wants the body."""
-        own, readers = self._own, self.readers
-        done: list[Any] = []
-        for phys, size, store_ts, queues in rows:
-            m = own.pop(phys, None)
-            if m is None:
-                m = Appended(phys, size, store_ts, queues)
-                if readers is not None and any(readers.wants(q) for q, _ in queues):
-                    m = self._read_appended(m)
-            done.append(m)
-        return done
-
-    def _read_appended(self, row: Appended) -> Message:
-        """The record of a native publish, appended by the engine and not dispatched yet
-        (past `_write_pos`, which `read_run` keeps readers within)."""
-        seg = self._segments[bisect.bisect_right(self._bases, row.phys_offset) - 1]
-        return record.decode(seg.pread(row.size, row.phys_offset - seg.base), 0,
-                             row.phys_offset)
+    def _messages(self, batch: Any) -> list[Message]:
+        """The batch's messages whose bodies Python has, in log order, made natively:
+        this process's appends as their Messages (one a drain took before
+        `_engine_append` knew of it comes without its body), the native publishes its
+        readers read from the records the engine kept (none is read back)."""
+        return batch.messages(Message, self._own, record.decode_properties)
 
     def _engine_append(self, chunk: Chunk, now: int
                        ) -> list[Any]:

@@ -9,6 +9,11 @@ message it dispatches, and every later message of that queue is appended in offs
 order under the same lock. So a ring always ends at the queue's true end, and a reader
 at that end gets "nothing new" without looking further. A reader below the ring's start
 gets None and reads the store.
+
+Under the native engine, a ring is fed only with what its readers tell the engine they
+read (`want`): the engine keeps those records for the dispatch, which hands them over
+with the names and ends of every queue that grew; a ring whose queue grew by messages
+that came without their bodies goes (`grew`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from store.record import Message
@@ -41,8 +47,9 @@ IDLE_S = 60.0  # a ring nobody read for this long is dropped
 # messages) stalled every connection for 30 ms (the p99 at 20,000 msg/s). A small
 # step keeps each pause well under a millisecond; the list's memmove per step is cheap.
 TRIM_STEP = 512
-# A ring not read for this long is not worth a read-back of a message that comes without
-# its body (`wants`): its reader went (to the native plane, say) or reads rarely.
+# A ring not read for this long is not worth the engine keeping its next records for the
+# dispatch (`want`): its reader went (to the native plane, say) or reads rarely. Told at
+# most every WANTED_S / 2 per queue.
 WANTED_S = 1.0
 
 
@@ -52,6 +59,7 @@ class _Ring:
     messages: list[Message] = field(default_factory=list)
     bytes: int = 0
     read_at: float = field(default_factory=time.monotonic)
+    told_at: float = 0.0  # when the engine was last told its reader reads it (`want`)
 
     @property
     def end(self) -> int:
@@ -65,34 +73,30 @@ def _cost(msg: Message) -> int:
             + QUEUE_OVERHEAD * len(queues) + sum([len(name) for name, _ in queues]))
 
 
-def _read_lately(ring: _Ring) -> bool:
-    """Read within WANTED_S: its reader wants the next message's body."""
-    return time.monotonic() - ring.read_at < WANTED_S
-
-
 class RecentMessages:
     def __init__(self, per_queue: int = PER_QUEUE, max_bytes: int = MAX_BYTES) -> None:
         self.per_queue = per_queue
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._rings: OrderedDict[str, _Ring] = OrderedDict()  # least recently read first
-        self._wanted: set[str] = set()  # read lately; a ring starts at their next message
+        # Missed lately (when the engine was told): a ring starts at their next message.
+        self._wanted: dict[str, float] = {}
         self._bytes = 0
         self.hits = 0
         self.misses = 0
+        # The native engine's `want_queues(names, seconds)`: the records of these queues
+        # come with the next dispatches for that long (None: every message comes whole).
+        self.want: Callable[[list[str], float], None] | None = None
 
     def add(self, messages: list[Message]) -> bool:
         """The writer thread, after dispatch: append to the rings of queues being read.
         Whether it kept any."""
         kept = False
+        started: list[str] = []  # rings begun: wanted for WANTED_S unless read
         with self._lock:
             if not self._rings and not self._wanted:
                 return False
             for msg in messages:
-                body = getattr(msg, "body", None)
-                if body is None:  # a native publish nobody read when it was dispatched
-                    self._skip(msg.queues)
-                    continue
                 size = _cost(msg)
                 for queue, offset in msg.queues:
                     ring = self._rings.get(queue)
@@ -100,8 +104,10 @@ class RecentMessages:
                         if ring is None and queue not in self._wanted:
                             continue
                         self._drop(queue)
-                        self._wanted.discard(queue)
+                        self._wanted.pop(queue, None)
                         ring = self._rings[queue] = _Ring(offset)
+                        ring.told_at = ring.read_at
+                        started.append(queue)
                         self._rings.move_to_end(queue, last=False)
                     ring.messages.append(msg)
                     kept = True
@@ -111,75 +117,74 @@ class RecentMessages:
                         self._trim(ring, len(ring.messages) - self.per_queue)
             while self._bytes > self.max_bytes and self._rings:
                 self._shrink_coldest()
+        if started and self.want is not None:
+            # A miss wanted the next message for however long it took (IDLE_S); the
+            # ring's own reads want the ones after it. A reader that reads below the
+            # ring (far behind) does not keep the engine handing it every record.
+            self.want(started, WANTED_S * 1.5)
         return kept
 
-    def reading(self) -> bool:
-        """Whether any queue is read from here lately (within WANTED_S), or wanted (any
-        thread). If not, new messages need not come with their bodies, and the rings of
-        the queues they grow go (`grew`)."""
-        if self._wanted:
-            return True
-        try:  # the most recently read is last
-            return bool(self._rings) and _read_lately(next(reversed(self._rings.values())))
-        except (StopIteration, RuntimeError):  # emptied or changed meanwhile
-            return True
-
-    def grew(self, queues: set[str]) -> None:
-        """The writer thread: these queues grew by messages that came without their bodies
-        (nobody was `reading`): their rings no longer end at their queues' ends, so they go
-        (a reader's next miss starts another)."""
+    def grew(self, ends: Mapping[str, int]) -> None:
+        """The writer thread, after `add`: these queues grew to these ends. A ring that
+        does not end there grew by messages that came without their bodies (its reader
+        told the engine nothing lately): it goes, and its reader's next miss starts
+        another. Looks at the fewer of the rings and the queues."""
         with self._lock:
-            for queue in queues:
+            rings = self._rings
+            if not rings:
+                return
+            if len(rings) <= len(ends):
+                stale = [q for q, ring in rings.items()
+                         if q in ends and ring.end != ends[q]]
+            else:
+                stale = [q for q, end in ends.items()
+                         if (ring := rings.get(q)) is not None and ring.end != end]
+            for queue in stale:
                 self._drop(queue)
 
     def unwant(self, queues: list[str]) -> None:
         """Their reader went (to the native plane, which delivers on its own): their
-        messages are no longer read back for the rings, until someone reads them again."""
+        messages are no longer kept for the rings, until someone reads them again."""
         with self._lock:
             for queue in queues:
-                self._wanted.discard(queue)
+                self._wanted.pop(queue, None)
                 ring = self._rings.get(queue)
                 if ring is not None:
-                    ring.read_at = 0.0
+                    ring.read_at = ring.told_at = 0.0
                     self._rings.move_to_end(queue, last=False)
-
-    def wants(self, queue: str) -> bool:
-        """Whether a reader waits for this queue's next message: it missed the ring, or
-        read it within WANTED_S (any thread). A message nobody wants may come to `add`
-        without its body (a native publish is not read back for it); a reader that
-        starts wanting it meanwhile is served from the store until the next one."""
-        ring = self._rings.get(queue)
-        if ring is None:
-            return queue in self._wanted
-        return _read_lately(ring)
-
-    def _skip(self, queues: list[tuple[str, int]]) -> None:
-        """A message of these queues comes without its body: a ring of one of them would
-        no longer end at its queue's end, so it goes (its reader's next miss, if it has
-        one, starts another)."""
-        for queue, _ in queues:
-            self._drop(queue)
+        if self.want is not None:
+            self.want(queues, 0.0)
 
     def get(self, queue: str, offset: int, max_count: int) -> tuple[list[Message], int] | None:
         """Messages from `offset` (possibly none: the reader is at the end) and the
         queue's end, or None when this queue's ring cannot answer (read the store)."""
+        tell = 0.0  # for how long the engine is told this queue is read (0: not now)
         with self._lock:
             ring = self._rings.get(queue)
             if ring is None or not ring.base <= offset <= ring.end:
                 self.misses += 1
                 if ring is None:
-                    self._wanted.add(queue)
-                    if len(self._wanted) > 100_000:  # never read again, most of them
-                        self._wanted.clear()
-                return None
-            self.hits += 1
-            ring.read_at = now = time.monotonic()
-            self._rings.move_to_end(queue)
-            first = next(iter(self._rings.values()))
-            if now - first.read_at > IDLE_S:  # a step per read, as in add
-                self._shrink_coldest()
-            i = offset - ring.base
-            return ring.messages[i : i + max_count], ring.end
+                    now = time.monotonic()
+                    if now - self._wanted.get(queue, -IDLE_S) >= IDLE_S / 2:
+                        tell = IDLE_S  # however long the next message takes
+                        if len(self._wanted) >= 100_000:  # never read again, most of them
+                            self._wanted.clear()
+                        self._wanted[queue] = now  # a ring starts at its next message
+                found = None
+            else:
+                self.hits += 1
+                ring.read_at = now = time.monotonic()
+                if now - ring.told_at >= WANTED_S / 2:  # wanted >= WANTED_S past this read
+                    ring.told_at, tell = now, WANTED_S * 1.5
+                self._rings.move_to_end(queue)
+                first = next(iter(self._rings.values()))
+                if now - first.read_at > IDLE_S:  # a step per read, as in add
+                    self._shrink_coldest()
+                i = offset - ring.base
+                found = ring.messages[i : i + max_count], ring.end
+        if tell and self.want is not None:  # (outside the lock: the engine's may wait)
+            self.want([queue], tell)
+        return found
 
     def _trim(self, ring: _Ring, n: int) -> None:
         gone = sum([_cost(m) for m in ring.messages[:n]])

@@ -116,8 +116,7 @@ class QueueWaiters:
         """Whether a pull waits on one of these queues (from any thread: the writer asks
         before it wakes the event loop; a pull that starts waiting after this looks at
         its queue again once registered, so it misses nothing)."""
-        events = self._events
-        return any(name in events for name in names)
+        return not self._events.keys().isdisjoint(names)  # the fewer looked at, no call each
 
     def any(self) -> bool:
         """Whether any pull waits (from any thread, as `any_waiting`)."""

@@ -124,8 +124,7 @@ class EmbeddedStore:
             max_producers=config.max_producers,
             verify_bytes_per_s=int(config.verify_mb_per_s * (1 << 20)),
         )
-        self.commitlog.readers = self.recent
-        self.commitlog.on_grown = self._on_grown
+        self.commitlog.on_batch = self._on_batch
         self.producer_ids = ProducerIds(self.meta, config.max_producers)
         self._ids_epoch: int | None = None  # the mastership producer_ids were read in
         self.history_reader = HistoryReader(self.commitlog, self.index, node_key(root))
@@ -215,6 +214,7 @@ class EmbeddedStore:
         (its native publishes are routed by its own copy of them)."""
         engine = self.commitlog.start_engine(self.config.engine_threads,
                                              self.config.default_partitions)
+        self.recent.want = engine.want_queues  # the records its readers read come along
         for topic_filter in self.router.wildcards():
             engine.register_wildcard(topic_filter)
         for topic, info in self.meta.items("topics"):
@@ -236,15 +236,23 @@ class EmbeddedStore:
             told = self._notify({name for m in messages for name, _ in m.queues})
         return kept or told is not False
 
-    def _on_grown(self, names: set[str]) -> bool:
-        """`_on_dispatched` when no message is kept (the native engine's dispatch, while
-        no queue is read from the recent rings): tell readers which queues grew."""
-        self.recent.grew(names)
-        return self._notify is not None and self._notify(names) is not False
+    def _on_batch(self, messages: list[Message], grown: dict[str, int]) -> bool:
+        """`_on_dispatched` for a batch of the native engine's: `messages` are those whose
+        bodies this process has (its own appends, the publishes its readers read),
+        `grown` every queue that grew with its end. Costs a call per message here and
+        per queue a reader here reads, not per queue or message of the batch."""
+        kept = self.recent.add(messages) if messages else False
+        self.recent.grew(grown)  # a ring its queue outgrew (messages came without bodies)
+        told = None
+        if self._notify is not None:
+            told = self._notify(set(grown))
+        if messages:
+            return kept or told is not False
+        return self._notify is not None and told is not False
 
     def readers_left(self, queues: list[str]) -> None:
         """A gateway's reader of these queues went to the native plane: their new messages
-        need no longer be read back for the recent rings (store.recent `unwant`)."""
+        no longer come whole for the recent rings (store.recent `unwant`)."""
         self.recent.unwant(queues)
 
     # -- writes -----------------------------------------------------------------------

@@ -4,19 +4,21 @@
 //! (`record`) and appended once (`commitlog::LogWriter`), made as durable as the flush
 //! mode asks, acknowledged to its publishers, and delivered to the native subscribers
 //! it matches. What the light-queue index and notify need of each batch waits for the
-//! Python side (`take_dispatched`), which follows the log as RocketMQ's dispatch does.
+//! dispatch (`take_pending_upto`; Python takes it as one batch, `py.rs` DispatchBatch),
+//! which follows the log as RocketMQ's dispatch does; with it go the records of the
+//! queues the owner's readers read (`want_queues`).
 //!
 //! One lock covers the log's tail, the routes and the queue offsets, so offsets are
 //! given out in log order and never twice, whichever reactor thread appends.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::commitlog::LogWriter;
 use crate::partial::PartialBudget;
@@ -34,6 +36,13 @@ const ENOSPC: i32 = 28;
 /// behind by before native publishers are paced to it: what waits for it in memory, and
 /// how far the index may lag the log, stay bounded whatever a client floods.
 pub const DISPATCH_BUDGET: usize = 16 * 1024;
+/// Bytes of records the rows waiting for dispatch may keep for the owner's readers
+/// (`Engine::want_queues`): past it a record is not kept, and its readers read it from
+/// the log as they would any other.
+pub const KEPT_BYTES: usize = 32 << 20;
+/// Queues the owner may want at once (`Engine::want_queues`): names come from readers,
+/// and a table that only time empties must not grow with every name ever read.
+pub const WANTED_MAX: usize = 100_000;
 
 /// Where a queue the engine has not appended to yet ends (the index knows).
 pub type QueueEnd = Box<dyn Fn(&str) -> u64 + Send + Sync>;
@@ -71,6 +80,11 @@ pub struct Dispatched {
     pub queues: Vec<(String, u64)>,
     /// The message's key ("" for none): the index refers to it by position.
     pub key: String,
+    /// Appended by the owner (`Engine::append`), which holds the message already.
+    pub own: bool,
+    /// The record, kept for a reader of one of its queues (`Engine::want_queues`): the
+    /// dispatch hands it over without reading it back.
+    pub record: Option<Arc<[u8]>>,
 }
 
 /// A message appended from outside the reactors (Python's: TLS and WebSocket clients,
@@ -120,6 +134,46 @@ impl std::error::Error for AppendError {}
 pub struct Pending {
     pub rows: Vec<Dispatched>,
     pub new_segments: Vec<u64>,
+}
+
+/// `Pending` as the engine keeps it: taken from the front in bounded steps, without
+/// moving what stays (a `Vec` split moved the whole rest at every step).
+#[derive(Default)]
+struct Waiting {
+    rows: VecDeque<Dispatched>,
+    new_segments: Vec<u64>,
+}
+
+impl Waiting {
+    /// The oldest `limit` rows at most, and every new segment.
+    fn take(&mut self, limit: usize) -> Pending {
+        let rows = if self.rows.len() <= limit {
+            Vec::from(std::mem::take(&mut self.rows))
+        } else {
+            self.rows.drain(..limit).collect()
+        };
+        Pending {
+            rows,
+            new_segments: std::mem::take(&mut self.new_segments),
+        }
+    }
+}
+
+/// The queues whose new records the owner reads, each until when (`Engine::want_queues`).
+#[derive(Default)]
+struct Wanted {
+    until: HashMap<String, Instant>,
+    /// When the expired ones go next (a sweep a second, not one per call).
+    sweep: Option<Instant>,
+}
+
+impl Wanted {
+    /// Whether any of these queues is wanted at `now`.
+    fn any(&self, queues: &[(String, u64)], now: Instant) -> bool {
+        queues
+            .iter()
+            .any(|(name, _)| self.until.get(name).is_some_and(|until| *until > now))
+    }
 }
 
 /// One record to append, borrowed: a native publish's (`queues` None: routed under the
@@ -187,10 +241,21 @@ struct Inner {
     subs: RwLock<Subs>,
     handle: OnceLock<Handle>,
     /// Taken only after `log` (or alone): rows enter it in log order.
-    pending: Mutex<Pending>,
+    pending: Mutex<Waiting>,
     /// Rows in `pending`, kept under its lock: past `DISPATCH_BUDGET` the reactors stop
     /// reading publishers until the dispatch took them.
     pending_rows: AtomicUsize,
+    /// Bytes of the records `pending` keeps (`Dispatched::record`), under its lock.
+    kept_bytes: AtomicUsize,
+    /// Queues the owner reads new records of (`Engine::want_queues`); `wanted_len`: how
+    /// many, so that an append looks no further while there are none.
+    wanted: RwLock<Wanted>,
+    wanted_len: AtomicUsize,
+    /// Rows the dispatch took and is done with (`Engine::recycle`), and how many: the next
+    /// native append frees them, on the reactor thread that allocated them, not the
+    /// dispatch's thread, which runs Python.
+    spent: Mutex<Vec<Vec<Dispatched>>>,
+    spent_rows: AtomicUsize,
     appended: Condvar,
     /// Set (and `hurried` told) when the dispatch should not wait out its pause: the
     /// reactors are paced to it, or a reader came (`Engine::hurry`).
@@ -358,8 +423,13 @@ impl Engine {
             log: Mutex::new(log),
             subs: RwLock::new(Subs::default()),
             handle: OnceLock::new(),
-            pending: Mutex::new(Pending::default()),
+            pending: Mutex::new(Waiting::default()),
             pending_rows: AtomicUsize::new(0),
+            kept_bytes: AtomicUsize::new(0),
+            wanted: RwLock::new(Wanted::default()),
+            wanted_len: AtomicUsize::new(0),
+            spent: Mutex::new(Vec::new()),
+            spent_rows: AtomicUsize::new(0),
             hurry: Mutex::new(false),
             hurried: Condvar::new(),
             appended: Condvar::new(),
@@ -598,19 +668,63 @@ impl Engine {
         let Ok(mut p) = self.inner.pending.lock() else {
             return Pending::default();
         };
-        let taken = if p.rows.len() <= limit {
-            std::mem::take(&mut *p)
-        } else {
-            let rest = p.rows.split_off(limit);
-            Pending {
-                rows: std::mem::replace(&mut p.rows, rest),
-                new_segments: std::mem::take(&mut p.new_segments),
-            }
-        };
+        let taken = p.take(limit);
         self.inner
             .pending_rows
             .store(p.rows.len(), Ordering::Relaxed);
+        self.inner
+            .kept_bytes
+            .fetch_sub(record_bytes(&taken.rows), Ordering::Relaxed);
         taken
+    }
+
+    /// Rows taken (`take_pending_upto`) that the caller is done with: freed by the next
+    /// native append's reactor thread, or here once `DISPATCH_BUDGET` rows wait so (no
+    /// native append comes).
+    pub fn recycle(&self, rows: Vec<Dispatched>) {
+        let n = rows.len();
+        if n == 0 || self.inner.spent_rows.load(Ordering::Relaxed) + n > DISPATCH_BUDGET {
+            return; // (dropped here)
+        }
+        if let Ok(mut spent) = self.inner.spent.lock() {
+            spent.push(rows);
+            self.inner.spent_rows.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// The owner reads the new records of these queues for the next `for_` (zero: no
+    /// longer): their rows keep their records (`Dispatched::record`, within `KEPT_BYTES`)
+    /// and the dispatch hands them over, where it would read them back from the log.
+    pub fn want_queues(&self, names: &[String], for_: Duration) {
+        let Ok(mut w) = self.inner.wanted.write() else {
+            return;
+        };
+        let now = Instant::now();
+        if for_.is_zero() {
+            for name in names {
+                w.until.remove(name);
+            }
+        } else {
+            let until = now + for_;
+            for name in names {
+                match w.until.get_mut(name.as_str()) {
+                    Some(u) => *u = until,
+                    None => {
+                        w.until.insert(name.clone(), until);
+                    }
+                }
+            }
+        }
+        if w.sweep.is_none_or(|at| at <= now) {
+            w.until.retain(|_, until| *until > now);
+            w.sweep = Some(now + Duration::from_secs(1));
+        }
+        if w.until.len() > WANTED_MAX {
+            w.until.clear(); // never read again, most of them (store/recent.py does so too)
+        }
+        self.inner
+            .wanted_len
+            .store(w.until.len(), Ordering::Relaxed);
     }
 
     /// What was appended since the last call, in log order, for the index.
@@ -754,7 +868,7 @@ impl Engine {
         let left = inner
             .pending
             .lock()
-            .map(|mut p| std::mem::take(&mut *p))
+            .map(|mut p| p.take(usize::MAX))
             .unwrap_or_default();
         (synced, left)
     }
@@ -874,6 +988,14 @@ impl Inner {
             return Err(AppendError::Failed("engine lock poisoned".into()));
         };
         let store_ts = store_ts.unwrap_or_else(now_ms);
+        // The owner's readers (`want_queues`): looked at only while there are some.
+        let wanted = if !keep && self.wanted_len.load(Ordering::Relaxed) > 0 {
+            self.wanted.read().ok()
+        } else {
+            None
+        };
+        let mut kept_bytes = self.kept_bytes.load(Ordering::Relaxed);
+        let now = Instant::now();
         let mut buf: Vec<u8> = Vec::new();
         let mut ends = Vec::with_capacity(items.len());
         let mut rows = Vec::with_capacity(items.len());
@@ -910,12 +1032,21 @@ impl Inner {
             match record::encode_into(&rec, &mut buf) {
                 Ok(size) => {
                     ends.push(buf.len());
+                    let record = match &wanted {
+                        Some(w) if kept_bytes < KEPT_BYTES && w.any(&queues, now) => {
+                            kept_bytes += size;
+                            Some(Arc::from(&buf[start..]))
+                        }
+                        _ => None,
+                    };
                     rows.push(Dispatched {
                         phys_offset: 0,
                         size: size as u32,
                         store_ts,
                         queues,
                         key: item.key.to_string(),
+                        own: keep,
+                        record,
                     });
                 }
                 Err(e) => {
@@ -971,10 +1102,13 @@ impl Inner {
                 }
             }
         }
+        drop(wanted);
         let kept = if keep { rows.clone() } else { Vec::new() };
         let mut first = false;
         if let Ok(mut p) = self.pending.lock() {
             first = p.rows.is_empty();
+            self.kept_bytes
+                .fetch_add(record_bytes(&rows), Ordering::Relaxed);
             p.rows.extend(rows);
             p.new_segments.extend(&appended.new_segments);
             self.pending_rows.store(p.rows.len(), Ordering::Relaxed);
@@ -987,7 +1121,22 @@ impl Inner {
             // dispatches itself before its ack (a wake-up each would cost more).
             self.appended.notify_all();
         }
+        if !keep && self.spent_rows.load(Ordering::Relaxed) > 0 {
+            self.free_spent();
+        }
         Ok(Written { rows: kept, leans })
+    }
+
+    /// Free the rows the dispatch is done with (`Engine::recycle`), outside every lock.
+    fn free_spent(&self) {
+        let spent = match self.spent.lock() {
+            Ok(mut s) => {
+                self.spent_rows.store(0, Ordering::Relaxed);
+                std::mem::take(&mut *s)
+            }
+            Err(_) => return,
+        };
+        drop(spent);
     }
 
     /// Where the tail is, for readers that do not take the log lock.
@@ -1083,6 +1232,14 @@ struct Target {
     qos: u8,
     version: u8,
     positions: Positions,
+}
+
+/// Bytes of the records these rows keep (`Dispatched::record`).
+fn record_bytes(rows: &[Dispatched]) -> usize {
+    rows.iter()
+        .filter_map(|d| d.record.as_ref())
+        .map(|r| r.len())
+        .sum()
 }
 
 /// Whether a record's properties (JSON, as `store/record.py` keeps them) are none.

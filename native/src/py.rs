@@ -372,13 +372,157 @@ fn row(d: engine::Dispatched) -> DispatchedRow {
     (d.phys_offset, d.size, d.store_ts, d.queues)
 }
 
+/// One dispatch's worth of the engine's appends (`PyEngine::take_batch`), held natively:
+/// what Python does with it costs a call per run, queue or message it reads, none per
+/// message it does not.
+#[pyclass(name = "DispatchBatch", module = "lightgate_native", frozen)]
+struct PyDispatchBatch {
+    taken: usize,
+    end: Option<u64>,
+    new_segments: Vec<u64>,
+    runs: Vec<index::Run>,
+    keys: Vec<(String, u64)>,
+    /// The last `grown` runs are each grown queue's last (`index::Rows::ends`).
+    grown: usize,
+    /// (phys offset, record) of the rows the owner wants: its own (no record: it holds
+    /// the message) and those kept for its readers, in log order.
+    bodies: Vec<(u64, Option<std::sync::Arc<[u8]>>)>,
+}
+
+#[pymethods]
+impl PyDispatchBatch {
+    /// Rows taken.
+    #[getter]
+    fn taken(&self) -> usize {
+        self.taken
+    }
+
+    /// The end of the last record taken, or None when none was.
+    #[getter]
+    fn end(&self) -> Option<u64> {
+        self.end
+    }
+
+    /// The bases of the segments begun meanwhile, oldest first.
+    #[getter]
+    fn new_segments(&self) -> Vec<u64> {
+        self.new_segments.clone()
+    }
+
+    /// Runs in the batch (one index value each).
+    #[getter]
+    fn runs(&self) -> usize {
+        self.runs.len()
+    }
+
+    /// Each of the batch's index entries to `put(key, value)`, with the index's keys
+    /// (`lightqueue/index.py`): a value per run of a queue's consecutive offsets, an
+    /// empty one per key reference. How many puts.
+    fn put_index(&self, py: Python<'_>, put: &Bound<'_, PyAny>) -> PyResult<usize> {
+        for run in &self.runs {
+            put.call1((
+                PyBytes::new(py, &index::queue_key(&run.queue, run.first)),
+                PyBytes::new(py, &run.entries),
+            ))?;
+        }
+        for (key, phys) in &self.keys {
+            put.call1((
+                PyBytes::new(py, &index::key_ref(key, *phys)),
+                PyBytes::new(py, b""),
+            ))?;
+        }
+        Ok(self.runs.len() + self.keys.len())
+    }
+
+    /// {queue: its end after the batch} for every queue that grew.
+    fn grown<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for run in &self.runs[self.runs.len() - self.grown..] {
+            out.set_item(&run.queue, run.first + run.len() as u64)?;
+        }
+        Ok(out)
+    }
+
+    /// The messages the owner has or reads, in log order, without a line of Python each:
+    /// its own appends taken out of `own` ({phys offset: message}; one a drain took
+    /// before `own` knew of it is left out), and the records kept for its readers made
+    /// into `cls` (store.record.Message) with every field `store.record.decode` sets,
+    /// properties through `decode_properties` (JSON) when a record has any.
+    fn messages<'py>(
+        &self,
+        py: Python<'py>,
+        cls: &Bound<'py, pyo3::types::PyType>,
+        own: &Bound<'py, PyDict>,
+        decode_properties: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for (phys, kept) in &self.bodies {
+            match kept {
+                None => {
+                    if let Some(m) = own.get_item(phys)? {
+                        own.del_item(phys)?;
+                        out.append(m)?;
+                    }
+                }
+                Some(bytes) => out.append(message(py, cls, bytes, *phys, decode_properties)?)?,
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// `store.record.decode(bytes, 0, phys)` without the interpreter: a Message made with
+/// `__new__` and its fields set one by one (`tests/plane/test_dispatch_cost.py` holds
+/// it to `decode`'s, field for field).
+fn message<'py>(
+    py: Python<'py>,
+    cls: &Bound<'py, pyo3::types::PyType>,
+    bytes: &[u8],
+    phys: u64,
+    decode_properties: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    use pyo3::intern;
+    let (rec, size) = record::decode(bytes).map_err(value_error)?;
+    let properties = if rec.properties.is_empty() {
+        PyDict::new(py).into_any()
+    } else {
+        decode_properties.call1((PyBytes::new(py, rec.properties),))?
+    };
+    // An idempotent producer's first record carries its sequence in its properties.
+    let producer = if rec.marks & record::MARK_FIRST != 0 {
+        properties.call_method1(intern!(py, "pop"), (intern!(py, "lg_producer"), py.None()))?
+    } else {
+        py.None().into_bound(py)
+    };
+    let queues = PyList::empty(py);
+    for (name, offset) in &rec.queues {
+        queues.append((*name, *offset))?;
+    }
+    let m = cls.call_method1(intern!(py, "__new__"), (cls,))?;
+    m.setattr(intern!(py, "topic"), rec.topic)?;
+    m.setattr(intern!(py, "body"), PyBytes::new(py, rec.body))?;
+    m.setattr(intern!(py, "qos"), rec.qos)?;
+    m.setattr(intern!(py, "retain"), rec.retain)?;
+    m.setattr(intern!(py, "client_id"), rec.client_id)?;
+    m.setattr(intern!(py, "properties"), properties)?;
+    m.setattr(intern!(py, "born_ts"), rec.born_ts)?;
+    m.setattr(intern!(py, "key"), rec.key)?;
+    m.setattr(intern!(py, "store_ts"), rec.store_ts)?;
+    m.setattr(intern!(py, "phys_offset"), phys)?;
+    m.setattr(intern!(py, "size"), size)?;
+    m.setattr(intern!(py, "queues"), queues)?;
+    m.setattr(intern!(py, "mark"), rec.marks & record::MARKS)?;
+    m.setattr(intern!(py, "producer"), producer)?;
+    Ok(m)
+}
+
 /// The native per-message path (`engine::Engine`): reactors, the log's tail, routing,
 /// acks and deliveries. Python hands it sockets after their CONNACK and takes back
 /// what only Python decides.
 #[pyclass(name = "Engine", module = "lightgate_native")]
 struct PyEngine {
     inner: Option<engine::Engine>,
-    /// What was left for dispatch when it stopped: `take_runs` hands it over once.
+    /// What was left for dispatch when it stopped: `take_batch` hands it over once.
     left: std::sync::Mutex<Option<engine::Pending>>,
 }
 
@@ -737,38 +881,45 @@ impl PyEngine {
             .collect())
     }
 
-    /// What was appended since the last call (the oldest `limit` rows at most) as the
-    /// index takes it (`index::runs`), and the segments begun meanwhile: ([(queue, first
-    /// offset, packed entries)], [(key, phys_offset)], rows taken, the end of the last
-    /// record or None, the rows as `take_dispatched` gives them when `rows` (else None),
-    /// [base]). Once stopped, what was left when it stopped (then nothing).
-    #[pyo3(signature = (run_max, rows=false, limit=usize::MAX))]
-    #[allow(clippy::type_complexity)]
-    fn take_runs<'py>(
-        &self,
-        py: Python<'py>,
-        run_max: usize,
-        rows: bool,
-        limit: usize,
-    ) -> PyResult<(
-        Vec<(String, u64, Bound<'py, PyBytes>)>,
-        Vec<(String, u64)>,
-        usize,
-        Option<u64>,
-        Option<Vec<DispatchedRow>>,
-        Vec<u64>,
-    )> {
-        let p = self.pending(limit);
-        let taken = p.rows.len();
-        let made = index::runs(&p.rows, run_max);
-        let end = p.rows.last().map(|d| d.phys_offset + u64::from(d.size));
-        let runs = made
-            .runs
-            .into_iter()
-            .map(|r| (r.queue, r.first, PyBytes::new(py, &r.entries)))
-            .collect();
-        let rows = rows.then(|| p.rows.into_iter().map(row).collect());
-        Ok((runs, made.keys, taken, end, rows, p.new_segments))
+    /// What was appended since the last call (the oldest `limit` rows at most), as one
+    /// `DispatchBatch`: the index's entries, the queues that grew, the records the
+    /// owner reads. Once stopped, what was left when it stopped (then nothing).
+    #[pyo3(signature = (run_max, limit=usize::MAX))]
+    fn take_batch(&self, py: Python<'_>, run_max: usize, limit: usize) -> PyDispatchBatch {
+        py.allow_threads(|| {
+            let mut p = self.pending(limit);
+            let made = index::runs(&p.rows, run_max);
+            let bodies = p
+                .rows
+                .iter_mut()
+                .filter(|d| d.own || d.record.is_some())
+                .map(|d| (d.phys_offset, d.record.take()))
+                .collect();
+            let batch = PyDispatchBatch {
+                taken: p.rows.len(),
+                end: p.rows.last().map(|d| d.phys_offset + u64::from(d.size)),
+                new_segments: p.new_segments,
+                runs: made.runs,
+                keys: made.keys,
+                grown: made.grown,
+                bodies,
+            };
+            if let Some(engine) = &self.inner {
+                engine.recycle(p.rows); // freed by a reactor thread, not this one
+            }
+            batch
+        })
+    }
+
+    /// The owner reads the new messages of these queues for the next `seconds` (0: no
+    /// longer): the dispatch hands their records over (`DispatchBatch.messages`).
+    /// Nothing once stopped. The interpreter goes first: an append may hold the engine's
+    /// lock on them while it asks Python where a new queue ends.
+    fn want_queues(&self, py: Python<'_>, names: Vec<String>, seconds: f64) {
+        if let Some(engine) = &self.inner {
+            let for_ = std::time::Duration::from_secs_f64(seconds.clamp(0.0, 3600.0));
+            py.allow_threads(|| engine.want_queues(&names, for_));
+        }
     }
 
     /// Append Python's messages (`MessageRow`s) through the log's one writer: each
@@ -1175,7 +1326,7 @@ impl PyEngine {
     }
 
     /// Stop the reactors (their sockets close) and make the log durable: its end.
-    /// What was appended and not taken yet stays for `take_runs`.
+    /// What was appended and not taken yet stays for `take_batch`.
     fn stop(&mut self, py: Python<'_>) -> PyResult<u64> {
         match self.inner.take() {
             Some(e) => {
@@ -1240,6 +1391,7 @@ fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyConnection>()?;
     m.add_class::<PyRoutes>()?;
     m.add_class::<PyEngine>()?;
+    m.add_class::<PyDispatchBatch>()?;
     m.add_class::<PyLink>()?;
     m.add("MqttError", m.py().get_type::<MqttError>())?;
     m.add_class::<MqttDecoder>()?;

@@ -19,6 +19,10 @@ pub const HEADER_SIZE: usize = FRAME_SIZE + FIXED_SIZE;
 pub const MAX_RECORD: usize = 512 * 1024 * 1024;
 pub const MAX_QUEUES: usize = 0xFFFF;
 pub const FLAG_RETAIN: u8 = 0x01;
+/// An idempotent producer's first record of an append, and the rest of it
+/// (`store/record.py`): the first carries the producer's sequence in its properties.
+pub const MARK_FIRST: u8 = 0x02;
+pub const MARKS: u8 = 0x06;
 
 /// A message as the log keeps it, borrowed from wherever its fields live.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -450,3 +450,47 @@ fn a_dispatch_far_behind_takes_bounded_steps_and_can_be_hurried() {
     engine.stop().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_records_of_wanted_queues_come_with_their_rows_and_only_theirs() {
+    let (engine, dir) = temp_engine("wanted", |_| 0);
+    let (mut publisher, socket) = pair();
+    adopt(&engine, 1, socket);
+    // PUBLISH QoS 1 "a/b" id `id` "hi", acknowledged once in the log.
+    let publish = |publisher: &mut std::net::TcpStream, topic: u8, id: u8| {
+        publisher
+            .write_all(&[0x32, 0x09, 0, 3, b'a', b'/', topic, 0, id, b'h', b'i'])
+            .unwrap();
+        assert_eq!(read_exact(publisher, 4), vec![0x40, 2, 0, id]);
+    };
+    publish(&mut publisher, b'b', 1); // nobody reads "a/b" yet: no record
+    engine.want_queues(&["a/b".to_string()], Duration::from_secs(60));
+    publish(&mut publisher, b'b', 2); // read: its record comes along
+    publish(&mut publisher, b'c', 3); // another queue's: not
+    engine
+        .append(&[message("a/b", b"py", &["a/b"])], None)
+        .unwrap(); // the owner's own: it holds the message, no record
+    engine.want_queues(&["a/b".to_string()], Duration::ZERO);
+    publish(&mut publisher, b'b', 4); // no longer read
+    let rows = engine.take_pending().rows;
+    let seen: Vec<(bool, bool)> = rows.iter().map(|d| (d.own, d.record.is_some())).collect();
+    assert_eq!(
+        seen,
+        vec![
+            (false, false),
+            (false, true),
+            (false, false),
+            (true, false),
+            (false, false)
+        ]
+    );
+    let kept = rows[1].record.as_ref().unwrap();
+    assert_eq!(kept.len(), rows[1].size as usize);
+    let (rec, _) = record::decode(kept).unwrap();
+    assert_eq!(
+        (rec.topic, rec.body, rec.queues[0]),
+        ("a/b", &b"hi"[..], ("a/b", 1))
+    );
+    engine.stop().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -139,17 +139,6 @@ def test_same_log_and_index_as_the_python_writer(tmp_path: Path, flush: str,
         again.index.close()
 
 
-class _Readers:
-    def __init__(self, wanted: bool) -> None:
-        self.wanted = wanted
-
-    def reading(self) -> bool:
-        return self.wanted
-
-    def wants(self, queue: str) -> bool:
-        return self.wanted
-
-
 @pytest.mark.parametrize("read_back", [True, False])
 def test_native_publishes_and_python_appends_share_offsets_in_log_order(
         tmp_path: Path, read_back: bool) -> None:
@@ -157,9 +146,11 @@ def test_native_publishes_and_python_appends_share_offsets_in_log_order(
                     segment_size=4096)
     log.open()
     heard: list[Any] = []
-    log.on_dispatched = heard.extend
-    log.readers = _Readers(read_back)  # a reader of the queue wants the bodies, or none
+    ends: list[int] = []
+    log.on_batch = lambda msgs, grown: bool(heard.extend(msgs) or ends.append(grown["a/b"]))
     engine = log.start_engine(2, 1)
+    if read_back:  # a reader of the queue wants the bodies, or none
+        engine.want_queues(["a/b"], 60.0)
     listener = socket.create_server(("127.0.0.1", 0))
     publisher, fd = pair(listener)
     try:
@@ -172,15 +163,15 @@ def test_native_publishes_and_python_appends_share_offsets_in_log_order(
         assert [e.offset for e in entries] == list(range(80))
         bodies = [log.read(e.phys_offset, e.size).body for e in entries]
         assert bodies == [b for i in range(40) for b in (b"n%d" % i, b"p%d" % i)]
-        # Notify and the recent ring hear of all, in log order; the native publishes
-        # come read back only for a reader that wants their bodies.
+        # Notify hears of every batch's queues and ends; the recent ring gets the
+        # messages in log order: Python's appends, and the native publishes only for a
+        # reader that wants their bodies (the engine kept their records: none is read
+        # back from the log).
+        assert ends == sorted(ends) and ends[-1] == 80
+        wanted = entries if read_back else entries[1::2]
         assert [(m.phys_offset, m.queues[0]) for m in heard] == [
-            (e.phys_offset, ("a/b", e.offset)) for e in entries]
-        if read_back:
-            assert [m.body for m in heard] == bodies
-        else:
-            assert [getattr(m, "body", None) for m in heard] == [
-                None if i % 2 == 0 else b for i, b in enumerate(bodies)]
+            (e.phys_offset, ("a/b", e.offset)) for e in wanted]
+        assert [m.body for m in heard] == (bodies if read_back else bodies[1::2])
         assert len(log.segments()) > 1  # rolls the engine made, known to readers
         assert log.max_offset == engine.write_pos
     finally:
@@ -341,7 +332,7 @@ def test_the_flusher_does_not_wait_for_a_lazy_dispatch(tmp_path: Path) -> None:
     log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"),
                     flush="async", flush_interval_ms=20)
     log.open()
-    log.on_dispatched = lambda msgs: False
+    log.on_batch = lambda msgs, grown: False
     engine = log.start_engine(1, 1)
     listener = socket.create_server(("127.0.0.1", 0))
     publisher, fd = pair(listener)
@@ -383,19 +374,19 @@ def test_dispatch_waits_longer_while_nobody_in_python_hears(tmp_path: Path,
     index in fewer, larger batches; a reader of the index dispatches first, at once."""
     log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"))
     log.open()
-    batches: list[int] = []
+    batches: list[int] = []  # the queue's end after each
 
-    def on_dispatched(msgs: list[Any]) -> bool:
-        batches.append(len(msgs))
+    def on_batch(msgs: list[Any], grown: dict[str, int]) -> bool:
+        batches.append(grown["a/b"])
         return heard
 
-    log.on_dispatched = on_dispatched
+    log.on_batch = on_batch
     log.start_engine(1, 1)
     publisher = _publish_slowly(log, 60)  # ~0.4 s
     try:
         log.catch_up()  # a reader: everything is in the index when it returns
         assert [e.offset for e in log.index.read("a/b", 0, 100)] == list(range(60))
-        assert sum(batches) == 60
+        assert batches[-1] == 60
         if heard:  # one per 5 ms window
             assert len(batches) > 20
         else:  # one per DISPATCH_LAZY_S
@@ -406,29 +397,34 @@ def test_dispatch_waits_longer_while_nobody_in_python_hears(tmp_path: Path,
 
 
 def test_while_nobody_reads_bodies_only_the_queue_names_are_told(tmp_path: Path) -> None:
-    """No recent ring is read and no message is this process's: the dispatch writes the
-    engine's packed runs into the index and tells `on_grown` the queues' names, with no
-    Python object per message; once a ring is read, messages come again."""
+    """No queue is read in Python and no message is this process's: the dispatch writes
+    the engine's packed runs into the index and tells `on_batch` the queues' names and
+    ends, with no message; once a reader wants a queue, its messages come whole."""
     log = CommitLog(tmp_path / "log", ConsumeQueueIndex(tmp_path / "index"))
     log.open()
-    grown: list[set[str]] = []
+    grown: list[dict[str, int]] = []
     heard: list[Any] = []
-    log.on_grown = lambda names: bool(grown.append(names))
-    log.on_dispatched = heard.extend
-    readers = log.readers = _Readers(False)
-    log.start_engine(1, 1)
+    log.on_batch = lambda msgs, names: bool(heard.extend(msgs) or grown.append(names))
+    engine = log.start_engine(1, 1)
     publisher = _publish_slowly(log, 10)
     try:
         log.catch_up()
         assert heard == [] and set().union(*grown) == {"a/b", "a#0"}
+        assert grown[-1] == {"a/b": 10, "a#0": 10}
         assert [e.offset for e in log.index.read("a/b", 0, 100)] == list(range(10))
         assert [e.offset for e in log.index.read("a#0", 0, 100)] == list(range(10))
-        readers.wanted = True
+        engine.want_queues(["a/b"], 60.0)
         publisher.sendall(mqtt.encode_publish("a/b", b"late", 1, False, False, 99, 4))
         assert recv_exact(publisher, 4)[3] == 99
         log.catch_up()
         assert [m.body for m in heard] == [b"late"]
         assert log.index.read("a/b", 10, 1)[0].phys_offset == heard[0].phys_offset
+        engine.want_queues(["a/b"], 0.0)  # its reader went: the next comes without it
+        publisher.sendall(mqtt.encode_publish("a/b", b"later", 1, False, False, 98, 4))
+        assert recv_exact(publisher, 4)[3] == 98
+        log.catch_up()
+        assert len(heard) == 1 and grown[-1] == {"a/b": 12, "a#0": 12}
     finally:
         publisher.close()
         log.close()
+

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from store import recent, record
-from store.engine_tail import Appended
 from store.recent import RecentMessages
 from store.record import Message
 from store.service import EmbeddedStore, StoreConfig
@@ -20,6 +19,13 @@ def msg(queue: str, offset: int, body: bytes = b"x") -> Message:
     m = Message(queue, body)
     m.queues = [(queue, offset)]
     return m
+
+
+def telling(r: RecentMessages) -> list[tuple[list[str], float]]:
+    """What `r` tells the native engine its readers read (`want`)."""
+    told: list[tuple[list[str], float]] = []
+    r.want = lambda names, seconds: told.append((names, seconds))
+    return told
 
 
 def test_a_ring_starts_at_a_dispatched_message_after_a_read() -> None:
@@ -44,33 +50,49 @@ def test_a_gap_restarts_the_ring() -> None:
 
 
 def test_a_message_without_its_body_ends_the_ring() -> None:
-    """A native publish dispatched while nobody wanted its queue comes without its body:
-    a ring that would otherwise end before it must not answer "nothing new"."""
+    """A native publish dispatched while nobody read its queue comes without its body
+    (only its queue's new end does): a ring that would otherwise end before it must not
+    answer "nothing new"."""
     r = RecentMessages()
-    assert not r.wants("q")
+    told = telling(r)
     r.get("q", 0, 1)
-    assert r.wants("q")
+    assert told == [(["q"], recent.IDLE_S)]  # a miss: the next message is wanted
     r.add([msg("q", 0)])
+    r.grew({"q": 1})  # a ring that ends where its queue does stays
     assert r.get("q", 1, 10) == ([], 1)
-    r.add([Appended(100, 30, 0, [("q", 1)])])
+    r.grew({"q": 2, "other": 5})  # offset 1 came without its body
     assert r.get("q", 1, 10) is None  # read it from the store
-    assert r.wants("q")  # that miss wants the next message: it starts the ring again
+    assert told[-1] == (["q"], recent.IDLE_S)  # that miss wants the next message
     r.add([msg("q", 2)])
     assert [m.queues[0][1] for m in r.get("q", 2, 10)[0]] == [2]
 
 
-def test_a_ring_nobody_reads_stops_wanting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ring whose reader went (promoted to the native plane) must not keep every
-    native publish of its queue read back from the log."""
+def test_a_ring_tells_the_engine_at_most_twice_per_wanted_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ring read again and again tells the engine its queue is read once per
+    WANTED_S / 2, each time for longer than WANTED_S: a reader that stops is no longer
+    given bodies soon after, one that reads on never misses one."""
     r = RecentMessages()
+    told = telling(r)
     r.get("q", 0, 1)
-    r.add([msg("q", 0)])
-    assert r.wants("q")
-    later = time.monotonic() + recent.WANTED_S + 0.1
+    r.add([msg("q", 0)])  # the ring starts: wanted for WANTED_S unless read
+    for _ in range(100):
+        assert r.get("q", 0, 10) is not None
+    assert told == [(["q"], recent.IDLE_S), (["q"], recent.WANTED_S * 1.5)]
+    later = time.monotonic() + recent.WANTED_S / 2
     monkeypatch.setattr(recent.time, "monotonic", lambda: later)
-    assert not r.wants("q")
-    r.add([Appended(100, 30, 0, [("q", 1)])])
-    assert r.stats()["queues"] == 0 and not r.wants("q")
+    r.get("q", 0, 10)
+    assert told[2:] == [(["q"], recent.WANTED_S * 1.5)]
+
+
+def test_a_reader_that_misses_again_and_again_tells_the_engine_once() -> None:
+    """A reader with no ring (reading the store, or waiting at the end) wants the next
+    message: the engine is told once per IDLE_S / 2, not once per read."""
+    r = RecentMessages()
+    told = telling(r)
+    for _ in range(100):
+        assert r.get("q", 0, 1) is None
+    assert told == [(["q"], recent.IDLE_S)]
 
 
 def test_memory_is_bounded() -> None:
@@ -134,25 +156,13 @@ async def test_pull_at_the_head_is_served_from_memory(tmp_path: Path) -> None:
 def test_a_ring_whose_reader_went_native_is_not_read_back_and_goes_when_its_queue_grows(
 ) -> None:
     r = RecentMessages()
+    told = telling(r)
     r.get("q", 0, 1)
     r.add([msg("q", 0), msg("q", 1)])
-    assert r.get("q", 2, 10) == ([], 2) and r.reading() and r.wants("q")
+    assert r.get("q", 2, 10) == ([], 2)
     r.unwant(["q"])  # its reader was promoted to the native plane
-    assert not r.reading() and not r.wants("q")
+    assert told[-1] == (["q"], 0.0)  # the engine keeps its records no longer
     assert r.get("q", 2, 10) == ([], 2)  # still exact until the queue grows
-    r.grew({"q"})  # grown by messages that came without their bodies
+    r.grew({"q": 3})  # grown by messages that came without their bodies
     assert r.get("q", 2, 10) is None  # not "nothing new": the store answers
-    assert r.reading() and r.wants("q")  # that miss wants the next one
-
-
-def test_reading_follows_the_most_recent_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    r = RecentMessages()
-    r.get("a", 0, 1)
-    r.get("b", 0, 1)
-    r.add([msg("a", 0), msg("b", 0)])
-    assert r.reading()
-    now = time.monotonic()
-    monkeypatch.setattr(recent.time, "monotonic", lambda: now + recent.WANTED_S + 1)
-    assert not r.reading()  # nobody read for WANTED_S: bodies need not come
-    assert r.get("a", 1, 10) == ([], 1)
-    assert r.reading()
+    assert told[-1] == (["q"], recent.IDLE_S)  # that miss wants the next one
