@@ -39,7 +39,7 @@ pub const DISPATCH_BUDGET: usize = 16 * 1024;
 /// Bytes of records the rows waiting for dispatch may keep for the owner's readers
 /// (`Engine::want_queues`): past it a record is not kept, and its readers read it from
 /// the log as they would any other.
-pub const KEPT_BYTES: usize = 32 << 20;
+pub const KEPT_BYTES: usize = 8 << 20;
 /// Queues the owner may want at once (`Engine::want_queues`): names come from readers,
 /// and a table that only time empties must not grow with every name ever read.
 pub const WANTED_MAX: usize = 100_000;
