@@ -292,7 +292,7 @@ class Delivery(SharedMember):
                 del s.restored_upto[queue]
         if s._replays and replay.replayed(s, queue, offset, msg):
             return None  # live, but the replay before it handed it out
-        subs = _only_reader(s, queue) or s.matching(msg.topic)
+        subs = s.readers(queue, msg.topic)
         if not subs:
             return None
         if self.conn.checks_delivery and not self.conn.may("SUB", msg.topic):
@@ -518,11 +518,3 @@ class Delivery(SharedMember):
         """A QoS 0 message of the broker's own, now: a `$SYS` value (gateway.statistics)."""
         return self._send(msg, 0, retain, sids, None, -1) is not False
 
-
-def _only_reader(s: Session, queue: str) -> list[Subscription] | None:
-    """The common case, one subscription: a message of its queue matches it by
-    construction, no trie walk needed."""
-    if len(s.subscriptions) != 1:
-        return None
-    sub = s.subscriptions.get(queue)  # (keyed by the queue a subscription reads)
-    return [sub] if sub is not None and sub.shared is None else None

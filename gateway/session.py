@@ -310,6 +310,16 @@ class Session:
     def matching(self, topic: str) -> list[Subscription]:
         return [self.subscriptions[f] for f in self.trie.match(topic) if f in self.subscriptions]
 
+    def readers(self, queue: str, topic: str) -> list[Subscription]:
+        """The subscriptions a message of `queue` on `topic` is for. The common case, one
+        subscription, needs no trie walk: a message of its queue matches it by construction
+        (subscriptions are keyed by the queue they read)."""
+        if len(self.subscriptions) == 1:
+            sub = self.subscriptions.get(queue)
+            if sub is not None and sub.shared is None:
+                return [sub]
+        return self.matching(topic)
+
     # -- delivery bookkeeping ---------------------------------------------------------
     def notify(self, queue: str) -> None:
         self.dirty.add(queue)
