@@ -88,6 +88,13 @@ class InSync:
     def enough(self) -> bool:
         return len(self.committed) >= self.min_insync
 
+    def why_out(self) -> str:
+        """Why the replicas outside the set cannot be in it, as far as they said: a
+        write that failed (a full disk), for each that reported one ("" if none did)."""
+        return "; ".join(f"{r.node} cannot write ({r.failed})"
+                         for r in sorted(self.replicas.values(), key=lambda r: r.node)
+                         if r.failed and r.node not in self.committed)
+
     def _offset_of(self, node: str) -> int:
         rep = self.replicas.get(node)
         return rep.offset if rep is not None else 0

@@ -264,9 +264,11 @@ class Replication:
             return StoreError("this store node holds no lease from the group's controller "
                               "(cut off, or just elected): writes are refused until it does")
         if self.cfg.mode == "sync" and not self.insync.enough():
+            out = self.insync.why_out()
             return StoreError(
                 f"only {len(self.insync.committed)} of the {self.cfg.min_insync} in-sync "
-                "nodes --min-insync asks for are up: writes are refused")
+                "nodes --min-insync asks for are up" + (f" ({out})" if out else "")
+                + ": writes are refused")
         return None
 
     def write_refusal(self, code: int) -> StoreError | None:
