@@ -228,7 +228,7 @@ def _start(b: Broker) -> None:
             raise RuntimeError(f"{name}: the server runs plane={ready.get('plane')}")
         b.notes = "the native data plane (LIGHTGATE_NATIVE=1), --flush async"
         if opts.certs:
-            b.notes += "; TLS connections are carried in Python, as the native plane does"
+            b.notes += "; the engine holds each TLS session (rustls)"
     elif name == "lightgate-separated":
         url = _start_redis(b)
         store = _spawn(b, _lightgate_cmd("store", "--data-dir", str(b.tmp / "d"), "--native",
