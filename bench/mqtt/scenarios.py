@@ -31,7 +31,7 @@ from .wire import acks_in, connect, recv_batch, subscribe
 
 
 def run_flow(port: int, pub_topics: list[str], sub_filter: str, n_subs: int, qos: int,
-             count: int, seconds: float) -> dict[str, Any]:
+             count: int, seconds: float, window: int = 64) -> dict[str, Any]:
     """Subscribers first (spread over the cores), then one publisher process; the rate
     is deliveries over the span from first to last delivery seen by any subscriber."""
     crew = Crew()
@@ -42,7 +42,7 @@ def run_flow(port: int, pub_topics: list[str], sub_filter: str, n_subs: int, qos
         for w in range(sub_procs):
             n = n_subs // sub_procs + (1 if w < n_subs % sub_procs else 0)
             crew.add(w_subscribers, port, sub_filter, n, qos, expect, seconds)
-        crew.add(w_publishers, port, pub_topics, qos, per_topic, seconds)
+        crew.add(w_publishers, port, pub_topics, qos, per_topic, seconds, window)
         crew.start(setup_timeout=120)
         time.sleep(0.3)  # subscriptions registered everywhere before the first message
         crew.go()
@@ -71,6 +71,16 @@ def sc_qos0(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
 def sc_qos1(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
     res = run_flow(b.port, ["bench/a"], "bench/a", 1, 1, size["qos1_msgs"], size["seconds"])
     res["notes"] = (res.get("notes", "") + "; publisher window 64 unacked").lstrip("; ")
+    return res
+
+
+def sc_qos1_deep(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
+    """QoS 1 with 1,000 unacknowledged at the publisher: the subscriber's window (32)
+    fills and it falls behind the log for as long as the row lasts, so this is the row
+    where a broker serves a subscriber from its backlog rather than as messages come."""
+    res = run_flow(b.port, ["bench/deep"], "bench/deep", 1, 1, size["deep_msgs"],
+                   size["seconds"] * 2, window=1000)
+    res["notes"] = (res.get("notes", "") + "; publisher window 1,000 unacked").lstrip("; ")
     return res
 
 
@@ -360,6 +370,7 @@ def sc_reconnect_storm(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
 SCENARIOS: dict[str, tuple[Callable[[Broker, dict[str, Any]], dict[str, Any]], str, bool]] = {
     "qos0_1to1": (sc_qos0, "msgs_per_s", True),
     "qos1_1to1": (sc_qos1, "msgs_per_s", True),
+    "qos1_deep": (sc_qos1_deep, "msgs_per_s", True),
     "fanin_100to1": (sc_fanin, "msgs_per_s", True),
     "device_fanin": (sc_device_fanin, "msgs_per_s", True),
     "device_fleet": (sc_device_fleet, "cpu_us_per_msg", False),
@@ -382,18 +393,21 @@ NEEDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 TLS_ONLY = ["device_fleet_mtls"]
 QUICK_SCENARIOS = [s for s in SCENARIOS if s not in ("reconnect_storm", *TLS_ONLY)]
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": {"msgs": 2000, "qos1_msgs": 1000, "seconds": 8, "fanout_subs": 10,
+    "tiny": {"msgs": 2000, "qos1_msgs": 1000, "deep_msgs": 2000, "seconds": 8,
+             "fanout_subs": 10,
              "fanout_msgs": 50, "idle_conns": 100, "idle_seconds": 10, "latency_rate": 200,
              "latency_seconds": 1, "storm_clients": 10, "storm_msgs": 4, "cpu_rate": 200,
              "cpu_seconds": 1, "device_msgs": 1000, "fleet_devices": 300, "fleet_period": 1.0,
              "fleet_seconds": 2, "catchup_msgs": 500, "catchup_seconds": 20},
-    "quick": {"msgs": 100_000, "qos1_msgs": 25_000, "seconds": 15, "fanout_subs": 200,
+    "quick": {"msgs": 100_000, "qos1_msgs": 25_000, "deep_msgs": 200_000, "seconds": 15,
+              "fanout_subs": 200,
               "fanout_msgs": 500, "idle_conns": 2000, "idle_seconds": 30,
               "latency_rate": 2000, "latency_seconds": 5, "storm_clients": 500,
               "storm_msgs": 10, "cpu_rate": 2000, "cpu_seconds": 5, "device_msgs": 40_000,
               "fleet_devices": 5000, "fleet_period": 2.5, "fleet_seconds": 10,
               "catchup_msgs": 50_000, "catchup_seconds": 60},
-    "full": {"msgs": 500_000, "qos1_msgs": 100_000, "seconds": 45, "fanout_subs": 1000,
+    "full": {"msgs": 500_000, "qos1_msgs": 100_000, "deep_msgs": 1_000_000, "seconds": 45,
+             "fanout_subs": 1000,
              "fanout_msgs": 1000, "idle_conns": 100_000, "idle_seconds": 120,
              "latency_rate": 20_000, "latency_seconds": 10, "storm_clients": 5000,
              "storm_msgs": 20, "cpu_rate": 2000, "cpu_seconds": 10, "device_msgs": 200_000,
