@@ -232,7 +232,12 @@ class Broker:
 
     # -- notify -----------------------------------------------------------------------
     def on_queues_changed(self, names: set[str]) -> None:
-        """Wake every live session subscribed to a queue that grew."""
+        """Wake every live session subscribed to a queue that grew (once this gateway's
+        appends under way are answered: their acks first)."""
+        if not self.inbound.after_appends(self._queues_changed, names):
+            self._queues_changed(names)
+
+    def _queues_changed(self, names: set[str]) -> None:
         self.stats.notify_events += len(names)
         if AUTH_EVENT in names and self.background.running:
             self.background.spawn(self._reload_auth)

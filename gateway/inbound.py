@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -88,6 +89,9 @@ class Inbound:
         self._thread = 0
         self._nursery: trio.Nursery | None = None
         self.in_pass = False  # the reactor is in a pass: it flushes at its end
+        self._started = 0  # appends started, numbered from 0
+        self._unsettled: dict[int, None] = {}  # appends not answered yet, oldest first
+        self._held: deque[tuple[int, Callable[[Any], None], Any]] = deque()
 
     # -- staging ---------------------------------------------------------------------------
     def stage(self, conn: Publisher, msg: Message, p: Publish, ticket: int) -> None:
@@ -123,26 +127,55 @@ class Inbound:
 
     def _append(self, batch: list[Staged]) -> None:
         started = time.perf_counter()
+        # Counted as under way from before the call: an embedded store may tell of the
+        # queues it grew from inside it (see after_appends).
+        seq, self._started = self._started, self._started + 1
+        self._unsettled[seq] = None
         try:
             fut = self.broker.store.publish_start([m for _, m, _, _ in batch],
                                                   validated=True)  # by the codec
         except Exception as exc:  # noqa: BLE001 - every publisher hears of it
-            self._failed(batch, exc)
+            self._answered(seq, batch, None, started, exc)
             return
         if fut.done():
-            self._settled(batch, fut, started)
+            self._answered(seq, batch, fut, started)
             return
 
         def done(_: FutureLike) -> None:
             if threading.get_ident() == self._thread:
-                self._settled(batch, fut, started)
+                self._answered(seq, batch, fut, started)
             elif self._token is not None:
                 try:
-                    self._token.run_sync_soon(self._settled, batch, fut, started)
+                    self._token.run_sync_soon(self._answered, seq, batch, fut, started)
                 except trio.RunFinishedError:
                     pass
 
         fut.add_done_callback(done)
+
+    def after_appends(self, fn: Callable[[Any], None], arg: Any) -> bool:
+        """Hold `fn(arg)` until every append started so far is answered; False if none
+        is waiting (the caller goes on at once). The store's news that a queue grew can
+        reach this thread before the answer to the append that grew it (the dispatch
+        and the writer's callback race here): held, a publisher's PUBACK goes out before
+        its message reaches its own subscription, on every transport and both planes."""
+        if not self._unsettled:
+            return False
+        self._held.append((self._started, fn, arg))
+        return True
+
+    def _answered(self, seq: int, batch: list[Staged], fut: FutureLike | None,
+                  started: float, exc: BaseException | None = None) -> None:
+        try:
+            if fut is None:
+                self._failed(batch, exc or RuntimeError("no answer"))
+            else:
+                self._settled(batch, fut, started)
+        finally:
+            del self._unsettled[seq]
+            oldest = next(iter(self._unsettled), self._started)
+            while self._held and self._held[0][0] <= oldest:
+                _, fn, arg = self._held.popleft()
+                fn(arg)
 
     def _settled(self, batch: list[Staged], fut: FutureLike, started: float) -> None:
         try:

@@ -131,3 +131,18 @@ def test_a_subscribe_and_unsubscribe_over_tls_are_answered_alike(
 
     got = session_on_both(planes, pki, 5, scenario)
     assert [type(p).__name__ for p in got] == ["Connack", "Puback", "Suback", "Unsuback"]
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_a_publish_to_ones_own_subscription_over_tls_is_acked_then_delivered(
+        planes: dict[str, Server], pki: Pki, version: int) -> None:
+    """The order a client sees of its own stored publish, over TLS as over TCP: the
+    PUBACK, then the delivery to its own subscription."""
+    def scenario(raw: TlsRaw, cid: str) -> list[tuple[bytes, int | None]]:
+        raw.send(mqtt.Subscribe(1, [(f"own/{cid}", mqtt.SubscriptionOptions(1))]))
+        assert isinstance(raw.recv(), mqtt.Suback)
+        publish = mqtt.Publish(f"own/{cid}", b"mine", 1, packet_id=7)
+        return [(mqtt.encode(publish, version), 2)]
+
+    got = session_on_both(planes, pki, version, scenario, subscriptions=1)
+    assert [type(p).__name__ for p in got] == ["Connack", "Puback", "Publish"]
