@@ -21,6 +21,7 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,10 +157,15 @@ def test_the_image_builds_an_abi3_manylinux_wheel_that_runs_native(
                             " m; print(m.__file__)"], cwd=tmp_path, capture_output=True,
                            text=True, check=True).stdout
     assert where.startswith(str(tmp_path / "venv")), where  # the wheel's, not the checkout's
+    began = time.monotonic()
     line, log = _serve(bin_dir, tmp_path)
+    ready_s = time.monotonic() - began
     assert line.endswith("plane=native"), line
     assert not _plane_warnings(log), log
-    print(f"the image's wheel built in {image_build.seconds:.1f} s")
+    size = wheel.stat().st_size
+    assert size < 3 * 1024 * 1024, f"the wheel is {size:,} bytes"
+    print(f"the image's wheel built in {image_build.seconds:.1f} s, {size:,} bytes; "
+          f"serve from it ready in {ready_s:.2f} s")
 
 
 def test_without_rust_the_sdist_gives_a_pure_wheel_that_says_why(
