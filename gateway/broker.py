@@ -179,11 +179,11 @@ class Broker:
     async def flush_offsets(self, s: Session) -> None:
         await self.registry.flush_offsets(s)
 
-    async def persist_outgoing(self, s: Session, o: Outgoing) -> None:
-        await self.registry.persist_outgoing(s, o)
+    async def persist_outgoing(self, s: Session, *sends: Outgoing) -> None:
+        await self.registry.persist_outgoing(s, *sends)
 
-    async def forget_outgoing(self, s: Session, o: Outgoing) -> None:
-        await self.registry.forget_outgoing(s, o)
+    async def forget_outgoing(self, s: Session, *sends: Outgoing) -> None:
+        await self.registry.forget_outgoing(s, *sends)
 
     async def remember_incoming_qos2(self, s: Session, pid: int, done: bool,
                                      phys: int = -1) -> None:

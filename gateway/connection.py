@@ -316,6 +316,16 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, SendRules, ReadSwit
             if not self._closed:
                 self._resume()
 
+    def _more_done(self) -> list[mp.Outgoing]:
+        """The completed sends next in the lane whose records go too (the acks of one
+        read): one write for them all, not one each."""
+        lane, more = self._lane, []
+        while lane and type(lane[0]) is mp.OutgoingDone:
+            o = lane.popleft().outgoing
+            if not self._on_outgoing_done(o):
+                more.append(o)
+        return more
+
     # -- events answered at once ------------------------------------------------------
     def _now(self, ev: LaneItem) -> bool:
         """Handle `ev` if nothing needs waiting for; False: the lane must (`_later`)."""
@@ -354,7 +364,7 @@ class Connection(ConnectRules, PublishRules, SubscribeRules, SendRules, ReadSwit
         elif t is mp.PublishReceived:
             await self._on_publish_slow(ev)
         elif t is mp.OutgoingDone:
-            await self._complete(ev.outgoing)
+            await self._complete(ev.outgoing, *self._more_done())
         elif t is mp.OutgoingReleased:
             await self.release_when_kept(ev.outgoing)
         elif t is mp.PubrelReceived:

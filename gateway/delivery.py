@@ -17,9 +17,10 @@ from typing import Any, Protocol
 
 import trio
 
-from gateway import replay
+from gateway import offline_bound, replay
 from gateway.cache import QueueCache
 from gateway.config import GatewayConfig
+from gateway.kept_sends import KeptSends
 from gateway.mqtt import PublishTemplate
 from gateway.mqtt import protocol as mp
 from gateway.output import Output
@@ -318,7 +319,7 @@ class Delivery(SharedMember):
             if self._resume:
                 self._resume = False
                 await self._resend_outgoing()
-                await self._apply_offline_bound()
+                await offline_bound.apply(s, self.broker)
                 for queue in s.reading():
                     s.dirty.add(queue)  # catch up with whatever arrived while offline
             while not self._stopped:
@@ -367,21 +368,27 @@ class Delivery(SharedMember):
                 s.offsets_dirty.add(queue)
             if not msgs:
                 return
+            kept = KeptSends(lambda sends: self.broker.persist_outgoing(s, *sends),
+                             self.core.send_encoded)
             try:
                 for msg in msgs:
                     if queue not in s.subscriptions or self._stopped:
                         return
+                    if kept.waiting and self._blocked(msg.qos):
+                        await kept.keep()
                     await self._wait_room(msg.qos)
                     plan = self.plan(queue, msg)
                     if plan is not None and not (self.conn.asks_hook
                                                  and await self._hook_refuses(msg.topic)):
                         qos, retain, sids, offset = plan
-                        if await self._push(msg, qos, retain, sids, queue, offset) \
+                        if await self._push(msg, qos, retain, sids, queue, offset, kept=kept) \
                                 and not qos and s.persistent:
                             self._sent0(queue, offset)
                     s.cursors[queue] = msg.offset_in(queue) + 1
                     s.offsets_dirty.add(queue)
+                await kept.keep()
             finally:
+                kept.drop(s, queue)  # a write that failed: delivered anew from there
                 self.conn.flush()
 
     async def _hook_refuses(self, topic: str) -> bool:
@@ -398,12 +405,11 @@ class Delivery(SharedMember):
             await s.wakeup.wait()
 
     async def _push(self, msg: Message, qos: int, retain: bool, sids: list[int] | None,
-                    queue: str | None, offset: int, group: SharedGroup | None = None
-                    ) -> bool:
+                    queue: str | None, offset: int, group: SharedGroup | None = None,
+                    kept: KeptSends | None = None) -> bool:
         """Send one message (the window has room). False if dropped. A persistent
         session's QoS 1/2 PUBLISH goes to the outbox only once its in-flight record is
-        in the store: one the client saw and a crash forgot would come again, under
-        another packet id, as a new message."""
+        in the store (gateway.kept_sends; with `kept`, it waits there for the batch)."""
         s = self.session
         held: list[bytes] | None = [] if (
             qos and s.persistent and queue is not None and group is None) else None
@@ -411,6 +417,9 @@ class Delivery(SharedMember):
         if o is False:
             return False
         if held and isinstance(o, mp.Outgoing):
+            if kept is not None:
+                kept.add(o, held[0], msg.offset_in(queue))
+                return True
             try:
                 await self.broker.persist_outgoing(s, o)
             except BaseException:
@@ -449,31 +458,6 @@ class Delivery(SharedMember):
                 continue
             core.resend(o, self.broker.template(o.message) if o.message is not None else None)
         self.conn.flush()
-
-    async def _apply_offline_bound(self) -> None:
-        """A session back from offline resumes at most --max-offline-messages and
-        --max-offline-bytes behind each queue's end; what is older is skipped."""
-        s = self.session
-        cfg = self.broker.config
-        limit, max_bytes = cfg.max_offline_messages, cfg.max_offline_bytes
-        store = self.broker.store
-        for queue in s.reading():
-            cursor = s.cursors.get(queue)
-            if cursor is None:
-                continue
-            end = await store.queue_end(queue)
-            start = max(cursor, end - limit) if limit else cursor
-            if max_bytes and start < end:
-                start = await store.queue_tail_start(queue, start, max_bytes)
-            if start > cursor:
-                dropped = start - cursor
-                s.cursors[queue] = start
-                s.offsets_dirty.add(queue)
-                self.broker.stats.dropped += dropped
-                self.broker.stats.offline_dropped += dropped
-                log.warning("client %r: %d offline messages on %r dropped (limit %d "
-                            "messages, %d bytes)", s.client_id, dropped, queue, limit,
-                            max_bytes)
 
     # -- retained messages on SUBSCRIBE -------------------------------------------------------
     async def retained(self, subs: list[Subscription]) -> list[bytes]:

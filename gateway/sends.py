@@ -62,10 +62,10 @@ class SendRules:
         self._freed(s)
         return True
 
-    async def _complete(self, o: mp.Outgoing) -> None:
+    async def _complete(self, *done: mp.Outgoing) -> None:
         s = self.session
         assert s is not None
-        await self.broker.forget_outgoing(s, o)
+        await self.broker.forget_outgoing(s, *done)
         self._freed(s)
 
     def _freed(self, s: Session) -> None:

@@ -357,21 +357,25 @@ class SessionRegistry:
             if s.has_dirty_offsets():
                 await self.flush_offsets(s)
 
-    async def persist_outgoing(self, s: Session, o: Outgoing) -> None:
-        if s.persistent and o.queue is not None:
-            await self.store.meta_put("inflight", out_key(s.client_id, o.packet_id),
-                                      {"queue": o.queue, "offset": o.offset, "state": o.state,
-                                       "qos": o.qos})
+    async def persist_outgoing(self, s: Session, *sends: Outgoing) -> None:
+        """The in-flight records of `sends`, in one write."""
+        ops = [("put", "inflight", out_key(s.client_id, o.packet_id),
+                {"queue": o.queue, "offset": o.offset, "state": o.state, "qos": o.qos})
+               for o in sends if o.queue is not None]
+        if s.persistent and ops:
+            await self.store.meta_write(ops)
 
-    async def forget_outgoing(self, s: Session, o: Outgoing) -> None:
-        """A send completed: its in-flight record goes, and in the same write the
-        queue's offsets say it was sent (else a crash before the next round of offsets
-        would deliver it again, as a new message)."""
-        if s.persistent and o.queue is not None:
-            s.offsets_dirty.add(o.queue)
+    async def forget_outgoing(self, s: Session, *sends: Outgoing) -> None:
+        """Sends completed: their in-flight records go, and in the same write the
+        queues' offsets say they were sent (else a crash before the next round of
+        offsets would deliver them again, as new messages)."""
+        done = [o for o in sends if o.queue is not None]
+        if s.persistent and done:
+            s.offsets_dirty.update(o.queue for o in done if o.queue is not None)
             try:
                 await self.flush_offsets(
-                    s, [("delete", "inflight", out_key(s.client_id, o.packet_id), None)])
+                    s, [("delete", "inflight", out_key(s.client_id, o.packet_id), None)
+                        for o in done])
             except StoreError as exc:  # the store is away (a failover): the client's ack
                 # stands; the stale record only means a resend with DUP after a restart
                 _not_kept.note(f"in-flight records of completed sends not removed (a "
