@@ -1,0 +1,160 @@
+"""`lightgate gateway` on the native plane: its quiet plain-TCP publishers are carried
+by the engine, whose appends go to `lightgate store` as native-protocol PUBLISH frames
+(a Rust client), each PUBACK once the store's answer says stored. Both planes: with
+LIGHTGATE_NATIVE=0 everything runs in Python, as before. Real processes, real Redis,
+a real SIGKILL of the store mid-burst."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from gateway import mqtt
+from serving import plane
+from tests.conftest import RedisServer, Server
+from tests.ha.cluster import read_topic
+from tests.mqtt.paho_client import Client
+from tests.mqtt.raw import RawClient
+
+PROMOTED = "promoted to the native plane"
+
+PLANES = [
+    pytest.param("native", marks=pytest.mark.skipif(
+        plane.NATIVE is None or not hasattr(plane.NATIVE.Engine, "start_remote"),
+        reason="the native data plane is not built")),
+    "python",
+]
+
+
+def uid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(params=PLANES)
+def shape(request, tmp_path, redis_server: RedisServer, monkeypatch) -> Iterator[tuple]:
+    which = request.param
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if which == "native" else "0")
+    store = Server(tmp_path / "store", "--notify", redis_server.url, command="store").start()
+    gw = Server(None, "--store", store.native, "--notify", redis_server.url,
+                "--io-threads", "1", command="gateway").start()
+    yield which, store, gw
+    for srv in (gw, store):
+        if srv.proc is not None:
+            assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+def wait_promoted(gw: Server, client_id: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(f"client {client_id!r} (" in line and PROMOTED in line for line in gw.log):
+        assert time.monotonic() < deadline, f"{client_id} not promoted: {gw.logs()[-3000:]}"
+        time.sleep(0.02)
+
+
+def publisher(gw: Server, which: str, version: int = 4) -> tuple[RawClient, str]:
+    """A device: connected, and carried natively on the native plane."""
+    cid = uid("dev")
+    deadline = time.monotonic() + 20
+    while True:  # (a gateway whose store is back may refuse CONNECT for a moment)
+        dev = RawClient(gw.port, version=version, timeout=10)
+        if dev.connect(cid).reason_code == 0:
+            break
+        dev.close()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    if which == "native":
+        wait_promoted(gw, cid)
+    return dev, cid
+
+
+def burst(dev: RawClient, topic: str, count: int, window: int = 8,
+          stop: threading.Event | None = None) -> dict[int, int]:
+    """QoS 1 publishes of b"%05d" % i, `window` in flight: {i: PUBACK reason code} of
+    those answered before the connection ended (or `count` were)."""
+    acked: dict[int, int] = {}
+    sent: dict[int, int] = {}  # packet id -> i
+    i = 0
+    try:
+        while len(acked) < count:
+            while i < count and len(sent) < window and not (stop and stop.is_set()):
+                pid = i % 60000 + 1
+                dev.send(mqtt.Publish(topic, b"%05d" % i, 1, packet_id=pid))
+                sent[pid] = i
+                i += 1
+            if not sent:
+                break
+            ack = dev.recv()
+            assert isinstance(ack, mqtt.Puback), ack
+            acked[sent.pop(ack.packet_id)] = ack.reason_code
+    except (ConnectionError, OSError):
+        pass  # 3.1.1: the gateway closes a connection whose publish was not stored
+    return acked
+
+
+def test_ready_line_says_which_plane(shape) -> None:
+    which, _, gw = shape
+    assert gw.addrs["plane"] == which
+
+
+def test_carried_publishes_are_stored_and_delivered_in_order_once(shape) -> None:
+    which, store, gw = shape
+    base = uid("fleet")
+    topic = f"{base}/t"
+    sub = Client(gw.port, uid("sub"))
+    sub.subscribe(f"{base}/#", 1)
+    dev, cid = publisher(gw, which)
+    acked = burst(dev, topic, 300)
+    assert acked == dict.fromkeys(range(300), 0)
+    got = [m.payload for m in sub.expect(300, timeout=20)]
+    assert got == [b"%05d" % i for i in range(300)]
+    sub.expect_none(0.3)
+    assert read_topic(store.native, base) == got  # stored once each, in order
+    if which == "native":  # carried by the engine all along: never back in Python
+        assert not any(f"client {cid!r} (" in line and "back from the native plane" in line
+                       for line in gw.log), gw.logs()[-3000:]
+    dev.close()
+    sub.disconnect()
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_store_killed_mid_burst_loses_nothing_acknowledged(shape, version: int) -> None:
+    """Every PUBACKed (reason 0) message is in the store after it restarts; a publish
+    whose answer was lost is refused (5.0: 0x80) or its connection closed (3.1.1), as
+    on Python's path, and the gateway serves again once the store is back."""
+    which, store, gw = shape
+    base = uid("kill")
+    topic = f"{base}/t"
+    dev, _ = publisher(gw, which, version)
+    acked: dict[int, int] = {}
+    ran = threading.Thread(target=lambda: acked.update(burst(dev, topic, 3000)))
+    ran.start()
+    deadline = time.monotonic() + 20
+    while len(acked) < 50 and ran.is_alive():  # (read without the lock: a count)
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    store.kill()
+    ran.join(30)
+    assert not ran.is_alive()
+    dev.close()
+    stored_ok = [i for i, code in acked.items() if code == 0]
+    assert stored_ok, acked
+    if version == 5:
+        assert set(acked.values()) <= {0, 0x80}, acked
+    store.start()
+    kept = read_topic(store.native, base)
+    assert len(kept) == len(set(kept)), "a message stored twice"
+    missing = {b"%05d" % i for i in stored_ok} - set(kept)
+    assert not missing, f"{len(missing)} acknowledged messages lost: {sorted(missing)[:5]}"
+    # Served again: a new device's publishes are stored.
+    deadline = time.monotonic() + 20
+    while True:
+        dev, _ = publisher(gw, which)
+        again = burst(dev, f"{base}/after", 20)
+        dev.close()
+        if again == dict.fromkeys(range(20), 0):
+            break
+        assert time.monotonic() < deadline, again
+        time.sleep(0.2)
