@@ -25,6 +25,7 @@ class Host(Protocol):
 
     queue_subs: dict[str, set[Any]]
     cache: Any
+    registry: Any
 
     def stored_here(self, stored: list[Message]) -> None: ...
 
@@ -33,8 +34,15 @@ class RemoteNews:
     def __init__(self, broker: Host, engine: Any) -> None:
         self.broker = broker
         self.engine = engine
-        self._told: frozenset[str] = frozenset()
+        self._told: set[str] = set()
         self.next_refresh = 0.0
+        # A queue's first reader here is told at once: its first messages may be
+        # stored a moment later (the refresh only drops the queues no longer read).
+        broker.registry.on_new_queue = self.queue_added
+
+    def queue_added(self, name: str) -> None:
+        self.engine.add_stored_queue(name)
+        self._told.add(name)
 
     def refresh(self, now: float) -> None:
         """Tell the engine which queues this node's Python readers read, if that changed."""
@@ -42,12 +50,12 @@ class RemoteNews:
             return
         self.next_refresh = now + REFRESH_S
         try:
-            names = frozenset(self.broker.queue_subs)
+            names = set(self.broker.queue_subs)
         except RuntimeError:  # changed under us: next time
             return
         if names != self._told:
             self._told = names
-            self.engine.set_stored_queues(set(names))
+            self.engine.set_stored_queues(names)
         whys, batches = self.engine.take_refused()
         if batches:
             _refused.note("native publishes not stored: " + "; ".join(dict.fromkeys(whys)))

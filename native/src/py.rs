@@ -802,6 +802,12 @@ impl PyEngine {
         Ok(())
     }
 
+    /// One more queue for `set_stored_queues`' set (its first reader came).
+    fn add_stored_queue(&self, name: &str) -> PyResult<()> {
+        self.remote()?.add_stored_queue(name);
+        Ok(())
+    }
+
     /// Take a connection over after its CONNACK: True, and `fd` is the engine's (the
     /// caller detached it); False, and nothing changed, when a subscription's position
     /// is not at its queue's end (the caller delivers the rest, and tries again).

@@ -404,9 +404,17 @@ impl RemoteEngine {
     /// The queues Python reads on this node: the acknowledged messages of these are
     /// handed to it (`take_stored`).
     pub fn set_stored_queues(&self, names: HashSet<String>) {
-        self.sink.stored_any.store(names.len(), Ordering::Relaxed);
         if let Ok(mut w) = self.sink.stored_queues.write() {
+            self.sink.stored_any.store(names.len(), Ordering::Relaxed);
             *w = names;
+        }
+    }
+
+    /// One more queue Python reads (its first reader here came).
+    pub fn add_stored_queue(&self, name: &str) {
+        if let Ok(mut w) = self.sink.stored_queues.write() {
+            w.insert(name.to_string());
+            self.sink.stored_any.store(w.len(), Ordering::Relaxed);
         }
     }
 
