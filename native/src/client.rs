@@ -8,7 +8,7 @@
 //! (their callbacks say why): a write is never sent again here, the caller decides
 //! (a device resends a QoS 1 publish it saw no PUBACK for), as Python's client does.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream as StdStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -28,10 +28,22 @@ pub const HELLO: u16 = 1;
 /// still accepts connections, so only an answer proves a node alive.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 /// Between rounds of the master search: from, doubling up to (`SEARCH_PAUSE_S`).
+/// A search waits this long for other nodes' answers once one says it is master
+/// (`MASTER_GRACE_S`), and this long for the nodes that stopped answering lately once
+/// the others answered (`SUSPECT_GRACE_S`).
+const MASTER_GRACE: Duration = Duration::from_millis(200);
+const SUSPECT_GRACE: Duration = Duration::from_millis(300);
+/// How a HELLO that timed out is told.
+const NO_ANSWER: &str = "no answer within";
 const SEARCH_PAUSE: (Duration, Duration) = (Duration::from_millis(100), Duration::from_millis(500));
-/// An answer this long overdue, with nothing heard from the node meanwhile, ends the
-/// connection (its requests fail; the master is looked for again).
-pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+/// An answer this long overdue, with nothing heard from the node meanwhile, makes the
+/// client ask the node, on a connection of its own, whether it is alive and still
+/// master (`PROBE_AFTER_S`): if not, the connection ends (its requests fail) and the
+/// master is looked for again. A node that answers is waited for.
+pub const PROBE_AFTER: Duration = Duration::from_secs(1);
+/// A refusal that says the node may no longer be master ("a replica", "stepped
+/// down"): in a group, the client asks it at once.
+const NOT_MASTER: u16 = 503;
 /// Bytes of requests queued or written and not yet taken by the socket, at most:
 /// past it a request fails at once (`submit`), as Python's client refuses past its
 /// send queue, rather than grow memory while the store does not read.
@@ -123,6 +135,7 @@ impl Client {
             addrs,
             credentials: options.credentials,
             next_id: 1,
+            suspects: HashSet::new(),
         };
         let thread = std::thread::Builder::new()
             .name("lightgate-store-client".into())
@@ -241,6 +254,8 @@ struct Connection {
     addrs: Vec<String>,
     credentials: Option<(String, String)>,
     next_id: u32,
+    /// Nodes whose HELLO went unanswered lately: not waited for in a search.
+    suspects: HashSet<String>,
 }
 
 impl Connection {
@@ -269,40 +284,69 @@ impl Connection {
     }
 
     /// One round: every node asked at once; the one that says it is master (the latest
-    /// epoch if two do; a single store in no group is master whatever it says).
+    /// epoch if two do; a single store in no group is master whatever it says). The
+    /// round ends `MASTER_GRACE` after a master answered (another may answer with a
+    /// later epoch), or once every node was heard; nodes that stopped answering lately
+    /// (`suspects`) get `SUSPECT_GRACE` after the others, not a whole HELLO timeout a
+    /// round while the group elects another master (`_settle`).
     fn find_master(&mut self) -> Option<Hello> {
         let group = self.addrs.len() > 1;
-        let mut ids = Vec::new();
-        for _ in &self.addrs {
-            ids.push(self.next_id);
+        let (tx, rx) = std::sync::mpsc::channel();
+        for addr in &self.addrs {
+            let rid = self.next_id;
             self.next_id = self.next_id.wrapping_add(1).max(1);
+            let (tx, addr, creds) = (tx.clone(), addr.clone(), self.credentials.clone());
+            // Detached: one left behind answers into a closed channel, its socket closed.
+            let _ = std::thread::Builder::new()
+                .name("lightgate-store-hello".into())
+                .spawn(move || {
+                    let answer = hello(&addr, rid, creds.as_ref());
+                    let _ = tx.send((addr, answer));
+                });
         }
-        let creds = self.credentials.clone();
-        let results: Vec<Result<Hello, String>> = std::thread::scope(|s| {
-            let asks: Vec<_> = self
-                .addrs
-                .iter()
-                .zip(&ids)
-                .map(|(addr, &rid)| {
-                    let creds = creds.clone();
-                    s.spawn(move || hello(addr, rid, creds.as_ref()))
-                })
-                .collect();
-            asks.into_iter()
-                .map(|a| a.join().unwrap_or_else(|_| Err("panicked".into())))
-                .collect()
-        });
+        drop(tx);
         let mut notes = Vec::new();
         let mut best: Option<Hello> = None;
-        for r in results {
-            match r {
-                Ok(h) if !group || h.role == "master" => {
-                    if best.as_ref().is_none_or(|b| h.epoch > b.epoch) {
-                        best = Some(h);
+        let mut heard: HashSet<String> = HashSet::new();
+        let mut deadline = Instant::now() + HELLO_TIMEOUT + Duration::from_secs(1);
+        while heard.len() < self.addrs.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let Ok((addr, answer)) = rx.recv_timeout(left) else {
+                break;
+            };
+            heard.insert(addr.clone());
+            match answer {
+                Ok(h) => {
+                    self.suspects.remove(&addr);
+                    if !group || h.role == "master" {
+                        if best.as_ref().is_none_or(|b| h.epoch > b.epoch) {
+                            best = Some(h);
+                        }
+                    } else {
+                        notes.push(format!("{} is a {}", h.addr, h.role));
                     }
                 }
-                Ok(h) => notes.push(format!("{} is a {}", h.addr, h.role)),
-                Err(why) => notes.push(why),
+                Err(why) => {
+                    if why.contains(NO_ANSWER) {
+                        self.suspects.insert(addr);
+                    }
+                    notes.push(why);
+                }
+            }
+            let now = Instant::now();
+            if best.is_some() {
+                deadline = deadline.min(now + MASTER_GRACE);
+            } else if self
+                .addrs
+                .iter()
+                .all(|a| heard.contains(a) || self.suspects.contains(a))
+            {
+                deadline = deadline.min(now + SUSPECT_GRACE);
+            }
+        }
+        for a in &self.addrs {
+            if !heard.contains(a) {
+                notes.push(format!("{a}: {NO_ANSWER} (left for this round)"));
             }
         }
         if best.is_none() {
@@ -318,8 +362,11 @@ impl Connection {
         let Hello {
             stream,
             mut decoder,
+            addr,
             ..
         } = hello;
+        let group = self.addrs.len() > 1;
+        let mut recheck = false;
         if let Err(e) = stream.set_nonblocking(true) {
             return e.to_string();
         }
@@ -420,6 +467,9 @@ impl Connection {
                         match decoder.feed(&buf[..n]) {
                             Ok(frames) => {
                                 for f in frames {
+                                    if group && f.kind == Kind::Error {
+                                        recheck |= error_of(&f).0 == NOT_MASTER;
+                                    }
                                     if let Some((done, _)) = waiting.remove(&f.request_id) {
                                         done(Ok(f));
                                     }
@@ -451,11 +501,17 @@ impl Connection {
             {
                 due.pop_front();
             }
-            if let Some((_, sent)) = due.front() {
-                let since = (*sent).max(last_heard);
-                if since.elapsed() > ANSWER_TIMEOUT {
-                    break format!("no answer for {} s", ANSWER_TIMEOUT.as_secs());
+            let overdue = due
+                .front()
+                .map(|(_, sent)| (*sent).max(last_heard).elapsed())
+                .filter(|late| *late >= PROBE_AFTER);
+            if overdue.is_some() || recheck {
+                recheck = false;
+                let late = overdue.unwrap_or_default();
+                if let Some(why) = self.probe(&addr, group, late) {
+                    break why;
                 }
+                last_heard = Instant::now(); // it answers: alive
             }
         };
         self.shared.connected.store(false, Ordering::Release);
@@ -470,6 +526,24 @@ impl Connection {
         self.shared.in_flight.store(0, Ordering::Relaxed);
         self.fail_queued(&lost);
         why
+    }
+
+    /// Ask the node on a new connection (blocking this thread `HELLO_TIMEOUT` at
+    /// most: its connection is suspect already); why to leave it, or None to stay.
+    fn probe(&mut self, addr: &str, group: bool, late: Duration) -> Option<String> {
+        let rid = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        match hello(addr, rid, self.credentials.as_ref()) {
+            Ok(h) if group && h.role != "master" => {
+                Some(format!("it is no longer master (now {})", h.role))
+            }
+            Ok(_) => None,
+            Err(why) if why.contains("refused our credentials") => None, // alive
+            Err(why) => Some(format!(
+                "a request {:.1} s overdue, then a HELLO on a new connection: {why}",
+                late.as_secs_f64()
+            )),
+        }
     }
 
     fn unqueue(&self, n: usize) {
@@ -780,6 +854,52 @@ mod tests {
         );
         assert!(replica_seen.try_recv().is_err());
         assert_eq!(client.status().0, master);
+    }
+
+    /// A node that answers HELLO once, then nothing on any connection (SIGSTOP's view).
+    fn hung_after_hello() -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for (n, s) in listener.incoming().enumerate() {
+                let Ok(mut s) = s else { return };
+                if n == 0 {
+                    let mut d = Decoder::new(frame::MAX_FRAME);
+                    let mut buf = [0u8; 4096];
+                    let k = s.read(&mut buf).unwrap();
+                    let f = d.feed(&buf[..k]).unwrap().remove(0);
+                    let answer = Frame {
+                        kind: Kind::Response,
+                        code: HELLO,
+                        request_id: f.request_id,
+                        header: Vec::new(),
+                        body: Vec::new(),
+                    };
+                    s.write_all(&frame::encode(&answer).unwrap()).unwrap();
+                }
+                held.push(s); // open, silent
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn a_hung_node_is_asked_and_left() {
+        let client = Client::start(Options {
+            addrs: hung_after_hello(),
+            credentials: None,
+        })
+        .unwrap();
+        wait_connected(&client);
+        let started = Instant::now();
+        let err = answered(&client, 11, "{}", b"").unwrap_err();
+        assert!(err.contains("overdue"), "{err}");
+        let took = started.elapsed();
+        assert!(
+            took >= PROBE_AFTER && took < PROBE_AFTER + HELLO_TIMEOUT * 3,
+            "{took:?}"
+        );
     }
 
     #[test]

@@ -173,8 +173,8 @@ pub struct RemoteSink {
     stored_queues: RwLock<HashSet<String>>,
     stored_any: AtomicUsize,
     stored: Mutex<Vec<Stored>>,
-    /// Frames the store refused or whose answer was lost (the first few reasons, and
-    /// how many in all), for Python's log.
+    /// Frames the store refused (the first few reasons, and how many in all), for
+    /// Python's log.
     refused: Mutex<(Vec<String>, u64)>,
     /// Bytes of publishes not yet taken by the store's socket (read without a lock).
     backlog: Arc<AtomicUsize>,
@@ -226,7 +226,7 @@ impl RemoteSink {
                     self.keep_stored(&batch, born, r);
                     (0, None)
                 }
-                _ => self.refuse(&words, "the store's answer does not say where".into()),
+                _ => self.refuse(&words, "the store's answer does not say where".into(), true),
             },
             Ok(f) => {
                 let (status, message) = client::error_of(f);
@@ -234,10 +234,12 @@ impl RemoteSink {
                     self.note(format!("{status}: {message}"));
                     (0x97, Some(words.disk_full.clone()))
                 } else {
-                    self.refuse(&words, message)
+                    self.refuse(&words, message, true)
                 }
             }
-            Err(why) => self.refuse(&words, why.clone()),
+            // No store connection: said once by the client's state, not per publish
+            // (as Python's gateway logs its StoreUnavailable at debug).
+            Err(why) => self.refuse(&words, why.clone(), false),
         };
         let acks: Vec<Command> = batch
             .iter()
@@ -265,9 +267,11 @@ impl RemoteSink {
         }
     }
 
-    fn refuse(&self, words: &NotStored, why: String) -> (u8, Option<Arc<str>>) {
+    fn refuse(&self, words: &NotStored, why: String, note: bool) -> (u8, Option<Arc<str>>) {
         let reason: Arc<str> = format!("{}{why}", words.prefix).into();
-        self.note(why);
+        if note {
+            self.note(why);
+        }
         (0x80, Some(reason))
     }
 
