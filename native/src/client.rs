@@ -44,9 +44,9 @@ pub const PROBE_AFTER: Duration = Duration::from_secs(1);
 /// A refusal that says the node may no longer be master ("a replica", "stepped
 /// down"): in a group, the client asks it at once.
 const NOT_MASTER: u16 = 503;
-/// Bytes of requests queued or written and not yet taken by the socket, at most:
-/// past it a request fails at once (`submit`), as Python's client refuses past its
-/// send queue, rather than grow memory while the store does not read.
+/// Bytes of requests queued or sent and not answered yet, at most: past it a request
+/// fails at once (`submit`), as Python's client refuses past its send queue, rather
+/// than grow memory while the store does not read or answer.
 pub const MAX_QUEUED: usize = 16 << 20;
 const READ_SIZE: usize = 64 * 1024;
 const WAKER: Token = Token(0);
@@ -77,7 +77,7 @@ struct Request {
 #[derive(Default)]
 struct Queue {
     requests: VecDeque<Request>,
-    /// Bytes of the requests queued and of what the socket has not taken.
+    /// Bytes of the requests queued or sent and not answered yet.
     bytes: usize,
 }
 
@@ -85,7 +85,7 @@ struct Shared {
     queue: Mutex<Queue>,
     connected: AtomicBool,
     stopping: AtomicBool,
-    /// Bytes queued or unwritten (`Queue::bytes`), read without the lock.
+    /// Bytes queued or unanswered (`Queue::bytes`), read without the lock.
     backlog: AtomicUsize,
     /// Requests sent and not answered yet.
     in_flight: AtomicUsize,
@@ -97,7 +97,7 @@ struct Shared {
 pub struct Client {
     shared: Arc<Shared>,
     waker: Arc<Waker>,
-    thread: Option<JoinHandle<()>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 fn request_cost(header: &[u8], body: &[u8]) -> usize {
@@ -143,7 +143,7 @@ impl Client {
         Ok(Client {
             shared,
             waker,
-            thread: Some(thread),
+            thread: Mutex::new(Some(thread)),
         })
     }
 
@@ -185,7 +185,7 @@ impl Client {
         self.shared.connected.load(Ordering::Acquire)
     }
 
-    /// Bytes of requests not yet taken by the socket.
+    /// Bytes of requests not answered yet.
     pub fn backlog(&self) -> usize {
         self.shared.backlog.load(Ordering::Relaxed)
     }
@@ -204,10 +204,11 @@ impl Client {
     }
 
     /// Stop: what waits fails ("stopped"), the connection closes.
-    pub fn stop(&mut self) {
+    pub fn stop(&self) {
         self.shared.stopping.store(true, Ordering::Release);
         let _ = self.waker.wake();
-        if let Some(t) = self.thread.take() {
+        let thread = self.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(t) = thread {
             let _ = t.join();
         }
     }
@@ -435,10 +436,7 @@ impl Connection {
                         lost = Some("the store closed the connection".to_string());
                         break;
                     }
-                    Ok(n) => {
-                        written += n;
-                        self.unqueue(n);
-                    }
+                    Ok(n) => written += n,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(e) => {
@@ -470,7 +468,8 @@ impl Connection {
                                     if group && f.kind == Kind::Error {
                                         recheck |= error_of(&f).0 == NOT_MASTER;
                                     }
-                                    if let Some((done, _)) = waiting.remove(&f.request_id) {
+                                    if let Some((done, cost)) = waiting.remove(&f.request_id) {
+                                        self.unqueue(cost);
                                         done(Ok(f));
                                     }
                                 }
@@ -517,10 +516,9 @@ impl Connection {
         self.shared.connected.store(false, Ordering::Release);
         let _ = self.poll.registry().deregister(&mut stream);
         drop(stream);
-        // The unwritten rest of `out` was counted in the backlog: no longer.
-        self.unqueue(out.len() - written);
         let lost = format!("connection to the store lost: {why}");
-        for (_, (done, _)) in waiting.drain() {
+        for (_, (done, cost)) in waiting.drain() {
+            self.unqueue(cost);
             done(Err(lost.clone()));
         }
         self.shared.in_flight.store(0, Ordering::Relaxed);
@@ -772,6 +770,7 @@ mod tests {
             assert_eq!(f.header, format!("{{\"n\":{i}}}").into_bytes());
             assert_eq!(f.body, vec![i as u8]);
         }
+        assert_eq!(client.backlog(), 0, "what was answered is no longer counted");
         // Sent in the order submitted.
         let seen: Vec<u8> = (0..50).map(|_| rx.recv().unwrap().body[0]).collect();
         assert_eq!(seen, (0..50).collect::<Vec<u8>>());

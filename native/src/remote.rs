@@ -32,8 +32,8 @@ use crate::router::FilterError;
 
 /// The PUBLISH request's code (`store/protocol.py`).
 pub const PUBLISH: u16 = 11;
-/// Bytes of PUBLISH frames not yet taken by the store's socket past which the reactors
-/// stop reading publishers for a moment (`Sink::behind`): TCP paces them, not memory.
+/// Bytes of PUBLISH frames not answered yet past which the reactors stop reading
+/// publishers for a moment (`Sink::behind`): the store paces them, not memory.
 pub const BEHIND_BYTES: usize = 4 << 20;
 /// Acknowledged messages kept for Python (`take_stored`) at most: past it they are not
 /// kept (Python's subscribers then get them through the store's notify, as those of
@@ -162,7 +162,7 @@ pub fn results_of(frame: &Frame) -> Option<Vec<Placed>> {
 }
 
 pub struct RemoteSink {
-    client: Mutex<Client>,
+    client: Client,
     handle: OnceLock<Handle>,
     reports: Mutex<Vec<Report>>,
     wake: UnixStream,
@@ -176,15 +176,9 @@ pub struct RemoteSink {
     /// Frames the store refused (the first few reasons, and how many in all), for
     /// Python's log.
     refused: Mutex<(Vec<String>, u64)>,
-    /// Bytes of publishes not yet taken by the store's socket (read without a lock).
-    backlog: Arc<AtomicUsize>,
 }
 
 impl RemoteSink {
-    fn client_backlog(&self) -> usize {
-        self.client.lock().map(|c| c.backlog()).unwrap_or(0)
-    }
-
     fn wake_owner(&self) {
         let _ = (&self.wake).write(&[1]);
     }
@@ -201,13 +195,7 @@ impl RemoteSink {
         let me = Arc::clone(self);
         let done: client::Done =
             Box::new(move |answer: Answer| me.answered(batch, born, started, answer));
-        match self.client.lock() {
-            Ok(c) => {
-                c.submit(PUBLISH, header, body, done);
-                self.backlog.store(c.backlog(), Ordering::Relaxed);
-            }
-            Err(_) => done(Err("the store client stopped".into())),
-        }
+        self.client.submit(PUBLISH, header, body, done);
     }
 
     fn answered(&self, batch: Vec<Inbound>, born: u64, started: Instant, answer: Answer) {
@@ -342,8 +330,7 @@ impl Sink for SinkRef {
     }
 
     fn behind(&self) -> bool {
-        self.0.backlog.load(Ordering::Relaxed) > BEHIND_BYTES
-            && self.0.client_backlog() > BEHIND_BYTES
+        self.0.client.backlog() > BEHIND_BYTES
     }
 
     fn partial_freed(&self) {
@@ -372,7 +359,7 @@ impl RemoteEngine {
         wake.set_nonblocking(true)?;
         woken.set_nonblocking(true)?;
         let sink = Arc::new(RemoteSink {
-            client: Mutex::new(client),
+            client,
             handle: OnceLock::new(),
             reports: Mutex::new(Vec::new()),
             wake,
@@ -383,7 +370,6 @@ impl RemoteEngine {
             stored_any: AtomicUsize::new(0),
             stored: Mutex::new(Vec::new()),
             refused: Mutex::new((Vec::new(), 0)),
-            backlog: Arc::new(AtomicUsize::new(0)),
         });
         let reactor = Reactor::start(io_threads, Arc::new(SinkRef(Arc::clone(&sink))))?;
         let _ = sink.handle.set(reactor.handle());
@@ -396,13 +382,9 @@ impl RemoteEngine {
 
     /// Whether the store's master is connected now, and (its address, why not).
     pub fn store_status(&self) -> (bool, String, String) {
-        match self.sink.client.lock() {
-            Ok(c) => {
-                let (master, why) = c.status();
-                (c.connected(), master, why)
-            }
-            Err(_) => (false, String::new(), "stopped".into()),
-        }
+        let c = &self.sink.client;
+        let (master, why) = c.status();
+        (c.connected(), master, why)
     }
 
     /// The queues Python reads on this node: the acknowledged messages of these are
@@ -443,9 +425,7 @@ impl RemoteEngine {
     pub fn stop(self) {
         let RemoteEngine { sink, reactor, .. } = self;
         reactor.stop();
-        if let Ok(mut c) = sink.client.lock() {
-            c.stop();
-        };
+        sink.client.stop();
     }
 }
 

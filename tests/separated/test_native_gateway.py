@@ -19,6 +19,7 @@ from tests.conftest import RedisServer, Server
 from tests.ha.cluster import read_topic
 from tests.mqtt.paho_client import Client
 from tests.mqtt.raw import RawClient
+from tests.security.test_tls import SecureClient, port_of
 
 PROMOTED = "promoted to the native plane"
 
@@ -158,3 +159,22 @@ def test_store_killed_mid_burst_loses_nothing_acknowledged(shape, version: int) 
             break
         assert time.monotonic() < deadline, again
         time.sleep(0.2)
+
+
+def test_a_websocket_publisher_is_carried_too(shape) -> None:
+    """The gateway's WebSocket listener is the engine's on the native plane, as in serve:
+    a quiet WebSocket publisher is carried, its publishes stored and delivered."""
+    which, store, gw = shape
+    base = uid("ws")
+    sub = Client(gw.port, uid("sub"))
+    sub.subscribe(f"{base}/#", 1)
+    pub_id = uid("wpub")
+    pub = SecureClient(port_of(gw, "ws"), pub_id, tls=None, transport="websockets")
+    if which == "native":
+        wait_promoted(gw, pub_id)
+    for i in range(20):
+        pub.publish(f"{base}/t", b"%02d" % i, 1)
+    assert [m.payload for m in sub.expect(20, timeout=10)] == [b"%02d" % i for i in range(20)]
+    assert read_topic(store.native, base) == [b"%02d" % i for i in range(20)]
+    pub.disconnect()
+    sub.disconnect()
