@@ -150,6 +150,20 @@ impl Client {
     /// Send a request; `done` is called (on the client's thread, or here at once when
     /// it cannot go) with its answer.
     pub fn submit(&self, code: u16, header: Vec<u8>, body: Vec<u8>, done: Done) {
+        if let Err((done, why)) = self.try_submit(code, header, body, done) {
+            done(Err(why));
+        }
+    }
+
+    /// `submit`, but a request that cannot go is handed back with why, its callback not
+    /// called (the caller may hold a lock the callback takes).
+    pub fn try_submit(
+        &self,
+        code: u16,
+        header: Vec<u8>,
+        body: Vec<u8>,
+        done: Done,
+    ) -> Result<(), (Done, String)> {
         if !self.shared.connected.load(Ordering::Acquire) {
             let (_, why) = self.status();
             let why = if why.is_empty() {
@@ -157,17 +171,18 @@ impl Client {
             } else {
                 why
             };
-            return done(Err(format!("not connected to the store ({why})")));
+            return Err((done, format!("not connected to the store ({why})")));
         }
         let cost = request_cost(&header, &body);
         let Ok(mut q) = self.shared.queue.lock() else {
-            return done(Err("the store client stopped".into()));
+            return Err((done, "the store client stopped".into()));
         };
         if q.bytes + cost > MAX_QUEUED {
             drop(q);
-            return done(Err(format!(
+            let why = format!(
                 "the connection to the store is not taking requests ({MAX_QUEUED} bytes wait)"
-            )));
+            );
+            return Err((done, why));
         }
         q.bytes += cost;
         self.shared.backlog.store(q.bytes, Ordering::Relaxed);
@@ -179,6 +194,7 @@ impl Client {
         });
         drop(q);
         let _ = self.waker.wake();
+        Ok(())
     }
 
     pub fn connected(&self) -> bool {
@@ -770,7 +786,11 @@ mod tests {
             assert_eq!(f.header, format!("{{\"n\":{i}}}").into_bytes());
             assert_eq!(f.body, vec![i as u8]);
         }
-        assert_eq!(client.backlog(), 0, "what was answered is no longer counted");
+        assert_eq!(
+            client.backlog(),
+            0,
+            "what was answered is no longer counted"
+        );
         // Sent in the order submitted.
         let seen: Vec<u8> = (0..50).map(|_| rx.recv().unwrap().body[0]).collect();
         assert_eq!(seen, (0..50).collect::<Vec<u8>>());

@@ -35,6 +35,13 @@ pub const PUBLISH: u16 = 11;
 /// Bytes of PUBLISH frames not answered yet past which the reactors stop reading
 /// publishers for a moment (`Sink::behind`): the store paces them, not memory.
 pub const BEHIND_BYTES: usize = 4 << 20;
+/// PUBLISH frames in flight at once: the passes' publishes that come meanwhile wait
+/// and go as one frame when an answer comes (or once `STAGED_MAX` bytes wait). With a
+/// device's one message in flight each, a reactor pass holds a few messages: a frame
+/// each cost the store its per-frame work per few messages (its CPU a message doubled).
+pub const FRAMES_IN_FLIGHT: usize = 2;
+/// Bytes of publishes waiting for a frame past which they go at once.
+pub const STAGED_MAX: usize = 1 << 20;
 /// Acknowledged messages kept for Python (`take_stored`) at most: past it they are not
 /// kept (Python's subscribers then get them through the store's notify, as those of
 /// another gateway's publishes).
@@ -161,8 +168,19 @@ pub fn results_of(frame: &Frame) -> Option<Vec<Placed>> {
         .collect()
 }
 
+/// The frames in flight, and the publishes waiting for one.
+#[derive(Default)]
+struct Flow {
+    in_flight: usize,
+    staged: Vec<Inbound>,
+    staged_bytes: usize,
+}
+
 pub struct RemoteSink {
     client: Client,
+    flow: Mutex<Flow>,
+    /// `Flow::staged_bytes`, read without the lock.
+    staged_bytes: AtomicUsize,
     handle: OnceLock<Handle>,
     reports: Mutex<Vec<Report>>,
     wake: UnixStream,
@@ -183,22 +201,87 @@ impl RemoteSink {
         let _ = (&self.wake).write(&[1]);
     }
 
-    /// A pass's publishes to the store: one frame; each QoS 1 publisher's PUBACK when
-    /// its answer comes.
+    /// A pass's publishes to the store: one frame, or with those waiting for one when
+    /// `FRAMES_IN_FLIGHT` are out; each QoS 1 publisher's PUBACK when its answer comes.
+    /// What waits goes before what comes after it: one connection's order is kept.
     fn send(self: &Arc<Self>, batch: Vec<Inbound>) {
         if batch.is_empty() {
             return;
         }
+        let bytes: usize = batch.iter().map(|i| i.payload.len() + i.topic.len()).sum();
+        let Ok(mut flow) = self.flow.lock() else {
+            return;
+        };
+        let busy = !flow.staged.is_empty() || flow.in_flight >= FRAMES_IN_FLIGHT;
+        if busy && flow.staged_bytes + bytes <= STAGED_MAX {
+            flow.staged.extend(batch);
+            flow.staged_bytes += bytes;
+            self.staged_bytes
+                .store(flow.staged_bytes, Ordering::Relaxed);
+            return;
+        }
+        let batch = if flow.staged.is_empty() {
+            batch
+        } else {
+            let mut all = std::mem::take(&mut flow.staged);
+            all.extend(batch);
+            all
+        };
+        let failed = self.submit(&mut flow, batch);
+        drop(flow);
+        if let Some((done, why)) = failed {
+            done(Err(why));
+        }
+    }
+
+    /// One frame out (under the flow's lock, so frames go in the order taken); a frame
+    /// that cannot go is handed back, to be failed once the lock is let go.
+    fn submit(
+        self: &Arc<Self>,
+        flow: &mut Flow,
+        batch: Vec<Inbound>,
+    ) -> Option<(client::Done, String)> {
+        flow.in_flight += 1;
+        flow.staged_bytes = 0;
+        self.staged_bytes.store(0, Ordering::Relaxed);
         let born = now_ms();
         let (header, body) = publish_request(&batch, born);
         let started = Instant::now();
         let me = Arc::clone(self);
         let done: client::Done =
             Box::new(move |answer: Answer| me.answered(batch, born, started, answer));
-        self.client.submit(PUBLISH, header, body, done);
+        self.client.try_submit(PUBLISH, header, body, done).err()
     }
 
-    fn answered(&self, batch: Vec<Inbound>, born: u64, started: Instant, answer: Answer) {
+    /// A frame answered: the next one out, with what waits.
+    fn next_frame(self: &Arc<Self>) {
+        let Ok(mut flow) = self.flow.lock() else {
+            return;
+        };
+        flow.in_flight = flow.in_flight.saturating_sub(1);
+        if flow.staged.is_empty() || flow.in_flight >= FRAMES_IN_FLIGHT {
+            return;
+        }
+        let batch = std::mem::take(&mut flow.staged);
+        let failed = self.submit(&mut flow, batch);
+        drop(flow);
+        if let Some((done, why)) = failed {
+            done(Err(why));
+        }
+    }
+
+    fn answered(
+        self: &Arc<Self>,
+        batch: Vec<Inbound>,
+        born: u64,
+        started: Instant,
+        answer: Answer,
+    ) {
+        self.acknowledge(batch, born, started, answer);
+        self.next_frame();
+    }
+
+    fn acknowledge(&self, batch: Vec<Inbound>, born: u64, started: Instant, answer: Answer) {
         let Some(handle) = self.handle.get() else {
             return;
         };
@@ -330,7 +413,7 @@ impl Sink for SinkRef {
     }
 
     fn behind(&self) -> bool {
-        self.0.client.backlog() > BEHIND_BYTES
+        self.0.client.backlog() + self.0.staged_bytes.load(Ordering::Relaxed) > BEHIND_BYTES
     }
 
     fn partial_freed(&self) {
@@ -360,6 +443,8 @@ impl RemoteEngine {
         woken.set_nonblocking(true)?;
         let sink = Arc::new(RemoteSink {
             client,
+            flow: Mutex::new(Flow::default()),
+            staged_bytes: AtomicUsize::new(0),
             handle: OnceLock::new(),
             reports: Mutex::new(Vec::new()),
             wake,
