@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from gateway.inbound import _refused
-from store.record import Message
+from serving.rate_limited_log import RateLimitedLog
+from store.api import Message
 
-log = logging.getLogger("lightgate.gateway.handover")
+log = logging.getLogger("lightgate.gateway.inbound")
+_refused = RateLimitedLog(log)  # appends the store refused (a full disk: every one)
 
 REFRESH_S = 0.25  # how often the queues read here are told to the engine, at most
 
