@@ -6,6 +6,7 @@ a real SIGKILL of the store mid-burst."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 import uuid
@@ -17,6 +18,7 @@ from gateway import mqtt
 from serving import plane
 from tests.conftest import RedisServer, Server
 from tests.ha.cluster import read_topic
+from tests.ha.test_disk_full_group import _mount, fill
 from tests.mqtt.paho_client import Client
 from tests.mqtt.raw import RawClient
 from tests.security.test_tls import SecureClient, port_of
@@ -36,8 +38,14 @@ def uid(prefix: str) -> str:
 
 
 @pytest.fixture(params=PLANES)
-def shape(request, tmp_path, redis_server: RedisServer, monkeypatch) -> Iterator[tuple]:
-    which = request.param
+def plane_name(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def shape(plane_name: str, tmp_path, redis_server: RedisServer,
+          monkeypatch) -> Iterator[tuple]:
+    which = plane_name
     monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if which == "native" else "0")
     store = Server(tmp_path / "store", "--notify", redis_server.url, command="store").start()
     gw = Server(None, "--store", store.native, "--notify", redis_server.url,
@@ -178,3 +186,43 @@ def test_a_websocket_publisher_is_carried_too(shape) -> None:
     assert read_topic(store.native, base) == [b"%02d" % i for i in range(20)]
     pub.disconnect()
     sub.disconnect()
+
+
+def test_a_full_store_disk_is_quota_exceeded(tmp_path, redis_server: RedisServer,
+                                             monkeypatch, plane_name: str) -> None:
+    """The store's disk full: a carried 5.0 publisher's PUBACK says Quota exceeded
+    (0x97), as Python's gateway says it, and nothing it was refused is stored."""
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane_name == "native" else "0")
+    disk = tmp_path / "disk"
+    _mount(disk)
+    store = gw = None
+    try:
+        store = Server(disk / "data", "--notify", redis_server.url, "--segment-size",
+                       str(1 << 20), command="store").start()
+        gw = Server(None, "--store", store.native, "--notify", redis_server.url,
+                    "--io-threads", "1", command="gateway").start()
+        base = uid("full")
+        dev, _ = publisher(gw, plane_name, version=5)
+        assert burst(dev, f"{base}/t", 5) == dict.fromkeys(range(5), 0)
+        filler = fill(disk)
+        # Past what the current segment has room for (1 MiB), the store's write fails.
+        codes = {}
+        for i in range(5, 5 + 64):
+            dev.send(mqtt.Publish(f"{base}/t", b"%05d" % i + b"x" * (64 << 10), 1,
+                                  packet_id=i))
+            ack = dev.recv()
+            assert isinstance(ack, mqtt.Puback), ack
+            codes[i] = ack.reason_code
+            if ack.reason_code:
+                break
+        assert set(codes.values()) == {0, 0x97} or set(codes.values()) == {0x97}, codes
+        filler.unlink()
+        kept = [m[:5] for m in read_topic(store.native, base)]
+        assert kept == [b"%05d" % i for i in range(5)] + [
+            b"%05d" % i for i, code in codes.items() if code == 0]
+        dev.close()
+    finally:
+        for srv in (gw, store):
+            if srv is not None and srv.proc is not None:
+                srv.stop()
+        subprocess.run(["umount", "-l", str(disk)], check=False)
