@@ -13,14 +13,19 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+import trio
 
 from gateway import mqtt
 from serving import plane
+from store import protocol as p
+from store.client import NativeClient
 from tests.conftest import RedisServer, Server
 from tests.ha.cluster import read_topic
 from tests.ha.test_disk_full_group import _mount, fill
 from tests.mqtt.paho_client import Client
 from tests.mqtt.raw import RawClient
+from tests.plane.test_handover import native_counters
+from tests.security.helpers import ADMIN, add_user, allow
 from tests.security.test_tls import SecureClient, port_of
 
 PROMOTED = "promoted to the native plane"
@@ -124,6 +129,7 @@ def test_carried_publishes_are_stored_and_delivered_in_order_once(shape) -> None
     if which == "native":  # carried by the engine all along: never back in Python
         assert not any(f"client {cid!r} (" in line and "back from the native plane" in line
                        for line in gw.log), gw.logs()[-3000:]
+        assert native_counters(gw)["lightgate_native_messages_in_qos1_total"] == 300
     dev.close()
     sub.disconnect()
 
@@ -226,3 +232,58 @@ def test_a_full_store_disk_is_quota_exceeded(tmp_path, redis_server: RedisServer
             if srv is not None and srv.proc is not None:
                 srv.stop()
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_with_auth_the_engine_joins_as_the_node_and_keeps_the_acl(
+        tmp_path, redis_server: RedisServer, monkeypatch, plane_name: str) -> None:
+    """The store with authentication on: the engine's own store connection says the
+    gateway's node credentials (--store-auth), and a carried device publishes only where
+    its rights say (elsewhere: Not authorized, 0x87, from Python, as in serve)."""
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane_name == "native" else "0")
+    store = Server(tmp_path / "s", "--auth", "--init-user", f"{ADMIN[0]}:{ADMIN[1]}",
+                   "--notify", redis_server.url, command="store").start()
+    gw = None
+    try:
+        base = uid("acl")
+        add_user(store, "gw", "gw-pw", node=True)
+        add_user(store, "dev1", "dev1-pw")
+        allow(store, "dev1", f"Topic:{base}/1/#", "PUB")
+        gw = Server(None, "--store", store.native, "--store-auth", "gw:gw-pw", "--notify",
+                    redis_server.url, "--io-threads", "1", command="gateway").start()
+        assert gw.addrs["plane"] == plane_name
+        dev = RawClient(gw.port, version=5, timeout=10)
+        assert dev.connect("dev1", username="dev1", password=b"dev1-pw").reason_code == 0
+        if plane_name == "native":
+            wait_promoted(gw, "dev1")
+        assert burst(dev, f"{base}/1/t", 10) == dict.fromkeys(range(10), 0)
+        dev.send(mqtt.Publish(f"{base}/2/t", b"spoof", 1, packet_id=99))
+        ack = dev.recv()
+        assert isinstance(ack, mqtt.Puback) and ack.reason_code == 0x87, ack
+        assert burst(dev, f"{base}/1/t", 1) == {0: 0}  # carried on
+        dev.close()
+        assert read_topic_as(store, base) == [b"%05d" % i for i in range(10)] + [b"00000"]
+    finally:
+        for srv in (gw, store):
+            if srv is not None and srv.proc is not None:
+                srv.stop()
+
+
+def read_topic_as(store: Server, topic: str, partitions: int = 4) -> list[bytes]:
+    """`read_topic`, as the admin (the store has authentication on)."""
+
+    async def main() -> list[bytes]:
+        out: list[bytes] = []
+        async with NativeClient.open(store.native, credentials=ADMIN) as c:
+            for part in range(partitions):
+                offset = 0
+                while True:
+                    h, body = await c.request(p.PULL, {"queue": f"{topic}#{part}",
+                                                       "offset": offset, "max": 512})
+                    msgs = p.unpack_messages(h["messages"], body)
+                    if not msgs:
+                        break
+                    out += [m.body for m in msgs]
+                    offset = h["next_offset"]
+        return out
+
+    return trio.run(main)
