@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
+from typing import Any
 
 import trio
 
@@ -18,6 +22,7 @@ from gateway.config import GatewayOptions
 from gateway.listener import start_listeners
 from gateway.store_link import StoreLink
 from notify import open_bus
+from serving import plane
 from serving.gc_tuning import tune_for_serving
 from serving.http import serve_http
 from serving.reload import Reload
@@ -37,6 +42,29 @@ from store.api import (
 log = logging.getLogger("lightgate.serve")
 
 STORE_QUIET_S = 1.0  # a store that answers within this at start: nothing to log
+GATEWAY_COST = ("MQTT over plain TCP and the appends to the store run in Python: ~50-90 "
+                "us of interpreter per device message on this node")
+
+
+@contextmanager
+def remote_engine(opts: GatewayOptions) -> Iterator[Any]:
+    """The native engine of a gateway node (serving.lightgate_native.Engine.start_remote),
+    or None on the Python plane: reactors that carry quiet plain-TCP publishers and send
+    their publishes to the store as native-protocol PUBLISH frames (its own connection
+    to the store's master, beside the Python client's), each PUBACK once stored."""
+    native = plane.NATIVE
+    if plane.writer() != "native" or not hasattr(getattr(native, "Engine", None),
+                                                  "start_remote"):
+        yield None
+        return
+    creds = _credentials(opts.store_auth)
+    user, password = creds if creds is not None else (None, None)
+    threads = opts.gateway.io_threads or os.cpu_count() or 1
+    engine = native.Engine.start_remote(opts.store, threads, user, password)
+    try:
+        yield engine
+    finally:
+        engine.stop()
 
 
 def _credentials(spec: str | None) -> tuple[str, str] | None:
@@ -97,33 +125,42 @@ async def _gateway(opts: GatewayOptions, signals: Signals, reload: Reload) -> No
                                  wait=False) as client:
         if not await _wait_for_store(client, opts, signals):
             return
-        async with open_bus(opts.notify) as bus, trio.open_nursery() as nursery:
-            store = RemoteStore(client)
-            auth = await _replica_auth(store, client.hello, opts)
-            broker = Broker(store, opts.gateway, auth, opts.auth_backends)
-            if auth.enabled:
-                nursery.start_soon(broker.run_auth_refresh)
-                reload.add("users and policies", auth.reread)
-            if opts.notify:
-                nursery.start_soon(broker.run_notify, bus)
-            nursery.start_soon(broker.run_poll_fallback, bus if opts.notify else None)
-            await nursery.start(broker.run_connections)
-            await nursery.start(broker.run_housekeeping)
-            link = StoreLink(client, opts.peers, opts.master_unreachable_s)
-            nursery.start_soon(link.run, broker)
-            bound = await start_listeners(nursery, broker, opts.listeners, reload)
-            app = auth_app([*link.routes(), *gateway_routes(broker)], auth,
-                           manage_auth=False)
-            bound["http"] = await nursery.start(
-                partial(serve_http, max_body=opts.gateway.http_max_body,
-                        allowed_hosts=opts.gateway.http_allowed_hosts), app, opts.http)
-            gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
-            nursery.start_soon(_announce, store, gateway_id, dict(bound))
-            bound["store"] = opts.store
-            bound["plane"] = "python"  # no native engine in a separated gateway yet
-            tune_for_serving()
-            print(ready_line(bound), flush=True)
-            await stop_on_signal(signals, nursery, reload)
+        with remote_engine(opts) as engine:
+            await _serve(opts, signals, reload, client, engine)
+
+
+async def _serve(opts: GatewayOptions, signals: Signals, reload: Reload,
+                 client: NativeClient, engine: Any) -> None:
+    async with open_bus(opts.notify) as bus, trio.open_nursery() as nursery:
+        store = RemoteStore(client)
+        auth = await _replica_auth(store, client.hello, opts)
+        broker = Broker(store, opts.gateway, auth, opts.auth_backends)
+        if engine is not None:  # quiet plain-TCP publishers go native after CONNACK
+            broker.use_engine(engine)
+        if auth.enabled:
+            nursery.start_soon(broker.run_auth_refresh)
+            reload.add("users and policies", auth.reread)
+        if opts.notify:
+            nursery.start_soon(broker.run_notify, bus)
+        nursery.start_soon(broker.run_poll_fallback, bus if opts.notify else None)
+        await nursery.start(broker.run_connections)
+        await nursery.start(broker.run_housekeeping)
+        link = StoreLink(client, opts.peers, opts.master_unreachable_s)
+        nursery.start_soon(link.run, broker)
+        bound = await start_listeners(nursery, broker, opts.listeners, reload)
+        app = auth_app([*link.routes(), *gateway_routes(broker)], auth,
+                       manage_auth=False)
+        bound["http"] = await nursery.start(
+            partial(serve_http, max_body=opts.gateway.http_max_body,
+                    allowed_hosts=opts.gateway.http_allowed_hosts), app, opts.http)
+        gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
+        nursery.start_soon(_announce, store, gateway_id, dict(bound))
+        bound["store"] = opts.store
+        bound["plane"] = "native" if engine is not None else "python"
+        plane.warn_if_python(log, GATEWAY_COST)
+        tune_for_serving()
+        print(ready_line(bound), flush=True)
+        await stop_on_signal(signals, nursery, reload)
 
 
 async def _wait_for_store(client: NativeClient, opts: GatewayOptions, signals: Signals

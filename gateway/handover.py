@@ -36,6 +36,7 @@ from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing
 from gateway.native_link import NativeLinks, NativeStream
+from gateway.remote_plane import RemoteNews
 from serving.read_budget import ReadBudget
 from store.api import StoreFullError
 
@@ -115,6 +116,10 @@ class Handover:
         engine.set_topic_limits(broker.max_topic_length, broker.max_topic_levels)
         # A native publish the store refuses is explained in the words Python uses.
         engine.set_not_stored(not_stored(StoreFullError()), NOT_STORED)
+        # A gateway node's engine (`lightgate gateway`) sends its publishes to the store
+        # and delivers nothing: it carries publishers only, Python the subscribers.
+        self.delivers = getattr(engine, "delivers", True)
+        self.news = None if self.delivers else RemoteNews(broker, engine)  # type: ignore[arg-type]
 
     # -- which connections ---------------------------------------------------------------
     def consider(self, conn: Connection) -> None:
@@ -139,6 +144,8 @@ class Handover:
             return NEVER
         if conn.asks_hook or conn.checks_delivery and s.subscriptions:
             return PARKED  # until the rights change (`rights_changed`)
+        if s.subscriptions and not self.delivers:
+            return PARKED  # until an UNSUBSCRIBE: a subscriber stays in Python here
         for sub in s.subscriptions.values():
             o = sub.options
             if sub.shared or sub.replay or sub.subscription_id or o.no_local \
@@ -324,7 +331,10 @@ class Handover:
         links = self.links
         for row in self.engine.take_events():
             if type(row) is tuple:  # news of a connection the engine accepted
-                if links is not None:
+                if row[0] == "stored":  # a gateway node's publishes, stored
+                    if self.news is not None:
+                        self.news.stored(row[1])
+                elif links is not None:
                     links.on_event(row)
                 continue
             try:
@@ -400,7 +410,11 @@ class Handover:
         fd = self.engine.wake_fd
         try:
             while True:
-                with trio.move_on_at(self._look()) as self._waiting:
+                at = self._look()
+                if self.news is not None:
+                    self.news.refresh(trio.current_time())
+                    at = min(at, self.news.next_refresh)
+                with trio.move_on_at(at) as self._waiting:
                     await trio.lowlevel.wait_readable(fd)
                 self._waiting = None
                 self._take()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -62,6 +63,8 @@ class SessionRegistry:
         self.locks = locks
         self.by_id: dict[str, Session] = {}
         self.by_queue: dict[str, set[Session]] = {}  # who reads each queue itself
+        # Told of each queue that gets its first reader here (gateway.remote_plane).
+        self.on_new_queue: Callable[[str], None] | None = None
         # Persistent sessions in the store: counted by each expiry sweep, plus those
         # made and discarded here since.
         self.persistent = 0
@@ -285,7 +288,12 @@ class SessionRegistry:
 
     # -- subscriptions ----------------------------------------------------------------
     def _index(self, s: Session, queue: str) -> None:
-        self.by_queue.setdefault(queue, set()).add(s)
+        readers = self.by_queue.get(queue)
+        if readers is None:
+            readers = self.by_queue[queue] = set()
+            if self.on_new_queue is not None:
+                self.on_new_queue(queue)
+        readers.add(s)
 
     def _unindex(self, s: Session, queue: str) -> None:
         subs = self.by_queue.get(queue)

@@ -16,6 +16,8 @@
 //! - `tls`: the TLS listeners' configuration, its reload and client identities
 //!   (`gateway/transports.py`).
 //! - `frame`: the store's native protocol framing (`store/protocol.py`).
+//! - `client`: a client of the store's native protocol (`store/client.py`).
+//! - `remote`: the reactors' appends to a store elsewhere (`lightgate gateway`).
 //!
 //! Everything outside `py` is plain, safe Rust with no Python in it: `cargo test` runs
 //! it without an interpreter.
@@ -24,6 +26,7 @@
 // a Rust-owned one.
 #![deny(unsafe_code)]
 
+pub mod client;
 pub mod codec;
 pub mod commitlog;
 pub mod engine;
@@ -34,6 +37,7 @@ pub mod partial;
 pub mod protocol;
 pub mod reactor;
 pub mod record;
+pub mod remote;
 pub mod router;
 pub mod tls;
 pub mod ws;

@@ -13,6 +13,7 @@ use crate::index;
 use crate::protocol;
 use crate::reactor::{Command as ReactorCommand, DrainRule, Report, Restore};
 use crate::record::{self, Record};
+use crate::remote::Carrier;
 use crate::router;
 use crate::tls;
 
@@ -522,6 +523,9 @@ fn message<'py>(
 #[pyclass(name = "Engine", module = "lightgate_native")]
 struct PyEngine {
     inner: Option<engine::Engine>,
+    /// A gateway node's engine (`Engine.start_remote`): reactors whose publishes go to
+    /// a store elsewhere; `inner` is None then.
+    remote: Option<crate::remote::RemoteEngine>,
     /// What was left for dispatch when it stopped: `take_batch` hands it over once.
     left: std::sync::Mutex<Option<engine::Pending>>,
 }
@@ -544,6 +548,21 @@ impl PyEngine {
         self.inner
             .as_ref()
             .ok_or_else(|| PyValueError::new_err("the engine is stopped"))
+    }
+
+    /// The reactors' side, the local engine's or the remote one's.
+    fn carrier(&self) -> PyResult<&dyn Carrier> {
+        match (&self.inner, &self.remote) {
+            (Some(e), _) => Ok(e),
+            (None, Some(r)) => Ok(r),
+            (None, None) => Err(PyValueError::new_err("the engine is stopped")),
+        }
+    }
+
+    fn remote(&self) -> PyResult<&crate::remote::RemoteEngine> {
+        self.remote
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("not a remote engine, or stopped"))
     }
 }
 
@@ -733,8 +752,60 @@ impl PyEngine {
             engine::Engine::start_marked(&directory, config, ends, marks).map_err(os_error)?;
         Ok(PyEngine {
             inner: Some(inner),
+            remote: None,
             left: std::sync::Mutex::new(None),
         })
+    }
+
+    /// A gateway node's engine (`lightgate gateway`): `io_threads` reactors whose
+    /// publishes go to the store at `addrs` ("host:port", or a group's
+    /// "a:1,b:2,c:3": its master, looked for as store/client.py does) as PUBLISH
+    /// frames, each publisher acknowledged once the store's answer says stored. It
+    /// keeps no log and carries no subscriptions (`delivers` is False).
+    #[staticmethod]
+    #[pyo3(signature = (addrs, io_threads, username=None, password=None))]
+    fn start_remote(
+        addrs: String,
+        io_threads: usize,
+        username: Option<String>,
+        password: Option<String>,
+    ) -> PyResult<Self> {
+        let options = crate::client::Options {
+            addrs,
+            credentials: username.map(|u| (u, password.unwrap_or_default())),
+        };
+        let remote = crate::remote::RemoteEngine::start(options, io_threads).map_err(os_error)?;
+        Ok(PyEngine {
+            inner: None,
+            remote: Some(remote),
+            left: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// Whether the engine delivers to the connections it carries (a remote one does
+    /// not: Python keeps the subscribers).
+    #[getter]
+    fn delivers(&self) -> bool {
+        self.remote.is_none()
+    }
+
+    /// A remote engine's store connection: (connected, the master's address, why
+    /// none was found or the last was lost).
+    fn store_status(&self) -> PyResult<(bool, String, String)> {
+        Ok(self.remote()?.store_status())
+    }
+
+    /// The queues Python reads on this node: a remote engine hands it the messages of
+    /// these its publishers stored (`take_events`' "stored").
+    fn set_stored_queues(&self, names: std::collections::HashSet<String>) -> PyResult<()> {
+        self.remote()?.set_stored_queues(names);
+        Ok(())
+    }
+
+    /// One more queue for `set_stored_queues`' set (its first reader came).
+    fn add_stored_queue(&self, name: &str) -> PyResult<()> {
+        self.remote()?.add_stored_queue(name);
+        Ok(())
     }
 
     /// Take a connection over after its CONNACK: True, and `fd` is the engine's (the
@@ -789,29 +860,34 @@ impl PyEngine {
             problem_info,
         };
         let fd = Fd::checked(fd)?;
-        let engine = self.engine()?;
+        let engine = self.carrier()?;
         // The log's lock is taken inside: the interpreter is let go first (a reactor
         // holding it may be asking Python where a queue ends).
         let taken = py.allow_threads(|| {
-            engine.promote(conn, version, &subscriptions, || ReactorCommand::Adopt {
+            engine.promote(
                 conn,
-                socket: adopt_fd(fd),
-                settings,
-                unread,
-                idle_for,
-                acl,
-                restore: Restore {
-                    aliases_in,
-                    next_packet_id,
-                    client_id: client_id.as_str().into(),
-                    inbound_unacked,
-                },
-                max_unsent,
-                drain: DrainRule {
-                    min_bytes: min_drain,
-                    timeout: write_timeout,
-                },
-            })
+                version,
+                &subscriptions,
+                Box::new(|| ReactorCommand::Adopt {
+                    conn,
+                    socket: adopt_fd(fd),
+                    settings,
+                    unread,
+                    idle_for,
+                    acl,
+                    restore: Restore {
+                        aliases_in,
+                        next_packet_id,
+                        client_id: client_id.as_str().into(),
+                        inbound_unacked,
+                    },
+                    max_unsent,
+                    drain: DrainRule {
+                        min_bytes: min_drain,
+                        timeout: write_timeout,
+                    },
+                }),
+            )
         });
         taken.map_err(|e| PyValueError::new_err(e.to_string()))
     }
@@ -819,7 +895,7 @@ impl PyEngine {
     /// Hand connection `conn` back (a takeover, a kick, changed credentials, a
     /// shutdown): its demotion follows, as any other, with why "released".
     fn release(&self, conn: u64) -> PyResult<()> {
-        self.engine()?.send(ReactorCommand::Release { conn });
+        self.carrier()?.send(ReactorCommand::Release { conn });
         Ok(())
     }
 
@@ -827,7 +903,7 @@ impl PyEngine {
     /// `take_demoted` (which reads it empty).
     #[getter]
     fn wake_fd(&self) -> PyResult<i32> {
-        Ok(self.engine()?.wake_fd())
+        Ok(self.carrier()?.wake_fd())
     }
 
     /// What the reactors did: messages and bytes in and out, drops, adoptions,
@@ -835,13 +911,13 @@ impl PyEngine {
     /// How long native publishes took to append: (bucket bounds in seconds, cumulative
     /// count per bound, count, sum in seconds), as a Prometheus histogram takes them.
     fn append_latency(&self) -> PyResult<(Vec<f64>, Vec<u64>, u64, f64)> {
-        let (buckets, count, sum) = self.engine()?.append_latency();
+        let (buckets, count, sum) = self.carrier()?.append_latency();
         Ok((engine::APPEND_BUCKETS.to_vec(), buckets, count, sum))
     }
 
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
-        for (name, value) in self.engine()?.counters().snapshot() {
+        for (name, value) in self.carrier()?.counters().snapshot() {
             out.set_item(name, value)?;
         }
         Ok(out)
@@ -988,7 +1064,7 @@ impl PyEngine {
     /// anywhere): longer than `max_length` characters, or with `max_levels` separators,
     /// its publish comes back to Python, as does one to a `$` topic.
     fn set_topic_limits(&self, max_length: usize, max_levels: usize) -> PyResult<()> {
-        self.engine()?.set_topic_limits(protocol::TopicLimits {
+        self.carrier()?.set_topic_limits(protocol::TopicLimits {
             max_length,
             max_levels,
         });
@@ -1000,7 +1076,7 @@ impl PyEngine {
     /// full disk, else `prefix` followed by the error. The owner's words: until this
     /// is called, no Reason String.
     fn set_not_stored(&self, disk_full: &str, prefix: &str) -> PyResult<()> {
-        self.engine()?.set_not_stored(engine::NotStored {
+        self.carrier()?.set_not_stored(engine::NotStored {
             disk_full: disk_full.into(),
             prefix: prefix.into(),
         });
@@ -1010,7 +1086,7 @@ impl PyEngine {
     /// The node's budget for partly received packets (--max-partial-bytes; 0: none),
     /// which the engine's connections and, through `partial_update`, Python's count in.
     fn set_partial_limit(&self, limit: usize) -> PyResult<()> {
-        self.engine()?.partial_budget().set_limit(limit);
+        self.carrier()?.partial_budget().set_limit(limit);
         Ok(())
     }
 
@@ -1018,7 +1094,7 @@ impl PyEngine {
     /// to `after` (0, 0: only a look): the node's count after it, (held, holders, peak).
     /// The wake-up descriptor is written when the engine's connections free the budget.
     fn partial_update(&self, before: usize, after: usize) -> PyResult<(usize, usize, usize)> {
-        let count = self.engine()?.partial_budget().update(before, after);
+        let count = self.carrier()?.partial_budget().update(before, after);
         Ok((count.held, count.holders, count.peak))
     }
 
@@ -1059,6 +1135,9 @@ impl PyEngine {
     /// Why native publishes were refused since the last call (the first few), and how
     /// many of their batches were: for the log (their publishers were answered).
     fn take_refused(&self) -> PyResult<(Vec<String>, u64)> {
+        if let Some(r) = &self.remote {
+            return Ok(r.take_refused());
+        }
         Ok(self.engine()?.take_refused())
     }
 
@@ -1079,7 +1158,7 @@ impl PyEngine {
     /// partial (bytes of unread counted in the partial-packet budget, the caller's
     /// to count).
     fn take_demoted<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let engine = self.engine()?;
+        let engine = self.carrier()?;
         engine.clear_wake();
         let out = PyList::empty(py);
         for report in engine.take_reports() {
@@ -1105,7 +1184,7 @@ impl PyEngine {
     /// "ws_handshake" (an upgrade that failed), "ws_limit" (a message past its limit).
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         use crate::reactor::{LinkEvent, LogTarget};
-        let engine = self.engine()?;
+        let engine = self.carrier()?;
         engine.clear_wake();
         let handle = engine.handle();
         let out = PyList::empty(py);
@@ -1162,6 +1241,27 @@ impl PyEngine {
             .links()
             .logs
             .fetch_sub(logs, std::sync::atomic::Ordering::Relaxed);
+        if let Some(r) = &self.remote {
+            let stored = r.take_stored();
+            if !stored.is_empty() {
+                let rows = PyList::empty(py);
+                for m in stored {
+                    let row = (
+                        m.topic,
+                        PyBytes::new(py, &m.payload),
+                        m.qos,
+                        &*m.client_id,
+                        m.born_ts,
+                        m.phys,
+                        m.store_ts,
+                        m.rsize,
+                        m.queues,
+                    );
+                    rows.append(row.into_pyobject(py)?)?;
+                }
+                out.append(("stored", rows).into_pyobject(py)?)?;
+            }
+        }
         Ok(out)
     }
 
@@ -1191,7 +1291,7 @@ impl PyEngine {
         websocket: bool,
         upgrade_timeout: f64,
     ) -> PyResult<()> {
-        let engine = self.engine()?;
+        let engine = self.carrier()?;
         let files = match (cert, key) {
             (Some(cert), Some(key)) => {
                 let settings = tls_settings(cert, key, ca, client_auth, username_from)?;
@@ -1265,7 +1365,7 @@ impl PyEngine {
         min_drain: usize,
         write_timeout: f64,
     ) -> PyResult<bool> {
-        let engine = self.engine()?;
+        let engine = self.carrier()?;
         let conn = link.id;
         if link.share.gone.load(std::sync::atomic::Ordering::SeqCst)
             || !link.share.begin_carry(relayed)
@@ -1301,10 +1401,15 @@ impl PyEngine {
             },
         };
         let taken = py.allow_threads(|| {
-            engine.promote(conn, version, &subscriptions, || ReactorCommand::Carry {
+            engine.promote(
                 conn,
-                adoption: Box::new(adoption),
-            })
+                version,
+                &subscriptions,
+                Box::new(|| ReactorCommand::Carry {
+                    conn,
+                    adoption: Box::new(adoption),
+                }),
+            )
         });
         if !matches!(taken, Ok(true)) {
             // Not taken: relayed on, from what was held back for it.
@@ -1322,12 +1427,16 @@ impl PyEngine {
     /// The reactor threads (connection `conn` starts on thread `conn % io_threads`).
     #[getter]
     fn io_threads(&self) -> PyResult<usize> {
-        Ok(self.engine()?.io_threads())
+        Ok(self.carrier()?.io_threads())
     }
 
     /// Stop the reactors (their sockets close) and make the log durable: its end.
     /// What was appended and not taken yet stays for `take_batch`.
     fn stop(&mut self, py: Python<'_>) -> PyResult<u64> {
+        if let Some(r) = self.remote.take() {
+            py.allow_threads(|| r.stop());
+            return Ok(0);
+        }
         match self.inner.take() {
             Some(e) => {
                 let (synced, left) = py.allow_threads(|| e.stop_and_take());

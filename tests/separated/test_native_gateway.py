@@ -1,0 +1,289 @@
+"""`lightgate gateway` on the native plane: its quiet plain-TCP publishers are carried
+by the engine, whose appends go to `lightgate store` as native-protocol PUBLISH frames
+(a Rust client), each PUBACK once the store's answer says stored. Both planes: with
+LIGHTGATE_NATIVE=0 everything runs in Python, as before. Real processes, real Redis,
+a real SIGKILL of the store mid-burst."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+from gateway import mqtt
+from serving import plane
+from store import protocol as p
+from store.client import NativeClient
+from tests.conftest import RedisServer, Server
+from tests.ha.cluster import read_topic
+from tests.ha.test_disk_full_group import _mount, fill
+from tests.mqtt.paho_client import Client
+from tests.mqtt.raw import RawClient
+from tests.plane.test_handover import native_counters
+from tests.security.helpers import ADMIN, add_user, allow
+from tests.security.test_tls import SecureClient, port_of
+
+PROMOTED = "promoted to the native plane"
+
+PLANES = [
+    pytest.param("native", marks=pytest.mark.skipif(
+        plane.NATIVE is None or not hasattr(plane.NATIVE.Engine, "start_remote"),
+        reason="the native data plane is not built")),
+    "python",
+]
+
+
+def uid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(params=PLANES)
+def plane_name(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def shape(plane_name: str, tmp_path, redis_server: RedisServer,
+          monkeypatch) -> Iterator[tuple]:
+    which = plane_name
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if which == "native" else "0")
+    store = Server(tmp_path / "store", "--notify", redis_server.url, command="store").start()
+    gw = Server(None, "--store", store.native, "--notify", redis_server.url,
+                "--io-threads", "1", command="gateway").start()
+    yield which, store, gw
+    for srv in (gw, store):
+        if srv.proc is not None:
+            assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+def wait_promoted(gw: Server, client_id: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(f"client {client_id!r} (" in line and PROMOTED in line for line in gw.log):
+        assert time.monotonic() < deadline, f"{client_id} not promoted: {gw.logs()[-3000:]}"
+        time.sleep(0.02)
+
+
+def publisher(gw: Server, which: str, version: int = 4) -> tuple[RawClient, str]:
+    """A device: connected, and carried natively on the native plane."""
+    cid = uid("dev")
+    deadline = time.monotonic() + 20
+    while True:  # (a gateway whose store is back may refuse CONNECT for a moment)
+        dev = RawClient(gw.port, version=version, timeout=10)
+        if dev.connect(cid).reason_code == 0:
+            break
+        dev.close()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    if which == "native":
+        wait_promoted(gw, cid)
+    return dev, cid
+
+
+def burst(dev: RawClient, topic: str, count: int, window: int = 8,
+          stop: threading.Event | None = None) -> dict[int, int]:
+    """QoS 1 publishes of b"%05d" % i, `window` in flight: {i: PUBACK reason code} of
+    those answered before the connection ended (or `count` were)."""
+    acked: dict[int, int] = {}
+    sent: dict[int, int] = {}  # packet id -> i
+    i = 0
+    try:
+        while len(acked) < count:
+            while i < count and len(sent) < window and not (stop and stop.is_set()):
+                pid = i % 60000 + 1
+                dev.send(mqtt.Publish(topic, b"%05d" % i, 1, packet_id=pid))
+                sent[pid] = i
+                i += 1
+            if not sent:
+                break
+            ack = dev.recv()
+            assert isinstance(ack, mqtt.Puback), ack
+            acked[sent.pop(ack.packet_id)] = ack.reason_code
+    except (ConnectionError, OSError):
+        pass  # 3.1.1: the gateway closes a connection whose publish was not stored
+    return acked
+
+
+def test_ready_line_says_which_plane(shape) -> None:
+    which, _, gw = shape
+    assert gw.addrs["plane"] == which
+
+
+def test_carried_publishes_are_stored_and_delivered_in_order_once(shape) -> None:
+    which, store, gw = shape
+    base = uid("fleet")
+    topic = f"{base}/t"
+    sub = Client(gw.port, uid("sub"))
+    sub.subscribe(f"{base}/#", 1)
+    dev, cid = publisher(gw, which)
+    acked = burst(dev, topic, 300)
+    assert acked == dict.fromkeys(range(300), 0)
+    got = [m.payload for m in sub.expect(300, timeout=20)]
+    assert got == [b"%05d" % i for i in range(300)]
+    sub.expect_none(0.3)
+    assert read_topic(store.native, base) == got  # stored once each, in order
+    if which == "native":  # carried by the engine all along: never back in Python
+        assert not any(f"client {cid!r} (" in line and "back from the native plane" in line
+                       for line in gw.log), gw.logs()[-3000:]
+        assert native_counters(gw)["lightgate_native_messages_in_qos1_total"] == 300
+    dev.close()
+    sub.disconnect()
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_store_killed_mid_burst_loses_nothing_acknowledged(shape, version: int) -> None:
+    """Every PUBACKed (reason 0) message is in the store after it restarts; a publish
+    whose answer was lost is refused (5.0: 0x80) or its connection closed (3.1.1), as
+    on Python's path, and the gateway serves again once the store is back."""
+    which, store, gw = shape
+    base = uid("kill")
+    topic = f"{base}/t"
+    dev, _ = publisher(gw, which, version)
+    acked: dict[int, int] = {}
+    ran = threading.Thread(target=lambda: acked.update(burst(dev, topic, 3000)))
+    ran.start()
+    deadline = time.monotonic() + 20
+    while len(acked) < 50 and ran.is_alive():  # (read without the lock: a count)
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    store.kill()
+    ran.join(30)
+    assert not ran.is_alive()
+    dev.close()
+    stored_ok = [i for i, code in acked.items() if code == 0]
+    assert stored_ok, acked
+    if version == 5:
+        assert set(acked.values()) <= {0, 0x80}, acked
+    store.start()
+    kept = read_topic(store.native, base)
+    assert len(kept) == len(set(kept)), "a message stored twice"
+    missing = {b"%05d" % i for i in stored_ok} - set(kept)
+    assert not missing, f"{len(missing)} acknowledged messages lost: {sorted(missing)[:5]}"
+    # Served again: a new device's publishes are stored.
+    deadline = time.monotonic() + 20
+    while True:
+        dev, _ = publisher(gw, which)
+        again = burst(dev, f"{base}/after", 20)
+        dev.close()
+        if again == dict.fromkeys(range(20), 0):
+            break
+        assert time.monotonic() < deadline, again
+        time.sleep(0.2)
+
+
+def test_a_websocket_publisher_is_carried_too(shape) -> None:
+    """The gateway's WebSocket listener is the engine's on the native plane, as in serve:
+    a quiet WebSocket publisher is carried, its publishes stored and delivered."""
+    which, store, gw = shape
+    base = uid("ws")
+    sub = Client(gw.port, uid("sub"))
+    sub.subscribe(f"{base}/#", 1)
+    pub_id = uid("wpub")
+    pub = SecureClient(port_of(gw, "ws"), pub_id, tls=None, transport="websockets")
+    if which == "native":
+        wait_promoted(gw, pub_id)
+    for i in range(20):
+        pub.publish(f"{base}/t", b"%02d" % i, 1)
+    assert [m.payload for m in sub.expect(20, timeout=10)] == [b"%02d" % i for i in range(20)]
+    assert read_topic(store.native, base) == [b"%02d" % i for i in range(20)]
+    pub.disconnect()
+    sub.disconnect()
+
+
+def test_a_full_store_disk_is_quota_exceeded(tmp_path, redis_server: RedisServer,
+                                             monkeypatch, plane_name: str) -> None:
+    """The store's disk full: a carried 5.0 publisher's PUBACK says Quota exceeded
+    (0x97), as Python's gateway says it, and nothing it was refused is stored."""
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane_name == "native" else "0")
+    disk = tmp_path / "disk"
+    _mount(disk)
+    store = gw = None
+    try:
+        store = Server(disk / "data", "--notify", redis_server.url, "--segment-size",
+                       str(1 << 20), command="store").start()
+        gw = Server(None, "--store", store.native, "--notify", redis_server.url,
+                    "--io-threads", "1", command="gateway").start()
+        base = uid("full")
+        dev, _ = publisher(gw, plane_name, version=5)
+        assert burst(dev, f"{base}/t", 5) == dict.fromkeys(range(5), 0)
+        filler = fill(disk)
+        # Past what the current segment has room for (1 MiB), the store's write fails.
+        codes = {}
+        for i in range(5, 5 + 64):
+            dev.send(mqtt.Publish(f"{base}/t", b"%05d" % i + b"x" * (64 << 10), 1,
+                                  packet_id=i))
+            ack = dev.recv()
+            assert isinstance(ack, mqtt.Puback), ack
+            codes[i] = ack.reason_code
+            if ack.reason_code:
+                break
+        assert set(codes.values()) == {0, 0x97} or set(codes.values()) == {0x97}, codes
+        filler.unlink()
+        kept = [m[:5] for m in read_topic(store.native, base)]
+        assert kept == [b"%05d" % i for i in range(5)] + [
+            b"%05d" % i for i, code in codes.items() if code == 0]
+        dev.close()
+    finally:
+        for srv in (gw, store):
+            if srv is not None and srv.proc is not None:
+                srv.stop()
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_with_auth_the_engine_joins_as_the_node_and_keeps_the_acl(
+        tmp_path, redis_server: RedisServer, monkeypatch, plane_name: str) -> None:
+    """The store with authentication on: the engine's own store connection says the
+    gateway's node credentials (--store-auth), and a carried device publishes only where
+    its rights say (elsewhere: Not authorized, 0x87, from Python, as in serve)."""
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane_name == "native" else "0")
+    store = Server(tmp_path / "s", "--auth", "--init-user", f"{ADMIN[0]}:{ADMIN[1]}",
+                   "--notify", redis_server.url, command="store").start()
+    gw = None
+    try:
+        base = uid("acl")
+        add_user(store, "gw", "gw-pw", node=True)
+        add_user(store, "dev1", "dev1-pw")
+        allow(store, "dev1", f"Topic:{base}/1/#", "PUB")
+        gw = Server(None, "--store", store.native, "--store-auth", "gw:gw-pw", "--notify",
+                    redis_server.url, "--io-threads", "1", command="gateway").start()
+        assert gw.addrs["plane"] == plane_name
+        dev = RawClient(gw.port, version=5, timeout=10)
+        assert dev.connect("dev1", username="dev1", password=b"dev1-pw").reason_code == 0
+        if plane_name == "native":
+            wait_promoted(gw, "dev1")
+        assert burst(dev, f"{base}/1/t", 10) == dict.fromkeys(range(10), 0)
+        dev.send(mqtt.Publish(f"{base}/2/t", b"spoof", 1, packet_id=99))
+        ack = dev.recv()
+        assert isinstance(ack, mqtt.Puback) and ack.reason_code == 0x87, ack
+        assert burst(dev, f"{base}/1/t", 1) == {0: 0}  # carried on
+        dev.close()
+        assert read_topic_as(store, base) == [b"%05d" % i for i in range(10)] + [b"00000"]
+    finally:
+        for srv in (gw, store):
+            if srv is not None and srv.proc is not None:
+                srv.stop()
+
+
+def read_topic_as(store: Server, topic: str, partitions: int = 4) -> list[bytes]:
+    """`read_topic`, as the admin (the store has authentication on)."""
+
+    async def main() -> list[bytes]:
+        out: list[bytes] = []
+        async with NativeClient.open(store.native, credentials=ADMIN) as c:
+            for part in range(partitions):
+                offset = 0
+                while True:
+                    h, body = await c.request(p.PULL, {"queue": f"{topic}#{part}",
+                                                       "offset": offset, "max": 512})
+                    msgs = p.unpack_messages(h["messages"], body)
+                    if not msgs:
+                        break
+                    out += [m.body for m in msgs]
+                    offset = h["next_offset"]
+        return out
+
+    return trio.run(main)
