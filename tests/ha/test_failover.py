@@ -131,14 +131,21 @@ def test_sync_group_kill_master_three_times(tmp_path: Path, redis: RedisServer) 
 
 def test_async_group_loss_window_is_measured(tmp_path: Path, redis: RedisServer) -> None:
     """Async replication acks before any replica has the bytes: a master killed under
-    load may take with it what it acked in the last moments. Measured, not hidden: the
-    lost messages (if any) were all acked just before the kill, and the group still
-    converges to one log."""
+    load may take with it what it acked in the last moments, and a subscriber that read
+    them may skip as many messages given their queue offsets after the failover.
+    Measured, not hidden: the lost messages (if any) were acked just before the kill or
+    are within that count, and the group still converges to one log."""
     stats = _run_group(tmp_path, redis, "async", 1, seed=7)
     print("async replication:", stats)
     assert stats["acked"] > 100
     # Whatever was lost was acked in the last moments before the kill (what the
     # replicas had not fetched yet), never earlier; the group converged (checked in
     # _run_group) and a new master was elected in time.
-    assert all(0 <= s <= 2.0 for s in stats["lost_acked_s_before_kill"]), stats
+    before = [s for s in stats["lost_acked_s_before_kill"] if s >= 0]
+    assert all(s <= 2.0 for s in before), stats
+    # Async readers see what the master wrote before any replica holds it: a subscriber
+    # that read the tail the failover cut skips as many of the messages that take its
+    # queue offsets on the new master, never more (records here are over 100 bytes).
+    after = len(stats["lost_acked_s_before_kill"]) - len(before)
+    assert after <= stats["rounds"][0]["old_master_cut_bytes"] // 100, stats
     assert stats["rounds"][0]["elected_s"] < FAILOVER_LIMIT_S
