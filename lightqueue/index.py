@@ -334,6 +334,30 @@ class ConsumeQueueIndex:
             it.next()
         return out
 
+    def read_runs_raw(self, queue: str, offset: int, max_entries: int
+                      ) -> tuple[list[tuple[int, bytes]], bool]:
+        """The runs holding `queue`'s entries from `offset` as stored: (first offset,
+        packed entries), the first one perhaps beginning before `offset`, until at least
+        `max_entries` entries from it; and whether the read stopped there (more may
+        follow). For a reader that unpacks them itself (the native plane's, for a
+        subscriber that fell behind): no object per entry here."""
+        prefix = queue_prefix(queue)
+        offset = max(offset, 0)
+        it = self._db.iter()
+        it.seek_for_prev(prefix + U64.pack(offset))
+        if self._run(it, prefix) is None:
+            it.seek(prefix + U64.pack(offset))
+        runs: list[tuple[int, bytes]] = []
+        n = 0
+        while n < max_entries and (run := self._run(it, prefix)) is not None:
+            first, entries = run
+            count = len(entries) // ENTRY.size - max(0, offset - first)
+            if count > 0:
+                runs.append(run)
+                n += count
+            it.next()
+        return runs, n >= max_entries
+
     def offset_at_time(self, queue: str, ms: int) -> int:
         """The first offset whose message was stored at or after `ms` (store time, ms
         since the epoch), or the queue's end when none was: a binary search over the

@@ -24,6 +24,7 @@
 // a Rust-owned one.
 #![deny(unsafe_code)]
 
+pub mod backlog;
 pub mod codec;
 pub mod commitlog;
 pub mod engine;

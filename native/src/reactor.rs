@@ -176,6 +176,14 @@ pub enum Report {
     Demoted(Box<Demoted>),
     /// What happened on a connection the native side accepted (`relay`).
     Link(LinkEvent),
+    /// A connection that fell behind (`Sink::catches_up`) has room for its next batch
+    /// from the store: round `round` starts at `positions` (queue -> next offset; a
+    /// queue it has not been delivered from yet is missing).
+    Behind {
+        conn: u64,
+        round: u64,
+        positions: Vec<(Arc<str>, u64)>,
+    },
 }
 
 pub trait Sink: Send + Sync + 'static {
@@ -192,6 +200,12 @@ pub trait Sink: Send + Sync + 'static {
     /// What a topic of a connection that may publish anywhere is held to.
     fn topic_limits(&self) -> TopicLimits {
         TopicLimits::NONE
+    }
+
+    /// Whether a connection that falls behind its budget stays, served from the store
+    /// a batch at a time (`Report::Behind`, `Command::Catch`), instead of going back.
+    fn catches_up(&self) -> bool {
+        false
     }
 
     /// Whether what was reported waits too long to be taken further (the dispatch of
@@ -354,6 +368,17 @@ pub enum Command {
         conn: u64,
         delivery: Delivery,
     },
+    /// The batch of round `round` for a connection that fell behind, read from the
+    /// store (`backlog::batch`).
+    Catch {
+        conn: u64,
+        round: u64,
+        batch: Box<crate::backlog::Batch>,
+    },
+    /// A connection that fell behind caught up: live deliveries from here on.
+    Live {
+        conn: u64,
+    },
     /// A connection moving in from another thread, with the commands it had waiting
     /// there (applied first, in order).
     Arrive(Migrant),
@@ -408,6 +433,8 @@ impl Command {
             | Command::Release { conn }
             | Command::PublishDone { conn, .. }
             | Command::Deliver { conn, .. }
+            | Command::Catch { conn, .. }
+            | Command::Live { conn }
             | Command::Send { conn, .. }
             | Command::Close { conn }
             | Command::Resume { conn }
@@ -721,7 +748,21 @@ struct Conn {
     lean_lane: u16,
     lean: u16,
     adopted_at: f64,
+    /// Fell behind (`Sink::catches_up`): served from the store, a batch at a time.
+    behind: Option<Box<Behind>>,
 }
+
+/// A connection served from the store: the round it asked for, if one is asked and
+/// not come yet, and whether it goes back once what it holds is out (a record that
+/// needs the owner is next).
+struct Behind {
+    round: u64,
+    asked: bool,
+    release: bool,
+}
+
+/// Rounds are numbered across the node, so that an answer to an old one is known.
+static ROUNDS: AtomicU64 = AtomicU64::new(1);
 
 /// What waits for a client that does not take it as fast as it comes: made when the
 /// first byte or delivery has to wait, dropped once all of it went out, so that a
@@ -1242,6 +1283,75 @@ impl Worker {
         c.settle();
     }
 
+    /// More waits for the client than its budget: it goes back, or (when the owner
+    /// serves it from the store, and deliveries are what waits) it drops what it
+    /// holds, whose positions it has not passed, and is served from the store from
+    /// there, a batch at a time. One served so is held to one batch already.
+    fn over_budget(c: &mut Conn, catches_up: bool) {
+        if c.behind.is_some() {
+            return;
+        }
+        if !catches_up || !c.holds() {
+            c.demoting.get_or_insert(Why::Backlog);
+            return;
+        }
+        if let Some(b) = c.backlog.as_mut() {
+            b.held = VecDeque::new();
+            b.held_cost = 0;
+        }
+        c.settle();
+        c.behind = Some(Box::new(Behind {
+            round: 0,
+            asked: false,
+            release: false,
+        }));
+    }
+
+    /// A connection served from the store asks for its next batch once the last one
+    /// is out and its socket has room; or goes back, when the next record needs the
+    /// owner.
+    fn ask(c: &mut Conn, sink: &dyn Sink) {
+        let room = !c.holds() && c.unsent() + c.core.pending_output() <= c.max_unsent / 2;
+        let Some(b) = c.behind.as_mut().filter(|b| !b.asked && room) else {
+            return;
+        };
+        if b.release {
+            c.demoting = Some(Why::Released);
+            return;
+        }
+        b.asked = true;
+        b.round = ROUNDS.fetch_add(1, Ordering::Relaxed);
+        let positions = c.positions.iter().map(|(q, n)| (Arc::clone(q), *n)).collect();
+        sink.report(Report::Behind {
+            conn: c.id,
+            round: b.round,
+            positions,
+        });
+    }
+
+    /// The batch of the round a connection asked for (another's is stale: dropped).
+    fn catch(c: &mut Conn, round: u64, batch: crate::backlog::Batch, counters: &Counters) {
+        let Some(b) = c.behind.as_mut().filter(|b| b.asked && b.round == round) else {
+            return;
+        };
+        b.asked = false;
+        b.release = batch.release;
+        for (queue, start) in batch.jumps {
+            let next = c.positions.entry(queue).or_insert(0);
+            *next = (*next).max(start);
+        }
+        Counters::add(&counters.dropped, batch.dropped);
+        if batch.deliveries.is_empty() {
+            return;
+        }
+        let backlog = c.backlog();
+        for d in batch.deliveries {
+            backlog.held_cost += d.cost();
+            backlog.held.push_back(d);
+        }
+        Self::send_held(c, counters);
+    }
+
     /// One delivery into the client's output, its queues' positions past it.
     fn send(
         core: &mut Connection,
@@ -1326,6 +1436,23 @@ impl Worker {
                         touched.push(token);
                     }
                 }
+                Command::Catch { conn, round, batch } => {
+                    if let Some(&token) = self.tokens.get(&conn) {
+                        if let Some(c) = self.conns.get_mut(&token) {
+                            Self::catch(c, round, *batch, &self.counters);
+                            touched.push(token);
+                        }
+                    }
+                }
+                Command::Live { conn } => {
+                    if let Some(&token) = self.tokens.get(&conn) {
+                        if let Some(c) = self.conns.get_mut(&token) {
+                            if c.behind.as_ref().is_some_and(|b| b.asked) {
+                                c.behind = None;
+                            }
+                        }
+                    }
+                }
                 Command::Release { conn } => {
                     if let Some(&token) = self.tokens.get(&conn) {
                         if let Some(c) = self.conns.get_mut(&token) {
@@ -1364,13 +1491,13 @@ impl Worker {
                             {
                                 self.moves.push((token, to));
                             }
-                            if c.demoting.is_some() {
-                                // Its positions say what went out; the owner delivers
-                                // the rest from the store.
+                            if c.demoting.is_some() || c.behind.is_some() {
+                                // Its positions say what went out; the rest comes from
+                                // the store (the owner's delivery, or its batches).
                             } else if c.backlog.is_some()
                                 && c.waiting() + delivery.cost() > c.max_unsent
                             {
-                                c.demoting = Some(Why::Backlog);
+                                Self::over_budget(c, self.sink.catches_up());
                             } else if c.backlog.is_none()
                                 && (delivery.qos == 0 || c.core.window() > 0)
                             {
@@ -1520,6 +1647,7 @@ impl Worker {
             link,
             core,
             backlog: None,
+            behind: None,
             max_unsent: if a.max_unsent == 0 {
                 BACKLOG_BUDGET
             } else {
@@ -1684,8 +1812,11 @@ impl Worker {
         } else {
             self.writers.remove(&token);
         }
-        if c.waiting() > c.max_unsent {
-            c.demoting.get_or_insert(Why::Backlog);
+        if c.waiting() > c.max_unsent && c.demoting.is_none() {
+            Self::over_budget(c, self.sink.catches_up());
+        }
+        if c.demoting.is_none() {
+            Self::ask(c, &*self.sink);
         }
         let want_write = c.unsent() > 0 || c.link.pending();
         if c.demoting.is_some() && c.core.answers_pending() == 0 {
