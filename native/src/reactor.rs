@@ -1284,14 +1284,19 @@ impl Worker {
     }
 
     /// More waits for the client than its budget: it goes back, or (when the owner
-    /// serves it from the store, and deliveries are what waits) it drops what it
-    /// holds, whose positions it has not passed, and is served from the store from
-    /// there, a batch at a time. One served so is held to one batch already.
-    fn over_budget(c: &mut Conn, catches_up: bool) {
+    /// serves it from the store, and deliveries are what waits: one comes, or some are
+    /// held) it drops what it holds, whose positions it has not passed, and is served
+    /// from the store from there, a batch at a time. One served so holds one batch at
+    /// most, and takes one only with room: past the budget by more than a batch, what
+    /// waits is its own answers (a publisher that does not read them), and it goes back.
+    fn over_budget(c: &mut Conn, catches_up: bool, delivering: bool) {
         if c.behind.is_some() {
+            if c.unsent() > c.max_unsent + crate::backlog::BATCH_BYTES {
+                c.demoting.get_or_insert(Why::Backlog);
+            }
             return;
         }
-        if !catches_up || !c.holds() {
+        if !catches_up || !(delivering || c.holds()) {
             c.demoting.get_or_insert(Why::Backlog);
             return;
         }
@@ -1497,7 +1502,7 @@ impl Worker {
                             } else if c.backlog.is_some()
                                 && c.waiting() + delivery.cost() > c.max_unsent
                             {
-                                Self::over_budget(c, self.sink.catches_up());
+                                Self::over_budget(c, self.sink.catches_up(), true);
                             } else if c.backlog.is_none()
                                 && (delivery.qos == 0 || c.core.window() > 0)
                             {
@@ -1813,7 +1818,7 @@ impl Worker {
             self.writers.remove(&token);
         }
         if c.waiting() > c.max_unsent && c.demoting.is_none() {
-            Self::over_budget(c, self.sink.catches_up());
+            Self::over_budget(c, self.sink.catches_up(), false);
         }
         if c.demoting.is_none() {
             Self::ask(c, &*self.sink);
