@@ -1290,13 +1290,16 @@ impl Worker {
     /// most, and takes one only with room: past the budget by more than a batch, what
     /// waits is its own answers (a publisher that does not read them), and it goes back.
     fn over_budget(c: &mut Conn, catches_up: bool, delivering: bool) {
-        if c.behind.is_some() {
-            if c.unsent() > c.max_unsent + crate::backlog::BATCH_BYTES {
+        if c.behind.is_some() || !(delivering || c.holds()) {
+            // What waits is bytes: a last delivery's share past the mark (the next one
+            // makes it fall behind), or its own answers.
+            let slack = if catches_up { crate::backlog::BATCH_BYTES } else { 0 };
+            if c.unsent() > c.max_unsent + slack {
                 c.demoting.get_or_insert(Why::Backlog);
             }
             return;
         }
-        if !catches_up || !(delivering || c.holds()) {
+        if !catches_up {
             c.demoting.get_or_insert(Why::Backlog);
             return;
         }
