@@ -122,7 +122,8 @@ impl Segments {
             .collect();
         bases.sort_unstable();
         self.bases = bases;
-        self.open.retain(|(b, _)| self.bases.binary_search(b).is_ok());
+        self.open
+            .retain(|(b, _)| self.bases.binary_search(b).is_ok());
     }
 
     fn file(&mut self, base: u64) -> io::Result<&File> {
@@ -146,9 +147,17 @@ impl Segments {
         }
         let base = self.bases[i - 1];
         let mut buf = vec![0; size as usize];
-        match self.file(base).and_then(|f| f.read_exact_at(&mut buf, phys - base)) {
+        match self
+            .file(base)
+            .and_then(|f| f.read_exact_at(&mut buf, phys - base))
+        {
             Ok(()) => Ok(Some(buf)),
-            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound | io::ErrorKind::UnexpectedEof) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::NotFound | io::ErrorKind::UnexpectedEof
+                ) =>
+            {
                 Ok(None)
             }
             Err(e) => Err(e),
@@ -293,11 +302,7 @@ mod tests {
 
     /// Records on `topics` written by the native log writer into `dir`, in segments of
     /// `segment_size`; each one's (phys, size, queues with offsets).
-    fn write(
-        dir: &Path,
-        segment_size: u64,
-        messages: &[(&str, &[&str], u8)],
-    ) -> Vec<Written> {
+    fn write(dir: &Path, segment_size: u64, messages: &[(&str, &[&str], u8)]) -> Vec<Written> {
         let mut w = LogWriter::open(dir, segment_size, 0, 0).unwrap();
         let mut next: HashMap<String, u64> = HashMap::new();
         let mut out = Vec::new();
@@ -335,12 +340,7 @@ mod tests {
         out
     }
 
-    fn runs_of(
-        written: &[Written],
-        queue: &str,
-        start: u64,
-        max: usize,
-    ) -> QueueRuns {
+    fn runs_of(written: &[Written], queue: &str, start: u64, max: usize) -> QueueRuns {
         let mut bytes = Vec::new();
         let mut first = None;
         let mut n = 0;
@@ -395,7 +395,11 @@ mod tests {
             b.deliveries.iter().map(|d| d.qos).collect::<Vec<_>>(),
             [1, 0, 0]
         );
-        assert_eq!(b.deliveries[0].positions.len(), 2, "once, with both positions");
+        assert_eq!(
+            b.deliveries[0].positions.len(),
+            2,
+            "once, with both positions"
+        );
         assert_eq!(&*b.deliveries[1].positions[0].0, "a/#");
         assert_eq!(b.dropped, 0);
         assert!(!b.release);
@@ -459,29 +463,53 @@ mod tests {
             &[("t", &["t"], 1), ("t", &["t"], 2), ("t", &["t"], 1)],
         );
         let r = reader(&[("t", 2)]);
-        let b = batch(&r, &[runs_of(&w, "t", 0, 100)], u64::MAX, &mut Segments::new(&dir))
-            .unwrap();
+        let b = batch(
+            &r,
+            &[runs_of(&w, "t", 0, 100)],
+            u64::MAX,
+            &mut Segments::new(&dir),
+        )
+        .unwrap();
         assert_eq!(b.deliveries.len(), 1);
-        assert!(!b.release, "the first goes out; the next round meets it first");
-        let b = batch(&r, &[runs_of(&w, "t", 1, 100)], u64::MAX, &mut Segments::new(&dir))
-            .unwrap();
+        assert!(
+            !b.release,
+            "the first goes out; the next round meets it first"
+        );
+        let b = batch(
+            &r,
+            &[runs_of(&w, "t", 1, 100)],
+            u64::MAX,
+            &mut Segments::new(&dir),
+        )
+        .unwrap();
         assert!(b.deliveries.is_empty() && b.release);
         // At QoS 1 it is delivered at QoS 1 natively.
         let r = reader(&[("t", 1)]);
-        let b = batch(&r, &[runs_of(&w, "t", 1, 100)], u64::MAX, &mut Segments::new(&dir))
-            .unwrap();
+        let b = batch(
+            &r,
+            &[runs_of(&w, "t", 1, 100)],
+            u64::MAX,
+            &mut Segments::new(&dir),
+        )
+        .unwrap();
         assert_eq!(b.deliveries.len(), 2);
     }
 
     #[test]
     fn a_batch_is_bounded() {
         let dir = tmp("bounded");
-        let msgs: Vec<(&str, &[&str], u8)> =
-            (0..BATCH_MESSAGES + 10).map(|_| ("t", &["t"][..], 0)).collect();
+        let msgs: Vec<(&str, &[&str], u8)> = (0..BATCH_MESSAGES + 10)
+            .map(|_| ("t", &["t"][..], 0))
+            .collect();
         let w = write(&dir, 1 << 30, &msgs);
         let r = reader(&[("t", 0)]);
-        let b = batch(&r, &[runs_of(&w, "t", 0, 4096)], u64::MAX, &mut Segments::new(&dir))
-            .unwrap();
+        let b = batch(
+            &r,
+            &[runs_of(&w, "t", 0, 4096)],
+            u64::MAX,
+            &mut Segments::new(&dir),
+        )
+        .unwrap();
         assert_eq!(b.deliveries.len(), BATCH_MESSAGES);
     }
 }

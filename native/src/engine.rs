@@ -772,7 +772,6 @@ impl Inner {
 }
 
 impl Engine {
-
     pub fn unsubscribe(&self, conn: u64, topic_filter: &str) -> bool {
         let Ok(mut subs) = self.inner.subs.write() else {
             return false;

@@ -7,9 +7,10 @@
 //! (a demotion, with the socket and the connection's state) through the same sink.
 //!
 //! A connection is demoted when its core hands a packet back, when its keepalive runs
-//! out, when the client closes, or when its backlog passes the budget: the reactor stops
-//! reading it, waits until every publish it took is answered, and hands the socket, the
-//! unread bytes, the unsent bytes and what is in flight to the owner.
+//! out, when the client closes, or when its backlog passes the budget (unless the owner
+//! serves a subscriber past it from the store: `Sink::catches_up`, `backlog`): the
+//! reactor stops reading it, waits until every publish it took is answered, and hands
+//! the socket, the unread bytes, the unsent bytes and what is in flight to the owner.
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -1293,7 +1294,11 @@ impl Worker {
         if c.behind.is_some() || !(delivering || c.holds()) {
             // What waits is bytes: a last delivery's share past the mark (the next one
             // makes it fall behind), or its own answers.
-            let slack = if catches_up { crate::backlog::BATCH_BYTES } else { 0 };
+            let slack = if catches_up {
+                crate::backlog::BATCH_BYTES
+            } else {
+                0
+            };
             if c.unsent() > c.max_unsent + slack {
                 c.demoting.get_or_insert(Why::Backlog);
             }
@@ -1329,7 +1334,11 @@ impl Worker {
         }
         b.asked = true;
         b.round = ROUNDS.fetch_add(1, Ordering::Relaxed);
-        let positions = c.positions.iter().map(|(q, n)| (Arc::clone(q), *n)).collect();
+        let positions = c
+            .positions
+            .iter()
+            .map(|(q, n)| (Arc::clone(q), *n))
+            .collect();
         sink.report(Report::Behind {
             conn: c.id,
             round: b.round,
@@ -1344,9 +1353,10 @@ impl Worker {
         };
         b.asked = false;
         b.release = batch.release;
+        // Where each queue starts now (nothing went out since it asked), then past what
+        // was skipped: as Python's delivery moves a cursor to where a pull started.
         for (queue, start) in batch.jumps {
-            let next = c.positions.entry(queue).or_insert(0);
-            *next = (*next).max(start);
+            c.positions.insert(queue, start);
         }
         Counters::add(&counters.dropped, batch.dropped);
         if batch.deliveries.is_empty() {
