@@ -452,6 +452,10 @@ impl Command {
     fn weight(&self) -> usize {
         match self {
             Command::Deliver { delivery, .. } => std::mem::size_of::<Command>() + delivery.cost(),
+            Command::Catch { batch, .. } => {
+                std::mem::size_of::<Command>()
+                    + batch.deliveries.iter().map(Delivery::cost).sum::<usize>()
+            }
             _ => 0,
         }
     }
