@@ -368,6 +368,17 @@ mod tests {
         }
     }
 
+    /// The batch of one queue `t` read from `start`.
+    fn one(r: &Reader, w: &[Written], start: u64, max: usize, dir: &Path) -> Batch {
+        batch(
+            r,
+            &[runs_of(w, "t", start, max)],
+            u64::MAX,
+            &mut Segments::new(dir),
+        )
+        .unwrap()
+    }
+
     fn topics(b: &Batch) -> Vec<&str> {
         b.deliveries.iter().map(|d| &*d.topic).collect()
     }
@@ -463,35 +474,17 @@ mod tests {
             &[("t", &["t"], 1), ("t", &["t"], 2), ("t", &["t"], 1)],
         );
         let r = reader(&[("t", 2)]);
-        let b = batch(
-            &r,
-            &[runs_of(&w, "t", 0, 100)],
-            u64::MAX,
-            &mut Segments::new(&dir),
-        )
-        .unwrap();
+        let b = one(&r, &w, 0, 100, &dir);
         assert_eq!(b.deliveries.len(), 1);
         assert!(
             !b.release,
             "the first goes out; the next round meets it first"
         );
-        let b = batch(
-            &r,
-            &[runs_of(&w, "t", 1, 100)],
-            u64::MAX,
-            &mut Segments::new(&dir),
-        )
-        .unwrap();
+        let b = one(&r, &w, 1, 100, &dir);
         assert!(b.deliveries.is_empty() && b.release);
         // At QoS 1 it is delivered at QoS 1 natively.
         let r = reader(&[("t", 1)]);
-        let b = batch(
-            &r,
-            &[runs_of(&w, "t", 1, 100)],
-            u64::MAX,
-            &mut Segments::new(&dir),
-        )
-        .unwrap();
+        let b = one(&r, &w, 1, 100, &dir);
         assert_eq!(b.deliveries.len(), 2);
     }
 
@@ -503,13 +496,7 @@ mod tests {
             .collect();
         let w = write(&dir, 1 << 30, &msgs);
         let r = reader(&[("t", 0)]);
-        let b = batch(
-            &r,
-            &[runs_of(&w, "t", 0, 4096)],
-            u64::MAX,
-            &mut Segments::new(&dir),
-        )
-        .unwrap();
+        let b = one(&r, &w, 0, 4096, &dir);
         assert_eq!(b.deliveries.len(), BATCH_MESSAGES);
     }
 }

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::backlog::{self, QueueRuns, Reader, Segments};
+use crate::backlog::{self, no_properties, QueueRuns, Reader, Segments};
 use crate::commitlog::LogWriter;
 use crate::partial::PartialBudget;
 use crate::protocol::TopicLimits;
@@ -216,6 +216,18 @@ struct Log {
     queue_end: QueueEnd,
     /// Each queue's mark, as far as the engine asked (`Marks`); None: no marks kept.
     marks: Option<(Marks, HashMap<String, u64>)>,
+}
+
+impl Log {
+    /// Where `queue` ends: the next offset it gives out.
+    fn end(&mut self, queue: &str) -> u64 {
+        if let Some(&n) = self.next.get(queue) {
+            return n;
+        }
+        let n = (self.queue_end)(queue);
+        self.next.insert(queue.to_string(), n);
+        n
+    }
 }
 
 struct Sub {
@@ -575,15 +587,7 @@ impl Engine {
             return Ok(false);
         };
         for (filter, _, position) in subscriptions {
-            let end = match log.next.get(filter.as_str()) {
-                Some(&n) => n,
-                None => {
-                    let n = (log.queue_end)(filter);
-                    log.next.insert(filter.clone(), n);
-                    n
-                }
-            };
-            if *position != end {
+            if *position != log.end(filter) {
                 return Ok(false);
             }
         }
@@ -744,15 +748,7 @@ impl Inner {
             let Some(&position) = at.get(&**queue) else {
                 return false; // never delivered from: where it is is the owner's to say
             };
-            let end = match log.next.get(&**queue) {
-                Some(&n) => n,
-                None => {
-                    let n = (log.queue_end)(queue);
-                    log.next.insert(queue.to_string(), n);
-                    n
-                }
-            };
-            if position != end {
+            if position != log.end(queue) {
                 return false;
             }
         }
@@ -1394,11 +1390,6 @@ fn record_bytes(rows: &[Dispatched]) -> usize {
         .filter_map(|d| d.record.as_ref())
         .map(|r| r.len())
         .sum()
-}
-
-/// Whether a record's properties (JSON, as `store/record.py` keeps them) are none.
-fn no_properties(properties: &[u8]) -> bool {
-    properties.is_empty() || properties == b"{}"
 }
 
 /// Raise the marks that these offsets reach (one call for the append), before any of
