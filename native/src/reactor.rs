@@ -301,6 +301,10 @@ pub struct Counters {
     pub connections: AtomicU64,
     /// Connections moved to the thread their deliveries come from.
     pub moved: AtomicU64,
+    /// Subscribers that fell behind their budget and were served from the store, and
+    /// those of them that caught up and went live again.
+    pub fell_behind: AtomicU64,
+    pub caught_up: AtomicU64,
     /// TLS handshakes the native listeners completed, failed, and gave up on (the
     /// client said nothing in time).
     pub tls_handshakes: AtomicU64,
@@ -324,6 +328,8 @@ impl Counters {
             ("bytes_in", get(&self.bytes_in)),
             ("bytes_out", get(&self.bytes_out)),
             ("dropped", get(&self.dropped)),
+            ("fell_behind", get(&self.fell_behind)),
+            ("caught_up", get(&self.caught_up)),
             ("adopted", get(&self.adopted)),
             ("demoted", get(&self.demoted)),
             ("connections", get(&self.connections)),
@@ -1294,7 +1300,7 @@ impl Worker {
     /// from the store from there, a batch at a time. One served so holds one batch at
     /// most, and takes one only with room: past the budget by more than a batch, what
     /// waits is its own answers (a publisher that does not read them), and it goes back.
-    fn over_budget(c: &mut Conn, catches_up: bool, delivering: bool) {
+    fn over_budget(c: &mut Conn, catches_up: bool, delivering: bool, counters: &Counters) {
         if c.behind.is_some() || !(delivering || c.holds()) {
             // What waits is bytes: a last delivery's share past the mark (the next one
             // makes it fall behind), or its own answers.
@@ -1317,6 +1323,7 @@ impl Worker {
             b.held_cost = 0;
         }
         c.settle();
+        Counters::add(&counters.fell_behind, 1);
         c.behind = Some(Box::new(Behind {
             round: 0,
             asked: false,
@@ -1471,6 +1478,7 @@ impl Worker {
                         if let Some(c) = self.conns.get_mut(&token) {
                             if c.behind.as_ref().is_some_and(|b| b.asked) {
                                 c.behind = None;
+                                Counters::add(&self.counters.caught_up, 1);
                             }
                         }
                     }
@@ -1519,7 +1527,7 @@ impl Worker {
                             } else if c.backlog.is_some()
                                 && c.waiting() + delivery.cost() > c.max_unsent
                             {
-                                Self::over_budget(c, self.sink.catches_up(), true);
+                                Self::over_budget(c, self.sink.catches_up(), true, &self.counters);
                             } else if c.backlog.is_none()
                                 && (delivery.qos == 0 || c.core.window() > 0)
                             {
@@ -1835,7 +1843,7 @@ impl Worker {
             self.writers.remove(&token);
         }
         if c.waiting() > c.max_unsent && c.demoting.is_none() {
-            Self::over_budget(c, self.sink.catches_up(), false);
+            Self::over_budget(c, self.sink.catches_up(), false, &self.counters);
         }
         if c.demoting.is_none() {
             Self::ask(c, &*self.sink);

@@ -356,6 +356,18 @@ def test_a_slow_subscriber_stays_native_and_misses_nothing(srv1: Server) -> None
     with pytest.raises(TimeoutError):
         slow.recv()
     assert demotions(srv, "slow", "backlog") == 0, srv.logs()[-3000:]
+    counters = native_counters(srv)
+    assert counters["lightgate_native_fell_behind_total"] >= 1, counters
+    # It reads its backlog out, then goes live: the next message comes live.
+    deadline = time.monotonic() + 10
+    while native_counters(srv)["lightgate_native_caught_up_total"] < 1:
+        assert time.monotonic() < deadline, native_counters(srv)
+        time.sleep(0.05)
+    slow.sock.settimeout(10)
+    pub.publish("bulk/t", b"live", qos=1)
+    p = slow.recv()
+    assert p.payload == b"live"
+    slow.send(mqtt.Puback(p.packet_id))
     pub.disconnect()
 
 
