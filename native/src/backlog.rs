@@ -212,6 +212,9 @@ pub fn batch(
     segments: &mut Segments,
 ) -> io::Result<Batch> {
     let mut out = Batch::default();
+    // The segments as they are now: a file retention removed is let go (an open one
+    // would keep its disk space), one begun since is known.
+    segments.list();
     let mut next: Vec<u64> = queues.iter().map(|q| q.start).collect();
     for q in queues {
         out.jumps.push((Arc::clone(&q.queue), q.start));

@@ -358,6 +358,10 @@ impl Sink for EngineSink {
         self.0.catch_up.load(Ordering::Relaxed)
     }
 
+    fn fell_behind(&self, conn: u64) {
+        self.0.reader(conn);
+    }
+
     fn behind(&self) -> bool {
         let behind = self.0.pending_rows.load(Ordering::Relaxed) > DISPATCH_BUDGET;
         if behind {
@@ -710,30 +714,32 @@ impl Inner {
     /// subscriptions go (kept, to come back to), and at each round it goes live again
     /// if it reached every queue's end. Whether it did.
     fn fall_behind(&self, conn: u64, positions: &[(Arc<str>, u64)]) -> bool {
-        let reader = {
-            let Ok(mut behind) = self.behind.lock() else {
-                return false;
+        match self.reader(conn) {
+            Some(reader) => self.resume(conn, &reader, positions),
+            None => false,
+        }
+    }
+
+    /// What a connection that fell behind subscribed with: at the first call its live
+    /// subscriptions go, kept here to come back to.
+    fn reader(&self, conn: u64) -> Option<Reader> {
+        let mut behind = self.behind.lock().ok()?;
+        if let std::collections::hash_map::Entry::Vacant(first) = behind.entry(conn) {
+            let mut subs = self.subs.write().ok()?;
+            let mut reader = Reader {
+                version: 4,
+                qos: HashMap::new(),
             };
-            if let std::collections::hash_map::Entry::Vacant(first) = behind.entry(conn) {
-                let Ok(mut subs) = self.subs.write() else {
-                    return false;
-                };
-                let mut reader = Reader {
-                    version: 4,
-                    qos: HashMap::new(),
-                };
-                for (f, id) in subs.by_conn.remove(&conn).unwrap_or_default() {
-                    if let Some(s) = subs.table.remove(&id) {
-                        reader.version = s.version;
-                        reader.qos.insert(Arc::clone(&s.filter), s.qos);
-                    }
-                    subs.trie.remove(&f, id);
+            for (f, id) in subs.by_conn.remove(&conn).unwrap_or_default() {
+                if let Some(s) = subs.table.remove(&id) {
+                    reader.version = s.version;
+                    reader.qos.insert(Arc::clone(&s.filter), s.qos);
                 }
-                first.insert(reader);
+                subs.trie.remove(&f, id);
             }
-            behind[&conn].clone()
-        };
-        self.resume(conn, &reader, positions)
+            first.insert(reader);
+        }
+        behind.get(&conn).cloned()
     }
 
     /// Live again, if every queue's position is its end: under the log's lock, as a

@@ -209,6 +209,10 @@ pub trait Sink: Send + Sync + 'static {
         false
     }
 
+    /// A connection fell behind (`catches_up`): live deliveries for it are dropped
+    /// from here on, so the owner need not make them.
+    fn fell_behind(&self, _conn: u64) {}
+
     /// Whether what was reported waits too long to be taken further (the dispatch of
     /// the appends behind): the reactors then stop reading publishers for a moment.
     fn behind(&self) -> bool {
@@ -1300,7 +1304,8 @@ impl Worker {
     /// from the store from there, a batch at a time. One served so holds one batch at
     /// most, and takes one only with room: past the budget by more than a batch, what
     /// waits is its own answers (a publisher that does not read them), and it goes back.
-    fn over_budget(c: &mut Conn, catches_up: bool, delivering: bool, counters: &Counters) {
+    fn over_budget(c: &mut Conn, sink: &dyn Sink, delivering: bool, counters: &Counters) {
+        let catches_up = sink.catches_up();
         if c.behind.is_some() || !(delivering || c.holds()) {
             // What waits is bytes: a last delivery's share past the mark (the next one
             // makes it fall behind), or its own answers.
@@ -1329,6 +1334,7 @@ impl Worker {
             asked: false,
             release: false,
         }));
+        sink.fell_behind(c.id);
     }
 
     /// A connection served from the store asks for its next batch once the last one
@@ -1527,7 +1533,7 @@ impl Worker {
                             } else if c.backlog.is_some()
                                 && c.waiting() + delivery.cost() > c.max_unsent
                             {
-                                Self::over_budget(c, self.sink.catches_up(), true, &self.counters);
+                                Self::over_budget(c, &*self.sink, true, &self.counters);
                             } else if c.backlog.is_none()
                                 && (delivery.qos == 0 || c.core.window() > 0)
                             {
@@ -1843,7 +1849,7 @@ impl Worker {
             self.writers.remove(&token);
         }
         if c.waiting() > c.max_unsent && c.demoting.is_none() {
-            Self::over_budget(c, self.sink.catches_up(), false, &self.counters);
+            Self::over_budget(c, &*self.sink, false, &self.counters);
         }
         if c.demoting.is_none() {
             Self::ask(c, &*self.sink);
