@@ -386,6 +386,9 @@ def test_fan_in_to_a_subscriber_that_falls_behind_delivers_everything(
         for p, c in enumerate(pubs):  # ... while the subscriber reads nothing
             c.send_raw(b"".join(mqtt.encode(mqtt.Publish(f"fan/{p}", b"%02d%05d" % (p, i) + pad,
                                                          qos=0), 4) for i in range(each)))
+        for c in pubs:  # answered once every publish before it was read: all appended
+            c.send(mqtt.Pingreq())
+            assert isinstance(c.recv(), mqtt.Pingresp)
         got = _read_qos1(sub.sock, publishers * each, time.monotonic() + 60)
         by_publisher: dict[int, list[int]] = {}
         for n in got:
