@@ -70,6 +70,9 @@ QUIESCE_TRIES = 8
 # subscriptions or rights are what they are: looked at again when they change), busy
 # (something is under way: looked at again soon), ready.
 NEVER, PARKED, BUSY, READY = range(4)
+# Entries of each queue read for a round of a subscriber that fell behind (the engine
+# delivers at most 256 messages a round: native/src/backlog.rs).
+ROUND_ENTRIES = 256
 
 
 def _linked(conn: Connection) -> NativeStream | None:
@@ -120,6 +123,12 @@ class Handover:
         # and delivers nothing: it carries publishers only, Python the subscribers.
         self.delivers = getattr(engine, "delivers", True)
         self.news = None if self.delivers else RemoteNews(broker, engine)  # type: ignore[arg-type]
+        # A subscriber past its budget stays native, served from the store a round at a
+        # time (`_behind`), where the store is this process's (an embedded one).
+        self._queue_runs = getattr(broker.store, "queue_runs", None)
+        self._nursery: trio.Nursery | None = None
+        if self._queue_runs is not None and hasattr(engine, "set_catch_up"):
+            engine.set_catch_up(True)
 
     # -- which connections ---------------------------------------------------------------
     def consider(self, conn: Connection) -> None:
@@ -334,6 +343,8 @@ class Handover:
                 if row[0] == "stored":  # a gateway node's publishes, stored
                     if self.news is not None:
                         self.news.stored(row[1])
+                elif row[0] == "behind":
+                    self._behind(*row[1:])
                 elif links is not None:
                     links.on_event(row)
                 continue
@@ -396,6 +407,41 @@ class Handover:
             if back is None:
                 self.consider(conn)
 
+    # -- subscribers that fell behind ----------------------------------------------------
+    def _behind(self, conn_id: int, rnd: int, positions: dict[str, int]) -> None:
+        """A carried subscriber that fell behind has room for its next batch: what the
+        index holds of its queues from its positions goes to the engine, which reads the
+        records and sends them (a queue not delivered from yet is where it was promoted)."""
+        conn = self.promoted.get(conn_id)
+        s = None if conn is None else conn.session
+        if s is None:
+            return
+        queues = []
+        for sub in s.subscriptions.values():
+            at = positions.get(sub.queue, s.cursors.get(sub.queue))
+            if at is None:
+                self.engine.release(conn_id)  # (promoted only with every position known)
+                return
+            queues.append((sub.queue, at))
+        if self._nursery is None or self._queue_runs is None:
+            self.engine.release(conn_id)
+            return
+        self._nursery.start_soon(self._feed, conn_id, rnd, queues)
+
+    async def _feed(self, conn_id: int, rnd: int, queues: list[tuple[str, int]]) -> None:
+        queue_runs, engine = self._queue_runs, self.engine
+        assert queue_runs is not None
+
+        def feed() -> None:
+            runs, horizon = queue_runs(queues, ROUND_ENTRIES)
+            engine.feed_runs(conn_id, rnd, runs, horizon)
+
+        try:
+            await trio.to_thread.run_sync(feed)
+        except Exception:  # noqa: BLE001 - it goes back to Python's delivery
+            log.exception("reading the store for connection %d failed", conn_id)
+            engine.release(conn_id)
+
     # -- the task ------------------------------------------------------------------------
     def start(self, nursery: trio.Nursery) -> None:
         """Run the task in `nursery` unless it runs (one for the node's listeners)."""
@@ -409,14 +455,16 @@ class Handover:
         self.running = True
         fd = self.engine.wake_fd
         try:
-            while True:
-                at = self._look()
-                if self.news is not None:
-                    self.news.refresh(trio.current_time())
-                    at = min(at, self.news.next_refresh)
-                with trio.move_on_at(at) as self._waiting:
-                    await trio.lowlevel.wait_readable(fd)
-                self._waiting = None
-                self._take()
+            async with trio.open_nursery() as self._nursery:
+                while True:
+                    at = self._look()
+                    if self.news is not None:
+                        self.news.refresh(trio.current_time())
+                        at = min(at, self.news.next_refresh)
+                    with trio.move_on_at(at) as self._waiting:
+                        await trio.lowlevel.wait_readable(fd)
+                    self._waiting = None
+                    self._take()
         finally:
+            self._nursery = None
             self.running = False

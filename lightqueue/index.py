@@ -292,13 +292,19 @@ class ConsumeQueueIndex:
         for queue in floors:
             self._next.pop(queue, None)
 
-    def read(self, queue: str, offset: int, max_count: int) -> list[IndexEntry]:
+    def _seek(self, queue: str, offset: int) -> tuple[Rdict, bytes, int]:
+        """An iterator at the run holding `queue`'s entry at `offset` (clamped to 0), or
+        at the next run; the queue's key prefix; the offset."""
         prefix = queue_prefix(queue)
         offset = max(offset, 0)
         it = self._db.iter()
         it.seek_for_prev(prefix + U64.pack(offset))  # the run holding it, if any
         if self._run(it, prefix) is None:
             it.seek(prefix + U64.pack(offset))
+        return it, prefix, offset
+
+    def read(self, queue: str, offset: int, max_count: int) -> list[IndexEntry]:
+        it, prefix, offset = self._seek(queue, offset)
         out: list[IndexEntry] = []
         unpack = ENTRY.unpack_from
         while len(out) < max_count and (run := self._run(it, prefix)) is not None:
@@ -315,12 +321,7 @@ class ConsumeQueueIndex:
     def read_tuples(self, queue: str, offset: int, max_count: int) -> list[Entry]:
         """`read` as (phys offset, size, store time, offset) tuples, unpacked a run at a
         time: a replay reads millions, and an object per entry cost more than the read."""
-        prefix = queue_prefix(queue)
-        offset = max(offset, 0)
-        it = self._db.iter()
-        it.seek_for_prev(prefix + U64.pack(offset))
-        if self._run(it, prefix) is None:
-            it.seek(prefix + U64.pack(offset))
+        it, prefix, offset = self._seek(queue, offset)
         out: list[Entry] = []
         while len(out) < max_count and (run := self._run(it, prefix)) is not None:
             first, entries = run
@@ -333,6 +334,25 @@ class ConsumeQueueIndex:
                 offset = out[-1][3] + 1
             it.next()
         return out
+
+    def read_runs_raw(self, queue: str, offset: int, max_entries: int
+                      ) -> tuple[list[tuple[int, bytes]], bool]:
+        """The runs holding `queue`'s entries from `offset` as stored: (first offset,
+        packed entries), the first one perhaps beginning before `offset`, until at least
+        `max_entries` entries from it; and whether the read stopped there (more may
+        follow). For a reader that unpacks them itself (the native plane's, for a
+        subscriber that fell behind): no object per entry here."""
+        it, prefix, offset = self._seek(queue, offset)
+        runs: list[tuple[int, bytes]] = []
+        n = 0
+        while n < max_entries and (run := self._run(it, prefix)) is not None:
+            first, entries = run
+            count = len(entries) // ENTRY.size - max(0, offset - first)
+            if count > 0:
+                runs.append(run)
+                n += count
+            it.next()
+        return runs, n >= max_entries
 
     def offset_at_time(self, queue: str, ms: int) -> int:
         """The first offset whose message was stored at or after `ms` (store time, ms

@@ -428,6 +428,22 @@ class EmbeddedStore:
             start = next_offset  # every one skipped (damaged, or gone): read on
         return PullResult(messages, next_offset, lo, hi)
 
+    def queue_runs(self, positions: Sequence[tuple[str, int]], max_entries: int
+                   ) -> tuple[list[tuple[str, int, list[tuple[int, bytes]], bool]], int]:
+        """What the index holds of each (queue, position) as stored (see
+        ConsumeQueueIndex.read_runs_raw): (queue, start, runs, full), `start` the position
+        moved past what retention took (as `pull` moves it); and the log position the index
+        covers, every entry below it present. Blocking (a worker thread's)."""
+        self.commitlog.catch_up()
+        horizon = self.commitlog.max_offset  # read before the runs: they hold all below it
+        out = []
+        for queue, offset in positions:
+            lo, hi = self.index.min_offset(queue), self.index.max_offset(queue)
+            start = min(max(offset, lo), hi)
+            runs, full = self.index.read_runs_raw(queue, start, max_entries)
+            out.append((queue, start, runs, full))
+        return out, horizon
+
     def pull_raw(self, queue: str, offset: int, max_count: int = MAX_PULL,
                  read_limit: int | None = None, max_bytes: int = RAW_PULL_BYTES) -> RawPull:
         """`pull` as the log holds the records (CommitLog.read_records): runs of records

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::backlog::{self, no_properties, QueueRuns, Reader, Segments};
 use crate::commitlog::LogWriter;
 use crate::partial::PartialBudget;
 use crate::protocol::TopicLimits;
@@ -217,6 +218,18 @@ struct Log {
     marks: Option<(Marks, HashMap<String, u64>)>,
 }
 
+impl Log {
+    /// Where `queue` ends: the next offset it gives out.
+    fn end(&mut self, queue: &str) -> u64 {
+        if let Some(&n) = self.next.get(queue) {
+            return n;
+        }
+        let n = (self.queue_end)(queue);
+        self.next.insert(queue.to_string(), n);
+        n
+    }
+}
+
 struct Sub {
     conn: u64,
     qos: u8,
@@ -278,6 +291,13 @@ struct Inner {
     not_stored: RwLock<NotStored>,
     /// How long native publishes took to append (`Engine::append_latency`).
     append_latency: Latency,
+    /// Whether the owner serves connections that fall behind from the store
+    /// (`Engine::set_catch_up`), and those it serves so: what they subscribed with,
+    /// their live subscriptions gone meanwhile.
+    catch_up: AtomicBool,
+    behind: Mutex<HashMap<u64, Reader>>,
+    /// The log's segment files, read for them.
+    segments: Mutex<Segments>,
 }
 
 /// Upper bounds (seconds) of the append latency histogram: the gateway's own
@@ -334,6 +354,14 @@ impl Sink for EngineSink {
         }
     }
 
+    fn catches_up(&self) -> bool {
+        self.0.catch_up.load(Ordering::Relaxed)
+    }
+
+    fn fell_behind(&self, conn: u64) {
+        self.0.reader(conn);
+    }
+
     fn behind(&self) -> bool {
         let behind = self.0.pending_rows.load(Ordering::Relaxed) > DISPATCH_BUDGET;
         if behind {
@@ -355,6 +383,22 @@ impl Sink for EngineSink {
             // which the reactor did already.
             Report::Acked { .. } => {}
             Report::Link(e) => self.link_events(vec![e]),
+            Report::Behind {
+                conn,
+                round,
+                positions,
+            } => {
+                if !self.0.fall_behind(conn, &positions) {
+                    if let Ok(mut r) = self.0.reports.lock() {
+                        r.push(Report::Behind {
+                            conn,
+                            round,
+                            positions,
+                        });
+                    }
+                    let _ = (&self.0.wake).write(&[1]);
+                }
+            }
             Report::Demoted(d) => {
                 // Its subscriptions go first: nothing is delivered to it after the
                 // positions it hands back.
@@ -444,6 +488,9 @@ impl Engine {
             topic_limits: (AtomicUsize::new(usize::MAX), AtomicUsize::new(usize::MAX)),
             not_stored: RwLock::new(NotStored::default()),
             append_latency: Latency::default(),
+            catch_up: AtomicBool::new(false),
+            behind: Mutex::new(HashMap::new()),
+            segments: Mutex::new(Segments::new(dir)),
         });
         let reactor = Reactor::start(threads, Arc::new(EngineSink(Arc::clone(&inner))))?;
         let _ = inner.handle.set(reactor.handle());
@@ -544,15 +591,7 @@ impl Engine {
             return Ok(false);
         };
         for (filter, _, position) in subscriptions {
-            let end = match log.next.get(filter.as_str()) {
-                Some(&n) => n,
-                None => {
-                    let n = (log.queue_end)(filter);
-                    log.next.insert(filter.clone(), n);
-                    n
-                }
-            };
-            if *position != end {
+            if *position != log.end(filter) {
                 return Ok(false);
             }
         }
@@ -595,7 +634,57 @@ impl Engine {
         qos: u8,
         version: u8,
     ) -> Result<(), FilterError> {
-        let mut subs = self.inner.subs.write().map_err(|_| FilterError::Empty)?;
+        self.inner.subscribe(conn, topic_filter, qos, version)
+    }
+
+    /// Serve connections that fall behind their budget from the store (the owner
+    /// answers their `Report::Behind` with `feed_runs`), instead of handing them back.
+    pub fn set_catch_up(&self, on: bool) {
+        self.inner.catch_up.store(on, Ordering::Relaxed);
+    }
+
+    /// The answer to a connection's `Report::Behind` of `round`: what the index holds
+    /// of its queues from its positions, and the log position the index covers. Its
+    /// next batch goes to it (`backlog::batch`). False: it is not served from the
+    /// store (any more).
+    pub fn feed_runs(
+        &self,
+        conn: u64,
+        round: u64,
+        queues: &[QueueRuns],
+        horizon: u64,
+    ) -> io::Result<bool> {
+        let reader = match self.inner.behind.lock() {
+            Ok(b) => b.get(&conn).cloned(),
+            Err(_) => None,
+        };
+        let Some(reader) = reader else {
+            return Ok(false);
+        };
+        let batch = {
+            let Ok(mut segments) = self.inner.segments.lock() else {
+                return Ok(false);
+            };
+            backlog::batch(&reader, queues, horizon, &mut segments)?
+        };
+        self.reactor.send(Command::Catch {
+            conn,
+            round,
+            batch: Box::new(batch),
+        });
+        Ok(true)
+    }
+}
+
+impl Inner {
+    fn subscribe(
+        &self,
+        conn: u64,
+        topic_filter: &str,
+        qos: u8,
+        version: u8,
+    ) -> Result<(), FilterError> {
+        let mut subs = self.subs.write().map_err(|_| FilterError::Empty)?;
         if let Some(&id) = subs.by_conn.get(&conn).and_then(|f| f.get(topic_filter)) {
             if let Some(s) = subs.table.get_mut(&id) {
                 s.qos = qos; // a repeated SUBSCRIBE replaces its options
@@ -621,6 +710,70 @@ impl Engine {
         Ok(())
     }
 
+    /// A connection fell behind (`Report::Behind`): at its first round its live
+    /// subscriptions go (kept, to come back to), and at each round it goes live again
+    /// if it reached every queue's end. Whether it did.
+    fn fall_behind(&self, conn: u64, positions: &[(Arc<str>, u64)]) -> bool {
+        match self.reader(conn) {
+            Some(reader) => self.resume(conn, &reader, positions),
+            None => false,
+        }
+    }
+
+    /// What a connection that fell behind subscribed with: at the first call its live
+    /// subscriptions go, kept here to come back to.
+    fn reader(&self, conn: u64) -> Option<Reader> {
+        let mut behind = self.behind.lock().ok()?;
+        if let std::collections::hash_map::Entry::Vacant(first) = behind.entry(conn) {
+            let mut subs = self.subs.write().ok()?;
+            let mut reader = Reader {
+                version: 4,
+                qos: HashMap::new(),
+            };
+            for (f, id) in subs.by_conn.remove(&conn).unwrap_or_default() {
+                if let Some(s) = subs.table.remove(&id) {
+                    reader.version = s.version;
+                    reader.qos.insert(Arc::clone(&s.filter), s.qos);
+                }
+                subs.trie.remove(&f, id);
+            }
+            first.insert(reader);
+        }
+        behind.get(&conn).cloned()
+    }
+
+    /// Live again, if every queue's position is its end: under the log's lock, as a
+    /// promotion is, so every message appended after it is delivered live and none
+    /// before it is.
+    fn resume(&self, conn: u64, reader: &Reader, positions: &[(Arc<str>, u64)]) -> bool {
+        let at: HashMap<&str, u64> = positions.iter().map(|(q, n)| (&**q, *n)).collect();
+        let Ok(mut log) = self.log.lock() else {
+            return false;
+        };
+        for queue in reader.qos.keys() {
+            let Some(&position) = at.get(&**queue) else {
+                return false; // never delivered from: where it is is the owner's to say
+            };
+            if position != log.end(queue) {
+                return false;
+            }
+        }
+        let Some(handle) = self.handle.get() else {
+            return false;
+        };
+        handle.send(Command::Live { conn });
+        for (queue, qos) in &reader.qos {
+            let _ = self.subscribe(conn, queue, *qos, reader.version);
+        }
+        if let Ok(mut behind) = self.behind.lock() {
+            behind.remove(&conn);
+        }
+        drop(log);
+        true
+    }
+}
+
+impl Engine {
     pub fn unsubscribe(&self, conn: u64, topic_filter: &str) -> bool {
         let Ok(mut subs) = self.inner.subs.write() else {
             return false;
@@ -884,6 +1037,9 @@ impl Inner {
 
     /// Every subscription of `conn` goes (it was demoted or it left).
     pub fn forget(&self, conn: u64) {
+        if let Ok(mut behind) = self.behind.lock() {
+            behind.remove(&conn);
+        }
         let Ok(mut subs) = self.subs.write() else {
             return;
         };
@@ -1240,11 +1396,6 @@ fn record_bytes(rows: &[Dispatched]) -> usize {
         .filter_map(|d| d.record.as_ref())
         .map(|r| r.len())
         .sum()
-}
-
-/// Whether a record's properties (JSON, as `store/record.py` keeps them) are none.
-fn no_properties(properties: &[u8]) -> bool {
-    properties.is_empty() || properties == b"{}"
 }
 
 /// Raise the marks that these offsets reach (one call for the append), before any of

@@ -26,6 +26,7 @@
 // a Rust-owned one.
 #![deny(unsafe_code)]
 
+pub mod backlog;
 pub mod client;
 pub mod codec;
 pub mod commitlog;

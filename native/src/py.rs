@@ -1060,6 +1060,43 @@ impl PyEngine {
         Ok(py.allow_threads(|| engine.wait_hurry(timeout)))
     }
 
+    /// Serve a carried connection that falls behind its budget from the store instead
+    /// of handing it back: the engine says ("behind", conn, round, {queue: next}) when
+    /// it has room for a batch, and the owner answers with `feed_runs`.
+    fn set_catch_up(&self, on: bool) -> PyResult<()> {
+        self.engine()?.set_catch_up(on);
+        Ok(())
+    }
+
+    /// The answer to ("behind", conn, round, positions): for each of its queues
+    /// (queue, start, [(first offset, entries)], full) as the index holds them from its
+    /// position (`start`: the position, moved past what retention took; `full`: the
+    /// read stopped at its count), and the log position the index covers. The engine
+    /// reads the records and sends the connection its next batch. False: it is not
+    /// served from the store (any more); OSError when the log cannot be read.
+    #[allow(clippy::type_complexity)] // the runs as the index hands them
+    fn feed_runs(
+        &self,
+        py: Python<'_>,
+        conn: u64,
+        round: u64,
+        queues: Vec<(String, u64, Vec<(u64, Vec<u8>)>, bool)>,
+        horizon: u64,
+    ) -> PyResult<bool> {
+        let engine = self.engine()?;
+        let queues: Vec<crate::backlog::QueueRuns> = queues
+            .into_iter()
+            .map(|(queue, start, runs, full)| crate::backlog::QueueRuns {
+                queue: std::sync::Arc::from(queue),
+                start,
+                runs,
+                full,
+            })
+            .collect();
+        py.allow_threads(|| engine.feed_runs(conn, round, &queues, horizon))
+            .map_err(os_error)
+    }
+
     /// What a topic is held to on a connection adopted with `acl=None` (it may publish
     /// anywhere): longer than `max_length` characters, or with `max_levels` separators,
     /// its publish comes back to Python, as does one to a `$` topic.
@@ -1232,6 +1269,17 @@ impl PyEngine {
                         LogTarget::MessageLimit => ("ws_limit", 1),
                     };
                     ("log", what, text, count).into_pyobject(py)?.into_any()
+                }
+                Report::Behind {
+                    conn,
+                    round,
+                    positions,
+                } => {
+                    let at = PyDict::new(py);
+                    for (queue, next) in positions {
+                        at.set_item(&*queue, next)?;
+                    }
+                    ("behind", conn, round, at).into_pyobject(py)?.into_any()
                 }
                 Report::Published(_) | Report::Acked { .. } => continue,
             };

@@ -7,9 +7,10 @@
 //! (a demotion, with the socket and the connection's state) through the same sink.
 //!
 //! A connection is demoted when its core hands a packet back, when its keepalive runs
-//! out, when the client closes, or when its backlog passes the budget: the reactor stops
-//! reading it, waits until every publish it took is answered, and hands the socket, the
-//! unread bytes, the unsent bytes and what is in flight to the owner.
+//! out, when the client closes, or when its backlog passes the budget (unless the owner
+//! serves a subscriber past it from the store: `Sink::catches_up`, `backlog`): the
+//! reactor stops reading it, waits until every publish it took is answered, and hands
+//! the socket, the unread bytes, the unsent bytes and what is in flight to the owner.
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -176,6 +177,14 @@ pub enum Report {
     Demoted(Box<Demoted>),
     /// What happened on a connection the native side accepted (`relay`).
     Link(LinkEvent),
+    /// A connection that fell behind (`Sink::catches_up`) has room for its next batch
+    /// from the store: round `round` starts at `positions` (queue -> next offset; a
+    /// queue it has not been delivered from yet is missing).
+    Behind {
+        conn: u64,
+        round: u64,
+        positions: Vec<(Arc<str>, u64)>,
+    },
 }
 
 pub trait Sink: Send + Sync + 'static {
@@ -193,6 +202,16 @@ pub trait Sink: Send + Sync + 'static {
     fn topic_limits(&self) -> TopicLimits {
         TopicLimits::NONE
     }
+
+    /// Whether a connection that falls behind its budget stays, served from the store
+    /// a batch at a time (`Report::Behind`, `Command::Catch`), instead of going back.
+    fn catches_up(&self) -> bool {
+        false
+    }
+
+    /// A connection fell behind (`catches_up`): live deliveries for it are dropped
+    /// from here on, so the owner need not make them.
+    fn fell_behind(&self, _conn: u64) {}
 
     /// Whether what was reported waits too long to be taken further (the dispatch of
     /// the appends behind): the reactors then stop reading publishers for a moment.
@@ -286,6 +305,10 @@ pub struct Counters {
     pub connections: AtomicU64,
     /// Connections moved to the thread their deliveries come from.
     pub moved: AtomicU64,
+    /// Subscribers that fell behind their budget and were served from the store, and
+    /// those of them that caught up and went live again.
+    pub fell_behind: AtomicU64,
+    pub caught_up: AtomicU64,
     /// TLS handshakes the native listeners completed, failed, and gave up on (the
     /// client said nothing in time).
     pub tls_handshakes: AtomicU64,
@@ -309,6 +332,8 @@ impl Counters {
             ("bytes_in", get(&self.bytes_in)),
             ("bytes_out", get(&self.bytes_out)),
             ("dropped", get(&self.dropped)),
+            ("fell_behind", get(&self.fell_behind)),
+            ("caught_up", get(&self.caught_up)),
             ("adopted", get(&self.adopted)),
             ("demoted", get(&self.demoted)),
             ("connections", get(&self.connections)),
@@ -353,6 +378,17 @@ pub enum Command {
     Deliver {
         conn: u64,
         delivery: Delivery,
+    },
+    /// The batch of round `round` for a connection that fell behind, read from the
+    /// store (`backlog::batch`).
+    Catch {
+        conn: u64,
+        round: u64,
+        batch: Box<crate::backlog::Batch>,
+    },
+    /// A connection that fell behind caught up: live deliveries from here on.
+    Live {
+        conn: u64,
     },
     /// A connection moving in from another thread, with the commands it had waiting
     /// there (applied first, in order).
@@ -408,6 +444,8 @@ impl Command {
             | Command::Release { conn }
             | Command::PublishDone { conn, .. }
             | Command::Deliver { conn, .. }
+            | Command::Catch { conn, .. }
+            | Command::Live { conn }
             | Command::Send { conn, .. }
             | Command::Close { conn }
             | Command::Resume { conn }
@@ -424,6 +462,10 @@ impl Command {
     fn weight(&self) -> usize {
         match self {
             Command::Deliver { delivery, .. } => std::mem::size_of::<Command>() + delivery.cost(),
+            Command::Catch { batch, .. } => {
+                std::mem::size_of::<Command>()
+                    + batch.deliveries.iter().map(Delivery::cost).sum::<usize>()
+            }
             _ => 0,
         }
     }
@@ -721,7 +763,21 @@ struct Conn {
     lean_lane: u16,
     lean: u16,
     adopted_at: f64,
+    /// Fell behind (`Sink::catches_up`): served from the store, a batch at a time.
+    behind: Option<Box<Behind>>,
 }
+
+/// A connection served from the store: the round it asked for, if one is asked and
+/// not come yet, and whether it goes back once what it holds is out (a record that
+/// needs the owner is next).
+struct Behind {
+    round: u64,
+    asked: bool,
+    release: bool,
+}
+
+/// Rounds are numbered across the node, so that an answer to an old one is known.
+static ROUNDS: AtomicU64 = AtomicU64::new(1);
 
 /// What waits for a client that does not take it as fast as it comes: made when the
 /// first byte or delivery has to wait, dropped once all of it went out, so that a
@@ -1242,6 +1298,95 @@ impl Worker {
         c.settle();
     }
 
+    /// More waits for the client than its budget: it goes back, or (when the owner
+    /// serves it from the store, and deliveries are what waits: one comes, or some are
+    /// held) it drops what it holds, whose positions it has not passed, and is served
+    /// from the store from there, a batch at a time. One served so holds one batch at
+    /// most, and takes one only with room: past the budget by more than a batch, what
+    /// waits is its own answers (a publisher that does not read them), and it goes back.
+    fn over_budget(c: &mut Conn, sink: &dyn Sink, delivering: bool, counters: &Counters) {
+        let catches_up = sink.catches_up();
+        if c.behind.is_some() || !(delivering || c.holds()) {
+            // What waits is bytes: a last delivery's share past the mark (the next one
+            // makes it fall behind), or its own answers.
+            let slack = if catches_up {
+                crate::backlog::BATCH_BYTES
+            } else {
+                0
+            };
+            if c.unsent() > c.max_unsent + slack {
+                c.demoting.get_or_insert(Why::Backlog);
+            }
+            return;
+        }
+        if !catches_up {
+            c.demoting.get_or_insert(Why::Backlog);
+            return;
+        }
+        if let Some(b) = c.backlog.as_mut() {
+            b.held = VecDeque::new();
+            b.held_cost = 0;
+        }
+        c.settle();
+        Counters::add(&counters.fell_behind, 1);
+        c.behind = Some(Box::new(Behind {
+            round: 0,
+            asked: false,
+            release: false,
+        }));
+        sink.fell_behind(c.id);
+    }
+
+    /// A connection served from the store asks for its next batch once the last one
+    /// is out and its socket has room; or goes back, when the next record needs the
+    /// owner.
+    fn ask(c: &mut Conn, sink: &dyn Sink) {
+        let room = !c.holds() && c.unsent() + c.core.pending_output() <= c.max_unsent / 2;
+        let Some(b) = c.behind.as_mut().filter(|b| !b.asked && room) else {
+            return;
+        };
+        if b.release {
+            c.demoting = Some(Why::Released);
+            return;
+        }
+        b.asked = true;
+        b.round = ROUNDS.fetch_add(1, Ordering::Relaxed);
+        let positions = c
+            .positions
+            .iter()
+            .map(|(q, n)| (Arc::clone(q), *n))
+            .collect();
+        sink.report(Report::Behind {
+            conn: c.id,
+            round: b.round,
+            positions,
+        });
+    }
+
+    /// The batch of the round a connection asked for (another's is stale: dropped).
+    fn catch(c: &mut Conn, round: u64, batch: crate::backlog::Batch, counters: &Counters) {
+        let Some(b) = c.behind.as_mut().filter(|b| b.asked && b.round == round) else {
+            return;
+        };
+        b.asked = false;
+        b.release = batch.release;
+        // Where each queue starts now (nothing went out since it asked), then past what
+        // was skipped: as Python's delivery moves a cursor to where a pull started.
+        for (queue, start) in batch.jumps {
+            c.positions.insert(queue, start);
+        }
+        Counters::add(&counters.dropped, batch.dropped);
+        if batch.deliveries.is_empty() {
+            return;
+        }
+        let backlog = c.backlog();
+        for d in batch.deliveries {
+            backlog.held_cost += d.cost();
+            backlog.held.push_back(d);
+        }
+        Self::send_held(c, counters);
+    }
+
     /// One delivery into the client's output, its queues' positions past it.
     fn send(
         core: &mut Connection,
@@ -1326,6 +1471,24 @@ impl Worker {
                         touched.push(token);
                     }
                 }
+                Command::Catch { conn, round, batch } => {
+                    if let Some(&token) = self.tokens.get(&conn) {
+                        if let Some(c) = self.conns.get_mut(&token) {
+                            Self::catch(c, round, *batch, &self.counters);
+                            touched.push(token);
+                        }
+                    }
+                }
+                Command::Live { conn } => {
+                    if let Some(&token) = self.tokens.get(&conn) {
+                        if let Some(c) = self.conns.get_mut(&token) {
+                            if c.behind.as_ref().is_some_and(|b| b.asked) {
+                                c.behind = None;
+                                Counters::add(&self.counters.caught_up, 1);
+                            }
+                        }
+                    }
+                }
                 Command::Release { conn } => {
                     if let Some(&token) = self.tokens.get(&conn) {
                         if let Some(c) = self.conns.get_mut(&token) {
@@ -1364,13 +1527,13 @@ impl Worker {
                             {
                                 self.moves.push((token, to));
                             }
-                            if c.demoting.is_some() {
-                                // Its positions say what went out; the owner delivers
-                                // the rest from the store.
+                            if c.demoting.is_some() || c.behind.is_some() {
+                                // Its positions say what went out; the rest comes from
+                                // the store (the owner's delivery, or its batches).
                             } else if c.backlog.is_some()
                                 && c.waiting() + delivery.cost() > c.max_unsent
                             {
-                                c.demoting = Some(Why::Backlog);
+                                Self::over_budget(c, &*self.sink, true, &self.counters);
                             } else if c.backlog.is_none()
                                 && (delivery.qos == 0 || c.core.window() > 0)
                             {
@@ -1520,6 +1683,7 @@ impl Worker {
             link,
             core,
             backlog: None,
+            behind: None,
             max_unsent: if a.max_unsent == 0 {
                 BACKLOG_BUDGET
             } else {
@@ -1684,8 +1848,11 @@ impl Worker {
         } else {
             self.writers.remove(&token);
         }
-        if c.waiting() > c.max_unsent {
-            c.demoting.get_or_insert(Why::Backlog);
+        if c.waiting() > c.max_unsent && c.demoting.is_none() {
+            Self::over_budget(c, &*self.sink, false, &self.counters);
+        }
+        if c.demoting.is_none() {
+            Self::ask(c, &*self.sink);
         }
         let want_write = c.unsent() > 0 || c.link.pending();
         if c.demoting.is_some() && c.core.answers_pending() == 0 {

@@ -389,7 +389,8 @@ impl Sink for SinkRef {
     fn report(&self, report: Report) {
         match report {
             Report::Published(batch) => self.0.send(batch),
-            Report::Acked { .. } => {}
+            // A gateway node's engine delivers nothing, so no connection falls behind.
+            Report::Acked { .. } | Report::Behind { .. } => {}
             Report::Link(e) => self.link_events(vec![e]),
             Report::Demoted(d) => {
                 if let Ok(mut r) = self.0.reports.lock() {

@@ -26,6 +26,8 @@ struct Collect {
     lean: Mutex<Option<Lean>>,
     /// Times the node's budget for partial packets was freed.
     freed: std::sync::atomic::AtomicUsize,
+    /// What `catches_up` says: a subscriber past its budget is served from the store.
+    catch_up: AtomicBool,
 }
 
 impl Sink for Collect {
@@ -36,6 +38,10 @@ impl Sink for Collect {
 
     fn behind(&self) -> bool {
         self.behind.load(Ordering::Relaxed)
+    }
+
+    fn catches_up(&self) -> bool {
+        self.catch_up.load(Ordering::Relaxed)
     }
 
     fn partial_freed(&self) {
@@ -705,5 +711,110 @@ fn a_pass_reads_a_flooding_client_once_however_long_it_floods() {
         largest * PACKET / 1024
     );
     drop(client);
+    reactor.stop();
+}
+
+/// A round of a connection that fell behind: (round, positions).
+fn take_behind(sink: &Collect, conn: u64) -> (u64, Vec<(Arc<str>, u64)>) {
+    sink.wait(|r| match r {
+        Report::Behind {
+            conn: c,
+            round,
+            positions,
+        } if *c == conn => Some((*round, positions.clone())),
+        _ => None,
+    })
+}
+
+fn qos1(topic: &Arc<str>, offset: u64) -> Delivery {
+    Delivery {
+        topic: topic.clone(),
+        payload: Arc::from(&b""[..]),
+        qos: 1,
+        retain: false,
+        source: (0, offset),
+        positions: vec![(topic.clone(), offset)],
+        from_lane: None,
+    }
+}
+
+/// The packet ids of `n` QoS 1 PUBLISHes with an empty payload on a 1-byte topic.
+fn read_qos1(client: &mut TcpStream, n: usize) -> Vec<u16> {
+    let bytes = read_exact(client, n * 7);
+    bytes
+        .chunks(7)
+        .map(|p| {
+            assert_eq!(p[..5], [0x32, 5, 0, 1, b'q']);
+            u16::from_be_bytes([p[5], p[6]])
+        })
+        .collect()
+}
+
+#[test]
+fn a_subscriber_past_its_budget_is_served_a_batch_at_a_time_then_live() {
+    let sink = Arc::new(Collect::default());
+    sink.catch_up.store(true, Ordering::Relaxed);
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    let (mut client, socket) = pair();
+    adopt_held_to(&reactor, 9, socket, 10_000, DrainRule::default());
+    // Its window (2) full, what comes after is held, past the budget: it falls behind,
+    // drops what it holds, and asks for its first round once what waits went out.
+    let topic: Arc<str> = Arc::from("q");
+    for i in 0..1_000 {
+        reactor.send(Command::Deliver {
+            conn: 9,
+            delivery: qos1(&topic, i),
+        });
+    }
+    assert_eq!(read_qos1(&mut client, 2), [1, 2]);
+    let (round, positions) = take_behind(&sink, 9);
+    assert_eq!(positions, [(topic.clone(), 2)], "the window's two went out");
+    // Deliveries meanwhile are not taken: the store has them.
+    reactor.send(Command::Deliver {
+        conn: 9,
+        delivery: qos1(&topic, 1_000),
+    });
+    // A stale round is dropped; the round asked for is sent as the window frees.
+    let batch = |from: u64, n: u64| lightgate_native::backlog::Batch {
+        jumps: vec![(topic.clone(), from)],
+        deliveries: (from..from + n).map(|i| qos1(&topic, i)).collect(),
+        release: false,
+        dropped: 0,
+    };
+    for (r, from) in [(round + 1_000, 100), (round, 2)] {
+        reactor.send(Command::Catch {
+            conn: 9,
+            round: r,
+            batch: Box::new(batch(from, 3)),
+        });
+    }
+    client.write_all(&[0x40, 2, 0, 1, 0x40, 2, 0, 2]).unwrap();
+    assert_eq!(read_qos1(&mut client, 2), [3, 4]);
+    client.write_all(&[0x40, 2, 0, 3, 0x40, 2, 0, 4]).unwrap();
+    assert_eq!(read_qos1(&mut client, 1), [5]);
+    let (next, positions) = take_behind(&sink, 9);
+    assert!(next > round);
+    assert_eq!(positions, [(topic.clone(), 5)]);
+    // Caught up: live from here.
+    reactor.send(Command::Live { conn: 9 });
+    client.write_all(&[0x40, 2, 0, 5]).unwrap();
+    reactor.send(Command::Deliver {
+        conn: 9,
+        delivery: qos1(&topic, 5),
+    });
+    assert_eq!(read_qos1(&mut client, 1), [6]);
+    reactor.send(Command::Release { conn: 9 });
+    let back = take_demoted(&sink, 9);
+    assert_eq!(back.why, Why::Released);
+    assert_eq!(back.positions.get("q"), Some(&6));
+    assert!(
+        !sink
+            .reports
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|r| matches!(r, Report::Demoted(_))),
+        "never handed back for its backlog"
+    );
     reactor.stop();
 }

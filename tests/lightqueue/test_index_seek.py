@@ -88,3 +88,41 @@ def test_read_tuples_is_read(idx: ConsumeQueueIndex) -> None:
     for start, n in ((0, 5), (3, 700), (len(recs) - 2, 10), (len(recs), 4), (120, 1)):
         assert idx.read_tuples("q", start, n) == [
             (e.phys_offset, e.size, e.store_ts, e.offset) for e in idx.read("q", start, n)]
+
+
+def unpack_runs(runs: list[tuple[int, bytes]], start: int, n: int) -> list[tuple]:
+    """Entries of raw runs from `start`, as read_tuples gives them, `n` at most."""
+    out = []
+    for first, entries in runs:
+        for i in range(len(entries) // 20):
+            if first + i >= start and len(out) < n:
+                e = entries[i * 20:(i + 1) * 20]
+                out.append((int.from_bytes(e[:8], "big"), int.from_bytes(e[8:12], "big"),
+                            int.from_bytes(e[12:], "big"), first + i))
+    return out
+
+
+def test_raw_runs_are_read_tuples(idx: ConsumeQueueIndex) -> None:
+    """What a native reader is handed decodes to exactly read_tuples, from any offset,
+    across a repair's gap and retention; `full` says whether more may follow."""
+    recs = fill(idx, random.Random(5), 8)
+    first_end = idx.max_offset("q")
+    idx.set_floors({"q": first_end + 100})
+    idx.forget_allocations()
+    later = [Rec(10**7 + i * 50, 50, 10**6 + i, queues=idx.assign(["q"])) for i in range(40)]
+    idx.write_messages(later, 10**7 + 2000)
+    end = idx.max_offset("q")
+
+    def check() -> None:
+        for start, n in ((0, 5), (3, 700), (len(recs) - 2, 10), (first_end, 4),
+                         (first_end + 120, 1), (end, 4), (120, 1), (0, 10**6)):
+            runs, full = idx.read_runs_raw("q", start, n)
+            want = idx.read_tuples("q", start, n)
+            assert unpack_runs(runs, start, n) == want, (start, n)
+            assert full == (len(want) == n and bool(runs) and
+                            len(unpack_runs(runs, start, 10**9)) >= n), (start, n)
+
+    check()
+    idx.delete_below({"q": first_end}, [])  # retention took the first part
+    assert idx.read_runs_raw("q", 0, 10)[0][0][0] == first_end + 100
+    check()

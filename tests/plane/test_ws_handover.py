@@ -201,3 +201,35 @@ def test_a_carried_websocket_clients_end_publishes_its_will(
         [("wills/wdoomed", b"gone"), ("wills/wsleeper", b"timed out")]
     assert said_back(srv, "wdoomed", "lost")
     watcher.disconnect()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_carried_websocket_subscriber_that_falls_behind_stays_native(
+        srv: Server, pki: Pki, transport: str) -> None:
+    """Past its budget a carried WebSocket subscriber is served from the store, as a
+    plain-TCP one is: every message once, in order, and no demotion for its backlog."""
+    sub_id = uid("wbehind")
+    sub = raw(srv, pki, transport, timeout=20)
+    sub.connect(sub_id)
+    assert sub.subscribe("wsflood/t", 1).reason_codes == [1]
+    wait_native(srv, sub_id, 1)
+    said = len(srv.log)
+    pub = RawClient(srv.port, timeout=20)
+    pub.connect(uid("wflooder"))
+    count, body = 4_000, b"." * 1_000  # 4 MB: past the 2 MiB budget, unread meanwhile
+    pub.send_raw(b"".join(mqtt.encode(mqtt.Publish("wsflood/t", b"%05d" % i + body, qos=1,
+                                                   packet_id=i + 1), 4)
+                          for i in range(count)))
+    assert all(isinstance(pub.recv(), mqtt.Puback) for _ in range(count))
+    got = []
+    while len(got) < count:
+        p = sub.recv()
+        assert isinstance(p, mqtt.Publish), p
+        got.append(p.payload[:5])
+        sub.send(mqtt.Puback(p.packet_id))
+    assert got == [b"%05d" % i for i in range(count)]  # once each, in order
+    assert not [line for line in srv.log[said:]
+                if f"client {sub_id!r} (" in line and "back from the native plane" in line]
+    counters = native_counters(srv)
+    assert counters["lightgate_native_fell_behind_total"] >= 1, counters
+    pub.close()
