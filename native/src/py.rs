@@ -773,6 +773,7 @@ impl PyEngine {
         let options = crate::client::Options {
             addrs,
             credentials: username.map(|u| (u, password.unwrap_or_default())),
+            ..Default::default()
         };
         let remote = crate::remote::RemoteEngine::start(options, io_threads).map_err(os_error)?;
         Ok(PyEngine {
