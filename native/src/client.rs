@@ -725,15 +725,14 @@ impl Connection {
             };
             let again = !stopping
                 && request.once.as_mut().is_some_and(|o| {
-                    if forgotten.is_some() && o.sent == 1 {
-                        // Refused under the forgotten id and sent nowhere else: never
+                    let mine = o.stamp.as_ref().map(|s| Arc::clone(&s.0));
+                    if o.sent == 1 && mine.is_some() && mine == forgotten {
+                        // Under the id the store forgot and sent nowhere else: never
                         // stored, so stamped anew under the next id.
-                        let mine = o.stamp.as_ref().map(|s| Arc::clone(&s.0));
-                        if mine == forgotten {
-                            o.unstamp(&mut request.header);
-                        }
+                        o.unstamp(&mut request.header);
+                        return true;
                     }
-                    o.stamp.is_some() || forgotten.is_some()
+                    o.stamp.is_some()
                 });
             if again {
                 self.resend.push_back(request);
@@ -836,7 +835,10 @@ impl Connection {
         once.stamp.as_ref()?;
         match status? {
             NOT_MASTER if group => Some(("it refused a request for now (503)".into(), false)),
-            UNKNOWN_PRODUCER => Some(("it forgot this client's producer id (410)".into(), true)),
+            // (sent before: it may be stored under that id; refused, at least once)
+            UNKNOWN_PRODUCER if once.sent == 1 => {
+                Some(("it forgot this client's producer id (410)".into(), true))
+            }
             _ => None,
         }
     }
