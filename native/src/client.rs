@@ -171,9 +171,9 @@ struct Shared {
     in_flight: AtomicUsize,
     /// The master it talks to, and why the last search found none.
     status: Mutex<(String, String)>,
-    /// Until when idempotent requests wait for a master rather than fail at once: a
-    /// connection that carried them was lost (its own ones are sent again).
-    recover_until: Mutex<Option<Instant>>,
+    /// Whether idempotent requests wait for a master rather than fail at once: a lost
+    /// connection left requests to send again, and what comes after waits behind them.
+    holding: AtomicBool,
 }
 
 /// The client: `submit` from any thread; the connection's thread does the rest.
@@ -212,7 +212,7 @@ impl Client {
             backlog: AtomicUsize::new(0),
             in_flight: AtomicUsize::new(0),
             status: Mutex::new((String::new(), String::new())),
-            recover_until: Mutex::new(None),
+            holding: AtomicBool::new(false),
         });
         let or = |d: Duration, default| if d.is_zero() { default } else { d };
         let delivery_timeout = or(options.delivery_timeout, DELIVERY_TIMEOUT);
@@ -280,11 +280,7 @@ impl Client {
     }
 
     fn recovering(&self) -> bool {
-        self.shared
-            .recover_until
-            .lock()
-            .map(|u| u.is_some_and(|u| Instant::now() < u))
-            .unwrap_or(false)
+        self.shared.holding.load(Ordering::Acquire)
     }
 
     fn enqueue(
@@ -571,14 +567,13 @@ impl Connection {
         let mut due: VecDeque<u32> = VecDeque::new(); // sent, in the order sent
         let mut out: Vec<u8> = Vec::new();
         let mut written = 0usize; // of `out`
-                                  // What a lost connection left: sent again first, in the order first sent.
+
+        // What a lost connection left: sent again first, in the order first sent.
         for r in std::mem::take(&mut self.resend) {
             self.frame_out(r, &mut out, &mut waiting, &mut due);
         }
-        if let Ok(mut u) = self.shared.recover_until.lock() {
-            *u = None;
-        }
         self.shared.connected.store(true, Ordering::Release);
+        self.shared.holding.store(false, Ordering::Release);
         let mut last_heard = Instant::now();
         let mut forgotten: Option<Arc<str>> = None; // a producer id the store forgot
         let mut events = Events::with_capacity(64);
@@ -666,11 +661,15 @@ impl Connection {
                                         .and_then(|o| o.stamp.as_ref())
                                         .map(|s| Arc::clone(&s.0));
                                 }
+                                // (the answers read with it are taken still)
                                 waiting.insert(f.request_id, sent);
-                                lost = Some(why.0);
-                                break 'read;
+                                lost.get_or_insert(why.0);
+                                continue;
                             }
                             self.answered(sent.request, f);
+                        }
+                        if lost.is_some() {
+                            break 'read;
                         }
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -743,15 +742,10 @@ impl Connection {
             }
         }
         self.shared.in_flight.store(0, Ordering::Relaxed);
-        if self.producer.is_some() && !stopping {
-            // Idempotent requests wait for the next master, for the delivery timeout.
-            if let Ok(mut u) = self.shared.recover_until.lock() {
-                *u = Some(Instant::now() + self.delivery_timeout);
-            }
-            self.fail_queued(&lost, false);
-        } else {
-            self.fail_queued(&lost, true);
-        }
+        // Idempotent requests wait behind those to send again (each until its delivery
+        // timeout); with none, they fail at once, as while no master is found.
+        self.shared.holding.store(kept > 0, Ordering::Release);
+        self.fail_queued(&lost, kept == 0);
         if kept > 0 {
             return format!("{why} ({kept} requests to send again)");
         }
@@ -910,16 +904,10 @@ impl Connection {
     }
 
     /// While no master is found: the idempotent requests past their delivery timeout
-    /// fail, and once the time to recover is over, everything waiting does.
+    /// fail, and once none is left to send again, everything waiting does.
     fn expire(&mut self, why: &str) {
         let now = Instant::now();
-        let over = self
-            .shared
-            .recover_until
-            .lock()
-            .map(|u| u.is_none_or(|u| now >= u))
-            .unwrap_or(true);
-        let late = |r: &Request| over || r.once.as_ref().is_none_or(|o| now >= o.deadline);
+        let late = |r: &Request| r.once.as_ref().is_none_or(|o| now >= o.deadline);
         let timed_out = format!(
             "not delivered within {} s: {why}",
             self.delivery_timeout.as_secs_f64()
@@ -927,6 +915,11 @@ impl Connection {
         let (fail, keep): (VecDeque<Request>, VecDeque<Request>) =
             std::mem::take(&mut self.resend).into_iter().partition(late);
         self.resend = keep;
+        let over = self.resend.is_empty();
+        if over {
+            self.shared.holding.store(false, Ordering::Release);
+        }
+        let late = |r: &Request| over || late(r);
         for r in fail {
             self.unqueue(r.cost);
             (r.done)(Err(timed_out.clone()));
@@ -1597,5 +1590,29 @@ mod tests {
         assert_eq!(stamps.len(), 2);
         assert_ne!(stamps[0].0, stamps[1].0);
         assert_eq!(stamps[1].2, 0);
+    }
+
+    #[test]
+    fn a_refusal_for_now_in_a_group_sends_the_request_again() {
+        let (master, seen) = scripted(
+            json!({"role": "master", "epoch": 2}),
+            |all, _, f| match all {
+                0 => Act::Reply(refused(f, NOT_MASTER)),
+                _ => Act::Reply(echo(f).unwrap()),
+            },
+        );
+        let (replica, _) = scripted(json!({"role": "replica", "epoch": 2}), |_, _, _| Act::Close);
+        let client = Client::start(Options {
+            addrs: format!("{replica},{master}"),
+            ..Default::default()
+        })
+        .unwrap();
+        wait_connected(&client);
+        let a = submit_once(&client, b"a", 1);
+        let f = a.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+        assert_eq!(f.kind, Kind::Response);
+        let stamps: Vec<_> = seen.try_iter().map(|f| stamp_of(&f)).collect();
+        assert_eq!(stamps.len(), 2);
+        assert_eq!(stamps[0], stamps[1], "sent again stamped the same");
     }
 }
