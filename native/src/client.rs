@@ -174,6 +174,9 @@ struct Shared {
     /// Whether idempotent requests wait for a master rather than fail at once: a lost
     /// connection left requests to send again, and what comes after waits behind them.
     holding: AtomicBool,
+    /// The owner gave up on the master (a gateway cut off from it): what is held to
+    /// send again fails at the next search round.
+    give_up: AtomicBool,
 }
 
 /// The client: `submit` from any thread; the connection's thread does the rest.
@@ -213,6 +216,7 @@ impl Client {
             in_flight: AtomicUsize::new(0),
             status: Mutex::new((String::new(), String::new())),
             holding: AtomicBool::new(false),
+            give_up: AtomicBool::new(false),
         });
         let or = |d: Duration, default| if d.is_zero() { default } else { d };
         let delivery_timeout = or(options.delivery_timeout, DELIVERY_TIMEOUT);
@@ -326,6 +330,14 @@ impl Client {
         drop(q);
         let _ = self.waker.wake();
         Ok(())
+    }
+
+    /// Fail what is held to be sent again, and what waits behind it, when the client
+    /// next finds no master or loses its connection: the owner gave up on the master (a
+    /// gateway sending its clients to another gateway).
+    pub fn give_up(&self) {
+        self.shared.give_up.store(true, Ordering::Release);
+        let _ = self.waker.wake();
     }
 
     pub fn connected(&self) -> bool {
@@ -907,7 +919,8 @@ impl Connection {
     /// fail, and once none is left to send again, everything waiting does.
     fn expire(&mut self, why: &str) {
         let now = Instant::now();
-        let late = |r: &Request| r.once.as_ref().is_none_or(|o| now >= o.deadline);
+        let given_up = self.shared.give_up.swap(false, Ordering::AcqRel);
+        let late = |r: &Request| given_up || r.once.as_ref().is_none_or(|o| now >= o.deadline);
         let timed_out = format!(
             "not delivered within {} s: {why}",
             self.delivery_timeout.as_secs_f64()
@@ -1614,5 +1627,28 @@ mod tests {
         let stamps: Vec<_> = seen.try_iter().map(|f| stamp_of(&f)).collect();
         assert_eq!(stamps.len(), 2);
         assert_eq!(stamps[0], stamps[1], "sent again stamped the same");
+    }
+
+    #[test]
+    fn what_is_held_fails_when_the_owner_gives_up() {
+        let (addr, _seen) = scripted(json!({"role": "master"}), |_, _, _| Act::Close);
+        let client = Client::start(Options {
+            addrs: addr,
+            ..Default::default()
+        })
+        .unwrap();
+        wait_connected(&client);
+        let a = submit_once(&client, b"a", 1);
+        assert!(
+            a.recv_timeout(Duration::from_millis(500)).is_err(),
+            "held, not failed"
+        );
+        client.give_up();
+        let err = a
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap()
+            .unwrap_err();
+        assert!(err.contains("not delivered"), "{err}");
+        assert_eq!(client.backlog(), 0);
     }
 }

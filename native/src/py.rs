@@ -796,6 +796,13 @@ impl PyEngine {
         Ok(self.remote()?.store_status())
     }
 
+    /// A remote engine's frames held to be sent again to the store's master fail, and
+    /// the publishes behind them: the gateway gave up on that master.
+    fn give_up_held(&self) -> PyResult<()> {
+        self.remote()?.give_up_held();
+        Ok(())
+    }
+
     /// The queues Python reads on this node: a remote engine hands it the messages of
     /// these its publishers stored (`take_events`' "stored").
     fn set_stored_queues(&self, names: std::collections::HashSet<String>) -> PyResult<()> {

@@ -480,6 +480,12 @@ impl RemoteEngine {
         (c.connected(), master, why)
     }
 
+    /// Fail the frames held to be sent again (the gateway gives up on the master: its
+    /// clients go to another gateway), and the publishes waiting behind them.
+    pub fn give_up_held(&self) {
+        self.sink.client.give_up();
+    }
+
     /// The queues Python reads on this node: the acknowledged messages of these are
     /// handed to it (`take_stored`).
     pub fn set_stored_queues(&self, names: HashSet<String>) {
