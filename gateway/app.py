@@ -145,7 +145,8 @@ async def _serve(opts: GatewayOptions, signals: Signals, reload: Reload,
         nursery.start_soon(broker.run_poll_fallback, bus if opts.notify else None)
         await nursery.start(broker.run_connections)
         await nursery.start(broker.run_housekeeping)
-        link = StoreLink(client, opts.peers, opts.master_unreachable_s)
+        link = StoreLink(client, opts.peers, opts.master_unreachable_s,
+                         None if engine is None else engine.give_up_held)
         nursery.start_soon(link.run, broker)
         bound = await start_listeners(nursery, broker, opts.listeners, reload)
         app = auth_app([*link.routes(), *gateway_routes(broker)], auth,

@@ -20,7 +20,7 @@ serve."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -101,11 +101,15 @@ class Clients(Protocol):
 class StoreLink:
     """The judge, the task that applies it, and /readyz."""
 
-    def __init__(self, client: StoreClient, peers: Iterable[str], after_s: float) -> None:
+    def __init__(self, client: StoreClient, peers: Iterable[str], after_s: float,
+                 give_up: Callable[[], None] | None = None) -> None:
         self.client = client
         self.peers = [p for p in peers if p]
         self.judge = LinkJudge(after_s)
         self.after_s = after_s
+        # The native engine's publishes held to be sent again to the master fail when
+        # the clients are sent away (a carried connection closes once they are answered).
+        self.give_up = give_up
 
     async def run(self, clients: Clients) -> None:
         client = self.client
@@ -126,6 +130,8 @@ class StoreLink:
         ref = " ".join(self.peers)
         why = f"this gateway cannot reach the store's master {master}: use another gateway"
         clients.elsewhere = Elsewhere(why, ref)
+        if self.give_up is not None:
+            self.give_up()
         live = [s.connection for s in list(clients.sessions.values())
                 if s.connection is not None]
         log.error("cut off from the store's master %s for %.0f s while the group has it "

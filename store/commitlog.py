@@ -213,6 +213,8 @@ def _mark(msgs: list[Message], stamp: Stamp, skip: int) -> None:
     if msgs:
         msgs[0].mark = MARK_FIRST
         msgs[0].producer = [stamp.producer, stamp.epoch, stamp.seq + skip]
+        if stamp.topic == producers.PUBLISHES:  # (not the first record's first level)
+            msgs[0].producer.append(producers.PUBLISHES)
 
 
 class CommitLog(EngineTail):

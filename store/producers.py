@@ -5,7 +5,8 @@ stored once.
 A producer (an SDK Producer, a task of the Spark sink) holds an id the store issued
 (store.producer_ids) and numbers the messages it sends to each first-level topic 0, 1,
 2, ... under an epoch that may only grow; a higher epoch starts again at 0 (the Spark
-sink's epoch is the micro-batch id). For each (producer, topic) the store keeps its
+sink's epoch is the micro-batch id). A gateway's MQTT publishes (PUBLISH) are numbered
+in one sequence whatever their topics (PUBLISHES). For each (producer, topic) the store keeps its
 newest appends, and a request that carries (id, epoch, first sequence) is
 
 - appended when it continues the sequence (first = last + 1, or 0 under a higher epoch);
@@ -36,6 +37,11 @@ import orjson
 from store.record import MARK_FIRST, MARK_MORE, Message
 
 KEEP = 5  # appends remembered per (producer, topic): a duplicate of one gets its offsets
+# The sequence of a producer's MQTT publishes (PUBLISH: a gateway's, whatever their
+# topics): one per producer, not one per first-level topic. No first level is "/" (it
+# is what splits them), so it names no SEND's sequence. Its records say it as a fourth
+# item of their stamp, `[id, epoch, first, "/"]` (a reader without it forgets them).
+PUBLISHES = "/"
 SNAPSHOT_VERSION = 1
 
 # (epoch, first sequence, last sequence, log offset of its first record, of its end)
@@ -269,8 +275,10 @@ def _stamp_of(m: Message) -> Stamp | None:
     """The stamp a MARK_FIRST record carries; None if it is not well formed (a record
     of a store that wrote something else there is not a producer's)."""
     raw = m.producer
-    if (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], str)
+    if (isinstance(raw, list) and len(raw) in (3, 4) and isinstance(raw[0], str)
             and type(raw[1]) is int and type(raw[2]) is int and raw[1] >= 0 and raw[2] >= 0):
+        if len(raw) == 4:
+            return Stamp(raw[0], PUBLISHES, raw[1], raw[2]) if raw[3] == PUBLISHES else None
         return Stamp(raw[0], first_level(m.topic), raw[1], raw[2])
     return None
 

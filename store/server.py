@@ -33,7 +33,7 @@ from store.groups import MAX_ATTEMPTS, GroupRegistry, offset_key
 from store.history import MAX_BYTES as HISTORY_MAX_BYTES
 from store.native_acl import NODE, STORE_NODE, SUPER, Need, message_need, needs
 from store.outbox import Outbox
-from store.producers import Stamp
+from store.producers import PUBLISHES, Stamp
 from store.record import PRODUCER_PROP, Message, peek_topic
 from store.redelivery import Redelivery
 from store.service import RAW_PULL_BYTES, EmbeddedStore
@@ -443,15 +443,17 @@ class NativeServer:
         topic = str(frame.header.get("topic", ""))
         for m in msgs:  # ValueError: a 400, nothing of the frame stored
             validate_message(m, mqtt=frame.code == p.PUBLISH or bool(m.topic and m.topic != topic))
-        if frame.code == p.PUBLISH:
-            return self.store.publish_start(msgs)
+        if frame.code == p.PUBLISH:  # (one sequence for all of a producer's publishes)
+            return self.store.publish_start(
+                msgs, producer=self._producer_stamp(frame, ctx, msgs, PUBLISHES))
         return self.store.send_start(topic, msgs, self._producer_stamp(frame, ctx, msgs))
 
     # -- idempotent producers ---------------------------------------------------------
-    def _producer_stamp(self, frame: p.Frame, ctx: ConnCtx, msgs: list[Message]
-                        ) -> Stamp | None:
-        """A SEND of an idempotent producer: its id (issued to this connection's user)
-        and its sequence, checked inside the append (store.producers)."""
+    def _producer_stamp(self, frame: p.Frame, ctx: ConnCtx, msgs: list[Message],
+                        sequence: str | None = None) -> Stamp | None:
+        """A SEND or PUBLISH of an idempotent producer: its id (issued to this
+        connection's user) and its sequence (a SEND's: its topic's; `sequence` else),
+        checked inside the append (store.producers)."""
         if any(PRODUCER_PROP in m.properties for m in msgs):
             raise BadRequest(f"property {PRODUCER_PROP!r} is the store's own")
         h = frame.header
@@ -459,13 +461,13 @@ class NativeServer:
             return None
         epoch, seq = h.get("epoch", 0), h.get("seq")
         if type(epoch) is not int or type(seq) is not int or epoch < 0 or seq < 0:
-            raise BadRequest("an idempotent SEND has a sequence `seq` (and an `epoch`), "
+            raise BadRequest("an idempotent SEND or PUBLISH has a sequence `seq` (and an `epoch`), "
                              "integers from 0")
         try:
             pid = self.store.check_producer(h["producer"], self._user(ctx))
         except ValueError as exc:
             raise _refusal(exc) from None
-        return Stamp(pid, str(h.get("topic", "")), epoch, seq)
+        return Stamp(pid, str(h.get("topic", "")) if sequence is None else sequence, epoch, seq)
 
     def _user(self, ctx: ConnCtx) -> str:
         """Whose a producer id is: the authenticated user's ("" without --auth)."""

@@ -281,15 +281,18 @@ class EmbeddedStore:
         async with self._pending:
             return await await_future(self.publish_start(messages))
 
-    def publish_start(self, messages: list[Message], *, validated: bool = False
-                      ) -> Future | InlineFuture:
+    def publish_start(self, messages: list[Message], *, validated: bool = False,
+                      producer: Stamp | None = None) -> Future | InlineFuture:
         """Submit without waiting: requests are appended in submission order, so a
         connection can pipeline its publishes and still keep them in order. `validated`:
-        the caller checked every topic name already (the MQTT codec does)."""
+        the caller checked every topic name already (the MQTT codec does). `producer`:
+        an idempotent producer's publishes (a gateway's; its topic is
+        store.producers.PUBLISHES), stored once however often they are sent."""
         if not validated:
             for m in messages:
                 validate_topic_name(m.topic)
-        return self._append(messages, [self.router.route(m.topic) for m in messages])
+        return self._append(messages, [self.router.route(m.topic) for m in messages],
+                            producer)
 
     async def send(self, topic: str, messages: list[Message]) -> list[Message]:
         """Append server-app messages to first-level `topic`; a message whose .topic is an

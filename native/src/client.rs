@@ -5,8 +5,13 @@
 //! threads hand it requests (`submit`) and are called back with each answer.
 //!
 //! While no master is found, and when the connection is lost, requests fail at once
-//! (their callbacks say why): a write is never sent again here, the caller decides
-//! (a device resends a QoS 1 publish it saw no PUBACK for), as Python's client does.
+//! (their callbacks say why), as Python's client's do; but an idempotent request
+//! (`try_submit_once`: the gateway's PUBLISH frames) is stamped with the producer id
+//! this connection asked for (PRODUCER_INIT), its epoch and the sequence of its first
+//! message, and one whose answer was lost is sent again, stamped the same, on the next
+//! master's connection, until `DELIVERY_TIMEOUT` after it was submitted, as the SDK's
+//! Producer does (`store/sdk.py`): the store keeps it once (`store/producers.py`).
+//! Meanwhile, idempotent requests submitted wait behind it rather than fail.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{self, Read, Write};
@@ -44,6 +49,19 @@ pub const PROBE_AFTER: Duration = Duration::from_secs(1);
 /// A refusal that says the node may no longer be master ("a replica", "stepped
 /// down"): in a group, the client asks it at once.
 const NOT_MASTER: u16 = 503;
+/// An id the store never issued or forgot (`store/producer_ids.py`: idle for
+/// `--producer-idle-s`): a frame it refused is stamped again under a new id.
+const UNKNOWN_PRODUCER: u16 = 410;
+/// The PRODUCER_INIT request's code (`store/protocol.py`).
+pub const PRODUCER_INIT: u16 = 12;
+/// An idempotent request is sent again while its answer is lost, until this long after
+/// it was submitted (`store/sdk.py`'s `DELIVERY_TIMEOUT`); then it fails.
+pub const DELIVERY_TIMEOUT: Duration = Duration::from_secs(120);
+/// An idempotent request unanswered this long leaves its connection even when the node
+/// answers the probe (a connection can stay open and carry nothing back: a NAT or
+/// firewall that lost the flow), and goes again on a new one (`store/client.py`'s
+/// `DEFAULT_TIMEOUT`, one attempt of the SDK's Producer).
+pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bytes of requests queued or sent and not answered yet, at most: past it a request
 /// fails at once (`submit`), as Python's client refuses past its send queue, rather
 /// than grow memory while the store does not read or answer.
@@ -65,6 +83,9 @@ pub struct Options {
     pub addrs: String,
     /// A user's name and password for HELLO (a node user, for a gateway), or none.
     pub credentials: Option<(String, String)>,
+    /// `ATTEMPT_TIMEOUT` and `DELIVERY_TIMEOUT` when zero (tests shorten them).
+    pub attempt_timeout: Duration,
+    pub delivery_timeout: Duration,
 }
 
 struct Request {
@@ -72,6 +93,65 @@ struct Request {
     header: Vec<u8>,
     body: Vec<u8>,
     done: Done,
+    /// Bytes counted for it (`request_cost` as submitted, before a stamp).
+    cost: usize,
+    once: Option<Once>,
+}
+
+/// An idempotent request's state.
+struct Once {
+    /// Messages in it: the sequence moves on by these.
+    count: u64,
+    /// When it fails if not answered by then.
+    deadline: Instant,
+    /// Its stamp once stamped (producer, epoch), and where in the header it starts:
+    /// sent again as it is.
+    stamp: Option<(Arc<str>, u64, usize)>,
+    /// Times sent: once sent, the store may hold it.
+    sent: u32,
+}
+
+impl Once {
+    /// The header with the stamp taken off (to be stamped under a new id).
+    fn unstamp(&mut self, header: &mut Vec<u8>) {
+        if let Some((_, _, at)) = self.stamp.take() {
+            header.truncate(at);
+            header.push(b'}');
+        }
+    }
+}
+
+/// The producer id this connection asked for, its epoch and the next sequence.
+struct Producer {
+    id: Arc<str>,
+    epoch: u64,
+    next: u64,
+}
+
+/// `header` (a JSON object) stamped with `producer`, `epoch` and `seq`; where the
+/// stamp starts. None when it is not an object.
+fn stamped(header: &mut Vec<u8>, id: &str, epoch: u64, seq: u64) -> Option<usize> {
+    while header.last().is_some_and(u8::is_ascii_whitespace) {
+        header.pop();
+    }
+    if header.last() != Some(&b'}') {
+        return None;
+    }
+    header.pop();
+    let at = header.len();
+    let empty = header.iter().rev().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    let id = serde_json::to_string(id).ok()?;
+    let sep = if empty { "" } else { "," };
+    header.extend_from_slice(
+        format!(r#"{sep}"producer":{id},"epoch":{epoch},"seq":{seq}}}"#).as_bytes(),
+    );
+    Some(at)
+}
+
+/// A request sent and not answered yet.
+struct Sent {
+    request: Request,
+    at: Instant,
 }
 
 #[derive(Default)]
@@ -91,11 +171,18 @@ struct Shared {
     in_flight: AtomicUsize,
     /// The master it talks to, and why the last search found none.
     status: Mutex<(String, String)>,
+    /// Whether idempotent requests wait for a master rather than fail at once: a lost
+    /// connection left requests to send again, and what comes after waits behind them.
+    holding: AtomicBool,
+    /// The owner gave up on the master (a gateway cut off from it): what is held to
+    /// send again fails at the next search round.
+    give_up: AtomicBool,
 }
 
 /// The client: `submit` from any thread; the connection's thread does the rest.
 pub struct Client {
     shared: Arc<Shared>,
+    delivery_timeout: Duration,
     waker: Arc<Waker>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -128,7 +215,11 @@ impl Client {
             backlog: AtomicUsize::new(0),
             in_flight: AtomicUsize::new(0),
             status: Mutex::new((String::new(), String::new())),
+            holding: AtomicBool::new(false),
+            give_up: AtomicBool::new(false),
         });
+        let or = |d: Duration, default| if d.is_zero() { default } else { d };
+        let delivery_timeout = or(options.delivery_timeout, DELIVERY_TIMEOUT);
         let mut conn = Connection {
             poll,
             shared: Arc::clone(&shared),
@@ -136,12 +227,17 @@ impl Client {
             credentials: options.credentials,
             next_id: 1,
             suspects: HashSet::new(),
+            attempt_timeout: or(options.attempt_timeout, ATTEMPT_TIMEOUT),
+            delivery_timeout,
+            producer: None,
+            resend: VecDeque::new(),
         };
         let thread = std::thread::Builder::new()
             .name("lightgate-store-client".into())
             .spawn(move || conn.run())?;
         Ok(Client {
             shared,
+            delivery_timeout,
             waker,
             thread: Mutex::new(Some(thread)),
         })
@@ -164,7 +260,44 @@ impl Client {
         body: Vec<u8>,
         done: Done,
     ) -> Result<(), (Done, String)> {
-        if !self.shared.connected.load(Ordering::Acquire) {
+        self.enqueue(code, header, body, done, None)
+    }
+
+    /// `try_submit` of an idempotent request of `count` messages (its header a JSON
+    /// object the stamp is added to): sent again with the same stamp while its answer
+    /// is lost, until the delivery timeout; it waits for a master meanwhile.
+    pub fn try_submit_once(
+        &self,
+        code: u16,
+        header: Vec<u8>,
+        body: Vec<u8>,
+        count: usize,
+        done: Done,
+    ) -> Result<(), (Done, String)> {
+        let once = Once {
+            count: count as u64,
+            deadline: Instant::now() + self.delivery_timeout,
+            stamp: None,
+            sent: 0,
+        };
+        self.enqueue(code, header, body, done, Some(once))
+    }
+
+    fn recovering(&self) -> bool {
+        self.shared.holding.load(Ordering::Acquire)
+    }
+
+    fn enqueue(
+        &self,
+        code: u16,
+        header: Vec<u8>,
+        body: Vec<u8>,
+        done: Done,
+        once: Option<Once>,
+    ) -> Result<(), (Done, String)> {
+        // (an idempotent one waits for the next master after a connection was lost)
+        let waits = once.is_some() && self.recovering();
+        if !(self.shared.connected.load(Ordering::Acquire) || waits) {
             let (_, why) = self.status();
             let why = if why.is_empty() {
                 "looking for its master".into()
@@ -191,10 +324,20 @@ impl Client {
             header,
             body,
             done,
+            cost,
+            once,
         });
         drop(q);
         let _ = self.waker.wake();
         Ok(())
+    }
+
+    /// Fail what is held to be sent again, and what waits behind it, when the client
+    /// next finds no master or loses its connection: the owner gave up on the master (a
+    /// gateway sending its clients to another gateway).
+    pub fn give_up(&self) {
+        self.shared.give_up.store(true, Ordering::Release);
+        let _ = self.waker.wake();
     }
 
     pub fn connected(&self) -> bool {
@@ -273,6 +416,13 @@ struct Connection {
     next_id: u32,
     /// Nodes whose HELLO went unanswered lately: not waited for in a search.
     suspects: HashSet<String>,
+    attempt_timeout: Duration,
+    delivery_timeout: Duration,
+    /// This connection's producer id (None: the store issues none, or none yet).
+    producer: Option<Producer>,
+    /// Idempotent requests a lost connection left unanswered, in the order sent: the
+    /// next master's connection sends them first (their bytes still counted).
+    resend: VecDeque<Request>,
 }
 
 impl Connection {
@@ -287,17 +437,34 @@ impl Connection {
                         *s = (name.clone(), String::new());
                     }
                     let why = self.session(hello);
+                    let why = format!("connection to {name} lost: {why}");
                     if let Ok(mut s) = self.shared.status.lock() {
-                        *s = (String::new(), format!("connection to {name} lost: {why}"));
+                        *s = (String::new(), why.clone());
                     }
+                    self.expire(&why);
                 }
                 None => {
+                    let (_, why) = self.status();
+                    self.expire(&why);
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(SEARCH_PAUSE.1);
                 }
             }
         }
-        self.fail_queued("the store client stopped");
+        let why = "the store client stopped";
+        for r in std::mem::take(&mut self.resend) {
+            self.unqueue(r.cost);
+            (r.done)(Err(why.into()));
+        }
+        self.fail_queued(why, true);
+    }
+
+    fn status(&self) -> (String, String) {
+        self.shared
+            .status
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or_default()
     }
 
     /// One round: every node asked at once; the one that says it is master (the latest
@@ -377,12 +544,24 @@ impl Connection {
     /// Carry requests on the master's connection until it is lost; why it was.
     fn session(&mut self, hello: Hello) -> String {
         let Hello {
-            stream,
+            mut stream,
             mut decoder,
             addr,
             ..
         } = hello;
         let group = self.addrs.len() > 1;
+        // This connection's producer id, for the idempotent requests it stamps (a store
+        // that issues none: they go unstamped, at least once, as before).
+        match self.producer_init(&addr, &mut stream, &mut decoder) {
+            Ok(id) => {
+                self.producer = id.map(|id| Producer {
+                    id,
+                    epoch: 0,
+                    next: 0,
+                })
+            }
+            Err(why) => return why,
+        }
         let mut recheck = false;
         if let Err(e) = stream.set_nonblocking(true) {
             return e.to_string();
@@ -396,12 +575,19 @@ impl Connection {
         ) {
             return e.to_string();
         }
-        self.shared.connected.store(true, Ordering::Release);
-        let mut waiting: HashMap<u32, (Done, usize)> = HashMap::new();
-        let mut due: VecDeque<(u32, Instant)> = VecDeque::new();
+        let mut waiting: HashMap<u32, Sent> = HashMap::new();
+        let mut due: VecDeque<u32> = VecDeque::new(); // sent, in the order sent
         let mut out: Vec<u8> = Vec::new();
         let mut written = 0usize; // of `out`
+
+        // What a lost connection left: sent again first, in the order first sent.
+        for r in std::mem::take(&mut self.resend) {
+            self.frame_out(r, &mut out, &mut waiting, &mut due);
+        }
+        self.shared.connected.store(true, Ordering::Release);
+        self.shared.holding.store(false, Ordering::Release);
         let mut last_heard = Instant::now();
+        let mut forgotten: Option<Arc<str>> = None; // a producer id the store forgot
         let mut events = Events::with_capacity(64);
         let mut buf = vec![0u8; READ_SIZE];
         let why = loop {
@@ -421,25 +607,8 @@ impl Connection {
                 Ok(mut q) => std::mem::take(&mut q.requests),
                 Err(_) => break "poisoned".into(),
             };
-            let now = Instant::now();
             for r in taken {
-                let rid = self.next_id;
-                self.next_id = self.next_id.wrapping_add(1).max(1);
-                let f = Frame {
-                    kind: Kind::Request,
-                    code: r.code,
-                    request_id: rid,
-                    header: r.header,
-                    body: r.body,
-                };
-                let cost = request_cost(&f.header, &f.body);
-                if let Err(e) = frame::encode_into(&f, &mut out) {
-                    self.unqueue(cost);
-                    (r.done)(Err(e.to_string()));
-                    continue;
-                }
-                waiting.insert(rid, (r.done, cost));
-                due.push_back((rid, now));
+                self.frame_out(r, &mut out, &mut waiting, &mut due);
             }
             self.shared
                 .in_flight
@@ -470,7 +639,7 @@ impl Connection {
             }
             // Read the answers.
             let mut lost = None;
-            loop {
+            'read: loop {
                 match stream.read(&mut buf) {
                     Ok(0) => {
                         lost = Some("the store closed the connection".to_string());
@@ -478,22 +647,41 @@ impl Connection {
                     }
                     Ok(n) => {
                         last_heard = Instant::now();
-                        match decoder.feed(&buf[..n]) {
-                            Ok(frames) => {
-                                for f in frames {
-                                    if group && f.kind == Kind::Error {
-                                        recheck |= error_of(&f).0 == NOT_MASTER;
-                                    }
-                                    if let Some((done, cost)) = waiting.remove(&f.request_id) {
-                                        self.unqueue(cost);
-                                        done(Ok(f));
-                                    }
-                                }
-                            }
+                        let frames = match decoder.feed(&buf[..n]) {
+                            Ok(frames) => frames,
                             Err(e) => {
                                 lost = Some(e.to_string());
                                 break;
                             }
+                        };
+                        for f in frames {
+                            let status = (f.kind == Kind::Error).then(|| error_of(&f).0);
+                            if group {
+                                recheck |= status == Some(NOT_MASTER);
+                            }
+                            let Some(sent) = waiting.remove(&f.request_id) else {
+                                continue;
+                            };
+                            if let Some(why) = self.keep_for_resend(&sent, status, group) {
+                                // Refused for now, or under an id the store forgot:
+                                // this connection ends, the request goes again.
+                                if why.1 {
+                                    forgotten = sent
+                                        .request
+                                        .once
+                                        .as_ref()
+                                        .and_then(|o| o.stamp.as_ref())
+                                        .map(|s| Arc::clone(&s.0));
+                                }
+                                // (the answers read with it are taken still)
+                                waiting.insert(f.request_id, sent);
+                                lost.get_or_insert(why.0);
+                                continue;
+                            }
+                            self.answered(sent.request, f);
+                        }
+                        if lost.is_some() {
+                            break 'read;
                         }
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -510,15 +698,22 @@ impl Connection {
             if let Some(why) = lost {
                 break why;
             }
-            while due
-                .front()
-                .is_some_and(|(rid, _)| !waiting.contains_key(rid))
-            {
+            while due.front().is_some_and(|rid| !waiting.contains_key(rid)) {
                 due.pop_front();
             }
-            let overdue = due
-                .front()
-                .map(|(_, sent)| (*sent).max(last_heard).elapsed())
+            let oldest = due.front().and_then(|rid| waiting.get(rid));
+            if let Some(s) =
+                oldest.filter(|s| s.request.once.as_ref().is_some_and(|o| o.stamp.is_some()))
+            {
+                if s.at.elapsed() >= self.attempt_timeout {
+                    break format!(
+                        "a request went unanswered for {:.1} s",
+                        self.attempt_timeout.as_secs_f64()
+                    );
+                }
+            }
+            let overdue = oldest
+                .map(|s| s.at.max(last_heard).elapsed())
                 .filter(|late| *late >= PROBE_AFTER);
             if overdue.is_some() || recheck {
                 recheck = false;
@@ -533,13 +728,143 @@ impl Connection {
         let _ = self.poll.registry().deregister(&mut stream);
         drop(stream);
         let lost = format!("connection to the store lost: {why}");
-        for (_, (done, cost)) in waiting.drain() {
-            self.unqueue(cost);
-            done(Err(lost.clone()));
+        let stopping = self.shared.stopping.load(Ordering::Acquire);
+        let mut kept = 0;
+        for rid in due {
+            let Some(Sent { mut request, .. }) = waiting.remove(&rid) else {
+                continue;
+            };
+            let again = !stopping
+                && request.once.as_mut().is_some_and(|o| {
+                    let mine = o.stamp.as_ref().map(|s| Arc::clone(&s.0));
+                    if o.sent == 1 && mine.is_some() && mine == forgotten {
+                        // Under the id the store forgot and sent nowhere else: never
+                        // stored, so stamped anew under the next id.
+                        o.unstamp(&mut request.header);
+                        return true;
+                    }
+                    o.stamp.is_some()
+                });
+            if again {
+                self.resend.push_back(request);
+                kept += 1;
+            } else {
+                self.unqueue(request.cost);
+                (request.done)(Err(lost.clone()));
+            }
         }
         self.shared.in_flight.store(0, Ordering::Relaxed);
-        self.fail_queued(&lost);
+        // Idempotent requests wait behind those to send again (each until its delivery
+        // timeout); with none, they fail at once, as while no master is found.
+        self.shared.holding.store(kept > 0, Ordering::Release);
+        self.fail_queued(&lost, kept == 0);
+        if kept > 0 {
+            return format!("{why} ({kept} requests to send again)");
+        }
         why
+    }
+
+    /// Ask the store for this connection's producer id: None if it issues none (an
+    /// older store, or one that refuses this user: its requests go unstamped).
+    fn producer_init(
+        &mut self,
+        addr: &str,
+        stream: &mut StdStream,
+        decoder: &mut Decoder,
+    ) -> Result<Option<Arc<str>>, String> {
+        let rid = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        let f = call(addr, stream, decoder, rid, PRODUCER_INIT, &json!({}))?;
+        if f.kind == Kind::Error {
+            return Ok(None);
+        }
+        let h = header_of(&f);
+        Ok(h.get("producer").and_then(Value::as_str).map(Arc::from))
+    }
+
+    /// A request into `out` (stamped first when it is idempotent and not yet), and
+    /// into `waiting`.
+    fn frame_out(
+        &mut self,
+        mut r: Request,
+        out: &mut Vec<u8>,
+        waiting: &mut HashMap<u32, Sent>,
+        due: &mut VecDeque<u32>,
+    ) {
+        if let (Some(o), Some(p)) = (r.once.as_mut(), self.producer.as_mut()) {
+            if o.stamp.is_none() {
+                if let Some(at) = stamped(&mut r.header, &p.id, p.epoch, p.next) {
+                    o.stamp = Some((Arc::clone(&p.id), p.epoch, at));
+                    p.next += o.count;
+                }
+            }
+        }
+        let rid = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        let f = Frame {
+            kind: Kind::Request,
+            code: r.code,
+            request_id: rid,
+            header: std::mem::take(&mut r.header),
+            body: std::mem::take(&mut r.body),
+        };
+        let encoded = frame::encode_into(&f, out);
+        (r.header, r.body) = (f.header, f.body);
+        if let Err(e) = encoded {
+            self.unqueue(r.cost);
+            (r.done)(Err(e.to_string()));
+            return;
+        }
+        if let Some(o) = r.once.as_mut() {
+            o.sent += 1;
+        }
+        waiting.insert(
+            rid,
+            Sent {
+                request: r,
+                at: Instant::now(),
+            },
+        );
+        due.push_back(rid);
+    }
+
+    /// Whether an answer leaves a stamped request to be sent again on the next master's
+    /// connection: a refusal for now in a group (503: a replica, a lease lost, the in-sync
+    /// set not reached; the store may hold it), or an id the store forgot. (why, forgot)
+    fn keep_for_resend(
+        &self,
+        sent: &Sent,
+        status: Option<u16>,
+        group: bool,
+    ) -> Option<(String, bool)> {
+        let once = sent.request.once.as_ref()?;
+        once.stamp.as_ref()?;
+        match status? {
+            NOT_MASTER if group => Some(("it refused a request for now (503)".into(), false)),
+            // (sent before: it may be stored under that id; refused, at least once)
+            UNKNOWN_PRODUCER if once.sent == 1 => {
+                Some(("it forgot this client's producer id (410)".into(), true))
+            }
+            _ => None,
+        }
+    }
+
+    /// An answer to its request's callback. A refusal of a stamped request (nothing of
+    /// it stored) leaves a gap in the sequence: what is stamped next starts a new epoch.
+    fn answered(&mut self, r: Request, f: Frame) {
+        if f.kind == Kind::Error {
+            if let (Some((id, epoch, _)), Some(p)) = (
+                r.once.as_ref().and_then(|o| o.stamp.as_ref()),
+                self.producer.as_mut(),
+            ) {
+                if *id == p.id && *epoch == p.epoch {
+                    p.epoch += 1;
+                    p.next = 0;
+                }
+            }
+        }
+        self.unqueue(r.cost);
+        (r.done)(Ok(f));
     }
 
     /// Ask the node on a new connection (blocking this thread `HELLO_TIMEOUT` at
@@ -567,21 +892,66 @@ impl Connection {
         }
     }
 
-    /// Fail what waits to be sent (submitted while connected, not framed yet).
-    fn fail_queued(&self, why: &str) {
+    /// Fail what waits to be sent (submitted, not framed yet): all of it, or what is
+    /// not idempotent (idempotent requests wait for the next master).
+    fn fail_queued(&self, why: &str, all: bool) {
         let taken = match self.shared.queue.lock() {
             Ok(mut q) => {
-                let t = std::mem::take(&mut q.requests);
-                for r in &t {
-                    q.bytes = q.bytes.saturating_sub(request_cost(&r.header, &r.body));
+                let (fail, keep): (VecDeque<Request>, VecDeque<Request>) =
+                    std::mem::take(&mut q.requests)
+                        .into_iter()
+                        .partition(|r| all || r.once.is_none());
+                q.requests = keep;
+                for r in &fail {
+                    q.bytes = q.bytes.saturating_sub(r.cost);
                 }
                 self.shared.backlog.store(q.bytes, Ordering::Relaxed);
-                t
+                fail
             }
             Err(_) => return,
         };
         for r in taken {
             (r.done)(Err(why.to_string()));
+        }
+    }
+
+    /// While no master is found: the idempotent requests past their delivery timeout
+    /// fail, and once none is left to send again, everything waiting does.
+    fn expire(&mut self, why: &str) {
+        let now = Instant::now();
+        let given_up = self.shared.give_up.swap(false, Ordering::AcqRel);
+        let late = |r: &Request| given_up || r.once.as_ref().is_none_or(|o| now >= o.deadline);
+        let timed_out = format!(
+            "not delivered within {} s: {why}",
+            self.delivery_timeout.as_secs_f64()
+        );
+        let (fail, keep): (VecDeque<Request>, VecDeque<Request>) =
+            std::mem::take(&mut self.resend).into_iter().partition(late);
+        self.resend = keep;
+        let over = self.resend.is_empty();
+        if over {
+            self.shared.holding.store(false, Ordering::Release);
+        }
+        let late = |r: &Request| over || late(r);
+        for r in fail {
+            self.unqueue(r.cost);
+            (r.done)(Err(timed_out.clone()));
+        }
+        let taken = match self.shared.queue.lock() {
+            Ok(mut q) => {
+                let (fail, keep): (VecDeque<Request>, VecDeque<Request>) =
+                    std::mem::take(&mut q.requests).into_iter().partition(late);
+                q.requests = keep;
+                for r in &fail {
+                    q.bytes = q.bytes.saturating_sub(r.cost);
+                }
+                self.shared.backlog.store(q.bytes, Ordering::Relaxed);
+                fail
+            }
+            Err(_) => return,
+        };
+        for r in taken {
+            (r.done)(Err(timed_out.clone()));
         }
     }
 }
@@ -594,7 +964,6 @@ fn hello(addr: &str, rid: u32, creds: Option<&(String, String)>) -> Result<Hello
         .map_err(|e| fail(e.to_string()))?
         .next()
         .ok_or_else(|| fail("no address".into()))?;
-    let deadline = Instant::now() + HELLO_TIMEOUT;
     let mut stream =
         StdStream::connect_timeout(&sockaddr, HELLO_TIMEOUT).map_err(|e| fail(e.to_string()))?;
     let mut header = json!({"sdk": "lightgate-native"});
@@ -602,24 +971,58 @@ fn hello(addr: &str, rid: u32, creds: Option<&(String, String)>) -> Result<Hello
         header["username"] = json!(user);
         header["password"] = json!(password);
     }
+    let mut decoder = Decoder::new(frame::MAX_FRAME);
+    let f = call(addr, &mut stream, &mut decoder, rid, HELLO, &header)?;
+    if f.kind == Kind::Error {
+        let (status, message) = error_of(&f);
+        return Err(format!(
+            "{addr} refused our credentials: {status}: {message}"
+        ));
+    }
+    let h = header_of(&f);
+    let role = h
+        .get("role")
+        .and_then(Value::as_str)
+        .filter(|r| !r.is_empty())
+        .unwrap_or("master")
+        .to_string();
+    let epoch = h.get("epoch").and_then(Value::as_i64).unwrap_or(0);
+    Ok(Hello {
+        addr: addr.to_string(),
+        stream,
+        decoder,
+        role,
+        epoch,
+    })
+}
+
+/// One request on a blocking connection and its answer (a RESPONSE or an ERROR),
+/// within `HELLO_TIMEOUT`.
+fn call(
+    addr: &str,
+    stream: &mut StdStream,
+    decoder: &mut Decoder,
+    rid: u32,
+    code: u16,
+    header: &Value,
+) -> Result<Frame, String> {
+    let fail = |why: String| format!("{addr} unreachable ({why})");
+    let deadline = Instant::now() + HELLO_TIMEOUT;
     let request = Frame {
         kind: Kind::Request,
-        code: HELLO,
+        code,
         request_id: rid,
-        header: serde_json::to_vec(&header).map_err(|e| fail(e.to_string()))?,
+        header: serde_json::to_vec(header).map_err(|e| fail(e.to_string()))?,
         body: Vec::new(),
     };
     let bytes = frame::encode(&request).map_err(|e| fail(e.to_string()))?;
     stream.write_all(&bytes).map_err(|e| fail(e.to_string()))?;
-    let mut decoder = Decoder::new(frame::MAX_FRAME);
     let mut buf = vec![0u8; 4096];
+    let silent = || format!("{addr}: {NO_ANSWER} {} s", HELLO_TIMEOUT.as_secs());
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(format!(
-                "{addr}: no answer within {} s",
-                HELLO_TIMEOUT.as_secs()
-            ));
+            return Err(silent());
         }
         stream
             .set_read_timeout(Some(left))
@@ -633,39 +1036,15 @@ fn hello(addr: &str, rid: u32, creds: Option<&(String, String)>) -> Result<Hello
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                 ) =>
             {
-                return Err(format!(
-                    "{addr}: no answer within {} s",
-                    HELLO_TIMEOUT.as_secs()
-                ))
+                return Err(silent())
             }
             Err(e) => return Err(fail(e.to_string())),
         };
         for f in decoder.feed(&buf[..n]).map_err(|e| fail(e.to_string()))? {
-            if f.request_id != rid {
-                continue;
+            if f.request_id == rid {
+                let _ = stream.set_read_timeout(None);
+                return Ok(f);
             }
-            if f.kind == Kind::Error {
-                let (status, message) = error_of(&f);
-                return Err(format!(
-                    "{addr} refused our credentials: {status}: {message}"
-                ));
-            }
-            let h = header_of(&f);
-            let role = h
-                .get("role")
-                .and_then(Value::as_str)
-                .filter(|r| !r.is_empty())
-                .unwrap_or("master")
-                .to_string();
-            let epoch = h.get("epoch").and_then(Value::as_i64).unwrap_or(0);
-            let _ = stream.set_read_timeout(None);
-            return Ok(Hello {
-                addr: addr.to_string(),
-                stream,
-                decoder,
-                role,
-                epoch,
-            });
         }
     }
 }
@@ -680,45 +1059,82 @@ mod tests {
     /// `answer` makes of it (None: no answer; the connection closes when it says so).
     fn server(
         hello: Value,
-        answer: impl Fn(&Frame) -> Option<Frame> + Send + 'static,
+        answer: impl Fn(&Frame) -> Option<Frame> + Send + Sync + 'static,
         close_after: Option<usize>,
+    ) -> (String, mpsc::Receiver<Frame>) {
+        scripted(hello, move |_, seen, f| match answer(f) {
+            _ if close_after.is_some_and(|c| seen + 1 >= c) => Act::Close,
+            Some(r) => Act::Reply(r),
+            None => Act::Silent,
+        })
+    }
+
+    enum Act {
+        Reply(Frame),
+        Silent,
+        /// The connection closes, the request unanswered.
+        Close,
+    }
+
+    /// A store that answers HELLO with `hello`, PRODUCER_INIT with the id "p<n>" (its
+    /// n-th connection), and each other request as `act` says of it (given the
+    /// requests seen before it, on every connection and on this one). A thread per
+    /// connection: a silent one stays open.
+    fn scripted(
+        hello: Value,
+        act: impl Fn(usize, usize, &Frame) -> Act + Send + Sync + 'static,
     ) -> (String, mpsc::Receiver<Frame>) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let (tx, rx) = mpsc::channel();
+        let act = Arc::new(act);
+        let all = Arc::new(AtomicUsize::new(0));
         std::thread::spawn(move || {
-            for s in listener.incoming() {
+            for (conn, s) in listener.incoming().enumerate() {
                 let Ok(mut s) = s else { return };
-                let mut d = Decoder::new(frame::MAX_FRAME);
-                let mut buf = [0u8; 4096];
-                let mut seen = 0;
-                'conn: loop {
-                    let n = match s.read(&mut buf) {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => n,
-                    };
-                    for f in d.feed(&buf[..n]).unwrap() {
-                        let reply = if f.code == HELLO {
-                            Some(Frame {
-                                kind: Kind::Response,
-                                code: HELLO,
-                                request_id: f.request_id,
-                                header: serde_json::to_vec(&hello).unwrap(),
-                                body: Vec::new(),
-                            })
-                        } else {
-                            seen += 1;
-                            let _ = tx.send(f.clone());
-                            answer(&f)
+                let (tx, act, all, hello) = (
+                    tx.clone(),
+                    Arc::clone(&act),
+                    Arc::clone(&all),
+                    hello.clone(),
+                );
+                std::thread::spawn(move || {
+                    let mut d = Decoder::new(frame::MAX_FRAME);
+                    let mut buf = [0u8; 4096];
+                    let mut seen = 0;
+                    loop {
+                        let n = match s.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
                         };
-                        if let Some(r) = reply {
-                            s.write_all(&frame::encode(&r).unwrap()).unwrap();
-                        }
-                        if close_after.is_some_and(|c| seen >= c) {
-                            break 'conn;
+                        for f in d.feed(&buf[..n]).unwrap() {
+                            let reply = |header: Value| Frame {
+                                kind: Kind::Response,
+                                code: f.code,
+                                request_id: f.request_id,
+                                header: serde_json::to_vec(&header).unwrap(),
+                                body: Vec::new(),
+                            };
+                            let r = match f.code {
+                                HELLO => reply(hello.clone()),
+                                PRODUCER_INIT => reply(json!({"producer": format!("p{conn}")})),
+                                _ => {
+                                    let _ = tx.send(f.clone());
+                                    let a = act(all.fetch_add(1, Ordering::SeqCst), seen, &f);
+                                    seen += 1;
+                                    match a {
+                                        Act::Reply(r) => r,
+                                        Act::Silent => continue,
+                                        Act::Close => return,
+                                    }
+                                }
+                            };
+                            if s.write_all(&frame::encode(&r).unwrap()).is_err() {
+                                return;
+                            }
                         }
                     }
-                }
+                });
             }
         });
         (addr, rx)
@@ -765,6 +1181,7 @@ mod tests {
         let client = Client::start(Options {
             addrs: addr,
             credentials: Some(("gw".into(), "pw".into())),
+            ..Default::default()
         })
         .unwrap();
         wait_connected(&client);
@@ -814,6 +1231,7 @@ mod tests {
         let client = Client::start(Options {
             addrs: addr,
             credentials: None,
+            ..Default::default()
         })
         .unwrap();
         wait_connected(&client);
@@ -829,6 +1247,7 @@ mod tests {
         let client = Client::start(Options {
             addrs: addr,
             credentials: None,
+            ..Default::default()
         })
         .unwrap();
         wait_connected(&client);
@@ -860,6 +1279,7 @@ mod tests {
         let client = Client::start(Options {
             addrs: format!("{replica},{stale},{master}"),
             credentials: None,
+            ..Default::default()
         })
         .unwrap();
         wait_connected(&client);
@@ -875,7 +1295,8 @@ mod tests {
         assert_eq!(client.status().0, master);
     }
 
-    /// A node that answers HELLO once, then nothing on any connection (SIGSTOP's view).
+    /// A node that answers HELLO once (and PRODUCER_INIT), then nothing on any
+    /// connection (SIGSTOP's view).
     fn hung_after_hello() -> String {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
@@ -884,18 +1305,24 @@ mod tests {
             for (n, s) in listener.incoming().enumerate() {
                 let Ok(mut s) = s else { return };
                 if n == 0 {
+                    // HELLO, then PRODUCER_INIT (no id: the store issues none).
                     let mut d = Decoder::new(frame::MAX_FRAME);
                     let mut buf = [0u8; 4096];
-                    let k = s.read(&mut buf).unwrap();
-                    let f = d.feed(&buf[..k]).unwrap().remove(0);
-                    let answer = Frame {
-                        kind: Kind::Response,
-                        code: HELLO,
-                        request_id: f.request_id,
-                        header: Vec::new(),
-                        body: Vec::new(),
-                    };
-                    s.write_all(&frame::encode(&answer).unwrap()).unwrap();
+                    let mut answered = 0;
+                    while answered < 2 {
+                        let k = s.read(&mut buf).unwrap();
+                        for f in d.feed(&buf[..k]).unwrap() {
+                            let answer = Frame {
+                                kind: Kind::Response,
+                                code: f.code,
+                                request_id: f.request_id,
+                                header: Vec::new(),
+                                body: Vec::new(),
+                            };
+                            s.write_all(&frame::encode(&answer).unwrap()).unwrap();
+                            answered += 1;
+                        }
+                    }
                 }
                 held.push(s); // open, silent
             }
@@ -908,6 +1335,7 @@ mod tests {
         let client = Client::start(Options {
             addrs: hung_after_hello(),
             credentials: None,
+            ..Default::default()
         })
         .unwrap();
         wait_connected(&client);
@@ -929,9 +1357,298 @@ mod tests {
         let client = Client::start(Options {
             addrs: addr,
             credentials: None,
+            ..Default::default()
         })
         .unwrap();
         let err = answered(&client, 11, "{}", b"").unwrap_err();
         assert!(err.starts_with("not connected to the store"), "{err}");
+    }
+
+    /// Each idempotent request's (producer, epoch, seq).
+    fn stamp_of(f: &Frame) -> (String, u64, u64) {
+        let h = header_of(f);
+        (
+            h["producer"].as_str().unwrap().to_string(),
+            h["epoch"].as_u64().unwrap(),
+            h["seq"].as_u64().unwrap(),
+        )
+    }
+
+    fn submit_once(client: &Client, body: &[u8], count: usize) -> mpsc::Receiver<Answer> {
+        let (tx, rx) = mpsc::channel();
+        client
+            .try_submit_once(
+                11,
+                br#"{"messages":[]}"#.to_vec(),
+                body.to_vec(),
+                count,
+                Box::new(move |a| {
+                    let _ = tx.send(a);
+                }),
+            )
+            .map_err(|(_, why)| why)
+            .unwrap();
+        rx
+    }
+
+    fn refused(f: &Frame, status: u16) -> Frame {
+        Frame {
+            kind: Kind::Error,
+            code: f.code,
+            request_id: f.request_id,
+            header: format!(r#"{{"status":{status},"error":"no"}}"#).into_bytes(),
+            body: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn idempotent_requests_are_stamped_one_sequence_a_refusal_a_new_epoch() {
+        let (addr, seen) = scripted(json!({"role": "master"}), |_, _, f| {
+            Act::Reply(if f.body == b"full" {
+                refused(f, 507)
+            } else {
+                echo(f).unwrap()
+            })
+        });
+        let client = Client::start(Options {
+            addrs: addr,
+            ..Default::default()
+        })
+        .unwrap();
+        wait_connected(&client);
+        for (body, count) in [
+            (&b"a"[..], 2),
+            (b"b", 1),
+            (b"full", 3),
+            (b"c", 1),
+            (b"d", 4),
+        ] {
+            submit_once(&client, body, count)
+                .recv_timeout(Duration::from_secs(10))
+                .unwrap()
+                .unwrap();
+        }
+        let stamps: Vec<_> = (0..5).map(|_| stamp_of(&seen.recv().unwrap())).collect();
+        let p = |e, s| ("p0".to_string(), e, s);
+        // 0-1, 2, (3-5 refused: a gap), then epoch 1 from 0.
+        assert_eq!(stamps, vec![p(0, 0), p(0, 2), p(0, 3), p(1, 0), p(1, 1)]);
+        // Plain requests go unstamped.
+        let f = answered(&client, 11, "{}", b"");
+        assert_eq!(f.unwrap().header, b"{}");
+        assert_eq!(client.backlog(), 0);
+    }
+
+    #[test]
+    fn stamps_are_added_to_the_header_object() {
+        let mut h = br#"{"messages":[1]} "#.to_vec();
+        let at = stamped(&mut h, "ab\"c", 2, 7).unwrap();
+        assert_eq!(
+            String::from_utf8(h.clone()).unwrap(),
+            r#"{"messages":[1],"producer":"ab\"c","epoch":2,"seq":7}"#
+        );
+        let mut once = Once {
+            count: 1,
+            deadline: Instant::now(),
+            stamp: Some(("ab".into(), 2, at)),
+            sent: 1,
+        };
+        once.unstamp(&mut h);
+        assert_eq!(h, br#"{"messages":[1]}"#);
+        let mut empty = b"{}".to_vec();
+        stamped(&mut empty, "p", 0, 0).unwrap();
+        assert_eq!(empty, br#"{"producer":"p","epoch":0,"seq":0}"#);
+        assert_eq!(stamped(&mut b"[1]".to_vec(), "p", 0, 0), None);
+    }
+
+    #[test]
+    fn a_lost_connection_sends_idempotent_requests_again_stamped_the_same() {
+        // The first connection takes three requests, answers none and closes; then all
+        // is answered.
+        let (addr, seen) = scripted(json!({"role": "master"}), |all, _, f| match all {
+            0 | 1 => Act::Silent,
+            2 => Act::Close,
+            _ => Act::Reply(echo(f).unwrap()),
+        });
+        let client = Client::start(Options {
+            addrs: addr,
+            ..Default::default()
+        })
+        .unwrap();
+        wait_connected(&client);
+        let a = submit_once(&client, b"a", 2);
+        let b = submit_once(&client, b"b", 1);
+        let plain = {
+            let (tx, rx) = mpsc::channel();
+            client.submit(
+                11,
+                b"{}".to_vec(),
+                b"plain".to_vec(),
+                Box::new(move |a| {
+                    let _ = tx.send(a);
+                }),
+            );
+            rx
+        };
+        let lost = plain.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert!(lost.unwrap_err().contains("lost"), "a plain request fails");
+        assert_eq!(
+            a.recv_timeout(Duration::from_secs(10))
+                .unwrap()
+                .unwrap()
+                .body,
+            b"a"
+        );
+        assert_eq!(
+            b.recv_timeout(Duration::from_secs(10))
+                .unwrap()
+                .unwrap()
+                .body,
+            b"b"
+        );
+        let c = submit_once(&client, b"c", 1); // the new connection's own id
+        c.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+        let frames: Vec<Frame> = seen.try_iter().collect();
+        let bodies: Vec<&[u8]> = frames.iter().map(|f| &f.body[..]).collect();
+        assert_eq!(bodies, [&b"a"[..], b"b", b"plain", b"a", b"b", b"c"]);
+        let stamps: Vec<_> = frames
+            .iter()
+            .filter(|f| f.body != b"plain")
+            .map(stamp_of)
+            .collect();
+        let first = stamps[0].0.clone();
+        let p = |id: &str, s| (id.to_string(), 0, s);
+        let second = stamps[4].0.clone();
+        assert_ne!(first, second, "a producer id per connection");
+        assert_eq!(
+            stamps,
+            vec![
+                p(&first, 0),
+                p(&first, 2),
+                p(&first, 0),
+                p(&first, 2),
+                p(&second, 0)
+            ]
+        );
+        assert_eq!(client.backlog(), 0);
+    }
+
+    #[test]
+    fn a_silent_connection_is_left_and_the_request_goes_again() {
+        let (addr, seen) = scripted(json!({"role": "master"}), |all, _, f| match all {
+            0 => Act::Silent, // the connection stays open and says nothing
+            _ => Act::Reply(echo(f).unwrap()),
+        });
+        let client = Client::start(Options {
+            addrs: addr,
+            attempt_timeout: Duration::from_millis(300),
+            ..Default::default()
+        })
+        .unwrap();
+        wait_connected(&client);
+        let a = submit_once(&client, b"a", 1);
+        assert_eq!(
+            a.recv_timeout(Duration::from_secs(10))
+                .unwrap()
+                .unwrap()
+                .body,
+            b"a"
+        );
+        let stamps: Vec<_> = seen.try_iter().map(|f| stamp_of(&f)).collect();
+        assert_eq!(stamps.len(), 2);
+        assert_eq!(stamps[0], stamps[1], "sent again stamped the same");
+    }
+
+    #[test]
+    fn a_request_never_answered_fails_after_the_delivery_timeout() {
+        let (addr, _seen) = scripted(json!({"role": "master"}), |_, _, _| Act::Close);
+        let client = Client::start(Options {
+            addrs: addr,
+            delivery_timeout: Duration::from_millis(700),
+            ..Default::default()
+        })
+        .unwrap();
+        wait_connected(&client);
+        let started = Instant::now();
+        let a = submit_once(&client, b"a", 1);
+        let err = a
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap()
+            .unwrap_err();
+        assert!(err.contains("not delivered within"), "{err}");
+        assert!(started.elapsed() >= Duration::from_millis(700));
+        assert_eq!(client.backlog(), 0);
+    }
+
+    #[test]
+    fn a_forgotten_producer_id_is_asked_again_and_the_request_stamped_anew() {
+        let (addr, seen) = scripted(json!({"role": "master"}), |all, _, f| match all {
+            0 => Act::Reply(refused(f, UNKNOWN_PRODUCER)),
+            _ => Act::Reply(echo(f).unwrap()),
+        });
+        let client = Client::start(Options {
+            addrs: addr,
+            ..Default::default()
+        })
+        .unwrap();
+        wait_connected(&client);
+        let a = submit_once(&client, b"a", 1);
+        assert_eq!(
+            a.recv_timeout(Duration::from_secs(10))
+                .unwrap()
+                .unwrap()
+                .kind,
+            Kind::Response
+        );
+        let stamps: Vec<_> = seen.try_iter().map(|f| stamp_of(&f)).collect();
+        assert_eq!(stamps.len(), 2);
+        assert_ne!(stamps[0].0, stamps[1].0);
+        assert_eq!(stamps[1].2, 0);
+    }
+
+    #[test]
+    fn a_refusal_for_now_in_a_group_sends_the_request_again() {
+        let (master, seen) = scripted(
+            json!({"role": "master", "epoch": 2}),
+            |all, _, f| match all {
+                0 => Act::Reply(refused(f, NOT_MASTER)),
+                _ => Act::Reply(echo(f).unwrap()),
+            },
+        );
+        let (replica, _) = scripted(json!({"role": "replica", "epoch": 2}), |_, _, _| Act::Close);
+        let client = Client::start(Options {
+            addrs: format!("{replica},{master}"),
+            ..Default::default()
+        })
+        .unwrap();
+        wait_connected(&client);
+        let a = submit_once(&client, b"a", 1);
+        let f = a.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+        assert_eq!(f.kind, Kind::Response);
+        let stamps: Vec<_> = seen.try_iter().map(|f| stamp_of(&f)).collect();
+        assert_eq!(stamps.len(), 2);
+        assert_eq!(stamps[0], stamps[1], "sent again stamped the same");
+    }
+
+    #[test]
+    fn what_is_held_fails_when_the_owner_gives_up() {
+        let (addr, _seen) = scripted(json!({"role": "master"}), |_, _, _| Act::Close);
+        let client = Client::start(Options {
+            addrs: addr,
+            ..Default::default()
+        })
+        .unwrap();
+        wait_connected(&client);
+        let a = submit_once(&client, b"a", 1);
+        assert!(
+            a.recv_timeout(Duration::from_millis(500)).is_err(),
+            "held, not failed"
+        );
+        client.give_up();
+        let err = a
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap()
+            .unwrap_err();
+        assert!(err.contains("not delivered"), "{err}");
+        assert_eq!(client.backlog(), 0);
     }
 }

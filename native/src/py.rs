@@ -773,6 +773,7 @@ impl PyEngine {
         let options = crate::client::Options {
             addrs,
             credentials: username.map(|u| (u, password.unwrap_or_default())),
+            ..Default::default()
         };
         let remote = crate::remote::RemoteEngine::start(options, io_threads).map_err(os_error)?;
         Ok(PyEngine {
@@ -793,6 +794,13 @@ impl PyEngine {
     /// none was found or the last was lost).
     fn store_status(&self) -> PyResult<(bool, String, String)> {
         Ok(self.remote()?.store_status())
+    }
+
+    /// A remote engine's frames held to be sent again to the store's master fail, and
+    /// the publishes behind them: the gateway gave up on that master.
+    fn give_up_held(&self) -> PyResult<()> {
+        self.remote()?.give_up_held();
+        Ok(())
     }
 
     /// The queues Python reads on this node: a remote engine hands it the messages of

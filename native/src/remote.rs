@@ -4,10 +4,12 @@
 //! the store), and each publisher's PUBACK is sent when the store's answer says the
 //! frame is stored, never before. A refusal is answered as Python's gateway answers it
 //! (`gateway/inbound.py`): Quota exceeded (0x97) for a full disk, 0x80 otherwise, and a
-//! 3.1.1 client, which has no negative ack, loses its connection and resends. A lost
-//! store connection fails the frames it carried the same way (the store may have kept
-//! them: a device's resend is a duplicate, as on Python's path) and the client looks
-//! for the master again.
+//! 3.1.1 client, which has no negative ack, loses its connection and resends. The frames
+//! are idempotent (`Client::try_submit_once`): one whose answer a lost store connection
+//! took is sent again, stamped the same, to the next master the client finds, and the
+//! store keeps it once, answering it as stored; publishes meanwhile wait for it, in
+//! order. Only past the delivery timeout (`client::DELIVERY_TIMEOUT`) do they fail, as
+//! a refusal.
 //!
 //! No log and no subscriptions here: connections are promoted as publishers only, and
 //! Python delivers to this node's subscribers. The gateway's own acknowledged publishes
@@ -145,7 +147,9 @@ pub fn publish_request(batch: &[Inbound], born_ts: u64) -> (Vec<u8>, Vec<u8>) {
 pub type Placed = (u64, u64, u64, Vec<(String, u64)>);
 
 /// The store's `results` for a stored PUBLISH, one (phys, store_ts, rsize, queues) per
-/// message, or None when the answer does not say (a protocol error).
+/// message, or None when the answer does not say (a protocol error). A frame sent again
+/// whose messages the store holds from before the appends it remembers comes back with
+/// phys -1 and no queues: stored, its place not said (read as 0, and no queue).
 pub fn results_of(frame: &Frame) -> Option<Vec<Placed>> {
     let h = client::header_of(frame);
     let results = h.get("results")?.as_array()?;
@@ -159,7 +163,7 @@ pub fn results_of(frame: &Frame) -> Option<Vec<Placed>> {
                 .map(|q| Some((q.get(0)?.as_str()?.to_string(), q.get(1)?.as_u64()?)))
                 .collect::<Option<Vec<_>>>()?;
             Some((
-                r.get("phys")?.as_u64()?,
+                r.get("phys")?.as_i64()?.max(0) as u64,
                 r.get("store_ts")?.as_u64()?,
                 r.get("rsize")?.as_u64()?,
                 queues,
@@ -246,11 +250,15 @@ impl RemoteSink {
         self.staged_bytes.store(0, Ordering::Relaxed);
         let born = now_ms();
         let (header, body) = publish_request(&batch, born);
+        let batch_len = batch.len();
         let started = Instant::now();
         let me = Arc::clone(self);
         let done: client::Done =
             Box::new(move |answer: Answer| me.answered(batch, born, started, answer));
-        self.client.try_submit(PUBLISH, header, body, done).err()
+        let count = batch_len;
+        self.client
+            .try_submit_once(PUBLISH, header, body, count, done)
+            .err()
     }
 
     /// A frame answered: the next one out, with what waits.
@@ -471,6 +479,12 @@ impl RemoteEngine {
         let c = &self.sink.client;
         let (master, why) = c.status();
         (c.connected(), master, why)
+    }
+
+    /// Fail the frames held to be sent again (the gateway gives up on the master: its
+    /// clients go to another gateway), and the publishes waiting behind them.
+    pub fn give_up_held(&self) {
+        self.sink.client.give_up();
     }
 
     /// The queues Python reads on this node: the acknowledged messages of these are

@@ -6,6 +6,7 @@ a real SIGKILL of the store mid-burst."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import threading
 import time
@@ -24,6 +25,7 @@ from tests.ha.cluster import read_topic
 from tests.ha.test_disk_full_group import _mount, fill
 from tests.mqtt.paho_client import Client
 from tests.mqtt.raw import RawClient
+from tests.native.tcp_proxy import TcpProxy
 from tests.plane.test_handover import native_counters
 from tests.security.helpers import ADMIN, add_user, allow
 from tests.security.test_tls import SecureClient, port_of
@@ -136,9 +138,10 @@ def test_carried_publishes_are_stored_and_delivered_in_order_once(shape) -> None
 
 @pytest.mark.parametrize("version", [4, 5])
 def test_store_killed_mid_burst_loses_nothing_acknowledged(shape, version: int) -> None:
-    """Every PUBACKed (reason 0) message is in the store after it restarts; a publish
-    whose answer was lost is refused (5.0: 0x80) or its connection closed (3.1.1), as
-    on Python's path, and the gateway serves again once the store is back."""
+    """Every PUBACKed (reason 0) message is in the store after it restarts, and the
+    gateway serves again once the store is back. A publish whose answer was lost is
+    refused on Python's path (5.0: 0x80; 3.1.1: its connection closed); the native
+    gateway's waits to be sent again (test_..._every_publish_stored_once)."""
     which, store, gw = shape
     base = uid("kill")
     topic = f"{base}/t"
@@ -173,6 +176,155 @@ def test_store_killed_mid_burst_loses_nothing_acknowledged(shape, version: int) 
             break
         assert time.monotonic() < deadline, again
         time.sleep(0.2)
+
+
+NATIVE_ONLY = pytest.mark.skipif(
+    plane.NATIVE is None or not hasattr(plane.NATIVE.Engine, "start_remote"),
+    reason="the native data plane is not built")
+
+
+def resending_burst(dev: RawClient, topic: str, count: int, window: int = 8,
+                    progress: list[int] | None = None) -> tuple[dict[int, int], int]:
+    """`burst`, but a publish refused (0x80) is sent again, as a device that wants its
+    message stored does: ({i: the last PUBACK's reason code}, refusals seen)."""
+    acked: dict[int, int] = {}
+    sent: dict[int, int] = {}  # packet id -> i
+    todo = list(range(count - 1, -1, -1))  # a stack: refused ones go again first
+    refusals, next_pid = 0, 1
+    while len(acked) < count:
+        while todo and len(sent) < window:
+            i = todo.pop()
+            dev.send(mqtt.Publish(topic, b"%05d" % i, 1, packet_id=next_pid))
+            sent[next_pid] = i
+            next_pid = next_pid % 60000 + 1
+        ack = dev.recv()
+        assert isinstance(ack, mqtt.Puback), ack
+        i = sent.pop(ack.packet_id)
+        if ack.reason_code == 0x80 and refusals < 2000:
+            refusals += 1
+            todo.append(i)
+            time.sleep(0.01)  # (a device's pause before it tries again)
+            continue
+        acked[i] = ack.reason_code
+        if progress is not None:
+            progress.append(i)
+    return acked, refusals
+
+
+@NATIVE_ONLY
+def test_store_killed_mid_burst_every_publish_stored_once(
+        tmp_path, redis_server: RedisServer, monkeypatch) -> None:
+    """The store killed with SIGKILL while four 5.0 devices publish, and started again:
+    the gateway's frames whose answers were lost are sent again, stamped the same, once
+    it is back, and the store keeps each once: no device sees a refusal, every message
+    is stored exactly once, in each device's order. (Python's gateway refuses those
+    publishes, and a device that sends one again may store it twice: at least once.)"""
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1")
+    store = Server(tmp_path / "store", "--notify", redis_server.url, command="store").start()
+    gw = Server(None, "--store", store.native, "--notify", redis_server.url,
+                "--io-threads", "1", command="gateway").start()
+    try:
+        base = uid("once")
+        devs = [publisher(gw, "native", 5)[0] for _ in range(4)]
+        for d in devs:
+            d.sock.settimeout(60)
+        results: dict[int, tuple[dict[int, int], int]] = {}
+        progress: list[int] = []
+        runs = [threading.Thread(target=lambda n=n, d=d: results.__setitem__(
+            n, resending_burst(d, f"{base}{n}/t", 800, progress=progress)))
+            for n, d in enumerate(devs)]
+        for r in runs:
+            r.start()
+        deadline = time.monotonic() + 20
+        while len(progress) < 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        store.kill()
+        time.sleep(0.5)
+        store.start()
+        for r in runs:
+            r.join(90)
+        assert len(results) == 4, "a device did not finish"
+        refused = sum(results[n][1] for n in range(4))
+        twice = missing = unacked = 0
+        kept = [read_topic(store.native, f"{base}{n}") for n in range(4)]
+        for (acked, _), held in zip((results[n] for n in range(4)), kept, strict=True):
+            twice += len(held) - len(set(held))
+            missing += len({b"%05d" % i for i, code in acked.items() if code == 0} - set(held))
+            unacked += sum(1 for code in acked.values() if code != 0)
+        assert (refused, twice, missing, unacked) == (0, 0, 0, 0), (
+            f"{refused} publishes refused and sent again, {twice} stored twice, "
+            f"{missing} acknowledged and missing, {unacked} never acknowledged")
+        assert kept == [[b"%05d" % i for i in range(800)]] * 4  # each device's in order
+        for d in devs:
+            d.close()
+    finally:
+        for srv in (gw, store):
+            if srv.proc is not None:
+                srv.stop()
+
+
+class PublishSilencer(TcpProxy):
+    """A proxy that makes the connection that next carries a PUBLISH frame go silent:
+    the store gets the frame and stores it, and its answer, and all after it on that
+    connection, never come back (the connection stays open)."""
+
+    armed = False
+
+    def _pump(self, src: socket.socket, dst: socket.socket,
+              pair: tuple[socket.socket, socket.socket], answers: bool) -> None:
+        if answers:
+            super()._pump(src, dst, pair, answers)
+            return
+        try:
+            while data := src.recv(65536):
+                if self.armed and len(data) >= p.HEAD.size:
+                    _, _, kind, code, _, _ = p.HEAD.unpack_from(data)
+                    if kind == p.REQUEST and code == p.PUBLISH:
+                        with self._lock:
+                            self.armed = False
+                            self._silent.add(dst)
+                            self.silenced += 1
+                dst.sendall(data)
+        except OSError:
+            pass
+        self._close(pair)
+
+
+@NATIVE_ONLY
+def test_a_publish_whose_store_connection_went_silent_is_sent_again_and_stored_once(
+        tmp_path, redis_server: RedisServer, monkeypatch) -> None:
+    """A proxy between the gateway and the store forwards a PUBLISH frame, which the
+    store stores, and its answer never comes: the node still answers a probe, so only
+    the attempt's timeout (10 s, the SDK's) ends that connection; the frame goes again
+    on a new one, stamped the same, and the store answers it as stored from before.
+    The device's PUBACK says stored, and the message is in the store once."""
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1")
+    store = Server(tmp_path / "store", "--notify", redis_server.url, command="store").start()
+    proxy = PublishSilencer(("127.0.0.1", store.native_port))
+    gw = Server(None, "--store", proxy.addr, "--notify", redis_server.url,
+                "--io-threads", "1", command="gateway").start()
+    try:
+        base = uid("silent")
+        dev, _ = publisher(gw, "native", 5)
+        dev.sock.settimeout(30)
+        assert burst(dev, f"{base}/t", 5, window=1) == dict.fromkeys(range(5), 0)
+        proxy.armed = True
+        started = time.monotonic()
+        dev.send(mqtt.Publish(f"{base}/t", b"%05d" % 5, 1, packet_id=500))
+        ack = dev.recv()
+        assert isinstance(ack, mqtt.Puback) and (ack.packet_id, ack.reason_code) == (500, 0)
+        assert proxy.silenced == 1 and time.monotonic() - started >= 9
+        later = burst(dev, f"{base}/t", 5, window=1)
+        assert later == dict.fromkeys(range(5), 0)
+        assert read_topic(store.native, base) == [b"%05d" % i for i in range(6)] + [
+            b"%05d" % i for i in range(5)]
+        dev.close()
+    finally:
+        proxy.close()
+        for srv in (gw, store):
+            if srv.proc is not None:
+                srv.stop()
 
 
 def test_a_websocket_publisher_is_carried_too(shape) -> None:
