@@ -110,7 +110,9 @@ def test_store_kill_9_under_load_loses_nothing_acked(tmp_path, redis_server: Red
         for d in devices:
             assert not d.dropped, f"{d.name} lost its gateway connection: {d.dropped}"
             assert any(t > restarted_at for t in d.acked_at), f"{d.name}: no ack after restart"
-        assert refused, "no publish was refused while the store was down"
+        if gw_a.addrs["plane"] == "python":  # the native plane holds them and sends
+            # them again to the restarted store with their producer stamps, refusing none
+            assert refused, "no publish was refused while the store was down"
         assert all(code == 0x80 and "store" in reason.lower() for _, code, reason in refused)
         assert all(t > killed_at - 0.5 for d in devices for t in d.refused_at)
 
