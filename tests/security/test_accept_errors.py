@@ -11,6 +11,7 @@ import socket
 import ssl
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -54,6 +55,19 @@ def _ws_ok(url: str, ctx: ssl.SSLContext | None = None) -> bool:
         return False
 
 
+def _within(ok: Callable[[], bool], tries: int = 3) -> bool:
+    """`ok()` is true at one of a few tries, a second apart."""
+    for i in range(tries):
+        if i:
+            time.sleep(1.0)
+        try:
+            if ok():
+                return True
+        except Exception:  # noqa: BLE001 - a failed try is a no
+            pass
+    return False
+
+
 def _native_ok(addr: str) -> bool:
     async def hello() -> bool:
         async with NativeClient.open(addr, connect_timeout=5.0):
@@ -93,14 +107,15 @@ def test_every_listener_survives_running_out_of_fds(tmp_path: Path) -> None:
         print(f"out of fds for 3 s: {cpu:.2f} s of CPU, {len(logged)} log lines on accept")
         assert cpu < 0.5, f"{cpu:.2f} s of CPU in 3 s: a listener spins on accept errors"
         assert len(logged) <= 2 * len(ports), logged[:20]
-        # Every listener serves again.
-        assert _mqtt_ok(ports["mqtt"])
-        assert raw_tls_connect(ports["mqtt_tls"], pki.client_context(), "after-tls") \
-            == CONNACK_OK
-        assert _ws_ok(f"ws://127.0.0.1:{ports['ws']}/mqtt")
-        assert _ws_ok(f"wss://localhost:{ports['wss']}/mqtt", pki.client_context())
-        assert _native_ok(srv.native)
-        assert _http_ok(srv.addrs["http"])
+        # Every listener serves again (a try may meet a loaded machine: three within 15 s).
+        assert _within(lambda: _mqtt_ok(ports["mqtt"]))
+        assert _within(lambda: raw_tls_connect(ports["mqtt_tls"], pki.client_context(),
+                                               "after-tls") == CONNACK_OK)
+        assert _within(lambda: _ws_ok(f"ws://127.0.0.1:{ports['ws']}/mqtt"))
+        assert _within(lambda: _ws_ok(f"wss://localhost:{ports['wss']}/mqtt",
+                                      pki.client_context()))
+        assert _within(lambda: _native_ok(srv.native))
+        assert _within(lambda: _http_ok(srv.addrs["http"]))
     finally:
         if srv.proc is not None:
             srv.kill()
