@@ -13,6 +13,15 @@ use crate::engine::Dispatched;
 /// Bytes of one entry: phys offset (u64), size (u32), store time (u64).
 pub const ENTRY_SIZE: usize = 20;
 
+/// One entry as the index packs it: phys offset, size, store time, big-endian.
+pub fn pack_entry(phys_offset: u64, size: u32, store_ts: u64) -> [u8; ENTRY_SIZE] {
+    let mut entry = [0u8; ENTRY_SIZE];
+    entry[..8].copy_from_slice(&phys_offset.to_be_bytes());
+    entry[8..12].copy_from_slice(&size.to_be_bytes());
+    entry[12..].copy_from_slice(&store_ts.to_be_bytes());
+    entry
+}
+
 /// Consecutive offsets of one queue, from `first`, as packed entries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Run {
@@ -86,10 +95,7 @@ pub fn runs(rows: &[Dispatched], run_max: usize) -> Rows {
     // names the same queues row after row, found without hashing them again.
     let mut before: Vec<(&str, usize)> = Vec::new();
     for d in rows {
-        let mut entry = [0u8; ENTRY_SIZE];
-        entry[..8].copy_from_slice(&d.phys_offset.to_be_bytes());
-        entry[8..12].copy_from_slice(&d.size.to_be_bytes());
-        entry[12..].copy_from_slice(&d.store_ts.to_be_bytes());
+        let entry = pack_entry(d.phys_offset, d.size, d.store_ts);
         for (j, (queue, offset)) in d.queues.iter().enumerate() {
             let fresh = || Run {
                 queue: queue.clone(),

@@ -13,6 +13,8 @@
 //!   (`serving/read_budget.py`).
 //! - `engine`: append, acknowledge and deliver each batch the reactors read.
 //! - `index`: the light-queue index's runs for a batch (`lightqueue/index.py`).
+//! - `backlog`, `ring`: rounds of a subscriber that fell behind, from the log's
+//!   segments; the newest index entries of the queues such subscribers read.
 //! - `tls`: the TLS listeners' configuration, its reload and client identities
 //!   (`gateway/transports.py`).
 //! - `frame`: the store's native protocol framing (`store/protocol.py`).
@@ -39,6 +41,7 @@ pub mod protocol;
 pub mod reactor;
 pub mod record;
 pub mod remote;
+pub mod ring;
 pub mod router;
 pub mod tls;
 pub mod ws;
