@@ -9,17 +9,22 @@
 //! Nothing is kept between rounds: a batch starts at the positions the connection
 //! reports, so a round cut short (a record that needs Python, one that is gone) loses
 //! nothing and the next round starts where it ended.
+//!
+//! The batches are made on a thread of their own (`Rounds`, "lightgate-backlog"): a
+//! read the page cache does not hold waits for the disk, which must stall neither a
+//! reactor thread nor the owner's.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
 
 use crate::commitlog::segment_name;
 use crate::index::ENTRY_SIZE;
-use crate::reactor::Delivery;
+use crate::reactor::{Command, Delivery};
 use crate::record;
 
 /// Messages and bytes (their cost as held) of one batch, at most (one at least).
@@ -270,6 +275,104 @@ pub fn batch(
         out.deliveries.push(d);
     }
     Ok(out)
+}
+
+/// One round to make: a connection's runs from its positions, read from the index or
+/// the engine's ring (`ring`), and the log position they are known to cover.
+pub struct Job {
+    pub conn: u64,
+    pub round: u64,
+    pub reader: Reader,
+    pub queues: Vec<QueueRuns>,
+    pub horizon: u64,
+}
+
+#[derive(Default)]
+struct Waiting {
+    jobs: VecDeque<Job>,
+    stop: bool,
+}
+
+/// The rounds waiting for the backlog thread (one per connection at most: a
+/// connection asks for its next round once the last one is out).
+#[derive(Clone, Default)]
+pub struct Rounds(Arc<(Mutex<Waiting>, Condvar)>);
+
+impl Rounds {
+    pub fn push(&self, job: Job) {
+        let (waiting, ready) = &*self.0;
+        if let Ok(mut w) = waiting.lock() {
+            w.jobs.push_back(job);
+            ready.notify_one();
+        }
+    }
+
+    /// Make the rounds pushed on a thread of their own, reading the segments of `dir`;
+    /// each batch goes by `send` as `Command::Catch`, or the connection goes back
+    /// (`Command::Release`) when the log cannot be read. Until the `Worker` is dropped.
+    pub fn serve(
+        &self,
+        dir: &Path,
+        send: impl Fn(Command) + Send + 'static,
+    ) -> io::Result<Worker> {
+        let rounds = self.clone();
+        let mut segments = Segments::new(dir);
+        let thread = std::thread::Builder::new()
+            .name("lightgate-backlog".into())
+            .spawn(move || {
+                while let Some(job) = rounds.next() {
+                    let command = match batch(&job.reader, &job.queues, job.horizon, &mut segments) {
+                        Ok(batch) => Command::Catch {
+                            conn: job.conn,
+                            round: job.round,
+                            batch: Box::new(batch),
+                        },
+                        Err(_) => Command::Release { conn: job.conn },
+                    };
+                    send(command);
+                }
+            })?;
+        Ok(Worker {
+            rounds: self.clone(),
+            thread: Some(thread),
+        })
+    }
+
+    /// The next round, waiting for one; None once stopped.
+    fn next(&self) -> Option<Job> {
+        let (waiting, ready) = &*self.0;
+        let mut w = waiting.lock().ok()?;
+        loop {
+            if w.stop {
+                return None;
+            }
+            if let Some(job) = w.jobs.pop_front() {
+                return Some(job);
+            }
+            w = ready.wait(w).ok()?;
+        }
+    }
+}
+
+/// The backlog thread: stopped and joined when dropped (rounds not made are dropped:
+/// their connections are going).
+pub struct Worker {
+    rounds: Rounds,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let (waiting, ready) = &*self.rounds.0;
+        if let Ok(mut w) = waiting.lock() {
+            w.stop = true;
+            w.jobs.clear();
+            ready.notify_all();
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 fn skip(out: &mut Batch, queues: &[QueueRuns], next: &mut [u64], p: &Planned) {

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::backlog::{self, no_properties, QueueRuns, Reader, Segments};
+use crate::backlog::{self, no_properties, Job, QueueRuns, Reader, Rounds, Worker};
 use crate::commitlog::LogWriter;
 use crate::partial::PartialBudget;
 use crate::protocol::TopicLimits;
@@ -28,6 +28,7 @@ use crate::reactor::{
     Command, Counters, Delivery, Handle, Inbound, Lean, LinkEvent, Positions, Reactor, Report, Sink,
 };
 use crate::record::{self, Record, RecordError};
+use crate::ring::Rings;
 use crate::router::{FilterError, Routes, TopicTrie};
 
 /// Linux's "no space left on device" (`io::ErrorKind::StorageFull` is newer than the
@@ -216,6 +217,9 @@ struct Log {
     queue_end: QueueEnd,
     /// Each queue's mark, as far as the engine asked (`Marks`); None: no marks kept.
     marks: Option<(Marks, HashMap<String, u64>)>,
+    /// The newest index entries of the queues that connections which fell behind read,
+    /// filled by every append (`Inner::write`).
+    rings: Rings,
 }
 
 impl Log {
@@ -296,8 +300,9 @@ struct Inner {
     /// their live subscriptions gone meanwhile.
     catch_up: AtomicBool,
     behind: Mutex<HashMap<u64, Reader>>,
-    /// The log's segment files, read for them.
-    segments: Mutex<Segments>,
+    /// Their rounds, for the backlog thread (`Engine::backlog`), which reads the log's
+    /// segment files for them.
+    rounds: Rounds,
 }
 
 /// Upper bounds (seconds) of the append latency histogram: the gateway's own
@@ -340,6 +345,8 @@ pub struct NotStored {
 pub struct Engine {
     inner: Arc<Inner>,
     reactor: Reactor,
+    /// The thread that makes the rounds of connections that fell behind.
+    backlog: Worker,
     /// The owner's end of the wake-up pair: readable while reports wait.
     woken: UnixStream,
 }
@@ -388,7 +395,15 @@ impl Sink for EngineSink {
                 round,
                 positions,
             } => {
-                if !self.0.fall_behind(conn, &positions) {
+                if self.0.fall_behind(conn, &positions) {
+                    // Live again.
+                } else if let Some(job) = self.0.from_ring(conn, round, &positions) {
+                    if let Some(handle) = self.0.handle.get() {
+                        let counters = handle.counters();
+                        counters.rounds_from_ring.fetch_add(1, Ordering::Relaxed);
+                    }
+                    self.0.rounds.push(job);
+                } else {
                     if let Ok(mut r) = self.0.reports.lock() {
                         r.push(Report::Behind {
                             conn,
@@ -456,6 +471,7 @@ impl Engine {
             next: HashMap::new(),
             queue_end,
             marks: marks.map(|m| (m, HashMap::new())),
+            rings: Rings::default(),
         };
         let threads = config.io_threads;
         let (write_pos, base) = (config.write_pos, config.active_base);
@@ -490,13 +506,16 @@ impl Engine {
             append_latency: Latency::default(),
             catch_up: AtomicBool::new(false),
             behind: Mutex::new(HashMap::new()),
-            segments: Mutex::new(Segments::new(dir)),
+            rounds: Rounds::default(),
         });
         let reactor = Reactor::start(threads, Arc::new(EngineSink(Arc::clone(&inner))))?;
         let _ = inner.handle.set(reactor.handle());
+        let handle = reactor.handle();
+        let backlog = inner.rounds.serve(dir, move |command| handle.send(command))?;
         Ok(Engine {
             inner,
             reactor,
+            backlog,
             woken,
         })
     }
@@ -645,8 +664,8 @@ impl Engine {
 
     /// The answer to a connection's `Report::Behind` of `round`: what the index holds
     /// of its queues from its positions, and the log position the index covers. Its
-    /// next batch goes to it (`backlog::batch`). False: it is not served from the
-    /// store (any more).
+    /// next batch is made on the backlog thread (`backlog::batch`) and goes to it;
+    /// this returns at once. False: it is not served from the store (any more).
     pub fn feed_runs(
         &self,
         conn: u64,
@@ -661,16 +680,13 @@ impl Engine {
         let Some(reader) = reader else {
             return Ok(false);
         };
-        let batch = {
-            let Ok(mut segments) = self.inner.segments.lock() else {
-                return Ok(false);
-            };
-            backlog::batch(&reader, queues, horizon, &mut segments)?
-        };
-        self.reactor.send(Command::Catch {
+        self.counters().rounds_from_store.fetch_add(1, Ordering::Relaxed);
+        self.inner.rounds.push(Job {
             conn,
             round,
-            batch: Box::new(batch),
+            reader,
+            queues: queues.to_vec(),
+            horizon,
         });
         Ok(true)
     }
@@ -722,7 +738,13 @@ impl Inner {
 
     /// What a connection that fell behind subscribed with: at the first call its live
     /// subscriptions go, kept here to come back to.
+    /// Its queues' rings (`ring`) start then, under the log's lock, so that every
+    /// message its live subscriptions no longer take is in them.
     fn reader(&self, conn: u64) -> Option<Reader> {
+        if let Some(reader) = self.behind.lock().ok()?.get(&conn) {
+            return Some(reader.clone());
+        }
+        let mut log = self.log.lock().ok()?;
         let mut behind = self.behind.lock().ok()?;
         if let std::collections::hash_map::Entry::Vacant(first) = behind.entry(conn) {
             let mut subs = self.subs.write().ok()?;
@@ -737,9 +759,37 @@ impl Inner {
                 }
                 subs.trie.remove(&f, id);
             }
+            for queue in reader.qos.keys() {
+                let end = log.end(queue);
+                log.rings.register(queue, end);
+            }
             first.insert(reader);
         }
         behind.get(&conn).cloned()
+    }
+
+    /// The round `round` of a connection that fell behind, from its queues' rings, if
+    /// they hold every one of its positions: the runs from there, and the log position
+    /// they are known to cover (the log's end as they are read). None: the owner's index
+    /// serves it.
+    fn from_ring(&self, conn: u64, round: u64, positions: &[(Arc<str>, u64)]) -> Option<Job> {
+        let reader = self.behind.lock().ok()?.get(&conn).cloned()?;
+        let at: HashMap<&str, u64> = positions.iter().map(|(q, n)| (&**q, *n)).collect();
+        let log = self.log.lock().ok()?;
+        let mut queues = Vec::with_capacity(reader.qos.len());
+        for queue in reader.qos.keys() {
+            let position = *at.get(&**queue)?;
+            queues.push(log.rings.runs(queue, position, backlog::BATCH_MESSAGES)?);
+        }
+        let horizon = log.writer.write_pos();
+        drop(log);
+        Some(Job {
+            conn,
+            round,
+            reader,
+            queues,
+            horizon,
+        })
     }
 
     /// Live again, if every queue's position is its end: under the log's lock, as a
@@ -767,6 +817,9 @@ impl Inner {
         }
         if let Ok(mut behind) = self.behind.lock() {
             behind.remove(&conn);
+        }
+        for queue in reader.qos.keys() {
+            log.rings.unregister(queue);
         }
         drop(log);
         true
@@ -1008,7 +1061,13 @@ impl Engine {
     /// `stop`, and what was left for dispatch (the last appends, for the index).
     pub fn stop_and_take(self) -> (io::Result<u64>, Pending) {
         self.wake();
-        let Engine { inner, reactor, .. } = self;
+        let Engine {
+            inner,
+            reactor,
+            backlog,
+            ..
+        } = self;
+        drop(backlog); // (no round is made for a connection that is going)
         reactor.stop();
         let synced = match inner.log.lock() {
             Ok(mut log) => {
@@ -1037,8 +1096,16 @@ impl Inner {
 
     /// Every subscription of `conn` goes (it was demoted or it left).
     pub fn forget(&self, conn: u64) {
-        if let Ok(mut behind) = self.behind.lock() {
-            behind.remove(&conn);
+        let reader = match self.behind.lock() {
+            Ok(mut behind) => behind.remove(&conn),
+            Err(_) => None,
+        };
+        if let Some(reader) = reader {
+            if let Ok(mut log) = self.log.lock() {
+                for queue in reader.qos.keys() {
+                    log.rings.unregister(queue);
+                }
+            }
         }
         let Ok(mut subs) = self.subs.write() else {
             return;
@@ -1239,6 +1306,9 @@ impl Inner {
         for (d, pos) in rows.iter_mut().zip(&appended.positions) {
             d.phys_offset = *pos;
         }
+        if !log.rings.is_empty() {
+            fill_rings(&mut log.rings, &rows);
+        }
         let mut leans = vec![None; items.len()];
         if let Some(handle) = self.handle.get() {
             let acked = acks.len();
@@ -1388,6 +1458,16 @@ struct Target {
     qos: u8,
     version: u8,
     positions: Positions,
+}
+
+/// Each row's entry into the rings of its queues that are kept (`ring`).
+fn fill_rings(rings: &mut Rings, rows: &[Dispatched]) {
+    for d in rows {
+        let entry = crate::index::pack_entry(d.phys_offset, d.size, d.store_ts);
+        for (queue, offset) in &d.queues {
+            rings.push(queue, *offset, &entry);
+        }
+    }
 }
 
 /// Bytes of the records these rows keep (`Dispatched::record`).

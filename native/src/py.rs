@@ -1080,8 +1080,9 @@ impl PyEngine {
     /// (queue, start, [(first offset, entries)], full) as the index holds them from its
     /// position (`start`: the position, moved past what retention took; `full`: the
     /// read stopped at its count), and the log position the index covers. The engine
-    /// reads the records and sends the connection its next batch. False: it is not
-    /// served from the store (any more); OSError when the log cannot be read.
+    /// reads the records and sends the connection its next batch, on a thread of its
+    /// own: this returns at once (a log it cannot read hands the connection back).
+    /// False: it is not served from the store (any more).
     #[allow(clippy::type_complexity)] // the runs as the index hands them
     fn feed_runs(
         &self,

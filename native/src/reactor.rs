@@ -309,6 +309,10 @@ pub struct Counters {
     /// those of them that caught up and went live again.
     pub fell_behind: AtomicU64,
     pub caught_up: AtomicU64,
+    /// Rounds of those served from the engine's ring of recent index entries, and from
+    /// the owner's index (a reader below the ring, or one whose ring is not kept).
+    pub rounds_from_ring: AtomicU64,
+    pub rounds_from_store: AtomicU64,
     /// TLS handshakes the native listeners completed, failed, and gave up on (the
     /// client said nothing in time).
     pub tls_handshakes: AtomicU64,
@@ -334,6 +338,8 @@ impl Counters {
             ("dropped", get(&self.dropped)),
             ("fell_behind", get(&self.fell_behind)),
             ("caught_up", get(&self.caught_up)),
+            ("rounds_from_ring", get(&self.rounds_from_ring)),
+            ("rounds_from_store", get(&self.rounds_from_store)),
             ("adopted", get(&self.adopted)),
             ("demoted", get(&self.demoted)),
             ("connections", get(&self.connections)),

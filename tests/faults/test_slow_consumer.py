@@ -313,6 +313,64 @@ def test_a_subscriber_that_falls_behind_gets_everything_once(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("plane", ["native", "python"])
+def test_a_subscriber_behind_a_publisher_that_goes_on_is_served_from_the_ring(
+        tmp_path, monkeypatch, plane: str) -> None:
+    """A QoS 1 subscriber falls behind while its publisher goes on publishing: it gets
+    every message once, in order. On the native plane its rounds come from the engine's
+    ring of recent index entries, made natively, once it passed what it had dropped when
+    it fell behind (those come from the owner's index): a few rounds from the store, the
+    rest from the ring."""
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane == "native" else "0")
+    srv = Server(tmp_path / "d").start()
+    first, then = 20_000, 40_000
+    pad = b" " * 100
+    try:
+        sub = RawClient(srv.port, timeout=30)
+        sub.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sub.connect("laggard")
+        sub.subscribe("keep/t", 1)
+        pub = RawClient(srv.port)
+        pub.connect("keeper")
+        if plane == "native":
+            wait_carried(srv, {"laggard": 1, "keeper": 0})
+        said = len(srv.log)
+        acks = threading.Thread(target=_drain_socket, args=(pub.sock, (first + then) * 4),
+                                daemon=True)
+        acks.start()
+
+        def publish(start: int, count: int) -> None:
+            for at in range(start, start + count, 1000):
+                pub.send_raw(b"".join(
+                    mqtt.encode(mqtt.Publish("keep/t", b"%07d" % i + pad, qos=1,
+                                             packet_id=i % 60000 + 1), 4)
+                    for i in range(at, min(at + 1000, start + count))))
+                time.sleep(0.01)  # (a publisher that goes on, not one flood)
+
+        publish(0, first)  # ... while the subscriber reads nothing: it falls behind
+        going_on = threading.Thread(target=publish, args=(first, then), daemon=True)
+        going_on.start()
+        got = _read_qos1(sub.sock, first + then, time.monotonic() + 60)
+        going_on.join(30)
+        acks.join(30)
+        assert got == list(range(first + then))  # once each, in order
+        sub.sock.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            sub.sock.recv(1 << 16)
+        if plane == "native":
+            text = metrics(srv)
+            ring = metric(text, "lightgate_native_rounds_from_ring_total")
+            store = metric(text, "lightgate_native_rounds_from_store_total")
+            print(f"rounds from the ring {ring:.0f}, from the store {store:.0f}")
+            assert metric(text, "lightgate_native_fell_behind_total") >= 1
+            assert ring > 2 * store, (ring, store)
+            assert not [line for line in srv.log[said:]
+                        if "client 'laggard' (" in line and "back from the native plane" in line]
+        pub.close()
+    finally:
+        assert srv.stop() == 0, srv.logs()[-2000:]
+
+
+@pytest.mark.parametrize("plane", ["native", "python"])
 def test_a_message_that_needs_python_in_a_backlog_keeps_its_place(tmp_path, monkeypatch,
                                                                  plane: str) -> None:
     """A QoS 2 message among the ones a subscriber fell behind on: the native plane hands
