@@ -310,18 +310,15 @@ impl Rounds {
     /// Make the rounds pushed on a thread of their own, reading the segments of `dir`;
     /// each batch goes by `send` as `Command::Catch`, or the connection goes back
     /// (`Command::Release`) when the log cannot be read. Until the `Worker` is dropped.
-    pub fn serve(
-        &self,
-        dir: &Path,
-        send: impl Fn(Command) + Send + 'static,
-    ) -> io::Result<Worker> {
+    pub fn serve(&self, dir: &Path, send: impl Fn(Command) + Send + 'static) -> io::Result<Worker> {
         let rounds = self.clone();
         let mut segments = Segments::new(dir);
         let thread = std::thread::Builder::new()
             .name("lightgate-backlog".into())
             .spawn(move || {
                 while let Some(job) = rounds.next() {
-                    let command = match batch(&job.reader, &job.queues, job.horizon, &mut segments) {
+                    let command = match batch(&job.reader, &job.queues, job.horizon, &mut segments)
+                    {
                         Ok(batch) => Command::Catch {
                             conn: job.conn,
                             round: job.round,

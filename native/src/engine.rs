@@ -397,7 +397,7 @@ impl Sink for EngineSink {
             } => {
                 if self.0.fall_behind(conn, &positions) {
                     // Live again.
-                } else if let Some(job) = self.0.from_ring(conn, round, &positions) {
+                } else if let Some(job) = self.0.round_from_ring(conn, round, &positions) {
                     if let Some(handle) = self.0.handle.get() {
                         let counters = handle.counters();
                         counters.rounds_from_ring.fetch_add(1, Ordering::Relaxed);
@@ -511,7 +511,9 @@ impl Engine {
         let reactor = Reactor::start(threads, Arc::new(EngineSink(Arc::clone(&inner))))?;
         let _ = inner.handle.set(reactor.handle());
         let handle = reactor.handle();
-        let backlog = inner.rounds.serve(dir, move |command| handle.send(command))?;
+        let backlog = inner
+            .rounds
+            .serve(dir, move |command| handle.send(command))?;
         Ok(Engine {
             inner,
             reactor,
@@ -680,7 +682,9 @@ impl Engine {
         let Some(reader) = reader else {
             return Ok(false);
         };
-        self.counters().rounds_from_store.fetch_add(1, Ordering::Relaxed);
+        self.counters()
+            .rounds_from_store
+            .fetch_add(1, Ordering::Relaxed);
         self.inner.rounds.push(Job {
             conn,
             round,
@@ -772,7 +776,7 @@ impl Inner {
     /// they hold every one of its positions: the runs from there, and the log position
     /// they are known to cover (the log's end as they are read). None: the owner's index
     /// serves it.
-    fn from_ring(&self, conn: u64, round: u64, positions: &[(Arc<str>, u64)]) -> Option<Job> {
+    fn round_from_ring(&self, conn: u64, round: u64, positions: &[(Arc<str>, u64)]) -> Option<Job> {
         let reader = self.behind.lock().ok()?.get(&conn).cloned()?;
         let at: HashMap<&str, u64> = positions.iter().map(|(q, n)| (&**q, *n)).collect();
         let log = self.log.lock().ok()?;

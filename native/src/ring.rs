@@ -224,11 +224,14 @@ mod tests {
         r.runs
             .iter()
             .flat_map(|(first, bytes)| {
-                bytes.chunks_exact(ENTRY_SIZE).enumerate().map(move |(i, e)| {
-                    let phys = u64::from_be_bytes(e[..8].try_into().unwrap());
-                    assert_eq!(phys, (first + i as u64) * 100, "the entry of its offset");
-                    first + i as u64
-                })
+                bytes
+                    .chunks_exact(ENTRY_SIZE)
+                    .enumerate()
+                    .map(move |(i, e)| {
+                        let phys = u64::from_be_bytes(e[..8].try_into().unwrap());
+                        assert_eq!(phys, (first + i as u64) * 100, "the entry of its offset");
+                        first + i as u64
+                    })
             })
             .collect()
     }
@@ -242,7 +245,10 @@ mod tests {
         rings.register(&q("a"), 5);
         fill(&mut rings, "a", 5, 5 + 3000);
         assert_eq!(rings.span("a"), Some((5, 3005)));
-        assert!(rings.runs(&q("a"), 4, 256).is_none(), "below it: the index's");
+        assert!(
+            rings.runs(&q("a"), 4, 256).is_none(),
+            "below it: the index's"
+        );
         assert!(rings.runs(&q("a"), 3006, 256).is_none(), "past its end");
         assert!(rings.runs(&q("b"), 0, 256).is_none(), "not kept");
         let r = rings.runs(&q("a"), 1000, 256).unwrap();
@@ -279,7 +285,11 @@ mod tests {
         rings.register(&q("#"), 100);
         for d in &rows {
             for (queue, offset) in &d.queues {
-                rings.push(queue, *offset, &pack_entry(d.phys_offset, d.size, d.store_ts));
+                rings.push(
+                    queue,
+                    *offset,
+                    &pack_entry(d.phys_offset, d.size, d.store_ts),
+                );
             }
         }
         let index = runs(&rows, 1000);
@@ -297,7 +307,10 @@ mod tests {
         fill(&mut rings, "a", 12, 15);
         assert_eq!(rings.span("a"), Some((12, 15)));
         assert!(rings.runs(&q("a"), 5, 256).is_none());
-        assert_eq!(offsets(&rings.runs(&q("a"), 12, 256).unwrap()), [12, 13, 14]);
+        assert_eq!(
+            offsets(&rings.runs(&q("a"), 12, 256).unwrap()),
+            [12, 13, 14]
+        );
         // An offset given again (a failed write's): afresh too.
         fill(&mut rings, "a", 13, 14);
         assert_eq!(rings.span("a"), Some((13, 14)));
@@ -311,8 +324,15 @@ mod tests {
         fill(&mut rings, "a", 0, 5 * CHUNK as u64 + 7);
         let (first, end) = rings.span("a").unwrap();
         assert_eq!(end, 5 * CHUNK as u64 + 7);
-        assert_eq!(first, 4 * CHUNK as u64, "two chunks' worth at most, and the newest");
-        assert!(rings.runs(&q("a"), first - 1, 256).is_none(), "fell off: the index's");
+        assert_eq!(
+            first,
+            4 * CHUNK as u64,
+            "two chunks' worth at most, and the newest"
+        );
+        assert!(
+            rings.runs(&q("a"), first - 1, 256).is_none(),
+            "fell off: the index's"
+        );
         assert_eq!(offsets(&rings.runs(&q("a"), first, 1).unwrap()), [first]);
         assert_eq!(rings.bytes(), 2 * CHUNK_BYTES);
     }
@@ -329,7 +349,10 @@ mod tests {
         let (a_first, a_end) = rings.span("a").unwrap();
         let (b_first, b_end) = rings.span("b").unwrap();
         assert_eq!((a_end, b_end), (10 * CHUNK as u64, 3 * CHUNK as u64));
-        assert!(a_first >= 8 * CHUNK as u64, "the largest gave way: {a_first}");
+        assert!(
+            a_first >= 8 * CHUNK as u64,
+            "the largest gave way: {a_first}"
+        );
         assert!(b_first < CHUNK as u64 * 3, "b keeps some");
         // Every entry still kept is its offset's.
         assert_eq!(
