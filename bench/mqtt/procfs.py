@@ -72,10 +72,12 @@ def usage(pids: list[int], python_pids: list[int] | None = None) -> Usage:
 
 
 # The threads of a Lightgate process that never run Python: the native plane's reactors
-# (native/src/reactor.rs names them) and RocksDB's background threads. Every other
-# thread does: the trio loop, trio's worker threads, the CommitLog's writer and
-# dispatcher, the Raft controller's, the Redis client's.
-NATIVE_THREADS = ("lightgate-io-", "rocksdb:")
+# (native/src/reactor.rs names them), the thread that reads the rounds of subscribers
+# that fell behind ("lightgate-backlog", native/src/backlog.rs; a comm holds 15
+# characters) and RocksDB's background threads. Every other thread does: the trio loop,
+# trio's worker threads, the CommitLog's writer and dispatcher, the Raft controller's,
+# the Redis client's.
+NATIVE_THREADS = ("lightgate-io-", "lightgate-backl", "rocksdb:")
 
 
 def python_split(pids: list[int]) -> tuple[float, float]:
