@@ -225,22 +225,24 @@ pub fn batch(
         out.jumps.push((Arc::clone(&q.queue), q.start));
     }
     let mut bytes = 0;
-    for p in merge(queues, horizon) {
+    let plan = merge(queues, horizon);
+    let mut ahead = ReadAhead::default();
+    for (k, p) in plan.iter().enumerate() {
         if out.deliveries.len() >= BATCH_MESSAGES || bytes >= BATCH_BYTES {
             break;
         }
-        let Some(buf) = segments.read(p.phys, p.size)? else {
+        let Some(buf) = ahead.record(segments, &plan, k)? else {
             if !out.deliveries.is_empty() {
                 break;
             }
-            skip(&mut out, queues, &mut next, &p);
+            skip(&mut out, queues, &mut next, p);
             continue;
         };
-        let Ok((rec, _)) = record::decode(&buf) else {
+        let Ok((rec, _)) = record::decode(buf) else {
             if !out.deliveries.is_empty() {
                 break;
             }
-            skip(&mut out, queues, &mut next, &p);
+            skip(&mut out, queues, &mut next, p);
             continue;
         };
         let sub_qos = p
@@ -369,6 +371,52 @@ impl Drop for Worker {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+    }
+}
+
+/// Records that follow each other in the log, read with one pread (a round of one
+/// topic's records is one run of the log, most often), a batch's bytes at most.
+#[derive(Default)]
+struct ReadAhead {
+    at: u64,
+    buf: Vec<u8>,
+}
+
+impl ReadAhead {
+    /// The record of `plan[k]`: from what was read ahead, or read with the ones right
+    /// after it; None when it is gone.
+    fn record(
+        &mut self,
+        segments: &mut Segments,
+        plan: &[Planned],
+        k: usize,
+    ) -> io::Result<Option<&[u8]>> {
+        let p = &plan[k];
+        let end = p.phys + u64::from(p.size);
+        if !(p.phys >= self.at && end <= self.at + self.buf.len() as u64) {
+            let mut len = u64::from(p.size);
+            for q in plan[k + 1..].iter().take(BATCH_MESSAGES) {
+                if q.phys != p.phys + len || len + u64::from(q.size) > BATCH_BYTES as u64 {
+                    break;
+                }
+                len += u64::from(q.size);
+            }
+            // A run that crosses a segment's end cannot be read whole: one at a time.
+            let span = match len > u64::from(p.size) {
+                true => segments.read(p.phys, len as u32)?,
+                false => None,
+            };
+            let read = match span {
+                Some(span) => Some(span),
+                None => segments.read(p.phys, p.size)?,
+            };
+            (self.at, self.buf) = (p.phys, read.unwrap_or_default());
+            if self.buf.is_empty() {
+                return Ok(None);
+            }
+        }
+        let from = (p.phys - self.at) as usize;
+        Ok(Some(&self.buf[from..from + p.size as usize]))
     }
 }
 
@@ -589,6 +637,24 @@ mod tests {
         let r = reader(&[("t", 1)]);
         let b = one(&r, &w, 1, 100, &dir);
         assert_eq!(b.deliveries.len(), 2);
+    }
+
+    #[test]
+    fn runs_read_ahead_across_segment_ends_lose_nothing() {
+        let dir = tmp("ahead");
+        let msgs: Vec<(&str, &[&str], u8)> = (0..200)
+            .map(|i| (if i % 7 == 0 { "u" } else { "t" }, &["t", "#"][..], 0))
+            .collect();
+        // Segments of a dozen records or so: many runs end at one.
+        let w = write(&dir, 1000, &msgs);
+        let r = reader(&[("t", 0), ("#", 0)]);
+        let qs = [runs_of(&w, "t", 0, 500), runs_of(&w, "#", 0, 500)];
+        let b = batch(&r, &qs, u64::MAX, &mut Segments::new(&dir)).unwrap();
+        assert_eq!(b.dropped, 0);
+        let want: Vec<&str> = msgs.iter().map(|(t, _, _)| *t).collect();
+        assert_eq!(topics(&b), want);
+        let offsets: Vec<u64> = b.deliveries.iter().map(|d| d.positions[0].1).collect();
+        assert_eq!(offsets, (0..200).collect::<Vec<u64>>());
     }
 
     #[test]

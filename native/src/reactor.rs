@@ -780,7 +780,15 @@ struct Behind {
     round: u64,
     asked: bool,
     release: bool,
+    /// The batch of a round asked for before what it held was out (`ASK_AT`): taken
+    /// once it is, as it would have been had it been asked for then.
+    next: Option<Box<crate::backlog::Batch>>,
 }
+
+/// Deliveries a connection served from the store may still hold when it asks for its
+/// next round: the round's trip (to the ring or the owner's index, the segment reads)
+/// goes on while these go out, and the client does not wait for it.
+const ASK_AT: usize = crate::backlog::BATCH_MESSAGES / 2;
 
 /// Rounds are numbered across the node, so that an answer to an old one is known.
 static ROUNDS: AtomicU64 = AtomicU64::new(1);
@@ -1301,6 +1309,12 @@ impl Worker {
             backlog.held_cost -= d.cost();
             Self::send(&mut c.core, &mut c.positions, d, counters);
         }
+        if backlog.held.is_empty() {
+            if let Some(next) = c.behind.as_mut().and_then(|b| b.next.take()) {
+                // The round asked for ahead: its turn (it sends what it can).
+                Self::take_batch(c, *next, counters);
+            }
+        }
         c.settle();
     }
 
@@ -1339,29 +1353,40 @@ impl Worker {
             round: 0,
             asked: false,
             release: false,
+            next: None,
         }));
         sink.fell_behind(c.id);
     }
 
     /// A connection served from the store asks for its next batch once the last one
-    /// is out and its socket has room; or goes back, when the next record needs the
-    /// owner.
+    /// is nearly out (`ASK_AT`) and its socket has room, from past what it holds; or
+    /// goes back, once all of it is out, when the next record needs the owner.
     fn ask(c: &mut Conn, sink: &dyn Sink) {
-        let room = !c.holds() && c.unsent() + c.core.pending_output() <= c.max_unsent / 2;
-        let Some(b) = c.behind.as_mut().filter(|b| !b.asked && room) else {
+        let held = c.backlog.as_ref().map_or(0, |b| b.held.len());
+        let room = held <= ASK_AT && c.unsent() + c.core.pending_output() <= c.max_unsent / 2;
+        let Some(b) = c
+            .behind
+            .as_mut()
+            .filter(|b| !b.asked && b.next.is_none() && room)
+        else {
             return;
         };
         if b.release {
-            c.demoting = Some(Why::Released);
+            if held == 0 {
+                c.demoting = Some(Why::Released);
+            }
             return;
         }
         b.asked = true;
         b.round = ROUNDS.fetch_add(1, Ordering::Relaxed);
-        let positions = c
-            .positions
-            .iter()
-            .map(|(q, n)| (Arc::clone(q), *n))
-            .collect();
+        let mut past: BTreeMap<Arc<str>, u64> = c.positions.clone();
+        for d in c.backlog.iter().flat_map(|b| b.held.iter()) {
+            for (queue, offset) in &d.positions {
+                let next = past.entry(Arc::clone(queue)).or_insert(0);
+                *next = (*next).max(offset + 1);
+            }
+        }
+        let positions = past.into_iter().collect();
         sink.report(Report::Behind {
             conn: c.id,
             round: b.round,
@@ -1369,12 +1394,26 @@ impl Worker {
         });
     }
 
-    /// The batch of the round a connection asked for (another's is stale: dropped).
+    /// The batch of the round a connection asked for (another's is stale: dropped);
+    /// kept until what the connection holds is out, if some is.
     fn catch(c: &mut Conn, round: u64, batch: crate::backlog::Batch, counters: &Counters) {
+        let holds = c.holds();
         let Some(b) = c.behind.as_mut().filter(|b| b.asked && b.round == round) else {
             return;
         };
         b.asked = false;
+        if holds {
+            b.next = Some(Box::new(batch));
+            return;
+        }
+        Self::take_batch(c, batch, counters);
+    }
+
+    /// A round's batch, once nothing is held before it.
+    fn take_batch(c: &mut Conn, batch: crate::backlog::Batch, counters: &Counters) {
+        let Some(b) = c.behind.as_mut() else {
+            return;
+        };
         b.release = batch.release;
         // Where each queue starts now (nothing went out since it asked), then past what
         // was skipped: as Python's delivery moves a cursor to where a pull started.
