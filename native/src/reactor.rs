@@ -1320,10 +1320,14 @@ impl Worker {
 
     /// More waits for the client than its budget: it goes back, or (when the owner
     /// serves it from the store, and deliveries are what waits: one comes, or some are
-    /// held) it drops what it holds, whose positions it has not passed, and is served
-    /// from the store from there, a batch at a time. One served so holds one batch at
-    /// most, and takes one only with room: past the budget by more than a batch, what
-    /// waits is its own answers (a publisher that does not read them), and it goes back.
+    /// held) it takes no more live deliveries and is served from the store from past
+    /// what it holds, a batch at a time. What it holds goes on out as the client takes
+    /// it, within the budget and a batch (more is dropped: its positions were not
+    /// passed, and the store serves it): the rounds that follow start where the
+    /// engine's ring of the queue does, not below it. One served so holds, past that,
+    /// a batch and a half at most, and takes one only with room: past the budget by more than a
+    /// batch, what waits is its own answers (a publisher that does not read them), and
+    /// it goes back.
     fn over_budget(c: &mut Conn, sink: &dyn Sink, delivering: bool, counters: &Counters) {
         let catches_up = sink.catches_up();
         if c.behind.is_some() || !(delivering || c.holds()) {
@@ -1343,9 +1347,11 @@ impl Worker {
             c.demoting.get_or_insert(Why::Backlog);
             return;
         }
-        if let Some(b) = c.backlog.as_mut() {
-            b.held = VecDeque::new();
-            b.held_cost = 0;
+        if c.waiting() > c.max_unsent + crate::backlog::BATCH_BYTES {
+            if let Some(b) = c.backlog.as_mut() {
+                b.held = VecDeque::new();
+                b.held_cost = 0;
+            }
         }
         c.settle();
         Counters::add(&counters.fell_behind, 1);
