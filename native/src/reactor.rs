@@ -846,11 +846,20 @@ impl Conn {
     }
 
     /// What the held deliveries cost: their slots (as many as the queue has room for)
-    /// and what each holds.
+    /// and what each holds; and a round's batch kept until they are out.
     fn held_bytes(&self) -> usize {
-        self.backlog.as_ref().map_or(0, |b| {
+        let held = self.backlog.as_ref().map_or(0, |b| {
             b.held.capacity() * std::mem::size_of::<Delivery>() + b.held_cost
-        })
+        });
+        let next = self
+            .behind
+            .as_ref()
+            .and_then(|b| b.next.as_ref())
+            .map_or(0, |batch| {
+                batch.deliveries.capacity() * std::mem::size_of::<Delivery>()
+                    + batch.deliveries.iter().map(Delivery::cost).sum::<usize>()
+            });
+        held + next
     }
 
     fn holds(&self) -> bool {
