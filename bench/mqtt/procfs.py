@@ -82,8 +82,9 @@ NATIVE_THREADS = ("lightgate-io-", "lightgate-backl", "rocksdb:")
 
 def python_split(pids: list[int]) -> tuple[float, float]:
     """CPU seconds so far of these processes' threads that run Python, and of all their
-    threads (a thread that ended is not counted: take both readings while they run)."""
-    tick = os.sysconf("SC_CLK_TCK")
+    threads (a thread that ended is not counted: take both readings while they run).
+    From each thread's schedstat (nanoseconds on a CPU), not its stat's clock ticks: a
+    short row's window may hold no tick at all."""
     python = total = 0.0
     for pid in pids:
         try:
@@ -92,14 +93,14 @@ def python_split(pids: list[int]) -> tuple[float, float]:
             continue
         for tid in tids:
             try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as fh:
-                    head, _, rest = fh.read().rpartition(")")
-            except OSError:
+                with open(f"/proc/{pid}/task/{tid}/comm") as fh:
+                    name = fh.read()
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                    used = int(fh.read().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):
                 continue
-            fields = rest.split()
-            used = (int(fields[11]) + int(fields[12])) / tick
             total += used
-            if not head.split("(", 1)[1].startswith(NATIVE_THREADS):
+            if not name.startswith(NATIVE_THREADS):
                 python += used
     return python, total
 
