@@ -399,6 +399,12 @@ impl Sink for EngineSink {
                     let _ = (&self.0.wake).write(&[1]);
                 }
             }
+            Report::Keep { .. } | Report::Progress { .. } => {
+                if let Ok(mut r) = self.0.reports.lock() {
+                    r.push(report);
+                }
+                let _ = (&self.0.wake).write(&[1]);
+            }
             Report::Demoted(d) => {
                 // Its subscriptions go first: nothing is delivered to it after the
                 // positions it hands back.
@@ -599,6 +605,55 @@ impl Engine {
         for (filter, qos, _) in subscriptions {
             self.subscribe_v(conn, filter, *qos, version)?;
         }
+        drop(log);
+        Ok(true)
+    }
+
+    /// Promote a persistent session's connection (`Command::Adopt` with `keep`): at its
+    /// queues' ends, as `promote` does (`adopt(false)`); behind them, when the owner
+    /// serves connections from the store (`set_catch_up`), it starts served so from
+    /// its positions (`adopt(true)`), its live subscriptions made once it reaches the
+    /// ends (`Inner::resume`). False, and nothing changed, if it is behind and the
+    /// owner does not serve from the store.
+    pub fn promote_kept(
+        &self,
+        conn: u64,
+        version: u8,
+        subscriptions: &[(String, u8, u64)],
+        adopt: impl FnOnce(bool) -> Command,
+    ) -> Result<bool, FilterError> {
+        for (filter, _, _) in subscriptions {
+            crate::router::validate_filter(filter)?;
+        }
+        let Ok(mut log) = self.inner.log.lock() else {
+            return Ok(false);
+        };
+        let behind = subscriptions
+            .iter()
+            .any(|(filter, _, position)| *position != log.end(filter));
+        if !behind {
+            self.reactor.send(adopt(false));
+            for (filter, qos, _) in subscriptions {
+                self.subscribe_v(conn, filter, *qos, version)?;
+            }
+            return Ok(true);
+        }
+        if !self.inner.catch_up.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let reader = Reader {
+            version,
+            qos: subscriptions
+                .iter()
+                .map(|(filter, qos, _)| (Arc::from(filter.as_str()), *qos))
+                .collect(),
+        };
+        let Ok(mut readers) = self.inner.behind.lock() else {
+            return Ok(false);
+        };
+        readers.insert(conn, reader);
+        drop(readers);
+        self.reactor.send(adopt(true));
         drop(log);
         Ok(true)
     }
