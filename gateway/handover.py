@@ -452,14 +452,15 @@ class Handover:
 
     # -- a persistent session's records ------------------------------------------------
     def _keep(self, records: _Records, conn_id: int, batch: int,
-              sends: list[tuple[int, str, int]]) -> None:
+              runs: list[tuple[int, str, int, int]]) -> None:
         """The engine holds a batch of a persistent session's sends until their record
-        is in the store: one record for the batch."""
+        is in the store: one record for the batch, its sends in runs (first packet id,
+        queue, first offset, count: consecutive ids and offsets)."""
         conn = self.promoted.get(conn_id)
         if conn is None or conn.session is None:
             return
         records.ops.append(("put", "inflight", batch_key(conn.session.client_id, batch),
-                            {"sends": [list(send) for send in sends], "qos": 1}))
+                            {"runs": runs, "qos": 1}))
         records.kept.append((conn_id, batch))
 
     def _progress(self, records: _Records, conn_id: int,

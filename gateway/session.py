@@ -8,9 +8,10 @@ Metadata layout (column family: key -> value):
                                                       "replay": a replay's progress, while
                                                       it lasts (gateway.replay)}
     inflight:      client_id NUL "out" NUL packet_id -> {"queue", "offset", "state"}
-                   client_id NUL "outs" NUL batch -> {"sends": [[packet_id, queue,
-                   offset], ...], "qos"} (a batch of the native plane's sends, one record
-                   for the batch; rewritten as "out" records when the session is loaded
+                   client_id NUL "outs" NUL batch -> {"runs": [[first packet_id, queue,
+                   first offset, count], ...], "qos"} (a batch of the native plane's
+                   sends, one record for the batch, in runs of consecutive packet ids
+                   and offsets; rewritten as "out" records when the session is loaded
                    or handed back to Python: gateway.handover)
                    client_id NUL "in" NUL packet_id -> {"phys"}   (QoS 2 stored, awaiting
                    PUBREL; the record's position) or {"done": phys} (released: a later DUP

@@ -212,10 +212,12 @@ class SessionRegistry:
         sends: dict[int, tuple[str, int, int]] = {}
         for _, value in sorted(batches, key=lambda b: b[0]):
             qos = value.get("qos", 1)
-            for pid, queue, offset in value["sends"]:
-                if pid not in s.outgoing:
-                    sends.pop(pid, None)  # (in the order of the latest)
-                    sends[pid] = (queue, offset, qos)
+            for first, queue, start, count in value["runs"]:
+                for i in range(count):
+                    pid = (first - 1 + i) % 65535 + 1
+                    if pid not in s.outgoing:
+                        sends.pop(pid, None)  # (in the order of the latest)
+                        sends[pid] = (queue, start + i, qos)
         records = {pid: {"queue": q, "offset": o, "state": "publish", "qos": qos}
                    for pid, (q, o, qos) in sends.items()}
         await self.store.meta_write(

@@ -1308,8 +1308,10 @@ impl PyEngine {
                     ("behind", conn, round, at).into_pyobject(py)?.into_any()
                 }
                 Report::Keep { conn, batch, sends } => {
-                    let sends: Vec<(u16, &str, u64)> =
-                        sends.iter().map(|(p, q, o)| (*p, &**q, *o)).collect();
+                    let sends: Vec<(u16, &str, u64, u32)> = sends
+                        .iter()
+                        .map(|(p, q, o, n)| (*p, &**q, *o, *n))
+                        .collect();
                     ("keep", conn, batch, sends).into_pyobject(py)?.into_any()
                 }
                 Report::Progress {

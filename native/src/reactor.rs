@@ -1431,11 +1431,13 @@ impl Worker {
     /// is out and its socket has room; or goes back, when the next record needs the
     /// owner.
     fn ask(c: &mut Conn, sink: &dyn Sink) {
-        // A persistent session's next round is asked for while this one's batch waits
-        // for its record or the window (one batch ahead at most): the round trip to the
-        // owner overlaps the sends.
+        // A persistent session's next round is asked for while the last one's batch
+        // waits for its record or the window (two batches held at most, within its
+        // budget): the round trips to the owner (the read, the record) overlap each
+        // other and the sends. Asked for only once what it holds was out, each round
+        // cost both round trips in turn (204,383 msg/s with one batch ahead).
         let ahead = match c.keep.as_ref() {
-            Some(k) => k.pending() < crate::backlog::BATCH_MESSAGES,
+            Some(k) => k.pending() < crate::backlog::BATCH_MESSAGES && c.waiting() <= c.max_unsent,
             None => !c.holds(),
         };
         let room = ahead && c.unsent() + c.core.pending_output() <= c.max_unsent / 2;

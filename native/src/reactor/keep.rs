@@ -78,8 +78,11 @@ pub(super) struct Keeper {
     every: f64,
 }
 
-/// A batch for the owner to keep: (packet id, queue, offset) of each QoS 1 send.
-pub type KeepSends = Vec<(u16, Arc<str>, u64)>;
+/// A batch for the owner to keep, its QoS 1 sends in runs: (first packet id, queue,
+/// first offset, count), the packet ids of a run consecutive (65535 followed by 1), and
+/// so are its offsets. A round from the store is one run, as a rule: its record is a few
+/// bytes, where a list of each send's made the owner build and encode 256 of them.
+pub type KeepSends = Vec<(u16, Arc<str>, u64, u32)>;
 /// Where each queue resumes: queue -> (lowest offset in flight or next, next).
 pub type Resume = Vec<(Arc<str>, u64, u64)>;
 
@@ -151,7 +154,7 @@ impl Keeper {
             return None;
         }
         let staged = std::mem::take(&mut self.staged);
-        let sends: KeepSends = staged
+        let sends: Vec<(u16, Arc<str>, u64)> = staged
             .iter()
             .filter_map(|s| {
                 let (queue, offset) = s.delivery.positions.first()?;
@@ -178,7 +181,7 @@ impl Keeper {
         }
         self.unkept.push_back((batch, sends.is_empty(), staged));
         self.release_kept();
-        (!sends.is_empty()).then_some((batch, sends))
+        (!sends.is_empty()).then(|| (batch, runs(sends)))
     }
 
     /// The owner kept the record of `batch`: it (and any kept after it) may go out.
@@ -283,5 +286,43 @@ impl Keeper {
                 Some((pid, Arc::clone(&s.queue), s.offset))
             })
             .collect()
+    }
+}
+
+/// Sends as runs (`KeepSends`).
+fn runs(sends: Vec<(u16, Arc<str>, u64)>) -> KeepSends {
+    let mut out: KeepSends = Vec::new();
+    for (pid, queue, offset) in sends {
+        if let Some((first, q, start, n)) = out.last_mut() {
+            let next_pid = ((*first as u32 - 1 + *n) % 65535 + 1) as u16;
+            if pid == next_pid && *q == queue && offset == *start + *n as u64 {
+                *n += 1;
+                continue;
+            }
+        }
+        out.push((pid, queue, offset, 1));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn consecutive_sends_make_one_run_across_the_packet_id_wrap() {
+        let q: Arc<str> = Arc::from("q");
+        let r: Arc<str> = Arc::from("r");
+        let sends = vec![
+            (65534, q.clone(), 7),
+            (65535, q.clone(), 8),
+            (1, q.clone(), 9),
+            (2, r.clone(), 3),
+            (3, r.clone(), 5),
+        ];
+        assert_eq!(
+            runs(sends),
+            vec![(65534, q, 7, 3), (2, r.clone(), 3, 1), (3, r, 5, 1)]
+        );
     }
 }
