@@ -73,8 +73,10 @@ QUIESCE_TRIES = 8
 # (something is under way: looked at again soon), ready.
 NEVER, PARKED, BUSY, READY = range(4)
 # Entries of each queue read for a round of a subscriber that fell behind (the engine
-# delivers at most 256 messages a round: native/src/backlog.rs).
+# delivers at most 256 messages a round: native/src/backlog.rs); of a persistent
+# session's, whose rounds are larger (native/src/reactor/keep.rs ROUND_MESSAGES).
 ROUND_ENTRIES = 256
+KEPT_ROUND_ENTRIES = 1024
 # A persistent session whose delivery waits for its promotion (`defers`) gets it from
 # Python after all if it is still not promoted after this long.
 DEFER_S = 2.0
@@ -586,14 +588,16 @@ class Handover:
         if self._nursery is None or self._queue_runs is None:
             self.engine.release(conn_id)
             return
-        self._nursery.start_soon(self._feed, conn_id, rnd, queues)
+        entries = KEPT_ROUND_ENTRIES if s.persistent else ROUND_ENTRIES
+        self._nursery.start_soon(self._feed, conn_id, rnd, queues, entries)
 
-    async def _feed(self, conn_id: int, rnd: int, queues: list[tuple[str, int]]) -> None:
+    async def _feed(self, conn_id: int, rnd: int, queues: list[tuple[str, int]],
+                    entries: int = ROUND_ENTRIES) -> None:
         queue_runs, engine = self._queue_runs, self.engine
         assert queue_runs is not None
 
         def feed() -> None:
-            runs, horizon = queue_runs(queues, ROUND_ENTRIES)
+            runs, horizon = queue_runs(queues, entries)
             engine.feed_runs(conn_id, rnd, runs, horizon)
 
         try:

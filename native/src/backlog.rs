@@ -211,6 +211,25 @@ pub fn batch(
     horizon: u64,
     segments: &mut Segments,
 ) -> io::Result<Batch> {
+    batch_up_to(
+        reader,
+        queues,
+        horizon,
+        segments,
+        BATCH_MESSAGES,
+        BATCH_BYTES,
+    )
+}
+
+/// `batch`, of at most `max_messages` and `max_bytes` (one message at least).
+pub fn batch_up_to(
+    reader: &Reader,
+    queues: &[QueueRuns],
+    horizon: u64,
+    segments: &mut Segments,
+    max_messages: usize,
+    max_bytes: usize,
+) -> io::Result<Batch> {
     let mut out = Batch::default();
     // The segments as they are now: a file retention removed is let go (an open one
     // would keep its disk space), one begun since is known.
@@ -221,7 +240,7 @@ pub fn batch(
     }
     let mut bytes = 0;
     for p in merge(queues, horizon) {
-        if out.deliveries.len() >= BATCH_MESSAGES || bytes >= BATCH_BYTES {
+        if out.deliveries.len() >= max_messages || bytes >= max_bytes {
             break;
         }
         let Some(buf) = segments.read(p.phys, p.size)? else {

@@ -296,6 +296,9 @@ struct Inner {
     /// their live subscriptions gone meanwhile.
     catch_up: AtomicBool,
     behind: Mutex<HashMap<u64, Reader>>,
+    /// The persistent sessions' connections (`Engine::promote_kept`): their rounds from
+    /// the store are larger (`reactor::ROUND_MESSAGES`).
+    kept: Mutex<std::collections::HashSet<u64>>,
     /// The log's segment files, read for them.
     segments: Mutex<Segments>,
 }
@@ -496,6 +499,7 @@ impl Engine {
             append_latency: Latency::default(),
             catch_up: AtomicBool::new(false),
             behind: Mutex::new(HashMap::new()),
+            kept: Mutex::new(std::collections::HashSet::new()),
             segments: Mutex::new(Segments::new(dir)),
         });
         let reactor = Reactor::start(threads, Arc::new(EngineSink(Arc::clone(&inner))))?;
@@ -628,6 +632,9 @@ impl Engine {
         let Ok(mut log) = self.inner.log.lock() else {
             return Ok(false);
         };
+        if let Ok(mut kept) = self.inner.kept.lock() {
+            kept.insert(conn);
+        }
         let behind = subscriptions
             .iter()
             .any(|(filter, _, position)| *position != log.end(filter));
@@ -639,6 +646,9 @@ impl Engine {
             return Ok(true);
         }
         if !self.inner.catch_up.load(Ordering::Relaxed) {
+            if let Ok(mut kept) = self.inner.kept.lock() {
+                kept.remove(&conn);
+            }
             return Ok(false);
         }
         let reader = Reader {
@@ -716,11 +726,24 @@ impl Engine {
         let Some(reader) = reader else {
             return Ok(false);
         };
+        let kept = self.inner.kept.lock().is_ok_and(|k| k.contains(&conn));
         let batch = {
             let Ok(mut segments) = self.inner.segments.lock() else {
                 return Ok(false);
             };
-            backlog::batch(&reader, queues, horizon, &mut segments)?
+            if kept {
+                use crate::reactor::{ROUND_BYTES, ROUND_MESSAGES};
+                backlog::batch_up_to(
+                    &reader,
+                    queues,
+                    horizon,
+                    &mut segments,
+                    ROUND_MESSAGES,
+                    ROUND_BYTES,
+                )?
+            } else {
+                backlog::batch(&reader, queues, horizon, &mut segments)?
+            }
         };
         self.reactor.send(Command::Catch {
             conn,
@@ -1094,6 +1117,9 @@ impl Inner {
     pub fn forget(&self, conn: u64) {
         if let Ok(mut behind) = self.behind.lock() {
             behind.remove(&conn);
+        }
+        if let Ok(mut kept) = self.kept.lock() {
+            kept.remove(&conn);
         }
         let Ok(mut subs) = self.subs.write() else {
             return;

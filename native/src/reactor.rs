@@ -33,7 +33,7 @@ mod keep;
 mod relay;
 
 use keep::Keeper;
-pub use keep::{KeepSends, Resume};
+pub use keep::{KeepSends, Resume, ROUND_BYTES, ROUND_MESSAGES};
 
 pub use accept::Listener;
 pub use relay::{LinkEvent, Links, LogTarget, Relay};
@@ -1383,7 +1383,7 @@ impl Worker {
             // A persistent session's: what it holds stays (its ids are reserved, its
             // records may be written); what comes next comes from the store, from
             // where its last staged delivery left each queue.
-            if c.unsent() > c.max_unsent + crate::backlog::BATCH_BYTES {
+            if c.unsent() > c.max_unsent + keep::ROUND_BYTES {
                 c.demoting.get_or_insert(Why::Backlog);
             } else if c.behind.is_none() && delivering {
                 Counters::add(&counters.fell_behind, 1);
@@ -1437,7 +1437,7 @@ impl Worker {
         // msg/s against 200-240k in one comparison: the owner's reads and records,
         // overlapped, contend for its interpreter, and each is woken for separately.)
         let ahead = match c.keep.as_ref() {
-            Some(k) => k.pending() < crate::backlog::BATCH_MESSAGES && c.waiting() <= c.max_unsent,
+            Some(k) => k.pending() < keep::ROUND_MESSAGES && c.waiting() <= c.max_unsent,
             None => !c.holds(),
         };
         let room = ahead && c.unsent() + c.core.pending_output() <= c.max_unsent / 2;
