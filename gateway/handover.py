@@ -19,8 +19,9 @@ Promoted: clean sessions (3.1.1 clean session, v5 session expiry 0) on plain TCP
 WebSocket or secure WebSocket (the native listeners'), with plain subscriptions (no
 shared, no `$replay`, no `$` filter, no v5 No Local, Retain As Published or subscription
 identifiers), no HTTP hook or per-delivery ACL check, no publish rate limit, no
-credentials' end, and nothing under way in Python. Everything else stays in Python
-(persistent sessions, the Python plane's own TLS and WebSocket streams, ...)."""
+credentials' end, and nothing under way in Python; and persistent sessions where the
+store is this process's, wherever their queues' positions are (gateway.native_sessions).
+Everything else stays in Python (the Python plane's own TLS and WebSocket streams, ...)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing
 from gateway.native_link import NativeLinks, NativeStream
+from gateway.native_sessions import Deferred, Records, carried, from_positions, settled
 from gateway.remote_plane import RemoteNews
-from gateway.session import batch_key, batch_prefix, offset_key, out_key
 from serving.read_budget import ReadBudget
 from store.api import StoreFullError
 
@@ -77,20 +78,6 @@ NEVER, PARKED, BUSY, READY = range(4)
 # session's, whose rounds are larger (native/src/reactor/keep.rs ROUND_MESSAGES).
 ROUND_ENTRIES = 256
 KEPT_ROUND_ENTRIES = 1024
-# A persistent session whose delivery waits for its promotion (`defers`) gets it from
-# Python after all if it is still not promoted after this long.
-DEFER_S = 2.0
-
-
-class _Records:
-    """What one take of the engine's reports writes (`Handover._take`): the ops, and the
-    batches to let go once they are written."""
-
-    __slots__ = ("kept", "ops")
-
-    def __init__(self) -> None:
-        self.ops: list[tuple[str, str, str, Any]] = []
-        self.kept: list[tuple[int, int]] = []
 
 
 def _linked(conn: Connection) -> NativeStream | None:
@@ -151,10 +138,9 @@ class Handover:
         # the engine reports them, in order (an embedded store's metadata), and its
         # backlog served from the store.
         meta_now = getattr(broker.store, "meta_write_now", None)
-        self._meta_now = meta_now if self._queue_runs is not None \
-            and hasattr(engine, "kept") else None
-        # Persistent sessions whose delivery waits for their promotion: since when.
-        self._deferred: dict[Connection, float] = {}
+        self.records = Records(engine, meta_now if self._queue_runs is not None
+                               and hasattr(engine, "kept") else None)
+        self._deferred = Deferred()  # persistent sessions' deliveries waiting for it
 
     # -- which connections ---------------------------------------------------------------
     def consider(self, conn: Connection) -> None:
@@ -171,22 +157,17 @@ class Handover:
             return NEVER
         linked = _linked(conn) is not None
         if (conn.stream is not None or conn.reactor is None) and not linked \
-                or s.persistent and not self._carries_persistent(conn) \
+                or s.persistent and not (self.records.enabled and carried(conn)) \
                 or conn._limits is not None or conn._taken_over or core.version < 3 \
                 or core.alias_out_max:
-            # Python's TLS or WebSocket, a persistent session, a publish rate limit, a client
-            # that takes topic aliases (the native side sends none: Python keeps it to
-            # use them)
+            # Python's TLS or WebSocket, a persistent session it keeps (`carried`), a
+            # publish rate limit, a client that takes topic aliases (the native side
+            # sends none: Python keeps it to use them)
             return NEVER
         if conn.asks_hook or conn.checks_delivery and s.subscriptions:
             return PARKED  # until the rights change (`rights_changed`)
         if s.subscriptions and not self.delivers:
             return PARKED  # until an UNSUBSCRIBE: a subscriber stays in Python here
-        if s.persistent and any(sub.options.qos == 0 for sub in s.subscriptions.values()):
-            # A persistent session resumes at the first QoS 0 message its socket did not
-            # take: Python's delivery keeps track of that (a QoS 0 message for a QoS 1
-            # subscription hands the connection back before it, too)
-            return PARKED  # until an UNSUBSCRIBE
         for sub in s.subscriptions.values():
             o = sub.options
             if sub.shared or sub.replay or sub.subscription_id or o.no_local \
@@ -195,52 +176,27 @@ class Handover:
                 return PARKED  # until an UNSUBSCRIBE
         if not core.quiet() or conn._lane or conn._lane_busy or conn._paused \
                 or not self.broker.inbound.idle(conn) \
-                or not self._delivery_idle(conn, s.persistent):
-            return BUSY
-        if s.persistent and (s._outgoing or s._incoming_qos2 or s.has_dirty_offsets()):
-            # Python resends what was in flight first (and the exchanges it has with the
-            # client complete), and where it resumes is in the store before the engine
-            # reports its own progress.
+                or not self._delivery_idle(conn, s.persistent) \
+                or s.persistent and not settled(s):
             return BUSY
         return READY
 
-    def _carries_persistent(self, conn: Connection) -> bool:
-        """Whether a persistent session's connection may go to the engine: plain TCP,
-        where the store is this process's (`_meta_now`), and no replay."""
-        return self._meta_now is not None and conn.reactor is not None \
-            and conn.stream is None and not conn.session._replays
-
     def defers(self, conn: Connection) -> bool:
         """Whether the delivery of a persistent session just connected waits for its
-        promotion (Python would otherwise deliver its whole backlog first): when the
-        engine may carry it and nothing is in flight that Python resends. It starts from
-        Python after all if the connection is not promoted (`_undefer`)."""
+        promotion (else Python delivers its whole backlog first): when the engine may
+        carry it and Python has nothing in flight to resend (`Deferred.start` if not)."""
         s = conn.session
-        if s is None or not s.persistent or s._outgoing or s._incoming_qos2:
+        if s is None or not s.persistent or s._outgoing or s._incoming_qos2 \
+                or self._verdict(conn) not in (READY, BUSY):
             return False
-        verdict = self._verdict(conn)
-        log.debug("client %r: persistent session's delivery %s", s.client_id,
-                  "waits for its promotion" if verdict in (READY, BUSY)
-                  else f"starts in Python (verdict {verdict})")
-        if verdict not in (READY, BUSY):
-            return False
-        self._deferred[conn] = trio.current_time()
-        conn.delivery.waits = True
+        log.debug("client %r: its delivery waits for its promotion", s.client_id)
+        self._deferred.add(conn)
         return True
-
-    def _undefer(self, conn: Connection) -> None:
-        """A deferred delivery starts in Python (the connection stays here)."""
-        if self._deferred.pop(conn, None) is not None and conn.native is None \
-                and conn.delivery is not None and conn.alive:
-            log.debug("client %r not promoted: Python delivers its session's backlog",
-                      conn.session.client_id)
-            conn.delivery.start(resume=True)
 
     @staticmethod
     def _delivery_idle(conn: Connection, restored: bool = False) -> bool:
         """Nothing under way on the way to the client (`restored`: a persistent
-        session's, whose restored bound is passed at its promotion (`_promote`), and whose
-        queues with news are read from its positions there)."""
+        session's bound and news are its positions' at its promotion: `from_positions`)."""
         s = conn.session
         return not (conn._full or conn._held or conn._scopes or conn.out.backlog
                     or (s._dirty or s._restored_upto) and not restored
@@ -276,7 +232,7 @@ class Handover:
     def _forget_candidate(self, conn: Connection) -> None:
         del self._candidates[conn]
         if not conn.alive:
-            self._deferred.pop(conn, None)
+            self._deferred.forget(conn)
         self._quiesced.pop(conn, None)
         if conn._quiescing and conn.native is None:
             conn.quiesce(False)
@@ -288,16 +244,10 @@ class Handover:
         s, core, reactor = conn.session, conn.core, conn.reactor
         stream = _linked(conn)
         assert s is not None and (reactor is not None or stream is not None)
-        keep = None
+        keep = None  # a persistent session's: its progress reported this often
         if s.persistent:
             keep = self.broker.config.offsets_flush_interval
-            # Restored with nothing in flight: everything below its bound was
-            # acknowledged (what was not has a record, and Python resent it).
-            for queue, upto in (s._restored_upto or {}).items():
-                if s.cursors.get(queue, upto + 1) <= upto:
-                    s.cursors[queue] = upto + 1
-            s._restored_upto = None
-            s._dirty = None
+            from_positions(s)
         subs = []
         for sub in s.subscriptions.values():
             cursor = s.cursors.get(sub.queue)
@@ -346,7 +296,7 @@ class Handover:
                 reactor.take_back(conn)
             return False
         conn.native = conn_id
-        self._deferred.pop(conn, None)
+        self._deferred.forget(conn)
         if stream is not None:
             stream.carry()
             stream.read_again()  # its reader waits until the connection is back
@@ -371,10 +321,10 @@ class Handover:
             verdict = self._verdict(conn)
             if verdict == READY and self._promote(conn) or verdict in (NEVER, PARKED):
                 self._forget_candidate(conn)
-                self._undefer(conn)
+                self._deferred.start(conn)
                 continue
-            if verdict == READY or now - self._deferred.get(conn, now) > DEFER_S:
-                self._undefer(conn)  # not promoted: Python delivers
+            if verdict == READY or self._deferred.overdue(conn, now):
+                self._deferred.start(conn)  # not promoted: Python delivers
             if verdict == BUSY and self._quiesce(conn, now):
                 delay = FIRST_LOOK / 2  # settling: look again soon
             elif conn._quiescing:  # not to be promoted now after all: read it again
@@ -430,7 +380,6 @@ class Handover:
         # budget for partial packets: those held back for it here may read again.
         self.broker.read_budget.refresh()
         links = self.links
-        records = _Records()
         for row in self.engine.take_events():
             if type(row) is tuple:  # news of a connection the engine accepted
                 if row[0] == "stored":  # a gateway node's publishes, stored
@@ -438,77 +387,17 @@ class Handover:
                         self.news.stored(row[1])
                 elif row[0] == "behind":
                     self._behind(*row[1:])
-                elif row[0] == "keep":
-                    self._keep(records, *row[1:])
-                elif row[0] == "progress":
-                    self._progress(records, *row[1:])
+                elif row[0] == "keep" or row[0] == "progress":
+                    self.records.take(row, self.promoted)
                 elif links is not None:
                     links.on_event(row)
                 continue
-            self._write(records)  # a connection's records before its hand-back
+            self.records.write()  # a connection's records before its hand-back
             try:
                 self._demoted(row)
             except Exception:  # noqa: BLE001 - one connection's trouble is its own
                 log.exception("taking back connection %d failed", row["conn"])
-        self._write(records)
-
-    # -- a persistent session's records ------------------------------------------------
-    def _keep(self, records: _Records, conn_id: int, batch: int,
-              runs: list[tuple[int, str, int, int]]) -> None:
-        """The engine holds a batch of a persistent session's sends until their record
-        is in the store: one record for the batch, its sends in runs (first packet id,
-        queue, first offset, count: consecutive ids and offsets)."""
-        conn = self.promoted.get(conn_id)
-        if conn is None or conn.session is None:
-            return
-        records.ops.append(("put", "inflight", batch_key(conn.session.client_id, batch),
-                            {"runs": runs, "qos": 1}))
-        records.kept.append((conn_id, batch))
-
-    def _progress(self, records: _Records, conn_id: int,
-                  positions: dict[str, tuple[int, int]], done: list[int]) -> None:
-        """Where a persistent session's queues resume, and the batches it completed:
-        their records go in the same write (else a crash after the one and before the
-        other would bring acknowledged messages back as new ones)."""
-        conn = self.promoted.get(conn_id)
-        s = None if conn is None else conn.session
-        if s is None:
-            return
-        for queue, (acked, nxt) in positions.items():
-            if queue in s.subscriptions:
-                records.ops.append(("put", "offsets", offset_key(s.client_id, queue),
-                                    {"acked": acked, "next": nxt}))
-        records.ops.extend(("delete", "inflight", batch_key(s.client_id, b), None)
-                           for b in done)
-
-    def _write(self, records: _Records) -> None:
-        """The records gathered, in one write; then the batches kept go out."""
-        if not records.ops:
-            return
-        ops, kept = records.ops, records.kept
-        records.ops, records.kept = [], []
-        assert self._meta_now is not None
-        try:
-            self._meta_now(ops)
-        except Exception:  # noqa: BLE001 - its connections go back to Python
-            log.exception("the in-flight records of native sends were not written")
-            for conn_id in {c for c, _ in kept}:
-                self.engine.release(conn_id)
-            return
-        for conn_id, batch in kept:
-            self.engine.kept(conn_id, batch)
-
-    def _handed_back(self, s: Any, outgoing: list[mp.Outgoing]) -> None:
-        """A persistent session back from the engine: its sends in flight get the
-        records Python's plane keeps, and its batch records go, in one write."""
-        if self._meta_now is None:
-            return
-        ops: list[tuple[str, str, str, Any]] = [
-            ("delete_prefix", "inflight", batch_prefix(s.client_id), None)]
-        ops.extend(("put", "inflight", out_key(s.client_id, o.packet_id),
-                    {"queue": o.queue, "offset": o.offset, "state": o.state, "qos": o.qos})
-                   for o in outgoing if o.queue is not None)
-        self._meta_now(ops)
+        self.records.write()
 
     def _demoted(self, row: dict[str, Any]) -> None:
         conn_id = row["conn"]
@@ -531,7 +420,7 @@ class Handover:
                                 version=core.version)
                     for pid, data, _ in row["outgoing"]]
         if s.persistent:
-            self._handed_back(s, outgoing)
+            self.records.handed_back(s, outgoing)
             s.offsets_dirty.update(q for q in row["positions"] if q in s.subscriptions)
         core.handed_back(trio.current_time(), row["idle_for"], row["next_packet_id"],
                          row["aliases_in"], outgoing)
