@@ -208,3 +208,45 @@ def test_a_persistent_session_handed_back_mid_catch_up_has_no_gap(tmp_path, monk
         c.close()
     finally:
         assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+@pytest.mark.parametrize("plane", ["native", "python"])
+def test_a_client_that_leaves_mid_catch_up_gets_its_sends_again_then_the_rest(
+        tmp_path, monkeypatch, plane: str) -> None:
+    """A persistent session's client leaves in the middle of its catch-up with sends
+    unacknowledged: back, it gets each of them again with DUP under its packet id, then
+    the rest, each once, with no gap (the native plane hands the sends in flight back
+    with their queues and offsets)."""
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane == "native" else "0")
+    n, acked_n = 20_000, 3_000
+    srv = Server(tmp_path / "d", "--max-offline-messages", "1000000").start()
+    try:
+        _subscriber(srv, "leaver", "pl/t")
+        _publish(srv.port, "pl/t", 0, n)
+        c = RawClient(srv.port, timeout=30)
+        assert c.connect("leaver", clean=False).session_present
+        first = _read(c, None, 1.0, ack_upto=acked_n)
+        unacked = first[acked_n:]
+        assert unacked
+        if plane == "native":
+            assert _promoted(srv, "leaver"), srv.logs()[-3000:]
+        gone = sum(1 for line in srv.log if "client 'leaver' (" in line
+                   and "disconnected" in line)
+        c.sock.close()  # no DISCONNECT
+        deadline = time.monotonic() + 10
+        while sum(1 for line in srv.log if "client 'leaver' (" in line
+                  and "disconnected" in line) <= gone:
+            assert time.monotonic() < deadline, srv.logs()[-3000:]
+            time.sleep(0.02)
+        c = RawClient(srv.port, timeout=30)
+        assert c.connect("leaver", clean=False).session_present
+        second = _read(c, None, 3)
+        c.close()
+        again = [(p.payload, p.packet_id) for p in second[:len(unacked)]]
+        assert again == [(p.payload, p.packet_id) for p in unacked]
+        assert all(p.dup for p in second[:len(unacked)])
+        rest = [p.payload for p in second[len(unacked):]]
+        assert not any(p.dup for p in second[len(unacked):])
+        assert rest == [b"%07d" % i for i in range(len(first), n)]
+    finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]
