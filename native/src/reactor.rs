@@ -1386,13 +1386,7 @@ impl Worker {
             if c.unsent() > c.max_unsent + keep::ROUND_BYTES {
                 c.demoting.get_or_insert(Why::Backlog);
             } else if c.behind.is_none() && delivering {
-                Counters::add(&counters.fell_behind, 1);
-                c.behind = Some(Box::new(Behind {
-                    round: 0,
-                    asked: false,
-                    release: false,
-                }));
-                sink.fell_behind(c.id);
+                Self::fall_behind(c, sink, counters);
             }
             return;
         }
@@ -1418,6 +1412,11 @@ impl Worker {
             b.held_cost = 0;
         }
         c.settle();
+        Self::fall_behind(c, sink, counters);
+    }
+
+    /// From here on `c` is served from the store, a round at a time.
+    fn fall_behind(c: &mut Conn, sink: &dyn Sink, counters: &Counters) {
         Counters::add(&counters.fell_behind, 1);
         c.behind = Some(Box::new(Behind {
             round: 0,
