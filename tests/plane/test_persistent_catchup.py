@@ -144,7 +144,7 @@ def test_kill_9_in_a_native_catch_up_keeps_every_promise(tmp_path, monkeypatch,
     before comes again only with DUP. (native-then-python: the native plane's batch
     records, read by a restart on the Python plane.)"""
     monkeypatch.setenv("LIGHTGATE_NATIVE", "0" if plane == "python" else "1")
-    n, acked_n = 20_000, 5_000
+    n, acked_n = 8_000, 2_500
     srv = Server(tmp_path / "d", "--flush", "sync", "--max-offline-messages",
                  "1000000").start()
     _subscriber(srv, "crashy", "pk/t")
@@ -165,7 +165,7 @@ def test_kill_9_in_a_native_catch_up_keeps_every_promise(tmp_path, monkeypatch,
         assert srv.wait_log("commitlog recovered after a crash")
         c = RawClient(srv.port, timeout=30)
         assert c.connect("crashy", clean=False).session_present
-        second = _read(c, None, 3)
+        second = _read(c, None, 1.5)
         c.close()
         seen = {p.payload for p in first}
         assert {p.payload for p in first} | {p.payload for p in second} \
@@ -225,7 +225,7 @@ def test_a_client_that_leaves_mid_catch_up_gets_its_sends_again_then_the_rest(
     the rest, each once, with no gap (the native plane hands the sends in flight back
     with their queues and offsets)."""
     monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane == "native" else "0")
-    n, acked_n = 20_000, 3_000
+    n, acked_n = 8_000, 2_000
     srv = Server(tmp_path / "d", "--max-offline-messages", "1000000").start()
     try:
         _subscriber(srv, "leaver", "pl/t")
@@ -247,7 +247,7 @@ def test_a_client_that_leaves_mid_catch_up_gets_its_sends_again_then_the_rest(
             time.sleep(0.02)
         c = RawClient(srv.port, timeout=30)
         assert c.connect("leaver", clean=False).session_present
-        second = _read(c, None, 3)
+        second = _read(c, None, 1.5)
         c.close()
         again = [(p.payload, p.packet_id) for p in second[:len(unacked)]]
         assert again == [(p.payload, p.packet_id) for p in unacked]
