@@ -178,7 +178,10 @@ class ConnectRules:
                  core.version, " bridge" if core.bridge else "",
                  "persistent" if session.persistent else "clean", ", resumed" if present else "")
         self.delivery = Delivery(self)
-        if session.has_state():
+        handover = broker.handover
+        if session.has_state() and (handover is None or not handover.defers(self)):
+            # (A persistent session the native plane may carry waits for it: its
+            # backlog is served from there.)
             self.delivery.start(resume=True)
             for group in session.groups:
                 group.wake()  # a member is back

@@ -81,7 +81,7 @@ class Client(Protocol):
 
 class Delivery(SharedMember):
     __slots__ = ("conn", "core", "session", "broker", "_running", "_stopped", "_resume",
-                 "_unsent", "_paused")
+                 "_unsent", "_paused", "waits")
 
     def __init__(self, conn: Client) -> None:
         self.conn = conn
@@ -95,11 +95,15 @@ class Delivery(SharedMember):
         # (the output's position after it, its queue, its offset), in output order.
         self._unsent: deque[tuple[int, str, int]] | None = None
         self._paused = False  # the store refused what a delivery writes (logged once)
+        # A persistent session's delivery waits for the native plane to take it
+        # (gateway.handover `defers`): nothing is delivered from here until `start`.
+        self.waits = False
 
     # -- starting -------------------------------------------------------------------------
     def start(self, resume: bool = False) -> None:
         """Deliver whatever the session's queues hold (`resume`: a session back from
         offline first resends what was in flight and skips past its offline bound)."""
+        self.waits = False
         if resume:
             self._resume = True
             self._start_task()
@@ -144,7 +148,7 @@ class Delivery(SharedMember):
         """Drain the dirty queues here, or wake (or start) the task for what needs it
         (`cached_only`: leave that to the next news)."""
         s = self.session
-        if self._stopped:
+        if self._stopped or self.waits:
             return
         if self._running:
             if s.wakeup is not None:

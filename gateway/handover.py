@@ -19,8 +19,9 @@ Promoted: clean sessions (3.1.1 clean session, v5 session expiry 0) on plain TCP
 WebSocket or secure WebSocket (the native listeners'), with plain subscriptions (no
 shared, no `$replay`, no `$` filter, no v5 No Local, Retain As Published or subscription
 identifiers), no HTTP hook or per-delivery ACL check, no publish rate limit, no
-credentials' end, and nothing under way in Python. Everything else stays in Python
-(persistent sessions, the Python plane's own TLS and WebSocket streams, ...)."""
+credentials' end, and nothing under way in Python; and persistent sessions where the
+store is this process's, wherever their queues' positions are (gateway.native_sessions).
+Everything else stays in Python (the Python plane's own TLS and WebSocket streams, ...)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from gateway.mqtt import protocol as mp
 from gateway.mqtt import reason as rc
 from gateway.mqtt.protocol import Closing
 from gateway.native_link import NativeLinks, NativeStream
+from gateway.native_sessions import Deferred, Records, carried, from_positions, settled
 from gateway.remote_plane import RemoteNews
 from serving.read_budget import ReadBudget
 from store.api import StoreFullError
@@ -54,6 +56,7 @@ class Broker(Protocol):
 
     inbound: Pipeline
     read_budget: ReadBudget
+    config: Any  # gateway.config.GatewayConfig (offsets_flush_interval)
 
 log = logging.getLogger("lightgate.gateway.handover")
 
@@ -71,8 +74,10 @@ QUIESCE_TRIES = 8
 # (something is under way: looked at again soon), ready.
 NEVER, PARKED, BUSY, READY = range(4)
 # Entries of each queue read for a round of a subscriber that fell behind (the engine
-# delivers at most 256 messages a round: native/src/backlog.rs).
+# delivers at most 256 messages a round: native/src/backlog.rs); of a persistent
+# session's, whose rounds are larger (native/src/reactor/keep.rs ROUND_MESSAGES).
 ROUND_ENTRIES = 256
+KEPT_ROUND_ENTRIES = 1024
 
 
 def _linked(conn: Connection) -> NativeStream | None:
@@ -129,6 +134,13 @@ class Handover:
         self._nursery: trio.Nursery | None = None
         if self._queue_runs is not None and hasattr(engine, "set_catch_up"):
             engine.set_catch_up(True)
+        # A persistent session is carried where its sends' records can be written as
+        # the engine reports them, in order (an embedded store's metadata), and its
+        # backlog served from the store.
+        meta_now = getattr(broker.store, "meta_write_now", None)
+        self.records = Records(engine, meta_now if self._queue_runs is not None
+                               and hasattr(engine, "kept") else None)
+        self._deferred = Deferred()  # persistent sessions' deliveries waiting for it
 
     # -- which connections ---------------------------------------------------------------
     def consider(self, conn: Connection) -> None:
@@ -144,12 +156,13 @@ class Handover:
         if not conn.alive or s is None or conn.delivery is None or conn.native is not None:
             return NEVER
         linked = _linked(conn) is not None
-        if (conn.stream is not None or conn.reactor is None) and not linked or s.persistent \
+        if (conn.stream is not None or conn.reactor is None) and not linked \
+                or s.persistent and not (self.records.enabled and carried(conn)) \
                 or conn._limits is not None or conn._taken_over or core.version < 3 \
                 or core.alias_out_max:
-            # Python's TLS or WebSocket, a persistent session, a publish rate limit, a client
-            # that takes topic aliases (the native side sends none: Python keeps it to
-            # use them)
+            # Python's TLS or WebSocket, a persistent session it keeps (`carried`), a
+            # publish rate limit, a client that takes topic aliases (the native side
+            # sends none: Python keeps it to use them)
             return NEVER
         if conn.asks_hook or conn.checks_delivery and s.subscriptions:
             return PARKED  # until the rights change (`rights_changed`)
@@ -162,17 +175,32 @@ class Handover:
                 # ($SYS values come from Python's housekeeping, not from a queue)
                 return PARKED  # until an UNSUBSCRIBE
         if not core.quiet() or conn._lane or conn._lane_busy or conn._paused \
-                or not self.broker.inbound.idle(conn) or not self._delivery_idle(conn):
+                or not self.broker.inbound.idle(conn) \
+                or not self._delivery_idle(conn, s.persistent) \
+                or s.persistent and not settled(s):
             return BUSY
         return READY
 
+    def defers(self, conn: Connection) -> bool:
+        """Whether the delivery of a persistent session just connected waits for its
+        promotion (else Python delivers its whole backlog first): when the engine may
+        carry it and Python has nothing in flight to resend (`Deferred.start` if not)."""
+        s = conn.session
+        if s is None or not s.persistent or s._outgoing or s._incoming_qos2 \
+                or self._verdict(conn) not in (READY, BUSY):
+            return False
+        log.debug("client %r: its delivery waits for its promotion", s.client_id)
+        self._deferred.add(conn)
+        return True
+
     @staticmethod
-    def _delivery_idle(conn: Connection) -> bool:
-        """Nothing under way on the way to the client."""
+    def _delivery_idle(conn: Connection, restored: bool = False) -> bool:
+        """Nothing under way on the way to the client (`restored`: a persistent
+        session's bound and news are its positions' at its promotion: `from_positions`)."""
         s = conn.session
         return not (conn._full or conn._held or conn._scopes or conn.out.backlog
-                    or s._dirty or s._replays or s._restored_upto or s._groups
-                    or conn.delivery._running)
+                    or (s._dirty or s._restored_upto) and not restored
+                    or s._replays or s._groups or conn.delivery._running)
 
     def _quiesce(self, conn: Connection, now: float) -> bool:
         """A busy candidate: hold it still (no more reads) when what keeps it busy is
@@ -187,7 +215,9 @@ class Handover:
         # MQTT 3.1.1 only: a 5.0 client's Receive Maximum counts publishes it sent before
         # it saw their PUBACKs, and a burst split across the handover would be counted
         # on each side apart (an overrun the client made would go unanswered).
-        if conn.core.version < 5 and tries < QUIESCE_TRIES \
+        # Nor a persistent session's: what it acknowledges (sends Python has in flight
+        # for it) must be read as it comes, its place kept in the store at once.
+        if conn.core.version < 5 and tries < QUIESCE_TRIES and not conn.session.persistent \
                 and now - began >= QUIESCE_S * 2 ** tries \
                 and conn.core.settles() and self._delivery_idle(conn):
             log.debug("client %r (%s) not read for a moment: it settles to be promoted",
@@ -201,6 +231,8 @@ class Handover:
 
     def _forget_candidate(self, conn: Connection) -> None:
         del self._candidates[conn]
+        if not conn.alive:
+            self._deferred.forget(conn)
         self._quiesced.pop(conn, None)
         if conn._quiescing and conn.native is None:
             conn.quiesce(False)
@@ -212,6 +244,10 @@ class Handover:
         s, core, reactor = conn.session, conn.core, conn.reactor
         stream = _linked(conn)
         assert s is not None and (reactor is not None or stream is not None)
+        keep = None  # a persistent session's: its progress reported this often
+        if s.persistent:
+            keep = self.broker.config.offsets_flush_interval
+            from_positions(s)
         subs = []
         for sub in s.subscriptions.values():
             cursor = s.cursors.get(sub.queue)
@@ -233,6 +269,7 @@ class Handover:
             assert reactor is not None
             reactor.forget(conn)  # out of the set; the socket stays open
             carry, first = self.engine.adopt, (conn_id, conn.fd)
+        more = {} if keep is None else {"keep": keep}
         try:
             taken = carry(
                 *first, 5 if core.version == 5 else 4, core.keepalive,
@@ -245,7 +282,8 @@ class Handover:
                 client_id=s.client_id,  # each publish's record names its client
                 inbound_unacked=unacked, problem_info=core.problem_info,
                 # --min-drain-bytes per --write-timeout, or back "stuck"
-                min_drain=conn.out.rules.min_drain, write_timeout=conn.out.rules.timeout)
+                min_drain=conn.out.rules.min_drain, write_timeout=conn.out.rules.timeout,
+                **more)
         except Exception:  # noqa: BLE001 - it stays in Python
             log.exception("promotion of %r failed", s.client_id)
             taken = False
@@ -258,6 +296,7 @@ class Handover:
                 reactor.take_back(conn)
             return False
         conn.native = conn_id
+        self._deferred.forget(conn)
         if stream is not None:
             stream.carry()
             stream.read_again()  # its reader waits until the connection is back
@@ -282,7 +321,10 @@ class Handover:
             verdict = self._verdict(conn)
             if verdict == READY and self._promote(conn) or verdict in (NEVER, PARKED):
                 self._forget_candidate(conn)
+                self._deferred.start(conn)
                 continue
+            if verdict == READY or self._deferred.overdue(conn, now):
+                self._deferred.start(conn)  # not promoted: Python delivers
             if verdict == BUSY and self._quiesce(conn, now):
                 delay = FIRST_LOOK / 2  # settling: look again soon
             elif conn._quiescing:  # not to be promoted now after all: read it again
@@ -345,13 +387,17 @@ class Handover:
                         self.news.stored(row[1])
                 elif row[0] == "behind":
                     self._behind(*row[1:])
+                elif row[0] == "keep" or row[0] == "progress":
+                    self.records.take(row, self.promoted)
                 elif links is not None:
                     links.on_event(row)
                 continue
+            self.records.write()  # a connection's records before its hand-back
             try:
                 self._demoted(row)
             except Exception:  # noqa: BLE001 - one connection's trouble is its own
                 log.exception("taking back connection %d failed", row["conn"])
+        self.records.write()
 
     def _demoted(self, row: dict[str, Any]) -> None:
         conn_id = row["conn"]
@@ -369,8 +415,13 @@ class Handover:
         conn._held = row["partial"]  # the engine counted it: ours to count from here
         s, core = conn.session, conn.core
         assert s is not None
-        outgoing = [mp.Outgoing(pid, None, -1, data, 1, version=core.version)
+        sends = row.get("sends") or {}
+        outgoing = [mp.Outgoing(pid, *sends.get(pid, (None, -1)), data, 1,
+                                version=core.version)
                     for pid, data, _ in row["outgoing"]]
+        if s.persistent:
+            self.records.handed_back(s, outgoing)
+            s.offsets_dirty.update(q for q in row["positions"] if q in s.subscriptions)
         core.handed_back(trio.current_time(), row["idle_for"], row["next_packet_id"],
                          row["aliases_in"], outgoing)
         for queue, nxt in row["positions"].items():
@@ -426,14 +477,16 @@ class Handover:
         if self._nursery is None or self._queue_runs is None:
             self.engine.release(conn_id)
             return
-        self._nursery.start_soon(self._feed, conn_id, rnd, queues)
+        entries = KEPT_ROUND_ENTRIES if s.persistent else ROUND_ENTRIES
+        self._nursery.start_soon(self._feed, conn_id, rnd, queues, entries)
 
-    async def _feed(self, conn_id: int, rnd: int, queues: list[tuple[str, int]]) -> None:
+    async def _feed(self, conn_id: int, rnd: int, queues: list[tuple[str, int]],
+                    entries: int = ROUND_ENTRIES) -> None:
         queue_runs, engine = self._queue_runs, self.engine
         assert queue_runs is not None
 
         def feed() -> None:
-            runs, horizon = queue_runs(queues, ROUND_ENTRIES)
+            runs, horizon = queue_runs(queues, entries)
             engine.feed_runs(conn_id, rnd, runs, horizon)
 
         try:

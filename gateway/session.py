@@ -8,6 +8,11 @@ Metadata layout (column family: key -> value):
                                                       "replay": a replay's progress, while
                                                       it lasts (gateway.replay)}
     inflight:      client_id NUL "out" NUL packet_id -> {"queue", "offset", "state"}
+                   client_id NUL "outs" NUL batch -> {"runs": [[first packet_id, queue,
+                   first offset, count], ...], "qos"} (a batch of the native plane's
+                   sends, one record for the batch, in runs of consecutive packet ids
+                   and offsets; rewritten as "out" records when the session is loaded
+                   or handed back to Python: gateway.handover)
                    client_id NUL "in" NUL packet_id -> {"phys"}   (QoS 2 stored, awaiting
                    PUBREL; the record's position) or {"done": phys} (released: a later DUP
                    of this packet id is a duplicate only if a newer record has its key)
@@ -374,6 +379,16 @@ def offset_key(client_id: str, queue: str) -> str:
 
 def out_key(client_id: str, packet_id: int) -> str:
     return f"{client_id}{NUL}out{NUL}{packet_id:05d}"
+
+
+def batch_key(client_id: str, batch: int) -> str:
+    """The record of a batch of sends the native plane made (gateway.handover): its
+    sends' packet ids and positions, one record for the batch."""
+    return f"{client_id}{NUL}outs{NUL}{batch:020d}"
+
+
+def batch_prefix(client_id: str) -> str:
+    return f"{client_id}{NUL}outs{NUL}"
 
 
 def in_key(client_id: str, packet_id: int) -> str:

@@ -23,6 +23,7 @@ from gateway.session import (
     Outgoing,
     Session,
     Subscription,
+    batch_key,
     in_key,
     offset_key,
     out_key,
@@ -183,19 +184,47 @@ class SessionRegistry:
                 s.cursors[sub.queue] = pos["acked"]
                 if pos["next"] > pos["acked"]:
                     s.restored_upto[sub.queue] = pos["next"] - 1
+        batches: list[tuple[int, dict[str, Any]]] = []
         for key, value in await self.store.meta_items("inflight", client_id + NUL):
             _, direction, pid = key.split(NUL)
-            if direction == "in":
+            if direction == "outs":
+                batches.append((int(pid), value))
+            elif direction == "in":
                 if "done" not in value:
                     s.incoming_qos2.add(int(pid))
                     if "phys" in value:
                         s.incoming_phys[int(pid)] = value["phys"]
             else:
                 await self._restore_outgoing(s, int(pid), value)
+        if batches:
+            await self._unbatch(s, batches)
         self.by_id[client_id] = s
         log.info("session %r restored from the store (%d subscriptions, %d in flight)",
                  client_id, len(s.subscriptions), len(s.outgoing))
         return s
+
+    async def _unbatch(self, s: Session, batches: list[tuple[int, dict[str, Any]]]) -> None:
+        """The native plane's batch records (gateway.handover), rewritten in one write as
+        the per-send records this plane keeps, and restored as those are: a packet id
+        named by several is the latest batch's (an id is used again only once its send
+        completed), and one with a per-send record already is that record's (written
+        after the native plane handed the session back)."""
+        sends: dict[int, tuple[str, int, int]] = {}
+        for _, value in sorted(batches, key=lambda b: b[0]):
+            qos = value.get("qos", 1)
+            for first, queue, start, count in value["runs"]:
+                for i in range(count):
+                    pid = (first - 1 + i) % 65535 + 1
+                    if pid not in s.outgoing:
+                        sends.pop(pid, None)  # (in the order of the latest)
+                        sends[pid] = (queue, start + i, qos)
+        records = {pid: {"queue": q, "offset": o, "state": "publish", "qos": qos}
+                   for pid, (q, o, qos) in sends.items()}
+        await self.store.meta_write(
+            [("put", "inflight", out_key(s.client_id, pid), v) for pid, v in records.items()]
+            + [("delete", "inflight", batch_key(s.client_id, b), None) for b, _ in batches])
+        for pid, value in records.items():
+            await self._restore_outgoing(s, pid, value)
 
     async def _restore_outgoing(self, s: Session, pid: int, value: dict[str, Any]) -> None:
         queue, offset, state = value["queue"], value["offset"], value["state"]

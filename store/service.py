@@ -567,6 +567,12 @@ class EmbeddedStore:
         """Apply ("put"|"delete"|"delete_prefix", cf, key, value) ops atomically."""
         self.meta.write(ops)
 
+    def meta_write_now(self, ops: Sequence[tuple[str, str, str, Any]]) -> None:
+        """`meta_write`, called without a task: the native plane's records of a
+        persistent session's sends are written where its reports are taken, in their
+        order (gateway.handover)."""
+        self.meta.write(ops)
+
     async def add_wildcard(self, topic_filter: str) -> None:
         self.register_wildcard(topic_filter)
 

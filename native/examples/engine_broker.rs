@@ -131,6 +131,8 @@ fn main() {
                 restore: Default::default(),
                 max_unsent: 0,
                 drain: Default::default(),
+                keep: None,
+                behind: false,
             });
         }
     });
@@ -152,6 +154,8 @@ fn main() {
             restore: Default::default(),
             max_unsent: 0,
             drain: Default::default(),
+            keep: None,
+            behind: false,
         });
         next += 1;
     }

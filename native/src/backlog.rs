@@ -216,6 +216,25 @@ pub fn batch(
     horizon: u64,
     segments: &mut Segments,
 ) -> io::Result<Batch> {
+    batch_up_to(
+        reader,
+        queues,
+        horizon,
+        segments,
+        BATCH_MESSAGES,
+        BATCH_BYTES,
+    )
+}
+
+/// `batch`, of at most `max_messages` and `max_bytes` (one message at least).
+pub fn batch_up_to(
+    reader: &Reader,
+    queues: &[QueueRuns],
+    horizon: u64,
+    segments: &mut Segments,
+    max_messages: usize,
+    max_bytes: usize,
+) -> io::Result<Batch> {
     let mut out = Batch::default();
     // The segments as they are now: a file retention removed is let go (an open one
     // would keep its disk space), one begun since is known.
@@ -228,7 +247,7 @@ pub fn batch(
     let plan = merge(queues, horizon);
     let mut ahead = ReadAhead::default();
     for (k, p) in plan.iter().enumerate() {
-        if out.deliveries.len() >= BATCH_MESSAGES || bytes >= BATCH_BYTES {
+        if out.deliveries.len() >= max_messages || bytes >= max_bytes {
             break;
         }
         let Some(buf) = ahead.record(segments, &plan, k)? else {
@@ -287,6 +306,9 @@ pub struct Job {
     pub reader: Reader,
     pub queues: Vec<QueueRuns>,
     pub horizon: u64,
+    /// The batch's size at most (`batch_up_to`).
+    pub max_messages: usize,
+    pub max_bytes: usize,
 }
 
 #[derive(Default)]
@@ -319,8 +341,15 @@ impl Rounds {
             .name("lightgate-backlog".into())
             .spawn(move || {
                 while let Some(job) = rounds.next() {
-                    let command = match batch(&job.reader, &job.queues, job.horizon, &mut segments)
-                    {
+                    let made = batch_up_to(
+                        &job.reader,
+                        &job.queues,
+                        job.horizon,
+                        &mut segments,
+                        job.max_messages,
+                        job.max_bytes,
+                    );
+                    let command = match made {
                         Ok(batch) => Command::Catch {
                             conn: job.conn,
                             round: job.round,

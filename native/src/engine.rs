@@ -303,6 +303,9 @@ struct Inner {
     /// Their rounds, for the backlog thread (`Engine::backlog`), which reads the log's
     /// segment files for them.
     rounds: Rounds,
+    /// The persistent sessions' connections (`Engine::promote_kept`): their rounds from
+    /// the store are larger (`reactor::ROUND_MESSAGES`).
+    kept: Mutex<std::collections::HashSet<u64>>,
 }
 
 /// Upper bounds (seconds) of the append latency histogram: the gateway's own
@@ -414,6 +417,12 @@ impl Sink for EngineSink {
                     let _ = (&self.0.wake).write(&[1]);
                 }
             }
+            Report::Keep { .. } | Report::Progress { .. } => {
+                if let Ok(mut r) = self.0.reports.lock() {
+                    r.push(report);
+                }
+                let _ = (&self.0.wake).write(&[1]);
+            }
             Report::Demoted(d) => {
                 // Its subscriptions go first: nothing is delivered to it after the
                 // positions it hands back.
@@ -507,6 +516,7 @@ impl Engine {
             catch_up: AtomicBool::new(false),
             behind: Mutex::new(HashMap::new()),
             rounds: Rounds::default(),
+            kept: Mutex::new(std::collections::HashSet::new()),
         });
         let reactor = Reactor::start(threads, Arc::new(EngineSink(Arc::clone(&inner))))?;
         let _ = inner.handle.set(reactor.handle());
@@ -624,6 +634,68 @@ impl Engine {
         Ok(true)
     }
 
+    /// Promote a persistent session's connection (`Command::Adopt` with `keep`): at its
+    /// queues' ends, as `promote` does (`adopt(false)`); behind them, when the owner
+    /// serves connections from the store (`set_catch_up`), it starts served so from
+    /// its positions (`adopt(true)`), its live subscriptions made once it reaches the
+    /// ends (`Inner::resume`). False, and nothing changed, if it is behind and the
+    /// owner does not serve from the store.
+    pub fn promote_kept(
+        &self,
+        conn: u64,
+        version: u8,
+        subscriptions: &[(String, u8, u64)],
+        adopt: impl FnOnce(bool) -> Command,
+    ) -> Result<bool, FilterError> {
+        for (filter, _, _) in subscriptions {
+            crate::router::validate_filter(filter)?;
+        }
+        let Ok(mut log) = self.inner.log.lock() else {
+            return Ok(false);
+        };
+        if let Ok(mut kept) = self.inner.kept.lock() {
+            kept.insert(conn);
+        }
+        let behind = subscriptions
+            .iter()
+            .any(|(filter, _, position)| *position != log.end(filter));
+        if !behind {
+            self.reactor.send(adopt(false));
+            for (filter, qos, _) in subscriptions {
+                self.subscribe_v(conn, filter, *qos, version)?;
+            }
+            return Ok(true);
+        }
+        if !self.inner.catch_up.load(Ordering::Relaxed) {
+            if let Ok(mut kept) = self.inner.kept.lock() {
+                kept.remove(&conn);
+            }
+            return Ok(false);
+        }
+        let reader = Reader {
+            version,
+            qos: subscriptions
+                .iter()
+                .map(|(filter, qos, _)| (Arc::from(filter.as_str()), *qos))
+                .collect(),
+        };
+        let Ok(mut readers) = self.inner.behind.lock() else {
+            return Ok(false);
+        };
+        // Its queues' rings start at their ends now, as a clean session's start when
+        // it falls behind: once its rounds from the index reach them, the rest comes
+        // from the rings.
+        for queue in reader.qos.keys() {
+            let end = log.end(queue);
+            log.rings.register(queue, end);
+        }
+        readers.insert(conn, reader);
+        drop(readers);
+        self.reactor.send(adopt(true));
+        drop(log);
+        Ok(true)
+    }
+
     pub fn register_wildcard(&self, topic_filter: &str) -> Result<bool, FilterError> {
         let mut log = self.inner.log.lock().map_err(|_| FilterError::Empty)?;
         log.routes.register_wildcard(topic_filter)
@@ -685,12 +757,15 @@ impl Engine {
         self.counters()
             .rounds_from_store
             .fetch_add(1, Ordering::Relaxed);
+        let (max_messages, max_bytes) = self.inner.round_size(conn);
         self.inner.rounds.push(Job {
             conn,
             round,
             reader,
             queues: queues.to_vec(),
             horizon,
+            max_messages,
+            max_bytes,
         });
         Ok(true)
     }
@@ -779,11 +854,12 @@ impl Inner {
     fn round_from_ring(&self, conn: u64, round: u64, positions: &[(Arc<str>, u64)]) -> Option<Job> {
         let reader = self.behind.lock().ok()?.get(&conn).cloned()?;
         let at: HashMap<&str, u64> = positions.iter().map(|(q, n)| (&**q, *n)).collect();
+        let (max_messages, max_bytes) = self.round_size(conn);
         let log = self.log.lock().ok()?;
         let mut queues = Vec::with_capacity(reader.qos.len());
         for queue in reader.qos.keys() {
             let position = *at.get(&**queue)?;
-            queues.push(log.rings.runs(queue, position, backlog::BATCH_MESSAGES)?);
+            queues.push(log.rings.runs(queue, position, max_messages)?);
         }
         let horizon = log.writer.write_pos();
         drop(log);
@@ -793,7 +869,19 @@ impl Inner {
             reader,
             queues,
             horizon,
+            max_messages,
+            max_bytes,
         })
+    }
+
+    /// The messages and bytes of a round of `conn`: a persistent session's are larger
+    /// (each round costs its owner a record, whatever its size).
+    fn round_size(&self, conn: u64) -> (usize, usize) {
+        if self.kept.lock().is_ok_and(|k| k.contains(&conn)) {
+            (crate::reactor::ROUND_MESSAGES, crate::reactor::ROUND_BYTES)
+        } else {
+            (backlog::BATCH_MESSAGES, backlog::BATCH_BYTES)
+        }
     }
 
     /// Live again, if every queue's position is its end: under the log's lock, as a
@@ -1110,6 +1198,9 @@ impl Inner {
                     log.rings.unregister(queue);
                 }
             }
+        }
+        if let Ok(mut kept) = self.kept.lock() {
+            kept.remove(&conn);
         }
         let Ok(mut subs) = self.subs.write() else {
             return;

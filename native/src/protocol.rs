@@ -508,6 +508,46 @@ impl Connection {
         } else {
             None
         };
+        let sent = self.encode_delivery(pid, topic, payload, qos, retain, source);
+        if let (Err(_), Some(pid)) = (&sent, pid) {
+            // Not taken after all: the id goes back.
+            self.next_packet_id = pid;
+        }
+        sent
+    }
+
+    /// `deliver`, under the packet id the caller reserved for it (`pid`, QoS 1: a
+    /// persistent session's send, whose record names the id before it goes out).
+    pub fn deliver_as(
+        &mut self,
+        pid: Option<u16>,
+        topic: &str,
+        payload: &[u8],
+        qos: u8,
+        retain: bool,
+        source: (u64, u64),
+    ) -> Result<Option<u16>, Dropped> {
+        if pid.is_some_and(|p| p == 0 || self.outgoing.contains_key(&p))
+            || (qos > 0) != pid.is_some()
+        {
+            return Err(Dropped);
+        }
+        let sent = self.encode_delivery(pid, topic, payload, qos, retain, source);
+        if let (Ok(_), Some(pid)) = (&sent, pid) {
+            self.next_packet_id = pid % 65535 + 1;
+        }
+        sent
+    }
+
+    fn encode_delivery(
+        &mut self,
+        pid: Option<u16>,
+        topic: &str,
+        payload: &[u8],
+        qos: u8,
+        retain: bool,
+        source: (u64, u64),
+    ) -> Result<Option<u16>, Dropped> {
         let p = Publish {
             topic,
             payload,
@@ -521,10 +561,6 @@ impl Connection {
         if encode_publish(&p, self.settings.version, &mut data).is_err()
             || data.len() > self.settings.client_max_packet
         {
-            if let Some(pid) = pid {
-                // Not taken after all: the id goes back.
-                self.next_packet_id = pid;
-            }
             return Err(Dropped);
         }
         self.out.extend_from_slice(&data);

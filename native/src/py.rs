@@ -585,6 +585,11 @@ fn demoted_row<'py>(py: Python<'py>, d: crate::reactor::Demoted) -> PyResult<Bou
         outgoing.append((*pid, PyBytes::new(py, &o.data), o.source.1))?;
     }
     row.set_item("outgoing", outgoing)?;
+    let sends = PyDict::new(py);
+    for (pid, queue, offset) in &d.sends {
+        sends.set_item(*pid, (&**queue, *offset))?;
+    }
+    row.set_item("sends", sends)?;
     let positions = PyDict::new(py);
     for (queue, next) in &d.positions {
         positions.set_item(&**queue, *next)?;
@@ -826,7 +831,10 @@ impl PyEngine {
     /// `problem_info`: the client's Request Problem Information.
     /// `min_drain` bytes of them it must take per `write_timeout` seconds, or it comes
     /// back "stuck" (0 s: no such rule).
-    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new(), inbound_unacked=0, problem_info=true, min_drain=0, write_timeout=0.0))]
+    /// `keep`: a persistent session's, seconds between its progress reports: its QoS 1
+    /// sends wait for their records (("keep", ...), `kept`), and it may be promoted
+    /// behind its queues' ends (served from the store from its positions).
+    #[pyo3(signature = (conn, fd, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new(), inbound_unacked=0, problem_info=true, min_drain=0, write_timeout=0.0, keep=None))]
     #[allow(clippy::too_many_arguments)] // what CONNECT negotiated, one value each
     fn adopt(
         &self,
@@ -854,6 +862,7 @@ impl PyEngine {
         problem_info: bool,
         min_drain: usize,
         write_timeout: f64,
+        keep: Option<f64>,
     ) -> PyResult<bool> {
         let settings = protocol::Settings {
             version,
@@ -872,32 +881,41 @@ impl PyEngine {
         // The log's lock is taken inside: the interpreter is let go first (a reactor
         // holding it may be asking Python where a queue ends).
         let taken = py.allow_threads(|| {
-            engine.promote(
+            let make = move |behind: bool| ReactorCommand::Adopt {
                 conn,
-                version,
-                &subscriptions,
-                Box::new(|| ReactorCommand::Adopt {
-                    conn,
-                    socket: adopt_fd(fd),
-                    settings,
-                    unread,
-                    idle_for,
-                    acl,
-                    restore: Restore {
-                        aliases_in,
-                        next_packet_id,
-                        client_id: client_id.as_str().into(),
-                        inbound_unacked,
-                    },
-                    max_unsent,
-                    drain: DrainRule {
-                        min_bytes: min_drain,
-                        timeout: write_timeout,
-                    },
-                }),
-            )
+                socket: adopt_fd(fd),
+                settings,
+                unread,
+                idle_for,
+                acl,
+                restore: Restore {
+                    aliases_in,
+                    next_packet_id,
+                    client_id: client_id.as_str().into(),
+                    inbound_unacked,
+                },
+                max_unsent,
+                drain: DrainRule {
+                    min_bytes: min_drain,
+                    timeout: write_timeout,
+                },
+                keep,
+                behind,
+            };
+            if keep.is_some() {
+                engine.promote_kept(conn, version, &subscriptions, Box::new(make))
+            } else {
+                engine.promote(conn, version, &subscriptions, Box::new(move || make(false)))
+            }
         });
         taken.map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// The record of batch `batch` of ("keep", conn, batch, sends) is in the store: its
+    /// sends may go out.
+    fn kept(&self, conn: u64, batch: u64) -> PyResult<()> {
+        self.carrier()?.send(ReactorCommand::Kept { conn, batch });
+        Ok(())
     }
 
     /// Hand connection `conn` back (a takeover, a kick, changed credentials, a
@@ -1290,6 +1308,24 @@ impl PyEngine {
                     }
                     ("behind", conn, round, at).into_pyobject(py)?.into_any()
                 }
+                Report::Keep { conn, batch, sends } => {
+                    let sends: Vec<(u16, &str, u64, u32)> = sends
+                        .iter()
+                        .map(|(p, q, o, n)| (*p, &**q, *o, *n))
+                        .collect();
+                    ("keep", conn, batch, sends).into_pyobject(py)?.into_any()
+                }
+                Report::Progress {
+                    conn,
+                    positions,
+                    done,
+                } => {
+                    let at = PyDict::new(py);
+                    for (queue, acked, next) in positions {
+                        at.set_item(&*queue, (acked, next))?;
+                    }
+                    ("progress", conn, at, done).into_pyobject(py)?.into_any()
+                }
                 Report::Published(_) | Report::Acked { .. } => continue,
             };
             out.append(item)?;
@@ -1456,6 +1492,8 @@ impl PyEngine {
                 min_bytes: min_drain,
                 timeout: write_timeout,
             },
+            keep: None,
+            behind: false,
         };
         let taken = py.allow_threads(|| {
             engine.promote(

@@ -397,8 +397,12 @@ impl Sink for SinkRef {
     fn report(&self, report: Report) {
         match report {
             Report::Published(batch) => self.0.send(batch),
-            // A gateway node's engine delivers nothing, so no connection falls behind.
-            Report::Acked { .. } | Report::Behind { .. } => {}
+            // A gateway node's engine delivers nothing, so no connection falls behind
+            // and none keeps sends.
+            Report::Acked { .. }
+            | Report::Behind { .. }
+            | Report::Keep { .. }
+            | Report::Progress { .. } => {}
             Report::Link(e) => self.link_events(vec![e]),
             Report::Demoted(d) => {
                 if let Ok(mut r) = self.0.reports.lock() {
@@ -551,6 +555,16 @@ pub trait Carrier: Send + Sync {
         subscriptions: &[(String, u8, u64)],
         adopt: Box<dyn FnOnce() -> Command + '_>,
     ) -> Result<bool, FilterError>;
+    /// As `Engine::promote_kept` (a persistent session's); a remote engine carries none.
+    fn promote_kept(
+        &self,
+        _conn: u64,
+        _version: u8,
+        _subscriptions: &[(String, u8, u64)],
+        _adopt: Box<dyn FnOnce(bool) -> Command + '_>,
+    ) -> Result<bool, FilterError> {
+        Ok(false)
+    }
 }
 
 impl Carrier for Engine {
@@ -595,6 +609,15 @@ impl Carrier for Engine {
         adopt: Box<dyn FnOnce() -> Command + '_>,
     ) -> Result<bool, FilterError> {
         Engine::promote(self, conn, version, subscriptions, adopt)
+    }
+    fn promote_kept(
+        &self,
+        conn: u64,
+        version: u8,
+        subscriptions: &[(String, u8, u64)],
+        adopt: Box<dyn FnOnce(bool) -> Command + '_>,
+    ) -> Result<bool, FilterError> {
+        Engine::promote_kept(self, conn, version, subscriptions, adopt)
     }
 }
 

@@ -42,6 +42,8 @@ fn adoption(conn: u64, socket: OwnedFd) -> Command {
         restore: Restore::default(),
         max_unsent: 0,
         drain: Default::default(),
+        keep: None,
+        behind: false,
     }
 }
 

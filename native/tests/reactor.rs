@@ -132,6 +132,8 @@ fn adopt(reactor: &Reactor, conn: u64, socket: OwnedFd, keepalive: u16) {
         restore: Default::default(),
         max_unsent: 0,
         drain: Default::default(),
+        keep: None,
+        behind: false,
     });
 }
 
@@ -153,6 +155,8 @@ fn adopt_held_to(
         restore: Default::default(),
         max_unsent,
         drain,
+        keep: None,
+        behind: false,
     });
 }
 
@@ -317,6 +321,8 @@ fn release_hands_back_with_held_deliveries_left_to_the_owner() {
         },
         max_unsent: 0,
         drain: Default::default(),
+        keep: None,
+        behind: false,
     });
     // The window is 2: the third QoS 1 delivery is held, not sent.
     for i in 0..3u8 {
@@ -829,5 +835,119 @@ fn a_subscriber_past_its_budget_is_served_a_batch_at_a_time_then_live() {
             .any(|r| matches!(r, Report::Demoted(_))),
         "never handed back for its backlog"
     );
+    reactor.stop();
+}
+
+/// A persistent session's connection, adopted behind its queues' ends.
+fn adopt_kept(reactor: &Reactor, conn: u64, socket: OwnedFd) {
+    reactor.send(Command::Adopt {
+        conn,
+        socket,
+        settings: settings(0),
+        unread: Vec::new(),
+        idle_for: 0.0,
+        acl: None,
+        restore: Default::default(),
+        max_unsent: 0,
+        drain: Default::default(),
+        keep: Some(3600.0),
+        behind: true,
+    });
+}
+
+#[test]
+fn a_persistent_sessions_sends_wait_for_their_record_and_their_acks_report_progress() {
+    let sink = Arc::new(Collect::default());
+    sink.catch_up.store(true, Ordering::Relaxed);
+    let reactor = Reactor::start(1, sink.clone()).unwrap();
+    let (mut client, socket) = pair();
+    adopt_kept(&reactor, 7, socket);
+    // Behind from the start: its first round is asked for at once, from the owner's
+    // positions (none of its own yet).
+    let (round, positions) = take_behind(&sink, 7);
+    assert!(positions.is_empty());
+    let topic: Arc<str> = Arc::from("q");
+    let batch = |from: u64, n: u64| lightgate_native::backlog::Batch {
+        jumps: vec![(topic.clone(), from)],
+        deliveries: (from..from + n).map(|i| qos1(&topic, i)).collect(),
+        release: false,
+        dropped: 0,
+    };
+    reactor.send(Command::Catch {
+        conn: 7,
+        round,
+        batch: Box::new(batch(10, 4)),
+    });
+    // One record for the batch (one run of ids and offsets), each send's packet id
+    // reserved past the window (2).
+    let (kept, sends) = sink.wait(|r| match r {
+        Report::Keep {
+            conn: 7,
+            batch,
+            sends,
+        } => Some((*batch, sends.clone())),
+        _ => None,
+    });
+    assert_eq!(sends, [(1, topic.clone(), 10, 4)]);
+    // The next round is asked for meanwhile, from past what is staged.
+    let (next, positions) = take_behind(&sink, 7);
+    assert!(next > round);
+    assert_eq!(positions, [(topic.clone(), 14)]);
+    // Nothing goes out before the record is kept.
+    client
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    assert!(
+        client.read(&mut byte).is_err(),
+        "sent before its record was kept"
+    );
+    client
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    reactor.send(Command::Kept {
+        conn: 7,
+        batch: kept,
+    });
+    assert_eq!(read_qos1(&mut client, 2), [1, 2]);
+    client.write_all(&[0x40, 2, 0, 1, 0x40, 2, 0, 2]).unwrap();
+    assert_eq!(read_qos1(&mut client, 2), [3, 4]);
+    client.write_all(&[0x40, 2, 0, 3, 0x40, 2, 0, 4]).unwrap();
+    // The batch complete: where the queue resumes, and the batch whose record goes.
+    let (positions, done) = sink.wait(|r| match r {
+        Report::Progress {
+            conn: 7,
+            positions,
+            done,
+        } if !done.is_empty() => Some((positions.clone(), done.clone())),
+        _ => None,
+    });
+    assert_eq!(positions, [(topic.clone(), 14, 14)]);
+    assert_eq!(done, [kept]);
+    // A second batch, two of it sent and not acknowledged, one waiting for the window:
+    // handed back, the two in flight name their queue and offset, and the queue's
+    // position is past them only.
+    reactor.send(Command::Catch {
+        conn: 7,
+        round: next,
+        batch: Box::new(batch(14, 3)),
+    });
+    let kept = sink.wait(|r| match r {
+        Report::Keep { conn: 7, batch, .. } => Some(*batch),
+        _ => None,
+    });
+    reactor.send(Command::Kept {
+        conn: 7,
+        batch: kept,
+    });
+    assert_eq!(read_qos1(&mut client, 2), [5, 6]);
+    reactor.send(Command::Release { conn: 7 });
+    let back = take_demoted(&sink, 7);
+    assert_eq!(back.why, Why::Released);
+    assert_eq!(back.outgoing.keys().copied().collect::<Vec<_>>(), [5, 6]);
+    let mut sends = back.sends.clone();
+    sends.sort();
+    assert_eq!(sends, [(5, topic.clone(), 14), (6, topic.clone(), 15)]);
+    assert_eq!(back.positions.get("q"), Some(&16));
     reactor.stop();
 }

@@ -1,0 +1,156 @@
+"""A persistent session on the native plane (docs/native-plane.md, "Persistent
+sessions"): what the handover keeps for it beside the connection. Its delivery waits for
+its promotion (`Deferred`); the engine holds each batch of its QoS 1 sends until their one
+record is in the store, reports where its queues resume and which batches completed, and
+hands back its sends in flight, each with its queue and offset (`Records`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from gateway.mqtt import protocol as mp
+from gateway.session import Session, batch_key, batch_prefix, offset_key, out_key
+
+log = logging.getLogger("lightgate.gateway.handover")
+
+Op = tuple[str, str, str, Any]
+# A persistent session whose delivery waits for its promotion gets it from Python after
+# all if it is still not promoted after this long.
+DEFER_S = 2.0
+
+
+def carried(conn: Any) -> bool:
+    """Whether a persistent session's connection may go to the engine (given a store in
+    this process): plain TCP, no replay, and no QoS 0 subscription (a persistent session
+    resumes at the first QoS 0 message its socket did not take, which Python's delivery
+    keeps track of; a QoS 0 message for a QoS 1 subscription hands the connection back
+    before it, too)."""
+    s = conn.session
+    return conn.reactor is not None and conn.stream is None and not s._replays \
+        and all(sub.options.qos > 0 for sub in s.subscriptions.values())
+
+
+def settled(s: Session) -> bool:
+    """Nothing of a persistent session's is under way in Python: what was in flight was
+    resent and acknowledged, its QoS 2 exchanges are complete, and where it resumes is
+    in the store before the engine reports its own progress."""
+    return not (s._outgoing or s._incoming_qos2 or s.has_dirty_offsets())
+
+
+def from_positions(s: Session) -> None:
+    """At the promotion of a persistent session restored with nothing in flight: every
+    offset up to its restored bound was acknowledged (one that was not has a record,
+    and Python resent it), so each queue starts past it; the queues with news are read
+    from the positions."""
+    for queue, upto in (s._restored_upto or {}).items():
+        if s.cursors.get(queue, upto + 1) <= upto:
+            s.cursors[queue] = upto + 1
+    s._restored_upto = None
+    s._dirty = None
+
+
+class Deferred:
+    """Connections whose session's delivery waits for their promotion: since when."""
+
+    def __init__(self) -> None:
+        self._since: dict[Any, float] = {}
+
+    def add(self, conn: Any) -> None:
+        self._since[conn] = trio.current_time()
+        conn.delivery.waits = True
+
+    def forget(self, conn: Any) -> None:
+        """Promoted, or gone: nothing to start."""
+        self._since.pop(conn, None)
+
+    def overdue(self, conn: Any, now: float) -> bool:
+        return now - self._since.get(conn, now) > DEFER_S
+
+    def start(self, conn: Any) -> None:
+        """Not promoted: its delivery starts in Python (the connection stays here)."""
+        if self._since.pop(conn, None) is not None and conn.native is None \
+                and conn.delivery is not None and conn.alive:
+            log.debug("client %r not promoted: Python delivers its session's backlog",
+                      conn.session.client_id)
+            conn.delivery.start(resume=True)
+
+
+class Records:
+    """The records of persistent sessions' native sends, gathered from one take of the
+    engine's reports and written in one metadata write (`write`), in the order the
+    engine reported them; `meta_now` writes in the caller's thread (an embedded store's;
+    None: no persistent session is carried)."""
+
+    def __init__(self, engine: Any, meta_now: Callable[[list[Op]], None] | None) -> None:
+        self.engine = engine
+        self._meta_now = meta_now
+        self.ops: list[Op] = []
+        self.kept: list[tuple[int, int]] = []  # (conn, batch) to let go once written
+
+    @property
+    def enabled(self) -> bool:
+        return self._meta_now is not None
+
+    def take(self, row: tuple[Any, ...], promoted: dict[int, Any]) -> None:
+        """A report of a promoted connection's: ("keep", conn, batch, runs) or
+        ("progress", conn, positions, done)."""
+        conn = promoted.get(row[1])
+        if conn is None or conn.session is None or self._meta_now is None:
+            return
+        if row[0] == "keep":
+            self.keep(conn.session, *row[1:])
+        else:
+            self.progress(conn.session, *row[2:])
+
+    def keep(self, s: Session, conn_id: int, batch: int,
+             runs: list[tuple[int, str, int, int]]) -> None:
+        """The engine holds a batch of sends until their record is in the store: one
+        record for the batch, its sends in runs (first packet id, queue, first offset,
+        count: consecutive ids and offsets)."""
+        self.ops.append(("put", "inflight", batch_key(s.client_id, batch),
+                         {"runs": runs, "qos": 1}))
+        self.kept.append((conn_id, batch))
+
+    def progress(self, s: Session, positions: dict[str, tuple[int, int]],
+                 done: list[int]) -> None:
+        """Where the queues resume, and the batches completed: their records go in the
+        same write (else a crash after the one and before the other would bring
+        acknowledged messages back as new ones)."""
+        for queue, (acked, nxt) in positions.items():
+            if queue in s.subscriptions:
+                self.ops.append(("put", "offsets", offset_key(s.client_id, queue),
+                                 {"acked": acked, "next": nxt}))
+        self.ops.extend(("delete", "inflight", batch_key(s.client_id, b), None)
+                        for b in done)
+
+    def write(self) -> None:
+        """What was gathered, in one write; then the batches kept go out. A write that
+        fails hands their connections back (what was not sent is Python's to send)."""
+        if not self.ops or self._meta_now is None:
+            return
+        ops, kept = self.ops, self.kept
+        self.ops, self.kept = [], []
+        try:
+            self._meta_now(ops)
+        except Exception:  # noqa: BLE001 - its connections go back to Python
+            log.exception("the in-flight records of native sends were not written")
+            for conn_id in {c for c, _ in kept}:
+                self.engine.release(conn_id)
+            return
+        for conn_id, batch in kept:
+            self.engine.kept(conn_id, batch)
+
+    def handed_back(self, s: Session, outgoing: list[mp.Outgoing]) -> None:
+        """A session back from the engine: its sends in flight get the records Python's
+        plane keeps, and its batch records go, in one write."""
+        if self._meta_now is None:
+            return
+        ops: list[Op] = [("delete_prefix", "inflight", batch_prefix(s.client_id), None)]
+        ops.extend(("put", "inflight", out_key(s.client_id, o.packet_id),
+                    {"queue": o.queue, "offset": o.offset, "state": o.state, "qos": o.qos})
+                   for o in outgoing if o.queue is not None)
+        self._meta_now(ops)
