@@ -12,6 +12,7 @@ from typing import Any
 
 import trio
 
+from gateway import offline_bound
 from gateway.mqtt import protocol as mp
 from gateway.session import Session, batch_key, batch_prefix, offset_key, out_key
 
@@ -54,18 +55,39 @@ def from_positions(s: Session) -> None:
 
 
 class Deferred:
-    """Connections whose session's delivery waits for their promotion: since when."""
+    """Connections whose session's delivery waits for their promotion: since when. The
+    offline bound (--max-offline-messages, --max-offline-bytes) moves their cursors
+    first, as Python's resume does, and is in the store before it is promoted."""
 
-    def __init__(self) -> None:
+    def __init__(self, looked_at: Callable[[Any], None]) -> None:
         self._since: dict[Any, float] = {}
+        self._bounding: set[Any] = set()
+        self._looked_at = looked_at  # (the handover's `consider`)
 
     def add(self, conn: Any) -> None:
         self._since[conn] = trio.current_time()
         conn.delivery.waits = True
+        self._bounding.add(conn)
+        conn.spawn(self._bound, conn)
+
+    def bounding(self, conn: Any) -> bool:
+        """Its offline bound is not applied yet (not to be promoted)."""
+        return conn in self._bounding
+
+    async def _bound(self, conn: Any) -> None:
+        s, broker = conn.session, conn.broker
+        try:
+            await offline_bound.apply(s, broker)
+            if s.has_dirty_offsets():
+                await broker.flush_offsets(s)
+        finally:
+            self._bounding.discard(conn)
+            self._looked_at(conn)
 
     def forget(self, conn: Any) -> None:
         """Promoted, or gone: nothing to start."""
         self._since.pop(conn, None)
+        self._bounding.discard(conn)
 
     def overdue(self, conn: Any, now: float) -> bool:
         return now - self._since.get(conn, now) > DEFER_S
