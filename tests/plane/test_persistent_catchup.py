@@ -257,3 +257,36 @@ def test_a_client_that_leaves_mid_catch_up_gets_its_sends_again_then_the_rest(
         assert rest == [b"%07d" % i for i in range(len(first), n)]
     finally:
         assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+@pytest.mark.parametrize("plane", ["native", "python"])
+def test_a_takeover_mid_catch_up_resends_then_goes_on(tmp_path, monkeypatch,
+                                                       plane: str) -> None:
+    """The same client id connects again while its first connection is in the middle
+    of a catch-up with sends unacknowledged (the engine hands the first back for the
+    takeover): the new one gets those sends again with DUP under their packet ids,
+    then the rest, each once."""
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane == "native" else "0")
+    n, acked_n = 8_000, 2_000
+    srv = Server(tmp_path / "d", "--max-offline-messages", "1000000").start()
+    try:
+        _subscriber(srv, "twin", "pt/t")
+        _publish(srv.port, "pt/t", 0, n)
+        first_conn = RawClient(srv.port, timeout=30)
+        assert first_conn.connect("twin", clean=False).session_present
+        first = _read(first_conn, None, 1.0, ack_upto=acked_n)
+        unacked = first[acked_n:]
+        if plane == "native":
+            assert _promoted(srv, "twin"), srv.logs()[-3000:]
+        c = RawClient(srv.port, timeout=30)
+        assert c.connect("twin", clean=False).session_present
+        second = _read(c, None, 1.5)
+        c.close()
+        first_conn.close()
+        again = [(p.payload, p.packet_id, p.dup) for p in second[:len(unacked)]]
+        assert again == [(p.payload, p.packet_id, True) for p in unacked]
+        rest = second[len(unacked):]
+        assert not any(p.dup for p in rest)
+        assert [p.payload for p in rest] == [b"%07d" % i for i in range(len(first), n)]
+    finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]
