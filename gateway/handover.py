@@ -454,7 +454,8 @@ class Handover:
                 with core.read_behind(row["inbound_unacked"]):
                     conn.data_received(row["unread"])
             assert conn.delivery is not None
-            conn.delivery.start()  # from each queue's position
+            if not (why == "packet" and s.persistent and back is None and self.defers(conn)):
+                conn.delivery.start()  # from each queue's position (or the engine's again)
             if back is None:
                 self.consider(conn)
 

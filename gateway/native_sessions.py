@@ -98,6 +98,7 @@ class Deferred:
                 and conn.delivery is not None and conn.alive:
             log.debug("client %r not promoted: Python delivers its session's backlog",
                       conn.session.client_id)
+            conn.delivery.waits = False
             conn.delivery.start(resume=True)
 
 

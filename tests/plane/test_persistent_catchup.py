@@ -100,12 +100,14 @@ def _sent(srv: Server) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("plane", ["native", "python"])
+@pytest.mark.parametrize("resubscribes", [False, True])
 def test_a_persistent_session_catches_up_on_the_native_plane(tmp_path, monkeypatch,
-                                                            plane: str) -> None:
+                                                            plane: str,
+                                                            resubscribes: bool) -> None:
     """10,000 messages stored for an offline persistent session come, in order, once
-    each, when it reconnects; on the native plane all of them from there (Python's
-    delivery sends none). Where it resumes is kept: reconnected, it gets only what came
-    since."""
+    each, when it reconnects (and subscribes again at once, as many clients do); on the
+    native plane all of them from there (Python's delivery sends none). Where it
+    resumes is kept: reconnected, it gets only what came since."""
     monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane == "native" else "0")
     n = 10_000
     srv = Server(tmp_path / "d", "--max-offline-messages", "1000000").start()
@@ -115,6 +117,8 @@ def test_a_persistent_session_catches_up_on_the_native_plane(tmp_path, monkeypat
         before = _sent(srv)
         c = RawClient(srv.port, timeout=30)
         assert c.connect("keeper", clean=False).session_present
+        if resubscribes:
+            c.send(mqtt.Subscribe(7, [("pc/t", mqtt.SubscriptionOptions(1))]))
         got = _read(c, n, 20)
         assert [p.payload for p in got] == [b"%07d" % i for i in range(n)]
         assert not any(p.dup for p in got)
