@@ -15,8 +15,10 @@ import trio
 from gateway import offline_bound
 from gateway.mqtt import protocol as mp
 from gateway.session import Session, batch_key, batch_prefix, offset_key, out_key
+from serving.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("lightgate.gateway.handover")
+_not_kept = RateLimitedLog(log)  # a store that refuses writes refuses each batch's
 
 Op = tuple[str, str, str, Any]
 # A persistent session whose delivery waits for its promotion gets it from Python after
@@ -152,15 +154,19 @@ class Records:
 
     def write(self) -> None:
         """What was gathered, in one write; then the batches kept go out. A write that
-        fails hands their connections back (what was not sent is Python's to send)."""
+        fails (a full disk, the store away) hands the connections of the batches back:
+        what was not sent is Python's to send, as its own records allow. Progress not
+        written leaves batch records behind, which after a crash only resend with DUP
+        (as Python's completed sends whose records were not removed do)."""
         if not self.ops or self._meta_now is None:
             return
         ops, kept = self.ops, self.kept
         self.ops, self.kept = [], []
         try:
             self._meta_now(ops)
-        except Exception:  # noqa: BLE001 - its connections go back to Python
-            log.exception("the in-flight records of native sends were not written")
+        except Exception as exc:  # noqa: BLE001 - the batches' connections go back
+            _not_kept.note(f"in-flight records of native sends not written (their "
+                           f"connections go back to Python): {exc}")
             for conn_id in {c for c, _ in kept}:
                 self.engine.release(conn_id)
             return
@@ -176,4 +182,9 @@ class Records:
         ops.extend(("put", "inflight", out_key(s.client_id, o.packet_id),
                     {"queue": o.queue, "offset": o.offset, "state": o.state, "qos": o.qos})
                    for o in outgoing if o.queue is not None)
-        self._meta_now(ops)
+        try:
+            self._meta_now(ops)
+        except Exception as exc:  # noqa: BLE001 - the batch records stay, and hold
+            # every send in flight: a restart rewrites them (resent with DUP)
+            _not_kept.note(f"in-flight records of sends handed back from the native "
+                           f"plane not rewritten (their batch records stay): {exc}")
