@@ -96,14 +96,16 @@ class Delivery(SharedMember):
         self._unsent: deque[tuple[int, str, int]] | None = None
         self._paused = False  # the store refused what a delivery writes (logged once)
         # A persistent session's delivery waits for the native plane to take it
-        # (gateway.handover `defers`): nothing is delivered from here until `start`.
+        # (gateway.native_sessions `Deferred`): nothing is delivered from here until
+        # that lets go of it.
         self.waits = False
 
     # -- starting -------------------------------------------------------------------------
     def start(self, resume: bool = False) -> None:
         """Deliver whatever the session's queues hold (`resume`: a session back from
         offline first resends what was in flight and skips past its offline bound)."""
-        self.waits = False
+        if self.waits:  # (a SUBSCRIBE meanwhile: its queue is read from its position)
+            return
         if resume:
             self._resume = True
             self._start_task()

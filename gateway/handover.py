@@ -140,7 +140,7 @@ class Handover:
         meta_now = getattr(broker.store, "meta_write_now", None)
         self.records = Records(engine, meta_now if self._queue_runs is not None
                                and hasattr(engine, "kept") else None)
-        self._deferred = Deferred()  # persistent sessions' deliveries waiting for it
+        self._deferred = Deferred(self.consider)  # persistent sessions' deliveries
 
     # -- which connections ---------------------------------------------------------------
     def consider(self, conn: Connection) -> None:
@@ -177,7 +177,7 @@ class Handover:
         if not core.quiet() or conn._lane or conn._lane_busy or conn._paused \
                 or not self.broker.inbound.idle(conn) \
                 or not self._delivery_idle(conn, s.persistent) \
-                or s.persistent and not settled(s):
+                or s.persistent and (not settled(s) or self._deferred.bounding(conn)):
             return BUSY
         return READY
 
@@ -454,7 +454,8 @@ class Handover:
                 with core.read_behind(row["inbound_unacked"]):
                     conn.data_received(row["unread"])
             assert conn.delivery is not None
-            conn.delivery.start()  # from each queue's position
+            if not (why == "packet" and s.persistent and back is None and self.defers(conn)):
+                conn.delivery.start()  # from each queue's position (or the engine's again)
             if back is None:
                 self.consider(conn)
 

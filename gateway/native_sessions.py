@@ -12,10 +12,13 @@ from typing import Any
 
 import trio
 
+from gateway import offline_bound
 from gateway.mqtt import protocol as mp
 from gateway.session import Session, batch_key, batch_prefix, offset_key, out_key
+from serving.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("lightgate.gateway.handover")
+_not_kept = RateLimitedLog(log)  # a store that refuses writes refuses each batch's
 
 Op = tuple[str, str, str, Any]
 # A persistent session whose delivery waits for its promotion gets it from Python after
@@ -54,18 +57,39 @@ def from_positions(s: Session) -> None:
 
 
 class Deferred:
-    """Connections whose session's delivery waits for their promotion: since when."""
+    """Connections whose session's delivery waits for their promotion: since when. The
+    offline bound (--max-offline-messages, --max-offline-bytes) moves their cursors
+    first, as Python's resume does, and is in the store before it is promoted."""
 
-    def __init__(self) -> None:
+    def __init__(self, looked_at: Callable[[Any], None]) -> None:
         self._since: dict[Any, float] = {}
+        self._bounding: set[Any] = set()
+        self._looked_at = looked_at  # (the handover's `consider`)
 
     def add(self, conn: Any) -> None:
         self._since[conn] = trio.current_time()
         conn.delivery.waits = True
+        self._bounding.add(conn)
+        conn.spawn(self._bound, conn)
+
+    def bounding(self, conn: Any) -> bool:
+        """Its offline bound is not applied yet (not to be promoted)."""
+        return conn in self._bounding
+
+    async def _bound(self, conn: Any) -> None:
+        s, broker = conn.session, conn.broker
+        try:
+            await offline_bound.apply(s, broker)
+            if s.has_dirty_offsets():
+                await broker.flush_offsets(s)
+        finally:
+            self._bounding.discard(conn)
+            self._looked_at(conn)
 
     def forget(self, conn: Any) -> None:
         """Promoted, or gone: nothing to start."""
         self._since.pop(conn, None)
+        self._bounding.discard(conn)
 
     def overdue(self, conn: Any, now: float) -> bool:
         return now - self._since.get(conn, now) > DEFER_S
@@ -76,6 +100,7 @@ class Deferred:
                 and conn.delivery is not None and conn.alive:
             log.debug("client %r not promoted: Python delivers its session's backlog",
                       conn.session.client_id)
+            conn.delivery.waits = False
             conn.delivery.start(resume=True)
 
 
@@ -129,15 +154,19 @@ class Records:
 
     def write(self) -> None:
         """What was gathered, in one write; then the batches kept go out. A write that
-        fails hands their connections back (what was not sent is Python's to send)."""
+        fails (a full disk, the store away) hands the connections of the batches back:
+        what was not sent is Python's to send, as its own records allow. Progress not
+        written leaves batch records behind, which after a crash only resend with DUP
+        (as Python's completed sends whose records were not removed do)."""
         if not self.ops or self._meta_now is None:
             return
         ops, kept = self.ops, self.kept
         self.ops, self.kept = [], []
         try:
             self._meta_now(ops)
-        except Exception:  # noqa: BLE001 - its connections go back to Python
-            log.exception("the in-flight records of native sends were not written")
+        except Exception as exc:  # noqa: BLE001 - the batches' connections go back
+            _not_kept.note(f"in-flight records of native sends not written (their "
+                           f"connections go back to Python): {exc}")
             for conn_id in {c for c, _ in kept}:
                 self.engine.release(conn_id)
             return
@@ -153,4 +182,9 @@ class Records:
         ops.extend(("put", "inflight", out_key(s.client_id, o.packet_id),
                     {"queue": o.queue, "offset": o.offset, "state": o.state, "qos": o.qos})
                    for o in outgoing if o.queue is not None)
-        self._meta_now(ops)
+        try:
+            self._meta_now(ops)
+        except Exception as exc:  # noqa: BLE001 - the batch records stay, and hold
+            # every send in flight: a restart rewrites them (resent with DUP)
+            _not_kept.note(f"in-flight records of sends handed back from the native "
+                           f"plane not rewritten (their batch records stay): {exc}")

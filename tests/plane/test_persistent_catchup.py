@@ -100,12 +100,14 @@ def _sent(srv: Server) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("plane", ["native", "python"])
+@pytest.mark.parametrize("resubscribes", [False, True])
 def test_a_persistent_session_catches_up_on_the_native_plane(tmp_path, monkeypatch,
-                                                            plane: str) -> None:
+                                                            plane: str,
+                                                            resubscribes: bool) -> None:
     """10,000 messages stored for an offline persistent session come, in order, once
-    each, when it reconnects; on the native plane all of them from there (Python's
-    delivery sends none). Where it resumes is kept: reconnected, it gets only what came
-    since."""
+    each, when it reconnects (and subscribes again at once, as many clients do); on the
+    native plane all of them from there (Python's delivery sends none). Where it
+    resumes is kept: reconnected, it gets only what came since."""
     monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane == "native" else "0")
     n = 10_000
     srv = Server(tmp_path / "d", "--max-offline-messages", "1000000").start()
@@ -115,6 +117,8 @@ def test_a_persistent_session_catches_up_on_the_native_plane(tmp_path, monkeypat
         before = _sent(srv)
         c = RawClient(srv.port, timeout=30)
         assert c.connect("keeper", clean=False).session_present
+        if resubscribes:
+            c.send(mqtt.Subscribe(7, [("pc/t", mqtt.SubscriptionOptions(1))]))
         got = _read(c, n, 20)
         assert [p.payload for p in got] == [b"%07d" % i for i in range(n)]
         assert not any(p.dup for p in got)
@@ -255,5 +259,38 @@ def test_a_client_that_leaves_mid_catch_up_gets_its_sends_again_then_the_rest(
         rest = [p.payload for p in second[len(unacked):]]
         assert not any(p.dup for p in second[len(unacked):])
         assert rest == [b"%07d" % i for i in range(len(first), n)]
+    finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+@pytest.mark.parametrize("plane", ["native", "python"])
+def test_a_takeover_mid_catch_up_resends_then_goes_on(tmp_path, monkeypatch,
+                                                       plane: str) -> None:
+    """The same client id connects again while its first connection is in the middle
+    of a catch-up with sends unacknowledged (the engine hands the first back for the
+    takeover): the new one gets those sends again with DUP under their packet ids,
+    then the rest, each once."""
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane == "native" else "0")
+    n, acked_n = 8_000, 2_000
+    srv = Server(tmp_path / "d", "--max-offline-messages", "1000000").start()
+    try:
+        _subscriber(srv, "twin", "pt/t")
+        _publish(srv.port, "pt/t", 0, n)
+        first_conn = RawClient(srv.port, timeout=30)
+        assert first_conn.connect("twin", clean=False).session_present
+        first = _read(first_conn, None, 1.0, ack_upto=acked_n)
+        unacked = first[acked_n:]
+        if plane == "native":
+            assert _promoted(srv, "twin"), srv.logs()[-3000:]
+        c = RawClient(srv.port, timeout=30)
+        assert c.connect("twin", clean=False).session_present
+        second = _read(c, None, 1.5)
+        c.close()
+        first_conn.close()
+        again = [(p.payload, p.packet_id, p.dup) for p in second[:len(unacked)]]
+        assert again == [(p.payload, p.packet_id, True) for p in unacked]
+        rest = second[len(unacked):]
+        assert not any(p.dup for p in rest)
+        assert [p.payload for p in rest] == [b"%07d" % i for i in range(len(first), n)]
     finally:
         assert srv.stop() == 0, srv.logs()[-3000:]
