@@ -14,6 +14,7 @@ import trio
 
 from gateway import offline_bound
 from gateway.mqtt import protocol as mp
+from gateway.native_link import NativeStream
 from gateway.session import Session, batch_key, batch_prefix, offset_key, out_key
 from serving.rate_limited_log import RateLimitedLog
 
@@ -28,12 +29,15 @@ DEFER_S = 2.0
 
 def carried(conn: Any) -> bool:
     """Whether a persistent session's connection may go to the engine (given a store in
-    this process): plain TCP, no replay, and no QoS 0 subscription (a persistent session
+    this process): plain TCP, or a TLS or WebSocket connection the engine accepted (not
+    Python's own listeners'), no replay, and no QoS 0 subscription (a persistent session
     resumes at the first QoS 0 message its socket did not take, which Python's delivery
     keeps track of; a QoS 0 message for a QoS 1 subscription hands the connection back
     before it, too)."""
     s = conn.session
-    return conn.reactor is not None and conn.stream is None and not s._replays \
+    ours = conn.reactor is not None and conn.stream is None \
+        or type(conn.stream) is NativeStream
+    return ours and not s._replays \
         and all(sub.options.qos > 0 for sub in s.subscriptions.values())
 
 

@@ -1427,9 +1427,10 @@ impl PyEngine {
     /// Carry a connection the engine relays (`link`) from here on, as `adopt` does a
     /// plain one: True; False, and nothing changed, when more bytes than `relayed` (the
     /// total Python took of it) are on their way to Python, or a subscription's
-    /// position is not at its queue's end. `unread`: what Python took and did not parse
-    /// (the engine reads it first); the rest as for `adopt`.
-    #[pyo3(signature = (link, relayed, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new(), inbound_unacked=0, problem_info=true, min_drain=0, write_timeout=0.0))]
+    /// position is not at its queue's end (a persistent session's, `keep`, may be
+    /// behind them, as for `adopt`). `unread`: what Python took and did not parse (the
+    /// engine reads it first); the rest as for `adopt`.
+    #[pyo3(signature = (link, relayed, version, keepalive, max_packet, max_qos, topic_alias_maximum, receive_maximum, client_receive_maximum, max_inflight, client_max_packet, unread=Vec::new(), idle_for=0.0, acl=None, subscriptions=Vec::new(), aliases_in=std::collections::HashMap::new(), next_packet_id=1, max_unsent=0, client_id=String::new(), inbound_unacked=0, problem_info=true, min_drain=0, write_timeout=0.0, keep=None))]
     #[allow(clippy::too_many_arguments)] // what CONNECT negotiated, one value each
     fn carry(
         &self,
@@ -1457,6 +1458,7 @@ impl PyEngine {
         problem_info: bool,
         min_drain: usize,
         write_timeout: f64,
+        keep: Option<f64>,
     ) -> PyResult<bool> {
         let engine = self.carrier()?;
         let conn = link.id;
@@ -1492,19 +1494,19 @@ impl PyEngine {
                 min_bytes: min_drain,
                 timeout: write_timeout,
             },
-            keep: None,
+            keep,
             behind: false,
         };
         let taken = py.allow_threads(|| {
-            engine.promote(
+            let make = move |behind: bool| ReactorCommand::Carry {
                 conn,
-                version,
-                &subscriptions,
-                Box::new(|| ReactorCommand::Carry {
-                    conn,
-                    adoption: Box::new(adoption),
-                }),
-            )
+                adoption: Box::new(crate::reactor::Adoption { behind, ..adoption }),
+            };
+            if keep.is_some() {
+                engine.promote_kept(conn, version, &subscriptions, Box::new(make))
+            } else {
+                engine.promote(conn, version, &subscriptions, Box::new(move || make(false)))
+            }
         });
         if !matches!(taken, Ok(true)) {
             // Not taken: relayed on, from what was held back for it.

@@ -294,3 +294,46 @@ def test_a_takeover_mid_catch_up_resends_then_goes_on(tmp_path, monkeypatch,
         assert [p.payload for p in rest] == [b"%07d" % i for i in range(len(first), n)]
     finally:
         assert srv.stop() == 0, srv.logs()[-3000:]
+
+
+@pytest.mark.parametrize("plane", ["native", "python"])
+def test_a_persistent_session_over_tls_catches_up_as_one_over_tcp(tmp_path, monkeypatch,
+                                                                 plane: str) -> None:
+    """On the engine's TLS listener a persistent session is carried as a plain one is:
+    5,000 messages stored while it was away come, in order, once each, on the native
+    plane all of them from there (Python's delivery sends none); reconnected, it gets
+    only what came since."""
+    from tests.plane.test_tls_handover import TlsRaw
+    from tests.security.test_tls import make_pki, port_of, tls_args
+
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if plane == "native" else "0")
+    pki = make_pki(tmp_path / "pki")
+    n = 5_000
+    srv = Server(tmp_path / "d", "--max-offline-messages", "1000000", *tls_args(pki)).start()
+    try:
+        port = port_of(srv, "mqtt_tls")
+        c = TlsRaw(port, pki.client_context())
+        c.connect("tls-keeper", clean=False)
+        c.subscribe("ptls/t", 1)
+        _leave(srv, c, "tls-keeper")
+        _publish(srv.port, "ptls/t", 0, n)
+        before = _sent(srv)
+        c = TlsRaw(port, pki.client_context(), timeout=30)
+        assert c.connect("tls-keeper", clean=False).session_present
+        got = _read(c, n, 20)
+        assert [p.payload for p in got] == [b"%07d" % i for i in range(n)]
+        assert not any(p.dup for p in got)
+        after = _sent(srv)
+        if plane == "native":
+            assert _promoted(srv, "tls-keeper"), srv.logs()[-3000:]
+            assert after[1] - before[1] >= n
+            assert after[0] - before[0] == 0
+        _leave(srv, c, "tls-keeper")
+        _publish(srv.port, "ptls/t", n, 5)
+        c = TlsRaw(port, pki.client_context(), timeout=30)
+        assert c.connect("tls-keeper", clean=False).session_present
+        got = _read(c, None, 1.5)
+        assert [p.payload for p in got] == [b"%07d" % i for i in range(n, n + 5)]
+        c.close()
+    finally:
+        assert srv.stop() == 0, srv.logs()[-3000:]
