@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use lightgate_native::engine::{Config, Engine};
 use lightgate_native::protocol::Settings;
-use lightgate_native::reactor::{Command, Report, Why};
+use lightgate_native::reactor::{Adoption, Command, Report, Why};
 
 fn settings() -> Settings {
     Settings {
@@ -124,15 +124,10 @@ fn main() {
             owner.send(Command::Adopt {
                 conn: d.conn,
                 socket: OwnedFd::from(s),
-                settings: settings(),
-                unread: d.unread[consumed..].to_vec(),
-                idle_for: 0.0,
-                acl: None,
-                restore: Default::default(),
-                max_unsent: 0,
-                drain: Default::default(),
-                keep: None,
-                behind: false,
+                adoption: Box::new(Adoption {
+                    unread: d.unread[consumed..].to_vec(),
+                    ..Adoption::new(settings())
+                }),
             });
         }
     });
@@ -147,15 +142,7 @@ fn main() {
         engine.send(Command::Adopt {
             conn: next,
             socket: OwnedFd::from(s),
-            settings: settings(),
-            unread: Vec::new(),
-            idle_for: 0.0,
-            acl: None,
-            restore: Default::default(),
-            max_unsent: 0,
-            drain: Default::default(),
-            keep: None,
-            behind: false,
+            adoption: Box::new(Adoption::new(settings())),
         });
         next += 1;
     }

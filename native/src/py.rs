@@ -694,6 +694,32 @@ impl PyLink {
     }
 }
 
+/// What `adopt` and `carry` hand the reactor: a connection's negotiated settings and
+/// the Python core's state to go on from (`behind` is the engine's to say).
+#[allow(clippy::too_many_arguments)] // one value each, as the owner passes them
+fn adoption(
+    settings: protocol::Settings,
+    unread: Vec<u8>,
+    idle_for: f64,
+    acl: Option<std::collections::HashSet<String>>,
+    restore: Restore,
+    max_unsent: usize,
+    drain: DrainRule,
+    keep: Option<f64>,
+) -> crate::reactor::Adoption {
+    crate::reactor::Adoption {
+        settings,
+        unread,
+        idle_for,
+        acl,
+        restore,
+        max_unsent,
+        drain,
+        keep,
+        behind: false,
+    }
+}
+
 /// A socket Python gives up (`socket.detach()`): from here on Rust owns and closes it.
 #[allow(unsafe_code)]
 fn adopt_fd(fd: Fd) -> std::os::fd::OwnedFd {
@@ -864,49 +890,52 @@ impl PyEngine {
         write_timeout: f64,
         keep: Option<f64>,
     ) -> PyResult<bool> {
-        let settings = protocol::Settings {
-            version,
-            keepalive,
-            max_packet,
-            max_qos,
-            topic_alias_maximum,
-            receive_maximum,
-            client_receive_maximum,
-            max_inflight,
-            client_max_packet,
-            problem_info,
-        };
         let fd = Fd::checked(fd)?;
         let engine = self.carrier()?;
+        let adoption = adoption(
+            protocol::Settings {
+                version,
+                keepalive,
+                max_packet,
+                max_qos,
+                topic_alias_maximum,
+                receive_maximum,
+                client_receive_maximum,
+                max_inflight,
+                client_max_packet,
+                problem_info,
+            },
+            unread,
+            idle_for,
+            acl,
+            Restore {
+                aliases_in,
+                next_packet_id,
+                client_id: client_id.as_str().into(),
+                inbound_unacked,
+            },
+            max_unsent,
+            DrainRule {
+                min_bytes: min_drain,
+                timeout: write_timeout,
+            },
+            keep,
+        );
         // The log's lock is taken inside: the interpreter is let go first (a reactor
         // holding it may be asking Python where a queue ends).
         let taken = py.allow_threads(|| {
             let make = move |behind: bool| ReactorCommand::Adopt {
                 conn,
                 socket: adopt_fd(fd),
-                settings,
-                unread,
-                idle_for,
-                acl,
-                restore: Restore {
-                    aliases_in,
-                    next_packet_id,
-                    client_id: client_id.as_str().into(),
-                    inbound_unacked,
-                },
-                max_unsent,
-                drain: DrainRule {
-                    min_bytes: min_drain,
-                    timeout: write_timeout,
-                },
-                keep,
-                behind,
+                adoption: Box::new(crate::reactor::Adoption { behind, ..adoption }),
             };
-            if keep.is_some() {
-                engine.promote_kept(conn, version, &subscriptions, Box::new(make))
-            } else {
-                engine.promote(conn, version, &subscriptions, Box::new(move || make(false)))
-            }
+            engine.promote_any(
+                conn,
+                version,
+                &subscriptions,
+                keep.is_some(),
+                Box::new(make),
+            )
         });
         taken.map_err(|e| PyValueError::new_err(e.to_string()))
     }
@@ -1467,8 +1496,8 @@ impl PyEngine {
         {
             return Ok(false);
         }
-        let adoption = crate::reactor::Adoption {
-            settings: protocol::Settings {
+        let adoption = adoption(
+            protocol::Settings {
                 version,
                 keepalive,
                 max_packet,
@@ -1483,30 +1512,31 @@ impl PyEngine {
             unread,
             idle_for,
             acl,
-            restore: Restore {
+            Restore {
                 aliases_in,
                 next_packet_id,
                 client_id: client_id.as_str().into(),
                 inbound_unacked,
             },
             max_unsent,
-            drain: DrainRule {
+            DrainRule {
                 min_bytes: min_drain,
                 timeout: write_timeout,
             },
             keep,
-            behind: false,
-        };
+        );
         let taken = py.allow_threads(|| {
             let make = move |behind: bool| ReactorCommand::Carry {
                 conn,
                 adoption: Box::new(crate::reactor::Adoption { behind, ..adoption }),
             };
-            if keep.is_some() {
-                engine.promote_kept(conn, version, &subscriptions, Box::new(make))
-            } else {
-                engine.promote(conn, version, &subscriptions, Box::new(move || make(false)))
-            }
+            engine.promote_any(
+                conn,
+                version,
+                &subscriptions,
+                keep.is_some(),
+                Box::new(make),
+            )
         });
         if !matches!(taken, Ok(true)) {
             // Not taken: relayed on, from what was held back for it.

@@ -373,26 +373,11 @@ impl Counters {
 }
 
 pub enum Command {
-    /// Take this connection over. `idle_for`: seconds since the client last sent
-    /// anything; `acl`: the topics it may publish to, or None for every topic.
+    /// Take this connection (its socket) over, as `adoption` says.
     Adopt {
         conn: u64,
         socket: OwnedFd,
-        settings: Settings,
-        unread: Vec<u8>,
-        idle_for: f64,
-        acl: Option<HashSet<String>>,
-        restore: Restore,
-        /// Bytes waiting for the client past which it is handed back (the owner's
-        /// --max-unsent-bytes); 0: `BACKLOG_BUDGET`.
-        max_unsent: usize,
-        /// How fast the client must take what waits for it.
-        drain: DrainRule,
-        /// A persistent session's: its sends are kept (`Report::Keep`), and where it
-        /// resumes is reported at most this often (seconds) while no batch completes.
-        keep: Option<f64>,
-        /// It starts served from the store (it is behind its queues' ends).
-        behind: bool,
+        adoption: Box<Adoption>,
     },
     /// The record of a persistent session's batch is in the store: it may go out.
     Kept {
@@ -1631,28 +1616,9 @@ impl Worker {
                 Command::Adopt {
                     conn,
                     socket,
-                    settings,
-                    unread,
-                    idle_for,
-                    acl,
-                    restore,
-                    max_unsent,
-                    drain,
-                    keep,
-                    behind,
+                    adoption,
                 } => {
-                    let adoption = Adoption {
-                        settings,
-                        unread,
-                        idle_for,
-                        acl,
-                        restore,
-                        max_unsent,
-                        drain,
-                        keep,
-                        behind,
-                    };
-                    if let Some(token) = self.adopt(conn, socket, adoption, published) {
+                    if let Some(token) = self.adopt(conn, socket, *adoption, published) {
                         touched.push(token);
                     }
                 }
@@ -2184,15 +2150,40 @@ impl Worker {
 /// The parts of an Adopt (or Carry) command the new connection is made of.
 pub struct Adoption {
     pub settings: Settings,
+    /// What the owner read and did not parse (read first).
     pub unread: Vec<u8>,
+    /// Seconds since the client last sent anything.
     pub idle_for: f64,
+    /// The topics it may publish to, or None for every topic.
     pub acl: Option<HashSet<String>>,
     pub restore: Restore,
+    /// Bytes waiting for the client past which it is handed back (the owner's
+    /// --max-unsent-bytes); 0: `BACKLOG_BUDGET`.
     pub max_unsent: usize,
+    /// How fast the client must take what waits for it.
     pub drain: DrainRule,
-    /// A persistent session's (`Command::Adopt`).
+    /// A persistent session's: its sends are kept (`Report::Keep`), and where it
+    /// resumes is reported at most this often (seconds) while no batch completes.
     pub keep: Option<f64>,
+    /// It starts served from the store (it is behind its queues' ends).
     pub behind: bool,
+}
+
+impl Adoption {
+    /// A clean session's, with nothing read ahead and the default budgets.
+    pub fn new(settings: Settings) -> Self {
+        Adoption {
+            settings,
+            unread: Vec::new(),
+            idle_for: 0.0,
+            acl: None,
+            restore: Restore::default(),
+            max_unsent: 0,
+            drain: DrainRule::default(),
+            keep: None,
+            behind: false,
+        }
+    }
 }
 
 /// What the link takes of `data`, counted in `bytes_out`; None (and the connection

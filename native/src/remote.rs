@@ -565,6 +565,22 @@ pub trait Carrier: Send + Sync {
     ) -> Result<bool, FilterError> {
         Ok(false)
     }
+    /// `promote`, or `promote_kept` for a persistent session's connection (`kept`):
+    /// `make` is told whether it starts behind its queues' ends.
+    fn promote_any(
+        &self,
+        conn: u64,
+        version: u8,
+        subscriptions: &[(String, u8, u64)],
+        kept: bool,
+        make: Box<dyn FnOnce(bool) -> Command + '_>,
+    ) -> Result<bool, FilterError> {
+        if kept {
+            self.promote_kept(conn, version, subscriptions, make)
+        } else {
+            self.promote(conn, version, subscriptions, Box::new(move || make(false)))
+        }
+    }
 }
 
 impl Carrier for Engine {

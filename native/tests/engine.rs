@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::{pair, read_exact};
 use lightgate_native::engine::{AppendError, Config, Engine, Marks, Message};
 use lightgate_native::protocol::Settings;
-use lightgate_native::reactor::{Command, Restore};
+use lightgate_native::reactor::{Adoption, Command};
 use lightgate_native::record;
 
 fn adopt(engine: &Engine, conn: u64, socket: OwnedFd) {
@@ -24,7 +24,7 @@ fn adoption(conn: u64, socket: OwnedFd) -> Command {
     Command::Adopt {
         conn,
         socket,
-        settings: Settings {
+        adoption: Box::new(Adoption::new(Settings {
             version: 4,
             keepalive: 0,
             max_packet: 1 << 20,
@@ -35,15 +35,7 @@ fn adoption(conn: u64, socket: OwnedFd) -> Command {
             max_inflight: 32,
             client_max_packet: 1 << 20,
             problem_info: true,
-        },
-        unread: Vec::new(),
-        idle_for: 0.0,
-        acl: None,
-        restore: Restore::default(),
-        max_unsent: 0,
-        drain: Default::default(),
-        keep: None,
-        behind: false,
+        })),
     }
 }
 

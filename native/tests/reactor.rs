@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 
 use common::{pair, read_exact};
 use lightgate_native::protocol::Settings;
-use lightgate_native::reactor::{Command, Delivery, DrainRule, Lean, Reactor, Report, Sink, Why};
+use lightgate_native::reactor::{
+    Adoption, Command, Delivery, DrainRule, Lean, Reactor, Report, Sink, Why,
+};
 
 #[derive(Default)]
 struct Collect {
@@ -125,15 +127,7 @@ fn adopt(reactor: &Reactor, conn: u64, socket: OwnedFd, keepalive: u16) {
     reactor.send(Command::Adopt {
         conn,
         socket,
-        settings: settings(keepalive),
-        unread: Vec::new(),
-        idle_for: 0.0,
-        acl: None,
-        restore: Default::default(),
-        max_unsent: 0,
-        drain: Default::default(),
-        keep: None,
-        behind: false,
+        adoption: Box::new(Adoption::new(settings(keepalive))),
     });
 }
 
@@ -148,15 +142,11 @@ fn adopt_held_to(
     reactor.send(Command::Adopt {
         conn,
         socket,
-        settings: settings(0),
-        unread: Vec::new(),
-        idle_for: 0.0,
-        acl: None,
-        restore: Default::default(),
-        max_unsent,
-        drain,
-        keep: None,
-        behind: false,
+        adoption: Box::new(Adoption {
+            max_unsent,
+            drain,
+            ..Adoption::new(settings(0))
+        }),
     });
 }
 
@@ -310,19 +300,15 @@ fn release_hands_back_with_held_deliveries_left_to_the_owner() {
     reactor.send(Command::Adopt {
         conn: 4,
         socket,
-        settings: settings(0),
-        unread: Vec::new(),
-        idle_for: 2.0,
-        acl: None,
-        restore: lightgate_native::reactor::Restore {
-            aliases_in: aliases,
-            next_packet_id: 40,
-            ..Default::default()
-        },
-        max_unsent: 0,
-        drain: Default::default(),
-        keep: None,
-        behind: false,
+        adoption: Box::new(Adoption {
+            idle_for: 2.0,
+            restore: lightgate_native::reactor::Restore {
+                aliases_in: aliases,
+                next_packet_id: 40,
+                ..Default::default()
+            },
+            ..Adoption::new(settings(0))
+        }),
     });
     // The window is 2: the third QoS 1 delivery is held, not sent.
     for i in 0..3u8 {
@@ -843,15 +829,11 @@ fn adopt_kept(reactor: &Reactor, conn: u64, socket: OwnedFd) {
     reactor.send(Command::Adopt {
         conn,
         socket,
-        settings: settings(0),
-        unread: Vec::new(),
-        idle_for: 0.0,
-        acl: None,
-        restore: Default::default(),
-        max_unsent: 0,
-        drain: Default::default(),
-        keep: Some(3600.0),
-        behind: true,
+        adoption: Box::new(Adoption {
+            keep: Some(3600.0),
+            behind: true,
+            ..Adoption::new(settings(0))
+        }),
     });
 }
 
