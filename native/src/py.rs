@@ -695,16 +695,18 @@ impl PyLink {
 }
 
 /// What `adopt` and `carry` hand the reactor: a connection's negotiated settings and
-/// the Python core's state to go on from (`behind` is the engine's to say).
-#[allow(clippy::too_many_arguments)] // one value each, as the owner passes them
+/// the Python core's state to go on from, from their arguments as Python passes them
+/// (`behind` is the engine's to say).
 fn adoption(
     settings: protocol::Settings,
-    unread: Vec<u8>,
-    idle_for: f64,
-    acl: Option<std::collections::HashSet<String>>,
-    restore: Restore,
-    max_unsent: usize,
-    drain: DrainRule,
+    (unread, idle_for, acl): (Vec<u8>, f64, Option<std::collections::HashSet<String>>),
+    (aliases_in, next_packet_id, client_id, inbound_unacked): (
+        std::collections::HashMap<u16, String>,
+        u16,
+        &str,
+        u32,
+    ),
+    (max_unsent, min_drain, write_timeout): (usize, usize, f64),
     keep: Option<f64>,
 ) -> crate::reactor::Adoption {
     crate::reactor::Adoption {
@@ -712,9 +714,17 @@ fn adoption(
         unread,
         idle_for,
         acl,
-        restore,
+        restore: Restore {
+            aliases_in,
+            next_packet_id,
+            client_id: client_id.into(),
+            inbound_unacked,
+        },
         max_unsent,
-        drain,
+        drain: DrainRule {
+            min_bytes: min_drain,
+            timeout: write_timeout,
+        },
         keep,
         behind: false,
     }
@@ -905,20 +915,9 @@ impl PyEngine {
                 client_max_packet,
                 problem_info,
             },
-            unread,
-            idle_for,
-            acl,
-            Restore {
-                aliases_in,
-                next_packet_id,
-                client_id: client_id.as_str().into(),
-                inbound_unacked,
-            },
-            max_unsent,
-            DrainRule {
-                min_bytes: min_drain,
-                timeout: write_timeout,
-            },
+            (unread, idle_for, acl),
+            (aliases_in, next_packet_id, &client_id, inbound_unacked),
+            (max_unsent, min_drain, write_timeout),
             keep,
         );
         // The log's lock is taken inside: the interpreter is let go first (a reactor
@@ -1509,20 +1508,9 @@ impl PyEngine {
                 client_max_packet,
                 problem_info,
             },
-            unread,
-            idle_for,
-            acl,
-            Restore {
-                aliases_in,
-                next_packet_id,
-                client_id: client_id.as_str().into(),
-                inbound_unacked,
-            },
-            max_unsent,
-            DrainRule {
-                min_bytes: min_drain,
-                timeout: write_timeout,
-            },
+            (unread, idle_for, acl),
+            (aliases_in, next_packet_id, &client_id, inbound_unacked),
+            (max_unsent, min_drain, write_timeout),
             keep,
         );
         let taken = py.allow_threads(|| {
