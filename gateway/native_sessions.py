@@ -153,6 +153,8 @@ class Records:
             if queue in s.subscriptions:
                 self.ops.append(("put", "offsets", offset_key(s.client_id, queue),
                                  {"acked": acked, "next": nxt}))
+                if s.cursors.get(queue, -1) < nxt:  # what was sent, as a demotion says
+                    s.cursors[queue] = nxt  # it (the admin API shows it meanwhile)
         self.ops.extend(("delete", "inflight", batch_key(s.client_id, b), None)
                         for b in done)
 

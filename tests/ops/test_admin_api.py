@@ -47,6 +47,13 @@ def busy(server: Server) -> Iterator[tuple[Server, Client, Client]]:
     pub.publish("ops/a/t", b"hello", 1)
     pub.publish("ops/state", b"on", 1, retain=True)
     sub.expect(1)
+    # Its acknowledgement is in the store (a session the native plane carries reports
+    # where it stands when a batch completes: a moment after the PUBACK).
+    deadline = time.monotonic() + 10
+    while next(r for r in call(server, "/api/v1/lag?q=ops/")[1]["items"]
+               if r["reader"] == "mqtt:ops-sub")["lag"]:
+        assert time.monotonic() < deadline, "the subscriber's acknowledgement never stored"
+        time.sleep(0.05)
     yield server, sub, pub
     for c in (sub, pub):
         c.disconnect()
