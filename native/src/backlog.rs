@@ -208,26 +208,10 @@ pub fn no_properties(properties: &[u8]) -> bool {
 }
 
 /// The next batch for `reader` from the round's runs: records in log order from the
-/// positions, each once. A record that cannot be read ends the batch before it (the
-/// next round starts there and skips it).
+/// positions, each once, at most `max_messages` and `max_bytes` (one message at
+/// least). A record that cannot be read ends the batch before it (the next round
+/// starts there and skips it).
 pub fn batch(
-    reader: &Reader,
-    queues: &[QueueRuns],
-    horizon: u64,
-    segments: &mut Segments,
-) -> io::Result<Batch> {
-    batch_up_to(
-        reader,
-        queues,
-        horizon,
-        segments,
-        BATCH_MESSAGES,
-        BATCH_BYTES,
-    )
-}
-
-/// `batch`, of at most `max_messages` and `max_bytes` (one message at least).
-pub fn batch_up_to(
     reader: &Reader,
     queues: &[QueueRuns],
     horizon: u64,
@@ -306,7 +290,7 @@ pub struct Job {
     pub reader: Reader,
     pub queues: Vec<QueueRuns>,
     pub horizon: u64,
-    /// The batch's size at most (`batch_up_to`).
+    /// The batch's size at most (`batch`).
     pub max_messages: usize,
     pub max_bytes: usize,
 }
@@ -341,7 +325,7 @@ impl Rounds {
             .name("lightgate-backlog".into())
             .spawn(move || {
                 while let Some(job) = rounds.next() {
-                    let made = batch_up_to(
+                    let made = batch(
                         &job.reader,
                         &job.queues,
                         job.horizon,
@@ -555,6 +539,8 @@ mod tests {
             &[runs_of(w, "t", start, max)],
             u64::MAX,
             &mut Segments::new(dir),
+            BATCH_MESSAGES,
+            BATCH_BYTES,
         )
         .unwrap()
     }
@@ -579,7 +565,15 @@ mod tests {
         let end = w.last().map(|(p, s, _)| p + *s as u64).unwrap();
         let qs = [runs_of(&w, "a/1", 0, 100), runs_of(&w, "a/#", 0, 100)];
         let r = reader(&[("a/1", 1), ("a/#", 0)]);
-        let b = batch(&r, &qs, end, &mut Segments::new(&dir)).unwrap();
+        let b = batch(
+            &r,
+            &qs,
+            end,
+            &mut Segments::new(&dir),
+            BATCH_MESSAGES,
+            BATCH_BYTES,
+        )
+        .unwrap();
         assert_eq!(topics(&b), ["a/1", "a/2", "a/1"]);
         // The highest QoS of the subscriptions whose queue holds it, at most the record's.
         assert_eq!(
@@ -612,15 +606,39 @@ mod tests {
         // "#" read at most 2 entries: records past its second are not known to hold it.
         let qs = [runs_of(&w, "x", 0, 100), runs_of(&w, "#", 0, 2)];
         let r = reader(&[("x", 0), ("#", 0)]);
-        let b = batch(&r, &qs, u64::MAX, &mut Segments::new(&dir)).unwrap();
+        let b = batch(
+            &r,
+            &qs,
+            u64::MAX,
+            &mut Segments::new(&dir),
+            BATCH_MESSAGES,
+            BATCH_BYTES,
+        )
+        .unwrap();
         assert_eq!(topics(&b), ["x", "y"]);
         // The horizon: what the index covers.
         let qs = [runs_of(&w, "x", 0, 100), runs_of(&w, "#", 0, 100)];
-        let b = batch(&r, &qs, w[2].0, &mut Segments::new(&dir)).unwrap();
+        let b = batch(
+            &r,
+            &qs,
+            w[2].0,
+            &mut Segments::new(&dir),
+            BATCH_MESSAGES,
+            BATCH_BYTES,
+        )
+        .unwrap();
         assert_eq!(topics(&b), ["x", "y"]);
         // From the positions: nothing before them.
         let qs = [runs_of(&w, "x", 1, 100), runs_of(&w, "#", 3, 100)];
-        let b = batch(&r, &qs, u64::MAX, &mut Segments::new(&dir)).unwrap();
+        let b = batch(
+            &r,
+            &qs,
+            u64::MAX,
+            &mut Segments::new(&dir),
+            BATCH_MESSAGES,
+            BATCH_BYTES,
+        )
+        .unwrap();
         assert_eq!(topics(&b), ["x", "y"]);
         assert_eq!(b.deliveries[0].positions.len(), 1);
     }
@@ -638,7 +656,7 @@ mod tests {
         std::fs::remove_file(dir.join(segment_name(0))).unwrap();
         let qs = [runs_of(&w, "t", 0, 100)];
         let r = reader(&[("t", 0)]);
-        let b = batch(&r, &qs, u64::MAX, &mut segs).unwrap();
+        let b = batch(&r, &qs, u64::MAX, &mut segs, BATCH_MESSAGES, BATCH_BYTES).unwrap();
         assert_eq!(b.dropped, second as u64);
         assert_eq!(b.deliveries.len(), 6 - second);
         assert_eq!(b.deliveries[0].positions, [(Arc::from("t"), second as u64)]);
@@ -678,7 +696,15 @@ mod tests {
         let w = write(&dir, 1000, &msgs);
         let r = reader(&[("t", 0), ("#", 0)]);
         let qs = [runs_of(&w, "t", 0, 500), runs_of(&w, "#", 0, 500)];
-        let b = batch(&r, &qs, u64::MAX, &mut Segments::new(&dir)).unwrap();
+        let b = batch(
+            &r,
+            &qs,
+            u64::MAX,
+            &mut Segments::new(&dir),
+            BATCH_MESSAGES,
+            BATCH_BYTES,
+        )
+        .unwrap();
         assert_eq!(b.dropped, 0);
         let want: Vec<&str> = msgs.iter().map(|(t, _, _)| *t).collect();
         assert_eq!(topics(&b), want);

@@ -621,17 +621,28 @@ impl Engine {
         let Ok(mut log) = self.inner.log.lock() else {
             return Ok(false);
         };
-        for (filter, _, position) in subscriptions {
-            if *position != log.end(filter) {
-                return Ok(false);
-            }
+        if behind(&mut log, subscriptions) {
+            return Ok(false);
         }
-        self.reactor.send(adopt());
+        self.adopt_live(conn, version, subscriptions, adopt())?;
+        drop(log);
+        Ok(true)
+    }
+
+    /// The adoption goes to the reactors and the subscriptions are registered (under
+    /// the log's lock, which the caller holds: see `promote`).
+    fn adopt_live(
+        &self,
+        conn: u64,
+        version: u8,
+        subscriptions: &[(String, u8, u64)],
+        adopt: Command,
+    ) -> Result<(), FilterError> {
+        self.reactor.send(adopt);
         for (filter, qos, _) in subscriptions {
             self.subscribe_v(conn, filter, *qos, version)?;
         }
-        drop(log);
-        Ok(true)
+        Ok(())
     }
 
     /// Promote a persistent session's connection (`Command::Adopt` with `keep`): at its
@@ -653,23 +664,12 @@ impl Engine {
         let Ok(mut log) = self.inner.log.lock() else {
             return Ok(false);
         };
-        if let Ok(mut kept) = self.inner.kept.lock() {
-            kept.insert(conn);
-        }
-        let behind = subscriptions
-            .iter()
-            .any(|(filter, _, position)| *position != log.end(filter));
-        if !behind {
-            self.reactor.send(adopt(false));
-            for (filter, qos, _) in subscriptions {
-                self.subscribe_v(conn, filter, *qos, version)?;
-            }
+        if !behind(&mut log, subscriptions) {
+            self.keep_rounds(conn);
+            self.adopt_live(conn, version, subscriptions, adopt(false))?;
             return Ok(true);
         }
         if !self.inner.catch_up.load(Ordering::Relaxed) {
-            if let Ok(mut kept) = self.inner.kept.lock() {
-                kept.remove(&conn);
-            }
             return Ok(false);
         }
         let reader = Reader {
@@ -691,9 +691,18 @@ impl Engine {
         }
         readers.insert(conn, reader);
         drop(readers);
+        self.keep_rounds(conn);
         self.reactor.send(adopt(true));
         drop(log);
         Ok(true)
+    }
+
+    /// `conn` is a persistent session's: its rounds from the store are larger
+    /// (`Inner::round_size`).
+    fn keep_rounds(&self, conn: u64) {
+        if let Ok(mut kept) = self.inner.kept.lock() {
+            kept.insert(conn);
+        }
     }
 
     pub fn register_wildcard(&self, topic_filter: &str) -> Result<bool, FilterError> {
@@ -740,19 +749,13 @@ impl Engine {
     /// of its queues from its positions, and the log position the index covers. Its
     /// next batch is made on the backlog thread (`backlog::batch`) and goes to it;
     /// this returns at once. False: it is not served from the store (any more).
-    pub fn feed_runs(
-        &self,
-        conn: u64,
-        round: u64,
-        queues: &[QueueRuns],
-        horizon: u64,
-    ) -> io::Result<bool> {
+    pub fn feed_runs(&self, conn: u64, round: u64, queues: &[QueueRuns], horizon: u64) -> bool {
         let reader = match self.inner.behind.lock() {
             Ok(b) => b.get(&conn).cloned(),
             Err(_) => None,
         };
         let Some(reader) = reader else {
-            return Ok(false);
+            return false;
         };
         self.counters()
             .rounds_from_store
@@ -767,7 +770,7 @@ impl Engine {
             max_messages,
             max_bytes,
         });
-        Ok(true)
+        true
     }
 }
 
@@ -1537,6 +1540,14 @@ impl Inner {
             }
         }
     }
+}
+
+/// Whether some subscription's position (filter, QoS, next offset) is short of its
+/// queue's end.
+fn behind(log: &mut Log, subscriptions: &[(String, u8, u64)]) -> bool {
+    subscriptions
+        .iter()
+        .any(|(filter, _, position)| *position != log.end(filter))
 }
 
 /// What an append leaves its caller.

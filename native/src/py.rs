@@ -1148,8 +1148,7 @@ impl PyEngine {
                 full,
             })
             .collect();
-        py.allow_threads(|| engine.feed_runs(conn, round, &queues, horizon))
-            .map_err(os_error)
+        Ok(py.allow_threads(|| engine.feed_runs(conn, round, &queues, horizon)))
     }
 
     /// What a topic is held to on a connection adopted with `acl=None` (it may publish

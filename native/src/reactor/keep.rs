@@ -25,7 +25,7 @@ use super::{Counters, Delivery};
 use crate::protocol::Connection;
 
 /// Messages and bytes (their cost as held) of a persistent session's round from the
-/// store, at most (`backlog::batch_up_to`): four times a clean session's. Each round
+/// store, at most (`backlog::batch`): four times a clean session's. Each round
 /// costs the owner a read of the index and a record, whatever its size; with rounds of
 /// 256 a reconnecting session caught up with 1,000,000 messages at 200,000-220,000
 /// msg/s, with 1,024 at 377,000-417,000 (a loaded 2-core machine; 2,048 was no
