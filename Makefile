@@ -148,6 +148,9 @@ bench: $(STAMP) redis bench-peers
 		--brokers mosquitto,lightgate-native-io1,lightgate-native-io2 --out bench/results/scaling
 	$(BIN)/python bench/mqtt_bench.py --quick --tls \
 		--brokers mosquitto,lightgate-native,lightgate-async,rumqttd --out bench/results/tls
+	$(BIN)/python bench/mqtt_bench.py --quick --scenarios qos0_1to1,device_fanin,device_fleet \
+		--brokers mosquitto,lightgate-native,lightgate-separated,lightgate-group,lightgate-group-2gw \
+		--out bench/results/production
 	$(BIN)/python bench/replay_bench.py
 	$(BIN)/python bench/replay_bench.py --mqtt
 

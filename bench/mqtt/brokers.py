@@ -44,8 +44,10 @@ BROKERS = ["mosquitto", "lightgate-async", "lightgate-sync", "lightgate-native",
 # Not in every run: the native plane's scaling row (the same scenario with 1 and 2 I/O
 # threads), asked for by name (`make bench` runs it on the fan-out scenario).
 SCALING = ["lightgate-native-io1", "lightgate-native-io2"]
-# Asked for by name too: a 3-node store group with a gateway over it.
-OPT_IN = [*SCALING, "lightgate-group"]
+# Asked for by name too: a 3-node store group with a gateway over it, and with two (the
+# devices of device_fanin and device_fleet spread over both; every other row's clients,
+# and the subscribers, on the first).
+OPT_IN = [*SCALING, "lightgate-group", "lightgate-group-2gw"]
 # The bounds every broker gets, as far as its settings allow: the Mosquitto config's.
 MAX_INFLIGHT = 32
 MAX_QUEUED = 100_000
@@ -93,6 +95,13 @@ class Broker:
     window: Window = field(default_factory=Window)  # the runner's, while a row runs
     opts: Options = field(default_factory=Options)
     python: list[int] = field(default_factory=list)  # pids of Lightgate processes
+    # The MQTT ports of more gateways over the same store, beside `port`'s.
+    more_ports: list[int] = field(default_factory=list)
+
+    @property
+    def ports(self) -> list[int]:
+        """Every MQTT port: devices spread over them."""
+        return [self.port, *self.more_ports]
 
     @property
     def pid(self) -> int:
@@ -236,8 +245,8 @@ def _start(b: Broker) -> None:
                                          url), "store", True)
         native = _wait_ready(b, store)["native"]
         _start_gateway(b, native, url)
-    elif name == "lightgate-group":
-        _start_group(b)
+    elif name in ("lightgate-group", "lightgate-group-2gw"):
+        _start_group(b, 2 if name.endswith("2gw") else 1)
     elif name == "rabbitmq":
         _start_rabbitmq(b)
     elif name == "rumqttd":
@@ -274,13 +283,14 @@ def mosquitto_config(port: int, opts: Options) -> str:
                    "log_dest stderr\nlog_type error\n")
 
 
-def _lightgate_listeners(b: Broker) -> list[str]:
-    """The MQTT listener on b.port: plain TCP, or TLS with the run's certificates (then
-    the plain one is off, and WebSocket over TLS too)."""
+def _lightgate_listeners(b: Broker, port: int | None = None) -> list[str]:
+    """The MQTT listener on `port` (b.port): plain TCP, or TLS with the run's certificates
+    (then the plain one is off, and WebSocket over TLS too)."""
     opts = b.opts
+    port = b.port if port is None else port
     if not opts.certs:
-        return ["--mqtt", f"127.0.0.1:{b.port}"]
-    args = ["--mqtt", "off", "--wss", "off", "--mqtt-tls", f"127.0.0.1:{b.port}",
+        return ["--mqtt", f"127.0.0.1:{port}"]
+    args = ["--mqtt", "off", "--wss", "off", "--mqtt-tls", f"127.0.0.1:{port}",
             "--tls-cert", str(opts.certs.cert), "--tls-key", str(opts.certs.key)]
     if opts.mutual:
         args += ["--tls-ca", str(opts.certs.ca), "--tls-client-auth", "required"]
@@ -313,19 +323,21 @@ def _start_redis(b: Broker) -> str:
     return f"redis://127.0.0.1:{redis_port}"
 
 
-def _start_gateway(b: Broker, stores: str, url: str) -> None:
-    """`lightgate gateway` over the store (a group: every node's address), last in
-    b.procs: it holds the MQTT connections."""
+def _start_gateway(b: Broker, stores: str, url: str, port: int | None = None,
+                   label: str = "gateway") -> None:
+    """`lightgate gateway` over the store (a group: every node's address) on `port`
+    (b.port), last in b.procs: the last holds b.port's MQTT connections."""
     gw = _spawn(b, _lightgate_cmd("gateway", "--store", stores, "--notify", url,
-                                  *_lightgate_listeners(b), "--ws", "off", "--http",
-                                  "127.0.0.1:0", *_lightgate_bounds(b)), "gateway", True)
+                                  *_lightgate_listeners(b, port), "--ws", "off", "--http",
+                                  "127.0.0.1:0", *_lightgate_bounds(b)), label, True)
     _wait_ready(b, gw)
 
 
-def _start_group(b: Broker) -> None:
+def _start_group(b: Broker, gateways: int = 1) -> None:
     """Three `lightgate store` nodes with their Raft controller (`--raft`, the shared
     `--raft-secret`), synchronous replication with at least 2 in sync, Redis notify, and
-    a gateway over them once the group has its master and every node is in sync."""
+    `gateways` gateways over them once the group has its master and every node is in
+    sync (b.port's last, so that b.pid is its)."""
     url = _start_redis(b)
     raft = [f"127.0.0.1:{free_port()}" for _ in range(3)]
     secret = b.tmp / "group.secret"
@@ -341,9 +353,14 @@ def _start_group(b: Broker) -> None:
         natives.append(ready["native"])
         https.append(ready["http"])
     _wait_group(b, https)
+    b.more_ports = [free_port() for _ in range(gateways - 1)]
+    for i, port in enumerate(b.more_ports, 2):
+        _start_gateway(b, ",".join(natives), url, port, f"gateway{i}")
     _start_gateway(b, ",".join(natives), url)
-    b.notes = ("3 store nodes (Raft controller, --replication sync --min-insync 2), one "
-               "gateway, Redis notify; CPU of every process")
+    b.notes = ("3 store nodes (Raft controller, --replication sync --min-insync 2), "
+               + ("one gateway" if gateways == 1 else
+                  f"{gateways} gateways (the devices spread over them)")
+               + ", Redis notify; CPU of every process")
 
 
 def _wait_group(b: Broker, https: list[str], timeout: float = 60) -> None:

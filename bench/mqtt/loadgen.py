@@ -238,13 +238,19 @@ def w_publishers(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
     return {"sent": sent}
 
 
-def w_devices(wid: int, ready: Callable[..., None], go_evt: Any, port: int,
+def port_of(ports: int | list[int], i: int) -> int:
+    """Device i's port: devices spread over a broker's gateways in turn."""
+    return ports if isinstance(ports, int) else ports[i % len(ports)]
+
+
+def w_devices(wid: int, ready: Callable[..., None], go_evt: Any, port: int | list[int],
               topics: list[str], per_device: int, seconds: float) -> dict[str, Any]:
-    """Devices as a fleet publishes: one connection per topic, each sending a QoS 1
-    PUBLISH and waiting for its PUBACK before the next (one message in flight each), all
-    at once from one selector. Reports the PUBLISH -> PUBACK round trips (ack_*_ms) from
-    each device's second message on, as this loop sees them."""
-    socks = [connect(port, f"dev-{wid}-{i}-{os.getpid()}") for i in range(len(topics))]
+    """Devices as a fleet publishes: one connection per topic (over the ports in turn),
+    each sending a QoS 1 PUBLISH and waiting for its PUBACK before the next (one message
+    in flight each), all at once from one selector. Reports the PUBLISH -> PUBACK round
+    trips (ack_*_ms) from each device's second message on, as this loop sees them."""
+    socks = [connect(port_of(port, i), f"dev-{wid}-{i}-{os.getpid()}")
+             for i in range(len(topics))]
     payload = b"x" * PAYLOAD
     pkts = {s: [mqtt.encode_publish(t, payload, 1, False, False, pid, 4) for pid in (1, 2)]
             for s, t in zip(socks, topics, strict=True)}
@@ -300,8 +306,9 @@ def percentiles(ns: list[int], prefix: str = "") -> dict[str, float | None]:
             f"{prefix}max_ms": pick(1.0)}
 
 
-def w_fleet(wid: int, ready: Callable[..., None], go_evt: Any, port: int, ids: list[int],
-            fleet: int, period: float, per_device: int, seconds: float) -> dict[str, Any]:
+def w_fleet(wid: int, ready: Callable[..., None], go_evt: Any, port: int | list[int],
+            ids: list[int], fleet: int, period: float, per_device: int,
+            seconds: float) -> dict[str, Any]:
     """Devices `ids` of a fleet of `fleet`, from one selector: they connect
     (at most 32 handshakes in flight) before ready(); after go, device g publishes QoS 1
     on fleet/g/t at go + period * (g / fleet + k), k < per_device (so the fleet offers
@@ -319,7 +326,8 @@ def w_fleet(wid: int, ready: Callable[..., None], go_evt: Any, port: int, ids: l
             raise TimeoutError(f"{connected}/{n} devices connected in 120 s")
         while len(socks) < n and len(socks) - connected < 32:
             g = ids[len(socks)]
-            socks.append(nb_connect(port, f"127.{wid + 1}.{g // 250 % 250}.{g % 250 + 1}"))
+            socks.append(nb_connect(port_of(port, g),
+                                    f"127.{wid + 1}.{g // 250 % 250}.{g % 250 + 1}"))
             sel.register(socks[-1], selectors.EVENT_WRITE, len(socks) - 1)
         for key, ev in sel.select(timeout=0.2):
             s, j = socks[key.data], key.data

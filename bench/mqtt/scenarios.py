@@ -107,7 +107,7 @@ def sc_device_fanin(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
     crew = Crew()
     try:
         crew.add(w_subscribers, b.port, "dev/+/t", 1, 1, per_device * n, size["seconds"])
-        crew.add(w_devices, b.port, topics, per_device, size["seconds"])
+        crew.add(w_devices, b.ports, topics, per_device, size["seconds"])
         crew.start(setup_timeout=60)
         time.sleep(0.3)
         crew.go()
@@ -147,7 +147,7 @@ def sc_device_fleet(b: Broker, size: dict[str, Any]) -> dict[str, Any]:
         # Latency from each device's second message on (a message's seq is its number).
         crew.add(w_latency_sub, b.port, total, 1, period + seconds, 1, "fleet/+/t")
         for w in range(CORES):  # interleaved: each process sends at the fleet's rate / CORES
-            crew.add(w_fleet, b.port, list(range(w, n, CORES)), n, period, per_device,
+            crew.add(w_fleet, b.ports, list(range(w, n, CORES)), n, period, per_device,
                      period + seconds)
         t_setup = time.monotonic()
         crew.start(setup_timeout=150)

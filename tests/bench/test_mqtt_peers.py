@@ -91,11 +91,12 @@ def test_cpu_and_memory_count_grandchildren(tmp_path: Path) -> None:
         top.wait()
 
 
-def _passes_messages(port: int) -> None:
-    """QoS 0 and QoS 1 from a publisher to a QoS 1 subscriber, each PUBACKed."""
+def _passes_messages(port: int, pub_port: int | None = None) -> None:
+    """QoS 0 and QoS 1 from a publisher (on `pub_port`: another gateway's) to a QoS 1
+    subscriber, each PUBACKed."""
     sub = connect(port, "peer-sub")
     subscribe(sub, "peer/+", 1)
-    pub = connect(port, "peer-pub")
+    pub = connect(port if pub_port is None else pub_port, "peer-pub")
     n = 20
     pub.sendall(b"".join(mqtt.encode_publish("peer/t", b"x" * 64, i % 2, False, False,
                                              i + 1 if i % 2 else None, 4) for i in range(n)))

@@ -141,13 +141,18 @@ def test_tls_configs(certs: Certs, tmp_path: Path) -> None:
 
 
 def test_lightgate_group_starts_and_carries_qos1() -> None:
-    b = brokers.start_broker("lightgate-group")
+    """Three store nodes and two gateways over them (lightgate-group-2gw, lightgate-group
+    with one more gateway): each gateway carries messages, and one published on the
+    second reaches a subscriber on the first."""
+    b = brokers.start_broker("lightgate-group-2gw")
     try:
         tags = sorted(p.name for p in b.tmp.glob("*.log"))
-        assert tags == ["gateway.log", "redis.log", "store0.log", "store1.log",
-                        "store2.log"]
-        assert len(b.python) == 4 and b.pid == b.python[-1]  # the gateway holds MQTT
+        assert tags == ["gateway.log", "gateway2.log", "redis.log", "store0.log",
+                        "store1.log", "store2.log"]
+        assert len(b.python) == 5 and b.pid == b.python[-1]  # b.port's gateway
+        assert len(b.ports) == 2 and b.ports[0] == b.port
         _passes_messages(b.port)
+        _passes_messages(b.port, b.ports[1])
         assert b.died() is None
     finally:
         b.stop()
