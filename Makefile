@@ -85,7 +85,7 @@ java:
 # Three pytest workers, a test file each at a time: most of the long tests wait (for an
 # election, a lease, an idle minute, a Spark batch) rather than compute, so three overlap
 # well on two cores: about 8 minutes instead of 20. `make test TEST_WORKERS=` runs them
-# one by one.
+# one by one. The 25 longest tests are listed at the end, to see what keeps it long.
 TEST_WORKERS ?= -n 3 --dist loadfile
 
 # The suite runs on the native data plane (the default where it is built), then the
@@ -99,7 +99,8 @@ test: $(SPARK_STAMP) redis chromium java mosquitto netfaults
 	$(BIN)/ruff check .
 	$(MAKE) native-check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
-	LIGHTGATE_REQUIRE_SPARK=1 LIGHTGATE_REQUIRE_NETNS=1 $(BIN)/pytest -q $(TEST_WORKERS)
+	LIGHTGATE_REQUIRE_SPARK=1 LIGHTGATE_REQUIRE_NETNS=1 $(BIN)/pytest -q $(TEST_WORKERS) \
+		--durations=25
 	LIGHTGATE_NATIVE=0 $(BIN)/pytest -q $(TEST_WORKERS) tests/mqtt tests/conformance
 
 # The long forms: 1M inputs to each fuzzer (codec, connection), 1M messages past a stuck
