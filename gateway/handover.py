@@ -125,9 +125,11 @@ class Handover:
         # A native publish the store refuses is explained in the words Python uses.
         engine.set_not_stored(not_stored(StoreFullError()), NOT_STORED)
         # A gateway node's engine (`lightgate gateway`) sends its publishes to the store
-        # and delivers nothing: it carries publishers only, Python the subscribers.
+        # and carries clean sessions' subscribers, pulling what it did not publish
+        # (gateway.remote_plane); Python keeps the rest.
         self.delivers = getattr(engine, "delivers", True)
-        self.news = None if self.delivers else RemoteNews(broker, engine)  # type: ignore[arg-type]
+        remote = getattr(engine, "remote", False)
+        self.news = RemoteNews(broker, engine) if remote else None  # type: ignore[arg-type]
         # A subscriber past its budget stays native, served from the store a round at a
         # time (`_behind`), where the store is this process's (an embedded one).
         self._queue_runs = getattr(broker.store, "queue_runs", None)
@@ -168,6 +170,8 @@ class Handover:
             return PARKED  # until the rights change (`rights_changed`)
         if s.subscriptions and not self.delivers:
             return PARKED  # until an UNSUBSCRIBE: a subscriber stays in Python here
+        # (A gateway node's engine carries clean sessions' subscribers only: a persistent
+        # session there is NEVER above, its records being the store's.)
         for sub in s.subscriptions.values():
             o = sub.options
             if sub.shared or sub.replay or sub.subscription_id or o.no_local \
