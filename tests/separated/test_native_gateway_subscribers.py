@@ -10,13 +10,21 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from functools import partial
 
 from gateway import mqtt
 from tests.conftest import RedisServer, Server
 from tests.mqtt.paho_client import Client
 from tests.plane.test_handover import native_counters
 from tests.separated import test_native_gateway as gateway_tests
-from tests.separated.test_native_gateway import PROMOTED, burst, publisher, uid
+from tests.separated.test_native_gateway import (
+    PROMOTED,
+    burst,
+    kill_mid_burst,
+    publisher,
+    uid,
+)
 
 # The native and the Python plane, and a store with one gateway on it.
 plane_name = gateway_tests.plane_name
@@ -52,10 +60,11 @@ def tagged_burst(gw: Server, which: str, topic: str, tag: str, count: int) -> No
     dev.close()
 
 
-def subscriber(gw: Server, which: str, flt: str, qos: int = 1) -> tuple[Client, str]:
+def subscriber(gw: Server, which: str, flt: str, qos: int = 1,
+               version: int = 4) -> tuple[Client, str]:
     """A clean session subscribed to `flt`: carried with its subscription (native plane)."""
     cid = uid("sub")
-    sub = Client(gw.port, cid)
+    sub = Client(gw.port, cid, version=version)
     sub.subscribe(flt, qos)
     if which == "native":
         carried_at(gw, cid)
@@ -73,6 +82,16 @@ def carried_at(gw: Server, cid: str, timeout: float = 10) -> int:
         time.sleep(0.02)
 
 
+def run_all(*targets: Callable[[], None]) -> None:
+    """Run these at once, each in a thread; return once all are done."""
+    runs = [threading.Thread(target=t) for t in targets]
+    for r in runs:
+        r.start()
+    for r in runs:
+        r.join(60)
+    assert not any(r.is_alive() for r in runs), "a publisher did not finish"
+
+
 def assert_once_in_order(got: list[bytes], expected: dict[str, int]) -> None:
     seen = by_publisher(got)
     assert set(seen) == {t.encode() for t in expected}, set(seen)
@@ -86,23 +105,22 @@ def assert_once_in_order(got: list[bytes], expected: dict[str, int]) -> None:
 def test_carried_subscriber_gets_native_publishers_messages_once_in_order(shape) -> None:
     which, _, gw = shape
     base = uid("fanin")
-    sub, cid = subscriber(gw, which, f"{base}/#")
-    runs = [threading.Thread(target=tagged_burst, args=(gw, which, f"{base}/d{n}", f"d{n}", 200))
-            for n in range(4)]
-    for r in runs:
-        r.start()
-    for r in runs:
-        r.join(60)
-    got = [m.payload for m in sub.expect(800, timeout=30)]
-    sub.expect_none(0.3)
-    assert_once_in_order(got, {f"d{n}": 200 for n in range(4)})
+    subs = [subscriber(gw, which, f"{base}/#", version=v) for v in (4, 5)]
+    run_all(*(partial(tagged_burst, gw, which, f"{base}/d{n}", f"d{n}", 200)
+              for n in range(4)))
+    for sub, _ in subs:
+        got = [m.payload for m in sub.expect(800, timeout=30)]
+        sub.expect_none(0.3)
+        assert_once_in_order(got, {f"d{n}": 200 for n in range(4)})
     if which == "native":  # delivered by the engine: never back in Python
-        since = carried_at(gw, cid)
-        assert not any(f"client {cid!r} (" in line and BACK in line
-                       for line in list(gw.log)[since:]), gw.logs()[-3000:]
+        for _, cid in subs:
+            since = carried_at(gw, cid)
+            assert not any(f"client {cid!r} (" in line and BACK in line
+                           for line in list(gw.log)[since:]), gw.logs()[-3000:]
         counters = native_counters(gw)
-        assert counters["lightgate_native_messages_out_qos1_total"] >= 800, counters
-    sub.disconnect()
+        assert counters["lightgate_native_messages_out_qos1_total"] >= 1600, counters
+    for sub, _ in subs:
+        sub.disconnect()
 
 
 def test_another_gateways_and_a_qos2_publishers_messages_reach_the_carried_subscriber(
@@ -126,15 +144,9 @@ def test_another_gateways_and_a_qos2_publishers_messages_reach_the_carried_subsc
             for i in range(100):
                 q2.publish(f"{base}/q2", f"q2:{i}".encode(), qos=2)
 
-        runs = [threading.Thread(target=tagged_burst, args=(gw, which, f"{base}/here",
-                                                              "here", 300)),
-                threading.Thread(target=tagged_burst, args=(other, which, f"{base}/there",
-                                                              "there", 300)),
-                threading.Thread(target=qos2)]
-        for r in runs:
-            r.start()
-        for r in runs:
-            r.join(60)
+        run_all(partial(tagged_burst, gw, which, f"{base}/here", "here", 300),
+                partial(tagged_burst, other, which, f"{base}/there", "there", 300),
+                qos2)
         got = [m.payload for m in sub.expect(700, timeout=30)]
         sub.expect_none(0.5)
         assert_once_in_order(got, {"here": 300, "there": 300, "q2": 100})
@@ -181,17 +193,7 @@ def test_store_killed_the_carried_subscriber_gets_every_acknowledged_message(sha
     base = uid("kill")
     sub, _ = subscriber(gw, which, f"{base}/#")
     dev, _ = publisher(gw, which)
-    acked: dict[int, int] = {}
-    ran = threading.Thread(target=lambda: acked.update(burst(dev, f"{base}/t", 3000)))
-    ran.start()
-    deadline = time.monotonic() + 20
-    while len(acked) < 100 and ran.is_alive():
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
-    store.kill()
-    ran.join(30)
-    assert not ran.is_alive()
-    dev.close()
+    acked = kill_mid_burst(store, dev, f"{base}/t", 100)
     store.start()
     stored_ok = sorted(i for i, code in acked.items() if code == 0)
     assert stored_ok
