@@ -13,12 +13,20 @@
 //!
 //! The positions here are what was handed to the reactors; what went out is the
 //! reactor's to say (`Demoted::positions`), as on the in-process engine.
+//!
+//! A reader that falls past its budget is served in rounds, as on the in-process engine
+//! (`reactor`'s `Report::Behind`, `Command::Catch`): its live deliveries stop, and each
+//! round pulls its queues from the positions the reactor reports and hands it one
+//! bounded batch of their records in log order (`round_batch`); a round that finds
+//! nothing more makes it live again from there (`resume`), and a pull of its queues
+//! then brings what came meanwhile.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use crate::backlog::no_properties;
+use crate::backlog::{no_properties, Batch};
 use crate::reactor::{Command, Delivery};
+use crate::record::Record;
 use crate::router::FilterError;
 use crate::subs::Subs;
 
@@ -58,6 +66,27 @@ pub struct Readers {
     pulls: HashMap<Arc<str>, Pull>,
     /// Queues whose last pull failed or left a reader short: pulled again by `recheck`.
     retry: HashSet<Arc<str>>,
+    /// Readers served in rounds (they fell past their budget): no live deliveries.
+    behind: HashSet<u64>,
+    /// conn -> queue -> where it was promoted: a round's start in a queue the reactor
+    /// has not delivered from yet (its positions do not name it).
+    start: HashMap<u64, HashMap<Arc<str>, u64>>,
+}
+
+/// What a round of a reader that fell behind reads: its version, and per queue where it
+/// starts and its subscription's QoS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoundPlan {
+    pub version: u8,
+    pub queues: Vec<(Arc<str>, u64, u8)>,
+}
+
+/// One queue's pull for a round: its records (log position, record) in offset order,
+/// where the next pull would start, and whether it stopped at its count.
+pub struct QueuePull<'a> {
+    pub records: Vec<(u64, Record<'a>)>,
+    pub next_offset: u64,
+    pub full: bool,
 }
 
 /// What a pull answer held, as `Readers::pulled` takes it.
@@ -89,10 +118,12 @@ impl Readers {
         }
         let mut queues = Vec::with_capacity(subscriptions.len());
         let nexts = self.next.entry(conn).or_default();
+        let start = self.start.entry(conn).or_default();
         for (filter, qos, position) in subscriptions {
             self.subs.add(conn, filter, *qos, version)?;
             let queue: Arc<str> = Arc::from(filter.as_str());
             nexts.insert(Arc::clone(&queue), *position);
+            start.insert(Arc::clone(&queue), *position);
             self.readers
                 .entry(Arc::clone(&queue))
                 .or_default()
@@ -106,6 +137,8 @@ impl Readers {
     pub fn forget(&mut self, conn: u64) {
         self.subs.remove_conn(conn);
         self.next.remove(&conn);
+        self.behind.remove(&conn);
+        self.start.remove(&conn);
         self.readers.retain(|queue, conns| {
             conns.remove(&conn);
             if conns.is_empty() {
@@ -151,6 +184,9 @@ impl Readers {
         }
         let mut shared: Option<(Arc<str>, Arc<[u8]>)> = None;
         for (conn, t) in targets {
+            if self.behind.contains(&conn) {
+                continue; // served in rounds: its queues' records come from the store
+            }
             let Some(nexts) = self.next.get_mut(&conn) else {
                 continue; // handed back: the owner delivers from its positions
             };
@@ -205,6 +241,7 @@ impl Readers {
         let q = Arc::clone(q);
         let from = conns
             .iter()
+            .filter(|c| !self.behind.contains(c))
             .filter_map(|c| self.next.get(c)?.get(queue).copied())
             .min()?;
         let pull = self.pulls.entry(Arc::clone(&q)).or_default();
@@ -279,7 +316,7 @@ impl Readers {
             return false;
         };
         self.readers.get(queue).is_some_and(|conns| {
-            conns.iter().any(|c| {
+            conns.iter().filter(|c| !self.behind.contains(c)).any(|c| {
                 self.next
                     .get(c)
                     .and_then(|n| n.get(queue))
@@ -293,10 +330,138 @@ impl Readers {
         self.retry.drain().collect()
     }
 
+    /// `conn` fell past its budget: served in rounds from here on (`round_plan`).
+    pub fn fall_behind(&mut self, conn: u64) {
+        if self.next.contains_key(&conn) {
+            self.behind.insert(conn);
+        }
+    }
+
+    /// What a round of `conn` from the reactor's `positions` reads; None: it is not
+    /// carried here (any more).
+    pub fn round_plan(&self, conn: u64, positions: &[(Arc<str>, u64)]) -> Option<RoundPlan> {
+        let start = self.start.get(&conn)?;
+        let mut version = 4;
+        let mut queues = Vec::with_capacity(start.len());
+        for id in self.subs.by_conn.get(&conn)?.values() {
+            let Some(sub) = self.subs.table.get(id) else {
+                continue;
+            };
+            version = sub.version;
+            let queue = &sub.filter;
+            let at = positions
+                .iter()
+                .find(|(q, _)| q == queue)
+                .map(|(_, n)| *n)
+                .or_else(|| start.get(queue).copied())?;
+            queues.push((Arc::clone(queue), at, sub.qos));
+        }
+        queues.sort();
+        Some(RoundPlan { version, queues })
+    }
+
+    /// `conn` reached its queues' ends (`plan`'s starts): live again from there, if it
+    /// is still carried. What came meanwhile comes from a pull of its queues.
+    pub fn resume(&mut self, conn: u64, plan: &RoundPlan) -> bool {
+        let Some(nexts) = self.next.get_mut(&conn) else {
+            return false;
+        };
+        if !self.behind.remove(&conn) {
+            return false;
+        }
+        for (queue, at, _) in &plan.queues {
+            nexts.insert(Arc::clone(queue), *at);
+        }
+        true
+    }
+
     /// A reader's next offset in a queue (for tests and the owner's look).
     pub fn next_of(&self, conn: u64, queue: &str) -> Option<u64> {
         self.next.get(&conn)?.get(queue).copied()
     }
+}
+
+/// A round's batch from its queues' pulls (in `plan`'s order): their records in log
+/// order, a record in several of them once with its offset in each, below what every
+/// queue is known to hold (a pull cut at its count, its last record), at most
+/// `max_messages` and `max_bytes`; each queue's position first moved past what the
+/// store no longer holds. None: nothing more in any queue (the reader is live again).
+pub fn round_batch(
+    plan: &RoundPlan,
+    pulls: &[QueuePull<'_>],
+    max_messages: usize,
+    max_bytes: usize,
+) -> Option<Batch> {
+    let mut out = Batch::default();
+    let mut moved = false;
+    for ((queue, at, _), pull) in plan.queues.iter().zip(pulls) {
+        let first = match pull.records.first() {
+            Some((_, r)) => r
+                .queues
+                .iter()
+                .find(|(q, _)| *q == &**queue)
+                .map(|(_, o)| *o),
+            None => Some(pull.next_offset),
+        };
+        let start = first.map_or(*at, |f| f.max(*at));
+        moved |= start != *at || !pull.records.is_empty();
+        out.jumps.push((Arc::clone(queue), start));
+    }
+    if !moved {
+        return None;
+    }
+    let bound = plan
+        .queues
+        .iter()
+        .zip(pulls)
+        .filter(|(_, p)| p.full)
+        .filter_map(|(_, p)| p.records.last().map(|(phys, _)| phys + 1))
+        .min()
+        .unwrap_or(u64::MAX);
+    let mut by_phys: std::collections::BTreeMap<u64, &Record<'_>> = Default::default();
+    for pull in pulls {
+        for (phys, r) in &pull.records {
+            if *phys < bound {
+                by_phys.entry(*phys).or_insert(r);
+            }
+        }
+    }
+    let mut bytes = 0;
+    for (phys, r) in by_phys {
+        if out.deliveries.len() >= max_messages || bytes >= max_bytes {
+            break;
+        }
+        let mut sub_qos = 0;
+        let mut positions = Vec::new();
+        for ((queue, _, qos), (_, start)) in plan.queues.iter().zip(&out.jumps) {
+            if let Some((_, o)) = r.queues.iter().find(|(q, _)| *q == &**queue) {
+                if o >= start {
+                    positions.push((Arc::clone(queue), *o));
+                    sub_qos = sub_qos.max(*qos);
+                }
+            }
+        }
+        if positions.is_empty() {
+            continue;
+        }
+        let qos = r.qos.min(sub_qos);
+        if qos > 1 || (plan.version == 5 && !no_properties(r.properties)) {
+            out.release = out.deliveries.is_empty();
+            break;
+        }
+        let d = Delivery {
+            topic: Arc::from(r.topic),
+            payload: Arc::from(r.body),
+            qos,
+            retain: false,
+            source: (0, phys),
+            positions,
+            from_lane: None,
+        };
+        bytes += d.cost();
+        out.deliveries.push(d);
+    }
+    Some(out)
 }
 
 #[cfg(test)]
@@ -425,5 +590,105 @@ mod tests {
         };
         assert!(!r.pulled("a", 0, Some(a), false, &mut Vec::new()));
         assert_eq!(r.take_retry(), vec![Arc::<str>::from("a")]);
+    }
+
+    fn rec<'a>(topic: &'a str, qos: u8, queues: Vec<(&'a str, u64)>) -> Record<'a> {
+        Record {
+            store_ts: 1,
+            born_ts: 1,
+            qos,
+            retain: false,
+            marks: 0,
+            client_id: "",
+            topic,
+            key: "",
+            properties: b"",
+            body: b"x",
+            queues,
+        }
+    }
+
+    #[test]
+    fn a_reader_behind_gets_rounds_not_live_deliveries_and_resumes() {
+        let mut r = Readers::default();
+        r.promote(1, 4, &[("a".into(), 1, 3), ("b".into(), 1, 7)])
+            .unwrap();
+        r.fall_behind(1);
+        assert_eq!(offer(&mut r, "a", "a", 3), (vec![], vec![]));
+        assert_eq!(r.ask("a"), None, "a reader behind is not pulled for live");
+        // The reactor says where "a" is; "b" it never delivered from: where promoted.
+        let plan = r.round_plan(1, &[(Arc::from("a"), 5)]).unwrap();
+        assert_eq!(
+            plan.queues,
+            vec![(Arc::from("a"), 5, 1), (Arc::from("b"), 7, 1)]
+        );
+        assert!(r.resume(1, &plan));
+        assert_eq!(r.next_of(1, "a"), Some(5));
+        assert_eq!(offer(&mut r, "a", "a", 5), (vec![5], vec![]));
+        assert!(!r.resume(1, &plan), "live already");
+    }
+
+    #[test]
+    fn a_round_merges_its_queues_in_log_order_each_record_once() {
+        let plan = RoundPlan {
+            version: 4,
+            queues: vec![(Arc::from("a"), 3, 1), (Arc::from("b"), 0, 0)],
+        };
+        let pulls = [
+            QueuePull {
+                records: vec![
+                    (100, rec("a", 1, vec![("a", 3), ("b", 0)])),
+                    (300, rec("a", 1, vec![("a", 4)])),
+                ],
+                next_offset: 5,
+                full: false,
+            },
+            QueuePull {
+                records: vec![
+                    (100, rec("a", 1, vec![("a", 3), ("b", 0)])),
+                    (200, rec("b", 1, vec![("b", 1)])),
+                ],
+                next_offset: 2,
+                full: true, // cut at its count: nothing past 200 is known of "b"
+            },
+        ];
+        let b = round_batch(&plan, &pulls, 256, 1 << 20).unwrap();
+        let got: Vec<(u64, u8, usize)> = b
+            .deliveries
+            .iter()
+            .map(|d| (d.source.1, d.qos, d.positions.len()))
+            .collect();
+        assert_eq!(got, vec![(100, 1, 2), (200, 0, 1)]);
+        assert_eq!(b.jumps, vec![(Arc::from("a"), 3), (Arc::from("b"), 0)]);
+        assert!(!b.release);
+    }
+
+    #[test]
+    fn a_round_with_nothing_more_is_none_and_one_past_retention_jumps() {
+        let plan = RoundPlan {
+            version: 4,
+            queues: vec![(Arc::from("a"), 3, 1)],
+        };
+        let empty = |next_offset| QueuePull {
+            records: vec![],
+            next_offset,
+            full: false,
+        };
+        assert!(round_batch(&plan, &[empty(3)], 256, 1 << 20).is_none());
+        let b = round_batch(&plan, &[empty(9)], 256, 1 << 20).unwrap();
+        assert_eq!(b.jumps, vec![(Arc::from("a"), 9)]);
+        assert!(b.deliveries.is_empty());
+        // A QoS 2 message at a QoS 2 subscription: handed back at it.
+        let plan = RoundPlan {
+            version: 4,
+            queues: vec![(Arc::from("a"), 3, 2)],
+        };
+        let pull = QueuePull {
+            records: vec![(10, rec("a", 2, vec![("a", 3)]))],
+            next_offset: 4,
+            full: false,
+        };
+        let b = round_batch(&plan, &[pull], 256, 1 << 20).unwrap();
+        assert!(b.release && b.deliveries.is_empty());
     }
 }

@@ -15,7 +15,8 @@
 //! message of this gateway's publishers goes to them from the store's answer, with
 //! its queue offsets, and the rest (another gateway's publishes, Python's) from raw
 //! pulls of their queues, asked when the store's notify says a queue grew (`grew`) or
-//! a reader finds a gap. Python keeps the other subscribers (persistent sessions, the
+//! a reader finds a gap; one that falls past its budget is served in rounds of such
+//! pulls (`Report::Behind`). Python keeps the other subscribers (persistent sessions, the
 //! TLS and WebSocket ones it serves itself, shared subscriptions...): this gateway's
 //! own acknowledged publishes of the queues those read (`set_stored_queues`) are
 //! handed to Python (`take_stored`), which serves them at once, as it does its own.
@@ -34,7 +35,7 @@ use crate::frame::{Frame, Kind};
 use crate::partial::PartialBudget;
 use crate::protocol::TopicLimits;
 use crate::reactor::{Command, Counters, Handle, Inbound, Lean, LinkEvent, Reactor, Report, Sink};
-use crate::readers::{self, Answered, Readers};
+use crate::readers::{self, Answered, QueuePull, Readers, RoundPlan};
 use crate::record;
 use crate::router::FilterError;
 
@@ -559,6 +560,155 @@ impl RemoteSink {
     }
 }
 
+/// A round of a reader that fell behind: its queues' pulls, as they are answered.
+struct Round {
+    conn: u64,
+    round: u64,
+    plan: RoundPlan,
+    answers: Vec<Option<Answer>>,
+    left: usize,
+}
+
+impl RemoteSink {
+    /// Round `round` of `conn`, which fell behind: its queues pulled from `positions`
+    /// (or where it was promoted), their records made into one batch once all are
+    /// answered; none (every queue at its end): live again. A round that cannot be
+    /// made hands it back: Python delivers from its positions.
+    fn round(self: &Arc<Self>, conn: u64, round: u64, positions: &[(Arc<str>, u64)]) {
+        let Some(handle) = self.handle.get() else {
+            return;
+        };
+        let plan = self
+            .readers
+            .lock()
+            .ok()
+            .and_then(|r| r.round_plan(conn, positions));
+        let Some(plan) = plan.filter(|p| !p.queues.is_empty()) else {
+            handle.send(Command::Release { conn });
+            return;
+        };
+        handle
+            .counters()
+            .rounds_from_store
+            .fetch_add(1, Ordering::Relaxed);
+        let n = plan.queues.len();
+        let asks: Vec<(Arc<str>, u64)> = plan
+            .queues
+            .iter()
+            .map(|(q, at, _)| (Arc::clone(q), *at))
+            .collect();
+        let state = Arc::new(Mutex::new(Round {
+            conn,
+            round,
+            plan,
+            answers: (0..n).map(|_| None).collect(),
+            left: n,
+        }));
+        for (i, (queue, at)) in asks.into_iter().enumerate() {
+            let header = serde_json::json!({
+                "queue": &*queue,
+                "offset": at,
+                "max": crate::backlog::BATCH_MESSAGES,
+                "raw": true,
+            });
+            let header = serde_json::to_vec(&header).unwrap_or_default();
+            let (me, state) = (Arc::clone(self), Arc::clone(&state));
+            self.client.submit(
+                PULL,
+                header,
+                Vec::new(),
+                Box::new(move |answer: Answer| me.round_answered(&state, i, answer)),
+            );
+        }
+    }
+
+    fn round_answered(self: &Arc<Self>, state: &Mutex<Round>, i: usize, answer: Answer) {
+        let Some(handle) = self.handle.get() else {
+            return;
+        };
+        let Ok(mut st) = state.lock() else {
+            return;
+        };
+        st.answers[i] = Some(answer);
+        st.left -= 1;
+        if st.left > 0 {
+            return;
+        }
+        let conn = st.conn;
+        let frames: Option<Vec<&Frame>> = st
+            .answers
+            .iter()
+            .map(|a| match a {
+                Some(Ok(f)) if f.kind == Kind::Response => Some(f),
+                _ => None,
+            })
+            .collect();
+        let pulls: Option<Vec<QueuePull<'_>>> = frames.and_then(|frames| {
+            frames
+                .into_iter()
+                .map(|f| {
+                    let (records, next_offset, _) = raw_records(f)?;
+                    let full = records.len() >= crate::backlog::BATCH_MESSAGES;
+                    let records = records
+                        .into_iter()
+                        .map(|(phys, at)| Some((phys, record::decode(&f.body[at]).ok()?.0)))
+                        .collect::<Option<Vec<_>>>()?;
+                    Some(QueuePull {
+                        records,
+                        next_offset,
+                        full,
+                    })
+                })
+                .collect()
+        });
+        let Some(pulls) = pulls else {
+            // (the store away, or an answer that does not say: Python reads on)
+            handle.send(Command::Release { conn });
+            return;
+        };
+        self.pulls.fetch_add(pulls.len() as u64, Ordering::Relaxed);
+        self.pulled_records.fetch_add(
+            pulls.iter().map(|p| p.records.len() as u64).sum(),
+            Ordering::Relaxed,
+        );
+        let made = readers::round_batch(
+            &st.plan,
+            &pulls,
+            crate::backlog::BATCH_MESSAGES,
+            crate::backlog::BATCH_BYTES,
+        );
+        if let Some(batch) = made {
+            handle.send(Command::Catch {
+                conn,
+                round: st.round,
+                batch: Box::new(batch),
+            });
+            return;
+        }
+        let live = match self.readers.lock() {
+            Ok(mut r) => {
+                let live = r.resume(conn, &st.plan);
+                if live {
+                    // Under the lock: the deliveries that follow go after it.
+                    handle.send(Command::Live { conn });
+                }
+                live
+            }
+            Err(_) => false,
+        };
+        if live {
+            let queues = st
+                .plan
+                .queues
+                .iter()
+                .map(|(q, _, _)| Arc::clone(q))
+                .collect();
+            drop(st);
+            self.pull_all(queues);
+        }
+    }
+}
+
 /// A raw PULL answer's records, each with its place in the log, where the next pull
 /// starts, and whether more may follow: None if the answer does not say.
 /// (Each record's log position and its bytes' range in the answer's body.)
@@ -593,12 +743,14 @@ impl Sink for SinkRef {
     fn report(&self, report: Report) {
         match report {
             Report::Published(batch) => self.0.send(batch),
-            // A gateway node's engine delivers nothing, so no connection falls behind
-            // and none keeps sends.
-            Report::Acked { .. }
-            | Report::Behind { .. }
-            | Report::Keep { .. }
-            | Report::Progress { .. } => {}
+            Report::Behind {
+                conn,
+                round,
+                positions,
+            } => self.0.round(conn, round, &positions),
+            // Clean sessions only: an ack frees the window, which the reactor did, and
+            // none keeps sends.
+            Report::Acked { .. } | Report::Keep { .. } | Report::Progress { .. } => {}
             Report::Link(e) => self.link_events(vec![e]),
             Report::Demoted(d) => {
                 // Its subscriptions go first: nothing is delivered to it after the
@@ -626,6 +778,16 @@ impl Sink for SinkRef {
 
     fn behind(&self) -> bool {
         self.0.client.backlog() + self.0.staged_bytes.load(Ordering::Relaxed) > BEHIND_BYTES
+    }
+
+    fn catches_up(&self) -> bool {
+        true
+    }
+
+    fn fell_behind(&self, conn: u64) {
+        if let Ok(mut r) = self.0.readers.lock() {
+            r.fall_behind(conn);
+        }
     }
 
     fn partial_freed(&self) {

@@ -7,15 +7,20 @@ sockets, a real SIGKILL of the store."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from functools import partial
 
+import pytest
+
 from gateway import mqtt
 from tests.conftest import RedisServer, Server
+from tests.faults.test_slow_consumer import _drain_socket, _read_qos1
 from tests.mqtt.paho_client import Client
+from tests.mqtt.raw import RawClient
 from tests.plane.test_handover import native_counters
 from tests.separated import test_native_gateway as gateway_tests
 from tests.separated.test_native_gateway import (
@@ -31,6 +36,7 @@ plane_name = gateway_tests.plane_name
 shape = gateway_tests.shape
 
 BACK = "back from the native plane"
+FLOOD = 20_000  # messages past a 64 KiB --max-unsent-bytes, many times over
 
 
 def by_publisher(payloads: list[bytes]) -> dict[bytes, list[int]]:
@@ -231,3 +237,52 @@ def test_store_killed_the_carried_subscriber_gets_every_acknowledged_message(sha
     assert got == sorted(set(got)), "a message delivered twice, or out of order"
     sub.disconnect()
     assert gw.proc is not None and gw.proc.poll() is None, "the gateway died"
+
+
+def test_a_subscriber_that_falls_behind_is_served_from_the_store_and_gets_everything_once(
+        plane_name: str, tmp_path, redis_server: RedisServer, monkeypatch) -> None:
+    """A carried QoS 1 subscriber with a small socket buffer reads nothing while a
+    flood passes its --max-unsent-bytes, then reads: every message once, in order. On
+    the native plane it stays there: its deliveries come in rounds pulled from the store
+    (as `serve` reads them from its log), not from Python (no demotion "backlog")."""
+    which = plane_name
+    monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if which == "native" else "0")
+    store = Server(tmp_path / "store", "--notify", redis_server.url, command="store").start()
+    gw = Server(None, "--store", store.native, "--notify", redis_server.url,
+                "--io-threads", "1", "--max-unsent-bytes", "65536", command="gateway").start()
+    try:
+        base, cid = uid("flood"), uid("slow")
+        slow = RawClient(gw.port, timeout=30)
+        slow.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        slow.connect(cid)
+        slow.subscribe(f"{base}/#", 1, packet_id=1)
+        if which == "native":
+            carried_at(gw, cid)
+        pub, _ = publisher(gw, which)
+        said = len(gw.log)
+        acks = threading.Thread(target=_drain_socket, args=(pub.sock, FLOOD * 4), daemon=True)
+        acks.start()
+        for start in range(0, FLOOD, 1000):  # ... while the subscriber reads nothing
+            pub.send_raw(b"".join(
+                mqtt.encode(mqtt.Publish(f"{base}/a", b"%07d" % i, qos=1,
+                                         packet_id=i % 65535 + 1), 4)
+                for i in range(start, min(start + 1000, FLOOD))))
+        acks.join(60)
+        got = _read_qos1(slow.sock, FLOOD, time.monotonic() + 60)
+        assert got == list(range(FLOOD)), len(got)  # once each, in order
+        slow.sock.settimeout(0.5)
+        with pytest.raises(TimeoutError):  # and nothing more
+            slow.sock.recv(1 << 16)
+        if which == "native":
+            back = [line for line in list(gw.log)[said:]
+                    if f"client {cid!r} (" in line and BACK in line]
+            assert back == [], back[:3]
+            counters = native_counters(gw)
+            assert counters["lightgate_native_fell_behind_total"] >= 1, counters
+            assert counters["lightgate_native_rounds_from_store_total"] >= 1, counters
+        pub.close()
+        slow.close()
+    finally:
+        for srv in (gw, store):
+            if srv.proc is not None:
+                assert srv.stop() == 0, srv.logs()[-3000:]
