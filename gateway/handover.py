@@ -19,8 +19,10 @@ Promoted: clean sessions (3.1.1 clean session, v5 session expiry 0) on plain TCP
 WebSocket or secure WebSocket (the native listeners'), with plain subscriptions (no
 shared, no `$replay`, no `$` filter, no v5 No Local, Retain As Published or subscription
 identifiers), no HTTP hook or per-delivery ACL check, no publish rate limit, no
-credentials' end, and nothing under way in Python; and persistent sessions where the
-store is this process's, wherever their queues' positions are (gateway.native_sessions).
+credentials' end, and nothing under way in Python (on a gateway node too, whose engine
+pulls from the store what it did not publish: gateway.remote_plane); and persistent
+sessions where the store is this process's, wherever their queues' positions are
+(gateway.native_sessions).
 Everything else stays in Python (the Python plane's own TLS and WebSocket streams, ...)."""
 
 from __future__ import annotations
