@@ -286,11 +286,13 @@ impl Readers {
                 .map(|c| c.iter().copied().collect())
                 .unwrap_or_default();
             for conn in conns {
-                let behind = self
-                    .next
-                    .get(&conn)
-                    .and_then(|n| n.get(queue))
-                    .is_some_and(|next| *next < start);
+                // (One served in rounds is not at `next`: its round jumps it.)
+                let behind = !self.behind.contains(&conn)
+                    && self
+                        .next
+                        .get(&conn)
+                        .and_then(|n| n.get(queue))
+                        .is_some_and(|next| *next < start);
                 if behind {
                     self.next.remove(&conn);
                     out.push(Command::Release { conn });
@@ -298,11 +300,11 @@ impl Readers {
             }
         }
         let short = self.short(queue);
-        if delivered && (again || a.more || short) {
+        // News came while it was under way, or it moved its readers on and more waits:
+        // at once; short of what was seen, but moving no one (a reader stuck behind
+        // another queue's gap): not before `recheck`.
+        if again || (delivered && (a.more || short)) {
             return true;
-        }
-        if again && !delivered {
-            return true; // (news came while it was under way)
         }
         if short {
             self.retry.insert(Arc::from(queue));
