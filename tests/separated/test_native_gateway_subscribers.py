@@ -66,23 +66,26 @@ def tagged_burst(gw: Server, which: str, topic: str, tag: str, count: int) -> No
     dev.close()
 
 
-def subscriber(gw: Server, which: str, flt: str, qos: int = 1,
+def subscriber(gw: Server, which: str, flt: str | list[str], qos: int = 1,
                version: int = 4) -> tuple[Client, str]:
-    """A clean session subscribed to `flt`: carried with its subscription (native plane)."""
+    """A clean session subscribed to `flt` (or to each of them): carried with its
+    subscriptions (native plane)."""
     cid = uid("sub")
     sub = Client(gw.port, cid, version=version)
-    sub.subscribe(flt, qos)
+    filters = [flt] if isinstance(flt, str) else flt
+    sub.subscribe([(f, qos) for f in filters])
     if which == "native":
-        carried_at(gw, cid)
+        carried_at(gw, cid, len(filters))
     return sub, cid
 
 
-def carried_at(gw: Server, cid: str, timeout: float = 10) -> int:
-    """The gateway's log line where `cid` was promoted with its subscription."""
+def carried_at(gw: Server, cid: str, subscriptions: int = 1, timeout: float = 10) -> int:
+    """The gateway's log line where `cid` was promoted with its subscriptions."""
     deadline = time.monotonic() + timeout
+    promoted = f"{PROMOTED} ({subscriptions} subscriptions)"
     while True:
         for i, line in enumerate(list(gw.log)):
-            if f"client {cid!r} (" in line and f"{PROMOTED} (1 subscriptions)" in line:
+            if f"client {cid!r} (" in line and promoted in line:
                 return i
         assert time.monotonic() < deadline, f"{cid} not carried: {gw.logs()[-3000:]}"
         time.sleep(0.02)
@@ -111,7 +114,9 @@ def assert_once_in_order(got: list[bytes], expected: dict[str, int]) -> None:
 def test_carried_subscriber_gets_native_publishers_messages_once_in_order(shape) -> None:
     which, _, gw = shape
     base = uid("fanin")
+    # 3.1.1, 5.0, and one whose filters overlap (a message of d0 is in both queues).
     subs = [subscriber(gw, which, f"{base}/#", version=v) for v in (4, 5)]
+    subs.append(subscriber(gw, which, [f"{base}/#", f"{base}/d0"]))
     run_all(*(partial(tagged_burst, gw, which, f"{base}/d{n}", f"d{n}", 200)
               for n in range(4)))
     for sub, _ in subs:
@@ -119,22 +124,22 @@ def test_carried_subscriber_gets_native_publishers_messages_once_in_order(shape)
         sub.expect_none(0.3)
         assert_once_in_order(got, {f"d{n}": 200 for n in range(4)})
     if which == "native":  # delivered by the engine: never back in Python
-        for _, cid in subs:
-            since = carried_at(gw, cid)
+        for (_, cid), n in zip(subs, (1, 1, 2), strict=True):
+            since = carried_at(gw, cid, n)
             assert not any(f"client {cid!r} (" in line and BACK in line
                            for line in list(gw.log)[since:]), gw.logs()[-3000:]
         counters = native_counters(gw)
-        assert counters["lightgate_native_messages_out_qos1_total"] >= 1600, counters
+        assert counters["lightgate_native_messages_out_qos1_total"] >= 2400, counters
     for sub, _ in subs:
         sub.disconnect()
 
 
 def test_another_gateways_and_a_qos2_publishers_messages_reach_the_carried_subscriber(
         plane_name: str, tmp_path, redis_server: RedisServer, monkeypatch) -> None:
-    """Two gateways over one store: the subscriber on the first gets what a device on the
-    second publishes (the engine pulls it when the store's notify says the queue grew)
-    and a QoS 2 publisher's on the first (Python stores those), with this gateway's own
-    devices' in between: every message once, each publisher's in order."""
+    """Two gateways over one store, a subscriber on each: each gets what a device on the
+    other publishes (its engine pulls it when the store's notify says the queue grew)
+    and a QoS 2 publisher's on the first (Python stores those), with its own gateway's
+    device's in between: every message once, each publisher's in order."""
     which = plane_name
     monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if which == "native" else "0")
     store = Server(tmp_path / "store", "--notify", redis_server.url, command="store").start()
@@ -143,7 +148,7 @@ def test_another_gateways_and_a_qos2_publishers_messages_reach_the_carried_subsc
     try:
         gw, other = gws
         base = uid("two")
-        sub, cid = subscriber(gw, which, f"{base}/#")
+        subs = [subscriber(g, which, f"{base}/#")[0] for g in gws]  # one on each
         q2 = Client(gw.port, uid("q2"))
 
         def qos2() -> None:
@@ -153,14 +158,17 @@ def test_another_gateways_and_a_qos2_publishers_messages_reach_the_carried_subsc
         run_all(partial(tagged_burst, gw, which, f"{base}/here", "here", 300),
                 partial(tagged_burst, other, which, f"{base}/there", "there", 300),
                 qos2)
-        got = [m.payload for m in sub.expect(700, timeout=30)]
-        sub.expect_none(0.5)
-        assert_once_in_order(got, {"here": 300, "there": 300, "q2": 100})
+        for sub in subs:
+            got = [m.payload for m in sub.expect(700, timeout=30)]
+            sub.expect_none(0.5)
+            assert_once_in_order(got, {"here": 300, "there": 300, "q2": 100})
         if which == "native":
-            counters = native_counters(gw)
-            assert counters["lightgate_native_store_pulled_records_total"] > 0, counters
+            for g in gws:
+                counters = native_counters(g)
+                assert counters["lightgate_native_store_pulled_records_total"] > 0, counters
         q2.disconnect()
-        sub.disconnect()
+        for sub in subs:
+            sub.disconnect()
     finally:
         for srv in (*gws, store):
             if srv.proc is not None:
