@@ -239,6 +239,9 @@ class Broker:
 
     def _queues_changed(self, names: set[str]) -> None:
         self.stats.notify_events += len(names)
+        news = None if self.handover is None else self.handover.news
+        if news is not None:  # a gateway node's engine pulls what its subscribers read
+            news.grew(names)
         if AUTH_EVENT in names and self.background.running:
             self.background.spawn(self._reload_auth)
         for name in names:

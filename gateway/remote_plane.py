@@ -1,11 +1,18 @@
-"""What a gateway node's native engine (`lightgate gateway` on the native plane) tells
-Python beside its demotions (gateway.handover). Its reactors carry publishers only and
-send their publishes to the store themselves (native/src/remote.rs); Python keeps the
-subscribers. So that those are served from the cache at once when a publisher of this
-node stored a message, as after Python's own appends (`Broker.stored_here`), the engine
-hands back the stored messages of the queues Python reads here, which this room keeps
-it told of. Those it did not hand back come through the store's notify, as another
-gateway's do: this is the fast path, not the only one."""
+"""What a gateway node's native engine (`lightgate gateway` on the native plane) and
+Python tell each other beside promotions and demotions (gateway.handover). Its
+reactors send their publishes to the store themselves (native/src/remote.rs) and
+deliver to the clean sessions' subscribers they carry (native/src/readers.rs): this
+gateway's own stored publishes from the store's answers, the rest from raw pulls of
+their queues, asked when the store's notify says a queue grew (`grew`, from the
+broker's notify loop) and again for a queue whose pull failed (`refresh`).
+
+Python keeps the other subscribers (persistent sessions, its own TLS and WebSocket
+streams, shared subscriptions...). So that those are served from the cache at once when
+a publisher of this node stored a message, as after Python's own appends
+(`Broker.stored_here`), the engine hands back the stored messages of the queues Python
+delivers from here, which this room keeps it told of. Those it did not hand back come
+through the store's notify, as another gateway's do: this is the fast path, not the
+only one."""
 
 from __future__ import annotations
 
@@ -31,6 +38,13 @@ class Host(Protocol):
     def stored_here(self, stored: list[Message]) -> None: ...
 
 
+def _python_reads(session: Any) -> bool:
+    """Whether Python delivers to this session here: a live connection the engine does
+    not carry (`Broker.stored_here` serves only those)."""
+    conn = session.connection
+    return conn is not None and conn.native is None
+
+
 class RemoteNews:
     def __init__(self, broker: Host, engine: Any) -> None:
         self.broker = broker
@@ -45,13 +59,20 @@ class RemoteNews:
         self.engine.add_stored_queue(name)
         self._told.add(name)
 
+    def grew(self, names: set[str]) -> None:
+        """The store's notify: the engine pulls those of these queues its subscribers read."""
+        self.engine.grew(list(names))
+
     def refresh(self, now: float) -> None:
-        """Tell the engine which queues this node's Python readers read, if that changed."""
+        """Tell the engine which queues Python delivers from here, if that changed; have
+        it pull again the queues whose last pull failed."""
         if now < self.next_refresh:
             return
         self.next_refresh = now + REFRESH_S
+        self.engine.recheck()
         try:
-            names = set(self.broker.queue_subs)
+            names = {name for name, sessions in self.broker.queue_subs.items()
+                     if any(_python_reads(s) for s in sessions)}
         except RuntimeError:  # changed under us: next time
             return
         if names != self._told:

@@ -25,11 +25,12 @@ use crate::commitlog::LogWriter;
 use crate::partial::PartialBudget;
 use crate::protocol::TopicLimits;
 use crate::reactor::{
-    Command, Counters, Delivery, Handle, Inbound, Lean, LinkEvent, Positions, Reactor, Report, Sink,
+    Command, Counters, Delivery, Handle, Inbound, Lean, LinkEvent, Reactor, Report, Sink,
 };
 use crate::record::{self, Record, RecordError};
 use crate::ring::Rings;
-use crate::router::{FilterError, Routes, TopicTrie};
+use crate::router::{FilterError, Routes};
+use crate::subs::{Subs, Target};
 
 /// Linux's "no space left on device" (`io::ErrorKind::StorageFull` is newer than the
 /// crate's minimum Rust).
@@ -232,24 +233,6 @@ impl Log {
         self.next.insert(queue.to_string(), n);
         n
     }
-}
-
-struct Sub {
-    conn: u64,
-    qos: u8,
-    /// The connection's protocol version: what a message must not lose for it.
-    version: u8,
-    /// The filter, which names the light queue the subscription reads.
-    filter: Arc<str>,
-}
-
-#[derive(Default)]
-struct Subs {
-    trie: TopicTrie<u64>,
-    table: HashMap<u64, Sub>,
-    /// conn -> filter -> subscription id: a connection's own go at once when it leaves.
-    by_conn: HashMap<u64, HashMap<String, u64>>,
-    next_id: u64,
 }
 
 struct Inner {
@@ -783,29 +766,7 @@ impl Inner {
         version: u8,
     ) -> Result<(), FilterError> {
         let mut subs = self.subs.write().map_err(|_| FilterError::Empty)?;
-        if let Some(&id) = subs.by_conn.get(&conn).and_then(|f| f.get(topic_filter)) {
-            if let Some(s) = subs.table.get_mut(&id) {
-                s.qos = qos; // a repeated SUBSCRIBE replaces its options
-            }
-            return Ok(());
-        }
-        let id = subs.next_id;
-        subs.trie.add(topic_filter, id)?;
-        subs.next_id += 1;
-        subs.table.insert(
-            id,
-            Sub {
-                conn,
-                qos,
-                version,
-                filter: Arc::from(topic_filter),
-            },
-        );
-        subs.by_conn
-            .entry(conn)
-            .or_default()
-            .insert(topic_filter.to_string(), id);
-        Ok(())
+        subs.add(conn, topic_filter, qos, version)
     }
 
     /// A connection fell behind (`Report::Behind`): at its first round its live
@@ -1495,21 +1456,7 @@ impl Inner {
             return;
         }
         for (i, (item, d)) in items.iter().zip(rows).enumerate() {
-            let mut best: HashMap<u64, Target> = HashMap::new();
-            subs.trie.for_each_match(item.topic, |_, id| {
-                if let Some(s) = subs.table.get(&id) {
-                    let t = best.entry(s.conn).or_insert(Target {
-                        qos: 0,
-                        version: s.version,
-                        positions: Vec::new(),
-                    });
-                    t.qos = t.qos.max(s.qos);
-                    if let Some((_, offset)) = d.queues.iter().find(|(name, _)| **name == *s.filter)
-                    {
-                        t.positions.push((Arc::clone(&s.filter), *offset));
-                    }
-                }
-            });
+            let best: HashMap<u64, Target> = subs.targets(item.topic, &d.queues);
             if best.is_empty() {
                 continue;
             }
@@ -1556,14 +1503,6 @@ struct Written {
     rows: Vec<Dispatched>,
     /// Per record, where its deliveries went (None: to nobody).
     leans: Vec<Option<Lean>>,
-}
-
-/// One connection a message goes to: the highest QoS of its matching filters, its
-/// protocol version, and the message's offset in each of their queues.
-struct Target {
-    qos: u8,
-    version: u8,
-    positions: Positions,
 }
 
 /// Each row's entry into the rings of its queues that are kept (`ring`).

@@ -20,6 +20,8 @@
 //! - `frame`: the store's native protocol framing (`store/protocol.py`).
 //! - `client`: a client of the store's native protocol (`store/client.py`).
 //! - `remote`: the reactors' appends to a store elsewhere (`lightgate gateway`).
+//! - `readers`: the subscribers a gateway node carries, and their positions.
+//! - `subs`: the carried subscriptions, and who a message goes to (both engines).
 //!
 //! Everything outside `py` is plain, safe Rust with no Python in it: `cargo test` runs
 //! it without an interpreter.
@@ -39,10 +41,12 @@ pub mod link;
 pub mod partial;
 pub mod protocol;
 pub mod reactor;
+pub mod readers;
 pub mod record;
 pub mod remote;
 pub mod ring;
 pub mod router;
+pub mod subs;
 pub mod tls;
 pub mod ws;
 

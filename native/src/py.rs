@@ -802,7 +802,7 @@ impl PyEngine {
     /// publishes go to the store at `addrs` ("host:port", or a group's
     /// "a:1,b:2,c:3": its master, looked for as store/client.py does) as PUBLISH
     /// frames, each publisher acknowledged once the store's answer says stored. It
-    /// keeps no log and carries no subscriptions (`delivers` is False).
+    /// keeps no log; it carries clean sessions' subscribers (`grew`, `recheck`).
     #[staticmethod]
     #[pyo3(signature = (addrs, io_threads, username=None, password=None))]
     fn start_remote(
@@ -824,11 +824,38 @@ impl PyEngine {
         })
     }
 
-    /// Whether the engine delivers to the connections it carries (a remote one does
-    /// not: Python keeps the subscribers).
+    /// Whether the engine delivers to the connections it carries: both do (a remote
+    /// one carries clean sessions' subscribers, `readers`).
     #[getter]
     fn delivers(&self) -> bool {
-        self.remote.is_none()
+        true
+    }
+
+    /// Whether this is a gateway node's engine (`start_remote`): its store is elsewhere.
+    #[getter(remote)]
+    fn is_remote(&self) -> bool {
+        self.remote.is_some()
+    }
+
+    /// The store's notify says these queues grew: a remote engine pulls those its
+    /// carried subscribers read from their positions ("*": every one).
+    fn grew(&self, py: Python<'_>, names: Vec<String>) -> PyResult<()> {
+        let remote = self.remote()?;
+        py.allow_threads(|| remote.grew(&names));
+        Ok(())
+    }
+
+    /// A remote engine pulls again the queues whose last pull failed or left one of
+    /// its subscribers short.
+    fn recheck(&self, py: Python<'_>) -> PyResult<()> {
+        let remote = self.remote()?;
+        py.allow_threads(|| remote.recheck());
+        Ok(())
+    }
+
+    /// A remote engine's pulls for its subscribers: (answered, records they brought).
+    fn pulls(&self) -> PyResult<(u64, u64)> {
+        Ok(self.remote()?.pulls())
     }
 
     /// A remote engine's store connection: (connected, the master's address, why
@@ -973,6 +1000,12 @@ impl PyEngine {
         let out = PyDict::new(py);
         for (name, value) in self.carrier()?.counters().snapshot() {
             out.set_item(name, value)?;
+        }
+        if let Some(remote) = &self.remote {
+            // A gateway node's pulls of its subscribers' queues, and what they brought.
+            let (pulls, records) = remote.pulls();
+            out.set_item("store_pulls", pulls)?;
+            out.set_item("store_pulled_records", records)?;
         }
         Ok(out)
     }

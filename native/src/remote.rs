@@ -11,10 +11,15 @@
 //! order. Only past the delivery timeout (`client::DELIVERY_TIMEOUT`) do they fail, as
 //! a refusal.
 //!
-//! No log and no subscriptions here: connections are promoted as publishers only, and
-//! Python delivers to this node's subscribers. The gateway's own acknowledged publishes
-//! of the queues Python reads (`set_stored_queues`) are handed to Python
-//! (`take_stored`), which serves its subscribers from them at once, as it does its own.
+//! No log here. Clean sessions' subscribers are carried too (`readers`): each stored
+//! message of this gateway's publishers goes to them from the store's answer, with
+//! its queue offsets, and the rest (another gateway's publishes, Python's) from raw
+//! pulls of their queues, asked when the store's notify says a queue grew (`grew`) or
+//! a reader finds a gap; one that falls past its budget is served in rounds of such
+//! pulls (`Report::Behind`). Python keeps the other subscribers (persistent sessions, the
+//! TLS and WebSocket ones it serves itself, shared subscriptions...): this gateway's
+//! own acknowledged publishes of the queues those read (`set_stored_queues`) are
+//! handed to Python (`take_stored`), which serves them at once, as it does its own.
 
 use std::collections::HashSet;
 use std::io::{self, Write};
@@ -30,10 +35,14 @@ use crate::frame::{Frame, Kind};
 use crate::partial::PartialBudget;
 use crate::protocol::TopicLimits;
 use crate::reactor::{Command, Counters, Handle, Inbound, Lean, LinkEvent, Reactor, Report, Sink};
+use crate::readers::{self, Answered, QueuePull, Readers, RoundPlan};
+use crate::record;
 use crate::router::FilterError;
 
 /// The PUBLISH request's code (`store/protocol.py`).
 pub const PUBLISH: u16 = 11;
+/// The PULL request's code (`store/protocol.py`).
+pub const PULL: u16 = 20;
 /// Bytes of PUBLISH frames not answered yet past which the reactors stop reading
 /// publishers for a moment (`Sink::behind`): the store paces them, not memory.
 pub const BEHIND_BYTES: usize = 4 << 20;
@@ -198,6 +207,14 @@ pub struct RemoteSink {
     /// Frames the store refused (the first few reasons, and how many in all), for
     /// Python's log.
     refused: Mutex<(Vec<String>, u64)>,
+    /// The subscribers carried here, and their positions (`readers`). Deliveries are
+    /// handed to the reactors under its lock, so each reader's go in the order given.
+    readers: Mutex<Readers>,
+    /// Whether any is carried (read without the lock on every answer).
+    reading: AtomicUsize,
+    /// Pulls of queues answered, and the records they delivered (for the metrics).
+    pulls: AtomicU64,
+    pulled_records: AtomicU64,
 }
 
 impl RemoteSink {
@@ -289,7 +306,13 @@ impl RemoteSink {
         self.next_frame();
     }
 
-    fn acknowledge(&self, batch: Vec<Inbound>, born: u64, started: Instant, answer: Answer) {
+    fn acknowledge(
+        self: &Arc<Self>,
+        batch: Vec<Inbound>,
+        born: u64,
+        started: Instant,
+        answer: Answer,
+    ) {
         let Some(handle) = self.handle.get() else {
             return;
         };
@@ -298,11 +321,13 @@ impl RemoteSink {
             .read()
             .map(|w| w.clone())
             .unwrap_or_default();
+        let mut placed = None;
         let (code, reason): (u8, Option<Arc<str>>) = match &answer {
             Ok(f) if f.kind == Kind::Response => match results_of(f) {
                 Some(r) if r.len() == batch.len() => {
                     self.latency.observe(started.elapsed());
-                    self.keep_stored(&batch, born, r);
+                    self.keep_stored(&batch, born, &r);
+                    placed = Some(r);
                     (0, None)
                 }
                 _ => self.refuse(&words, "the store's answer does not say where".into(), true),
@@ -332,9 +357,144 @@ impl RemoteSink {
                 })
             })
             .collect();
-        if !acks.is_empty() {
-            handle.send_many(acks);
+        match placed {
+            Some(placed) if self.reading.load(Ordering::Relaxed) > 0 => {
+                self.deliver_own(handle, acks, &batch, &placed)
+            }
+            _ if !acks.is_empty() => {
+                handle.send_many(acks);
+            }
+            _ => {}
         }
+    }
+
+    /// The stored messages of this gateway's publishers to the readers carried here,
+    /// after the publishers' acks (a client subscribed to what it publishes gets its
+    /// PUBACK first, as from Python); the queues where a reader found a gap are pulled.
+    fn deliver_own(
+        self: &Arc<Self>,
+        handle: &Handle,
+        acks: Vec<Command>,
+        batch: &[Inbound],
+        placed: &[Placed],
+    ) {
+        let mut commands = acks;
+        let mut short = Vec::new();
+        if let Ok(mut readers) = self.readers.lock() {
+            for (inb, (phys, _, _, queues)) in batch.iter().zip(placed) {
+                let m = readers::Stored {
+                    topic: &inb.topic,
+                    body: &inb.payload,
+                    qos: inb.qos,
+                    properties: b"",
+                    phys: *phys,
+                    queues,
+                };
+                readers.offer(&m, &mut commands, &mut short);
+            }
+            if !commands.is_empty() {
+                handle.send_many(commands);
+            }
+        } else if !commands.is_empty() {
+            handle.send_many(commands);
+        }
+        self.pull_all(short);
+    }
+
+    fn pull_all(self: &Arc<Self>, mut queues: Vec<Arc<str>>) {
+        queues.sort_unstable();
+        queues.dedup();
+        for q in queues {
+            self.pull(&q);
+        }
+    }
+
+    /// Pull `queue` from its readers' lowest position (unless a pull of it is under
+    /// way: it pulls again once answered), as raw records.
+    fn pull(self: &Arc<Self>, queue: &str) {
+        let asked = match self.readers.lock() {
+            Ok(mut r) => r.ask(queue),
+            Err(_) => None,
+        };
+        let Some((queue, from)) = asked else {
+            return;
+        };
+        let header = serde_json::json!({
+            "queue": &*queue,
+            "offset": from,
+            "max": readers::PULL_RECORDS,
+            "raw": true,
+        });
+        let header = serde_json::to_vec(&header).unwrap_or_default();
+        let me = Arc::clone(self);
+        self.client.submit(
+            PULL,
+            header,
+            Vec::new(),
+            Box::new(move |answer: Answer| me.pulled(&queue, from, answer)),
+        );
+    }
+
+    /// A pull's answer: its records to the readers, in order; then the queue pulled
+    /// again if more may wait.
+    fn pulled(self: &Arc<Self>, queue: &str, from: u64, answer: Answer) {
+        let Some(handle) = self.handle.get() else {
+            return;
+        };
+        let (raw, body) = match &answer {
+            Ok(f) if f.kind == Kind::Response => (raw_records(f), &f.body[..]),
+            _ => (None, &[][..]),
+        };
+        let mut commands = Vec::new();
+        let mut short = Vec::new();
+        let again = {
+            let Ok(mut readers) = self.readers.lock() else {
+                return;
+            };
+            let answered = raw.as_ref().map(|(records, next_offset, more)| {
+                let mut first = None;
+                for rec in records {
+                    let Ok((r, _)) = record::decode(&body[rec.1.clone()]) else {
+                        continue;
+                    };
+                    if first.is_none() {
+                        first = r.queues.iter().find(|(q, _)| *q == queue).map(|(_, o)| *o);
+                    }
+                    let m = readers::Stored {
+                        topic: r.topic,
+                        body: r.body,
+                        qos: r.qos,
+                        properties: r.properties,
+                        phys: rec.0,
+                        queues: &r.queues,
+                    };
+                    readers.offer(&m, &mut commands, &mut short);
+                }
+                Answered {
+                    first,
+                    next_offset: *next_offset,
+                    more: *more,
+                }
+            });
+            let delivered = commands
+                .iter()
+                .any(|c| matches!(c, Command::Deliver { .. }));
+            let again = readers.pulled(queue, from, answered, delivered, &mut commands);
+            if !commands.is_empty() {
+                handle.send_many(commands);
+            }
+            again
+        };
+        if let Some((records, _, _)) = &raw {
+            self.pulls.fetch_add(1, Ordering::Relaxed);
+            self.pulled_records
+                .fetch_add(records.len() as u64, Ordering::Relaxed);
+        }
+        short.retain(|q| &**q != queue);
+        if again {
+            short.push(Arc::from(queue));
+        }
+        self.pull_all(short);
     }
 
     fn note(&self, why: String) {
@@ -354,7 +514,7 @@ impl RemoteSink {
         (0x80, Some(reason))
     }
 
-    fn keep_stored(&self, batch: &[Inbound], born: u64, results: Vec<Placed>) {
+    fn keep_stored(&self, batch: &[Inbound], born: u64, results: &[Placed]) {
         if self.stored_any.load(Ordering::Relaxed) == 0 {
             return;
         }
@@ -370,10 +530,10 @@ impl RemoteSink {
                     qos: inb.qos,
                     client_id: Arc::clone(&inb.client_id),
                     born_ts: born,
-                    phys,
-                    store_ts,
-                    rsize,
-                    queues,
+                    phys: *phys,
+                    store_ts: *store_ts,
+                    rsize: *rsize,
+                    queues: queues.clone(),
                 });
             }
         }
@@ -390,6 +550,192 @@ impl RemoteSink {
     }
 }
 
+impl RemoteSink {
+    fn forget(&self, conn: u64) {
+        if let Ok(mut r) = self.readers.lock() {
+            r.forget(conn);
+            self.reading
+                .store(usize::from(!r.is_empty()), Ordering::Relaxed);
+        }
+    }
+}
+
+/// A round of a reader that fell behind: its queues' pulls, as they are answered.
+struct Round {
+    conn: u64,
+    round: u64,
+    plan: RoundPlan,
+    answers: Vec<Option<Answer>>,
+    left: usize,
+}
+
+impl RemoteSink {
+    /// Round `round` of `conn`, which fell behind: its queues pulled from `positions`
+    /// (or where it was promoted), their records made into one batch once all are
+    /// answered; none (every queue at its end): live again. A round that cannot be
+    /// made hands it back: Python delivers from its positions.
+    fn round(self: &Arc<Self>, conn: u64, round: u64, positions: &[(Arc<str>, u64)]) {
+        let Some(handle) = self.handle.get() else {
+            return;
+        };
+        let plan = self
+            .readers
+            .lock()
+            .ok()
+            .and_then(|r| r.round_plan(conn, positions));
+        let Some(plan) = plan.filter(|p| !p.queues.is_empty()) else {
+            handle.send(Command::Release { conn });
+            return;
+        };
+        handle
+            .counters()
+            .rounds_from_store
+            .fetch_add(1, Ordering::Relaxed);
+        let n = plan.queues.len();
+        let asks: Vec<(Arc<str>, u64)> = plan
+            .queues
+            .iter()
+            .map(|(q, at, _)| (Arc::clone(q), *at))
+            .collect();
+        let state = Arc::new(Mutex::new(Round {
+            conn,
+            round,
+            plan,
+            answers: (0..n).map(|_| None).collect(),
+            left: n,
+        }));
+        for (i, (queue, at)) in asks.into_iter().enumerate() {
+            let header = serde_json::json!({
+                "queue": &*queue,
+                "offset": at,
+                "max": crate::backlog::BATCH_MESSAGES,
+                "raw": true,
+            });
+            let header = serde_json::to_vec(&header).unwrap_or_default();
+            let (me, state) = (Arc::clone(self), Arc::clone(&state));
+            self.client.submit(
+                PULL,
+                header,
+                Vec::new(),
+                Box::new(move |answer: Answer| me.round_answered(&state, i, answer)),
+            );
+        }
+    }
+
+    fn round_answered(self: &Arc<Self>, state: &Mutex<Round>, i: usize, answer: Answer) {
+        let Some(handle) = self.handle.get() else {
+            return;
+        };
+        let Ok(mut st) = state.lock() else {
+            return;
+        };
+        st.answers[i] = Some(answer);
+        st.left -= 1;
+        if st.left > 0 {
+            return;
+        }
+        let conn = st.conn;
+        let frames: Option<Vec<&Frame>> = st
+            .answers
+            .iter()
+            .map(|a| match a {
+                Some(Ok(f)) if f.kind == Kind::Response => Some(f),
+                _ => None,
+            })
+            .collect();
+        let pulls: Option<Vec<QueuePull<'_>>> = frames.and_then(|frames| {
+            frames
+                .into_iter()
+                .map(|f| {
+                    let (records, next_offset, _) = raw_records(f)?;
+                    let full = records.len() >= crate::backlog::BATCH_MESSAGES;
+                    let records = records
+                        .into_iter()
+                        .map(|(phys, at)| Some((phys, record::decode(&f.body[at]).ok()?.0)))
+                        .collect::<Option<Vec<_>>>()?;
+                    Some(QueuePull {
+                        records,
+                        next_offset,
+                        full,
+                    })
+                })
+                .collect()
+        });
+        let Some(pulls) = pulls else {
+            // (the store away, or an answer that does not say: Python reads on)
+            handle.send(Command::Release { conn });
+            return;
+        };
+        self.pulls.fetch_add(pulls.len() as u64, Ordering::Relaxed);
+        self.pulled_records.fetch_add(
+            pulls.iter().map(|p| p.records.len() as u64).sum(),
+            Ordering::Relaxed,
+        );
+        let made = readers::round_batch(
+            &st.plan,
+            &pulls,
+            crate::backlog::BATCH_MESSAGES,
+            crate::backlog::BATCH_BYTES,
+        );
+        if let Some(batch) = made {
+            handle.send(Command::Catch {
+                conn,
+                round: st.round,
+                batch: Box::new(batch),
+            });
+            return;
+        }
+        let live = match self.readers.lock() {
+            Ok(mut r) => {
+                let live = r.resume(conn, &st.plan);
+                if live {
+                    // Under the lock: the deliveries that follow go after it.
+                    handle.send(Command::Live { conn });
+                }
+                live
+            }
+            Err(_) => false,
+        };
+        if live {
+            let queues = st
+                .plan
+                .queues
+                .iter()
+                .map(|(q, _, _)| Arc::clone(q))
+                .collect();
+            drop(st);
+            self.pull_all(queues);
+        }
+    }
+}
+
+/// A raw PULL answer's records, each with its place in the log, where the next pull
+/// starts, and whether more may follow: None if the answer does not say.
+/// (Each record's log position and its bytes' range in the answer's body.)
+type RawRecords = (Vec<(u64, std::ops::Range<usize>)>, u64, bool);
+
+fn raw_records(frame: &Frame) -> Option<RawRecords> {
+    let h = client::header_of(frame);
+    let next_offset = h.get("next_offset")?.as_u64()?;
+    let max_offset = h.get("max_offset").and_then(|v| v.as_u64()).unwrap_or(0);
+    let mut records = Vec::new();
+    let mut pos = 0usize;
+    for run in h.get("runs")?.as_array()? {
+        let phys = run.get(0)?.as_u64()?;
+        let bytes = run.get(1)?.as_u64()? as usize;
+        let count = run.get(3)?.as_u64()?;
+        let data = frame.body.get(pos..pos + bytes)?;
+        let mut at = 0usize;
+        for _ in 0..count {
+            let (_, size) = record::decode(data.get(at..)?).ok()?;
+            records.push((phys + at as u64, pos + at..pos + at + size));
+            at += size;
+        }
+        pos += bytes;
+    }
+    Some((records, next_offset, next_offset < max_offset))
+}
+
 /// The sink the reactors see: `RemoteSink` behind an `Arc` (its answers hold one).
 struct SinkRef(Arc<RemoteSink>);
 
@@ -397,14 +743,19 @@ impl Sink for SinkRef {
     fn report(&self, report: Report) {
         match report {
             Report::Published(batch) => self.0.send(batch),
-            // A gateway node's engine delivers nothing, so no connection falls behind
-            // and none keeps sends.
-            Report::Acked { .. }
-            | Report::Behind { .. }
-            | Report::Keep { .. }
-            | Report::Progress { .. } => {}
+            Report::Behind {
+                conn,
+                round,
+                positions,
+            } => self.0.round(conn, round, &positions),
+            // Clean sessions only: an ack frees the window, which the reactor did, and
+            // none keeps sends.
+            Report::Acked { .. } | Report::Keep { .. } | Report::Progress { .. } => {}
             Report::Link(e) => self.link_events(vec![e]),
             Report::Demoted(d) => {
+                // Its subscriptions go first: nothing is delivered to it after the
+                // positions it hands back.
+                self.0.forget(d.conn);
                 if let Ok(mut r) = self.0.reports.lock() {
                     r.push(Report::Demoted(d));
                 }
@@ -427,6 +778,16 @@ impl Sink for SinkRef {
 
     fn behind(&self) -> bool {
         self.0.client.backlog() + self.0.staged_bytes.load(Ordering::Relaxed) > BEHIND_BYTES
+    }
+
+    fn catches_up(&self) -> bool {
+        true
+    }
+
+    fn fell_behind(&self, conn: u64) {
+        if let Ok(mut r) = self.0.readers.lock() {
+            r.fall_behind(conn);
+        }
     }
 
     fn partial_freed(&self) {
@@ -468,6 +829,10 @@ impl RemoteEngine {
             stored_any: AtomicUsize::new(0),
             stored: Mutex::new(Vec::new()),
             refused: Mutex::new((Vec::new(), 0)),
+            readers: Mutex::new(Readers::default()),
+            reading: AtomicUsize::new(0),
+            pulls: AtomicU64::new(0),
+            pulled_records: AtomicU64::new(0),
         });
         let reactor = Reactor::start(io_threads, Arc::new(SinkRef(Arc::clone(&sink))))?;
         let _ = sink.handle.set(reactor.handle());
@@ -514,6 +879,42 @@ impl RemoteEngine {
             .lock()
             .map(|mut s| std::mem::take(&mut *s))
             .unwrap_or_default()
+    }
+
+    /// The store's notify says these queues grew: those read here are pulled from
+    /// their readers' positions (what this gateway published is there already, and
+    /// skipped). `*` (notify lost events): every queue read here.
+    pub fn grew(&self, names: &[String]) {
+        if self.sink.reading.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let queues: Vec<Arc<str>> = match self.sink.readers.lock() {
+            Ok(r) if names.iter().any(|n| n == "*") => r.queues(),
+            Ok(r) => names
+                .iter()
+                .filter(|n| r.reads(n))
+                .map(|n| Arc::from(n.as_str()))
+                .collect(),
+            Err(_) => return,
+        };
+        self.sink.pull_all(queues);
+    }
+
+    /// Pull again the queues whose last pull failed or left a reader short.
+    pub fn recheck(&self) {
+        let queues = match self.sink.readers.lock() {
+            Ok(mut r) => r.take_retry(),
+            Err(_) => return,
+        };
+        self.sink.pull_all(queues);
+    }
+
+    /// (pulls answered, records they brought) of the queues read here.
+    pub fn pulls(&self) -> (u64, u64) {
+        (
+            self.sink.pulls.load(Ordering::Relaxed),
+            self.sink.pulled_records.load(Ordering::Relaxed),
+        )
     }
 
     pub fn take_refused(&self) -> (Vec<String>, u64) {
@@ -680,17 +1081,33 @@ impl Carrier for RemoteEngine {
     fn io_threads(&self) -> usize {
         self.reactor.threads()
     }
+    /// Its subscriptions are carried from their positions (`readers`), wherever the
+    /// queues end: each is pulled once from there.
     fn promote(
         &self,
-        _conn: u64,
-        _version: u8,
+        conn: u64,
+        version: u8,
         subscriptions: &[(String, u8, u64)],
         adopt: Box<dyn FnOnce() -> Command + '_>,
     ) -> Result<bool, FilterError> {
-        if !subscriptions.is_empty() {
-            return Ok(false);
+        if subscriptions.is_empty() {
+            self.reactor.send(adopt());
+            return Ok(true);
         }
-        self.reactor.send(adopt());
+        for (filter, _, _) in subscriptions {
+            crate::router::validate_filter(filter)?;
+        }
+        let queues = {
+            let Ok(mut readers) = self.sink.readers.lock() else {
+                return Ok(false);
+            };
+            // The adoption first, under the lock: no delivery to it goes before it.
+            self.reactor.send(adopt());
+            let queues = readers.promote(conn, version, subscriptions)?;
+            self.sink.reading.store(1, Ordering::Relaxed);
+            queues
+        };
+        self.sink.pull_all(queues);
         Ok(true)
     }
 }

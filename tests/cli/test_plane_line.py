@@ -3,7 +3,8 @@
 build without Rust and an extension that does not load: tests/ops/test_packaging.py) one
 WARNING line at start-up says why, what it costs and where the docs are. A store keeps
 the Python writer whatever is installed, and says so; a separated gateway carries its
-plain-TCP publishers natively where the extension is there."""
+plain-TCP publishers and clean sessions' subscribers natively where the extension is
+there."""
 
 from __future__ import annotations
 

@@ -110,6 +110,23 @@ def burst(dev: RawClient, topic: str, count: int, window: int = 8,
     return acked
 
 
+def kill_mid_burst(store: Server, dev: RawClient, topic: str, first: int) -> dict[int, int]:
+    """`burst` of 3,000 from `dev`, the store killed with SIGKILL once `first` were
+    answered: {i: PUBACK reason code} of those answered before its connection ended."""
+    acked: dict[int, int] = {}
+    ran = threading.Thread(target=lambda: acked.update(burst(dev, topic, 3000)))
+    ran.start()
+    deadline = time.monotonic() + 20
+    while len(acked) < first and ran.is_alive():  # (read without the lock: a count)
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    store.kill()
+    ran.join(30)
+    assert not ran.is_alive()
+    dev.close()
+    return acked
+
+
 def test_ready_line_says_which_plane(shape) -> None:
     which, _, gw = shape
     assert gw.addrs["plane"] == which
@@ -146,17 +163,7 @@ def test_store_killed_mid_burst_loses_nothing_acknowledged(shape, version: int) 
     base = uid("kill")
     topic = f"{base}/t"
     dev, _ = publisher(gw, which, version)
-    acked: dict[int, int] = {}
-    ran = threading.Thread(target=lambda: acked.update(burst(dev, topic, 3000)))
-    ran.start()
-    deadline = time.monotonic() + 20
-    while len(acked) < 50 and ran.is_alive():  # (read without the lock: a count)
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
-    store.kill()
-    ran.join(30)
-    assert not ran.is_alive()
-    dev.close()
+    acked = kill_mid_burst(store, dev, topic, 50)
     stored_ok = [i for i, code in acked.items() if code == 0]
     assert stored_ok, acked
     if version == 5:
