@@ -20,6 +20,8 @@
 //! - `frame`: the store's native protocol framing (`store/protocol.py`).
 //! - `client`: a client of the store's native protocol (`store/client.py`).
 //! - `remote`: the reactors' appends to a store elsewhere (`lightgate gateway`).
+//! - `server`: the store's native protocol for the connections Python hands over
+//!   (`store/server.py`): PUBLISH appended here, the rest answered by Python.
 //!
 //! Everything outside `py` is plain, safe Rust with no Python in it: `cargo test` runs
 //! it without an interpreter.
@@ -43,8 +45,11 @@ pub mod record;
 pub mod remote;
 pub mod ring;
 pub mod router;
+pub mod server;
 pub mod tls;
 pub mod ws;
 
 #[cfg(feature = "python")]
 mod py;
+#[cfg(feature = "python")]
+mod py_server;
