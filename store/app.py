@@ -159,8 +159,8 @@ async def run_store(
             http_addr = await nursery.start(
                 partial(serve_http, max_body=cfg.http_max_body,
                         allowed_hosts=cfg.http_allowed_hosts), app, http)
-            # Python's writer: the native engine writes the log in `lightgate serve` only
-            # (docs/native-plane.md#status); said as the engine is, not as assumed.
+            # The native engine writes the log in `lightgate serve` and in a store of no
+            # group (native_carries; docs/native-plane.md#status): said as it is.
             where = "native" if node.store.engine is not None else "python"
             plane.warn_if_python(log, STORE_COST)
             tune_for_serving()
