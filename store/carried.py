@@ -71,6 +71,9 @@ class Carrier:
         self._table = commitlog.producers
         self._write_lock = commitlog._write_lock
         commitlog.native_sequences = self.native.producer_entries
+        # One budget for partial frames, the carried connections' and Python's.
+        self._budget = server.store.native_budget
+        self._budget.share(server.store.engine)
 
     def may_carry(self, ctx: ConnCtx) -> bool:
         """Whether every request of this connection is allowed (its appends are then
@@ -120,6 +123,8 @@ class Carrier:
                 while True:
                     with trio.move_on_after(REVALIDATE_S) as waited:
                         await trio.lowlevel.wait_readable(native.wake_fd)
+                    if self._budget.limit:  # the native side may have freed some
+                        self._budget.refresh()
                     if waited.cancelled_caught:
                         self._revalidate()
                         continue

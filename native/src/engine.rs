@@ -1595,6 +1595,12 @@ impl Appender {
     pub fn write_pos(&self) -> u64 {
         self.0.write_pos.load(Ordering::Acquire)
     }
+
+    /// The node's budget for partly received frames and packets (the reactors' and
+    /// the owner's connections count in it too).
+    pub fn partial(&self) -> Option<&PartialBudget> {
+        self.0.handle.get().map(Handle::partial)
+    }
 }
 
 /// What an append leaves its caller.

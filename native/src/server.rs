@@ -62,6 +62,9 @@ pub const MAX_PARKED_BYTES: usize = 64 << 20;
 const MAX_TOPIC_BYTES: usize = 65535;
 const WAKER: Token = Token(usize::MAX);
 const READ_CHUNK: usize = 64 * 1024;
+/// A connection held back this long by the node's budget for partial frames is closed
+/// (`NATIVE_PARTIAL_TIMEOUT_S`).
+pub const PARTIAL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What goes up to Python.
 #[derive(Debug, PartialEq, Eq)]
@@ -430,6 +433,10 @@ struct Conn {
     closing: bool,
     /// The peer closed or the socket failed: end once nothing is left to do.
     ended: bool,
+    /// Bytes of a partial frame counted in the node's budget, and since when the budget
+    /// holds the connection back.
+    partial: usize,
+    held_back: Option<std::time::Instant>,
 }
 
 impl Conn {
@@ -811,6 +818,8 @@ impl Loop {
             readable: true,
             closing: false,
             ended: false,
+            partial: 0,
+            held_back: None,
         };
         c.queue(first);
         match c.decoder.feed(&unread) {
@@ -837,7 +846,24 @@ impl Loop {
             if paced || !c.readable || !c.may_read() {
                 break paced;
             }
-            let mut buf = vec![0u8; READ_CHUNK];
+            let size = match self.appender.partial() {
+                Some(budget) if budget.must_wait(c.partial) => {
+                    let since = *c.held_back.get_or_insert_with(std::time::Instant::now);
+                    if since.elapsed() >= PARTIAL_TIMEOUT {
+                        protocol_error(
+                            &mut c,
+                            "a partial frame held while the store's read budget was \
+                             exhausted (--native-max-partial-bytes)",
+                        );
+                        continue;
+                    }
+                    break true; // (looked at again in a moment)
+                }
+                Some(budget) => budget.read_size(c.partial, READ_CHUNK),
+                None => READ_CHUNK,
+            };
+            c.held_back = None;
+            let mut buf = vec![0u8; size];
             match c.stream.read(&mut buf) {
                 Ok(0) => {
                     c.ended = true;
@@ -861,6 +887,7 @@ impl Loop {
                 }
             }
         };
+        self.count_partial(&mut c);
         if flush(&mut c).is_err() {
             c.ended = true;
             c.out.clear();
@@ -1020,9 +1047,26 @@ impl Loop {
         None
     }
 
+    /// What the connection's decoder holds, in the node's budget.
+    fn count_partial(&self, c: &mut Conn) {
+        let now = if c.closing || c.ended {
+            0
+        } else {
+            c.decoder.buffered()
+        };
+        if now != c.partial {
+            if let Some(budget) = self.appender.partial() {
+                budget.update(c.partial, now);
+            }
+            c.partial = now;
+        }
+    }
+
     /// A connection ends: its sequences go back, Python hears of it.
     fn end(&mut self, id: u64) {
         if let Some(mut c) = self.conns.remove(&id) {
+            c.ended = true;
+            self.count_partial(&mut c);
             let _ = self.poll.registry().deregister(&mut c.stream);
             if let Ok(mut held) = self.shared.held.lock() {
                 held.drop_conn(id);

@@ -310,3 +310,29 @@ def test_flush_sync_publishes_survive_kill_9(plane_name: str, tmp_path: Path) ->
                                                            for i in range(50))
     finally:
         srv.stop()
+
+
+def test_a_partial_frame_counts_in_the_nodes_read_budget(plane_name: str,
+                                                         tmp_path: Path) -> None:
+    """The bytes of a frame received in part count in --native-max-partial-bytes
+    whichever side reads the connection, and go when it ends."""
+    srv = Server(tmp_path / "data", "--native-max-partial-bytes", "1000000",
+                 command="store").start()
+    try:
+        c = Raw(srv.native)
+        hello(c)
+        c.sock.sendall(p.HEAD.pack(12 + 200_000, 1, 0, p.PUBLISH, 1, 2) + b"{}" + b"x" * 50_000)
+
+        def held() -> int:
+            return int(native(srv, "STATS", creds=None)["native_read_budget"]["held"])
+
+        deadline = time.monotonic() + 5
+        while held() < 50_000:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        c.sock.close()
+        while held() != 0:
+            assert time.monotonic() < deadline + 5
+            time.sleep(0.05)
+    finally:
+        srv.stop()
