@@ -336,3 +336,28 @@ def test_a_partial_frame_counts_in_the_nodes_read_budget(plane_name: str,
             time.sleep(0.05)
     finally:
         srv.stop()
+
+
+def test_a_producer_publishing_natively_is_not_forgotten_as_idle(
+        plane_name: str, tmp_path: Path) -> None:
+    """--producer-idle-s forgets ids whose producers sent nothing for that long: one
+    whose publishes the native side checks is not idle (its sequence is there, not in
+    Python's table), so another connection may still stamp with it."""
+    srv = Server(tmp_path / "data", "--producer-idle-s", "2", command="store").start()
+    try:
+        t = uid("idle")
+        c = Raw(srv.native)
+        hello(c)
+        pid = c.call(p.PRODUCER_INIT, {}, rid=100).header["producer"]
+        for seq in range(9):  # 4.5 s: two idle times, four rounds of the clean-up
+            c.sock.sendall(publish_frame([f"{t}/{seq}"], seq + 1, producer=pid, seq=seq))
+            assert c.recv().kind == p.RESPONSE
+            time.sleep(0.5)
+        other = Raw(srv.native)
+        hello(other)
+        other.sock.sendall(publish_frame([f"{t}/8"], 1, producer=pid, seq=8))
+        answer = other.recv()  # a resend: stored already, not a forgotten id's (410)
+        assert answer.kind == p.RESPONSE, answer.header
+        assert len(read_topic(srv.native, t)) == 9
+    finally:
+        srv.stop()
