@@ -532,6 +532,7 @@ impl Server {
             appender,
             conns: HashMap::new(),
             up: Vec::new(),
+            buf: vec![0u8; READ_CHUNK],
         };
         let thread = std::thread::Builder::new()
             .name("store-native".into())
@@ -660,6 +661,8 @@ struct Loop {
     conns: HashMap<u64, Conn>,
     /// What goes up at the end of this turn (one wake-up for all of it).
     up: Vec<Up>,
+    /// Every read's buffer (one, not one zeroed per read).
+    buf: Vec<u8>,
 }
 
 impl Loop {
@@ -843,6 +846,12 @@ impl Loop {
         };
         let paced = loop {
             let paced = self.run_parked(id, &mut c);
+            // Answers out before the next read: their room is what lets it read again
+            // (edge-triggered, a socket left unread gives no second readiness).
+            if flush(&mut c).is_err() {
+                c.ended = true;
+                c.out.clear();
+            }
             if paced || !c.readable || !c.may_read() {
                 break paced;
             }
@@ -863,8 +872,8 @@ impl Loop {
                 None => READ_CHUNK,
             };
             c.held_back = None;
-            let mut buf = vec![0u8; size];
-            match c.stream.read(&mut buf) {
+            let buf = &mut self.buf[..size.min(READ_CHUNK)];
+            match c.stream.read(buf) {
                 Ok(0) => {
                     c.ended = true;
                     c.readable = false;
@@ -1473,6 +1482,34 @@ mod tests {
         assert_eq!(recv(&mut client, &mut dec).request_id, 1);
         assert_eq!(recv(&mut client, &mut dec).request_id, 2);
         assert!(engine.write_pos() > 0);
+        server.stop();
+        drop(engine);
+    }
+
+    #[test]
+    fn a_client_that_reads_its_answers_late_is_read_again_once_they_are_out() {
+        // More answers than MAX_UNSENT while the client writes before it reads: the
+        // server stops reading it, writes, and reads it again as the answers go.
+        let engine = engine("late");
+        let mut server = Server::start(engine.appender()).unwrap();
+        let (_, client) = connect(&server);
+        client
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        let topic = format!("t/{}", "x".repeat(400));
+        let frames = 16_000u32;
+        let mut writer = client.try_clone().unwrap();
+        let wrote = std::thread::spawn(move || {
+            for rid in 0..frames {
+                writer.write_all(&publish(rid, &[&topic], "")).unwrap();
+            }
+        });
+        let mut reader = client;
+        let mut pending = Pending::new();
+        for rid in 0..frames {
+            assert_eq!(recv(&mut reader, &mut pending).request_id, rid);
+        }
+        wrote.join().unwrap();
         server.stop();
         drop(engine);
     }
