@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
@@ -33,8 +33,9 @@ from store.outbox import Outbox
 from store.producers import PUBLISHES, ProducerBudgetError
 from store.record import loads_json
 
-if TYPE_CHECKING:
-    from store.server import ConnCtx, NativeServer
+# store.server's NativeServer and ConnCtx (it imports this module: named, not imported).
+NativeServer = Any
+ConnCtx = Any
 
 log = logging.getLogger("lightgate.store.native")
 
