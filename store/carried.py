@@ -127,7 +127,7 @@ class Carrier:
                     if self._budget.limit:  # the native side may have freed some
                         self._budget.refresh()
                     if waited.cancelled_caught:
-                        self._revalidate()
+                        self.revalidate()
                         continue
                     native.clear_wake()
                     self.sync_released()
@@ -215,7 +215,7 @@ class Carrier:
                 self._table.put((pid, PUBLISHES),
                                 (seen, tuple(tuple(b) for b in batches)))
 
-    def _revalidate(self) -> None:
+    def revalidate(self) -> None:
         """Close the carried connections whose user lost its rights since."""
         if not self.server.auth.enabled:
             return

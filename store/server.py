@@ -906,6 +906,7 @@ class NativeServer:
                 super_user=h.get("super"), node=h.get("node"))
         except KeyError as exc:
             raise NotFound(str(exc.args[0])) from None
+        self._rights_changed()
         return {"user": user.public()}, b""
 
     async def _user_delete(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
@@ -913,7 +914,14 @@ class NativeServer:
             await self.auth.delete_user(str(f.header["name"]))
         except KeyError as exc:
             raise NotFound(str(exc.args[0])) from None
+        self._rights_changed()
         return {}, b""
+
+    def _rights_changed(self) -> None:
+        """A user changed or went: the carried connections it no longer may keep close
+        now (store.carried looks again every second for changes made elsewhere)."""
+        if self.carrier is not None:
+            self.carrier.revalidate()
 
     async def _user_list(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         return {"users": [u.public() for u in self.auth.users.values()]}, b""
