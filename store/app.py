@@ -9,7 +9,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import trio
@@ -43,6 +43,15 @@ class StoreNode:
     auth: AuthManager
 
 
+def native_carries(repl: ReplicationConfig | None) -> bool:
+    """Whether `lightgate store` runs the engine as its log's writer and carries its
+    authenticated native connections natively (store.carried): on the native plane, in
+    no group (no replica of another node, no controller, asynchronous acks). A group's
+    nodes keep the Python writer and server (docs/native-plane.md)."""
+    return (plane.NATIVE is not None and repl is not None and repl.replica_of is None
+            and not repl.raft and not repl.group_peers and repl.mode != "sync")
+
+
 @asynccontextmanager
 async def store_node(
     cfg: StoreConfig, native: str, publish: Callable[[set[str]], bool | None] | None = None,
@@ -55,6 +64,9 @@ async def store_node(
     trio_thread = threading.get_ident()
     server: NativeServer | None = None
     repl: Replication | None = None
+    carry = native_carries(repl_cfg)
+    if carry and not cfg.engine_threads:
+        cfg = replace(cfg, engine_threads=1)  # (no MQTT connection: one is plenty)
 
     def readable(names: set[str]) -> bool:
         """Readers of these queues may read more: wake the pulls waiting here and tell
@@ -98,6 +110,8 @@ async def store_node(
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         server = NativeServer(store, auth)
+        if carry and store.engine is not None and plane.NATIVE is not None:
+            server.carry(plane.NATIVE.StoreServer(store.engine))
         store.commitlog.waiting = server.waiters.any  # no lazy dispatch while a pull waits
         if repl_cfg is not None:  # `lightgate store`: a master others may copy
             # In place before the port opens: a replica never takes a client's write.
@@ -145,8 +159,8 @@ async def run_store(
             http_addr = await nursery.start(
                 partial(serve_http, max_body=cfg.http_max_body,
                         allowed_hosts=cfg.http_allowed_hosts), app, http)
-            # Python's writer: the native engine writes the log in `lightgate serve` only
-            # (docs/native-plane.md#status); said as the engine is, not as assumed.
+            # The native engine writes the log in `lightgate serve` and in a store of no
+            # group (native_carries; docs/native-plane.md#status): said as it is.
             where = "native" if node.store.engine is not None else "python"
             plane.warn_if_python(log, STORE_COST)
             tune_for_serving()

@@ -267,6 +267,9 @@ class CommitLog(EngineTail):
         # Idempotent producers' sequences, checked inside appends (under the write lock)
         # and rebuilt from the records (store.producers; snapshots: store.producer_state).
         self.producers = ProducerTable(max_producers)
+        # The sequences the native server checks (store.carried), for the table's
+        # snapshots: () -> (changed since the last call, [(producer, seen, batches)]).
+        self.native_sequences: Callable[[], tuple[bool, list]] | None = None
         # Each queue's high-water mark, raised before an offset past it is assigned.
         self.marks = HighWater(self.dir)
         # Ranges whose records no longer check: read around, never served.
@@ -850,11 +853,16 @@ class CommitLog(EngineTail):
             with self._dispatch_lock:  # fits the log up to `pos`
                 self._flush_due = False
             pos = self.engine.write_pos
-            due = time.monotonic() - self._last_checkpoint >= 1.0 and (
-                self._checkpointed != self.engine.flushed or self.producers.dirty)
+            due = time.monotonic() - self._last_checkpoint >= 1.0
+            native: tuple[bool, list] = (False, [])
+            if due and self.native_sequences is not None:
+                # After `pos` was read: every native append written before it is in them.
+                native = self.native_sequences()
+            dirty = self.producers.dirty or native[0]
+            due = due and (self._checkpointed != self.engine.flushed or dirty)
             if self._flushed >= pos and not due:
                 return
-            snap = self.producers.snapshot() if due and self.producers.dirty else None
+            snap = self._snapshot_with(native[1]) if due and dirty else None
         if self._flushed < pos:
             try:
                 flushed = self.engine.flush()
@@ -870,6 +878,15 @@ class CommitLog(EngineTail):
             self._write_checkpoint()
         if snap is not None:
             self._save_producers(pos, snap)
+
+    def _snapshot_with(self, native: list) -> tuple[dict[producers.Key, producers.Entry],
+                                                    producers.Key | None]:
+        """The producers' table with the sequences the native server holds (theirs are
+        newer than the table's: it took them back, if at all, when they were given up)."""
+        entries, open_key = self.producers.snapshot()
+        for pid, seen, batches in native:
+            entries[(pid, producers.PUBLISHES)] = (seen, tuple(tuple(b) for b in batches))
+        return entries, open_key
 
     def _save_producers(self, offset: int,
                         snap: tuple[dict[producers.Key, producers.Entry],

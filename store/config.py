@@ -100,7 +100,8 @@ class StoreConfig:
     http_max_body: int = HTTP_MAX_BODY  # the store's HTTP API (413 past it)
     http_allowed_hosts: tuple[str, ...] = ()  # Host names beside loopback and IPs
     # The native engine as the CommitLog's one writer, with this many I/O threads (0:
-    # none, the Python writer): `lightgate serve` on the native plane sets it.
+    # none, the Python writer): `lightgate serve` on the native plane sets it, and so
+    # does `lightgate store` in no group (store.app.native_carries).
     engine_threads: int = 0
 
 

@@ -105,6 +105,16 @@ class ProducerTable:
     def producers(self) -> set[str]:
         return {pid for pid, _ in self._entries}
 
+    def get(self, key: Key) -> Entry | None:
+        """A sequence's newest appends, as kept."""
+        return self._entries.get(key)
+
+    def put(self, key: Key, entry: Entry) -> None:
+        """Take a sequence back as another checker kept it (the native server's, which
+        checks a producer's publishes while a connection it carries holds them)."""
+        self._entries[key] = entry
+        self.dirty = True
+
     def last_seen(self) -> dict[str, int]:
         """Each producer's newest record's store time (ms)."""
         out: dict[str, int] = {}

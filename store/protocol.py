@@ -112,6 +112,13 @@ class FrameDecoder:
         """Bytes of an incomplete frame held until the rest arrives."""
         return len(self._buf)
 
+    def take(self) -> bytes:
+        """What is held (an incomplete frame's bytes), given up: another reader takes
+        the connection over."""
+        out = bytes(self._buf)
+        self._buf.clear()
+        return out
+
     def feed(self, data: bytes) -> list[Frame]:
         self._buf += data
         out = []

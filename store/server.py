@@ -28,6 +28,7 @@ from serving.values import split_hostport
 from store import protocol as p
 from store.auth import AuthError, AuthManager, Policy, Subject, audit
 from store.auth.manager import DecisionCache
+from store.carried import Carrier
 from store.common import PullResult, RawPull, StoreError, StoreFullError
 from store.groups import MAX_ATTEMPTS, GroupRegistry, offset_key
 from store.history import MAX_BYTES as HISTORY_MAX_BYTES
@@ -151,6 +152,9 @@ class NativeServer:
         # queue offset is then never given to another message after a failover).
         self.read_limit: Callable[[], int | None] | None = None
         self._scopes: set[trio.CancelScope] = set()
+        # The native server that carries authenticated connections (store.carried), set
+        # by `carry` before `serve`: a store with no group, whose engine writes the log.
+        self.carrier: Carrier | None = None
         self._handlers: dict[int, Callable[[p.Frame], Awaitable[tuple[dict, bytes]]]] = {
             p.PULL: self._pull,
             p.QUEUE_RANGE: self._queue_range,
@@ -203,6 +207,13 @@ class NativeServer:
         """Close every connection (a master stepping down: clients look for the new one)."""
         for scope in list(self._scopes):
             scope.cancel()
+        if self.carrier is not None:
+            self.carrier.close_all()
+
+    def carry(self, native: Any) -> None:
+        """Hand authenticated connections to this native server
+        (serving.lightgate_native.StoreServer) from `serve` on."""
+        self.carrier = Carrier(self, native)
 
     async def serve(
         self, addr: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
@@ -211,8 +222,11 @@ class NativeServer:
             host, port = split_hostport(addr, "127.0.0.1")
             listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()
-        task_status.started(f"{bound[0]}:{bound[1]}")
-        await trio.serve_listeners(self._handle, budgeted(listeners, "native protocol"))
+        async with trio.open_nursery() as nursery:
+            if self.carrier is not None:
+                await nursery.start(self.carrier.run)
+            task_status.started(f"{bound[0]}:{bound[1]}")
+            await trio.serve_listeners(self._handle, budgeted(listeners, "native protocol"))
 
     # -- connection -------------------------------------------------------------------
     async def _handle(self, stream: trio.SocketStream) -> None:
@@ -226,6 +240,8 @@ class NativeServer:
         hello_by = trio.current_time() + HELLO_TIMEOUT_S
         budget, held = self.store.native_budget, 0
         scope: trio.CancelScope | None = None
+        started = 0  # requests begun: a connection is handed over before any
+        handover: tuple[bytes, bytes] | None = None  # (the HELLO's answer, bytes past it)
         try:
             async with trio.open_nursery() as nursery:
                 scope = nursery.cancel_scope
@@ -249,16 +265,27 @@ class NativeServer:
                         frames = decoder.feed(data)
                         budget.update(held, decoder.buffered)
                         held = decoder.buffered
-                        for frame in frames:
+                        for i, frame in enumerate(frames):
                             if frame.kind == p.REQUEST and frame.code == p.HELLO:
                                 # Inline: nothing after a HELLO runs before it decides.
-                                await send.send(await self._hello(frame, ctx))
+                                answer = await self._hello(frame, ctx)
+                                if (not started and self.carrier is not None
+                                        and (ctx.subject is not None or not must_auth)
+                                        and self.carrier.may_carry(ctx)):
+                                    handover = (answer, b"".join(
+                                        p.encode_frame(f) for f in frames[i + 1:]
+                                    ) + decoder.take())
+                                    break
+                                await send.send(answer)
                                 if must_auth and ctx.subject is not None:
                                     must_auth = False
                                     decoder.max_frame = p.MAX_FRAME
                                 continue
+                            started += 1
                             await limit.acquire()
                             self._start(nursery, frame, send, limit, ctx)
+                        if handover is not None:
+                            break
                 except p.ProtocolError as exc:
                     log.warning("native client broke the protocol: %s", exc)
                     await send.send(p.encode_frame(p.Frame(
@@ -280,9 +307,13 @@ class NativeServer:
             budget.update(held, 0)
             send.close()
             self.connections -= 1
-            with trio.move_on_after(1) as scope:
-                scope.shield = True
-                await stream.aclose()
+            if handover is not None and self.carrier is not None:
+                trio.lowlevel.notify_closing(stream.socket)
+                self.carrier.adopt(stream.socket.detach(), *handover, ctx)
+            else:
+                with trio.move_on_after(1) as scope:
+                    scope.shield = True
+                    await stream.aclose()
 
     def _start(self, nursery: trio.Nursery, frame: p.Frame, send: Any, limit: Any,
                ctx: ConnCtx) -> None:
@@ -840,7 +871,11 @@ class NativeServer:
 
     async def _stats(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         stats = await self.store.get_stats()
-        stats["native_connections"] = self.connections
+        carrier = self.carrier
+        stats["native_connections"] = self.connections + (
+            len(carrier.conns) if carrier is not None else 0)
+        # Connections handed to the native server since the start (store.carried).
+        stats["native_carried"] = carrier.carried if carrier is not None else 0
         stats["pull_waiters"] = len(self.waiters)  # queues with a long-poll waiting
         return stats, b""
 
@@ -871,6 +906,7 @@ class NativeServer:
                 super_user=h.get("super"), node=h.get("node"))
         except KeyError as exc:
             raise NotFound(str(exc.args[0])) from None
+        self._rights_changed()
         return {"user": user.public()}, b""
 
     async def _user_delete(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
@@ -878,7 +914,14 @@ class NativeServer:
             await self.auth.delete_user(str(f.header["name"]))
         except KeyError as exc:
             raise NotFound(str(exc.args[0])) from None
+        self._rights_changed()
         return {}, b""
+
+    def _rights_changed(self) -> None:
+        """A user changed or went: the carried connections it no longer may keep close
+        now (store.carried looks again every second for changes made elsewhere)."""
+        if self.carrier is not None:
+            self.carrier.revalidate()
 
     async def _user_list(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         return {"users": [u.public() for u in self.auth.users.values()]}, b""

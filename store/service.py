@@ -359,6 +359,12 @@ class EmbeddedStore:
             return []
         with log_._write_lock:
             seen = log_.producers.last_seen()
+        if log_.native_sequences is not None:  # (the native server's are newer)
+            changed, held = log_.native_sequences()
+            if changed:
+                log_.producers.dirty = True  # (the next snapshot has them all the same)
+            for pid, last, _ in held:
+                seen[pid] = max(seen.get(pid, -1), last)
         gone = self._ids().expire(before, lambda: seen)
         if gone:
             with log_._write_lock:

@@ -915,7 +915,15 @@ impl Engine {
         store_ts: Option<u64>,
     ) -> Result<Vec<Dispatched>, AppendError> {
         let items: Vec<Item<'_>> = messages.iter().map(Item::of).collect();
-        Ok(self.inner.write(&items, store_ts, true, Vec::new())?.rows)
+        Ok(self
+            .inner
+            .write(&items, store_ts, true, true, Vec::new())?
+            .rows)
+    }
+
+    /// The store's native server's way in (`server`): appends of its own, not Python's.
+    pub fn appender(&self) -> Appender {
+        Appender(Arc::clone(&self.inner))
     }
 
     /// What was appended since the last call, in log order, for the index, and the
@@ -1212,7 +1220,7 @@ impl Inner {
         };
         let started = std::time::Instant::now();
         // Stored, the acks are queued before the deliveries (`write`).
-        let appended = self.write(&items, None, false, acks(0, None));
+        let appended = self.write(&items, None, false, false, acks(0, None));
         self.append_latency.observe(started.elapsed());
         match appended {
             Ok(written) => batch
@@ -1255,12 +1263,14 @@ impl Inner {
     /// gets them in order and a demotion's positions never pass a message not sent yet.
     /// Returns (`keep`) the rows, and where each one's deliveries went. `acks`: the
     /// publishers' acks, queued before the deliveries once written (a client subscribed
-    /// to what it publishes gets its PUBACK first, as from Python).
+    /// to what it publishes gets its PUBACK first, as from Python). `own`: the owner
+    /// holds the messages (its dispatch takes them as its own, and it dispatches itself).
     fn write(
         &self,
         items: &[Item<'_>],
         store_ts: Option<u64>,
         keep: bool,
+        own: bool,
         acks: Vec<Command>,
     ) -> Result<Written, AppendError> {
         if let Some(why) = self.failed() {
@@ -1271,7 +1281,7 @@ impl Inner {
         };
         let store_ts = store_ts.unwrap_or_else(now_ms);
         // The owner's readers (`want_queues`): looked at only while there are some.
-        let wanted = if !keep && self.wanted_len.load(Ordering::Relaxed) > 0 {
+        let wanted = if !own && self.wanted_len.load(Ordering::Relaxed) > 0 {
             self.wanted.read().ok()
         } else {
             None
@@ -1327,7 +1337,7 @@ impl Inner {
                         store_ts,
                         queues,
                         key: item.key.to_string(),
-                        own: keep,
+                        own,
                         record,
                     });
                 }
@@ -1400,13 +1410,13 @@ impl Inner {
         }
         self.publish_tail(&log.writer);
         drop(log);
-        if !keep && first {
+        if !own && first {
             // A native publish wakes the dispatcher, which waits only while nothing is
             // pending (a notify is a syscall, waiter or not); an outside append's caller
             // dispatches itself before its ack (a wake-up each would cost more).
             self.appended.notify_all();
         }
-        if !keep && self.spent_rows.load(Ordering::Relaxed) > 0 {
+        if !own && self.spent_rows.load(Ordering::Relaxed) > 0 {
             self.free_spent();
         }
         Ok(Written { rows: kept, leans })
@@ -1495,6 +1505,49 @@ fn behind(log: &mut Log, subscriptions: &[(String, u8, u64)]) -> bool {
     subscriptions
         .iter()
         .any(|(filter, _, position)| *position != log.end(filter))
+}
+
+/// Appends of the store's native server (`server`): PUBLISH frames' messages, routed
+/// under the log's lock and left for dispatch as the reactors' publishes are.
+#[derive(Clone)]
+pub struct Appender(Arc<Inner>);
+
+impl Appender {
+    /// Append `messages` (their `queues` are routed here, not read): each one's row
+    /// (where it went), also left for dispatch as a native publish's.
+    pub fn publish(&self, messages: &[Message]) -> Result<Vec<Dispatched>, AppendError> {
+        let items: Vec<Item<'_>> = messages
+            .iter()
+            .map(|m| Item {
+                queues: None,
+                ..Item::of(m)
+            })
+            .collect();
+        let started = Instant::now();
+        let written = self.0.write(&items, None, true, false, Vec::new());
+        self.0.append_latency.observe(started.elapsed());
+        Ok(written?.rows)
+    }
+
+    /// Whether the dispatch is more than `DISPATCH_BUDGET` rows behind: appends wait.
+    pub fn behind(&self) -> bool {
+        let behind = self.0.pending_rows.load(Ordering::Relaxed) > DISPATCH_BUDGET;
+        if behind {
+            self.0.hurry();
+        }
+        behind
+    }
+
+    /// The end of the log (what was written, durable or not).
+    pub fn write_pos(&self) -> u64 {
+        self.0.write_pos.load(Ordering::Acquire)
+    }
+
+    /// The node's budget for partly received frames and packets (the reactors' and
+    /// the owner's connections count in it too).
+    pub fn partial(&self) -> Option<&PartialBudget> {
+        self.0.handle.get().map(Handle::partial)
+    }
 }
 
 /// What an append leaves its caller.

@@ -22,6 +22,8 @@
 //! - `remote`: the reactors' appends to a store elsewhere (`lightgate gateway`).
 //! - `readers`: the subscribers a gateway node carries, and their positions.
 //! - `subs`: the carried subscriptions, and who a message goes to (both engines).
+//! - `server`: the store's native protocol for the connections Python hands over
+//!   (`store/server.py`): PUBLISH appended here, the rest answered by Python.
 //!
 //! Everything outside `py` is plain, safe Rust with no Python in it: `cargo test` runs
 //! it without an interpreter.
@@ -46,9 +48,12 @@ pub mod record;
 pub mod remote;
 pub mod ring;
 pub mod router;
+pub mod server;
 pub mod subs;
 pub mod tls;
 pub mod ws;
 
 #[cfg(feature = "python")]
 mod py;
+#[cfg(feature = "python")]
+mod py_server;

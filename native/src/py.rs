@@ -521,7 +521,7 @@ fn message<'py>(
 /// acks and deliveries. Python hands it sockets after their CONNACK and takes back
 /// what only Python decides.
 #[pyclass(name = "Engine", module = "lightgate_native")]
-struct PyEngine {
+pub(crate) struct PyEngine {
     inner: Option<engine::Engine>,
     /// A gateway node's engine (`Engine.start_remote`): reactors whose publishes go to
     /// a store elsewhere; `inner` is None then.
@@ -544,7 +544,7 @@ impl PyEngine {
         }
     }
 
-    fn engine(&self) -> PyResult<&engine::Engine> {
+    pub(crate) fn engine(&self) -> PyResult<&engine::Engine> {
         self.inner
             .as_ref()
             .ok_or_else(|| PyValueError::new_err("the engine is stopped"))
@@ -732,7 +732,7 @@ fn adoption(
 
 /// A socket Python gives up (`socket.detach()`): from here on Rust owns and closes it.
 #[allow(unsafe_code)]
-fn adopt_fd(fd: Fd) -> std::os::fd::OwnedFd {
+pub(crate) fn adopt_fd(fd: Fd) -> std::os::fd::OwnedFd {
     use std::os::fd::FromRawFd;
     // SAFETY: the caller detached `fd` from its Python socket, so nothing else owns or
     // closes it; it is owned exactly once from here.
@@ -741,10 +741,10 @@ fn adopt_fd(fd: Fd) -> std::os::fd::OwnedFd {
 
 /// A descriptor number checked not to be negative.
 #[derive(Clone, Copy)]
-struct Fd(i32);
+pub(crate) struct Fd(i32);
 
 impl Fd {
-    fn checked(fd: i32) -> PyResult<Fd> {
+    pub(crate) fn checked(fd: i32) -> PyResult<Fd> {
         if fd < 0 {
             return Err(PyValueError::new_err("not a socket"));
         }
@@ -1647,6 +1647,7 @@ fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyConnection>()?;
     m.add_class::<PyRoutes>()?;
     m.add_class::<PyEngine>()?;
+    m.add_class::<crate::py_server::PyStoreServer>()?;
     m.add_class::<PyDispatchBatch>()?;
     m.add_class::<PyLink>()?;
     m.add("MqttError", m.py().get_type::<MqttError>())?;

@@ -1,10 +1,10 @@
 """Every server says which data plane runs it: its ready line ends with `plane=native` or
 `plane=python`, and where the native plane is not there (here: LIGHTGATE_NATIVE=0; a
 build without Rust and an extension that does not load: tests/ops/test_packaging.py) one
-WARNING line at start-up says why, what it costs and where the docs are. A store keeps
-the Python writer whatever is installed, and says so; a separated gateway carries its
-plain-TCP publishers and clean sessions' subscribers natively where the extension is
-there."""
+WARNING line at start-up says why, what it costs and where the docs are. A store in no
+group runs the native writer and server where the extension is there (a group's nodes
+keep Python's), and says so; a separated gateway carries its plain-TCP publishers and
+clean sessions' subscribers natively where the extension is there."""
 
 from __future__ import annotations
 
@@ -48,18 +48,19 @@ def test_serve_native_says_nothing_more(tmp_path: Path,
 
 
 @pytest.mark.parametrize("native", ["default", "0"])
-def test_a_store_says_python_and_a_gateway_its_plane(tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch,
-                                                     native: str) -> None:
+def test_a_store_and_a_gateway_say_their_plane(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               native: str) -> None:
     if native == "0":
         monkeypatch.setenv("LIGHTGATE_NATIVE", "0")
     else:
         monkeypatch.delenv("LIGHTGATE_NATIVE", raising=False)
     store = Server(tmp_path / "d", command="store").start()
     try:
-        assert list(store.addrs)[-1] == "plane" and store.addrs["plane"] == "python"
-        gateway = Server(None, "--store", store.native, command="gateway").start()
         off = native == "0" or plane.NATIVE is None
+        assert list(store.addrs)[-1] == "plane"
+        assert store.addrs["plane"] == ("python" if off else "native")
+        gateway = Server(None, "--store", store.native, command="gateway").start()
         assert list(gateway.addrs)[-1] == "plane"
         assert gateway.addrs["plane"] == ("python" if off else "native")
         assert gateway.stop() == 0

@@ -63,6 +63,13 @@ def shape(plane_name: str, tmp_path, redis_server: RedisServer,
             assert srv.stop() == 0, srv.logs()[-3000:]
 
 
+def store_stats(addr: str) -> dict:
+    async def call() -> dict:
+        async with NativeClient.open(addr) as c:
+            return (await c.request(p.STATS, {}))[0]
+    return trio.run(call)
+
+
 def wait_promoted(gw: Server, client_id: str, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while not any(f"client {client_id!r} (" in line and PROMOTED in line for line in gw.log):
@@ -149,6 +156,10 @@ def test_carried_publishes_are_stored_and_delivered_in_order_once(shape) -> None
         assert not any(f"client {cid!r} (" in line and "back from the native plane" in line
                        for line in gw.log), gw.logs()[-3000:]
         assert native_counters(gw)["lightgate_native_messages_in_qos1_total"] == 300
+    # The store carries the gateway's connections natively on the native plane (its
+    # subscribers heard of each message through the store's notify all the same).
+    carried = store_stats(store.native)["native_carried"]
+    assert (carried > 0) == (which == "native"), carried
     dev.close()
     sub.disconnect()
 

@@ -1,0 +1,167 @@
+//! The store's native server (`server`) as Python holds it (`store/server.py`).
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+
+use crate::py::{adopt_fd, Fd, PyEngine};
+use crate::server::{Entry, Server, Up};
+
+/// A producer's sequence as Python's table holds it: (store time of its newest record,
+/// [(epoch, first, last, start, end)]).
+type PyEntry = (u64, Vec<(u64, u64, u64, u64, u64)>);
+
+#[pyclass(name = "StoreServer", module = "lightgate_native")]
+pub(crate) struct PyStoreServer {
+    server: Option<Server>,
+}
+// (`server` stays after `stop`: what its connections held is taken after it.)
+
+impl PyStoreServer {
+    fn server(&self) -> PyResult<&Server> {
+        self.server
+            .as_ref()
+            .ok_or_else(|| PyValueError::new_err("the native server is stopped"))
+    }
+}
+
+fn entries_out(py: Python<'_>, entries: Vec<(String, Entry)>) -> PyResult<Bound<'_, PyList>> {
+    let out = PyList::empty(py);
+    for (producer, e) in entries {
+        out.append((producer, e.seen, e.batches))?;
+    }
+    Ok(out)
+}
+
+#[pymethods]
+impl PyStoreServer {
+    /// A server thread appending through `engine` (the log's writer).
+    #[new]
+    fn new(engine: PyRef<'_, PyEngine>) -> PyResult<Self> {
+        let appender = engine.engine()?.appender();
+        let server = Server::start(appender).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(PyStoreServer {
+            server: Some(server),
+        })
+    }
+
+    /// Carry a connection Python authenticated (the caller detached `fd`): `first`,
+    /// what it is sent first (the HELLO's answer); `unread`, what Python read of it
+    /// past the HELLO. Its id.
+    fn adopt(&self, fd: i32, first: &[u8], unread: &[u8]) -> PyResult<u64> {
+        let server = self.server()?;
+        let fd = adopt_fd(Fd::checked(fd)?);
+        Ok(server.adopt(fd, first.to_vec(), unread.to_vec()))
+    }
+
+    /// Readable while `take_up` has something.
+    #[getter]
+    fn wake_fd(&self) -> PyResult<i32> {
+        Ok(self.server()?.wake_fd())
+    }
+
+    fn clear_wake(&self) -> PyResult<()> {
+        self.server()?.clear_wake();
+        Ok(())
+    }
+
+    /// What Python answers: ("frame", conn, code, request id, header, body),
+    /// ("claim", conn, request id, producer), ("closed", conn).
+    fn take_up<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for item in self.server()?.take_up() {
+            let row = match item {
+                Up::Frame {
+                    conn,
+                    code,
+                    request_id,
+                    header,
+                    body,
+                } => PyTuple::new(
+                    py,
+                    [
+                        "frame".into_pyobject(py)?.into_any(),
+                        conn.into_pyobject(py)?.into_any(),
+                        code.into_pyobject(py)?.into_any(),
+                        request_id.into_pyobject(py)?.into_any(),
+                        PyBytes::new(py, &header).into_any(),
+                        PyBytes::new(py, &body).into_any(),
+                    ],
+                )?,
+                Up::Claim {
+                    conn,
+                    request_id,
+                    producer,
+                } => PyTuple::new(
+                    py,
+                    [
+                        "claim".into_pyobject(py)?.into_any(),
+                        conn.into_pyobject(py)?.into_any(),
+                        request_id.into_pyobject(py)?.into_any(),
+                        producer.into_pyobject(py)?.into_any(),
+                    ],
+                )?,
+                Up::Closed { conn } => PyTuple::new(
+                    py,
+                    [
+                        "closed".into_pyobject(py)?.into_any(),
+                        conn.into_pyobject(py)?.into_any(),
+                    ],
+                )?,
+            };
+            out.append(row)?;
+        }
+        Ok(out)
+    }
+
+    /// Python's answer (a whole frame) of a request of `conn`'s.
+    fn answer(&self, conn: u64, data: &[u8]) -> PyResult<()> {
+        self.server()?.answer(conn, data.to_vec());
+        Ok(())
+    }
+
+    /// `conn` may stamp with `producer`; `entry`: what Python's table holds of its
+    /// publishes' sequence.
+    #[pyo3(signature = (conn, producer, entry=None))]
+    fn claimed(&self, conn: u64, producer: String, entry: Option<PyEntry>) -> PyResult<()> {
+        let entry = entry.map(|(seen, batches)| Entry::new(seen, batches));
+        self.server()?.claimed(conn, producer, entry);
+        Ok(())
+    }
+
+    /// The claim's frame is answered with `data` (an ERROR frame).
+    fn refuse(&self, conn: u64, data: &[u8]) -> PyResult<()> {
+        self.server()?.refuse(conn, data.to_vec());
+        Ok(())
+    }
+
+    fn close(&self, conn: u64) -> PyResult<()> {
+        self.server()?.close(conn);
+        Ok(())
+    }
+
+    /// The sequences given back: [(producer, seen, batches)].
+    fn take_released<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let server = self.server()?;
+        // Without the GIL: the server's appends hold the table's lock, and an append
+        // may call into Python (a queue's end, a mark).
+        let released = py.allow_threads(|| server.take_released());
+        entries_out(py, released)
+    }
+
+    /// (changed since the last call, [(producer, seen, batches)]): every sequence held
+    /// here or given back and not taken.
+    fn producer_entries<'py>(&self, py: Python<'py>) -> PyResult<(bool, Bound<'py, PyList>)> {
+        let server = self.server()?;
+        let (dirty, entries) = py.allow_threads(|| server.producer_entries()); // (as above)
+        Ok((dirty, entries_out(py, entries)?))
+    }
+
+    /// Stop the thread (its connections close; what they held is then in
+    /// `take_released`).
+    fn stop(&mut self, py: Python<'_>) {
+        if let Some(s) = self.server.as_mut() {
+            py.allow_threads(move || s.stop());
+        }
+    }
+}
