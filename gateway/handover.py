@@ -19,10 +19,9 @@ Promoted: clean sessions (3.1.1 clean session, v5 session expiry 0) on plain TCP
 WebSocket or secure WebSocket (the native listeners'), with plain subscriptions (no
 shared, no `$replay`, no `$` filter, no v5 No Local, Retain As Published or subscription
 identifiers), no HTTP hook or per-delivery ACL check, no publish rate limit, no
-credentials' end, and nothing under way in Python (on a gateway node too, whose engine
-pulls from the store what it did not publish: gateway.remote_plane); and persistent
-sessions where the store is this process's, wherever their queues' positions are
-(gateway.native_sessions).
+credentials' end, and nothing under way in Python (on a gateway node too: its engine
+pulls what it did not publish, gateway.remote_plane); and persistent sessions where the
+store is this process's, wherever their queues' positions are (gateway.native_sessions).
 Everything else stays in Python (the Python plane's own TLS and WebSocket streams, ...)."""
 
 from __future__ import annotations
@@ -127,9 +126,8 @@ class Handover:
         # A native publish the store refuses is explained in the words Python uses.
         engine.set_not_stored(not_stored(StoreFullError()), NOT_STORED)
         # A gateway node's engine (`lightgate gateway`) sends its publishes to the store
-        # and carries clean sessions' subscribers, pulling what it did not publish
-        # (gateway.remote_plane); Python keeps the rest.
-        self.delivers = getattr(engine, "delivers", True)
+        # and carries clean sessions' subscribers (a persistent session's records are
+        # the store's: NEVER above), pulling what it did not publish (remote_plane).
         remote = getattr(engine, "remote", False)
         self.news = RemoteNews(broker, engine) if remote else None  # type: ignore[arg-type]
         # A subscriber past its budget stays native, served from the store a round at a
@@ -170,10 +168,6 @@ class Handover:
             return NEVER
         if conn.asks_hook or conn.checks_delivery and s.subscriptions:
             return PARKED  # until the rights change (`rights_changed`)
-        if s.subscriptions and not self.delivers:
-            return PARKED  # until an UNSUBSCRIBE: a subscriber stays in Python here
-        # (A gateway node's engine carries clean sessions' subscribers only: a persistent
-        # session there is NEVER above, its records being the store's.)
         for sub in s.subscriptions.values():
             o = sub.options
             if sub.shared or sub.replay or sub.subscription_id or o.no_local \

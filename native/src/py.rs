@@ -824,13 +824,6 @@ impl PyEngine {
         })
     }
 
-    /// Whether the engine delivers to the connections it carries: both do (a remote
-    /// one carries clean sessions' subscribers, `readers`).
-    #[getter]
-    fn delivers(&self) -> bool {
-        true
-    }
-
     /// Whether this is a gateway node's engine (`start_remote`): its store is elsewhere.
     #[getter(remote)]
     fn is_remote(&self) -> bool {
