@@ -108,6 +108,7 @@ class NativeMaster:
             self._scope.cancel()
             await self._done.wait()
             self._scope = self._done = None
+            self.store.native_budget.unshare()  # (Python's connections read on)
             await trio.to_thread.run_sync(self.store.commitlog.hand_back)
             self.store.recent.want = None
             log.info("not master: the Python writer has the log again")
