@@ -1651,7 +1651,10 @@ mod tests {
             .set_read_timeout(Some(Duration::from_millis(300)))
             .unwrap();
         let mut buf = [0u8; 1];
-        assert!(client.peek(&mut buf).is_err(), "answered before acknowledged");
+        assert!(
+            client.peek(&mut buf).is_err(),
+            "answered before acknowledged"
+        );
         client
             .set_read_timeout(Some(Duration::from_secs(5)))
             .unwrap();
@@ -1670,16 +1673,25 @@ mod tests {
         server.fail_held("this node stopped being master".into());
         let failed = recv(&mut client, &mut dec);
         assert_eq!(
-            (failed.kind, failed.request_id, header(&failed)["status"].as_u64()),
+            (
+                failed.kind,
+                failed.request_id,
+                header(&failed)["status"].as_u64()
+            ),
             (Kind::Error, 3, Some(503))
         );
+        // (Commands reach the server's thread a moment later: a read already under way
+        // may take the next frame first, as Python's word may come after a frame.)
+        let settle = || std::thread::sleep(Duration::from_millis(100));
         server.refuse_writes(Some((507, "no space".into())));
+        settle();
         client.write_all(&publish(4, &["d"], "")).unwrap();
         let refused = recv(&mut client, &mut dec);
         assert_eq!(header(&refused)["status"].as_u64(), Some(507));
         // Past the timeout, what is held fails.
         server.refuse_writes(None);
         server.hold(Duration::from_millis(200));
+        settle();
         client.write_all(&publish(5, &["e"], "")).unwrap();
         let expired = recv(&mut client, &mut dec);
         assert_eq!(header(&expired)["status"].as_u64(), Some(503));
