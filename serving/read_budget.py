@@ -61,7 +61,16 @@ class ReadBudget:
         some."""
         count.set_partial_limit(self.limit)
         self._shared = count.partial_update
+        if self.held:  # (a group's new master: its Python connections hold some already)
+            self._counted(*count.partial_update(0, self.held))
+        else:
+            self.refresh()
+
+    def unshare(self) -> None:
+        """Count alone again, from what the shared count holds now (its owner stops: a
+        group's master stepping down, whose native connections are closed)."""
         self.refresh()
+        self._shared = None
 
     def refresh(self) -> None:
         """What the shared count holds now: the native plane's connections change it

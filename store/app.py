@@ -25,6 +25,7 @@ from store.cursor_key import group_key
 from store.http import store_routes
 from store.http_auth import auth_app
 from store.protocol import REPL_FETCH
+from store.replication.native_master import NativeMaster, group_native
 from store.replication.node import META_CODES, REPLICA, Replication, ReplicationConfig
 from store.server import NativeServer
 from store.service import EmbeddedStore
@@ -47,7 +48,7 @@ def native_carries(repl: ReplicationConfig | None) -> bool:
     """Whether `lightgate store` runs the engine as its log's writer and carries its
     authenticated native connections natively (store.carried): on the native plane, in
     no group (no replica of another node, no controller, asynchronous acks). A group's
-    nodes keep the Python writer and server (docs/native-plane.md)."""
+    node does so while it is master (store.replication.native_master)."""
     return (plane.NATIVE is not None and repl is not None and repl.replica_of is None
             and not repl.raft and not repl.group_peers and repl.mode != "sync")
 
@@ -95,6 +96,8 @@ async def store_node(
         if repl is not None:
             repl.grew()
             if repl.read_limit() is not None:
+                if repl.native is not None:  # native appends: told once acknowledged
+                    repl.dispatched(names)
                 return True
         return readable(names)
 
@@ -134,6 +137,8 @@ async def store_node(
             repl.drop_clients = server.drop_clients
             for code in META_CODES:  # sync mode: answered once replicated
                 server.wrap(code, repl.synced)
+            if not carry and group_native(repl_cfg):  # master: native engine and server
+                NativeMaster(store, server, repl, nursery)
         native_addr = await nursery.start(server.serve, native)
         store.native_addr = native_addr
         if repl is not None:

@@ -22,6 +22,7 @@ its frames is handled here; the table's snapshots add the sequences held nativel
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,8 @@ class Carrier:
         self.conns: dict[int, Carried] = {}
         self._nursery: trio.Nursery | None = None
         self.carried = 0  # connections handed over since the start
+        # Native appends were made (a store group's master: see native_master).
+        self.on_appended: Callable[[], None] | None = None
         commitlog = server.store.commitlog
         self._table = commitlog.producers
         self._write_lock = commitlog._write_lock
@@ -146,6 +149,10 @@ class Carrier:
 
     def _up(self, nursery: trio.Nursery, item: tuple) -> None:
         kind, conn = item[0], item[1]
+        if kind == "appended":
+            if self.on_appended is not None:
+                self.on_appended()
+            return
         if kind == "closed":
             c = self.conns.pop(conn, None)
             if c is not None:

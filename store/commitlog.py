@@ -823,8 +823,8 @@ class CommitLog(EngineTail):
             self._fsync_engine()
             return
         with self._write_lock:
-            if self._flushed == self._write_pos:
-                return
+            if self._flushed == self._write_pos or self._wfd < 0:
+                return  # (-1: the engine took the tail meanwhile; the next round syncs it)
             pos = self._write_pos
             fd = os.dup(self._wfd)
             self._flush_due = False  # a write after this point needs another fsync
@@ -850,30 +850,38 @@ class CommitLog(EngineTail):
     def _fsync_engine(self) -> None:
         """`_fsync_tail` with the engine writing: its fdatasync, outside every lock."""
         with self._write_lock:  # between this process's appends: the producers' table
+            engine = self.engine  # (a group's master stepping down hands it back)
+            if engine is None:
+                return
             with self._dispatch_lock:  # fits the log up to `pos`
                 self._flush_due = False
-            pos = self.engine.write_pos
+            pos = engine.write_pos
             due = time.monotonic() - self._last_checkpoint >= 1.0
             native: tuple[bool, list] = (False, [])
             if due and self.native_sequences is not None:
                 # After `pos` was read: every native append written before it is in them.
                 native = self.native_sequences()
             dirty = self.producers.dirty or native[0]
-            due = due and (self._checkpointed != self.engine.flushed or dirty)
+            due = due and (self._checkpointed != engine.flushed or dirty)
             if self._flushed >= pos and not due:
                 return
             snap = self._snapshot_with(native[1]) if due and dirty else None
         if self._flushed < pos:
             try:
-                flushed = self.engine.flush()
-            except OSError as exc:
+                flushed = engine.flush()
+            except (OSError, ValueError) as exc:
+                if self.engine is not engine:
+                    return  # stopped meanwhile: it synced its tail as it stopped
+                if isinstance(exc, ValueError):
+                    raise
                 self._failed = exc
                 log.critical("fsync failed, commitlog stops taking writes: %s", exc)
                 raise
             self.stats["fsyncs"] += 1
             self._flushed = max(self._flushed, flushed)
         else:  # sync mode: the engine synced each append
-            self._flushed = max(self._flushed, self.engine.flushed)
+            with contextlib.suppress(ValueError):  # (unless stopped meanwhile)
+                self._flushed = max(self._flushed, engine.flushed)
         if due:
             self._write_checkpoint()
         if snap is not None:

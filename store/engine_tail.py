@@ -335,6 +335,21 @@ class EngineTail:
             with self._dispatch_lock:
                 self._drain_locked()  # what the engine left: it hands it over once stopped
 
+    def hand_back(self) -> None:
+        """Stop the engine and take its tail back for the Python writer (a store group's
+        master stepping down: a replica's copy is Python's). Whatever the engine wrote
+        is dispatched first; later appends go through the Python writer at its end."""
+        if self.engine is None:
+            return
+        with self._write_lock:
+            self._stop_engine()
+            with self._tail_lock:
+                self._wfd = os.open(self._segments[-1].path, os.O_WRONLY | os.O_APPEND)
+                self.engine = None
+        self._dispatcher = None
+        self._dispatch_stop = False
+        self._engine_stopped = False
+
     def _refuse_engine(self, what: str) -> None:
         if self.engine is not None:
             raise StoreError(f"{what} is not for a log the native engine writes (a store "

@@ -1,5 +1,7 @@
 //! The store's native server (`server`) as Python holds it (`store/server.py`).
 
+use std::time::Duration;
+
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
@@ -66,7 +68,7 @@ impl PyStoreServer {
     }
 
     /// What Python answers: ("frame", conn, code, request id, header, body),
-    /// ("claim", conn, request id, producer), ("closed", conn).
+    /// ("claim", conn, request id, producer), ("closed", conn), ("appended", 0).
     fn take_up<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for item in self.server()?.take_up() {
@@ -101,6 +103,13 @@ impl PyStoreServer {
                         producer.into_pyobject(py)?.into_any(),
                     ],
                 )?,
+                Up::Appended => PyTuple::new(
+                    py,
+                    [
+                        "appended".into_pyobject(py)?.into_any(),
+                        0u64.into_pyobject(py)?.into_any(),
+                    ],
+                )?,
                 Up::Closed { conn } => PyTuple::new(
                     py,
                     [
@@ -132,6 +141,34 @@ impl PyStoreServer {
     /// The claim's frame is answered with `data` (an ERROR frame).
     fn refuse(&self, conn: u64, data: &[u8]) -> PyResult<()> {
         self.server()?.refuse(conn, data.to_vec());
+        Ok(())
+    }
+
+    /// A store group's master: each append's answer waits for `acked` to reach its
+    /// end, or fails after `timeout_s`.
+    fn hold(&self, timeout_s: f64) -> PyResult<()> {
+        let timeout = Duration::try_from_secs_f64(timeout_s)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        self.server()?.hold(timeout);
+        Ok(())
+    }
+
+    /// The group holds the log up to `offset` (`Replication.confirmed`).
+    fn acked(&self, offset: u64) -> PyResult<()> {
+        self.server()?.acked(offset);
+        Ok(())
+    }
+
+    /// PUBLISH is refused with `status` and `message` from now on; status 0: taken.
+    fn refuse_writes(&self, status: u16, message: String) -> PyResult<()> {
+        self.server()?
+            .refuse_writes((status != 0).then_some((status, message)));
+        Ok(())
+    }
+
+    /// Every held answer fails (503, `why`).
+    fn fail_held(&self, why: String) -> PyResult<()> {
+        self.server()?.fail_held(why);
         Ok(())
     }
 

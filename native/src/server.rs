@@ -20,6 +20,13 @@
 //! snapshots of the table include what is held here (`producer_entries`). The records
 //! carry the stamps (MARK_FIRST, `lg_producer`), so recovery rebuilds it all from the
 //! log after a crash.
+//!
+//! A store group's master (`Server::hold`): an append made here is answered only once
+//! Python says the in-sync set holds it (`Server::acked`, the group's acknowledged
+//! offset), in append order, or failed after the ack timeout; while Python refuses
+//! writes (`Server::refuse_writes`: no lease, no in-sync quorum, a full disk) PUBLISH
+//! is refused here with Python's status and words; a master stepping down fails what
+//! is held (`Server::fail_held`), as `Replication._fail_pending` fails Python's.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
@@ -85,6 +92,9 @@ pub enum Up {
     },
     /// The connection ended.
     Closed { conn: u64 },
+    /// Appends were made here since the last time (held answers only: a store group's
+    /// master, whose replicas' long polls Python wakes).
+    Appended,
 }
 
 /// One remembered append of a producer: (epoch, first sequence, last, log offset of its
@@ -424,6 +434,8 @@ struct Conn {
     unsent: usize,
     /// Requests with Python.
     up: usize,
+    /// Bytes of this connection's answers held for the group's acknowledgement.
+    held: usize,
     parked: VecDeque<Frame>,
     parked_bytes: usize,
     wait: Option<Wait>,
@@ -450,7 +462,7 @@ impl Conn {
     fn may_read(&self) -> bool {
         !self.closing
             && !self.ended
-            && self.unsent < MAX_UNSENT
+            && self.unsent + self.held < MAX_UNSENT
             && self.parked.len() < MAX_PARKED
             && self.parked_bytes < MAX_PARKED_BYTES
     }
@@ -480,6 +492,34 @@ enum Down {
     Close {
         conn: u64,
     },
+    Hold(Duration),
+    Acked(u64),
+    RefuseWrites(Option<(u16, String)>),
+    FailHeld(String),
+}
+
+/// An append's answer held until the group acknowledges `end` (or `deadline` passes).
+struct HeldAnswer {
+    end: u64,
+    conn: u64,
+    code: u16,
+    request_id: u32,
+    bytes: Vec<u8>,
+    deadline: std::time::Instant,
+}
+
+/// The group's word on this master's appends (`Server::hold`).
+#[derive(Default)]
+struct Group {
+    /// How long an answer is held at most (None: not a group's master, none held).
+    timeout: Option<Duration>,
+    acked: u64,
+    refusal: Option<(u16, String)>,
+    held: VecDeque<HeldAnswer>,
+    /// A group's master: Python hears of appends (`Up::Appended`).
+    report: bool,
+    /// An append was made since the last turn.
+    appended: bool,
 }
 
 struct Shared {
@@ -531,6 +571,7 @@ impl Server {
             shared: Arc::clone(&shared),
             appender,
             conns: HashMap::new(),
+            group: Group::default(),
             up: Vec::new(),
             buf: vec![0u8; READ_CHUNK],
         };
@@ -597,6 +638,28 @@ impl Server {
         self.down(Down::Close { conn });
     }
 
+    /// A store group's master: each append's answer waits for `acked` to reach its
+    /// end, or fails after `timeout` (zero: answered at once, asynchronous replication);
+    /// Python hears of appends (`Up::Appended`).
+    pub fn hold(&self, timeout: Duration) {
+        self.down(Down::Hold(timeout));
+    }
+
+    /// The group holds the log up to `offset`: the answers held to there go out.
+    pub fn acked(&self, offset: u64) {
+        self.down(Down::Acked(offset));
+    }
+
+    /// PUBLISH is refused with (status, message) from now on (None: taken again).
+    pub fn refuse_writes(&self, refusal: Option<(u16, String)>) {
+        self.down(Down::RefuseWrites(refusal));
+    }
+
+    /// Every held answer fails (503, `why`): this node stopped being master.
+    pub fn fail_held(&self, why: String) {
+        self.down(Down::FailHeld(why));
+    }
+
     /// Readable while `take_up` has something.
     pub fn wake_fd(&self) -> RawFd {
         self.woken.as_raw_fd()
@@ -659,6 +722,7 @@ struct Loop {
     shared: Arc<Shared>,
     appender: Appender,
     conns: HashMap<u64, Conn>,
+    group: Group,
     /// What goes up at the end of this turn (one wake-up for all of it).
     up: Vec<Up>,
     /// Every read's buffer (one, not one zeroed per read).
@@ -670,7 +734,13 @@ impl Loop {
         let mut events = Events::with_capacity(256);
         let mut paced = false;
         while !self.shared.stopping.load(Ordering::Acquire) {
-            let timeout = paced.then(|| Duration::from_millis(1));
+            let mut timeout = paced.then(|| Duration::from_millis(1));
+            if let Some(first) = self.group.held.front() {
+                let left = first
+                    .deadline
+                    .saturating_duration_since(std::time::Instant::now());
+                timeout = Some(timeout.map_or(left, |t| t.min(left)));
+            }
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
@@ -691,6 +761,7 @@ impl Loop {
                 }
             }
             touched.extend(self.commands());
+            touched.extend(self.expire_held());
             // Every connection that may have work: readable ones, ones an answer or a
             // claim resumed, and those paced to the dispatch last turn.
             if paced {
@@ -701,6 +772,9 @@ impl Loop {
             paced = false;
             for id in touched {
                 paced |= self.turn(id);
+            }
+            if std::mem::take(&mut self.group.appended) && self.group.report {
+                self.up.push(Up::Appended);
             }
             let up = std::mem::take(&mut self.up);
             self.shared.send_up(up);
@@ -792,6 +866,16 @@ impl Loop {
                         ids.push(conn);
                     }
                 }
+                Down::Hold(timeout) => {
+                    self.group.report = true;
+                    self.group.timeout = (!timeout.is_zero()).then_some(timeout);
+                }
+                Down::Acked(offset) => {
+                    self.group.acked = self.group.acked.max(offset);
+                    ids.extend(self.release_held());
+                }
+                Down::RefuseWrites(refusal) => self.group.refusal = refusal,
+                Down::FailHeld(why) => ids.extend(self.fail_held(503, &why)),
             }
         }
         ids
@@ -814,6 +898,7 @@ impl Loop {
             out_pos: 0,
             unsent: 0,
             up: 0,
+            held: 0,
             parked: VecDeque::new(),
             parked_bytes: 0,
             wait: None,
@@ -985,12 +1070,20 @@ impl Loop {
         msgs: Vec<Message>,
         stamp: Option<Stamp>,
     ) -> Option<Frame> {
+        if let Some((status, why)) = &self.group.refusal {
+            c.queue(error_answer(f.code, f.request_id, *status, why));
+            return None;
+        }
         let Some(st) = stamp else {
-            let answer = match self.appender.publish(&msgs) {
-                Ok(rows) => results_answer(f.code, f.request_id, &places(&rows)),
-                Err(e) => append_error(f.code, f.request_id, &e),
-            };
-            c.queue(answer);
+            match self.appender.publish(&msgs) {
+                Ok(rows) => {
+                    let out = places(&rows);
+                    self.group.appended = true;
+                    let answer = results_answer(f.code, f.request_id, &out);
+                    self.answer_append(c, id, &f, end_of_places(&out), answer);
+                }
+                Err(e) => c.queue(append_error(f.code, f.request_id, &e)),
+            }
             return None;
         };
         let Ok(mut held) = self.shared.held.lock() else {
@@ -1043,6 +1136,7 @@ impl Loop {
                         e.push(batch, first.store_ts, kept);
                     }
                     held.dirty = true;
+                    self.group.appended = true;
                     out.extend(new);
                 }
                 Err(e) => {
@@ -1052,8 +1146,78 @@ impl Loop {
             }
         }
         drop(held);
-        c.queue(results_answer(f.code, f.request_id, &out));
+        let answer = results_answer(f.code, f.request_id, &out);
+        self.answer_append(c, id, &f, end_of_places(&out), answer);
         None
+    }
+
+    /// An append's answer: out now, or held until the group acknowledges `end`.
+    fn answer_append(&mut self, c: &mut Conn, id: u64, f: &Frame, end: u64, bytes: Vec<u8>) {
+        let g = &mut self.group;
+        match g.timeout {
+            Some(timeout) if end > g.acked => {
+                c.held += bytes.len();
+                g.held.push_back(HeldAnswer {
+                    end,
+                    conn: id,
+                    code: f.code,
+                    request_id: f.request_id,
+                    bytes,
+                    deadline: std::time::Instant::now() + timeout,
+                });
+            }
+            _ => c.queue(bytes),
+        }
+    }
+
+    /// The held answers the group acknowledged, out in order; their connections.
+    fn release_held(&mut self) -> Vec<u64> {
+        let mut ids = Vec::new();
+        while self
+            .group
+            .held
+            .front()
+            .is_some_and(|h| h.end <= self.group.acked)
+        {
+            let Some(h) = self.group.held.pop_front() else {
+                break;
+            };
+            if let Some(c) = self.conns.get_mut(&h.conn) {
+                c.held = c.held.saturating_sub(h.bytes.len());
+                c.queue(h.bytes);
+                ids.push(h.conn);
+            }
+        }
+        ids
+    }
+
+    /// Every held answer fails with (status, why); their connections.
+    fn fail_held(&mut self, status: u16, why: &str) -> Vec<u64> {
+        let mut ids = Vec::new();
+        for h in std::mem::take(&mut self.group.held) {
+            if let Some(c) = self.conns.get_mut(&h.conn) {
+                c.held = c.held.saturating_sub(h.bytes.len());
+                c.queue(error_answer(h.code, h.request_id, status, why));
+                ids.push(h.conn);
+            }
+        }
+        ids
+    }
+
+    /// Past the first held answer's deadline, every one fails (acks stay in order, as
+    /// `InSync.expired` has them).
+    fn expire_held(&mut self) -> Vec<u64> {
+        let now = std::time::Instant::now();
+        match (self.group.held.front(), self.group.timeout) {
+            (Some(h), Some(timeout)) if h.deadline <= now => {
+                let why = format!(
+                    "not replicated to the in-sync set within {} s",
+                    fmt_secs(timeout)
+                );
+                self.fail_held(503, &why)
+            }
+            _ => Vec::new(),
+        }
     }
 
     /// What the connection's decoder holds, in the node's budget.
@@ -1131,6 +1295,26 @@ fn append_error(code: u16, request_id: u32, e: &AppendError) -> Vec<u8> {
         }
         AppendError::Invalid(_, why) => error_answer(code, request_id, 400, &why.to_string()),
         _ => error_answer(code, request_id, 503, &e.to_string()),
+    }
+}
+
+/// Where the last of these places ends (0: none said).
+fn end_of_places(places: &[Place]) -> u64 {
+    places
+        .iter()
+        .filter(|p| p.0 >= 0)
+        .map(|p| p.0 as u64 + p.2)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Seconds as Python's `:g` writes them (5 -> "5", 0.5 -> "0.5").
+fn fmt_secs(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{}", s as u64)
+    } else {
+        format!("{s}")
     }
 }
 
@@ -1450,6 +1634,72 @@ mod tests {
 
     fn end_of(results: &Value) -> u64 {
         stored_phys(results) + results[0]["rsize"].as_u64().unwrap()
+    }
+
+    #[test]
+    fn a_group_masters_answers_wait_for_the_acknowledged_offset() {
+        let engine = engine("held");
+        let mut server = Server::start(engine.appender()).unwrap();
+        server.hold(Duration::from_secs(30));
+        let (_, mut client) = connect(&server);
+        let mut dec = Pending::new();
+        let mut out = publish(1, &["a"], "");
+        out.extend(publish(2, &["b"], ""));
+        client.write_all(&out).unwrap();
+        assert!(matches!(&wait_up(&server)[..], [Up::Appended]));
+        client
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let mut buf = [0u8; 1];
+        assert!(
+            client.peek(&mut buf).is_err(),
+            "answered before acknowledged"
+        );
+        client
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        server.acked(1); // (inside the first record: nothing yet)
+        server.acked(1 << 20); // both
+        let (a, b) = (recv(&mut client, &mut dec), recv(&mut client, &mut dec));
+        assert_eq!((a.kind, a.request_id, b.request_id), (Kind::Response, 1, 2));
+        // Held, then failed by a step-down; refused while Python refuses writes.
+        server.stop();
+        let mut server = Server::start(engine.appender()).unwrap();
+        server.hold(Duration::from_secs(30));
+        server.acked(end_of(&header(&b)["results"]));
+        let (_, mut client) = connect(&server);
+        client.write_all(&publish(3, &["c"], "")).unwrap();
+        let _ = wait_up(&server);
+        server.fail_held("this node stopped being master".into());
+        let failed = recv(&mut client, &mut dec);
+        assert_eq!(
+            (
+                failed.kind,
+                failed.request_id,
+                header(&failed)["status"].as_u64()
+            ),
+            (Kind::Error, 3, Some(503))
+        );
+        // (Commands reach the server's thread a moment later: a read already under way
+        // may take the next frame first, as Python's word may come after a frame.)
+        let settle = || std::thread::sleep(Duration::from_millis(100));
+        server.refuse_writes(Some((507, "no space".into())));
+        settle();
+        client.write_all(&publish(4, &["d"], "")).unwrap();
+        let refused = recv(&mut client, &mut dec);
+        assert_eq!(header(&refused)["status"].as_u64(), Some(507));
+        // Past the timeout, what is held fails.
+        server.refuse_writes(None);
+        server.hold(Duration::from_millis(200));
+        settle();
+        client.write_all(&publish(5, &["e"], "")).unwrap();
+        let expired = recv(&mut client, &mut dec);
+        assert_eq!(header(&expired)["status"].as_u64(), Some(503));
+        assert!(header(&expired)["error"]
+            .as_str()
+            .unwrap()
+            .contains("within 0.2 s"));
+        server.stop();
     }
 
     #[test]

@@ -82,6 +82,13 @@ class Replication:
         self._unsaved_epoch: tuple[int, int] | None = None  # mastered, not yet recorded
         self.controller: Controller | None = None
         self.drop_clients: Callable[[], None] = lambda: None  # set by the native server
+        # While master on the native plane: the native server that answers PUBLISH
+        # (serving.lightgate_native.StoreServer, store.replication.native_master). It
+        # is told the acknowledged offset, the refusals and the step-downs.
+        self.native: Any = None
+        self._native_said: tuple[int, str] | None = None  # its last refusal (0: none)
+        self.on_master: Callable[[], None] = lambda: None  # (became master)
+        self.before_follow: Callable[[], Awaitable[None]] | None = None  # (a replica now)
         self.truncated_bytes = 0
         self.restarted_bytes = 0  # dropped starting over after the master's retention
         self._incomplete = Path(store.config.data_dir) / META_INCOMPLETE_FILE
@@ -212,6 +219,7 @@ class Replication:
             # elects a master with room: becoming a replica then sends them there.
             self._fail_pending("no space left on the store node's disk: the write may "
                                "or may not be kept; send it again")
+        self.sync_native()
         if self.controller is not None:  # now, not at the next tick: elect another, or
             self.controller.report(self._report_info(), 0)  # not this one
 
@@ -242,6 +250,8 @@ class Replication:
         fut.add_done_callback(done)
 
     def _fail_pending(self, why: str) -> None:
+        if self.native is not None:
+            self.native.fail_held(why)
         for outer, _ in self.insync.drain():
             if not outer.done():
                 outer.set_exception(StoreError(why))
@@ -270,6 +280,17 @@ class Replication:
                 "nodes --min-insync asks for are up" + (f" ({out})" if out else "")
                 + ": writes are refused")
         return None
+
+    def sync_native(self) -> None:
+        """Tell the native server whether it takes PUBLISH now (as `refused` says)."""
+        if self.native is None:
+            return
+        why = self.refused()
+        said = (0, "") if why is None else (
+            507 if isinstance(why, StoreFullError) else 503, str(why))
+        if said != self._native_said:  # (called per fetch report: said on change)
+            self._native_said = said
+            self.native.refuse_writes(*said)
 
     def write_refusal(self, code: int) -> StoreError | None:
         if code not in WRITE_CODES:
@@ -304,13 +325,34 @@ class Replication:
         msgs: list[Message] = inner.result()
         end = msgs[-1].phys_offset + msgs[-1].size if msgs else 0
         self.insync.wait(end, time.monotonic() + self.cfg.ack_timeout_s, (outer, msgs))
-        names = {name for m in msgs for name, _ in m.queues}
+        self._untell(end, {name for m in msgs for name, _ in m.queues})
+        self._release()
+
+    def _untell(self, end: int, names: set[str]) -> None:
+        """Readers of `names` are told once the log is acknowledged to `end`."""
         untold = self._untold
         if untold and len(untold) >= UNTOLD_MAX:  # (replicas away: merged, not grown)
             _, more = untold.pop()
-            names |= more
+            names = names | more
         untold.append((end, names))
-        self._release()
+
+    def dispatched(self, names: set[str]) -> None:
+        """(Any thread.) The native engine's appends were dispatched, to the log's end
+        now: as master in sync mode their readers are told once acknowledged."""
+        end = self.store.commitlog.max_offset
+        if threading.get_ident() == self._trio_thread:
+            self._native_untold(end, names)
+        else:
+            try:
+                self._token.run_sync_soon(self._native_untold, end, names)
+            except trio.RunFinishedError:
+                pass
+
+    def _native_untold(self, end: int, names: set[str]) -> None:
+        if self.role == REPLICA or self.cfg.mode != "sync":
+            return
+        self._untell(end, names)
+        self._tell_readers()
 
     def _release(self) -> None:
         """Acknowledge what every required node holds, while the lease lasts."""
@@ -321,12 +363,21 @@ class Replication:
         self.confirmed = max(self.confirmed, self.insync.ack_offset(end))
         if self.confirmed > before and self._eager and self.read_limit() is not None:
             self._wake_soon()  # replicas' readers may see more: answer their long polls
+        if self.native is not None:
+            if self.confirmed > before:
+                self.native.acked(self.confirmed)  # the native appends held to here go out
+                self._acked_now()
+            self.sync_native()
         ready = self.insync.ready(self.confirmed)
         for outer, msgs in ready:
             if not outer.done():
                 outer.set_result(msgs)
         if ready:
             self._acked_now()
+        self._tell_readers()
+
+    def _tell_readers(self) -> None:
+        """Readers held back at the read limit may go on to the acknowledged offset."""
         names: set[str] = set()
         untold = self._untold
         while untold and untold[0][0] <= self.confirmed:
@@ -580,6 +631,7 @@ class Replication:
             log.info("in-sync set: %s", sorted(want))
         self._release()
         self._release_meta()
+        self.sync_native()
 
     # -- the replica's side ------------------------------------------------------------
     def still_following(self, master_addr: str, epoch: int) -> bool:
@@ -702,6 +754,7 @@ class Replication:
         log.warning("this node is master of epoch %d from log offset %d", epoch, log_end)
         if self.space.full is not None:
             self._now_full()
+        self.on_master()
         if self._nursery is not None and store.auth_reload is not None:
             self._nursery.start_soon(store.auth_reload)
 
@@ -712,6 +765,7 @@ class Replication:
         self.master_confirmed, self._held = 0, deque()  # until the new master's answer
         self._untold.clear()
         self.store.meta.on_change = None
+        self.sync_native()
         self._fail_pending("this node stopped being master")
         if was != REPLICA:
             log.warning("this node is now a replica of %s (epoch %d)", master_addr, epoch)
@@ -723,6 +777,9 @@ class Replication:
     async def _follow(self, master_addr: str, epoch: int) -> None:
         with trio.CancelScope() as scope:
             self._follow_scope = scope
+            if self.before_follow is not None:  # the native writer hands the log back
+                with trio.CancelScope(shield=True):
+                    await self.before_follow()
             await follow(self, master_addr, epoch)
 
     def _stop_following(self) -> None:
@@ -779,6 +836,7 @@ class Replication:
             self._release()
             self._release_meta()
             self._expire()
+            self.sync_native()
 
     def _report_info(self) -> dict[str, Any]:
         mastering = self.role in (MASTER, FENCED)

@@ -15,6 +15,7 @@ import pytest
 from serving import plane
 from tests.conftest import RedisServer, Server
 from tests.ha.cluster import Group, read_topic, wait_for
+from tests.security.helpers import native
 from tests.separated.test_native_gateway import publisher, resending_burst, uid
 
 pytestmark = pytest.mark.skipif(
@@ -22,6 +23,10 @@ pytestmark = pytest.mark.skipif(
     reason="the native data plane is not built")
 
 DEVICES, COUNT = 4, 600
+
+
+def carried(g: Group, i: int) -> int:
+    return int(native(g.nodes[i], "STATS", creds=None)["native_carried"])
 
 
 def test_master_killed_mid_burst_every_publish_stored_once_on_the_new_master(
@@ -33,6 +38,7 @@ def test_master_killed_mid_burst_every_publish_stored_once_on_the_new_master(
     try:
         m = g.master(20)
         wait_for(lambda: len(g.insync(m)) == 3, 15, "all three in sync")
+        before = carried(g, m)
         gw = Server(None, "--store", g.addrs, "--notify", redis_server.url,
                     "--io-threads", "1", command="gateway").start()
         base = uid("gonce")
@@ -50,6 +56,10 @@ def test_master_killed_mid_burst_every_publish_stored_once_on_the_new_master(
         while len(progress) < 200:
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        # The master's native server carries the gateway's connection (its PUBLISH
+        # frames answered natively, held for the in-sync set): more carried since the
+        # gateway came than this STATS request's own connection.
+        assert carried(g, m) >= before + 2
         g.nodes[m].kill()
         for r in runs:
             r.join(120)
