@@ -38,9 +38,11 @@ log = logging.getLogger("lightgate.store.replication")
 
 def group_native(repl: ReplicationConfig | None) -> bool:
     """Whether a group's node runs the native server while master: on the native plane,
-    unless LIGHTGATE_GROUP_NATIVE=0 (the Python writer and server throughout)."""
+    with LIGHTGATE_GROUP_NATIVE=1. Not by default yet: it answers sooner, but at a
+    fleet's low rate each native append costs the master's Python a dispatch of its own
+    (docs/native-plane.md), until the replicas' fetch is native too."""
     return (plane.NATIVE is not None and repl is not None
-            and os.environ.get("LIGHTGATE_GROUP_NATIVE", "1") != "0")
+            and os.environ.get("LIGHTGATE_GROUP_NATIVE", "0") == "1")
 
 
 class NativeMaster:

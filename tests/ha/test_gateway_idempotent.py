@@ -32,6 +32,7 @@ def carried(g: Group, i: int) -> int:
 def test_master_killed_mid_burst_every_publish_stored_once_on_the_new_master(
         tmp_path: Path, redis_server: RedisServer, monkeypatch) -> None:
     monkeypatch.setenv("LIGHTGATE_NATIVE", "1")
+    monkeypatch.setenv("LIGHTGATE_GROUP_NATIVE", "1")  # the master's native server too
     g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2", "--notify",
               redis_server.url).start()
     gw: Server | None = None

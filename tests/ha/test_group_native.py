@@ -35,6 +35,7 @@ PLANES = [
 @pytest.fixture(params=PLANES)
 def plane_name(request, monkeypatch) -> str:
     monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if request.param == "native" else "0")
+    monkeypatch.setenv("LIGHTGATE_GROUP_NATIVE", "1")  # (opt-in: store.replication.native_master)
     return request.param
 
 
