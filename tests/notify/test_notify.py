@@ -9,11 +9,13 @@ import socket
 import threading
 from typing import Any
 
+import orjson
 import pytest
 import redis
 import trio
 
-from notify import RESYNC, LocalBus, RedisBus, Subscription, open_bus
+from lightqueue.topic import validate_topic_name
+from notify import CHANNEL, RESYNC, Grown, LocalBus, RedisBus, Subscription, open_bus
 
 NAMES = {"home/bath/temp", "home/+/temp", "home#2"}
 
@@ -381,3 +383,72 @@ async def test_unencodable_names_turn_into_resync(redis_server) -> None:
         bus.publish(["fine", "bad\udc80"])
         batches = await collect_until(events, {"fine", RESYNC})
         assert all("bad\udc80" not in b for b in batches) and bus.healthy
+
+
+# -- queue ends in the payload ------------------------------------------------------------
+
+ENDS = {"home/bath/temp": 7, "home/+/temp": 12}
+
+
+def old_decode(data: bytes) -> set[str] | None:
+    """What a node that knows nothing of ends made of a message: its names, or None
+    (malformed)."""
+    names = orjson.loads(data)
+    if isinstance(names, list) and all(isinstance(n, str) for n in names):
+        return set(names)
+    return None
+
+
+async def test_the_store_says_each_grown_queues_end_and_a_gateway_reads_it(
+        redis_server) -> None:
+    """A store's mapping of queue to end reaches a gateway as a batch of the names with
+    those ends; a name published again without one has none (it may be past it), and
+    of two ends the larger counts."""
+    async with RedisBus(redis_server.url, receive=False) as store, \
+            RedisBus(redis_server.url) as gateway, gateway.subscribe() as events:
+        store.publish(ENDS)
+        [batch] = await collect_until(events, set(ENDS))
+        assert batch == set(ENDS) and batch.ends == ENDS
+        store.publish({"home#2"})  # no end said: none read
+        assert (await events.receive()).ends == {}
+    merged = Grown(ENDS, dict(ENDS))
+    merged.merge({"home/bath/temp": 9, "home/+/temp": 3})
+    merged.merge({"home#2"})
+    assert merged.ends == {"home/bath/temp": 9, "home/+/temp": 12}
+    merged.merge(["home/bath/temp"])
+    assert merged.ends == {"home/+/temp": 12} and merged == NAMES
+
+
+async def test_a_node_that_knows_no_ends_reads_the_new_payload(redis_server) -> None:
+    """Every name comes through to a reader of plain name lists; the ends ride in one
+    more element, which names no queue an MQTT client can read (U+0000 is in no topic)."""
+    raw = redis.Redis.from_url(redis_server.url)
+    sub = raw.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe(CHANNEL)
+    async with RedisBus(redis_server.url, receive=False) as store:
+        store.publish(ENDS)
+        msg = None
+        with trio.fail_after(5):
+            while msg is None:
+                msg = await trio.to_thread.run_sync(lambda: sub.get_message(timeout=0.1))
+    names = old_decode(msg["data"])
+    assert names is not None and set(ENDS) < names
+    [extra] = names - set(ENDS)
+    assert "\x00" in extra
+    with pytest.raises(ValueError):
+        validate_topic_name(extra)
+    sub.close()
+    raw.close()
+
+
+async def test_a_node_that_says_no_ends_is_read_as_before(redis_server) -> None:
+    """A plain list of names (a store that says no ends) is a batch without ends: every
+    reader of those queues pulls, as before."""
+    async with RedisBus(redis_server.url) as gateway, gateway.subscribe() as events:
+        raw = redis.Redis.from_url(redis_server.url)
+        raw.publish(gateway.channel, orjson.dumps(sorted(NAMES)))
+        raw.publish(gateway.channel, orjson.dumps(["x", "\x00ends:1,2"]))  # ends unfit
+        raw.close()
+        batches = await collect_until(events, NAMES | {"x"})
+        assert set().union(*batches) == NAMES | {"x"}
+        assert all(not b.ends for b in batches) and gateway.errors == 0
