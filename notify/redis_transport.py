@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -47,6 +47,7 @@ from notify.bus import (
     Grown,
     Subscription,
     ends_of,
+    grown,
     merge_ends,
 )
 from notify.local import LocalBus
@@ -100,6 +101,10 @@ class RedisBus(Counters):
         self._pub_ok = True  # no failed send pending
         self._sub_ok = not receive  # subscribed to the channel (or never to be)
         self._outage = False  # a warning was logged and no recovery since
+        # Asked in the subscriber thread of each batch received: whether to hand it to
+        # trio (False: whoever set it took it there; RESYNC batches are always handed).
+        self.early: Callable[[Grown], bool] | None = None
+        self.taken_early = 0  # batches `early` kept from trio
 
     # -- state ------------------------------------------------------------------------
     @property
@@ -109,7 +114,7 @@ class RedisBus(Counters):
 
     def counters(self) -> dict[str, int]:
         return {**super().counters(), "sent": self.sent, "received": self.received,
-                "resyncs": self.resyncs}
+                "resyncs": self.resyncs, "taken_early": self.taken_early}
 
     def _set_health(self, part: str, ok: bool, exc: BaseException | None = None) -> None:
         """Log once per outage: when the first part fails, and when all are back."""
@@ -315,6 +320,14 @@ class RedisBus(Counters):
         token = self._token
         if not names or token is None:
             return
+        early = self.early
+        if early is not None and RESYNC not in names:
+            try:
+                if not early(names if isinstance(names, Grown) else grown(names)):
+                    self.taken_early += 1
+                    return
+            except Exception:  # noqa: BLE001 - the thread must go on: trio hears of it
+                log.exception("notify: the early look at a batch failed")
         try:
             trio.from_thread.run_sync(self._local.deliver, names, trio_token=token)
         except trio.RunFinishedError:

@@ -452,3 +452,26 @@ async def test_a_node_that_says_no_ends_is_read_as_before(redis_server) -> None:
         batches = await collect_until(events, NAMES | {"x"})
         assert set().union(*batches) == NAMES | {"x"}
         assert all(not b.ends for b in batches) and gateway.errors == 0
+
+
+async def test_a_batch_taken_early_never_reaches_trio(redis_server) -> None:
+    """`early` sees each batch in the subscriber thread, with its ends; one it takes
+    (a gateway whose engine alone reads those queues) is not handed to the event loop,
+    and a RESYNC always is."""
+    seen: list[tuple[set[str], dict[str, int], bool]] = []
+
+    def early(names: Grown) -> bool:
+        seen.append((set(names), dict(names.ends), threading.current_thread().name))
+        return "home#2" in names
+
+    async with RedisBus(redis_server.url, receive=False) as store, \
+            RedisBus(redis_server.url) as gateway, gateway.subscribe() as events:
+        gateway.early = early
+        store.publish(ENDS)
+        await wait_for(lambda: gateway.taken_early == 1)
+        assert seen == [(set(ENDS), ENDS, "notify-redis-subscriber")]
+        store.publish({"home#2"})
+        assert await collect_until(events, {"home#2"}) == [{"home#2"}]
+        await trio.to_thread.run_sync(gateway._hand_over, {RESYNC})
+        assert await collect_until(events, {RESYNC}) == [{RESYNC}]
+        assert gateway.counters()["taken_early"] == 1
