@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 import orjson
@@ -475,3 +476,31 @@ async def test_a_batch_taken_early_never_reaches_trio(redis_server) -> None:
         await trio.to_thread.run_sync(gateway._hand_over, {RESYNC})
         assert await collect_until(events, {RESYNC}) == [{RESYNC}]
         assert gateway.counters()["taken_early"] == 1
+
+
+async def test_under_load_sends_to_redis_are_an_interval_apart(redis_server) -> None:
+    """A name a millisecond for 0.4 s: every name arrives, in few messages (at most one
+    per `interval`, 10 ms: a send per `window`, 2 ms, made ~175 of them); a name after
+    a quiet spell goes after `window` alone."""
+    async with RedisBus(redis_server.url, receive=False) as store, \
+            RedisBus(redis_server.url) as gateway, gateway.subscribe() as events:
+        want = {f"dev/{i}/up" for i in range(400)}
+
+        def load() -> None:
+            for name in sorted(want):
+                store.publish_from_thread([name])
+                time.sleep(0.001)
+
+        t = threading.Thread(target=load)
+        began = time.monotonic()
+        t.start()
+        batches = await collect_until(events, want, timeout=10)
+        t.join()
+        took = time.monotonic() - began  # longer on a loaded machine: more sends
+        assert set().union(*batches) == want and gateway.received == 400
+        assert len(batches) <= took / store.interval * 1.2 + 5, (len(batches), took)
+        await trio.sleep(0.1)  # quiet
+        start = trio.current_time()
+        store.publish({"late"})
+        assert await collect_until(events, {"late"}) == [{"late"}]
+        assert trio.current_time() - start < 0.5
