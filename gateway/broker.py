@@ -36,7 +36,7 @@ from gateway.shared import SharedGroup, SharedGroups
 from gateway.stats import APPEND_BUCKETS, Stats
 from gateway.store_link import Elsewhere
 from gateway.wills import Wills
-from notify import Bus, LocalBus
+from notify import Bus, LocalBus, RedisBus
 from serving.read_budget import ReadBudget
 from store.api import AUTH_EVENT, AuthManager, LocalStore, Message, Store
 
@@ -311,8 +311,27 @@ class Broker:
             with bus.listen(self.on_queues_changed, among=self.news_among):
                 await trio.sleep_forever()
         async with bus.subscribe() as events:
-            async for names in events:
-                self.on_queues_changed(names)
+            if isinstance(bus, RedisBus):
+                bus.early = self.early_news
+            try:
+                async for names in events:
+                    self.on_queues_changed(names)
+            finally:
+                if isinstance(bus, RedisBus):
+                    bus.early = None
+
+    def early_news(self, names: AbstractSet[str]) -> bool:
+        """From the notify's thread, before the event loop hears of a batch: whether it
+        is to hear of it. Not when no Python-side reader wants any of its names (see
+        `news_among`): the engine pulls what its carried subscribers are short of right
+        here, and a fleet's stream of batches, each naming its devices' queues and the
+        queue the application reads natively, costs no wake-up of the event loop."""
+        news = None if self.handover is None else self.handover.news
+        if news is None or self.news_among(names):  # (the gateway's events among them)
+            return True
+        self.stats.notify_events += len(names)
+        news.grew(names)
+        return False
 
     async def run_poll_fallback(self, bus: Bus | None, interval: float = 0.2) -> None:
         """While notify is down (or absent), poll the ends of subscribed queues so that

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
+from notify.bus import ends_of
 from serving.rate_limited_log import RateLimitedLog
 from store.api import Message
 
@@ -60,8 +61,10 @@ class RemoteNews:
         self._told.add(name)
 
     def grew(self, names: set[str]) -> None:
-        """The store's notify: the engine pulls those of these queues its subscribers read."""
-        self.engine.grew(list(names))
+        """The store's notify: the engine pulls those of these queues its subscribers
+        read, but not one whose end the notify said and its readers have reached."""
+        ends = ends_of(names)
+        self.engine.grew(list(names), ends or None)
 
     def refresh(self, now: float) -> None:
         """Tell the engine which queues Python delivers from here, if that changed; have

@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from notify.bus import RESYNC, Bus, Counters, Subscription
+from notify.bus import RESYNC, Bus, Counters, Grown, Subscription
 from notify.local import LocalBus
 from notify.redis_transport import CHANNEL, RedisBus
 
-__all__ = ["CHANNEL", "RESYNC", "Bus", "Counters", "LocalBus", "RedisBus", "Subscription",
+__all__ = ["CHANNEL", "RESYNC", "Bus", "Counters", "Grown", "LocalBus", "RedisBus", "Subscription",
            "open_bus"]
 
 

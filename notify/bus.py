@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
@@ -24,6 +24,54 @@ RESYNC = "*"
 
 DEFAULT_WINDOW = 0.002  # seconds during which published names merge into one batch
 DEFAULT_BUFFER = 16  # batches a subscriber may have pending before they merge
+
+
+class Grown(set[str]):
+    """A batch of names that also says where some of those queues end: `ends[name]` is
+    the offset the queue's next message gets, as the store said once it appended (a
+    name without one grew to an end nobody said). A reader already at a queue's end
+    need not pull it: the store's notify of a gateway's own publishes, which that
+    gateway delivered from the store's answers, then costs no pull. A plain set works
+    wherever a batch does: every name is then "grew, end unknown"."""
+
+    __slots__ = ("ends",)
+
+    def __init__(self, names: Iterable[str] = (), ends: dict[str, int] | None = None) -> None:
+        super().__init__(names)
+        self.ends: dict[str, int] = {} if ends is None else ends
+
+    def merge(self, names: Iterable[str]) -> None:
+        """Add a batch's names: an end said twice is the larger; a name added again
+        without one loses it (it may have grown past it)."""
+        merge_ends(self, self.ends, names, ends_of(names))
+        self.update(names)
+
+
+def merge_ends(names: set[str], ends: dict[str, int], more: Iterable[str],
+               more_ends: dict[str, int]) -> None:
+    """The ends of `names` once `more` (with `more_ends`) join them (call before they
+    do): the larger of two ends; none when either said none."""
+    for name in more:
+        end = more_ends.get(name)
+        if end is None:
+            ends.pop(name, None)
+        elif name in ends or name not in names:
+            ends[name] = max(end, ends.get(name, end))
+
+
+def ends_of(names: Iterable[str]) -> dict[str, int]:
+    """The ends a batch says (a `Grown`, or a mapping of name to end); none of a plain
+    collection of names."""
+    if isinstance(names, Grown):
+        return names.ends
+    if isinstance(names, Mapping):
+        return {n: e for n, e in names.items() if isinstance(e, int)}
+    return {}
+
+
+def grown(names: Iterable[str]) -> Grown:
+    """A batch of its own of these names, with the ends they say."""
+    return Grown(names, dict(ends_of(names)))
 
 
 class Counters:
@@ -69,7 +117,7 @@ class Subscription:
             raise ValueError("a subscription buffers at least one batch")
         self._counters = counters
         self._buffer = buffer
-        self._batches: deque[set[str]] = deque()
+        self._batches: deque[Grown] = deque()
         self._wakeup = trio.Event()
         self.closed = False
 
@@ -78,21 +126,23 @@ class Subscription:
         return len(self._batches)
 
     def push(self, names: Iterable[str]) -> None:
-        """Queue a batch (copied: batches are shared between subscribers)."""
+        """Queue a batch (copied: batches are shared between subscribers), with the ends
+        it says (`Grown`)."""
         if self.closed:
             return
         if len(self._batches) < self._buffer:
-            batch = set(names)
+            batch = grown(names)
             if not batch:
                 return
             self._batches.append(batch)
         else:
             last = self._batches[-1]
             before = len(last)
-            n = 0
-            for name in names:
-                last.add(name)
-                n += 1
+            n = len(names) if isinstance(names, set | frozenset | Mapping) else None
+            if n is None:
+                names = list(names)
+                n = len(names)
+            last.merge(names)
             self._counters.count(merged=before + n - len(last))
         self._wakeup.set()
 
@@ -103,7 +153,7 @@ class Subscription:
     def __aiter__(self) -> Subscription:
         return self
 
-    async def __anext__(self) -> set[str]:
+    async def __anext__(self) -> Grown:
         while not self._batches:
             if self.closed:
                 raise StopAsyncIteration
@@ -118,7 +168,7 @@ class Subscription:
         self._counters.count(delivered=len(batch))
         return batch
 
-    async def receive(self) -> set[str]:
+    async def receive(self) -> Grown:
         """The next batch; raises trio.EndOfChannel once closed and drained."""
         try:
             return await self.__anext__()

@@ -16,7 +16,7 @@ from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 
 import trio
 
-from notify.bus import DEFAULT_BUFFER, DEFAULT_WINDOW, RESYNC, Counters, Subscription
+from notify.bus import DEFAULT_BUFFER, DEFAULT_WINDOW, RESYNC, Counters, Subscription, grown
 
 __all__ = ["RESYNC", "LocalBus"]
 
@@ -115,7 +115,7 @@ class LocalBus(Counters):
         if threading.get_ident() != self._trio_thread:
             self._publish_from_other_thread(names)
         elif self.window <= 0 and self._running:
-            batch = names if isinstance(names, set | frozenset) else set(names)
+            batch = names if isinstance(names, set | frozenset) else grown(names)
             self.count(published=len(batch))
             self.deliver(batch)
         elif self._add(names):
@@ -159,7 +159,7 @@ class LocalBus(Counters):
     def deliver(self, names: Iterable[str]) -> None:
         """Hand a batch to every subscriber now, skipping the window (trio thread only;
         the Redis transport uses it for batches that were merged before sending)."""
-        batch = names if isinstance(names, set | frozenset) else set(names)
+        batch = names if isinstance(names, set | frozenset) else grown(names)
         if not batch:
             return
         for sub in self._subs:

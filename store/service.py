@@ -244,8 +244,8 @@ class EmbeddedStore:
         kept = self.recent.add(messages) if messages else False
         self.recent.grew(grown)  # a ring its queue outgrew (messages came without bodies)
         told = None
-        if self._notify is not None:
-            told = self._notify(set(grown))
+        if self._notify is not None:  # with their ends: a reader there need not pull
+            told = self._notify(grown)
         if messages:
             return kept or told is not False
         return self._notify is not None and told is not False

@@ -637,9 +637,18 @@ impl Connection {
             if let Some(why) = lost {
                 break why;
             }
-            // Read the answers.
+            // Read the answers, when the socket said it has some (edge-triggered: data
+            // that comes later says so again). Not after a wake-up for new requests
+            // alone: at a fleet's pace, each request's wake-up cost a read that found
+            // nothing.
             let mut lost = None;
+            let readable = events.iter().any(|e| {
+                e.token() == SOCKET && (e.is_readable() || e.is_read_closed() || e.is_error())
+            });
             'read: loop {
+                if !readable {
+                    break;
+                }
                 match stream.read(&mut buf) {
                     Ok(0) => {
                         lost = Some("the store closed the connection".to_string());
@@ -681,6 +690,11 @@ impl Connection {
                             self.answered(sent.request, f);
                         }
                         if lost.is_some() {
+                            break 'read;
+                        }
+                        if n < buf.len() {
+                            // The socket was drained (what comes next says so again):
+                            // no read that only finds nothing.
                             break 'read;
                         }
                     }

@@ -832,9 +832,18 @@ impl PyEngine {
 
     /// The store's notify says these queues grew: a remote engine pulls those its
     /// carried subscribers read from their positions ("*": every one).
-    fn grew(&self, py: Python<'_>, names: Vec<String>) -> PyResult<()> {
+    /// `ends`: the queues' ends the notify said (a queue whose readers here are all at
+    /// its end is not pulled).
+    #[pyo3(signature = (names, ends=None))]
+    fn grew(
+        &self,
+        py: Python<'_>,
+        names: Vec<String>,
+        ends: Option<std::collections::HashMap<String, u64>>,
+    ) -> PyResult<()> {
         let remote = self.remote()?;
-        py.allow_threads(|| remote.grew(&names));
+        let ends = ends.unwrap_or_default();
+        py.allow_threads(|| remote.grew_to(&names, &ends));
         Ok(())
     }
 

@@ -155,6 +155,20 @@ impl Readers {
         self.readers.contains_key(queue)
     }
 
+    /// Whether every reader of `queue` here has been handed everything below `end`
+    /// (the store's notify says the queue ends there): no pull of it can bring them
+    /// more. A reader served in rounds does not count (its rounds pull for it).
+    pub fn at_end(&self, queue: &str, end: u64) -> bool {
+        self.readers.get(queue).is_some_and(|conns| {
+            conns.iter().filter(|c| !self.behind.contains(c)).all(|c| {
+                self.next
+                    .get(c)
+                    .and_then(|n| n.get(queue))
+                    .is_none_or(|n| *n >= end)
+            })
+        })
+    }
+
     /// Every queue read here.
     pub fn queues(&self) -> Vec<Arc<str>> {
         self.readers.keys().cloned().collect()

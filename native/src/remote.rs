@@ -21,7 +21,7 @@
 //! own acknowledged publishes of the queues those read (`set_stored_queues`) are
 //! handed to Python (`take_stored`), which serves them at once, as it does its own.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -885,6 +885,13 @@ impl RemoteEngine {
     /// their readers' positions (what this gateway published is there already, and
     /// skipped). `*` (notify lost events): every queue read here.
     pub fn grew(&self, names: &[String]) {
+        self.grew_to(names, &HashMap::new());
+    }
+
+    /// `grew`, where the notify said some queues' ends: such a queue is not pulled
+    /// while every reader of it here is at that end already (this gateway's own
+    /// publishes, delivered from the store's answers, as most are).
+    pub fn grew_to(&self, names: &[String], ends: &HashMap<String, u64>) {
         if self.sink.reading.load(Ordering::Relaxed) == 0 {
             return;
         }
@@ -892,7 +899,7 @@ impl RemoteEngine {
             Ok(r) if names.iter().any(|n| n == "*") => r.queues(),
             Ok(r) => names
                 .iter()
-                .filter(|n| r.reads(n))
+                .filter(|n| r.reads(n) && !ends.get(*n).is_some_and(|e| r.at_end(n, *e)))
                 .map(|n| Arc::from(n.as_str()))
                 .collect(),
             Err(_) => return,

@@ -7,13 +7,16 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
+import orjson
 import pytest
 import redis
 import trio
 
-from notify import RESYNC, LocalBus, RedisBus, Subscription, open_bus
+from lightqueue.topic import validate_topic_name
+from notify import CHANNEL, RESYNC, Grown, LocalBus, RedisBus, Subscription, open_bus
 
 NAMES = {"home/bath/temp", "home/+/temp", "home#2"}
 
@@ -381,3 +384,123 @@ async def test_unencodable_names_turn_into_resync(redis_server) -> None:
         bus.publish(["fine", "bad\udc80"])
         batches = await collect_until(events, {"fine", RESYNC})
         assert all("bad\udc80" not in b for b in batches) and bus.healthy
+
+
+# -- queue ends in the payload ------------------------------------------------------------
+
+ENDS = {"home/bath/temp": 7, "home/+/temp": 12}
+
+
+def old_decode(data: bytes) -> set[str] | None:
+    """What a node that knows nothing of ends made of a message: its names, or None
+    (malformed)."""
+    names = orjson.loads(data)
+    if isinstance(names, list) and all(isinstance(n, str) for n in names):
+        return set(names)
+    return None
+
+
+async def test_the_store_says_each_grown_queues_end_and_a_gateway_reads_it(
+        redis_server) -> None:
+    """A store's mapping of queue to end reaches a gateway as a batch of the names with
+    those ends; a name published again without one has none (it may be past it), and
+    of two ends the larger counts."""
+    async with RedisBus(redis_server.url, receive=False) as store, \
+            RedisBus(redis_server.url) as gateway, gateway.subscribe() as events:
+        store.publish(ENDS)
+        [batch] = await collect_until(events, set(ENDS))
+        assert batch == set(ENDS) and batch.ends == ENDS
+        store.publish({"home#2"})  # no end said: none read
+        assert (await events.receive()).ends == {}
+    merged = Grown(ENDS, dict(ENDS))
+    merged.merge({"home/bath/temp": 9, "home/+/temp": 3})
+    merged.merge({"home#2"})
+    assert merged.ends == {"home/bath/temp": 9, "home/+/temp": 12}
+    merged.merge(["home/bath/temp"])
+    assert merged.ends == {"home/+/temp": 12} and merged == NAMES
+
+
+async def test_a_node_that_knows_no_ends_reads_the_new_payload(redis_server) -> None:
+    """Every name comes through to a reader of plain name lists; the ends ride in one
+    more element, which names no queue an MQTT client can read (U+0000 is in no topic)."""
+    raw = redis.Redis.from_url(redis_server.url)
+    sub = raw.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe(CHANNEL)
+    async with RedisBus(redis_server.url, receive=False) as store:
+        store.publish(ENDS)
+        msg = None
+        with trio.fail_after(5):
+            while msg is None:
+                msg = await trio.to_thread.run_sync(lambda: sub.get_message(timeout=0.1))
+    names = old_decode(msg["data"])
+    assert names is not None and set(ENDS) < names
+    [extra] = names - set(ENDS)
+    assert "\x00" in extra
+    with pytest.raises(ValueError):
+        validate_topic_name(extra)
+    sub.close()
+    raw.close()
+
+
+async def test_a_node_that_says_no_ends_is_read_as_before(redis_server) -> None:
+    """A plain list of names (a store that says no ends) is a batch without ends: every
+    reader of those queues pulls, as before."""
+    async with RedisBus(redis_server.url) as gateway, gateway.subscribe() as events:
+        raw = redis.Redis.from_url(redis_server.url)
+        raw.publish(gateway.channel, orjson.dumps(sorted(NAMES)))
+        raw.publish(gateway.channel, orjson.dumps(["x", "\x00ends:1,2"]))  # ends unfit
+        raw.close()
+        batches = await collect_until(events, NAMES | {"x"})
+        assert set().union(*batches) == NAMES | {"x"}
+        assert all(not b.ends for b in batches) and gateway.errors == 0
+
+
+async def test_a_batch_taken_early_never_reaches_trio(redis_server) -> None:
+    """`early` sees each batch in the subscriber thread, with its ends; one it takes
+    (a gateway whose engine alone reads those queues) is not handed to the event loop,
+    and a RESYNC always is."""
+    seen: list[tuple[set[str], dict[str, int], bool]] = []
+
+    def early(names: Grown) -> bool:
+        seen.append((set(names), dict(names.ends), threading.current_thread().name))
+        return "home#2" in names
+
+    async with RedisBus(redis_server.url, receive=False) as store, \
+            RedisBus(redis_server.url) as gateway, gateway.subscribe() as events:
+        gateway.early = early
+        store.publish(ENDS)
+        await wait_for(lambda: gateway.taken_early == 1)
+        assert seen == [(set(ENDS), ENDS, "notify-redis-subscriber")]
+        store.publish({"home#2"})
+        assert await collect_until(events, {"home#2"}) == [{"home#2"}]
+        await trio.to_thread.run_sync(gateway._hand_over, {RESYNC})
+        assert await collect_until(events, {RESYNC}) == [{RESYNC}]
+        assert gateway.counters()["taken_early"] == 1
+
+
+async def test_under_load_sends_to_redis_are_an_interval_apart(redis_server) -> None:
+    """A name a millisecond for 0.4 s: every name arrives, in few messages (at most one
+    per `interval`, 10 ms: a send per `window`, 2 ms, made ~175 of them); a name after
+    a quiet spell goes after `window` alone."""
+    async with RedisBus(redis_server.url, receive=False) as store, \
+            RedisBus(redis_server.url) as gateway, gateway.subscribe() as events:
+        want = {f"dev/{i}/up" for i in range(400)}
+
+        def load() -> None:
+            for name in sorted(want):
+                store.publish_from_thread([name])
+                time.sleep(0.001)
+
+        t = threading.Thread(target=load)
+        began = time.monotonic()
+        t.start()
+        batches = await collect_until(events, want, timeout=10)
+        t.join()
+        took = time.monotonic() - began  # longer on a loaded machine: more sends
+        assert set().union(*batches) == want and gateway.received == 400
+        assert len(batches) <= took / store.interval * 1.2 + 5, (len(batches), took)
+        await trio.sleep(0.1)  # quiet
+        start = trio.current_time()
+        store.publish({"late"})
+        assert await collect_until(events, {"late"}) == [{"late"}]
+        assert trio.current_time() - start < 0.5

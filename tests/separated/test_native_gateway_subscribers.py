@@ -175,6 +175,49 @@ def test_another_gateways_and_a_qos2_publishers_messages_reach_the_carried_subsc
                 assert srv.stop() == 0, srv.logs()[-3000:]
 
 
+def test_a_carried_subscriber_at_the_end_makes_no_pull(shape) -> None:
+    """The store's notify says each grown queue's end: a queue whose carried readers are
+    there already (this gateway's publishes, delivered from the store's answers) is not
+    pulled. Before, every notify batch cost a raw pull of the queue, most of them empty."""
+    which, _, gw = shape
+    base = uid("atend")
+    sub, _ = subscriber(gw, which, f"{base}/#")
+    count = 100
+    if which == "native":
+        wait_pulls_settle(gw)
+    before = native_counters(gw) if which == "native" else {}
+    dev, _ = publisher(gw, which)
+    for i in range(count):  # a device's pace: each message a notify batch of its own
+        dev.send(mqtt.Publish(f"{base}/d", f"d:{i}".encode(), 1, packet_id=i + 1))
+        ack = dev.recv()
+        assert isinstance(ack, mqtt.Puback) and ack.reason_code == 0, ack
+        time.sleep(0.01)
+    dev.close()
+    got = [m.payload for m in sub.expect(count, timeout=30)]
+    sub.expect_none(0.5)  # (the notify of the last ones has come meanwhile)
+    assert_once_in_order(got, {"d": count})
+    if which == "native":
+        after = native_counters(gw)
+        pulls = (after["lightgate_native_store_pulls_total"]
+                 - before["lightgate_native_store_pulls_total"])
+        # A notify that overtakes the store's answer still pulls: a few, not one a batch.
+        assert pulls <= 10, (pulls, after["lightgate_native_store_pulled_records_total"])
+    sub.disconnect()
+
+
+def wait_pulls_settle(gw: Server, timeout: float = 10) -> None:
+    """Until the gateway's pulls stop moving (a promoted reader's queue is pulled once)."""
+    deadline = time.monotonic() + timeout
+    last = native_counters(gw).get("lightgate_native_store_pulls_total")
+    while True:
+        time.sleep(0.3)
+        now = native_counters(gw).get("lightgate_native_store_pulls_total")
+        if now == last:
+            return
+        assert time.monotonic() < deadline, "the gateway's pulls never settle"
+        last = now
+
+
 def test_a_subscriber_demoted_mid_stream_loses_nothing_and_gets_nothing_twice(shape) -> None:
     """A carried subscriber SUBSCRIBEs to another filter while messages stream to it (the
     packet hands it back to Python, which delivers from its positions, and it is carried
