@@ -74,10 +74,13 @@ def usage(pids: list[int], python_pids: list[int] | None = None) -> Usage:
 # The threads of a Lightgate process that never run Python: the native plane's reactors
 # (native/src/reactor.rs names them), the thread that reads the rounds of subscribers
 # that fell behind ("lightgate-backlog", native/src/backlog.rs; a comm holds 15
-# characters) and RocksDB's background threads. Every other thread does: the trio loop,
-# trio's worker threads, the CommitLog's writer and dispatcher, the Raft controller's,
-# the Redis client's.
-NATIVE_THREADS = ("lightgate-io-", "lightgate-backl", "rocksdb:")
+# characters), a gateway node's client of the store ("lightgate-store-client" and its
+# master search, native/src/client.rs), a store's native server ("store-native",
+# native/src/server.rs) and RocksDB's background threads. Every other thread does: the
+# trio loop, trio's worker threads, the CommitLog's writer and dispatcher, the Raft
+# controller's, the Redis client's.
+NATIVE_THREADS = ("lightgate-io-", "lightgate-backl", "lightgate-store", "store-native",
+                  "rocksdb:")
 
 
 def python_split(pids: list[int]) -> tuple[float, float]:
