@@ -69,7 +69,7 @@ async def store_node(
     if carry and not cfg.engine_threads:
         cfg = replace(cfg, engine_threads=1)  # (no MQTT connection: one is plenty)
 
-    def readable(names: set[str]) -> bool:
+    def readable(names: set[str] | dict[str, int]) -> bool:
         """Readers of these queues may read more: wake the pulls waiting here and tell
         gateways. False if nobody here heard (the engine's dispatch may take its time)."""
         told = False
@@ -88,7 +88,7 @@ async def store_node(
             told = True
         return told
 
-    def on_dispatched(names: set[str]) -> bool:
+    def on_dispatched(names: set[str] | dict[str, int]) -> bool:
         """The log grew (called from whichever thread appended). In a group, replicas
         long-polling the log are woken; readers are told once they may read it: at once,
         or where readers see acknowledged messages only (sync mode, and the replicas of a
@@ -97,7 +97,7 @@ async def store_node(
             repl.grew()
             if repl.read_limit() is not None:
                 if repl.native is not None:  # native appends: told once acknowledged
-                    repl.dispatched(names)
+                    repl.dispatched(set(names))  # (names, or names with their ends)
                 return True
         return readable(names)
 
