@@ -41,6 +41,7 @@ use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token, Waker};
 use serde_json::Value;
 
+use crate::codec::wire::topic_name_problem;
 use crate::engine::{AppendError, Appender, Dispatched, Message};
 use crate::frame::{self, Decoder, Frame, Kind};
 
@@ -66,7 +67,6 @@ pub const MAX_PARKED: usize = 64;
 pub const MAX_UNSENT: usize = 8 << 20;
 /// Bytes a connection's parked frames may hold past which it is not read.
 pub const MAX_PARKED_BYTES: usize = 64 << 20;
-const MAX_TOPIC_BYTES: usize = 65535;
 const WAKER: Token = Token(usize::MAX);
 const READ_CHUNK: usize = 64 * 1024;
 /// A connection held back this long by the node's budget for partial frames is closed
@@ -304,8 +304,8 @@ pub fn native_publish(header: &Value, body: &[u8]) -> Option<(Vec<Message>, Opti
     for meta in metas {
         let m = meta.as_object()?;
         let topic = m.get("topic")?.as_str()?;
-        if !valid_topic(topic) {
-            return None;
+        if topic_name_problem(topic).is_some() {
+            return None; // (Python says why)
         }
         let size = m.get("size")?.as_u64()? as usize;
         let end = pos.checked_add(size).filter(|e| *e <= body.len())?;
@@ -350,13 +350,6 @@ pub fn native_publish(header: &Value, body: &[u8]) -> Option<(Vec<Message>, Opti
         return None;
     }
     Some((msgs, stamp))
-}
-
-/// `validate_topic_name`: not empty, no NUL, no wildcard, at most 65,535 bytes.
-fn valid_topic(topic: &str) -> bool {
-    !topic.is_empty()
-        && topic.len() <= MAX_TOPIC_BYTES
-        && !topic.bytes().any(|b| b == 0 || b == b'+' || b == b'#')
 }
 
 /// The producer a PUBLISH header names, if any (a frame that goes up gives it back).
