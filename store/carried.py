@@ -169,7 +169,7 @@ class Carrier:
         try:
             header = loads_json(raw) if raw else {}
         except ValueError as exc:
-            self.native.answer(conn, _error(code, rid, 400, f"bad header JSON: {exc}"))
+            self.native.answer(conn, p.encode_error(code, rid, 400, f"bad header JSON: {exc}"))
             return
         frame = p.Frame(p.REQUEST, code, rid, header, body)
         if code == p.HELLO:
@@ -182,7 +182,7 @@ class Carrier:
         with fewer rights than the native side assumes closes it."""
         answer = await self.server._hello(frame, c.ctx)
         if not self.may_carry(c.ctx):
-            answer = _error(frame.code, frame.request_id, 403,
+            answer = p.encode_error(frame.code, frame.request_id, 403,
                             "this connection is carried for a user every request is allowed "
                             "to; authenticate as another user on a new connection")
             self.native.answer(conn, answer)
@@ -196,7 +196,7 @@ class Carrier:
         try:
             pid = self.server.store.check_producer(producer, self.server._user(c.ctx))
         except ValueError as exc:
-            self.native.refuse(conn, _error(p.PUBLISH, rid, getattr(exc, "status", 400),
+            self.native.refuse(conn, p.encode_error(p.PUBLISH, rid, getattr(exc, "status", 400),
                                             str(exc)))
             return
         table = self._table
@@ -208,7 +208,7 @@ class Carrier:
                     f"the store remembers {table.max_sequences} producer sequences (a "
                     "producer id and a topic it writes to: --max-producers); idle ones are "
                     "forgotten after --producer-idle-s")
-                self.native.refuse(conn, _error(p.PUBLISH, rid, exc.status, str(exc)))
+                self.native.refuse(conn, p.encode_error(p.PUBLISH, rid, exc.status, str(exc)))
                 return
         self.native.claimed(conn, pid, None if entry is None else (entry[0], list(entry[1])))
 
@@ -233,7 +233,3 @@ class Carrier:
                 log.info("closing a carried native connection of %s: its rights changed",
                          ctx.subject.name if ctx.subject else "?")
                 self.native.close(conn)
-
-
-def _error(code: int, rid: int, status: int, message: str) -> bytes:
-    return p.encode_frame(p.Frame(p.ERROR, code, rid, {"status": status, "error": message}))

@@ -100,6 +100,11 @@ def encode_frame(frame: Frame) -> bytes:
     ))
 
 
+def encode_error(code: int, request_id: int, status: int, message: str) -> bytes:
+    """The ERROR frame that answers request `request_id` (of `code`)."""
+    return encode_frame(Frame(ERROR, code, request_id, {"status": status, "error": message}))
+
+
 class FrameDecoder:
     """Bytes in, frames out, across any chunk boundaries."""
 

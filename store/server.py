@@ -968,6 +968,5 @@ def _refusal(exc: ValueError) -> BadRequest:
 
 
 def _error(frame: p.Frame, status: int, message: str) -> bytes:
-    return p.encode_frame(p.Frame(p.ERROR, frame.code, frame.request_id,
-                                  {"status": status, "error": message}))
+    return p.encode_error(frame.code, frame.request_id, status, message)
 
