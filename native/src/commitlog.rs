@@ -155,6 +155,40 @@ impl LogWriter {
         Ok(done)
     }
 
+    /// A replica's copy (`CommitLog.write_raw`): the master's whole records as they are,
+    /// at the end, in one write; `roll_first` when the master's segment starts here (no
+    /// roll by size: the master's offsets map to the same files). Undone on any error,
+    /// the roll too. The base of the segment it began, if it rolled.
+    pub fn append_raw(
+        &mut self,
+        data: &[u8],
+        roll_first: bool,
+        sync: bool,
+    ) -> io::Result<Option<u64>> {
+        if let Some(why) = &self.broken {
+            return Err(io::Error::other(why.clone()));
+        }
+        let start_pos = self.write_pos;
+        let start_base = self.active_base;
+        let mut began = Vec::new();
+        let written = (|| {
+            if roll_first {
+                self.roll(start_pos)?;
+                began.push(start_pos);
+            }
+            self.write_all(data)?;
+            if sync {
+                self.sync()?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = written {
+            self.undo(start_pos, start_base, &began);
+            return Err(e);
+        }
+        Ok(began.first().copied())
+    }
+
     fn write_all(&mut self, data: &[u8]) -> io::Result<()> {
         self.file.write_all(data)?;
         self.write_pos += data.len() as u64;
@@ -316,6 +350,22 @@ mod tests {
         let ticket = w.sync_ticket().unwrap().unwrap();
         assert!(w.synced(&ticket, failed).is_err());
         assert!(w.append(&[b"l"]).is_err() && w.sync_ticket().is_err());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_replica_copy_rolls_only_where_asked() {
+        let dir = tmp("raw");
+        let mut w = LogWriter::open(&dir, 10, 0, 0).unwrap();
+        assert_eq!(w.append_raw(&[1u8; 25], false, false).unwrap(), None);
+        assert_eq!(
+            w.write_pos(),
+            25,
+            "no roll by size: the master's bytes as they are"
+        );
+        assert_eq!(w.append_raw(&[2u8; 5], true, true).unwrap(), Some(25));
+        assert_eq!((w.active_base(), w.write_pos(), w.flushed()), (25, 30, 30));
+        assert_eq!(fs::read(dir.join(segment_name(25))).unwrap(), vec![2u8; 5]);
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -1529,6 +1529,106 @@ impl Appender {
         Ok(written?.rows)
     }
 
+    /// A replica's copy of its master's bytes (`CommitLog.write_raw`): whole records
+    /// written at `offset`, which must be the log's end, rolling first where the
+    /// master's segment starts (`base == offset`); each record's row left for dispatch
+    /// as an append's, the index and readers following in log order. The records of an
+    /// idempotent producer's appends are kept with their rows (the dispatch's
+    /// producers' table follows them), and the one after such a run (it ends it);
+    /// `marked` carries whether the last record copied was one. Records that do not
+    /// check, or an offset that is not the end: `InvalidData`, nothing written.
+    pub fn copy_raw(
+        &self,
+        offset: u64,
+        data: &[u8],
+        base: u64,
+        marked: &mut bool,
+    ) -> io::Result<usize> {
+        let inner = &self.0;
+        if let Some(why) = inner.failed() {
+            return Err(io::Error::other(why));
+        }
+        let Ok(mut log) = inner.log.lock() else {
+            return Err(io::Error::other("engine lock poisoned"));
+        };
+        let end = log.writer.write_pos();
+        if end != offset {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("replica log ends at {end}, not {offset}"),
+            ));
+        }
+        let mut rows = Vec::new();
+        let mut pos = 0;
+        let mut last_marked = *marked;
+        while pos < data.len() {
+            let (rec, size) = record::decode(&data[pos..]).map_err(|e| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("record at {}: {e}", offset + pos as u64),
+                )
+            })?;
+            let keep = rec.marks != 0 || last_marked;
+            last_marked = rec.marks != 0;
+            rows.push(Dispatched {
+                phys_offset: offset + pos as u64,
+                size: size as u32,
+                store_ts: rec.store_ts,
+                queues: rec
+                    .queues
+                    .iter()
+                    .map(|(n, o)| (n.to_string(), *o))
+                    .collect(),
+                key: rec.key.to_string(),
+                own: false,
+                record: keep.then(|| Arc::from(&data[pos..pos + size])),
+            });
+            pos += size;
+        }
+        let roll = base == offset && log.writer.active_base() != offset && offset > 0;
+        let began = match log.writer.append_raw(data, roll, inner.config.sync) {
+            Ok(b) => b,
+            Err(e) => {
+                if let Some(why) = log.writer.broken() {
+                    if let Ok(mut f) = inner.failed.lock() {
+                        *f = Some(format!("commitlog write failed: {why}"));
+                    }
+                }
+                inner.publish_tail(&log.writer);
+                return Err(e);
+            }
+        };
+        *marked = last_marked;
+        // The queues' next offsets follow the master's (an append after a promotion,
+        // before the engine is handed back, continues them).
+        for row in &rows {
+            for (name, off) in &row.queues {
+                let next = log.next.entry(name.clone()).or_insert(0);
+                *next = (*next).max(off + 1);
+            }
+        }
+        if !log.rings.is_empty() {
+            fill_rings(&mut log.rings, &rows);
+        }
+        let count = rows.len();
+        let mut first = false;
+        if let Ok(mut p) = inner.pending.lock() {
+            first = p.rows.is_empty();
+            inner
+                .kept_bytes
+                .fetch_add(record_bytes(&rows), Ordering::Relaxed);
+            p.rows.extend(rows);
+            p.new_segments.extend(began);
+            inner.pending_rows.store(p.rows.len(), Ordering::Relaxed);
+        }
+        inner.publish_tail(&log.writer);
+        drop(log);
+        if first {
+            inner.appended.notify_all();
+        }
+        Ok(count)
+    }
+
     /// Whether the dispatch is more than `DISPATCH_BUDGET` rows behind: appends wait.
     pub fn behind(&self) -> bool {
         let behind = self.0.pending_rows.load(Ordering::Relaxed) > DISPATCH_BUDGET;

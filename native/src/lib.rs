@@ -22,6 +22,8 @@
 //! - `remote`: the reactors' appends to a store elsewhere (`lightgate gateway`).
 //! - `readers`: the subscribers a gateway node carries, and their positions.
 //! - `subs`: the carried subscriptions, and who a message goes to (both engines).
+//! - `replica`: a store group's replica copying its master's log (`store/replication/
+//!   follower.py`'s steady state), through the engine.
 //! - `server`: the store's native protocol for the connections Python hands over
 //!   (`store/server.py`): PUBLISH appended here, the rest answered by Python.
 //!
@@ -46,6 +48,7 @@ pub mod reactor;
 pub mod readers;
 pub mod record;
 pub mod remote;
+pub mod replica;
 pub mod ring;
 pub mod router;
 pub mod server;
@@ -55,5 +58,7 @@ pub mod ws;
 
 #[cfg(feature = "python")]
 mod py;
+#[cfg(feature = "python")]
+mod py_replica;
 #[cfg(feature = "python")]
 mod py_server;

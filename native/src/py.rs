@@ -1650,6 +1650,7 @@ fn lightgate_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRoutes>()?;
     m.add_class::<PyEngine>()?;
     m.add_class::<crate::py_server::PyStoreServer>()?;
+    m.add_class::<crate::py_replica::PyReplicaCopy>()?;
     m.add_class::<PyDispatchBatch>()?;
     m.add_class::<PyLink>()?;
     m.add("MqttError", m.py().get_type::<MqttError>())?;
