@@ -98,6 +98,8 @@ async def store_node(
             if repl.read_limit() is not None:
                 if repl.native is not None:  # native appends: told once acknowledged
                     repl.dispatched(set(names))  # (names, or names with their ends)
+                elif repl.copier is not None:  # a native copy: once the master says
+                    repl.copied(set(names))
                 return True
         return readable(names)
 
@@ -139,6 +141,7 @@ async def store_node(
                 server.wrap(code, repl.synced)
             if not carry and group_native(repl_cfg):  # master: native engine and server
                 NativeMaster(store, server, repl, nursery)
+                repl.native_copy = True  # replica: the steady-state copy natively
         native_addr = await nursery.start(server.serve, native)
         store.native_addr = native_addr
         if repl is not None:

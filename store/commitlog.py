@@ -865,7 +865,10 @@ class CommitLog(EngineTail):
             due = due and (self._checkpointed != engine.flushed or dirty)
             if self._flushed >= pos and not due:
                 return
-            snap = self._snapshot_with(native[1]) if due and dirty else None
+            # A replica's native copy: the table follows the dispatch, behind `pos`;
+            # recovery reads on from the snapshot before (close saves one at the end).
+            snap = (self._snapshot_with(native[1]) if due and dirty and not self.copying
+                    else None)
         if self._flushed < pos:
             try:
                 flushed = engine.flush()

@@ -110,6 +110,9 @@ class EngineTail:
         self._dispatch_stop = False
         self._engine_stopped = False
         self._unwritten: list[tuple[list, list]] = []  # index runs a failed write left
+        # The engine writes a replica's copy (store.replication.native_copy): the
+        # records it hands over are idempotent producers', for the producers' table.
+        self.copying = False
 
     def start_engine(self, io_threads: int = 1, default_partitions: int = 1) -> Any:
         """Hand the tail to a native engine (serving.lightgate_native.Engine) after `open`: from
@@ -223,6 +226,8 @@ class EngineTail:
             self._dirtied(before)
         try:
             done = self._messages(batch)
+            if self.copying and done:  # as CommitLog.write_raw: sequences travel with
+                self.producers.observe(done)  # the master's records
             if self.on_batch is not None:
                 return self.on_batch(done, batch.grown()) is not False
             return bool(self.on_dispatched) and (

@@ -19,6 +19,7 @@ import trio
 from store import protocol as p
 from store.client import NativeClient
 from store.common import StoreError
+from store.replication import native_copy
 from store.replication.epochs import Epoch, EpochFile
 
 log = logging.getLogger("lightgate.store.follower")
@@ -96,30 +97,35 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                                          else None,
                                          connect_timeout=2.0) as client:
                 pos.check = True
+                handed: tuple[dict[str, Any], bytes, int] | None = None
                 while True:
                     if not repl.still_following(master_addr, epoch):
                         return
-                    offset = store.commitlog.max_offset
                     blocked = repl.space.full or repl.write_error
-                    # Lazy while no reader waits here: a new read limit alone does not
-                    # answer it (a reader that starts waiting cuts it short).
-                    lazy = not blocked and not repl.readers_waiting()
-                    with trio.CancelScope() as scope:
-                        repl.lazy_fetch = scope if lazy else None
-                        header, body = await client.request(p.REPL_FETCH, {
-                            "node": repl.node_id, "addr": repl.native_addr, "offset": offset,
-                            "epoch": epoch,
-                            "epochs": repl.epochs.history if pos.check else None,
-                            "meta_inc": pos.meta["inc"], "meta_seq": pos.meta["seq"],
-                            "meta_complete": repl.meta_complete, "snap": pos.snap,
-                            "restart": pos.restart, "confirmed": repl.master_confirmed,
-                            "write_error": blocked, "lazy": lazy,
-                            "wait_ms": 0 if blocked else FETCH_WAIT_MS,
-                            "max_bytes": BLOCKED_MAX_BYTES if blocked else FETCH_MAX_BYTES,
-                        }, timeout=FETCH_WAIT_MS / 1000 + 10)
-                    repl.lazy_fetch = None
-                    if scope.cancelled_caught:
-                        continue  # a reader waits: the same fetch again, eager
+                    if handed is not None:  # the native loop's answer, Python's to take
+                        header, body, offset = handed
+                        handed = None
+                    else:
+                        offset = store.commitlog.max_offset
+                        # Lazy while no reader waits here: a new read limit alone does
+                        # not answer it (a reader that starts waiting cuts it short).
+                        lazy = not blocked and not repl.readers_waiting()
+                        with trio.CancelScope() as scope:
+                            repl.lazy_fetch = scope if lazy else None
+                            header, body = await client.request(p.REPL_FETCH, {
+                                "node": repl.node_id, "addr": repl.native_addr,
+                                "offset": offset, "epoch": epoch,
+                                "epochs": repl.epochs.history if pos.check else None,
+                                "meta_inc": pos.meta["inc"], "meta_seq": pos.meta["seq"],
+                                "meta_complete": repl.meta_complete, "snap": pos.snap,
+                                "restart": pos.restart, "confirmed": repl.master_confirmed,
+                                "write_error": blocked, "lazy": lazy,
+                                "wait_ms": 0 if blocked else FETCH_WAIT_MS,
+                                "max_bytes": BLOCKED_MAX_BYTES if blocked else FETCH_MAX_BYTES,
+                            }, timeout=FETCH_WAIT_MS / 1000 + 10)
+                        repl.lazy_fetch = None
+                        if scope.cancelled_caught:
+                            continue  # a reader waits: the same fetch again, eager
                     # The role may have changed while the request was out (promoted, or
                     # told to follow another master): then the answer is not ours to apply.
                     if not repl.still_following(master_addr, epoch):
@@ -140,6 +146,8 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                             await trio.sleep(BLOCKED_POLL_S)
                         continue
                     repl.wrote()
+                    if native_copy.ready(repl, pos):  # the steady state: natively
+                        handed = await native_copy.run(repl, master_addr, epoch, pos)
         except Exception as exc:  # noqa: BLE001 - sorted below
             leaf = _leaf(exc)
             if isinstance(leaf, ValueError):  # the master's bytes do not continue our log

@@ -52,7 +52,7 @@ class NativeMaster:
         self.server = server
         self.repl = repl
         self.nursery = nursery
-        self._lock = trio.Lock()
+        self._lock = repl.engine_lock  # (the replica's native copy holds it too)
         self._scope: trio.CancelScope | None = None
         self._done: trio.Event | None = None
         self.started = 0  # masterships served natively

@@ -113,6 +113,16 @@ class Replication:
         # scope of a lazy fetch a reader that starts waiting cuts short (`reader_waits`).
         self.readers_waiting: Callable[[], bool] = lambda: True
         self.lazy_fetch: trio.CancelScope | None = None
+        # As a replica on the native plane (store.replication.native_copy): whether the
+        # steady-state copy may be native, the Rust loop while it runs, and what such
+        # loops copied (answers, bytes); the answers Python's writer took meanwhile.
+        self.native_copy = False
+        self.copier: Any = None
+        self.native_copied = [0, 0]
+        self.python_writes = 0
+        # Held while the native engine writes the log in one role or the other (the
+        # replica's copy, the master's appends): they never overlap.
+        self.engine_lock = trio.Lock()
         # Per epoch this node was master of: monotonic times of its first and last
         # acknowledgement (nodes on one host compare them: never two at once).
         self.ack_times: dict[int, list[float]] = {}
@@ -685,6 +695,7 @@ class Replication:
         self.meta_complete = complete
 
     async def write(self, offset: int, data: bytes, base: int) -> None:
+        self.python_writes += 1
         if self.store.config.flush == "sync":
             msgs = await trio.to_thread.run_sync(self.store.commitlog.write_raw, offset, data,
                                                  base)
@@ -712,10 +723,44 @@ class Replication:
         """A pull starts waiting here: if this replica holds bytes its readers may not
         see yet while its fetch is lazy (the master does not answer it for a new read
         limit alone), that fetch is cut short and sent again, eager."""
+        if self.copier is not None:  # (the native loop looks at the bytes it holds)
+            self.copier.reader_waits()
+            return
         scope = self.lazy_fetch
         if (scope is not None and self.role == REPLICA and self.master_confirmed is not None
                 and self.master_confirmed < self.store.commitlog.max_offset):
             scope.cancel()
+
+    def copied(self, names: set[str]) -> None:
+        """(Any thread.) The native copy's records were dispatched, to the log's end
+        now: their readers are told once the master's read limit passes it."""
+        end = self.store.commitlog.max_offset
+        if threading.get_ident() == self._trio_thread:
+            self._copied(end, names)
+        else:
+            try:
+                self._token.run_sync_soon(self._copied, end, names)
+            except trio.RunFinishedError:
+                pass
+
+    def _copied(self, end: int, names: set[str]) -> None:
+        copier = self.copier
+        if copier is None or self.role != REPLICA:
+            return
+        if self.master_confirmed is not None:  # readers wait for the master's word
+            self._held.append((end, names))
+        copier.set_readers(self.readers_waiting())
+        self.master_end = copier.master_end
+        self.confirmed_natively()
+
+    def confirmed_natively(self) -> None:
+        """The native loop's read limit moved: readers of what became readable are
+        told, and the loop says when the next held bytes become readable."""
+        copier = self.copier
+        if copier is None:
+            return
+        self.confirm(copier.confirmed)
+        copier.watch(self._held[0][0] if self._held else None)
 
     def adopt_epochs(self, master_history: list[Epoch]) -> None:
         end = self.store.commitlog.max_offset
@@ -783,6 +828,10 @@ class Replication:
             await follow(self, master_addr, epoch)
 
     def _stop_following(self) -> None:
+        copier = self.copier
+        if copier is not None:  # nothing is copied from here on, and the log's end
+            copier.halt()  # is where its copies ended (a new epoch starts there)
+            self.store.commitlog.catch_up()
         if self._follow_scope is not None:
             self._follow_scope.cancel()
             self._follow_scope = None
@@ -899,6 +948,13 @@ class Replication:
             out["lag_bytes"] = max(0, self.master_end - end)
             out["write_error"] = self.write_error
             out["read_limit"] = self.master_confirmed  # what its readers may see (None: all)
+            answers, copied = self.native_copied
+            if self.copier is not None:
+                now = self.copier.copied
+                answers, copied = answers + now[0], copied + now[1]
+            # answers the native loop wrote, and those Python's writer took
+            out["copied"] = {"native_answers": answers, "native_bytes": copied,
+                             "python_answers": self.python_writes}
         if self.controller is not None:
             ctl = self.controller
             view = ctl.view()

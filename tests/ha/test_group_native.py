@@ -19,7 +19,7 @@ import pytest
 
 from serving import plane
 from store import protocol as p
-from tests.ha.cluster import Group, cluster, read_topic, wait_for
+from tests.ha.cluster import Group, cluster, log_bytes, read_topic, wait_for
 from tests.native.test_protocol import Raw
 from tests.security.helpers import native
 from tests.separated.test_store_native_server import publish_frame
@@ -163,3 +163,68 @@ def test_a_master_without_its_lease_fails_what_it_holds_and_refuses(
     finally:
         for n in others:
             os.kill(n.proc.pid, signal.SIGCONT)
+
+
+# -- the replicas' copy (store.replication.native_copy) ---------------------------------
+
+def burst(c: Raw, t: str, n: int, first_rid: int = 100) -> list[str]:
+    """`n` PUBLISH frames pipelined on `c`, each answered as stored: their topics."""
+    topics = [f"{t}/{i % 7}" for i in range(n)]
+    c.sock.sendall(b"".join(publish_frame([topic], first_rid + i)
+                            for i, topic in enumerate(topics)))
+    answers = [c.recv() for _ in range(n)]
+    assert all(a.kind == p.RESPONSE for a in answers), [a.header for a in answers
+                                                        if a.kind != p.RESPONSE][:3]
+    return topics
+
+
+def copied(g: Group, i: int) -> dict[str, int]:
+    return cluster(g.nodes[i])["copied"]
+
+
+def same_logs(g: Group) -> bool:
+    return len({log_bytes(d) for d in g.dirs}) == 1
+
+
+@pytest.fixture
+def small_segments(plane_name: str, tmp_path: Path) -> Iterator[Group]:
+    """The group with segments of 64 KiB: a burst rolls them, the replicas with it."""
+    g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2",
+              "--max-lag-s", "30", "--controller-lease-s", "2",
+              "--failover-after-s", "30", "--segment-size", str(64 << 10)).start()
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+def test_replicas_copy_natively_and_their_logs_are_the_masters_byte_for_byte(
+        plane_name: str, small_segments: Group) -> None:
+    g = small_segments
+    m = in_sync(g)
+    c = Raw(g.nodes[m].native)
+    assert c.call(p.HELLO, {}).kind == p.RESPONSE
+    t = uid("gc")
+    takes_writes(c, f"{t}/w")
+    before = {i: copied(g, i) for i in range(3) if i != m}
+    for k in range(4):  # 4 x 300 records of ~100 bytes: segments rolled on the way
+        burst(c, t, 300, first_rid=100 + 1000 * k)
+    wait_for(lambda: same_logs(g), 20, "three byte-identical CommitLogs")
+    segs = {tuple(sorted(f.name for f in (d / "commitlog").iterdir() if f.name.isdigit()))
+            for d in g.dirs}
+    assert len(segs) == 1 and len(next(iter(segs))) > 1, segs  # rolled, the same files
+    for i, was in before.items():
+        now = copied(g, i)
+        native_answers = now["native_answers"] - was["native_answers"]
+        python_answers = now["python_answers"] - was["python_answers"]
+        if plane_name == "native":
+            assert native_answers > 0 and python_answers <= 2, (i, was, now)
+        else:
+            assert native_answers == 0 and python_answers > 0, (i, was, now)
+    # Readers of a replica see every acknowledged message (the read limit that says
+    # the last ones were comes with the next bytes: the replicas' fetches are lazy).
+    burst(c, f"{t}z", 1, first_rid=9000)
+    replica = g.nodes[(m + 1) % 3]
+    on_master = read_topic(g.nodes[m].native, t)
+    assert len(on_master) >= 4 * 300, len(on_master)
+    wait_for(lambda: read_topic(replica.native, t) == on_master, 15, "the replica's readers")

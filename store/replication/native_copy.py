@@ -1,0 +1,118 @@
+"""A replica's steady-state copy on the native plane (LIGHTGATE_GROUP_NATIVE=1): once
+the copy loop (store.replication.follower) has made its first fetch of a connection
+(the fork check) and has no cut, start-over or metadata snapshot under way, the native
+engine takes the log's tail and a Rust loop (serving.lightgate_native.ReplicaCopy,
+native/src/replica.rs) fetches and writes each answer's bytes at the master's offset,
+with no interpreter per answer. The engine's dispatch feeds the index as it does a
+master's appends (store.engine_tail), and the producers' table follows the records of
+idempotent producers it hands over.
+
+Python keeps everything rare, handed up as events: metadata changes (applied here; the
+loop reports the new change sequence only after), the master's epoch history, the read
+limit reaching what readers wait for, an answer only Python takes (a cut, a start-over
+page, a snapshot page: returned to the copy loop, which takes it with the Python writer
+back), and every failure. The engine is the replica's writer only between `run`'s start
+and its end, under `Replication.engine_lock`, which the master's engine
+(store.replication.native_master) takes too: the two roles never overlap."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import trio
+
+from serving import plane
+from store.common import StoreError
+from store.replication import follower
+
+if TYPE_CHECKING:
+    from store.replication.node import Replication
+
+log = logging.getLogger("lightgate.store.follower")
+
+EVENT_WAIT_S = 1.0  # a thread waits this long in Rust for the next event, then again
+
+
+def ready(repl: Replication, pos: Any) -> bool:
+    """Whether the native loop may take over the copy now."""
+    return (repl.native_copy and plane.NATIVE is not None
+            and hasattr(plane.NATIVE, "ReplicaCopy")
+            and not pos.check and pos.snap is None and pos.restart is None
+            and repl.space.full is None and repl.write_error is None)
+
+
+async def run(repl: Replication, master_addr: str, epoch: int, pos: Any
+              ) -> tuple[dict[str, Any], bytes, int] | None:
+    """Copy natively until the loop stops: an answer for Python to take (header, body,
+    the offset it was fetched at), or None (halted, or writing failed: said to the
+    master by the next fetch, Python's). A connection lost raises StoreError."""
+    store, log_ = repl.store, repl.store.commitlog
+    async with repl.engine_lock:
+        if not repl.still_following(master_addr, epoch):
+            return None
+        engine = await trio.to_thread.run_sync(log_.start_engine, 1,
+                                               store.config.default_partitions)
+        log_.copying = True
+        secret = repl.cfg.raft_secret
+        copier = plane.NATIVE.ReplicaCopy(
+            engine, master_addr, repl.node_id, repl.native_addr, epoch,
+            secret.encode() if secret else None, repl.cfg.credentials,
+            orjson.dumps(repl.epochs.history).decode(), pos.meta["inc"],
+            int(pos.meta["seq"]), repl.meta_complete, repl.master_confirmed,
+            follower.FETCH_WAIT_MS, follower.FETCH_MAX_BYTES)
+        repl.copier = copier
+        copier.set_readers(repl.readers_waiting())
+        try:
+            return await _events(repl, copier, master_addr, epoch, pos)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(copier.halt)
+                answers, copied = copier.copied
+                repl.native_copied[0] += answers
+                repl.native_copied[1] += copied
+                await trio.to_thread.run_sync(log_.hand_back)
+                log_.copying = False
+                if repl.copier is copier:
+                    repl.copier = None
+                if repl.still_following(master_addr, epoch):
+                    repl.master_end = copier.master_end
+                    repl.confirm(copier.confirmed)
+
+
+async def _events(repl: Replication, copier: Any, master_addr: str, epoch: int, pos: Any
+                  ) -> tuple[dict[str, Any], bytes, int] | None:
+    store = repl.store
+    while True:
+        ev = await trio.to_thread.run_sync(copier.next_event, EVENT_WAIT_S,
+                                           abandon_on_cancel=True)
+        if ev is None:
+            continue
+        kind = ev[0]
+        if kind == "confirmed":
+            repl.confirmed_natively()
+        elif kind == "ops":
+            meta = orjson.loads(ev[1])["meta"]
+            ops = meta["ops"]
+            if len(ops) <= follower.INLINE_OPS:  # as the master wrote them: inline
+                store.meta.apply(ops)
+            else:
+                await trio.to_thread.run_sync(store.meta.apply, ops)
+            pos.meta["inc"], pos.meta["seq"] = meta["inc"], int(meta["seq"])
+            copier.meta_applied(pos.meta["inc"], pos.meta["seq"])
+        elif kind == "epochs":
+            history = orjson.loads(ev[1])["epochs"]
+            store.commitlog.catch_up()  # (the log's end as far as the loop wrote it)
+            if repl.still_following(master_addr, epoch):
+                repl.adopt_epochs([(int(e), int(s)) for e, s in history])
+        elif kind == "handover":
+            return orjson.loads(ev[2]), ev[3], int(ev[1])
+        else:  # "stopped"
+            _, why, write, errno = ev
+            if write:
+                repl.write_failed(OSError(errno or 0, why))
+                return None
+            if why == "stopped":
+                return None
+            raise StoreError(why)
