@@ -66,6 +66,8 @@ DISPATCH_NICE = 10
 # want every body) holds that many in Python, not the whole lag. The engine paces native
 # publishers once the lag passes its own budget (16,384 rows).
 DRAIN_ROWS = 2048
+# Tries of the engine's stop while another thread is inside a call of it, 10 ms apart.
+STOP_TRIES = 200
 
 # A message as the engine takes it (PyEngine.append_messages): born_ts, qos, retain,
 # client_id, topic, key, properties (as stored), body, queues, marks.
@@ -335,10 +337,23 @@ class EngineTail:
             self._dispatcher.join()
         self._engine_stopped = True
         try:
-            self._flushed = self.engine.stop()
+            self._flushed = self._stop_native()
         finally:
             with self._dispatch_lock:
                 self._drain_locked()  # what the engine left: it hands it over once stopped
+
+    def _stop_native(self) -> int:
+        """The engine's stop, once no other thread is inside a call of it (the flusher's
+        fsync, a reader's catch-up: the stop needs it to itself, and says "Already
+        borrowed" meanwhile)."""
+        for _ in range(STOP_TRIES):
+            try:
+                return int(self.engine.stop())
+            except RuntimeError as exc:
+                if "borrowed" not in str(exc):
+                    raise
+                time.sleep(0.01)
+        return int(self.engine.stop())
 
     def hand_back(self) -> None:
         """Stop the engine and take its tail back for the Python writer (a store group's

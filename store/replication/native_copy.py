@@ -64,6 +64,7 @@ async def run(repl: Replication, master_addr: str, epoch: int, pos: Any
             follower.FETCH_WAIT_MS, follower.FETCH_MAX_BYTES)
         repl.copier = copier
         copier.set_readers(repl.readers_waiting())
+        log.info("copying from %s natively from log offset %d", master_addr, engine.write_pos)
         try:
             return await _events(repl, copier, master_addr, epoch, pos)
         finally:
