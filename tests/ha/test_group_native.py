@@ -228,3 +228,91 @@ def test_replicas_copy_natively_and_their_logs_are_the_masters_byte_for_byte(
     on_master = read_topic(g.nodes[m].native, t)
     assert len(on_master) >= 4 * 300, len(on_master)
     wait_for(lambda: read_topic(replica.native, t) == on_master, 15, "the replica's readers")
+
+
+def send_and_answers(c: Raw, topics: list[str], first_rid: int) -> list[p.Frame]:
+    c.sock.sendall(b"".join(publish_frame([topic], first_rid + i)
+                            for i, topic in enumerate(topics)))
+    return [c.recv() for _ in topics]
+
+
+def acked_topics(answers: list[p.Frame], topics: list[str], first_rid: int) -> set[bytes]:
+    return {topics[a.request_id - first_rid].encode() for a in answers
+            if a.kind == p.RESPONSE}
+
+
+def test_a_replica_killed_mid_burst_comes_back_and_loses_nothing(
+        plane_name: str, group: Group) -> None:
+    g = group
+    m = in_sync(g)
+    r = (m + 1) % 3
+    c = Raw(g.nodes[m].native)
+    assert c.call(p.HELLO, {}).kind == p.RESPONSE
+    t = uid("gk")
+    takes_writes(c, f"{t}/w")
+    c.sock.settimeout(30)
+    acked: set[bytes] = set()
+    for k in range(12):
+        topics = [f"{t}/{k}-{i}" for i in range(25)]
+        rid = 1000 * (k + 1)
+        if k == 4:  # the replica killed with this burst's appends in flight
+            c.sock.sendall(b"".join(publish_frame([x], rid + i) for i, x in enumerate(topics)))
+            g.nodes[r].kill()
+            g.nodes[r].start()
+            answers = [c.recv() for _ in topics]
+        else:
+            answers = send_and_answers(c, topics, rid)
+        acked |= acked_topics(answers, topics, rid)
+    assert len(acked) >= 200, len(acked)
+    wait_for(lambda: same_logs(g), 30, "three byte-identical CommitLogs")
+    if plane_name == "native":  # back, it copies natively again
+        wait_for(lambda: copied(g, r)["native_answers"] > 0, 10, "a native copy")
+    send_and_answers(c, [f"{t}z/last"], 99_000)  # (the read limit comes with bytes)
+    for node in (g.nodes[m], g.nodes[r]):
+        wait_for(lambda n=node: acked <= set(read_topic(n.native, t)), 15,
+                 "every acknowledged message readable")
+
+
+@pytest.fixture
+def quick_failover(plane_name: str, tmp_path: Path) -> Iterator[Group]:
+    g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2",
+              "--controller-lease-s", "2", "--failover-after-s", "3").start()
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+def test_a_replica_copying_natively_becomes_master_when_the_master_is_killed(
+        plane_name: str, quick_failover: Group) -> None:
+    g = quick_failover
+    m = in_sync(g)
+    c = Raw(g.nodes[m].native)
+    assert c.call(p.HELLO, {}).kind == p.RESPONSE
+    t = uid("gf")
+    takes_writes(c, f"{t}/w")
+    topics = [f"{t}/a{i}" for i in range(200)]
+    acked = acked_topics(send_and_answers(c, topics, 100), topics, 100)
+    assert len(acked) == 200
+    if plane_name == "native":
+        for i in range(3):
+            if i != m:
+                wait_for(lambda i=i: copied(g, i)["native_answers"] > 0, 10, "native copies")
+    g.nodes[m].kill()  # SIGKILL: a replica copying natively is elected
+    new = wait_for(lambda: next((i + 1 for i in range(3) if i != m
+                                 and cluster(g.nodes[i])["role"] == "master"), None),
+                   20, "a new master") - 1
+    # It stopped copying before it took writes: its engine now writes as master.
+    d = Raw(g.nodes[new].native)
+    assert d.call(p.HELLO, {}).kind == p.RESPONSE
+    takes_writes(d, f"{t}/w2")
+    more = [f"{t}/b{i}" for i in range(100)]
+    acked |= acked_topics(send_and_answers(d, more, 100), more, 100)
+    assert len(acked) == 300
+    assert (carried(g, new) > 0) == (plane_name == "native")
+    g.nodes[m].start()  # the old master comes back as a replica of the new one
+    wait_for(lambda: same_logs(g), 30, "three byte-identical CommitLogs")
+    send_and_answers(d, [f"{t}z/last"], 9000)  # (the read limit comes with bytes)
+    for node in g.nodes:
+        wait_for(lambda n=node: acked <= set(read_topic(n.native, t)), 15,
+                 "every acknowledged message readable")
