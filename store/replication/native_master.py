@@ -1,7 +1,7 @@
 """A store group's master on the native plane: while this node is master the native
 engine writes its log and the native server (native/src/server.rs, store.carried)
 carries its authenticated connections, answering PUBLISH natively; as a replica it
-copies through the Python writer (store.replication.follower), as before.
+copies as store.replication.follower says (natively: store.replication.native_copy).
 
 - Becoming master (`Replication.on_master`): the engine takes the log's tail, a native
   server is started on it (answers held for the in-sync set in sync mode: `hold`), and
