@@ -5,7 +5,11 @@ node's epoch history: where it forked from the master's, the master says where t
 
 A write that fails (a full disk) is said to the master with the next fetch, which takes
 the replica out of the in-sync set at once; while its disk is full the replica writes
-nothing, and asks for one record a second to stay known to the master as alive."""
+nothing, and asks for one record a second to stay known to the master as alive.
+
+On the native plane with LIGHTGATE_GROUP_NATIVE=1 the steady state (plain log bytes, one
+answer after another) is copied by a Rust loop (store.replication.native_copy), which
+hands back to this one whatever else an answer holds."""
 
 from __future__ import annotations
 
