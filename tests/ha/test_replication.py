@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from serving import plane
 from store import protocol as p
 from store.sdk import Consumer, Producer
 from tests.conftest import Server
@@ -224,7 +225,18 @@ def test_metadata_larger_than_a_frame_is_copied_in_pages(tmp_path: Path) -> None
                 node.kill()
 
 
-def test_readers_of_a_replica_see_acknowledged_messages_only(tmp_path: Path) -> None:
+@pytest.fixture(params=["python", pytest.param("native", marks=pytest.mark.skipif(
+    plane.NATIVE is None or not hasattr(plane.NATIVE, "ReplicaCopy"),
+    reason="the native data plane is not built"))])
+def copy_plane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The replicas' steady-state copy: Python's, or the native loop's
+    (LIGHTGATE_GROUP_NATIVE=1: store.replication.native_copy)."""
+    monkeypatch.setenv("LIGHTGATE_GROUP_NATIVE", "1" if request.param == "native" else "0")
+    return str(request.param)
+
+
+def test_readers_of_a_replica_see_acknowledged_messages_only(tmp_path: Path,
+                                                             copy_plane: str) -> None:
     """Sync mode: a replica holds bytes the group has not acknowledged yet (another
     replica is stopped); its readers do not see them, as the master's do not, for a
     failover may cut them. Once acknowledged, they do."""
@@ -266,7 +278,7 @@ def test_readers_of_a_replica_see_acknowledged_messages_only(tmp_path: Path) -> 
 
 
 def test_one_fetch_answer_per_append_and_waiting_readers_see_at_once(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy_plane: str) -> None:
     """Sync mode: each replica is answered once per append (the bytes), not a second time
     for the read limit alone while nobody reads it; a pull that starts waiting on a
     replica holding a tail its readers may not see yet gets it at once, not when the
@@ -291,6 +303,8 @@ def test_one_fetch_answer_per_append_and_waiting_readers_see_at_once(
         got = native_call(a.native, p.PULL, {"queue": queue, "offset": offset,
                                              "wait_ms": 4000})
         assert len(got["messages"]) == 1 and time.monotonic() - t0 < 2.5
+        copied = cluster(a)["copied"]  # (which loop wrote the copies)
+        assert (copied["native_answers"] >= n) == (copy_plane == "native"), copied
     finally:
         for node in (a, b, master):
             if node.proc is not None:
