@@ -98,8 +98,8 @@ async def store_node(
             if repl.read_limit() is not None:
                 if repl.native is not None:  # native appends: told once acknowledged
                     repl.dispatched(set(names))  # (names, or names with their ends)
-                elif repl.copier is not None:  # a native copy: once the master says
-                    repl.copied(set(names))
+                elif repl.copier is not None:  # a native copy: once the master says;
+                    return repl.copied(set(names))  # heard if a reader waits here
                 return True
         return readable(names)
 

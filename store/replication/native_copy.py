@@ -91,6 +91,7 @@ async def _events(repl: Replication, copier: Any, master_addr: str, epoch: int, 
         if ev is None:
             continue
         kind = ev[0]
+        repl.native_events[kind] = repl.native_events.get(kind, 0) + 1
         if kind == "confirmed":
             repl.confirmed_natively()
         elif kind == "ops":

@@ -119,6 +119,7 @@ class Replication:
         self.native_copy = False
         self.copier: Any = None
         self.native_copied = [0, 0]
+        self.native_events: dict[str, int] = {}  # what the native loops handed up, by kind
         self.python_writes = 0
         # Held while the native engine writes the log in one role or the other (the
         # replica's copy, the master's appends): they never overlap.
@@ -731,9 +732,12 @@ class Replication:
                 and self.master_confirmed < self.store.commitlog.max_offset):
             scope.cancel()
 
-    def copied(self, names: set[str]) -> None:
+    def copied(self, names: set[str]) -> bool:
         """(Any thread.) The native copy's records were dispatched, to the log's end
-        now: their readers are told once the master's read limit passes it."""
+        now: their readers are told once the master's read limit passes it. Whether a
+        reader waits here: if not, the next dispatch may wait (store.engine_tail's
+        lazy pause; a reader that comes dispatches first), at a low rate a wake-up of
+        the interpreter a batch of a few messages cost the copy more than the copy."""
         end = self.store.commitlog.max_offset
         if threading.get_ident() == self._trio_thread:
             self._copied(end, names)
@@ -742,6 +746,7 @@ class Replication:
                 self._token.run_sync_soon(self._copied, end, names)
             except trio.RunFinishedError:
                 pass
+        return self.readers_waiting()
 
     def _copied(self, end: int, names: set[str]) -> None:
         copier = self.copier
@@ -865,6 +870,8 @@ class Replication:
 
     def _tick(self) -> None:
         self._check_space()
+        if self.copier is not None:  # the native copy's writes into the log's end here
+            self.store.commitlog.catch_up()  # (what the controller hears: elections)
         ctl = self.controller
         if ctl is not None:
             # Full, a master renews no lease: its reports say it stepped down.
@@ -954,7 +961,8 @@ class Replication:
                 answers, copied = answers + now[0], copied + now[1]
             # answers the native loop wrote, and those Python's writer took
             out["copied"] = {"native_answers": answers, "native_bytes": copied,
-                             "python_answers": self.python_writes}
+                             "python_answers": self.python_writes,
+                             "native_events": dict(self.native_events)}
         if self.controller is not None:
             ctl = self.controller
             view = ctl.view()
