@@ -350,12 +350,15 @@ class Replication:
     def dispatched(self, names: set[str]) -> None:
         """(Any thread.) The native engine's appends were dispatched, to the log's end
         now: as master in sync mode their readers are told once acknowledged."""
-        end = self.store.commitlog.max_offset
+        self._on_trio(self._native_untold, self.store.commitlog.max_offset, names)
+
+    def _on_trio(self, fn: Callable[..., None], *args: Any) -> None:
+        """Call `fn` in the event loop: now from its thread, soon from another."""
         if threading.get_ident() == self._trio_thread:
-            self._native_untold(end, names)
+            fn(*args)
         else:
             try:
-                self._token.run_sync_soon(self._native_untold, end, names)
+                self._token.run_sync_soon(fn, *args)
             except trio.RunFinishedError:
                 pass
 
@@ -738,14 +741,7 @@ class Replication:
         reader waits here: if not, the next dispatch may wait (store.engine_tail's
         lazy pause; a reader that comes dispatches first), at a low rate a wake-up of
         the interpreter a batch of a few messages cost the copy more than the copy."""
-        end = self.store.commitlog.max_offset
-        if threading.get_ident() == self._trio_thread:
-            self._copied(end, names)
-        else:
-            try:
-                self._token.run_sync_soon(self._copied, end, names)
-            except trio.RunFinishedError:
-                pass
+        self._on_trio(self._copied, self.store.commitlog.max_offset, names)
         return self.readers_waiting()
 
     def _copied(self, end: int, names: set[str]) -> None:

@@ -13,6 +13,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -43,16 +44,22 @@ def uid(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture
-def group(plane_name: str, tmp_path: Path) -> Iterator[Group]:
-    # Replicas stay in the in-sync set for a long pause (--max-lag-s): an append waits.
-    g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2",
-              "--max-lag-s", "30", "--controller-lease-s", "2",
-              "--failover-after-s", "30").start()
+@contextmanager
+def started(tmp_path: Path, *extra: str) -> Iterator[Group]:
+    """Three nodes, sync, min-insync 2, with `extra`, stopped after."""
+    g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2", *extra).start()
     try:
         yield g
     finally:
         g.stop()
+
+
+@pytest.fixture
+def group(plane_name: str, tmp_path: Path) -> Iterator[Group]:
+    # Replicas stay in the in-sync set for a long pause (--max-lag-s): an append waits.
+    with started(tmp_path, "--max-lag-s", "30", "--controller-lease-s", "2",
+                 "--failover-after-s", "30") as g:
+        yield g
 
 
 def carried(g: Group, i: int) -> int:
@@ -178,6 +185,16 @@ def burst(c: Raw, t: str, n: int, first_rid: int = 100) -> list[str]:
     return topics
 
 
+def master_conn(g: Group, prefix: str) -> tuple[int, Raw, str]:
+    """The master (all three in sync), a connection to it that takes writes, a topic."""
+    m = in_sync(g)
+    c = Raw(g.nodes[m].native)
+    assert c.call(p.HELLO, {}).kind == p.RESPONSE
+    t = uid(prefix)
+    takes_writes(c, f"{t}/w")
+    return m, c, t
+
+
 def copied(g: Group, i: int) -> dict[str, int]:
     return cluster(g.nodes[i])["copied"]
 
@@ -189,23 +206,15 @@ def same_logs(g: Group) -> bool:
 @pytest.fixture
 def small_segments(plane_name: str, tmp_path: Path) -> Iterator[Group]:
     """The group with segments of 64 KiB: a burst rolls them, the replicas with it."""
-    g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2",
-              "--max-lag-s", "30", "--controller-lease-s", "2",
-              "--failover-after-s", "30", "--segment-size", str(64 << 10)).start()
-    try:
+    with started(tmp_path, "--max-lag-s", "30", "--controller-lease-s", "2",
+                 "--failover-after-s", "30", "--segment-size", str(64 << 10)) as g:
         yield g
-    finally:
-        g.stop()
 
 
 def test_replicas_copy_natively_and_their_logs_are_the_masters_byte_for_byte(
         plane_name: str, small_segments: Group) -> None:
     g = small_segments
-    m = in_sync(g)
-    c = Raw(g.nodes[m].native)
-    assert c.call(p.HELLO, {}).kind == p.RESPONSE
-    t = uid("gc")
-    takes_writes(c, f"{t}/w")
+    m, c, t = master_conn(g, "gc")
     before = {i: copied(g, i) for i in range(3) if i != m}
     for k in range(4):  # 4 x 300 records of ~100 bytes: segments rolled on the way
         burst(c, t, 300, first_rid=100 + 1000 * k)
@@ -244,12 +253,8 @@ def acked_topics(answers: list[p.Frame], topics: list[str], first_rid: int) -> s
 def test_a_replica_killed_mid_burst_comes_back_and_loses_nothing(
         plane_name: str, group: Group) -> None:
     g = group
-    m = in_sync(g)
+    m, c, t = master_conn(g, "gk")
     r = (m + 1) % 3
-    c = Raw(g.nodes[m].native)
-    assert c.call(p.HELLO, {}).kind == p.RESPONSE
-    t = uid("gk")
-    takes_writes(c, f"{t}/w")
     c.sock.settimeout(30)
     acked: set[bytes] = set()
     for k in range(12):
@@ -275,22 +280,14 @@ def test_a_replica_killed_mid_burst_comes_back_and_loses_nothing(
 
 @pytest.fixture
 def quick_failover(plane_name: str, tmp_path: Path) -> Iterator[Group]:
-    g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2",
-              "--controller-lease-s", "2", "--failover-after-s", "3").start()
-    try:
+    with started(tmp_path, "--controller-lease-s", "2", "--failover-after-s", "3") as g:
         yield g
-    finally:
-        g.stop()
 
 
 def test_a_replica_copying_natively_becomes_master_when_the_master_is_killed(
         plane_name: str, quick_failover: Group) -> None:
     g = quick_failover
-    m = in_sync(g)
-    c = Raw(g.nodes[m].native)
-    assert c.call(p.HELLO, {}).kind == p.RESPONSE
-    t = uid("gf")
-    takes_writes(c, f"{t}/w")
+    m, c, t = master_conn(g, "gf")
     topics = [f"{t}/a{i}" for i in range(200)]
     acked = acked_topics(send_and_answers(c, topics, 100), topics, 100)
     assert len(acked) == 200
