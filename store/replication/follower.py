@@ -24,7 +24,7 @@ from store import protocol as p
 from store.client import NativeClient
 from store.common import StoreError
 from store.replication import native_copy
-from store.replication.epochs import Epoch, EpochFile
+from store.replication.epochs import Epoch
 
 log = logging.getLogger("lightgate.store.follower")
 
@@ -38,28 +38,16 @@ BLOCKED_MAX_BYTES = 64 << 10  # and how much it asks for (a record or so, to try
 # in-flight state, an offset commit: a RocksDB batch of a few keys, tens of µs; a hop
 # to a thread and back cost more); more in one answer go to a thread.
 INLINE_OPS = 256
+NATIVE_FETCH = native_copy.Fetch(FETCH_WAIT_MS, FETCH_MAX_BYTES, INLINE_OPS)
 
 
-class Replica(Protocol):
-    """What the copy loop uses of its node (store.replication.node.Replication)."""
+class Replica(native_copy.Node, Protocol):
+    """What the copy loop uses of its node (store.replication.node.Replication): what
+    the native copy does (store.replication.native_copy), and the rest."""
 
-    store: Any
-    cfg: Any
-    node_id: str
-    native_addr: str
-    epochs: EpochFile
-    master_end: int
-    meta_complete: bool
-    master_confirmed: int | None
-    space: Any  # store.replication.space.Space
-    write_error: str | None
     lazy_fetch: trio.CancelScope | None
 
-    def write_failed(self, exc: BaseException) -> bool: ...
-
     def wrote(self) -> None: ...
-
-    def still_following(self, master_addr: str, epoch: int) -> bool: ...
 
     async def cut(self, offset: int) -> None: ...
 
@@ -67,12 +55,6 @@ class Replica(Protocol):
                       master_history: list[Epoch], first: bool, last: bool) -> None: ...
 
     async def write(self, offset: int, data: bytes, base: int) -> None: ...
-
-    def confirm(self, upto: int | None) -> None: ...
-
-    def readers_waiting(self) -> bool: ...
-
-    def adopt_epochs(self, master_history: list[Epoch]) -> None: ...
 
     def mark_meta(self, complete: bool) -> None: ...
 
@@ -151,7 +133,8 @@ async def follow(repl: Replica, master_addr: str, epoch: int) -> None:
                         continue
                     repl.wrote()
                     if native_copy.ready(repl, pos):  # the steady state: natively
-                        handed = await native_copy.run(repl, master_addr, epoch, pos)
+                        handed = await native_copy.run(repl, master_addr, epoch, pos,
+                                                       NATIVE_FETCH)
         except Exception as exc:  # noqa: BLE001 - sorted below
             leaf = _leaf(exc)
             if isinstance(leaf, ValueError):  # the master's bytes do not continue our log

@@ -18,24 +18,63 @@ and its end, under `Replication.engine_lock`, which the master's engine
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import orjson
 import trio
 
 from serving import plane
 from store.common import StoreError
-from store.replication import follower
-
-if TYPE_CHECKING:
-    from store.replication.node import Replication
+from store.replication.epochs import Epoch, EpochFile
 
 log = logging.getLogger("lightgate.store.follower")
 
 EVENT_WAIT_S = 1.0  # a thread waits this long in Rust for the next event, then again
 
 
-def ready(repl: Replication, pos: Any) -> bool:
+class Node(Protocol):
+    """What the native copy uses of its node (store.replication.node.Replication)."""
+
+    store: Any
+    cfg: Any
+    node_id: str
+    native_addr: str
+    epochs: EpochFile
+    master_end: int
+    meta_complete: bool
+    master_confirmed: int | None
+    space: Any
+    write_error: str | None
+    native_copy: bool
+    copier: Any
+    native_copied: list[int]
+    native_events: dict[str, int]
+    engine_lock: trio.Lock
+
+    def readers_waiting(self) -> bool: ...
+
+    def still_following(self, master_addr: str, epoch: int) -> bool: ...
+
+    def confirm(self, upto: int | None) -> None: ...
+
+    def confirmed_natively(self) -> None: ...
+
+    def adopt_epochs(self, master_history: list[Epoch]) -> None: ...
+
+    def write_failed(self, exc: BaseException) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """What the copy loop's fetches ask (store.replication.follower's constants)."""
+
+    wait_ms: int
+    max_bytes: int
+    inline_ops: int  # metadata changes applied in the event loop, more in a thread
+
+
+def ready(repl: Node, pos: Any) -> bool:
     """Whether the native loop may take over the copy now."""
     return (repl.native_copy and plane.NATIVE is not None
             and hasattr(plane.NATIVE, "ReplicaCopy")
@@ -43,7 +82,7 @@ def ready(repl: Replication, pos: Any) -> bool:
             and repl.space.full is None and repl.write_error is None)
 
 
-async def run(repl: Replication, master_addr: str, epoch: int, pos: Any
+async def run(repl: Node, master_addr: str, epoch: int, pos: Any, fetch: Fetch
               ) -> tuple[dict[str, Any], bytes, int] | None:
     """Copy natively until the loop stops: an answer for Python to take (header, body,
     the offset it was fetched at), or None (halted, or writing failed: said to the
@@ -61,12 +100,12 @@ async def run(repl: Replication, master_addr: str, epoch: int, pos: Any
             secret.encode() if secret else None, repl.cfg.credentials,
             orjson.dumps(repl.epochs.history).decode(), pos.meta["inc"],
             int(pos.meta["seq"]), repl.meta_complete, repl.master_confirmed,
-            follower.FETCH_WAIT_MS, follower.FETCH_MAX_BYTES)
+            fetch.wait_ms, fetch.max_bytes)
         repl.copier = copier
         copier.set_readers(repl.readers_waiting())
         log.info("copying from %s natively from log offset %d", master_addr, engine.write_pos)
         try:
-            return await _events(repl, copier, master_addr, epoch, pos)
+            return await _events(repl, copier, master_addr, epoch, pos, fetch)
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(copier.halt)
@@ -82,8 +121,8 @@ async def run(repl: Replication, master_addr: str, epoch: int, pos: Any
                     repl.confirm(copier.confirmed)
 
 
-async def _events(repl: Replication, copier: Any, master_addr: str, epoch: int, pos: Any
-                  ) -> tuple[dict[str, Any], bytes, int] | None:
+async def _events(repl: Node, copier: Any, master_addr: str, epoch: int, pos: Any,
+                  fetch: Fetch) -> tuple[dict[str, Any], bytes, int] | None:
     store = repl.store
     while True:
         ev = await trio.to_thread.run_sync(copier.next_event, EVENT_WAIT_S,
@@ -97,7 +136,7 @@ async def _events(repl: Replication, copier: Any, master_addr: str, epoch: int, 
         elif kind == "ops":
             meta = orjson.loads(ev[1])["meta"]
             ops = meta["ops"]
-            if len(ops) <= follower.INLINE_OPS:  # as the master wrote them: inline
+            if len(ops) <= fetch.inline_ops:  # as the master wrote them: inline
                 store.meta.apply(ops)
             else:
                 await trio.to_thread.run_sync(store.meta.apply, ops)
