@@ -136,10 +136,15 @@ async def _events(repl: Node, copier: Any, master_addr: str, epoch: int, pos: An
         elif kind == "ops":
             meta = orjson.loads(ev[1])["meta"]
             ops = meta["ops"]
-            if len(ops) <= fetch.inline_ops:  # as the master wrote them: inline
-                store.meta.apply(ops)
-            else:
-                await trio.to_thread.run_sync(store.meta.apply, ops)
+            try:
+                if len(ops) <= fetch.inline_ops:  # as the master wrote them: inline
+                    store.meta.apply(ops)
+                else:
+                    await trio.to_thread.run_sync(store.meta.apply, ops)
+            except Exception as exc:  # noqa: BLE001 - sorted by write_failed
+                if not repl.write_failed(exc):  # (a full disk: RocksDB's plain errors)
+                    raise
+                return None  # not applied: Python's copy asks for them again
             pos.meta["inc"], pos.meta["seq"] = meta["inc"], int(meta["seq"])
             copier.meta_applied(pos.meta["inc"], pos.meta["seq"])
         elif kind == "epochs":
