@@ -94,31 +94,47 @@ async def run(repl: Node, master_addr: str, epoch: int, pos: Any, fetch: Fetch
         engine = await trio.to_thread.run_sync(log_.start_engine, 1,
                                                store.config.default_partitions)
         log_.copying = True
-        secret = repl.cfg.raft_secret
-        copier = plane.NATIVE.ReplicaCopy(
-            engine, master_addr, repl.node_id, repl.native_addr, epoch,
-            secret.encode() if secret else None, repl.cfg.credentials,
-            orjson.dumps(repl.epochs.history).decode(), pos.meta["inc"],
-            int(pos.meta["seq"]), repl.meta_complete, repl.master_confirmed,
-            fetch.wait_ms, fetch.max_bytes)
-        repl.copier = copier
-        copier.set_readers(repl.readers_waiting())
-        log.info("copying from %s natively from log offset %d", master_addr, engine.write_pos)
+        copier = None
         try:
+            # The role may have changed while the engine started: from here to the
+            # loop's start nothing else runs in the event loop (`_stop_following` halts
+            # a loop that runs; one that has not started must not start after it).
+            if not repl.still_following(master_addr, epoch):
+                return None
+            secret = repl.cfg.raft_secret
+            copier = plane.NATIVE.ReplicaCopy(
+                engine, master_addr, repl.node_id, repl.native_addr, epoch,
+                secret.encode() if secret else None, repl.cfg.credentials,
+                orjson.dumps(repl.epochs.history).decode(), pos.meta["inc"],
+                int(pos.meta["seq"]), repl.meta_complete, repl.master_confirmed,
+                fetch.wait_ms, fetch.max_bytes)
+            repl.copier = copier
+            copier.set_readers(repl.readers_waiting())
+            log.info("copying from %s natively from log offset %d", master_addr,
+                     engine.write_pos)
             return await _events(repl, copier, master_addr, epoch, pos, fetch)
         finally:
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(copier.halt)
-                answers, copied = copier.copied
-                repl.native_copied[0] += answers
-                repl.native_copied[1] += copied
-                await trio.to_thread.run_sync(log_.hand_back)
-                log_.copying = False
-                if repl.copier is copier:
-                    repl.copier = None
-                if repl.still_following(master_addr, epoch):
-                    repl.master_end = copier.master_end
-                    repl.confirm(copier.confirmed)
+                await _stop(repl, copier, master_addr, epoch)
+
+
+async def _stop(repl: Node, copier: Any, master_addr: str, epoch: int) -> None:
+    """Halt the loop (nothing written after), hand the log back to the Python writer."""
+    log_ = repl.store.commitlog
+    if copier is not None:
+        await trio.to_thread.run_sync(copier.halt)
+        answers, copied = copier.copied
+        repl.native_copied[0] += answers
+        repl.native_copied[1] += copied
+    await trio.to_thread.run_sync(log_.hand_back)
+    log_.copying = False
+    if copier is None:
+        return
+    if repl.copier is copier:
+        repl.copier = None
+    if repl.still_following(master_addr, epoch):
+        repl.master_end = copier.master_end
+        repl.confirm(copier.confirmed)
 
 
 async def _events(repl: Node, copier: Any, master_addr: str, epoch: int, pos: Any,
