@@ -71,6 +71,9 @@ class Carrier:
         self.carried = 0  # connections handed over since the start
         # Native appends were made (a store group's master: see native_master).
         self.on_appended: Callable[[], None] | None = None
+        # Replicas' fetches were answered natively: [(node, addr, offset, meta_inc,
+        # meta_seq)], each replica's last (a store group's master).
+        self.on_fetched: Callable[[list], None] | None = None
         commitlog = server.store.commitlog
         self._table = commitlog.producers
         self._write_lock = commitlog._write_lock
@@ -152,6 +155,10 @@ class Carrier:
         if kind == "appended":
             if self.on_appended is not None:
                 self.on_appended()
+            return
+        if kind == "fetched":
+            if self.on_fetched is not None:
+                self.on_fetched(item[2])
             return
         if kind == "closed":
             c = self.conns.pop(conn, None)

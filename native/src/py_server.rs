@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use crate::py::{adopt_fd, Fd, PyEngine};
+use crate::fetch::Fetching;
 use crate::server::{Entry, Server, Up};
 
 /// A producer's sequence as Python's table holds it: (store time of its newest record,
@@ -68,7 +69,8 @@ impl PyStoreServer {
     }
 
     /// What Python answers: ("frame", conn, code, request id, header, body),
-    /// ("claim", conn, request id, producer), ("closed", conn), ("appended", 0).
+    /// ("claim", conn, request id, producer), ("closed", conn), ("appended", 0),
+    /// ("fetched", 0, [(node, addr, offset, meta_inc, meta_seq)]).
     fn take_up<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for item in self.server()?.take_up() {
@@ -110,6 +112,20 @@ impl PyStoreServer {
                         0u64.into_pyobject(py)?.into_any(),
                     ],
                 )?,
+                Up::Fetched(reports) => {
+                    let rows = PyList::empty(py);
+                    for r in reports {
+                        rows.append((r.node, r.addr, r.offset, r.meta_inc, r.meta_seq))?;
+                    }
+                    PyTuple::new(
+                        py,
+                        [
+                            "fetched".into_pyobject(py)?.into_any(),
+                            0u64.into_pyobject(py)?.into_any(),
+                            rows.into_any(),
+                        ],
+                    )?
+                }
                 Up::Closed { conn } => PyTuple::new(
                     py,
                     [
@@ -164,6 +180,62 @@ impl PyStoreServer {
         self.server()?
             .refuse_writes((status != 0).then_some((status, message)));
         Ok(())
+    }
+
+    /// This node is master of `epoch` (history `epochs`, JSON; log in `log_dir`; sync
+    /// mode or not): its replicas' steady fetches are answered natively. `stop_fetching`
+    /// sends them all to Python again.
+    fn fetching(&self, epoch: u64, epochs: String, log_dir: String, sync: bool) -> PyResult<()> {
+        self.server()?.fetching(Some(Fetching {
+            epoch,
+            epochs,
+            dir: log_dir.into(),
+            sync,
+        }));
+        Ok(())
+    }
+
+    fn stop_fetching(&self) -> PyResult<()> {
+        self.server()?.fetching(None);
+        Ok(())
+    }
+
+    /// The metadata change log's position (`MetaLog.incarnation`, `seq`).
+    fn meta(&self, incarnation: String, seq: u64) -> PyResult<()> {
+        self.server()?.meta(incarnation, seq);
+        Ok(())
+    }
+
+    /// The in-sync rule: the replicas an acknowledgement waits for, whether the set is
+    /// large enough, the lease's seconds left (inf: no end; 0: none). Returns the
+    /// acknowledged offset when it took effect, and {node: offset} of the required
+    /// replicas as their fetches said natively.
+    fn insync(
+        &self,
+        py: Python<'_>,
+        required: Vec<String>,
+        enough: bool,
+        lease_s: f64,
+    ) -> PyResult<(u64, std::collections::HashMap<String, u64>)> {
+        let lease = if lease_s.is_finite() {
+            Some(Duration::from_secs_f64(lease_s.max(0.0)))
+        } else {
+            None
+        };
+        let server = self.server()?;
+        let (acked, held) = py.allow_threads(|| server.insync(required, enough, lease));
+        Ok((acked, held.into_iter().collect()))
+    }
+
+    /// The acknowledged offset as the native side knows it.
+    fn acked_offset(&self) -> PyResult<u64> {
+        Ok(self.server()?.acked_offset())
+    }
+
+    /// Fetches answered natively.
+    #[getter]
+    fn fetches(&self) -> PyResult<u64> {
+        Ok(self.server()?.fetches())
     }
 
     /// Every held answer fails (503, `why`).

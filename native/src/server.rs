@@ -27,12 +27,22 @@
 //! writes (`Server::refuse_writes`: no lease, no in-sync quorum, a full disk) PUBLISH
 //! is refused here with Python's status and words; a master stepping down fails what
 //! is held (`Server::fail_held`), as `Replication._fail_pending` fails Python's.
+//!
+//! Its replicas' REPL_FETCH (`fetch`): the steady case is answered here while Python
+//! says this node is master (`Server::fetching`) and the replica's metadata is current
+//! (`Server::meta`); a fetch at the log's end waits here (the long poll, with Python's
+//! lazy/eager rule). Each fetch says how far its replica holds the log: with the rule
+//! Python keeps (`Server::insync`: the replicas an acknowledgement waits for, whether
+//! there are enough, the lease), the acknowledged offset is computed here the moment a
+//! fetch arrives and the held answers go out at once; Python hears of the replicas'
+//! positions in batches (`Up::Fetched`) and keeps its own count, pushing `acked` as
+//! before (the larger of the two holds).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -43,6 +53,7 @@ use serde_json::Value;
 
 use crate::codec::wire::topic_name_problem;
 use crate::engine::{AppendError, Appender, Dispatched, Message};
+use crate::fetch::{self, Fetching, REPL_FETCH};
 use crate::frame::{self, Decoder, Frame, Kind};
 
 pub const HELLO: u16 = 1;
@@ -72,6 +83,10 @@ const READ_CHUNK: usize = 64 * 1024;
 /// A connection held back this long by the node's budget for partial frames is closed
 /// (`NATIVE_PARTIAL_TIMEOUT_S`).
 pub const PARTIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Fetches waiting here at once; past it they go to Python.
+pub const MAX_PARKED_FETCHES: usize = 1024;
+/// How long the replicas' positions wait for other news to go up with.
+pub const REPORT_EVERY: Duration = Duration::from_millis(2);
 
 /// What goes up to Python.
 #[derive(Debug, PartialEq, Eq)]
@@ -95,6 +110,44 @@ pub enum Up {
     /// Appends were made here since the last time (held answers only: a store group's
     /// master, whose replicas' long polls Python wakes).
     Appended,
+    /// Fetches answered here: each replica's last one.
+    Fetched(Vec<FetchReport>),
+}
+
+/// A replica's fetch answered here, as `Replication._report` takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchReport {
+    pub node: String,
+    pub addr: String,
+    pub offset: u64,
+    pub meta_inc: String,
+    pub meta_seq: u64,
+}
+
+/// Python's in-sync rule (`Server::insync`) and how far each replica holds the log (its
+/// last fetch's offset), under one lock: the offset Python reads when a rule takes
+/// effect is one no later release passes without the rule.
+#[derive(Default)]
+struct Replicas {
+    rule: Option<Rule>,
+    offsets: HashMap<String, u64>,
+}
+
+struct Rule {
+    /// The replicas an acknowledgement waits for (the committed set's and the proposed).
+    required: Vec<String>,
+    /// The committed set has `min_insync` nodes.
+    enough: bool,
+    /// Until when the lease lasts (None: no controller, no end).
+    lease_until: Option<std::time::Instant>,
+}
+
+/// A fetch waiting at the log's end.
+struct ParkedFetch {
+    conn: u64,
+    ask: fetch::Ask,
+    deadline: std::time::Instant,
+    frame: Frame,
 }
 
 /// One remembered append of a producer: (epoch, first sequence, last, log offset of its
@@ -489,6 +542,8 @@ enum Down {
     Acked(u64),
     RefuseWrites(Option<(u16, String)>),
     FailHeld(String),
+    Fetching(Option<Arc<Fetching>>),
+    Meta(String, u64),
 }
 
 /// An append's answer held until the group acknowledges `end` (or `deadline` passes).
@@ -522,6 +577,12 @@ struct Shared {
     /// A byte written here wakes Python: `Up` items wait.
     wake: UnixStream,
     stopping: AtomicBool,
+    /// Python's in-sync rule, the replicas' offsets, and the acknowledged offset (raised
+    /// under their lock).
+    replicas: Mutex<Replicas>,
+    acked: AtomicU64,
+    /// Fetches answered here.
+    fetches: AtomicU64,
 }
 
 impl Shared {
@@ -558,6 +619,9 @@ impl Server {
             held: Mutex::new(Held::default()),
             wake,
             stopping: AtomicBool::new(false),
+            replicas: Mutex::new(Replicas::default()),
+            acked: AtomicU64::new(0),
+            fetches: AtomicU64::new(0),
         });
         let mut looped = Loop {
             poll,
@@ -567,6 +631,13 @@ impl Server {
             group: Group::default(),
             up: Vec::new(),
             buf: vec![0u8; READ_CHUNK],
+            fetching: None,
+            meta: (String::new(), 0),
+            parked_fetches: Vec::new(),
+            reports: Vec::new(),
+            reports_since: None,
+            segment: fetch::Segment::default(),
+            dirty: false,
         };
         let thread = std::thread::Builder::new()
             .name("store-native".into())
@@ -653,6 +724,58 @@ impl Server {
         self.down(Down::FailHeld(why));
     }
 
+    /// This node is master (`Some`): the steady fetches are answered here; None: every
+    /// fetch goes to Python, the waiting ones too.
+    pub fn fetching(&self, fetching: Option<Fetching>) {
+        self.down(Down::Fetching(fetching.map(Arc::new)));
+    }
+
+    /// The metadata change log's incarnation and sequence: a fetch at another position
+    /// goes to Python (it has the ops); the waiting ones it moves are answered.
+    pub fn meta(&self, incarnation: String, seq: u64) {
+        self.down(Down::Meta(incarnation, seq));
+    }
+
+    /// Python's in-sync rule from now on (`lease`: how long the lease lasts, None: no
+    /// end; zero: none). The acknowledged offset when it took effect (every offset
+    /// acknowledged after it waits for `required`), and how far each of `required`
+    /// holds the log as its fetches said here.
+    pub fn insync(
+        &self,
+        required: Vec<String>,
+        enough: bool,
+        lease: Option<Duration>,
+    ) -> (u64, Vec<(String, u64)>) {
+        let lease_until = lease.map(|d| std::time::Instant::now() + d);
+        let out = match self.shared.replicas.lock() {
+            Ok(mut r) => {
+                let held = required
+                    .iter()
+                    .filter_map(|n| r.offsets.get(n).map(|o| (n.clone(), *o)))
+                    .collect();
+                r.rule = Some(Rule {
+                    required,
+                    enough,
+                    lease_until,
+                });
+                (self.shared.acked.load(Ordering::Acquire), held)
+            }
+            Err(_) => (u64::MAX, Vec::new()),
+        };
+        let _ = self.waker.wake(); // (the rule may release what is held)
+        out
+    }
+
+    /// The acknowledged offset, as far as this side knows.
+    pub fn acked_offset(&self) -> u64 {
+        self.shared.acked.load(Ordering::Acquire)
+    }
+
+    /// Fetches answered here since the start.
+    pub fn fetches(&self) -> u64 {
+        self.shared.fetches.load(Ordering::Relaxed)
+    }
+
     /// Readable while `take_up` has something.
     pub fn wake_fd(&self) -> RawFd {
         self.woken.as_raw_fd()
@@ -720,6 +843,18 @@ struct Loop {
     up: Vec<Up>,
     /// Every read's buffer (one, not one zeroed per read).
     buf: Vec<u8>,
+    /// The master's side of replication, as Python says it (None: fetches go up).
+    fetching: Option<Arc<Fetching>>,
+    /// The metadata change log's position (incarnation, seq).
+    meta: (String, u64),
+    parked_fetches: Vec<ParkedFetch>,
+    /// The replicas' fetches answered here, for Python (the last of each), and since
+    /// when the first waits.
+    reports: Vec<FetchReport>,
+    reports_since: Option<std::time::Instant>,
+    segment: fetch::Segment,
+    /// A fetch, an append or Python's word may release answers or wake fetches.
+    dirty: bool,
 }
 
 impl Loop {
@@ -728,11 +863,21 @@ impl Loop {
         let mut paced = false;
         while !self.shared.stopping.load(Ordering::Acquire) {
             let mut timeout = paced.then(|| Duration::from_millis(1));
-            if let Some(first) = self.group.held.front() {
-                let left = first
-                    .deadline
-                    .saturating_duration_since(std::time::Instant::now());
+            let now = std::time::Instant::now();
+            let deadlines = self
+                .group
+                .held
+                .front()
+                .map(|h| h.deadline)
+                .into_iter()
+                .chain(self.parked_fetches.iter().map(|p| p.deadline))
+                .chain(self.reports_since.map(|t| t + REPORT_EVERY));
+            for deadline in deadlines {
+                let left = deadline.saturating_duration_since(now);
                 timeout = Some(timeout.map_or(left, |t| t.min(left)));
+            }
+            if self.dirty {
+                timeout = Some(Duration::ZERO);
             }
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
@@ -766,9 +911,26 @@ impl Loop {
             for id in touched {
                 paced |= self.turn(id);
             }
-            if std::mem::take(&mut self.group.appended) && self.group.report {
+            // Releases and fetch answers once every connection is back in the map (a
+            // turn holds its own out of it); their connections' answers written.
+            self.dirty |= self.group.appended;
+            for _ in 0..3 {
+                if !self.dirty && self.parked_fetches.is_empty() {
+                    break;
+                }
+                let ids = self.settle();
+                if ids.is_empty() {
+                    break;
+                }
+                for id in ids {
+                    paced |= self.turn(id);
+                }
+            }
+            let appended = std::mem::take(&mut self.group.appended);
+            if appended && self.group.report {
                 self.up.push(Up::Appended);
             }
+            self.report_up();
             let up = std::mem::take(&mut self.up);
             self.shared.send_up(up);
         }
@@ -864,8 +1026,20 @@ impl Loop {
                     self.group.timeout = (!timeout.is_zero()).then_some(timeout);
                 }
                 Down::Acked(offset) => {
-                    self.group.acked = self.group.acked.max(offset);
+                    if offset > self.group.acked {
+                        self.group.acked = offset;
+                        self.shared.acked.fetch_max(offset, Ordering::AcqRel);
+                        self.dirty = true;
+                    }
                     ids.extend(self.release_held());
+                }
+                Down::Fetching(f) => {
+                    self.fetching = f;
+                    self.dirty = true;
+                }
+                Down::Meta(inc, seq) => {
+                    self.meta = (inc, seq);
+                    self.dirty = true;
                 }
                 Down::RefuseWrites(refusal) => self.group.refusal = refusal,
                 Down::FailHeld(why) => ids.extend(self.fail_held(503, &why)),
@@ -1022,7 +1196,12 @@ impl Loop {
                 Err(e) => return protocol_error(c, &format!("bad header JSON: {e}")),
             }
         };
-        let f = if f.code == PUBLISH {
+        let f = if f.code == REPL_FETCH {
+            match self.fetch(id, c, &header, f) {
+                None => return,
+                Some(f) => f,
+            }
+        } else if f.code == PUBLISH {
             let f = match native_publish(&header, &f.body) {
                 Some((msgs, stamp)) => match self.publish(id, c, f, msgs, stamp) {
                     None => return,
@@ -1142,6 +1321,207 @@ impl Loop {
         let answer = results_answer(f.code, f.request_id, &out);
         self.answer_append(c, id, &f, end_of_places(&out), answer);
         None
+    }
+
+    /// A replica's REPL_FETCH: answered here, waiting here, or back (Python's).
+    fn fetch(&mut self, id: u64, c: &mut Conn, header: &Value, f: Frame) -> Option<Frame> {
+        let Some(conf) = self.fetching.clone() else {
+            return Some(f);
+        };
+        let Some(ask) = fetch::ask(header) else {
+            return Some(f);
+        };
+        if ask.epoch > conf.epoch {
+            return Some(f);
+        }
+        let end = self.appender.write_pos();
+        if let Ok(mut r) = self.shared.replicas.lock() {
+            if ask.first || ask.offset > end {
+                // Where it forked is Python's to say: its offset counts once it fetches on.
+                r.offsets.remove(&ask.node);
+                return Some(f);
+            }
+            // It holds the log to here (checked against this log by its connection's
+            // first fetch): acknowledgements may move.
+            r.offsets.insert(ask.node.clone(), ask.offset);
+        }
+        self.dirty = true;
+        if !ask.steady
+            || ask.max_bytes > fetch::FETCH_MAX_BYTES
+            || !self.meta_current(&ask)
+            || ask.offset < self.appender.active_base()
+        {
+            return Some(f);
+        }
+        let limit = conf.sync.then_some(self.group.acked);
+        if ask.offset >= end
+            && ask.wait_ms > 0
+            && (limit.is_none() || ask.lazy || ask.confirmed == limit)
+            && self.parked_fetches.len() < MAX_PARKED_FETCHES
+        {
+            self.report(&ask);
+            let deadline = std::time::Instant::now() + Duration::from_millis(ask.wait_ms);
+            self.parked_fetches.push(ParkedFetch {
+                conn: id,
+                ask,
+                deadline,
+                frame: f,
+            });
+            return None;
+        }
+        match self.fetch_answer(&conf, &ask, f.request_id) {
+            Some(bytes) => {
+                self.report(&ask);
+                c.queue(bytes);
+                None
+            }
+            None => Some(f),
+        }
+    }
+
+    fn meta_current(&self, ask: &fetch::Ask) -> bool {
+        ask.meta_inc == self.meta.0 && ask.meta_seq == self.meta.1
+    }
+
+    /// Python hears of this fetch (the replica's last one counts).
+    fn report(&mut self, ask: &fetch::Ask) {
+        let r = FetchReport {
+            node: ask.node.clone(),
+            addr: ask.addr.clone(),
+            offset: ask.offset,
+            meta_inc: ask.meta_inc.clone(),
+            meta_seq: ask.meta_seq,
+        };
+        match self.reports.iter_mut().find(|x| x.node == r.node) {
+            Some(x) => *x = r,
+            None => self.reports.push(r),
+        }
+        self.reports_since.get_or_insert_with(std::time::Instant::now);
+    }
+
+    /// The replicas' positions go up with other news, or once `REPORT_EVERY` passed.
+    fn report_up(&mut self) {
+        let Some(since) = self.reports_since else {
+            return;
+        };
+        if self.up.is_empty() && since.elapsed() < REPORT_EVERY {
+            return;
+        }
+        self.reports_since = None;
+        self.up.push(Up::Fetched(std::mem::take(&mut self.reports)));
+    }
+
+    /// The answer of a fetch (None: Python's to answer).
+    fn fetch_answer(&mut self, conf: &Fetching, ask: &fetch::Ask, rid: u32) -> Option<Vec<u8>> {
+        let end = self.appender.write_pos();
+        let base = self.appender.active_base();
+        let (data, base) = self
+            .segment
+            .read_raw(&conf.dir, base, end, ask.offset, ask.max_bytes)?;
+        let limit = conf.sync.then_some(self.group.acked);
+        let header = fetch::header(end, base, conf, limit, &self.meta.0, self.meta.1);
+        let bytes = frame::encode(&Frame {
+            kind: Kind::Response,
+            code: REPL_FETCH,
+            request_id: rid,
+            header,
+            body: data,
+        })
+        .ok()?;
+        self.shared.fetches.fetch_add(1, Ordering::Relaxed);
+        Some(bytes)
+    }
+
+    /// The acknowledged offset by Python's rule and the replicas' fetches: raised, the
+    /// answers held to it go out. Their connections.
+    fn release_native(&mut self) -> Vec<u64> {
+        let end = self.appender.write_pos();
+        let Ok(reps) = self.shared.replicas.lock() else {
+            return Vec::new();
+        };
+        let Some(r) = reps.rule.as_ref() else {
+            return Vec::new();
+        };
+        if !r.enough
+            || r
+                .lease_until
+                .is_some_and(|t| std::time::Instant::now() >= t)
+        {
+            return Vec::new();
+        }
+        let ack = r.required.iter().fold(end, |a, n| {
+            a.min(reps.offsets.get(n).copied().unwrap_or(0))
+        });
+        if ack <= self.group.acked {
+            return Vec::new();
+        }
+        self.group.acked = ack;
+        self.shared.acked.fetch_max(ack, Ordering::AcqRel);
+        drop(reps);
+        self.release_held()
+    }
+
+    /// Releases by the replicas' positions, and the waiting fetches that may be
+    /// answered now (new bytes; a new read limit unless lazy; metadata moved; this node
+    /// no longer master: up to Python; their time is up). The connections touched.
+    fn settle(&mut self) -> Vec<u64> {
+        self.dirty = false;
+        let mut ids = self.release_native();
+        if self.parked_fetches.is_empty() {
+            return ids;
+        }
+        let now = std::time::Instant::now();
+        let end = self.appender.write_pos();
+        let acked = self.group.acked;
+        let parked = std::mem::take(&mut self.parked_fetches);
+        for p in parked {
+            if !self.conns.contains_key(&p.conn) {
+                continue;
+            }
+            let conf = match &self.fetching {
+                Some(conf) if self.meta_current(&p.ask) => Arc::clone(conf),
+                _ => {
+                    // Not master any more, or its metadata moved: Python answers it.
+                    if let Some(c) = self.conns.get_mut(&p.conn) {
+                        c.up += 1;
+                    }
+                    self.up.push(Up::Frame {
+                        conn: p.conn,
+                        code: p.frame.code,
+                        request_id: p.frame.request_id,
+                        header: p.frame.header,
+                        body: p.frame.body,
+                    });
+                    continue;
+                }
+            };
+            let new_limit = conf.sync && !p.ask.lazy && p.ask.confirmed != Some(acked);
+            if end <= p.ask.offset && !new_limit && now < p.deadline {
+                self.parked_fetches.push(p);
+                continue;
+            }
+            match self.fetch_answer(&conf, &p.ask, p.frame.request_id) {
+                Some(bytes) => {
+                    if let Some(c) = self.conns.get_mut(&p.conn) {
+                        c.queue(bytes);
+                    }
+                }
+                None => {
+                    if let Some(c) = self.conns.get_mut(&p.conn) {
+                        c.up += 1;
+                    }
+                    self.up.push(Up::Frame {
+                        conn: p.conn,
+                        code: p.frame.code,
+                        request_id: p.frame.request_id,
+                        header: p.frame.header,
+                        body: p.frame.body,
+                    });
+                }
+            }
+            ids.push(p.conn);
+        }
+        ids
     }
 
     /// An append's answer: out now, or held until the group acknowledges `end`.
