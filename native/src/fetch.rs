@@ -4,8 +4,11 @@
 //! header Python writes. Only the plain case is decided here (`Ask::steady`): a
 //! connection's first fetch (its epoch history: the fork point), a metadata snapshot,
 //! a start-over, a replica that cannot write or lacks metadata, or anything odd goes to
-//! Python as before.
+//! Python as before. The metadata change log's newest ops come here as Python records
+//! them (`MetaOps`), encoded as Python encodes them, so that a replica a few changes
+//! behind is answered here too.
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -22,6 +25,78 @@ pub const MAX_WAIT_MS: u64 = 5000;
 pub const FETCH_MAX_BYTES: u64 = 16 << 20;
 /// A record's frame: magic u32, total length u32, crc u32 (`record.FRAME`).
 const RECORD_FRAME: usize = 12;
+/// Metadata ops kept here for replicas a few changes behind (a count, encoded bytes);
+/// one further behind goes to Python. Far under what Python's `MetaLog.since` puts in
+/// one answer (10,000 ops, 8 MiB), so that an answer here holds what Python's would.
+pub const META_OPS_KEPT: usize = 1024;
+pub const META_BYTES_KEPT: usize = 1 << 20;
+
+/// The metadata change log's position and its newest ops, each as Python's JSON.
+#[derive(Debug, Default)]
+pub struct MetaOps {
+    pub inc: String,
+    /// The sequence before the first op kept.
+    start: u64,
+    ops: VecDeque<Vec<u8>>,
+    bytes: usize,
+}
+
+impl MetaOps {
+    /// The sequence of the newest change.
+    pub fn seq(&self) -> u64 {
+        self.start + self.ops.len() as u64
+    }
+
+    /// Python's word on the position (`MetaLog.incarnation`, `seq`): another
+    /// incarnation, or a sequence past the ops known, starts over from it.
+    pub fn position(&mut self, inc: String, seq: u64) {
+        if inc != self.inc || seq > self.seq() {
+            self.inc = inc;
+            self.start = seq;
+            self.ops.clear();
+            self.bytes = 0;
+        }
+    }
+
+    /// Ops recorded from sequence `first` on.
+    pub fn record(&mut self, first: u64, ops: Vec<Vec<u8>>) {
+        if first != self.seq() + 1 {
+            self.start = first.saturating_sub(1);
+            self.ops.clear();
+            self.bytes = 0;
+        }
+        for op in ops {
+            self.bytes += op.len();
+            self.ops.push_back(op);
+        }
+        while self.ops.len() > META_OPS_KEPT || self.bytes > META_BYTES_KEPT {
+            if let Some(op) = self.ops.pop_front() {
+                self.bytes -= op.len();
+                self.start += 1;
+            }
+        }
+    }
+
+    /// Whether a replica at (`inc`, `seq`) is answered from here.
+    pub fn covers(&self, inc: &str, seq: u64) -> bool {
+        inc == self.inc && self.start <= seq && seq <= self.seq()
+    }
+
+    /// The answer's `meta` for a replica at `seq` (`covers` said yes): the ops after it.
+    pub fn since(&self, seq: u64) -> Vec<u8> {
+        let inc = serde_json::to_string(&self.inc).unwrap_or_else(|_| "\"\"".into());
+        let mut out = format!(r#"{{"inc":{inc},"seq":{},"ops":["#, self.seq()).into_bytes();
+        let skip = seq.saturating_sub(self.start) as usize;
+        for (i, op) in self.ops.iter().skip(skip).enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(op);
+        }
+        out.extend_from_slice(b"]}");
+        out
+    }
+}
 
 /// What the master's side of replication is, as Python says it (`Server::fetching`).
 #[derive(Debug, Clone)]
@@ -110,23 +185,18 @@ pub fn ask(header: &Value) -> Option<Ask> {
     })
 }
 
-/// The answer's header, byte for byte as Python's `handle_fetch` (orjson) writes it
-/// when the replica's metadata is current (no ops).
-pub fn header(
-    end: u64,
-    base: u64,
-    f: &Fetching,
-    confirmed: Option<u64>,
-    meta_inc: &str,
-    meta_seq: u64,
-) -> Vec<u8> {
+/// The answer's header, byte for byte as Python's `handle_fetch` (orjson) writes it;
+/// `meta`: its metadata part (`MetaOps::since`).
+pub fn header(end: u64, base: u64, f: &Fetching, confirmed: Option<u64>, meta: &[u8]) -> Vec<u8> {
     let confirmed = confirmed.map_or_else(|| "null".to_string(), |c| c.to_string());
-    let inc = serde_json::to_string(meta_inc).unwrap_or_else(|_| "\"\"".into());
-    format!(
-        r#"{{"end":{end},"base":{base},"epoch":{},"confirmed":{confirmed},"epochs":{},"meta":{{"inc":{inc},"seq":{meta_seq},"ops":[]}}}}"#,
+    let mut out = format!(
+        r#"{{"end":{end},"base":{base},"epoch":{},"confirmed":{confirmed},"epochs":{},"meta":"#,
         f.epoch, f.epochs
     )
-    .into_bytes()
+    .into_bytes();
+    out.extend_from_slice(meta);
+    out.push(b'}');
+    out
 }
 
 /// Whole records from the start of `data` (`CommitLog.read_raw`'s walk): how many bytes.
@@ -258,13 +328,51 @@ mod tests {
             dir: PathBuf::new(),
             sync: true,
         };
+        let mut meta = MetaOps::default();
+        meta.position("ab".into(), 4);
         assert_eq!(
-            header(500, 0, &f, Some(480), "ab", 4),
+            header(500, 0, &f, Some(480), &meta.since(4)),
             br#"{"end":500,"base":0,"epoch":2,"confirmed":480,"epochs":[[1,0],[2,300]],"meta":{"inc":"ab","seq":4,"ops":[]}}"#.to_vec()
         );
-        assert!(String::from_utf8(header(1, 1, &f, None, "", 0))
+        assert!(String::from_utf8(header(1, 1, &f, None, b"{}"))
             .unwrap()
             .contains(r#""confirmed":null"#));
+        // orjson.dumps({"inc": "ab", "seq": 6, "ops": [["put", "sessions", "c1", {"a": 1}],
+        // ["delete", "inflight", "k", None]]})
+        meta.record(
+            5,
+            vec![
+                br#"["put","sessions","c1",{"a":1}]"#.to_vec(),
+                br#"["delete","inflight","k",null]"#.to_vec(),
+            ],
+        );
+        assert!(meta.covers("ab", 4) && meta.covers("ab", 6) && !meta.covers("ab", 7));
+        assert!(!meta.covers("cd", 6) && !meta.covers("ab", 3));
+        assert_eq!(
+            meta.since(4),
+            br#"{"inc":"ab","seq":6,"ops":[["put","sessions","c1",{"a":1}],["delete","inflight","k",null]]}"#.to_vec()
+        );
+        assert_eq!(
+            meta.since(5),
+            br#"{"inc":"ab","seq":6,"ops":[["delete","inflight","k",null]]}"#.to_vec()
+        );
+    }
+
+    #[test]
+    fn metadata_ops_are_kept_bounded_and_gaps_start_over() {
+        let mut meta = MetaOps::default();
+        meta.position("i".into(), 10);
+        meta.record(20, vec![b"[1]".to_vec()]); // (a gap: 11..19 unknown here)
+        assert!(!meta.covers("i", 10) && meta.covers("i", 19) && meta.seq() == 20);
+        for n in 0..(META_OPS_KEPT as u64 + 10) {
+            meta.record(21 + n, vec![b"[2]".to_vec()]);
+        }
+        assert_eq!(meta.ops.len(), META_OPS_KEPT);
+        assert!(!meta.covers("i", 19) && meta.covers("i", meta.seq() - 5));
+        meta.position("i".into(), 5); // (behind what is known: nothing changes)
+        assert!(meta.covers("i", meta.seq()));
+        meta.position("j".into(), 0);
+        assert!(meta.covers("j", 0) && meta.seq() == 0);
     }
 
     #[test]

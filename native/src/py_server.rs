@@ -206,6 +206,13 @@ impl PyStoreServer {
         Ok(())
     }
 
+    /// Metadata ops recorded from sequence `first` on, each as `dumps_json` of it.
+    fn meta_ops(&self, first: u64, ops: Vec<Bound<'_, PyBytes>>) -> PyResult<()> {
+        let ops = ops.iter().map(|b| b.as_bytes().to_vec()).collect();
+        self.server()?.meta_ops(first, ops);
+        Ok(())
+    }
+
     /// The in-sync rule: the replicas an acknowledgement waits for, whether the set is
     /// large enough, the lease's seconds left (inf: no end; 0: none). Returns the
     /// acknowledged offset when it took effect, and {node: offset} of the required

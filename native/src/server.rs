@@ -544,6 +544,7 @@ enum Down {
     FailHeld(String),
     Fetching(Option<Arc<Fetching>>),
     Meta(String, u64),
+    MetaOps(u64, Vec<Vec<u8>>),
 }
 
 /// An append's answer held until the group acknowledges `end` (or `deadline` passes).
@@ -632,7 +633,7 @@ impl Server {
             up: Vec::new(),
             buf: vec![0u8; READ_CHUNK],
             fetching: None,
-            meta: (String::new(), 0),
+            meta: fetch::MetaOps::default(),
             parked_fetches: Vec::new(),
             reports: Vec::new(),
             reports_since: None,
@@ -730,10 +731,15 @@ impl Server {
         self.down(Down::Fetching(fetching.map(Arc::new)));
     }
 
-    /// The metadata change log's incarnation and sequence: a fetch at another position
-    /// goes to Python (it has the ops); the waiting ones it moves are answered.
+    /// The metadata change log's incarnation and sequence: a fetch at a position not
+    /// kept here goes to Python (it has the ops); the waiting ones it moves are answered.
     pub fn meta(&self, incarnation: String, seq: u64) {
         self.down(Down::Meta(incarnation, seq));
+    }
+
+    /// Metadata ops recorded from sequence `first` on, each as Python's JSON of it.
+    pub fn meta_ops(&self, first: u64, ops: Vec<Vec<u8>>) {
+        self.down(Down::MetaOps(first, ops));
     }
 
     /// Python's in-sync rule from now on (`lease`: how long the lease lasts, None: no
@@ -845,8 +851,8 @@ struct Loop {
     buf: Vec<u8>,
     /// The master's side of replication, as Python says it (None: fetches go up).
     fetching: Option<Arc<Fetching>>,
-    /// The metadata change log's position (incarnation, seq).
-    meta: (String, u64),
+    /// The metadata change log's position and newest ops.
+    meta: fetch::MetaOps,
     parked_fetches: Vec<ParkedFetch>,
     /// The replicas' fetches answered here, for Python (the last of each), and since
     /// when the first waits.
@@ -1038,7 +1044,11 @@ impl Loop {
                     self.dirty = true;
                 }
                 Down::Meta(inc, seq) => {
-                    self.meta = (inc, seq);
+                    self.meta.position(inc, seq);
+                    self.dirty = true;
+                }
+                Down::MetaOps(first, ops) => {
+                    self.meta.record(first, ops);
                     self.dirty = true;
                 }
                 Down::RefuseWrites(refusal) => self.group.refusal = refusal,
@@ -1348,7 +1358,7 @@ impl Loop {
         self.dirty = true;
         if !ask.steady
             || ask.max_bytes > fetch::FETCH_MAX_BYTES
-            || !self.meta_current(&ask)
+            || !self.meta_covered(&ask)
             || ask.offset < self.appender.active_base()
         {
             return Some(f);
@@ -1356,6 +1366,7 @@ impl Loop {
         let limit = conf.sync.then_some(self.group.acked);
         if ask.offset >= end
             && ask.wait_ms > 0
+            && self.meta_current(&ask)
             && (limit.is_none() || ask.lazy || ask.confirmed == limit)
             && self.parked_fetches.len() < MAX_PARKED_FETCHES
         {
@@ -1379,8 +1390,13 @@ impl Loop {
         }
     }
 
+    /// Whether its metadata is current (it may wait), or behind by ops kept here.
     fn meta_current(&self, ask: &fetch::Ask) -> bool {
-        ask.meta_inc == self.meta.0 && ask.meta_seq == self.meta.1
+        ask.meta_inc == self.meta.inc && ask.meta_seq == self.meta.seq()
+    }
+
+    fn meta_covered(&self, ask: &fetch::Ask) -> bool {
+        self.meta.covers(&ask.meta_inc, ask.meta_seq)
     }
 
     /// Python hears of this fetch (the replica's last one counts).
@@ -1419,7 +1435,8 @@ impl Loop {
             .segment
             .read_raw(&conf.dir, base, end, ask.offset, ask.max_bytes)?;
         let limit = conf.sync.then_some(self.group.acked);
-        let header = fetch::header(end, base, conf, limit, &self.meta.0, self.meta.1);
+        let meta = self.meta.since(ask.meta_seq);
+        let header = fetch::header(end, base, conf, limit, &meta);
         let bytes = frame::encode(&Frame {
             kind: Kind::Response,
             code: REPL_FETCH,
@@ -1479,9 +1496,10 @@ impl Loop {
                 continue;
             }
             let conf = match &self.fetching {
-                Some(conf) if self.meta_current(&p.ask) => Arc::clone(conf),
+                Some(conf) if self.meta_covered(&p.ask) => Arc::clone(conf),
                 _ => {
-                    // Not master any more, or its metadata moved: Python answers it.
+                    // Not master any more, or its metadata moved past what is kept
+                    // here: Python answers it.
                     if let Some(c) = self.conns.get_mut(&p.conn) {
                         c.up += 1;
                     }
@@ -1496,7 +1514,8 @@ impl Loop {
                 }
             };
             let new_limit = conf.sync && !p.ask.lazy && p.ask.confirmed != Some(acked);
-            if end <= p.ask.offset && !new_limit && now < p.deadline {
+            if end <= p.ask.offset && !new_limit && self.meta_current(&p.ask) && now < p.deadline
+            {
                 self.parked_fetches.push(p);
                 continue;
             }

@@ -77,6 +77,7 @@ class NativeMaster:
             native.hold(repl.cfg.ack_timeout_s if repl.cfg.mode == "sync" else 0.0)
             native.acked(max(0, repl.confirmed))
             native.meta(repl.metalog.incarnation, repl.metalog.seq)
+            repl.metalog.tap = native.meta_ops
             repl.native, repl._native_said = native, None
             repl._native_fetch = repl._native_rule = None
             repl.sync_native()
@@ -113,6 +114,7 @@ class NativeMaster:
             if self._scope is None or self._done is None:
                 return
             self.repl.native = None
+            self.repl.metalog.tap = None
             self.server.carrier = None
             self._scope.cancel()
             await self._done.wait()

@@ -413,9 +413,10 @@ class Replication:
         if self.confirmed > before and self._eager and self.read_limit() is not None:
             self._wake_soon()  # replicas' readers may see more: answer their long polls
         if self.native is not None:
-            if self.confirmed > before:
-                self.native.acked(self.confirmed)  # the native appends held to here go out
-                self._acked_now()
+            if self.confirmed > before:  # the native appends held to here go out (if
+                self._acked_now()          # the native side did not release them itself)
+                if self.confirmed > self.native.acked_offset():
+                    self.native.acked(self.confirmed)
             self.sync_native()
         ready = self.insync.ready(self.confirmed)
         for outer, msgs in ready:
@@ -534,9 +535,9 @@ class Replication:
         end = log_.max_offset
         engine = log_.engine
         if self.native is not None and engine is not None:
-            # The native server answers bytes the dispatch may not have taken yet.
-            log_.catch_up()
-            end = max(log_.max_offset, engine.write_pos)
+            # The native server answers bytes the dispatch may not have taken yet: a
+            # replica holding them is not ahead of this log (the read below waits).
+            end = max(end, engine.write_pos)
         offset = int(h["offset"])
         node = str(h["node"])
         history = implicit(self.epochs.history, log_.max_offset)
