@@ -168,7 +168,8 @@ pub fn ask(header: &Value) -> Option<Ask> {
     let steady = absent_or_null(h, "snap")
         && absent_or_null(h, "restart")
         && falsy(h.get("write_error"))
-        && h.get("meta_complete").is_none_or(|v| v == &Value::Bool(true));
+        && h.get("meta_complete")
+            .is_none_or(|v| v == &Value::Bool(true));
     Some(Ask {
         node,
         addr,
@@ -203,12 +204,8 @@ pub fn header(end: u64, base: u64, f: &Fetching, confirmed: Option<u64>, meta: &
 pub fn whole_records(data: &[u8]) -> usize {
     let mut pos = 0usize;
     while data.len() - pos >= RECORD_FRAME {
-        let size = u32::from_be_bytes([
-            data[pos + 4],
-            data[pos + 5],
-            data[pos + 6],
-            data[pos + 7],
-        ]) as usize;
+        let size = u32::from_be_bytes([data[pos + 4], data[pos + 5], data[pos + 6], data[pos + 7]])
+            as usize;
         if size < RECORD_FRAME || pos + size > data.len() {
             break;
         }
@@ -304,9 +301,11 @@ mod tests {
         ] {
             assert!(!parse(not_steady).unwrap().steady, "{not_steady}");
         }
-        assert!(parse(r#"{"node":"n","offset":0,"epochs":[[1,0]]}"#)
-            .unwrap()
-            .first);
+        assert!(
+            parse(r#"{"node":"n","offset":0,"epochs":[[1,0]]}"#)
+                .unwrap()
+                .first
+        );
         for odd in [
             r#"{"offset":0}"#,
             r#"{"node":1,"offset":0}"#,
@@ -398,8 +397,16 @@ mod tests {
             Some((log[20..50].to_vec(), 100))
         );
         assert_eq!(seg.read_raw(&dir, 100, 166, 166, 40), Some((vec![], 166)));
-        assert_eq!(seg.read_raw(&dir, 100, 166, 100, 10), None, "larger than asked");
-        assert_eq!(seg.read_raw(&dir, 100, 166, 90, 10), None, "before the segment");
+        assert_eq!(
+            seg.read_raw(&dir, 100, 166, 100, 10),
+            None,
+            "larger than asked"
+        );
+        assert_eq!(
+            seg.read_raw(&dir, 100, 166, 90, 10),
+            None,
+            "before the segment"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -6,8 +6,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
-use crate::py::{adopt_fd, Fd, PyEngine};
 use crate::fetch::Fetching;
+use crate::py::{adopt_fd, Fd, PyEngine};
 use crate::server::{Entry, Server, Up};
 
 /// A producer's sequence as Python's table holds it: (store time of its newest record,

@@ -1355,6 +1355,9 @@ impl Loop {
             // first fetch): acknowledgements may move.
             r.offsets.insert(ask.node.clone(), ask.offset);
         }
+        // Its answer carries the read limit this fetch moved (as Python's reports it
+        // first); the held answers go out once every connection is back (`settle`).
+        self.raise_acked();
         self.dirty = true;
         if !ask.steady
             || ask.max_bytes > fetch::FETCH_MAX_BYTES
@@ -1412,7 +1415,8 @@ impl Loop {
             Some(x) => *x = r,
             None => self.reports.push(r),
         }
-        self.reports_since.get_or_insert_with(std::time::Instant::now);
+        self.reports_since
+            .get_or_insert_with(std::time::Instant::now);
     }
 
     /// The replicas' positions go up with other news, or once `REPORT_EVERY` passed.
@@ -1431,9 +1435,9 @@ impl Loop {
     fn fetch_answer(&mut self, conf: &Fetching, ask: &fetch::Ask, rid: u32) -> Option<Vec<u8>> {
         let end = self.appender.write_pos();
         let base = self.appender.active_base();
-        let (data, base) = self
-            .segment
-            .read_raw(&conf.dir, base, end, ask.offset, ask.max_bytes)?;
+        let (data, base) =
+            self.segment
+                .read_raw(&conf.dir, base, end, ask.offset, ask.max_bytes)?;
         let limit = conf.sync.then_some(self.group.acked);
         let meta = self.meta.since(ask.meta_seq);
         let header = fetch::header(end, base, conf, limit, &meta);
@@ -1449,33 +1453,30 @@ impl Loop {
         Some(bytes)
     }
 
-    /// The acknowledged offset by Python's rule and the replicas' fetches: raised, the
-    /// answers held to it go out. Their connections.
-    fn release_native(&mut self) -> Vec<u64> {
+    /// The acknowledged offset by Python's rule and the replicas' fetches (raised
+    /// only: the answers held to it go out in `settle`).
+    fn raise_acked(&mut self) {
         let end = self.appender.write_pos();
         let Ok(reps) = self.shared.replicas.lock() else {
-            return Vec::new();
+            return;
         };
         let Some(r) = reps.rule.as_ref() else {
-            return Vec::new();
+            return;
         };
         if !r.enough
-            || r
-                .lease_until
+            || r.lease_until
                 .is_some_and(|t| std::time::Instant::now() >= t)
         {
-            return Vec::new();
+            return;
         }
-        let ack = r.required.iter().fold(end, |a, n| {
-            a.min(reps.offsets.get(n).copied().unwrap_or(0))
-        });
-        if ack <= self.group.acked {
-            return Vec::new();
+        let ack = r
+            .required
+            .iter()
+            .fold(end, |a, n| a.min(reps.offsets.get(n).copied().unwrap_or(0)));
+        if ack > self.group.acked {
+            self.group.acked = ack;
+            self.shared.acked.fetch_max(ack, Ordering::AcqRel);
         }
-        self.group.acked = ack;
-        self.shared.acked.fetch_max(ack, Ordering::AcqRel);
-        drop(reps);
-        self.release_held()
     }
 
     /// Releases by the replicas' positions, and the waiting fetches that may be
@@ -1483,7 +1484,8 @@ impl Loop {
     /// no longer master: up to Python; their time is up). The connections touched.
     fn settle(&mut self) -> Vec<u64> {
         self.dirty = false;
-        let mut ids = self.release_native();
+        self.raise_acked();
+        let mut ids = self.release_held();
         if self.parked_fetches.is_empty() {
             return ids;
         }
@@ -1514,8 +1516,7 @@ impl Loop {
                 }
             };
             let new_limit = conf.sync && !p.ask.lazy && p.ask.confirmed != Some(acked);
-            if end <= p.ask.offset && !new_limit && self.meta_current(&p.ask) && now < p.deadline
-            {
+            if end <= p.ask.offset && !new_limit && self.meta_current(&p.ask) && now < p.deadline {
                 self.parked_fetches.push(p);
                 continue;
             }
@@ -2091,6 +2092,123 @@ mod tests {
             .as_str()
             .unwrap()
             .contains("within 0.2 s"));
+        server.stop();
+    }
+
+    #[test]
+    fn a_replicas_fetches_are_answered_here_and_release_held_appends() {
+        let engine = engine("fetch");
+        let mut server = Server::start(engine.appender()).unwrap();
+        server.hold(Duration::from_secs(30));
+        server.fetching(Some(Fetching {
+            epoch: 1,
+            epochs: "[[1,0]]".into(),
+            dir: tmp_keep("fetch"),
+            sync: true,
+        }));
+        server.meta("inc".into(), 0);
+        let (acked, held) = server.insync(vec!["r1".into()], true, None);
+        assert_eq!((acked, held), (0, vec![]));
+        let (_, mut gateway) = connect(&server);
+        let (_, mut replica) = connect(&server);
+        let (mut gdec, mut rdec) = (Pending::new(), Pending::new());
+        let fetch = |rid: u32, offset: u64, extra: &str| {
+            let h = format!(
+                r#"{{"node":"r1","addr":"h:1","offset":{offset},"epoch":1,"meta_inc":"inc",
+                "meta_seq":0,"confirmed":0,"lazy":true,"wait_ms":5000,"max_bytes":4194304{extra}}}"#
+            );
+            request(REPL_FETCH, rid, &h, b"")
+        };
+        // The first fetch of a connection (its epoch history) is Python's.
+        replica
+            .write_all(&fetch(1, 0, r#","epochs":[[1,0]]"#))
+            .unwrap();
+        assert!(matches!(
+            &wait_up(&server)[..],
+            [Up::Frame {
+                code: REPL_FETCH,
+                request_id: 1,
+                ..
+            }]
+        ));
+        // At the end: it waits here, until an append.
+        replica.write_all(&fetch(2, 0, "")).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        gateway.write_all(&publish(7, &["a/b", "c"], "")).unwrap();
+        let answer = recv(&mut replica, &mut rdec);
+        assert_eq!((answer.kind, answer.request_id), (Kind::Response, 2));
+        let h = header(&answer);
+        let end = engine.write_pos();
+        assert_eq!(answer.body.len() as u64, end);
+        assert_eq!(
+            (
+                h["end"].as_u64(),
+                h["base"].as_u64(),
+                h["confirmed"].as_u64()
+            ),
+            (Some(end), Some(0), Some(0))
+        );
+        assert_eq!(
+            h["meta"],
+            serde_json::json!({"inc": "inc", "seq": 0, "ops": []})
+        );
+        assert_eq!(h["epochs"], serde_json::json!([[1, 0]]));
+        // Not answered until the replica says it holds the append: then at once.
+        gateway
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let mut buf = [0u8; 1];
+        assert!(
+            gateway.peek(&mut buf).is_err(),
+            "answered before replicated"
+        );
+        gateway
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        server.meta_ops(1, vec![br#"["put","sessions","k",1]"#.to_vec()]);
+        replica.write_all(&fetch(3, end, "")).unwrap();
+        let stored = recv(&mut gateway, &mut gdec);
+        assert_eq!((stored.kind, stored.request_id), (Kind::Response, 7));
+        assert_eq!(server.acked_offset(), end);
+        // Its metadata is a change behind: answered at once with the op.
+        let answer = recv(&mut replica, &mut rdec);
+        let h = header(&answer);
+        assert_eq!(
+            h["meta"]["ops"],
+            serde_json::json!([["put", "sessions", "k", 1]])
+        );
+        assert_eq!(h["confirmed"].as_u64(), Some(end));
+        assert!(answer.body.is_empty());
+        assert_eq!(server.fetches(), 2);
+        // Python hears of the replica's position.
+        let until = Instant::now() + Duration::from_secs(5);
+        let mut heard = None;
+        while heard != Some(end) && Instant::now() < until {
+            for up in server.take_up() {
+                if let Up::Fetched(r) = up {
+                    assert!(r.iter().all(|r| r.node == "r1" && r.addr == "h:1"));
+                    heard = r.last().map(|r| r.offset);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(heard, Some(end));
+        // Not master any more: what waits goes to Python.
+        replica
+            .write_all(&fetch(4, end, r#","meta_seq":1"#))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        server.fetching(None);
+        let until = Instant::now() + Duration::from_secs(5);
+        let mut up = false;
+        while !up && Instant::now() < until {
+            up = server
+                .take_up()
+                .iter()
+                .any(|u| matches!(u, Up::Frame { request_id: 4, .. }));
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(up, "the waiting fetch went to Python");
         server.stop();
     }
 

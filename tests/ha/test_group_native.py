@@ -192,7 +192,8 @@ def test_replicas_fetches_are_answered_natively(plane_name: str, group: Group) -
     native_fetches = after["native_fetches"] - before["native_fetches"]
     python_fetches = after["fetches"] - before["fetches"]
     if plane_name == "native":
-        assert native_fetches >= n, (native_fetches, python_fetches)
+        # One answer per append per replica (lazy: not a second for the read limit).
+        assert n <= native_fetches <= 2 * n + 20, (native_fetches, python_fetches)
         assert python_fetches < n // 5, (native_fetches, python_fetches)
     else:
         assert native_fetches == 0 and python_fetches >= n
