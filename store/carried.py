@@ -100,7 +100,8 @@ class Carrier:
     def adopt(self, fd: int, hello_answer: bytes, unread: bytes, ctx: ConnCtx) -> None:
         """Hand the connection over (its socket detached from trio: `fd`)."""
         assert self._nursery is not None
-        conn = self.native.adopt(fd, hello_answer, unread)
+        # Its REPL_FETCH is answered natively only if Python would allow it.
+        conn = self.native.adopt(fd, hello_answer, unread, self.server.may_fetch(ctx))
         channel, recv = trio.open_memory_channel[bytes](256)
         outbox = Outbox(channel, self.server.store.native_answers)
         ctx.outbox = outbox
@@ -195,6 +196,8 @@ class Carrier:
             self.native.answer(conn, answer)
             self.native.close(conn)
             return
+        # (before the answer: the frames after the HELLO wait for it)
+        self.native.may_fetch(conn, self.server.may_fetch(c.ctx))
         self.native.answer(conn, answer)
 
     def _claim(self, conn: int, c: Carried, rid: int, producer: str) -> None:

@@ -51,10 +51,12 @@ impl PyStoreServer {
     /// Carry a connection Python authenticated (the caller detached `fd`): `first`,
     /// what it is sent first (the HELLO's answer); `unread`, what Python read of it
     /// past the HELLO. Its id.
-    fn adopt(&self, fd: i32, first: &[u8], unread: &[u8]) -> PyResult<u64> {
+    /// `may_fetch`: Python allows it REPL_FETCH (a store node): answered natively.
+    #[pyo3(signature = (fd, first, unread, may_fetch=false))]
+    fn adopt(&self, fd: i32, first: &[u8], unread: &[u8], may_fetch: bool) -> PyResult<u64> {
         let server = self.server()?;
         let fd = adopt_fd(Fd::checked(fd)?);
-        Ok(server.adopt(fd, first.to_vec(), unread.to_vec()))
+        Ok(server.adopt_fetching(fd, first.to_vec(), unread.to_vec(), may_fetch))
     }
 
     /// Readable while `take_up` has something.
@@ -248,6 +250,12 @@ impl PyStoreServer {
     /// Every held answer fails (503, `why`).
     fn fail_held(&self, why: String) -> PyResult<()> {
         self.server()?.fail_held(why);
+        Ok(())
+    }
+
+    /// Whether `conn`'s REPL_FETCH is answered natively from its next frame on.
+    fn may_fetch(&self, conn: u64, may: bool) -> PyResult<()> {
+        self.server()?.may_fetch(conn, may);
         Ok(())
     }
 

@@ -495,6 +495,8 @@ struct Conn {
     /// holds the connection back.
     partial: usize,
     held_back: Option<std::time::Instant>,
+    /// Python allows it REPL_FETCH (a store node): answered here; else Python's.
+    may_fetch: bool,
 }
 
 impl Conn {
@@ -521,6 +523,7 @@ enum Down {
         fd: OwnedFd,
         first: Vec<u8>,
         unread: Vec<u8>,
+        may_fetch: bool,
     },
     Answer {
         conn: u64,
@@ -537,6 +540,10 @@ enum Down {
     },
     Close {
         conn: u64,
+    },
+    MayFetch {
+        conn: u64,
+        may: bool,
     },
     Hold(Duration),
     Acked(u64),
@@ -660,8 +667,20 @@ impl Server {
     }
 
     /// Carry a connection Python authenticated: `first`, what it is sent first (the
-    /// HELLO's answer); `unread`, what Python read of it past the HELLO. Its id.
+    /// HELLO's answer); `unread`, what Python read of it past the HELLO. Its id. Its
+    /// REPL_FETCH goes to Python (`adopt_fetching`: a store node's, answered here).
     pub fn adopt(&self, fd: OwnedFd, first: Vec<u8>, unread: Vec<u8>) -> u64 {
+        self.adopt_fetching(fd, first, unread, false)
+    }
+
+    /// `adopt`; `may_fetch`: Python allows it REPL_FETCH (a store node of the group).
+    pub fn adopt_fetching(
+        &self,
+        fd: OwnedFd,
+        first: Vec<u8>,
+        unread: Vec<u8>,
+        may_fetch: bool,
+    ) -> u64 {
         let conn = match self.next_conn.lock() {
             Ok(mut n) => {
                 *n += 1;
@@ -674,6 +693,7 @@ impl Server {
             fd,
             first,
             unread,
+            may_fetch,
         });
         conn
     }
@@ -696,6 +716,12 @@ impl Server {
     /// (Python's refusal of a producer id: the frame is not appended.)
     pub fn refuse(&self, conn: u64, bytes: Vec<u8>) {
         self.down(Down::Refuse { conn, bytes });
+    }
+
+    /// Whether Python allows `conn` REPL_FETCH from its next frame on (a HELLO proved
+    /// the group secret since it was adopted).
+    pub fn may_fetch(&self, conn: u64, may: bool) {
+        self.down(Down::MayFetch { conn, may });
     }
 
     /// Close `conn` once what is queued for it is written.
@@ -964,8 +990,9 @@ impl Loop {
                     fd,
                     first,
                     unread,
+                    may_fetch,
                 } => {
-                    if self.adopt(conn, fd, first, unread).is_err() {
+                    if self.adopt(conn, fd, first, unread, may_fetch).is_err() {
                         self.up.push(Up::Closed { conn });
                         continue;
                     }
@@ -1021,6 +1048,11 @@ impl Loop {
                         ids.push(conn);
                     }
                 }
+                Down::MayFetch { conn, may } => {
+                    if let Some(c) = self.conns.get_mut(&conn) {
+                        c.may_fetch = may;
+                    }
+                }
                 Down::Close { conn } => {
                     if let Some(c) = self.conns.get_mut(&conn) {
                         c.closing = true; // (what is queued goes first)
@@ -1058,7 +1090,14 @@ impl Loop {
         ids
     }
 
-    fn adopt(&mut self, conn: u64, fd: OwnedFd, first: Vec<u8>, unread: Vec<u8>) -> io::Result<()> {
+    fn adopt(
+        &mut self,
+        conn: u64,
+        fd: OwnedFd,
+        first: Vec<u8>,
+        unread: Vec<u8>,
+        may_fetch: bool,
+    ) -> io::Result<()> {
         let std_stream = std::net::TcpStream::from(fd);
         std_stream.set_nonblocking(true)?;
         let _ = std_stream.set_nodelay(true);
@@ -1085,6 +1124,7 @@ impl Loop {
             ended: false,
             partial: 0,
             held_back: None,
+            may_fetch,
         };
         c.queue(first);
         match c.decoder.feed(&unread) {
@@ -1206,7 +1246,7 @@ impl Loop {
                 Err(e) => return protocol_error(c, &format!("bad header JSON: {e}")),
             }
         };
-        let f = if f.code == REPL_FETCH {
+        let f = if f.code == REPL_FETCH && c.may_fetch {
             match self.fetch(id, c, &header, f) {
                 None => return,
                 Some(f) => f,
@@ -2110,7 +2150,13 @@ mod tests {
         let (acked, held) = server.insync(vec!["r1".into()], true, None);
         assert_eq!((acked, held), (0, vec![]));
         let (_, mut gateway) = connect(&server);
-        let (_, mut replica) = connect(&server);
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut replica = StdStream::connect(listener.local_addr().unwrap()).unwrap();
+        replica
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let accepted = OwnedFd::from(listener.accept().unwrap().0);
+        server.adopt_fetching(accepted, Vec::new(), Vec::new(), true);
         let (mut gdec, mut rdec) = (Pending::new(), Pending::new());
         let fetch = |rid: u32, offset: u64, extra: &str| {
             let h = format!(
@@ -2119,6 +2165,16 @@ mod tests {
             );
             request(REPL_FETCH, rid, &h, b"")
         };
+        // A connection Python does not allow REPL_FETCH (a gateway's): Python says so.
+        gateway.write_all(&fetch(9, 0, "")).unwrap();
+        assert!(matches!(
+            &wait_up(&server)[..],
+            [Up::Frame {
+                code: REPL_FETCH,
+                request_id: 9,
+                ..
+            }]
+        ));
         // The first fetch of a connection (its epoch history) is Python's.
         replica
             .write_all(&fetch(1, 0, r#","epochs":[[1,0]]"#))

@@ -328,3 +328,20 @@ def test_metadata_changes_reach_the_replicas_through_native_fetches(
         got = native_call(g.nodes[i].native, p.META_GET,
                           {"cf": "sessions", "key": f"{t}/{n - 1}"})
         assert got["value"] == {"n": n - 1, "blob": bytes([0, 255, n - 1])}, got
+
+
+def test_only_a_store_node_copies_the_log(plane_name: str, group: Group) -> None:
+    """REPL_FETCH needs the group secret: a connection the master carries that did not
+    prove it (a gateway's, an app's) is refused, natively carried or not, and gets no
+    byte of the log."""
+    g = group
+    m = in_sync(g)
+    c = Raw(g.nodes[m].native)
+    assert c.call(p.HELLO, {}).kind == p.RESPONSE
+    takes_writes(c, f"{uid('gs')}/x")
+    st = cluster(g.nodes[m])
+    f = c.call(p.REPL_FETCH, {"node": "intruder", "addr": "", "offset": 0,
+                              "epoch": st["epoch"], "wait_ms": 0, "max_bytes": 1 << 20})
+    assert (f.kind, f.header.get("status")) == (p.ERROR, 403), f.header
+    assert not f.body
+    assert (carried(g, m) > 0) == (plane_name == "native")
