@@ -76,8 +76,7 @@ class NativeMaster:
             # Sync mode: answers wait for the in-sync set (async: at once).
             native.hold(repl.cfg.ack_timeout_s if repl.cfg.mode == "sync" else 0.0)
             native.acked(max(0, repl.confirmed))
-            native.meta(repl.metalog.incarnation, repl.metalog.seq)
-            repl.metalog.tap = native.meta_ops
+            repl.metalog.tap = None  # (told from its position on: `_sync_native_fetch`)
             repl.native, repl._native_said = native, None
             repl._native_fetch = repl._native_rule = None
             repl.sync_native()

@@ -307,6 +307,9 @@ class Replication:
         native = self.native
         if native is None:
             return self.confirmed, {}
+        if self.metalog.tap is None:  # (a new mastership's change log: from its start)
+            native.meta(self.metalog.incarnation, self.metalog.seq)
+            self.metalog.tap = native.meta_ops
         log_ = self.store.commitlog
         history = implicit(self.epochs.history, log_.max_offset)
         fetch = (self.role == MASTER, self.epoch, tuple(history))
