@@ -71,6 +71,9 @@ class Carrier:
         self.carried = 0  # connections handed over since the start
         # Native appends were made (a store group's master: see native_master).
         self.on_appended: Callable[[], None] | None = None
+        # Replicas' fetches were answered natively: [(node, addr, offset, meta_inc,
+        # meta_seq)], each replica's last (a store group's master).
+        self.on_fetched: Callable[[list], None] | None = None
         commitlog = server.store.commitlog
         self._table = commitlog.producers
         self._write_lock = commitlog._write_lock
@@ -97,7 +100,8 @@ class Carrier:
     def adopt(self, fd: int, hello_answer: bytes, unread: bytes, ctx: ConnCtx) -> None:
         """Hand the connection over (its socket detached from trio: `fd`)."""
         assert self._nursery is not None
-        conn = self.native.adopt(fd, hello_answer, unread)
+        # Its REPL_FETCH is answered natively only if Python would allow it.
+        conn = self.native.adopt(fd, hello_answer, unread, self.server.may_fetch(ctx))
         channel, recv = trio.open_memory_channel[bytes](256)
         outbox = Outbox(channel, self.server.store.native_answers)
         ctx.outbox = outbox
@@ -153,6 +157,10 @@ class Carrier:
             if self.on_appended is not None:
                 self.on_appended()
             return
+        if kind == "fetched":
+            if self.on_fetched is not None:
+                self.on_fetched(item[2])
+            return
         if kind == "closed":
             c = self.conns.pop(conn, None)
             if c is not None:
@@ -188,6 +196,8 @@ class Carrier:
             self.native.answer(conn, answer)
             self.native.close(conn)
             return
+        # (before the answer: the frames after the HELLO wait for it)
+        self.native.may_fetch(conn, self.server.may_fetch(c.ctx))
         self.native.answer(conn, answer)
 
     def _claim(self, conn: int, c: Carried, rid: int, producer: str) -> None:

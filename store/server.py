@@ -393,6 +393,14 @@ class NativeServer:
             return True
         return ctx.subject is not None and self.auth.is_node(ctx.subject)
 
+    def may_fetch(self, ctx: ConnCtx) -> bool:
+        """Whether this connection may copy the log (REPL_FETCH: a store node)."""
+        try:
+            self._check(p.Frame(p.REQUEST, p.REPL_FETCH, 0, {}, b""), ctx)
+        except Forbidden:
+            return False
+        return True
+
     def _check(self, frame: p.Frame, ctx: ConnCtx, mqtt_topics: list[str] | None = None) -> None:
         """Raise Forbidden unless this connection may make this request."""
         auth = self.auth

@@ -1643,6 +1643,11 @@ impl Appender {
         self.0.write_pos.load(Ordering::Acquire)
     }
 
+    /// The base of the segment being written (stored after `write_pos`: read it after).
+    pub fn active_base(&self) -> u64 {
+        self.0.active_base.load(Ordering::Acquire)
+    }
+
     /// The node's budget for partly received frames and packets (the reactors' and
     /// the owner's connections count in it too).
     pub fn partial(&self) -> Option<&PartialBudget> {

@@ -39,6 +39,7 @@ pub mod client;
 pub mod codec;
 pub mod commitlog;
 pub mod engine;
+pub mod fetch;
 pub mod frame;
 pub mod index;
 pub mod link;

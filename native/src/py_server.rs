@@ -6,6 +6,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
+use crate::fetch::Fetching;
 use crate::py::{adopt_fd, Fd, PyEngine};
 use crate::server::{Entry, Server, Up};
 
@@ -50,10 +51,12 @@ impl PyStoreServer {
     /// Carry a connection Python authenticated (the caller detached `fd`): `first`,
     /// what it is sent first (the HELLO's answer); `unread`, what Python read of it
     /// past the HELLO. Its id.
-    fn adopt(&self, fd: i32, first: &[u8], unread: &[u8]) -> PyResult<u64> {
+    /// `may_fetch`: Python allows it REPL_FETCH (a store node): answered natively.
+    #[pyo3(signature = (fd, first, unread, may_fetch=false))]
+    fn adopt(&self, fd: i32, first: &[u8], unread: &[u8], may_fetch: bool) -> PyResult<u64> {
         let server = self.server()?;
         let fd = adopt_fd(Fd::checked(fd)?);
-        Ok(server.adopt(fd, first.to_vec(), unread.to_vec()))
+        Ok(server.adopt_fetching(fd, first.to_vec(), unread.to_vec(), may_fetch))
     }
 
     /// Readable while `take_up` has something.
@@ -68,7 +71,8 @@ impl PyStoreServer {
     }
 
     /// What Python answers: ("frame", conn, code, request id, header, body),
-    /// ("claim", conn, request id, producer), ("closed", conn), ("appended", 0).
+    /// ("claim", conn, request id, producer), ("closed", conn), ("appended", 0),
+    /// ("fetched", 0, [(node, addr, offset, meta_inc, meta_seq)]).
     fn take_up<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for item in self.server()?.take_up() {
@@ -110,6 +114,20 @@ impl PyStoreServer {
                         0u64.into_pyobject(py)?.into_any(),
                     ],
                 )?,
+                Up::Fetched(reports) => {
+                    let rows = PyList::empty(py);
+                    for r in reports {
+                        rows.append((r.node, r.addr, r.offset, r.meta_inc, r.meta_seq))?;
+                    }
+                    PyTuple::new(
+                        py,
+                        [
+                            "fetched".into_pyobject(py)?.into_any(),
+                            0u64.into_pyobject(py)?.into_any(),
+                            rows.into_any(),
+                        ],
+                    )?
+                }
                 Up::Closed { conn } => PyTuple::new(
                     py,
                     [
@@ -166,9 +184,78 @@ impl PyStoreServer {
         Ok(())
     }
 
+    /// This node is master of `epoch` (history `epochs`, JSON; log in `log_dir`; sync
+    /// mode or not): its replicas' steady fetches are answered natively. `stop_fetching`
+    /// sends them all to Python again.
+    fn fetching(&self, epoch: u64, epochs: String, log_dir: String, sync: bool) -> PyResult<()> {
+        self.server()?.fetching(Some(Fetching {
+            epoch,
+            epochs,
+            dir: log_dir.into(),
+            sync,
+        }));
+        Ok(())
+    }
+
+    fn stop_fetching(&self) -> PyResult<()> {
+        self.server()?.fetching(None);
+        Ok(())
+    }
+
+    /// The metadata change log's position (`MetaLog.incarnation`, `seq`).
+    fn meta(&self, incarnation: String, seq: u64) -> PyResult<()> {
+        self.server()?.meta(incarnation, seq);
+        Ok(())
+    }
+
+    /// Metadata ops recorded from sequence `first` on, each as `dumps_json` of it.
+    fn meta_ops(&self, first: u64, ops: Vec<Bound<'_, PyBytes>>) -> PyResult<()> {
+        let ops = ops.iter().map(|b| b.as_bytes().to_vec()).collect();
+        self.server()?.meta_ops(first, ops);
+        Ok(())
+    }
+
+    /// The in-sync rule: the replicas an acknowledgement waits for, whether the set is
+    /// large enough, the lease's seconds left (inf: no end; 0: none). Returns the
+    /// acknowledged offset when it took effect, and {node: offset} of the required
+    /// replicas as their fetches said natively.
+    fn insync(
+        &self,
+        py: Python<'_>,
+        required: Vec<String>,
+        enough: bool,
+        lease_s: f64,
+    ) -> PyResult<(u64, std::collections::HashMap<String, u64>)> {
+        let lease = if lease_s.is_finite() {
+            Some(Duration::from_secs_f64(lease_s.max(0.0)))
+        } else {
+            None
+        };
+        let server = self.server()?;
+        let (acked, held) = py.allow_threads(|| server.insync(required, enough, lease));
+        Ok((acked, held.into_iter().collect()))
+    }
+
+    /// The acknowledged offset as the native side knows it.
+    fn acked_offset(&self) -> PyResult<u64> {
+        Ok(self.server()?.acked_offset())
+    }
+
+    /// Fetches answered natively.
+    #[getter]
+    fn fetches(&self) -> PyResult<u64> {
+        Ok(self.server()?.fetches())
+    }
+
     /// Every held answer fails (503, `why`).
     fn fail_held(&self, why: String) -> PyResult<()> {
         self.server()?.fail_held(why);
+        Ok(())
+    }
+
+    /// Whether `conn`'s REPL_FETCH is answered natively from its next frame on.
+    fn may_fetch(&self, conn: u64, may: bool) -> PyResult<()> {
+        self.server()?.may_fetch(conn, may);
         Ok(())
     }
 

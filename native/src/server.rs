@@ -27,12 +27,22 @@
 //! writes (`Server::refuse_writes`: no lease, no in-sync quorum, a full disk) PUBLISH
 //! is refused here with Python's status and words; a master stepping down fails what
 //! is held (`Server::fail_held`), as `Replication._fail_pending` fails Python's.
+//!
+//! Its replicas' REPL_FETCH (`fetch`): the steady case is answered here while Python
+//! says this node is master (`Server::fetching`) and the replica's metadata is current
+//! (`Server::meta`); a fetch at the log's end waits here (the long poll, with Python's
+//! lazy/eager rule). Each fetch says how far its replica holds the log: with the rule
+//! Python keeps (`Server::insync`: the replicas an acknowledgement waits for, whether
+//! there are enough, the lease), the acknowledged offset is computed here the moment a
+//! fetch arrives and the held answers go out at once; Python hears of the replicas'
+//! positions in batches (`Up::Fetched`) and keeps its own count, pushing `acked` as
+//! before (the larger of the two holds).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -43,6 +53,7 @@ use serde_json::Value;
 
 use crate::codec::wire::topic_name_problem;
 use crate::engine::{AppendError, Appender, Dispatched, Message};
+use crate::fetch::{self, Fetching, REPL_FETCH};
 use crate::frame::{self, Decoder, Frame, Kind};
 
 pub const HELLO: u16 = 1;
@@ -72,6 +83,10 @@ const READ_CHUNK: usize = 64 * 1024;
 /// A connection held back this long by the node's budget for partial frames is closed
 /// (`NATIVE_PARTIAL_TIMEOUT_S`).
 pub const PARTIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Fetches waiting here at once; past it they go to Python.
+pub const MAX_PARKED_FETCHES: usize = 1024;
+/// How long the replicas' positions wait for other news to go up with.
+pub const REPORT_EVERY: Duration = Duration::from_millis(2);
 
 /// What goes up to Python.
 #[derive(Debug, PartialEq, Eq)]
@@ -95,6 +110,44 @@ pub enum Up {
     /// Appends were made here since the last time (held answers only: a store group's
     /// master, whose replicas' long polls Python wakes).
     Appended,
+    /// Fetches answered here: each replica's last one.
+    Fetched(Vec<FetchReport>),
+}
+
+/// A replica's fetch answered here, as `Replication._report` takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchReport {
+    pub node: String,
+    pub addr: String,
+    pub offset: u64,
+    pub meta_inc: String,
+    pub meta_seq: u64,
+}
+
+/// Python's in-sync rule (`Server::insync`) and how far each replica holds the log (its
+/// last fetch's offset), under one lock: the offset Python reads when a rule takes
+/// effect is one no later release passes without the rule.
+#[derive(Default)]
+struct Replicas {
+    rule: Option<Rule>,
+    offsets: HashMap<String, u64>,
+}
+
+struct Rule {
+    /// The replicas an acknowledgement waits for (the committed set's and the proposed).
+    required: Vec<String>,
+    /// The committed set has `min_insync` nodes.
+    enough: bool,
+    /// Until when the lease lasts (None: no controller, no end).
+    lease_until: Option<std::time::Instant>,
+}
+
+/// A fetch waiting at the log's end.
+struct ParkedFetch {
+    conn: u64,
+    ask: fetch::Ask,
+    deadline: std::time::Instant,
+    frame: Frame,
 }
 
 /// One remembered append of a producer: (epoch, first sequence, last, log offset of its
@@ -442,6 +495,8 @@ struct Conn {
     /// holds the connection back.
     partial: usize,
     held_back: Option<std::time::Instant>,
+    /// Python allows it REPL_FETCH (a store node): answered here; else Python's.
+    may_fetch: bool,
 }
 
 impl Conn {
@@ -468,6 +523,7 @@ enum Down {
         fd: OwnedFd,
         first: Vec<u8>,
         unread: Vec<u8>,
+        may_fetch: bool,
     },
     Answer {
         conn: u64,
@@ -485,10 +541,17 @@ enum Down {
     Close {
         conn: u64,
     },
+    MayFetch {
+        conn: u64,
+        may: bool,
+    },
     Hold(Duration),
     Acked(u64),
     RefuseWrites(Option<(u16, String)>),
     FailHeld(String),
+    Fetching(Option<Arc<Fetching>>),
+    Meta(String, u64),
+    MetaOps(u64, Vec<Vec<u8>>),
 }
 
 /// An append's answer held until the group acknowledges `end` (or `deadline` passes).
@@ -522,6 +585,12 @@ struct Shared {
     /// A byte written here wakes Python: `Up` items wait.
     wake: UnixStream,
     stopping: AtomicBool,
+    /// Python's in-sync rule, the replicas' offsets, and the acknowledged offset (raised
+    /// under their lock).
+    replicas: Mutex<Replicas>,
+    acked: AtomicU64,
+    /// Fetches answered here.
+    fetches: AtomicU64,
 }
 
 impl Shared {
@@ -558,6 +627,9 @@ impl Server {
             held: Mutex::new(Held::default()),
             wake,
             stopping: AtomicBool::new(false),
+            replicas: Mutex::new(Replicas::default()),
+            acked: AtomicU64::new(0),
+            fetches: AtomicU64::new(0),
         });
         let mut looped = Loop {
             poll,
@@ -567,6 +639,13 @@ impl Server {
             group: Group::default(),
             up: Vec::new(),
             buf: vec![0u8; READ_CHUNK],
+            fetching: None,
+            meta: fetch::MetaOps::default(),
+            parked_fetches: Vec::new(),
+            reports: Vec::new(),
+            reports_since: None,
+            segment: fetch::Segment::default(),
+            dirty: false,
         };
         let thread = std::thread::Builder::new()
             .name("store-native".into())
@@ -588,8 +667,20 @@ impl Server {
     }
 
     /// Carry a connection Python authenticated: `first`, what it is sent first (the
-    /// HELLO's answer); `unread`, what Python read of it past the HELLO. Its id.
+    /// HELLO's answer); `unread`, what Python read of it past the HELLO. Its id. Its
+    /// REPL_FETCH goes to Python (`adopt_fetching`: a store node's, answered here).
     pub fn adopt(&self, fd: OwnedFd, first: Vec<u8>, unread: Vec<u8>) -> u64 {
+        self.adopt_fetching(fd, first, unread, false)
+    }
+
+    /// `adopt`; `may_fetch`: Python allows it REPL_FETCH (a store node of the group).
+    pub fn adopt_fetching(
+        &self,
+        fd: OwnedFd,
+        first: Vec<u8>,
+        unread: Vec<u8>,
+        may_fetch: bool,
+    ) -> u64 {
         let conn = match self.next_conn.lock() {
             Ok(mut n) => {
                 *n += 1;
@@ -602,6 +693,7 @@ impl Server {
             fd,
             first,
             unread,
+            may_fetch,
         });
         conn
     }
@@ -624,6 +716,12 @@ impl Server {
     /// (Python's refusal of a producer id: the frame is not appended.)
     pub fn refuse(&self, conn: u64, bytes: Vec<u8>) {
         self.down(Down::Refuse { conn, bytes });
+    }
+
+    /// Whether Python allows `conn` REPL_FETCH from its next frame on (a HELLO proved
+    /// the group secret since it was adopted).
+    pub fn may_fetch(&self, conn: u64, may: bool) {
+        self.down(Down::MayFetch { conn, may });
     }
 
     /// Close `conn` once what is queued for it is written.
@@ -651,6 +749,63 @@ impl Server {
     /// Every held answer fails (503, `why`): this node stopped being master.
     pub fn fail_held(&self, why: String) {
         self.down(Down::FailHeld(why));
+    }
+
+    /// This node is master (`Some`): the steady fetches are answered here; None: every
+    /// fetch goes to Python, the waiting ones too.
+    pub fn fetching(&self, fetching: Option<Fetching>) {
+        self.down(Down::Fetching(fetching.map(Arc::new)));
+    }
+
+    /// The metadata change log's incarnation and sequence: a fetch at a position not
+    /// kept here goes to Python (it has the ops); the waiting ones it moves are answered.
+    pub fn meta(&self, incarnation: String, seq: u64) {
+        self.down(Down::Meta(incarnation, seq));
+    }
+
+    /// Metadata ops recorded from sequence `first` on, each as Python's JSON of it.
+    pub fn meta_ops(&self, first: u64, ops: Vec<Vec<u8>>) {
+        self.down(Down::MetaOps(first, ops));
+    }
+
+    /// Python's in-sync rule from now on (`lease`: how long the lease lasts, None: no
+    /// end; zero: none). The acknowledged offset when it took effect (every offset
+    /// acknowledged after it waits for `required`), and how far each of `required`
+    /// holds the log as its fetches said here.
+    pub fn insync(
+        &self,
+        required: Vec<String>,
+        enough: bool,
+        lease: Option<Duration>,
+    ) -> (u64, Vec<(String, u64)>) {
+        let lease_until = lease.map(|d| std::time::Instant::now() + d);
+        let out = match self.shared.replicas.lock() {
+            Ok(mut r) => {
+                let held = required
+                    .iter()
+                    .filter_map(|n| r.offsets.get(n).map(|o| (n.clone(), *o)))
+                    .collect();
+                r.rule = Some(Rule {
+                    required,
+                    enough,
+                    lease_until,
+                });
+                (self.shared.acked.load(Ordering::Acquire), held)
+            }
+            Err(_) => (u64::MAX, Vec::new()),
+        };
+        let _ = self.waker.wake(); // (the rule may release what is held)
+        out
+    }
+
+    /// The acknowledged offset, as far as this side knows.
+    pub fn acked_offset(&self) -> u64 {
+        self.shared.acked.load(Ordering::Acquire)
+    }
+
+    /// Fetches answered here since the start.
+    pub fn fetches(&self) -> u64 {
+        self.shared.fetches.load(Ordering::Relaxed)
     }
 
     /// Readable while `take_up` has something.
@@ -720,6 +875,18 @@ struct Loop {
     up: Vec<Up>,
     /// Every read's buffer (one, not one zeroed per read).
     buf: Vec<u8>,
+    /// The master's side of replication, as Python says it (None: fetches go up).
+    fetching: Option<Arc<Fetching>>,
+    /// The metadata change log's position and newest ops.
+    meta: fetch::MetaOps,
+    parked_fetches: Vec<ParkedFetch>,
+    /// The replicas' fetches answered here, for Python (the last of each), and since
+    /// when the first waits.
+    reports: Vec<FetchReport>,
+    reports_since: Option<std::time::Instant>,
+    segment: fetch::Segment,
+    /// A fetch, an append or Python's word may release answers or wake fetches.
+    dirty: bool,
 }
 
 impl Loop {
@@ -728,11 +895,21 @@ impl Loop {
         let mut paced = false;
         while !self.shared.stopping.load(Ordering::Acquire) {
             let mut timeout = paced.then(|| Duration::from_millis(1));
-            if let Some(first) = self.group.held.front() {
-                let left = first
-                    .deadline
-                    .saturating_duration_since(std::time::Instant::now());
+            let now = std::time::Instant::now();
+            let deadlines = self
+                .group
+                .held
+                .front()
+                .map(|h| h.deadline)
+                .into_iter()
+                .chain(self.parked_fetches.iter().map(|p| p.deadline))
+                .chain(self.reports_since.map(|t| t + REPORT_EVERY));
+            for deadline in deadlines {
+                let left = deadline.saturating_duration_since(now);
                 timeout = Some(timeout.map_or(left, |t| t.min(left)));
+            }
+            if self.dirty {
+                timeout = Some(Duration::ZERO);
             }
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
@@ -766,9 +943,26 @@ impl Loop {
             for id in touched {
                 paced |= self.turn(id);
             }
-            if std::mem::take(&mut self.group.appended) && self.group.report {
+            // Releases and fetch answers once every connection is back in the map (a
+            // turn holds its own out of it); their connections' answers written.
+            self.dirty |= self.group.appended;
+            for _ in 0..3 {
+                if !self.dirty && self.parked_fetches.is_empty() {
+                    break;
+                }
+                let ids = self.settle();
+                if ids.is_empty() {
+                    break;
+                }
+                for id in ids {
+                    paced |= self.turn(id);
+                }
+            }
+            let appended = std::mem::take(&mut self.group.appended);
+            if appended && self.group.report {
                 self.up.push(Up::Appended);
             }
+            self.report_up();
             let up = std::mem::take(&mut self.up);
             self.shared.send_up(up);
         }
@@ -796,8 +990,9 @@ impl Loop {
                     fd,
                     first,
                     unread,
+                    may_fetch,
                 } => {
-                    if self.adopt(conn, fd, first, unread).is_err() {
+                    if self.adopt(conn, fd, first, unread, may_fetch).is_err() {
                         self.up.push(Up::Closed { conn });
                         continue;
                     }
@@ -853,6 +1048,11 @@ impl Loop {
                         ids.push(conn);
                     }
                 }
+                Down::MayFetch { conn, may } => {
+                    if let Some(c) = self.conns.get_mut(&conn) {
+                        c.may_fetch = may;
+                    }
+                }
                 Down::Close { conn } => {
                     if let Some(c) = self.conns.get_mut(&conn) {
                         c.closing = true; // (what is queued goes first)
@@ -864,8 +1064,24 @@ impl Loop {
                     self.group.timeout = (!timeout.is_zero()).then_some(timeout);
                 }
                 Down::Acked(offset) => {
-                    self.group.acked = self.group.acked.max(offset);
+                    if offset > self.group.acked {
+                        self.group.acked = offset;
+                        self.shared.acked.fetch_max(offset, Ordering::AcqRel);
+                        self.dirty = true;
+                    }
                     ids.extend(self.release_held());
+                }
+                Down::Fetching(f) => {
+                    self.fetching = f;
+                    self.dirty = true;
+                }
+                Down::Meta(inc, seq) => {
+                    self.meta.position(inc, seq);
+                    self.dirty = true;
+                }
+                Down::MetaOps(first, ops) => {
+                    self.meta.record(first, ops);
+                    self.dirty = true;
                 }
                 Down::RefuseWrites(refusal) => self.group.refusal = refusal,
                 Down::FailHeld(why) => ids.extend(self.fail_held(503, &why)),
@@ -874,7 +1090,14 @@ impl Loop {
         ids
     }
 
-    fn adopt(&mut self, conn: u64, fd: OwnedFd, first: Vec<u8>, unread: Vec<u8>) -> io::Result<()> {
+    fn adopt(
+        &mut self,
+        conn: u64,
+        fd: OwnedFd,
+        first: Vec<u8>,
+        unread: Vec<u8>,
+        may_fetch: bool,
+    ) -> io::Result<()> {
         let std_stream = std::net::TcpStream::from(fd);
         std_stream.set_nonblocking(true)?;
         let _ = std_stream.set_nodelay(true);
@@ -901,6 +1124,7 @@ impl Loop {
             ended: false,
             partial: 0,
             held_back: None,
+            may_fetch,
         };
         c.queue(first);
         match c.decoder.feed(&unread) {
@@ -1022,7 +1246,12 @@ impl Loop {
                 Err(e) => return protocol_error(c, &format!("bad header JSON: {e}")),
             }
         };
-        let f = if f.code == PUBLISH {
+        let f = if f.code == REPL_FETCH && c.may_fetch {
+            match self.fetch(id, c, &header, f) {
+                None => return,
+                Some(f) => f,
+            }
+        } else if f.code == PUBLISH {
             let f = match native_publish(&header, &f.body) {
                 Some((msgs, stamp)) => match self.publish(id, c, f, msgs, stamp) {
                     None => return,
@@ -1142,6 +1371,217 @@ impl Loop {
         let answer = results_answer(f.code, f.request_id, &out);
         self.answer_append(c, id, &f, end_of_places(&out), answer);
         None
+    }
+
+    /// A replica's REPL_FETCH: answered here, waiting here, or back (Python's).
+    fn fetch(&mut self, id: u64, c: &mut Conn, header: &Value, f: Frame) -> Option<Frame> {
+        let Some(conf) = self.fetching.clone() else {
+            return Some(f);
+        };
+        let Some(ask) = fetch::ask(header) else {
+            return Some(f);
+        };
+        if ask.epoch > conf.epoch {
+            return Some(f);
+        }
+        let end = self.appender.write_pos();
+        if let Ok(mut r) = self.shared.replicas.lock() {
+            if ask.first || ask.offset > end {
+                // Where it forked is Python's to say: its offset counts once it fetches on.
+                r.offsets.remove(&ask.node);
+                return Some(f);
+            }
+            // It holds the log to here (checked against this log by its connection's
+            // first fetch): acknowledgements may move.
+            r.offsets.insert(ask.node.clone(), ask.offset);
+        }
+        // Its answer carries the read limit this fetch moved (as Python's reports it
+        // first); the held answers go out once every connection is back (`settle`).
+        self.raise_acked();
+        self.dirty = true;
+        if !ask.steady
+            || ask.max_bytes > fetch::FETCH_MAX_BYTES
+            || !self.meta_covered(&ask)
+            || ask.offset < self.appender.active_base()
+        {
+            return Some(f);
+        }
+        let limit = conf.sync.then_some(self.group.acked);
+        if ask.offset >= end
+            && ask.wait_ms > 0
+            && self.meta_current(&ask)
+            && (limit.is_none() || ask.lazy || ask.confirmed == limit)
+            && self.parked_fetches.len() < MAX_PARKED_FETCHES
+        {
+            self.report(&ask);
+            let deadline = std::time::Instant::now() + Duration::from_millis(ask.wait_ms);
+            self.parked_fetches.push(ParkedFetch {
+                conn: id,
+                ask,
+                deadline,
+                frame: f,
+            });
+            return None;
+        }
+        match self.fetch_answer(&conf, &ask, f.request_id) {
+            Some(bytes) => {
+                self.report(&ask);
+                c.queue(bytes);
+                None
+            }
+            None => Some(f),
+        }
+    }
+
+    /// Whether its metadata is current (it may wait), or behind by ops kept here.
+    fn meta_current(&self, ask: &fetch::Ask) -> bool {
+        ask.meta_inc == self.meta.inc && ask.meta_seq == self.meta.seq()
+    }
+
+    fn meta_covered(&self, ask: &fetch::Ask) -> bool {
+        self.meta.covers(&ask.meta_inc, ask.meta_seq)
+    }
+
+    /// Python hears of this fetch (the replica's last one counts).
+    fn report(&mut self, ask: &fetch::Ask) {
+        let r = FetchReport {
+            node: ask.node.clone(),
+            addr: ask.addr.clone(),
+            offset: ask.offset,
+            meta_inc: ask.meta_inc.clone(),
+            meta_seq: ask.meta_seq,
+        };
+        match self.reports.iter_mut().find(|x| x.node == r.node) {
+            Some(x) => *x = r,
+            None => self.reports.push(r),
+        }
+        self.reports_since
+            .get_or_insert_with(std::time::Instant::now);
+    }
+
+    /// The replicas' positions go up with other news, or once `REPORT_EVERY` passed.
+    fn report_up(&mut self) {
+        let Some(since) = self.reports_since else {
+            return;
+        };
+        if self.up.is_empty() && since.elapsed() < REPORT_EVERY {
+            return;
+        }
+        self.reports_since = None;
+        self.up.push(Up::Fetched(std::mem::take(&mut self.reports)));
+    }
+
+    /// The answer of a fetch (None: Python's to answer).
+    fn fetch_answer(&mut self, conf: &Fetching, ask: &fetch::Ask, rid: u32) -> Option<Vec<u8>> {
+        let end = self.appender.write_pos();
+        let base = self.appender.active_base();
+        let (data, base) =
+            self.segment
+                .read_raw(&conf.dir, base, end, ask.offset, ask.max_bytes)?;
+        let limit = conf.sync.then_some(self.group.acked);
+        let meta = self.meta.since(ask.meta_seq);
+        let header = fetch::header(end, base, conf, limit, &meta);
+        let bytes = frame::encode(&Frame {
+            kind: Kind::Response,
+            code: REPL_FETCH,
+            request_id: rid,
+            header,
+            body: data,
+        })
+        .ok()?;
+        self.shared.fetches.fetch_add(1, Ordering::Relaxed);
+        Some(bytes)
+    }
+
+    /// The acknowledged offset by Python's rule and the replicas' fetches (raised
+    /// only: the answers held to it go out in `settle`).
+    fn raise_acked(&mut self) {
+        let end = self.appender.write_pos();
+        let Ok(reps) = self.shared.replicas.lock() else {
+            return;
+        };
+        let Some(r) = reps.rule.as_ref() else {
+            return;
+        };
+        if !r.enough
+            || r.lease_until
+                .is_some_and(|t| std::time::Instant::now() >= t)
+        {
+            return;
+        }
+        let ack = r
+            .required
+            .iter()
+            .fold(end, |a, n| a.min(reps.offsets.get(n).copied().unwrap_or(0)));
+        if ack > self.group.acked {
+            self.group.acked = ack;
+            self.shared.acked.fetch_max(ack, Ordering::AcqRel);
+        }
+    }
+
+    /// Releases by the replicas' positions, and the waiting fetches that may be
+    /// answered now (new bytes; a new read limit unless lazy; metadata moved; this node
+    /// no longer master: up to Python; their time is up). The connections touched.
+    fn settle(&mut self) -> Vec<u64> {
+        self.dirty = false;
+        self.raise_acked();
+        let mut ids = self.release_held();
+        if self.parked_fetches.is_empty() {
+            return ids;
+        }
+        let now = std::time::Instant::now();
+        let end = self.appender.write_pos();
+        let acked = self.group.acked;
+        let parked = std::mem::take(&mut self.parked_fetches);
+        for p in parked {
+            if !self.conns.contains_key(&p.conn) {
+                continue;
+            }
+            let conf = match &self.fetching {
+                Some(conf) if self.meta_covered(&p.ask) => Arc::clone(conf),
+                _ => {
+                    // Not master any more, or its metadata moved past what is kept
+                    // here: Python answers it.
+                    if let Some(c) = self.conns.get_mut(&p.conn) {
+                        c.up += 1;
+                    }
+                    self.up.push(Up::Frame {
+                        conn: p.conn,
+                        code: p.frame.code,
+                        request_id: p.frame.request_id,
+                        header: p.frame.header,
+                        body: p.frame.body,
+                    });
+                    continue;
+                }
+            };
+            let new_limit = conf.sync && !p.ask.lazy && p.ask.confirmed != Some(acked);
+            if end <= p.ask.offset && !new_limit && self.meta_current(&p.ask) && now < p.deadline {
+                self.parked_fetches.push(p);
+                continue;
+            }
+            match self.fetch_answer(&conf, &p.ask, p.frame.request_id) {
+                Some(bytes) => {
+                    if let Some(c) = self.conns.get_mut(&p.conn) {
+                        c.queue(bytes);
+                    }
+                }
+                None => {
+                    if let Some(c) = self.conns.get_mut(&p.conn) {
+                        c.up += 1;
+                    }
+                    self.up.push(Up::Frame {
+                        conn: p.conn,
+                        code: p.frame.code,
+                        request_id: p.frame.request_id,
+                        header: p.frame.header,
+                        body: p.frame.body,
+                    });
+                }
+            }
+            ids.push(p.conn);
+        }
+        ids
     }
 
     /// An append's answer: out now, or held until the group acknowledges `end`.
@@ -1692,6 +2132,139 @@ mod tests {
             .as_str()
             .unwrap()
             .contains("within 0.2 s"));
+        server.stop();
+    }
+
+    #[test]
+    fn a_replicas_fetches_are_answered_here_and_release_held_appends() {
+        let engine = engine("fetch");
+        let mut server = Server::start(engine.appender()).unwrap();
+        server.hold(Duration::from_secs(30));
+        server.fetching(Some(Fetching {
+            epoch: 1,
+            epochs: "[[1,0]]".into(),
+            dir: tmp_keep("fetch"),
+            sync: true,
+        }));
+        server.meta("inc".into(), 0);
+        let (acked, held) = server.insync(vec!["r1".into()], true, None);
+        assert_eq!((acked, held), (0, vec![]));
+        let (_, mut gateway) = connect(&server);
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut replica = StdStream::connect(listener.local_addr().unwrap()).unwrap();
+        replica
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let accepted = OwnedFd::from(listener.accept().unwrap().0);
+        server.adopt_fetching(accepted, Vec::new(), Vec::new(), true);
+        let (mut gdec, mut rdec) = (Pending::new(), Pending::new());
+        let fetch = |rid: u32, offset: u64, extra: &str| {
+            let h = format!(
+                r#"{{"node":"r1","addr":"h:1","offset":{offset},"epoch":1,"meta_inc":"inc",
+                "meta_seq":0,"confirmed":0,"lazy":true,"wait_ms":5000,"max_bytes":4194304{extra}}}"#
+            );
+            request(REPL_FETCH, rid, &h, b"")
+        };
+        // A connection Python does not allow REPL_FETCH (a gateway's): Python says so.
+        gateway.write_all(&fetch(9, 0, "")).unwrap();
+        assert!(matches!(
+            &wait_up(&server)[..],
+            [Up::Frame {
+                code: REPL_FETCH,
+                request_id: 9,
+                ..
+            }]
+        ));
+        // The first fetch of a connection (its epoch history) is Python's.
+        replica
+            .write_all(&fetch(1, 0, r#","epochs":[[1,0]]"#))
+            .unwrap();
+        assert!(matches!(
+            &wait_up(&server)[..],
+            [Up::Frame {
+                code: REPL_FETCH,
+                request_id: 1,
+                ..
+            }]
+        ));
+        // At the end: it waits here, until an append.
+        replica.write_all(&fetch(2, 0, "")).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        gateway.write_all(&publish(7, &["a/b", "c"], "")).unwrap();
+        let answer = recv(&mut replica, &mut rdec);
+        assert_eq!((answer.kind, answer.request_id), (Kind::Response, 2));
+        let h = header(&answer);
+        let end = engine.write_pos();
+        assert_eq!(answer.body.len() as u64, end);
+        assert_eq!(
+            (
+                h["end"].as_u64(),
+                h["base"].as_u64(),
+                h["confirmed"].as_u64()
+            ),
+            (Some(end), Some(0), Some(0))
+        );
+        assert_eq!(
+            h["meta"],
+            serde_json::json!({"inc": "inc", "seq": 0, "ops": []})
+        );
+        assert_eq!(h["epochs"], serde_json::json!([[1, 0]]));
+        // Not answered until the replica says it holds the append: then at once.
+        gateway
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let mut buf = [0u8; 1];
+        assert!(
+            gateway.peek(&mut buf).is_err(),
+            "answered before replicated"
+        );
+        gateway
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        server.meta_ops(1, vec![br#"["put","sessions","k",1]"#.to_vec()]);
+        replica.write_all(&fetch(3, end, "")).unwrap();
+        let stored = recv(&mut gateway, &mut gdec);
+        assert_eq!((stored.kind, stored.request_id), (Kind::Response, 7));
+        assert_eq!(server.acked_offset(), end);
+        // Its metadata is a change behind: answered at once with the op.
+        let answer = recv(&mut replica, &mut rdec);
+        let h = header(&answer);
+        assert_eq!(
+            h["meta"]["ops"],
+            serde_json::json!([["put", "sessions", "k", 1]])
+        );
+        assert_eq!(h["confirmed"].as_u64(), Some(end));
+        assert!(answer.body.is_empty());
+        assert_eq!(server.fetches(), 2);
+        // Python hears of the replica's position.
+        let until = Instant::now() + Duration::from_secs(5);
+        let mut heard = None;
+        while heard != Some(end) && Instant::now() < until {
+            for up in server.take_up() {
+                if let Up::Fetched(r) = up {
+                    assert!(r.iter().all(|r| r.node == "r1" && r.addr == "h:1"));
+                    heard = r.last().map(|r| r.offset);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(heard, Some(end));
+        // Not master any more: what waits goes to Python.
+        replica
+            .write_all(&fetch(4, end, r#","meta_seq":1"#))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        server.fetching(None);
+        let until = Instant::now() + Duration::from_secs(5);
+        let mut up = false;
+        while !up && Instant::now() < until {
+            up = server
+                .take_up()
+                .iter()
+                .any(|u| matches!(u, Up::Frame { request_id: 4, .. }));
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(up, "the waiting fetch went to Python");
         server.stop();
     }
 

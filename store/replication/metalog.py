@@ -27,12 +27,19 @@ class MetaLog:
         self._ops: deque[tuple[int, MetaOp]] = deque(maxlen=max_ops)
         self._lock = threading.Lock()
         self.on_record = on_record
+        # Told of each change as recorded, in order (under the lock): the first op's
+        # seq and the ops as `since` answers encode them (a group master's native
+        # server answers replicas a few changes behind with them).
+        self.tap: Callable[[int, list[bytes]], None] | None = None
 
     def record(self, ops: list[MetaOp]) -> None:
         with self._lock:
+            first = self.seq + 1
             for op in ops:
                 self.seq += 1
                 self._ops.append((self.seq, op))
+            if self.tap is not None and ops:
+                self.tap(first, [dumps_json(op) for op in ops])
         if self.on_record is not None:
             self.on_record()
 

@@ -13,8 +13,12 @@ copies as store.replication.follower says (natively: store.replication.native_co
 - Stopping being master (`Replication.before_follow`, before the copy starts): the
   server stops, the engine stops and hands the tail back to the Python writer.
 
-REPL_FETCH stays Python's (the carried connection forwards it); native appends wake its
-long polls through the dispatch the server asks for (`appended`).
+- The replicas' REPL_FETCH: the steady ones (no epoch history, snapshot, start-over or
+  write error; metadata current) are answered by the native server while this node is
+  master, long polls included, and their offsets release held answers there by the
+  in-sync rule `Replication` pushes (`_sync_native_fetch`); Python hears of the
+  replicas' positions in batches (`Replication.native_fetched`). The rest come to
+  `Replication.handle_fetch` as before.
 """
 
 from __future__ import annotations
@@ -72,12 +76,15 @@ class NativeMaster:
             # Sync mode: answers wait for the in-sync set (async: at once).
             native.hold(repl.cfg.ack_timeout_s if repl.cfg.mode == "sync" else 0.0)
             native.acked(max(0, repl.confirmed))
+            repl.metalog.tap = None  # (told from its position on: `_sync_native_fetch`)
             repl.native, repl._native_said = native, None
+            repl._native_fetch = repl._native_rule = None
             repl.sync_native()
             self.server.carry(native)
             carrier = self.server.carrier
             assert carrier is not None
             carrier.on_appended = self._appended
+            carrier.on_fetched = repl.native_fetched
             self._scope, self._done = trio.CancelScope(), trio.Event()
             self.started += 1
             await self.nursery.start(self._run, carrier, self._scope, self._done)
@@ -106,6 +113,7 @@ class NativeMaster:
             if self._scope is None or self._done is None:
                 return
             self.repl.native = None
+            self.repl.metalog.tap = None
             self.server.carrier = None
             self._scope.cancel()
             await self._done.wait()

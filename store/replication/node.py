@@ -10,6 +10,7 @@ room), and takes writes or copies again by itself once there is room."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -24,6 +25,7 @@ import trio
 from store import protocol as p
 from store.common import DISK_FULL, StoreClosedError, StoreError, StoreFullError
 from store.config import ReplicationConfig
+from store.record import dumps_json
 from store.replication.controller import HEARTBEAT_S, Controller, RaftConfig
 from store.replication.epochs import Epoch, EpochFile, fork_point, implicit
 from store.replication.follower import follow
@@ -87,6 +89,9 @@ class Replication:
         # is told the acknowledged offset, the refusals and the step-downs.
         self.native: Any = None
         self._native_said: tuple[int, str] | None = None  # its last refusal (0: none)
+        # What it was last told of the fetches it answers and of the in-sync rule.
+        self._native_fetch: tuple[Any, ...] | None = None
+        self._native_rule: tuple[Any, ...] | None = None
         self.on_master: Callable[[], None] = lambda: None  # (became master)
         self.before_follow: Callable[[], Awaitable[None]] | None = None  # (a replica now)
         self.truncated_bytes = 0
@@ -302,6 +307,53 @@ class Replication:
         if said != self._native_said:  # (called per fetch report: said on change)
             self._native_said = said
             self.native.refuse_writes(*said)
+        self._sync_native_fetch()
+
+    def _sync_native_fetch(self, force: bool = False) -> tuple[int, dict[str, int]]:
+        """Tell the native server what it answers replicas' fetches with (while master)
+        and the in-sync rule it releases held answers by (as `_release` computes
+        `confirmed`); `force`: the rule (the lease's time left) though it did not change.
+        Returns the acknowledged offset the native side had when the rule took effect,
+        and the required replicas' offsets as it knows them ({} if not told)."""
+        native = self.native
+        if native is None:
+            return self.confirmed, {}
+        if self.metalog.tap is None:  # (a new mastership's change log: from its start)
+            native.meta(self.metalog.incarnation, self.metalog.seq)
+            self.metalog.tap = native.meta_ops
+        log_ = self.store.commitlog
+        history = implicit(self.epochs.history, log_.max_offset)
+        fetch = (self.role == MASTER, self.epoch, tuple(history))
+        if fetch != self._native_fetch:
+            self._native_fetch = fetch
+            if self.role == MASTER:
+                native.fetching(self.epoch, dumps_json([list(x) for x in history]).decode(),
+                                str(log_.dir), self.cfg.mode == "sync")
+            else:  # (a full master that stepped down still feeds them: Python does)
+                native.stop_fetching()
+        isr = self.insync
+        rule = (tuple(sorted(isr.required())), isr.enough(), self.has_lease())
+        if rule == self._native_rule and not force:
+            return max(self.confirmed, native.acked_offset()), {}
+        self._native_rule = rule
+        return native.insync(list(rule[0]), rule[1], self._lease_left())
+
+    def _lease_left(self) -> float:
+        if not self.has_lease():
+            return 0.0
+        ctl = self.controller
+        return math.inf if ctl is None else ctl.lease_left(self.epoch, self.cfg.lease_s)
+
+    def native_fetched(self, reports: list[tuple[str, str, int, str, int]]) -> None:
+        """Fetches the native server answered (each replica's last): the replicas'
+        positions, reported as `handle_fetch` reports them."""
+        if self.role != MASTER and self.role != FENCED:
+            return
+        for node, addr, offset, meta_inc, meta_seq in reports:
+            self._report(node, addr, offset)
+            self.insync.replicas[node].meta = (meta_seq if meta_inc == self.metalog.incarnation
+                                               else -1)
+        self._release_meta()
 
     def write_refusal(self, code: int) -> StoreError | None:
         if code not in WRITE_CODES:
@@ -378,9 +430,10 @@ class Replication:
         if self.confirmed > before and self._eager and self.read_limit() is not None:
             self._wake_soon()  # replicas' readers may see more: answer their long polls
         if self.native is not None:
-            if self.confirmed > before:
-                self.native.acked(self.confirmed)  # the native appends held to here go out
-                self._acked_now()
+            if self.confirmed > before:  # the native appends held to here go out (if
+                self._acked_now()          # the native side did not release them itself)
+                if self.confirmed > self.native.acked_offset():
+                    self.native.acked(self.confirmed)
             self.sync_native()
         ready = self.insync.ready(self.confirmed)
         for outer, msgs in ready:
@@ -478,6 +531,8 @@ class Replication:
     def _wake(self) -> None:
         self._grew.set()
         self._grew = trio.Event()
+        if self.native is not None:  # its waiting fetches: new bytes, or metadata moved
+            self.native.meta(self.metalog.incarnation, self.metalog.seq)
 
     def hello(self) -> dict[str, Any]:
         return {"role": self.role, "master": self.master_addr, "epoch": self.epochs.last_epoch}
@@ -494,18 +549,24 @@ class Replication:
             raise StoreError(f"this node was master of epoch {self.epoch}; the group has "
                              f"moved on to epoch {h['epoch']}")
         log_ = self.store.commitlog
+        end = log_.max_offset
+        engine = log_.engine
+        if self.native is not None and engine is not None:
+            # The native server answers bytes the dispatch may not have taken yet: a
+            # replica holding them is not ahead of this log (the read below waits).
+            end = max(end, engine.write_pos)
         offset = int(h["offset"])
         node = str(h["node"])
         history = implicit(self.epochs.history, log_.max_offset)
         if h.get("epochs") is not None:
             theirs = implicit([(int(e), int(s)) for e, s in h["epochs"]], offset)
-            keep = fork_point(history, log_.max_offset, theirs, offset)
+            keep = fork_point(history, end, theirs, offset)
             if keep < offset:
                 log.warning("replica %s forked from this log: it cuts %d bytes from offset "
                             "%d", node, offset - keep, keep)
                 return {"truncate_to": keep}, b""
-        if offset > log_.max_offset:
-            return {"truncate_to": log_.max_offset}, b""
+        if offset > end:
+            return {"truncate_to": end}, b""
         if offset < log_.min_offset:
             return await self._restart_point(node, offset, h.get("restart"))
         self._report(node, str(h.get("addr", "")), offset, bool(h.get("meta_complete", True)),
@@ -621,6 +682,8 @@ class Replication:
             want = isr.proposed  # unanswered: the same again (a new one could drop a joiner)
         elif want == isr.committed:
             return
+        if self.native is not None and self.cfg.mode == "sync" and not self._native_waits(want):
+            return
         if self.controller is None:
             self._insync_committed(self.epoch, want, True)
             return
@@ -634,6 +697,21 @@ class Replication:
                 pass
 
         self.controller.set_insync(epoch, sorted(want), done)
+
+    def _native_waits(self, want: set[str]) -> bool:
+        """Whether the native server waits for `want`'s joiners from now on, each of them
+        holding every byte it acknowledged so far. It releases by the replicas' fetches
+        on its own: one it acknowledged past while this was decided joins later."""
+        isr = self.insync
+        before = isr.proposed
+        isr.proposed = want  # (what it waits for: committed | proposed)
+        acked, held = self._sync_native_fetch(force=True)
+        if any(max(isr._offset_of(n), held.get(n, 0)) < acked
+               for n in want - isr.committed):
+            isr.proposed = before
+            self._sync_native_fetch()
+            return False
+        return True
 
     def _insync_committed(self, epoch: int, want: set[str], ok: bool) -> None:
         isr = self.insync
@@ -889,6 +967,7 @@ class Replication:
             self._release_meta()
             self._expire()
             self.sync_native()
+            self._sync_native_fetch(force=True)  # (the lease's time left)
 
     def _report_info(self) -> dict[str, Any]:
         mastering = self.role in (MASTER, FENCED)
@@ -943,6 +1022,7 @@ class Replication:
                                for r in self.insync.replicas.values()]
             out["pending_acks"] = self.insync.pending()
             out["fetches"] = self.fetches
+            out["native_fetches"] = self.native.fetches if self.native is not None else 0
             out["replicated_offset"] = max(0, self.confirmed)
             if self.controller is not None:
                 out["lease_s_left"] = round(

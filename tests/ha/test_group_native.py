@@ -20,7 +20,8 @@ import pytest
 
 from serving import plane
 from store import protocol as p
-from tests.ha.cluster import Group, cluster, log_bytes, read_topic, wait_for
+from store.record import Message
+from tests.ha.cluster import Group, cluster, log_bytes, native_call, read_topic, wait_for
 from tests.native.test_protocol import Raw
 from tests.security.helpers import native
 from tests.separated.test_store_native_server import publish_frame
@@ -313,3 +314,184 @@ def test_a_replica_copying_natively_becomes_master_when_the_master_is_killed(
     for node in g.nodes:
         wait_for(lambda n=node: acked <= set(read_topic(n.native, t)), 15,
                  "every acknowledged message readable")
+
+
+def replicas_of(g: Group, m: int) -> list[int]:
+    return [i for i in range(len(g.nodes)) if i != m]
+
+
+def test_replicas_fetches_are_answered_natively(plane_name: str, group: Group) -> None:
+    """On the native plane the replicas' steady REPL_FETCH is answered by the native
+    server (long polls included) and releases the held appends there: a burst of
+    appends, one in flight as a device's QoS 1, costs Python's fetch handler nothing
+    per append. Every acknowledged message is read on each replica."""
+    g = group
+    m = in_sync(g)
+    node = g.nodes[m]
+    c = Raw(node.native)
+    assert c.call(p.HELLO, {}).kind == p.RESPONSE
+    t = uid("gf")
+    takes_writes(c, f"{t}/w")
+    before = cluster(node)
+    n = 150
+    for rid in range(10, 10 + n):
+        c.sock.sendall(publish_frame([f"{t}/m"], rid))
+        answer = c.recv()
+        assert (answer.kind, answer.request_id) == (p.RESPONSE, rid), answer.header
+    after = cluster(node)
+    native_fetches = after["native_fetches"] - before["native_fetches"]
+    python_fetches = after["fetches"] - before["fetches"]
+    if plane_name == "native":
+        # One answer per append per replica (lazy: not a second for the read limit).
+        assert n <= native_fetches <= 2 * n + 20, (native_fetches, python_fetches)
+        assert python_fetches < n // 5, (native_fetches, python_fetches)
+    else:
+        assert native_fetches == 0 and python_fetches >= n
+    # Python heard of the replicas' positions: both in sync, close to the end.
+    st = after
+    assert sorted(r["node"] for r in st["replicas"] if r["insync"]) == sorted(
+        s for s in st["insync"] if s != st["node"])
+    for i in replicas_of(g, m):
+        wait_for(lambda i=i: len(read_topic(g.nodes[i].native, t)) == n, 15,
+                 f"the acknowledged messages on replica {i}")
+
+
+def test_a_replicas_readers_see_acknowledged_messages_only(
+        plane_name: str, group: Group) -> None:
+    """A replica whose fetch the native server answers holds a message the group has not
+    acknowledged (the other replica is stopped): neither its readers nor the master's see
+    it until it is acknowledged, and the append is answered only then."""
+    g = group
+    m = in_sync(g)
+    a, b = (g.nodes[i] for i in replicas_of(g, m))
+    master = g.nodes[m]
+    c = Raw(master.native)
+    assert c.call(p.HELLO, {}).kind == p.RESPONSE
+    t = uid("ga")
+    takes_writes(c, f"{t}/x")
+    wait_for(lambda: len(read_topic(a.native, t)) == 1, 10, "the first on a")
+    assert b.proc is not None
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    try:
+        c.sock.sendall(publish_frame([f"{t}/x"], 2))
+        wait_for(lambda: cluster(a)["log_end"] == cluster(master)["log_end"]
+                 > cluster(master)["replicated_offset"], 10, "a to hold the unacked tail")
+        assert silent_for(c, 0.3), "answered before the in-sync set held it"
+        assert cluster(a)["read_limit"] < cluster(a)["log_end"]
+        assert len(read_topic(a.native, t)) == 1
+        assert len(read_topic(master.native, t)) == 1
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    answer = c.recv()
+    assert (answer.kind, answer.request_id) == (p.RESPONSE, 2), answer.header
+    wait_for(lambda: len(read_topic(a.native, t)) == 2, 10, "the acked one on a")
+
+
+@pytest.fixture
+def quick_group(plane_name: str, tmp_path: Path) -> Iterator[Group]:
+    # A replica that stops fetching leaves the in-sync set after a second.
+    g = Group(tmp_path, 3, "--replication", "sync", "--min-insync", "2",
+              "--max-lag-s", "1", "--controller-lease-s", "2",
+              "--failover-after-s", "30").start()
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+def test_a_replica_killed_mid_burst_loses_no_acknowledged_message(
+        plane_name: str, quick_group: Group) -> None:
+    """Sync mode, min-insync 2: a replica killed with SIGKILL amid a burst of appends
+    (acknowledged natively by the replicas' fetches on the native plane). Every append
+    answered as stored is held by the surviving replica (the one a failover elects), and
+    the master goes on taking appends once the dead one left the in-sync set."""
+    g = quick_group
+    m = in_sync(g)
+    master = g.nodes[m]
+    # Not the controller's Raft leader: its lease then goes on without an election.
+    leader = cluster(master)["controller"]["leader"]
+    v, s = sorted(replicas_of(g, m), key=lambda i: g.raft[i] == leader)
+    victim, survivor = g.nodes[v], g.nodes[s]
+    c = Raw(master.native)
+    assert c.call(p.HELLO, {}).kind == p.RESPONSE
+    t = uid("gk")
+    takes_writes(c, f"{t}/w")
+    acked: list[bytes] = []
+    failed = 0
+    window = 4  # appends in flight
+    n = 240
+    sent = 0
+    deadline = time.monotonic() + 60
+    c.sock.settimeout(15)
+    while (sent < n or len(acked) + failed < sent) and time.monotonic() < deadline:
+        while sent < n and sent - len(acked) - failed < window:
+            c.sock.sendall(_numbered(f"{t}/m", sent, 100 + sent))
+            sent += 1
+        answer = c.recv()
+        if answer.kind == p.RESPONSE:
+            acked.append(b"%d" % (answer.request_id - 100))
+        else:
+            assert answer.header["status"] == 503, answer.header
+            failed += 1
+        if len(acked) == n // 3 and victim.proc is not None:
+            victim.kill()  # (SIGKILL)
+    assert len(acked) + failed == sent == n, (len(acked), failed, sent)
+    assert len(acked) > n // 2, (len(acked), failed)  # it went on without the dead one
+    want = set(acked)
+    for node in (master, survivor):
+        wait_for(lambda node=node: want <= set(read_topic(node.native, t)), 20,
+                 "every acknowledged message")
+
+
+def _numbered(topic: str, i: int, rid: int) -> bytes:
+    """A PUBLISH frame of one message whose body is its number."""
+    metas, body = p.pack_messages([Message(topic, b"%d" % i, 1, client_id="dev", born_ts=7)])
+    return p.encode_frame(p.Frame(p.REQUEST, p.PUBLISH, rid, {"messages": metas}, body))
+
+
+def test_metadata_changes_reach_the_replicas_through_native_fetches(
+        plane_name: str, group: Group) -> None:
+    """Sync mode: a metadata change is answered once the in-sync set applied it. On the
+    native plane the replicas' fetches a change or two behind are answered natively with
+    the ops they lack (as Python encodes them: bytes values too), not by Python."""
+    g = group
+    m = in_sync(g)
+    node = g.nodes[m]
+    c = Raw(node.native)
+    assert c.call(p.HELLO, {}).kind == p.RESPONSE
+    t = uid("gm")
+    takes_writes(c, f"{t}/w")
+    before = cluster(node)
+    n = 60
+    for i in range(n):
+        value = {"n": i, "blob": bytes([0, 255, i])}
+        f = c.call(p.META_PUT, {"cf": "sessions", "key": f"{t}/{i}", "value": value},
+                   rid=10 + i)
+        assert (f.kind, f.request_id) == (p.RESPONSE, 10 + i), f.header
+    after = cluster(node)
+    native_fetches = after["native_fetches"] - before["native_fetches"]
+    python_fetches = after["fetches"] - before["fetches"]
+    if plane_name == "native":
+        assert native_fetches >= n and python_fetches < n // 4, (native_fetches,
+                                                                  python_fetches)
+    for i in replicas_of(g, m):
+        got = native_call(g.nodes[i].native, p.META_GET,
+                          {"cf": "sessions", "key": f"{t}/{n - 1}"})
+        assert got["value"] == {"n": n - 1, "blob": bytes([0, 255, n - 1])}, got
+
+
+def test_only_a_store_node_copies_the_log(plane_name: str, group: Group) -> None:
+    """REPL_FETCH needs the group secret: a connection the master carries that did not
+    prove it (a gateway's, an app's) is refused, natively carried or not, and gets no
+    byte of the log."""
+    g = group
+    m = in_sync(g)
+    c = Raw(g.nodes[m].native)
+    assert c.call(p.HELLO, {}).kind == p.RESPONSE
+    takes_writes(c, f"{uid('gs')}/x")
+    st = cluster(g.nodes[m])
+    f = c.call(p.REPL_FETCH, {"node": "intruder", "addr": "", "offset": 0,
+                              "epoch": st["epoch"], "wait_ms": 0, "max_bytes": 1 << 20})
+    assert (f.kind, f.header.get("status")) == (p.ERROR, 403), f.header
+    assert not f.body
+    assert (carried(g, m) > 0) == (plane_name == "native")
