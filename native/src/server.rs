@@ -538,6 +538,8 @@ struct Conn {
     wait: Option<Wait>,
     claiming: Option<Frame>,
     readable: bool,
+    /// The poll said the peer closed (or the socket failed): read to the end.
+    hangup: bool,
     /// Answer what is queued, then close (a protocol error).
     closing: bool,
     /// The peer closed or the socket failed: end once nothing is left to do.
@@ -854,6 +856,7 @@ impl Loop {
                     if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                         c.readable = true;
                     }
+                    c.hangup |= ev.is_read_closed() || ev.is_error();
                     touched.push(id);
                 }
             }
@@ -1001,6 +1004,7 @@ impl Loop {
             wait: None,
             claiming: None,
             readable: true,
+            hangup: false,
             closing: false,
             ended: false,
             partial: 0,
@@ -1055,20 +1059,30 @@ impl Loop {
             };
             c.held_back = None;
             let buf = &mut self.buf[..size.min(READ_CHUNK)];
+            let asked = buf.len();
             match c.stream.read(buf) {
                 Ok(0) => {
                     c.ended = true;
                     c.readable = false;
                 }
-                Ok(n) => match c.decoder.feed(&buf[..n]) {
-                    Ok(frames) => {
-                        for f in frames {
-                            c.parked_bytes += f.header.len() + f.body.len();
-                            c.parked.push_back(f);
-                        }
+                Ok(n) => {
+                    // A short read drained the socket: what comes next is a new edge
+                    // (not read again to hear it say so: a syscall a frame, and at a
+                    // fleet's pace a frame a wake-up). Unless the peer closed: its
+                    // end is read, whatever is short.
+                    if n < asked && !c.hangup {
+                        c.readable = false;
                     }
-                    Err(e) => protocol_error(&mut c, &e.to_string()),
-                },
+                    match c.decoder.feed(&buf[..n]) {
+                        Ok(frames) => {
+                            for f in frames {
+                                c.parked_bytes += f.header.len() + f.body.len();
+                                c.parked.push_back(f);
+                            }
+                        }
+                        Err(e) => protocol_error(&mut c, &e.to_string()),
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => c.readable = false,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => {
@@ -1710,6 +1724,38 @@ mod tests {
         };
         assert_eq!(id(-1), "-000000000000001");
         assert_eq!(id(255), "00000000000000FF");
+    }
+
+    #[test]
+    fn a_peer_that_sends_and_closes_is_answered_and_its_end_read() {
+        // Its frame and its end in one readiness: the short read of the frame must not
+        // be taken for "drained, wait for the next edge" (there is none after an end).
+        let engine = engine("sends-and-closes");
+        let mut server = Server::start(engine.appender()).unwrap();
+        let (conn, mut client) = connect(&server);
+        let (busy_conn, mut busy) = connect(&server);
+        std::thread::sleep(Duration::from_millis(100)); // adopted, read, waiting
+        // Another connection's burst keeps the server's thread busy meanwhile: the
+        // frame and the end arrive while it is, and are one readiness.
+        let burst: Vec<u8> = (0..4000).flat_map(|i| publish(i, &["busy"], "")).collect();
+        let writer = std::thread::spawn(move || {
+            busy.write_all(&burst).unwrap();
+            busy
+        });
+        std::thread::sleep(Duration::from_millis(5));
+        client.write_all(&publish(1, &["a/b"], "")).unwrap();
+        client.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut dec = Pending::new();
+        let answer = recv(&mut client, &mut dec);
+        assert_eq!((answer.kind, answer.request_id), (Kind::Response, 1));
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).expect("the server closes its side");
+        assert!(rest.is_empty());
+        assert!(wait_up(&server).contains(&Up::Closed { conn }));
+        drop(writer.join().unwrap());
+        let _ = busy_conn;
+        server.stop();
+        let _ = engine.stop_and_take();
     }
 
     #[test]
