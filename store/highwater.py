@@ -79,6 +79,7 @@ class HighWater:
         self._marks: dict[str, int] = {}
         self._fd = -1
         self._bytes = 0  # the file's size
+        self._live = 0  # what the current marks alone would take of it
         self._lock = threading.Lock()
         self.writes = 0  # fdatasyncs of new marks since start
 
@@ -124,6 +125,7 @@ class HighWater:
         """After a clean stop: the log holds every record whole, no mark is needed."""
         with self._lock:
             self._marks = {}
+            self._live = 0
             if self._fd >= 0:
                 os.ftruncate(self._fd, 0)
                 os.fsync(self._fd)
@@ -145,13 +147,17 @@ class HighWater:
                 view = view[os.write(self._fd, view):]
             fdatasync(self._fd)
             self._bytes += len(data)
-            self._marks.update(raised)
+            marks = self._marks
+            self._live += sum(HEAD.size + len(q.encode()) for q in raised if q not in marks)
+            marks.update(raised)
             self.writes += 1
             if self._bytes > max(COMPACT_MIN, 4 * self._live_bytes()):
                 self._rewrite()
 
     def _live_bytes(self) -> int:
-        return sum(HEAD.size + len(q) for q in self._marks)  # (names mostly ASCII)
+        # Kept as marks come (a walk of them all per new queue was quadratic: a fleet's
+        # first round opens a queue per device).
+        return self._live
 
     def _rewrite(self) -> None:
         """The file with the current marks alone (under the lock): written aside, synced,
@@ -171,4 +177,4 @@ class HighWater:
         if self._fd >= 0:
             os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        self._bytes = len(data)
+        self._bytes = self._live = len(data)

@@ -27,6 +27,12 @@ use serde_json::{json, Value};
 
 use crate::frame::{self, Decoder, Frame, Kind};
 
+thread_local! {
+    /// The client (its `Shared`, as an address) whose answers this thread is calling
+    /// back: a request they submit is written once they are done, with no wake-up.
+    static ANSWERING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// The HELLO request's code (`store/protocol.py`).
 pub const HELLO: u16 = 1;
 /// Dialing a node and its HELLO answer (`HELLO_TIMEOUT_S`): a stopped process's kernel
@@ -328,7 +334,10 @@ impl Client {
             once,
         });
         drop(q);
-        let _ = self.waker.wake();
+        // (from its answers' callbacks: the connection's thread sends it next)
+        if ANSWERING.with(|a| a.get()) != Arc::as_ptr(&self.shared) as usize {
+            let _ = self.waker.wake();
+        }
         Ok(())
     }
 
@@ -602,39 +611,9 @@ impl Connection {
                     break e.to_string();
                 }
             }
-            // New requests: framed into `out`, in the order they came.
-            let taken = match self.shared.queue.lock() {
-                Ok(mut q) => std::mem::take(&mut q.requests),
-                Err(_) => break "poisoned".into(),
-            };
-            for r in taken {
-                self.frame_out(r, &mut out, &mut waiting, &mut due);
-            }
-            self.shared
-                .in_flight
-                .store(waiting.len(), Ordering::Relaxed);
-            // Write what waits.
-            let mut lost = None;
-            while written < out.len() {
-                match stream.write(&out[written..]) {
-                    Ok(0) => {
-                        lost = Some("the store closed the connection".to_string());
-                        break;
-                    }
-                    Ok(n) => written += n,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => {
-                        lost = Some(e.to_string());
-                        break;
-                    }
-                }
-            }
-            if written == out.len() {
-                out.clear();
-                written = 0;
-            }
-            if let Some(why) = lost {
+            if let Err(why) =
+                self.send_queued(&mut stream, &mut out, &mut written, &mut waiting, &mut due)
+            {
                 break why;
             }
             // Read the answers, when the socket said it has some (edge-triggered: data
@@ -645,6 +624,11 @@ impl Connection {
             let readable = events.iter().any(|e| {
                 e.token() == SOCKET && (e.is_readable() || e.is_read_closed() || e.is_error())
             });
+            // The store closed: read to its end, whatever is short (no edge comes after).
+            let hangup = events
+                .iter()
+                .any(|e| e.token() == SOCKET && (e.is_read_closed() || e.is_error()));
+            ANSWERING.with(|a| a.set(Arc::as_ptr(&self.shared) as usize));
             'read: loop {
                 if !readable {
                     break;
@@ -692,7 +676,7 @@ impl Connection {
                         if lost.is_some() {
                             break 'read;
                         }
-                        if n < buf.len() {
+                        if n < buf.len() && !hangup {
                             // The socket was drained (what comes next says so again):
                             // no read that only finds nothing.
                             break 'read;
@@ -706,10 +690,17 @@ impl Connection {
                     }
                 }
             }
+            ANSWERING.with(|a| a.set(0));
             self.shared
                 .in_flight
                 .store(waiting.len(), Ordering::Relaxed);
             if let Some(why) = lost {
+                break why;
+            }
+            // What the answers' callbacks submitted (they woke nobody): out now.
+            if let Err(why) =
+                self.send_queued(&mut stream, &mut out, &mut written, &mut waiting, &mut due)
+            {
                 break why;
             }
             while due.front().is_some_and(|rid| !waiting.contains_key(rid)) {
@@ -776,6 +767,50 @@ impl Connection {
             return format!("{why} ({kept} requests to send again)");
         }
         why
+    }
+
+    /// The requests submitted since the last time framed into `out`, in the order they
+    /// came, and what waits in `out` written (as far as the socket takes it: its
+    /// writable edge brings the rest). Err: the connection is lost, why.
+    fn send_queued(
+        &mut self,
+        stream: &mut TcpStream,
+        out: &mut Vec<u8>,
+        written: &mut usize,
+        waiting: &mut HashMap<u32, Sent>,
+        due: &mut VecDeque<u32>,
+    ) -> Result<(), String> {
+        let taken = match self.shared.queue.lock() {
+            Ok(mut q) => std::mem::take(&mut q.requests),
+            Err(_) => return Err("poisoned".into()),
+        };
+        for r in taken {
+            self.frame_out(r, out, waiting, due);
+        }
+        self.shared
+            .in_flight
+            .store(waiting.len(), Ordering::Relaxed);
+        let mut lost = None;
+        while *written < out.len() {
+            match stream.write(&out[*written..]) {
+                Ok(0) => {
+                    lost = Some("the store closed the connection".to_string());
+                    break;
+                }
+                Ok(n) => *written += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    lost = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        if *written == out.len() {
+            out.clear();
+            *written = 0;
+        }
+        lost.map_or(Ok(()), Err)
     }
 
     /// Ask the store for this connection's producer id: None if it issues none (an

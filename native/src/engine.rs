@@ -1299,11 +1299,18 @@ impl Inner {
             };
             let mut queues = Vec::with_capacity(names.len());
             for name in names {
-                let offset = match log.next.get(&name) {
-                    Some(&n) => n,
-                    None => (log.queue_end)(&name),
+                // (a queue seen before: its counter moves on, no key allocated again)
+                let offset = match log.next.get_mut(&name) {
+                    Some(n) => {
+                        *n += 1;
+                        *n - 1
+                    }
+                    None => {
+                        let offset = (log.queue_end)(&name);
+                        log.next.insert(name.clone(), offset + 1);
+                        offset
+                    }
                 };
-                log.next.insert(name.clone(), offset + 1);
                 assigned.push((name.clone(), offset));
                 queues.push((name, offset));
             }

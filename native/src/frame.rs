@@ -155,6 +155,18 @@ impl Decoder {
     }
 }
 
+/// `s` as a JSON string into `out`, as serde_json writes it (the headers' strings):
+/// quotes, backslashes and control characters escaped, the rest as it is.
+pub fn push_json_str(out: &mut String, s: &str) {
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.push('"');
+        out.push_str(s);
+        out.push('"');
+    } else {
+        out.push_str(&serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into()));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -269,6 +281,13 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn header_strings_are_written_as_serde_json_writes_them(s in any::<String>()) {
+            let mut out = String::from("x");
+            push_json_str(&mut out, &s);
+            prop_assert_eq!(&out[1..], serde_json::to_string(&s).unwrap());
+        }
+
         #[test]
         fn round_trips_in_any_chunks(
             frames in proptest::collection::vec(any_frame(), 1..8),

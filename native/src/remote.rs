@@ -22,6 +22,7 @@
 //! handed to Python (`take_stored`), which serves them at once, as it does its own.
 
 use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -31,7 +32,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::client::{self, Answer, Client, Options};
 use crate::engine::{Engine, NotStored, APPEND_BUCKETS};
-use crate::frame::{Frame, Kind};
+use crate::frame::{self, Frame, Kind};
 use crate::partial::PartialBudget;
 use crate::protocol::TopicLimits;
 use crate::reactor::{Command, Counters, Handle, Inbound, Lean, LinkEvent, Reactor, Report, Sink};
@@ -123,7 +124,6 @@ fn now_ms() -> u64 {
 pub fn publish_request(batch: &[Inbound], born_ts: u64) -> (Vec<u8>, Vec<u8>) {
     // Written out here rather than through a JSON map: its keys in the order Python
     // writes them (serde_json's map sorts them), strings escaped by serde_json.
-    let text = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into());
     let mut header = String::with_capacity(16 + batch.len() * 96);
     header.push_str(r#"{"messages":["#);
     let mut body = Vec::with_capacity(batch.iter().map(|i| i.payload.len()).sum());
@@ -131,19 +131,18 @@ pub fn publish_request(batch: &[Inbound], born_ts: u64) -> (Vec<u8>, Vec<u8>) {
         if i > 0 {
             header.push(',');
         }
-        header.push_str(&format!(
-            r#"{{"topic":{},"size":{}"#,
-            text(&inb.topic),
-            inb.payload.len()
-        ));
+        header.push_str(r#"{"topic":"#);
+        frame::push_json_str(&mut header, &inb.topic);
+        let _ = write!(header, r#","size":{}"#, inb.payload.len());
         if inb.qos != 0 {
-            header.push_str(&format!(r#","qos":{}"#, inb.qos));
+            let _ = write!(header, r#","qos":{}"#, inb.qos);
         }
         if !inb.client_id.is_empty() {
-            header.push_str(&format!(r#","client_id":{}"#, text(&inb.client_id)));
+            header.push_str(r#","client_id":"#);
+            frame::push_json_str(&mut header, &inb.client_id);
         }
         if born_ts != 0 {
-            header.push_str(&format!(r#","born_ts":{born_ts}"#));
+            let _ = write!(header, r#","born_ts":{born_ts}"#);
         }
         header.push('}');
         body.extend_from_slice(&inb.payload);
@@ -160,25 +159,34 @@ pub type Placed = (u64, u64, u64, Vec<(String, u64)>);
 /// whose messages the store holds from before the appends it remembers comes back with
 /// phys -1 and no queues: stored, its place not said (read as 0, and no queue).
 pub fn results_of(frame: &Frame) -> Option<Vec<Placed>> {
-    let h = client::header_of(frame);
-    let results = h.get("results")?.as_array()?;
-    results
-        .iter()
-        .map(|r| {
-            let queues = r
-                .get("queues")?
-                .as_array()?
-                .iter()
-                .map(|q| Some((q.get(0)?.as_str()?.to_string(), q.get(1)?.as_u64()?)))
-                .collect::<Option<Vec<_>>>()?;
-            Some((
-                r.get("phys")?.as_i64()?.max(0) as u64,
-                r.get("store_ts")?.as_u64()?,
-                r.get("rsize")?.as_u64()?,
-                queues,
-            ))
-        })
-        .collect()
+    // Read typed, borrowing (no map per message); a read that fails is no answer.
+    #[derive(serde::Deserialize)]
+    struct Results<'a> {
+        #[serde(borrow)]
+        results: Vec<Result<'a>>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Result<'a> {
+        #[serde(borrow)]
+        queues: Vec<(std::borrow::Cow<'a, str>, u64)>,
+        phys: i64,
+        store_ts: u64,
+        rsize: u64,
+    }
+    let h: Results<'_> = serde_json::from_slice(&frame.header).ok()?;
+    Some(
+        h.results
+            .into_iter()
+            .map(|r| {
+                let queues = r
+                    .queues
+                    .into_iter()
+                    .map(|(q, o)| (q.into_owned(), o))
+                    .collect();
+                (r.phys.max(0) as u64, r.store_ts, r.rsize, queues)
+            })
+            .collect(),
+    )
 }
 
 /// The frames in flight, and the publishes waiting for one.
@@ -1172,5 +1180,18 @@ mod tests {
             ..f
         };
         assert_eq!(results_of(&bad), None);
+        // The store's whole answer (msg_id too), a place not said, an escaped name.
+        let again = Frame {
+            header: br#"{"results":[{"msg_id":"-000000000000001","queues":[],"store_ts":5,"phys":-1,"rsize":90},{"msg_id":"000000000000002A","queues":[["a\"b\u00e9",1],["c",2]],"store_ts":6,"phys":42,"rsize":7}]}"#
+                .to_vec(),
+            ..bad
+        };
+        assert_eq!(
+            results_of(&again).unwrap(),
+            vec![
+                (0, 5, 90, vec![]),
+                (42, 6, 7, vec![("a\"b\u{e9}".to_string(), 1), ("c".to_string(), 2)])
+            ]
+        );
     }
 }

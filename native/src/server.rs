@@ -38,7 +38,9 @@
 //! positions in batches (`Up::Fetched`) and keeps its own count, pushing `acked` as
 //! before (the larger of the two holds).
 
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
+use std::fmt::Write as _;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -405,44 +407,146 @@ pub fn native_publish(header: &Value, body: &[u8]) -> Option<(Vec<Message>, Opti
     Some((msgs, stamp))
 }
 
+/// A PUBLISH header read typed, borrowing its strings (no map per message): what
+/// `native_publish` reads, each field absent or of its type (null is not a value here).
+#[derive(serde::Deserialize)]
+struct PublishHeader<'a> {
+    #[serde(borrow)]
+    messages: Vec<PublishMeta<'a>>,
+    #[serde(default, deserialize_with = "present", borrow)]
+    producer: Option<Cow<'a, str>>,
+    #[serde(default, deserialize_with = "present")]
+    epoch: Option<u64>,
+    #[serde(default, deserialize_with = "present")]
+    seq: Option<u64>,
+}
+
+#[derive(serde::Deserialize)]
+struct PublishMeta<'a> {
+    #[serde(borrow)]
+    topic: Cow<'a, str>,
+    size: u64,
+    #[serde(default, deserialize_with = "present")]
+    qos: Option<u64>,
+    #[serde(default, deserialize_with = "present")]
+    retain: Option<bool>,
+    #[serde(default)]
+    props: Option<Value>,
+    #[serde(default, deserialize_with = "present", borrow)]
+    client_id: Option<Cow<'a, str>>,
+    #[serde(default, deserialize_with = "present", borrow)]
+    key: Option<Cow<'a, str>>,
+    #[serde(default, deserialize_with = "present")]
+    born_ts: Option<u64>,
+}
+
+/// A field that is there: its value, never null (`native_publish` refuses a null).
+fn present<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de>,
+{
+    T::deserialize(d).map(Some)
+}
+
+/// `native_publish` from the header's bytes, read typed: None when that read fails or
+/// the PUBLISH is not one this side appends (the caller then reads it as a map, which
+/// decides, and says why). Some only where `native_publish` gives the same.
+fn native_publish_fast(header: &[u8], body: &[u8]) -> Option<(Vec<Message>, Option<Stamp>)> {
+    let h: PublishHeader<'_> = serde_json::from_slice(header).ok()?;
+    if h.messages.is_empty() {
+        return None;
+    }
+    let stamp = match h.producer {
+        None => None,
+        Some(p) => Some(Stamp {
+            producer: p.into_owned(),
+            epoch: h.epoch.unwrap_or(0),
+            seq: h.seq?,
+        }),
+    };
+    let mut msgs = Vec::with_capacity(h.messages.len());
+    let mut pos = 0usize;
+    for m in h.messages {
+        if topic_name_problem(&m.topic).is_some() {
+            return None;
+        }
+        let end = pos
+            .checked_add(m.size as usize)
+            .filter(|e| *e <= body.len())?;
+        let qos = m.qos.unwrap_or(0);
+        if qos > 2 {
+            return None;
+        }
+        match &m.props {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(o)) if o.is_empty() => {}
+            Some(_) => return None,
+        }
+        msgs.push(Message {
+            born_ts: m.born_ts.unwrap_or(0),
+            qos: qos as u8,
+            retain: m.retain.unwrap_or(false),
+            marks: 0,
+            client_id: m.client_id.map(Cow::into_owned).unwrap_or_default(),
+            topic: m.topic.into_owned(),
+            key: m.key.map(Cow::into_owned).unwrap_or_default(),
+            properties: Vec::new(),
+            body: body[pos..end].to_vec(),
+            queues: Vec::new(),
+        });
+        pos = end;
+    }
+    if pos != body.len() {
+        return None;
+    }
+    Some((msgs, stamp))
+}
+
 /// The producer a PUBLISH header names, if any (a frame that goes up gives it back).
 fn producer_of(header: &Value) -> Option<&str> {
     header.get("producer")?.as_str()
 }
 
-/// `format_msg_id`: 16 hex digits (Python's format of -1 for a place not said).
-fn msg_id(phys: i64) -> String {
-    if phys < 0 {
-        format!("-{:015X}", -phys)
-    } else {
-        format!("{phys:016X}")
-    }
-}
-
 /// The answer of a stored append (`_append_answer`): its `results`, JSON as orjson
 /// writes it.
 pub fn results_answer(code: u16, request_id: u32, places: &[Place]) -> Vec<u8> {
-    let mut h = String::with_capacity(16 + places.len() * 96);
+    let mut h = String::with_capacity(16 + places.len() * 112);
     h.push_str(r#"{"results":["#);
     for (i, (phys, store_ts, rsize, queues)) in places.iter().enumerate() {
         if i > 0 {
             h.push(',');
         }
-        h.push_str(&format!(r#"{{"msg_id":"{}","queues":["#, msg_id(*phys)));
+        h.push_str(r#"{"msg_id":""#);
+        push_msg_id(&mut h, *phys);
+        h.push_str(r#"","queues":["#);
         for (j, (q, o)) in queues.iter().enumerate() {
             if j > 0 {
                 h.push(',');
             }
-            let name = serde_json::to_string(q).unwrap_or_else(|_| "\"\"".into());
-            h.push_str(&format!("[{name},{o}]"));
+            h.push('[');
+            frame::push_json_str(&mut h, q);
+            let _ = write!(h, ",{o}]");
         }
-        h.push_str(&format!(
+        let _ = write!(
+            h,
             r#"],"store_ts":{store_ts},"phys":{phys},"rsize":{rsize}}}"#
-        ));
+        );
     }
     h.push_str("]}");
     encoded(Kind::Response, code, request_id, h.into_bytes())
 }
+
+/// `format_msg_id` into `out`: 16 hex digits (Python's format of -1 for a place not
+/// said).
+fn push_msg_id(out: &mut String, phys: i64) {
+    let _ = if phys < 0 {
+        write!(out, "-{:015X}", -phys)
+    } else {
+        write!(out, "{phys:016X}")
+    };
+}
+
 
 /// An ERROR frame (`_error`).
 pub fn error_answer(code: u16, request_id: u32, status: u16, message: &str) -> Vec<u8> {
@@ -487,6 +591,8 @@ struct Conn {
     wait: Option<Wait>,
     claiming: Option<Frame>,
     readable: bool,
+    /// The poll said the peer closed (or the socket failed): read to the end.
+    hangup: bool,
     /// Answer what is queued, then close (a protocol error).
     closing: bool,
     /// The peer closed or the socket failed: end once nothing is left to do.
@@ -927,6 +1033,7 @@ impl Loop {
                     if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                         c.readable = true;
                     }
+                    c.hangup |= ev.is_read_closed() || ev.is_error();
                     touched.push(id);
                 }
             }
@@ -1120,6 +1227,7 @@ impl Loop {
             wait: None,
             claiming: None,
             readable: true,
+            hangup: false,
             closing: false,
             ended: false,
             partial: 0,
@@ -1175,20 +1283,30 @@ impl Loop {
             };
             c.held_back = None;
             let buf = &mut self.buf[..size.min(READ_CHUNK)];
+            let asked = buf.len();
             match c.stream.read(buf) {
                 Ok(0) => {
                     c.ended = true;
                     c.readable = false;
                 }
-                Ok(n) => match c.decoder.feed(&buf[..n]) {
-                    Ok(frames) => {
-                        for f in frames {
-                            c.parked_bytes += f.header.len() + f.body.len();
-                            c.parked.push_back(f);
-                        }
+                Ok(n) => {
+                    // A short read drained the socket: what comes next is a new edge
+                    // (not read again to hear it say so: a syscall a frame, and at a
+                    // fleet's pace a frame a wake-up). Unless the peer closed: its
+                    // end is read, whatever is short.
+                    if n < asked && !c.hangup {
+                        c.readable = false;
                     }
-                    Err(e) => protocol_error(&mut c, &e.to_string()),
-                },
+                    match c.decoder.feed(&buf[..n]) {
+                        Ok(frames) => {
+                            for f in frames {
+                                c.parked_bytes += f.header.len() + f.body.len();
+                                c.parked.push_back(f);
+                            }
+                        }
+                        Err(e) => protocol_error(&mut c, &e.to_string()),
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => c.readable = false,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => {
@@ -1237,6 +1355,26 @@ impl Loop {
         if f.kind != Kind::Request {
             return; // (Python ignores them too)
         }
+        // The usual PUBLISH, read typed; anything else (or a doubt) is read as a map.
+        let f = match (f.code == PUBLISH)
+            .then(|| native_publish_fast(&f.header, &f.body))
+            .flatten()
+        {
+            Some((msgs, stamp)) => {
+                let producer = stamp.as_ref().map(|s| s.producer.clone());
+                let Some(f) = self.publish(id, c, f, msgs, stamp) else {
+                    return;
+                };
+                // (its producer given back: Python answers it, from a whole table)
+                if let Some(p) = producer {
+                    if let Ok(mut held) = self.shared.held.lock() {
+                        held.release(&p);
+                    }
+                }
+                return self.up_frame(id, c, f);
+            }
+            None => f,
+        };
         let header: Value = if f.header.is_empty() {
             Value::Object(Default::default())
         } else {
@@ -1268,6 +1406,11 @@ impl Loop {
         } else {
             f
         };
+        self.up_frame(id, c, f);
+    }
+
+    /// A request up to Python; an append holds the connection's next frames.
+    fn up_frame(&mut self, id: u64, c: &mut Conn, f: Frame) {
         let append = f.code == PUBLISH || f.code == SEND || f.code == HELLO;
         if append {
             c.wait = Some(Wait::Answer(f.request_id));
@@ -1299,7 +1442,7 @@ impl Loop {
         let Some(st) = stamp else {
             match self.appender.publish(&msgs) {
                 Ok(rows) => {
-                    let out = places(&rows);
+                    let out = places(rows);
                     self.group.appended = true;
                     let answer = results_answer(f.code, f.request_id, &out);
                     self.answer_append(c, id, &f, end_of_places(&out), answer);
@@ -1338,12 +1481,12 @@ impl Loop {
             held.release(&st.producer);
             return Some(f);
         };
-        let mut fresh = msgs[plan.skip..].to_vec();
+        let mut fresh = msgs;
+        fresh.drain(..plan.skip);
         mark(&mut fresh, &st, plan.skip as u64);
         if !fresh.is_empty() {
             match self.appender.publish(&fresh) {
                 Ok(rows) => {
-                    let new = places(&rows);
                     let (first, last) = (&rows[0], &rows[rows.len() - 1]);
                     let seq = st.seq + plan.skip as u64;
                     let batch = (
@@ -1353,9 +1496,11 @@ impl Loop {
                         first.phys_offset,
                         last.phys_offset + u64::from(last.size),
                     );
+                    let store_ts = first.store_ts;
+                    let new = places(rows);
                     let kept = (new.len() <= PLACES_KEPT).then(|| Arc::new(new.clone()));
                     if let Some((e, _)) = held.table.get_mut(&st.producer) {
-                        e.push(batch, first.store_ts, kept);
+                        e.push(batch, store_ts, kept);
                     }
                     held.dirty = true;
                     self.group.appended = true;
@@ -1751,16 +1896,9 @@ fn fmt_secs(d: Duration) -> String {
     }
 }
 
-fn places(rows: &[Dispatched]) -> Vec<Place> {
-    rows.iter()
-        .map(|d| {
-            (
-                d.phys_offset as i64,
-                d.store_ts,
-                u64::from(d.size),
-                d.queues.clone(),
-            )
-        })
+fn places(rows: Vec<Dispatched>) -> Vec<Place> {
+    rows.into_iter()
+        .map(|d| (d.phys_offset as i64, d.store_ts, u64::from(d.size), d.queues))
         .collect()
 }
 
@@ -1939,7 +2077,15 @@ mod tests {
     #[test]
     fn only_what_python_would_store_unchanged_is_appended_here() {
         let body = b"hiyo";
-        let ok = |h: &str| native_publish(&serde_json::from_str(h).unwrap(), body);
+        // Read as a map and read typed (the usual path): the same, or typed says None.
+        let ok = |h: &str| {
+            let slow = native_publish(&serde_json::from_str(h).unwrap(), body);
+            let fast = native_publish_fast(h.as_bytes(), body);
+            if fast.is_some() {
+                assert_eq!(format!("{fast:?}"), format!("{slow:?}"), "{h}");
+            }
+            slow
+        };
         let (msgs, st) = ok(
             r#"{"messages":[{"topic":"a/b","size":2,"qos":1,"client_id":"c",
             "born_ts":5},{"topic":"c","size":2,"retain":true,"key":"k","props":{}}],
@@ -1955,6 +2101,14 @@ mod tests {
             (&msgs[1].body[..], msgs[1].retain, &*msgs[1].key),
             (&b"yo"[..], true, "k")
         );
+        // Escaped strings, unknown fields, a key twice (the map keeps the last one).
+        for h in [
+            r#"{"messages":[{"topic":"a\/b\u00e9","size":4,"client_id":"c\"1","x":[1]}]}"#,
+            r#"{"messages":[{"topic":"a","size":4,"props":null}],"producer":"p","seq":0}"#,
+            r#"{"messages":[{"topic":"a","size":4,"qos":1,"qos":2}]}"#,
+        ] {
+            assert!(ok(h).is_some(), "{h}");
+        }
         for bad in [
             r#"{"messages":[]}"#,
             r#"{"messages":[{"topic":"a/+","size":4}]}"#,
@@ -1972,8 +2126,15 @@ mod tests {
             r#"{"messages":[{"topic":"a","size":4}],"producer":"p","seq":-1}"#,
             r#"{"messages":[{"topic":"a","size":4}],"producer":"p"}"#,
             r#"{"messages":[{"topic":"a","size":4}],"producer":7,"seq":0}"#,
+            r#"{"messages":[{"topic":"a","size":4,"qos":null}]}"#,
+            r#"{"messages":[{"topic":"a","size":4,"client_id":null}]}"#,
+            r#"{"messages":[{"topic":"a","size":4}],"producer":"p","epoch":null,"seq":0}"#,
+            r#"{"messages":[{"topic":"a","size":4,"props":[]}]}"#,
+            r#"{"messages":{"topic":"a","size":4}}"#,
+            r#"[{"topic":"a","size":4}]"#,
         ] {
             assert!(ok(bad).is_none(), "{bad}");
+            assert!(native_publish_fast(bad.as_bytes(), body).is_none(), "{bad}");
         }
     }
 
@@ -1996,7 +2157,45 @@ mod tests {
         let mut want = vec![0, 0, 0, 49, 1, 2, 0, 11, 0, 0, 0, 7, 0, 0, 0, 37];
         want.extend_from_slice("{\"status\":409,\"error\":\"gap \\\"x\\\" é\"}".as_bytes());
         assert_eq!(error, want);
-        assert_eq!(msg_id(-1), format!("{}", "-000000000000001"));
+        let id = |phys| {
+            let mut s = String::new();
+            push_msg_id(&mut s, phys);
+            s
+        };
+        assert_eq!(id(-1), "-000000000000001");
+        assert_eq!(id(255), "00000000000000FF");
+    }
+
+    #[test]
+    fn a_peer_that_sends_and_closes_is_answered_and_its_end_read() {
+        // Its frame and its end in one readiness: the short read of the frame must not
+        // be taken for "drained, wait for the next edge" (there is none after an end).
+        let engine = engine("sends-and-closes");
+        let mut server = Server::start(engine.appender()).unwrap();
+        let (conn, mut client) = connect(&server);
+        let (busy_conn, mut busy) = connect(&server);
+        std::thread::sleep(Duration::from_millis(100)); // adopted, read, waiting
+        // Another connection's burst keeps the server's thread busy meanwhile: the
+        // frame and the end arrive while it is, and are one readiness.
+        let burst: Vec<u8> = (0..4000).flat_map(|i| publish(i, &["busy"], "")).collect();
+        let writer = std::thread::spawn(move || {
+            busy.write_all(&burst).unwrap();
+            busy
+        });
+        std::thread::sleep(Duration::from_millis(5));
+        client.write_all(&publish(1, &["a/b"], "")).unwrap();
+        client.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut dec = Pending::new();
+        let answer = recv(&mut client, &mut dec);
+        assert_eq!((answer.kind, answer.request_id), (Kind::Response, 1));
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).expect("the server closes its side");
+        assert!(rest.is_empty());
+        assert!(wait_up(&server).contains(&Up::Closed { conn }));
+        drop(writer.join().unwrap());
+        let _ = busy_conn;
+        server.stop();
+        let _ = engine.stop_and_take();
     }
 
     #[test]
