@@ -168,8 +168,10 @@ async def run_store(
                 partial(serve_http, max_body=cfg.http_max_body,
                         allowed_hosts=cfg.http_allowed_hosts), app, http)
             # The native engine writes the log in `lightgate serve` and in a store of no
-            # group (native_carries; docs/native-plane.md#status): said as it is.
-            where = "native" if node.store.engine is not None else "python"
+            # group (native_carries; docs/native-plane.md#status); a group's node runs it
+            # once it is master, or copies natively as a replica (group_native).
+            where = ("native" if node.store.engine is not None or group_native(repl_cfg)
+                     else "python")
             plane.warn_if_python(log, STORE_COST)
             tune_for_serving()
             print(f"ready native={node.native_addr} http={http_addr} plane={where}",

@@ -41,12 +41,12 @@ log = logging.getLogger("lightgate.store.replication")
 
 
 def group_native(repl: ReplicationConfig | None) -> bool:
-    """Whether a group's node runs the native server while master: on the native plane,
-    with LIGHTGATE_GROUP_NATIVE=1. Not by default yet: it answers sooner, but at a
-    fleet's low rate each native append costs the master's Python a dispatch of its own
-    (docs/native-plane.md), until the replicas' fetch is native too."""
+    """Whether a group's node runs natively (the master's server and writer, the
+    replicas' fetches and copy): on the native plane, unless LIGHTGATE_GROUP_NATIVE=0
+    keeps the group's nodes on Python's writer and server (the reference, and a way
+    back should the native group misbehave)."""
     return (plane.NATIVE is not None and repl is not None
-            and os.environ.get("LIGHTGATE_GROUP_NATIVE", "0") == "1")
+            and os.environ.get("LIGHTGATE_GROUP_NATIVE", "1") != "0")
 
 
 class NativeMaster:
