@@ -156,6 +156,17 @@ class EngineTail:
                 return
             self._drain()
 
+    def undispatched(self) -> bool:
+        """Whether the engine appended records that the index and the rings of recent
+        messages may not hold yet (`catch_up` takes them): a native publish is answered
+        once appended, before its dispatch. (Read in this order: a drain sets
+        `_draining` before it takes rows and moves `_write_pos` before it tells the rings.)"""
+        engine = self.engine
+        if engine is None:
+            return False
+        appended = engine.write_pos
+        return appended > self._write_pos or self._draining is not None
+
     def _dispatch_loop(self) -> None:
         setthreadtitle("commitlog-dispatch")
         _background()

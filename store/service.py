@@ -380,8 +380,11 @@ class EmbeddedStore:
         then `min_offset` is only the lowest offset held there. `max_bytes`: at most
         that many bytes of messages, but one message at least."""
         recent = self.pull_recent(queue, offset, max_count, max_bytes)
-        if recent is not None:
+        if recent is not None and (recent.messages or not self.commitlog.undispatched()):
             return recent
+        # "Nothing more" from the ring holds only once what the engine appended is
+        # dispatched: it answers a native publish before that, and a reader told of
+        # the message meanwhile (another gateway delivered it) asks at its offset.
         return await self.pull_stored(queue, offset, max_count, max_bytes)
 
     async def pull_stored(self, queue: str, offset: int, max_count: int = 32,

@@ -21,6 +21,7 @@ import pytest
 from serving import plane
 from store import protocol as p
 from store.record import Message
+from tests.conftest import RedisServer
 from tests.ha.cluster import Group, cluster, log_bytes, native_call, read_topic, wait_for
 from tests.native.test_protocol import Raw
 from tests.security.helpers import native
@@ -56,10 +57,10 @@ def started(tmp_path: Path, *extra: str) -> Iterator[Group]:
 
 
 @pytest.fixture
-def group(plane_name: str, tmp_path: Path) -> Iterator[Group]:
+def group(plane_name: str, tmp_path: Path, redis_server: RedisServer) -> Iterator[Group]:
     # Replicas stay in the in-sync set for a long pause (--max-lag-s): an append waits.
     with started(tmp_path, "--max-lag-s", "30", "--controller-lease-s", "2",
-                 "--failover-after-s", "30") as g:
+                 "--failover-after-s", "30", "--notify", redis_server.url) as g:
         yield g
 
 
@@ -96,20 +97,54 @@ def silent_for(c: Raw, seconds: float) -> bool:
 
 
 def test_the_master_carries_connections_and_answers_publish_once_replicated(
-        plane_name: str, group: Group) -> None:
+        plane_name: str, group: Group, redis_server: RedisServer) -> None:
+    """... and tells their readers once the in-sync set holds them: a PULL waiting at
+    the queue's head is answered, and Redis carries the queue's name to gateways. (The
+    dispatch hands over the queues that grew with their ends, a dict, where sets of
+    names were merged: on the native plane the telling raised in a trio callback, and
+    neither came.)"""
+    import redis
+
     g = group
     # Every node's ready line says its plane: a group's nodes run natively by default.
     assert {n.addrs["plane"] for n in g.nodes} == {plane_name}
     m = in_sync(g)
     node = g.nodes[m]
     t = uid("gn")
-    c = Raw(node.native)
-    assert c.call(p.HELLO, {}).kind == p.RESPONSE
+    c, reader = Raw(node.native), Raw(node.native)
+    for conn in (c, reader):
+        assert conn.call(p.HELLO, {}).kind == p.RESPONSE
     takes_writes(c, f"{uid('gw')}/w")
-    c.sock.sendall(b"".join(publish_frame([f"{t}/a", f"{t}/b"], rid) for rid in (1, 2, 3)))
-    answers = [c.recv() for _ in range(3)]
-    assert [a.kind for a in answers] == [p.RESPONSE] * 3, [a.header for a in answers]
-    assert [a.request_id for a in answers] == [1, 2, 3]
+    bus = redis.Redis.from_url(redis_server.url).pubsub()
+    try:
+        bus.subscribe("lightgate:notify")
+        reader.sock.sendall(p.encode_frame(p.Frame(p.REQUEST, p.PULL, 9, {
+            "queue": f"{t}/a", "offset": 0, "wait_ms": 20_000})))
+        assert silent_for(reader, 0.3)  # held waiting at the head
+        started = time.monotonic()
+        c.sock.sendall(b"".join(publish_frame([f"{t}/a", f"{t}/b"], rid) for rid in (1, 2, 3)))
+        answers = [c.recv() for _ in range(3)]
+        assert [a.kind for a in answers] == [p.RESPONSE] * 3, [a.header for a in answers]
+        assert [a.request_id for a in answers] == [1, 2, 3]
+        reader.sock.settimeout(15)
+        try:
+            told: p.Frame | None = reader.recv()
+        except (TimeoutError, ConnectionError):
+            told = None
+        assert told is not None, f"the waiting PULL was not answered: {node.logs()[-3000:]}"
+        assert (told.kind, told.request_id) == (p.RESPONSE, 9), told.header
+        assert p.unpack_messages(told.header["messages"], told.body)[0].body == \
+            f"{t}/a".encode()
+        assert time.monotonic() - started < 10, "told only when the wait ran out"
+        heard = ""
+        deadline = time.monotonic() + 10
+        while f"{t}/a" not in heard and time.monotonic() < deadline:
+            msg = bus.get_message(timeout=0.5)
+            if msg is not None and msg["type"] == "message":
+                heard += msg["data"].decode(errors="replace")
+        assert f"{t}/a" in heard, "gateways were not told through Redis"
+    finally:
+        bus.close()
     assert (carried(g, m) > 0) == (plane_name == "native")
     # Acknowledged: every node of the in-sync set holds them, and readers see them.
     assert sorted(read_topic(node.native, t)) == sorted([f"{t}/a".encode(),

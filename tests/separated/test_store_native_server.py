@@ -363,3 +363,29 @@ def test_a_producer_publishing_natively_is_not_forgotten_as_idle(
         assert len(read_topic(srv.native, t)) == 9
     finally:
         srv.stop()
+
+
+def test_a_pull_right_after_a_publish_is_answered_reads_it(plane_name: str,
+                                                          store: Server) -> None:
+    """A message whose PUBLISH was answered is there for a PULL that comes after the
+    answer, from any connection. The native server answers a PUBLISH once the engine
+    appended it, before Python's dispatch puts it in the index and in the ring of recent
+    messages a reader at the queue's head is served from: that ring said "nothing at
+    this offset yet" meanwhile (a persistent session that moved to another gateway took
+    the message it had in flight there for gone, and it was lost)."""
+    t = uid("seen")
+    pub, reader = Raw(store.native), Raw(store.native)
+    hello(pub)
+    hello(reader)
+    # A reader at the head: its miss starts the queue's ring with the next message.
+    assert reader.call(p.PULL, {"queue": f"{t}/x", "offset": 0}).header["messages"] == []
+    for i in range(30):
+        pub.sock.sendall(publish_frame([f"{t}/x"], i + 1))
+        answer = pub.recv()
+        assert answer.kind == p.RESPONSE, answer.header
+        (offset,) = [o for q, o in answer.header["results"][0]["queues"] if q == f"{t}/x"]
+        assert offset == i
+        got = reader.call(p.PULL, {"queue": f"{t}/x", "offset": offset, "max": 1},
+                          rid=i + 1)
+        assert [m.offset_in(f"{t}/x") for m in p.unpack_messages(
+            got.header["messages"], got.body)] == [offset], f"message {i} not read"
