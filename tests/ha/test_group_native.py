@@ -24,6 +24,7 @@ from store.record import Message
 from tests.conftest import RedisServer
 from tests.ha.cluster import Group, cluster, log_bytes, native_call, read_topic, wait_for
 from tests.native.test_protocol import Raw
+from tests.proc import pause
 from tests.security.helpers import native
 from tests.separated.test_store_native_server import publish_frame
 
@@ -161,10 +162,14 @@ def test_an_append_waits_for_a_paused_replica_of_the_in_sync_set(
     t = uid("gp")
     takes_writes(c, f"{t}/x")
     assert replica.proc is not None
-    os.kill(replica.proc.pid, signal.SIGSTOP)
+    pause(replica.proc.pid)  # (every thread stopped: its copy thread too)
     try:
         c.sock.sendall(publish_frame([f"{t}/x"], 2))
-        assert silent_for(c, 1.5), "answered while a node of the in-sync set lacks it"
+        if not silent_for(c, 1.5):
+            early = c.recv()
+            raise AssertionError(f"answered while a node of the in-sync set lacks it: "
+                                 f"{early.kind} {early.request_id} {early.header} "
+                                 f"{cluster(g.nodes[m])} MASTERLOG {g.nodes[m].logs()[-4000:]}")
     finally:
         os.kill(replica.proc.pid, signal.SIGCONT)
     answer = c.recv()
