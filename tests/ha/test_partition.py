@@ -150,7 +150,12 @@ def _run(tmp_path: Path, net: netns.Net, faults: list[str], idle_before: set[int
                 load.paused.clear()
                 stats.setdefault("idle_before", []).append(i)
             time.sleep(random.uniform(1.0, 3.0))
-            stats["rounds"].append(_round(g, net, load, fault))
+            try:
+                stats["rounds"].append(_round(g, net, load, fault))
+            except AssertionError as exc:  # what each node said, to see why
+                tails = "\n".join(f"--- node {n}: {node.logs()[-3000:]}"
+                                   for n, node in enumerate(g.nodes))
+                raise AssertionError(f"round {i} ({fault}): {exc}\n{tails}") from exc
             print("round", i, stats["rounds"][-1], flush=True)
         time.sleep(1.0)
         load.stop()
