@@ -148,8 +148,10 @@ class EngineTail:
         """Dispatch what the engine appended and the index does not hold yet: a reader
         of the index (a pull, history, a queue's end) calls this first, so that it never
         sees a position, or a subscriber's count, past what the index answers."""
-        if self.engine is not None:
-            self.engine.hurry()  # and the next batch without the lazy pause
+        engine = self.engine  # (once: `hand_back` in another thread may clear it)
+        if engine is not None:
+            if not self._engine_stopped:  # (stopping in another thread: no hurry)
+                engine.hurry()  # and the next batch without the lazy pause
             if self._draining == threading.get_ident():
                 # Called back from this thread's own drain (a notify delivered inline
                 # pulls): the index holds what it told of, and it tells of the rest.
@@ -164,7 +166,10 @@ class EngineTail:
         engine = self.engine
         if engine is None:
             return False
-        appended = engine.write_pos
+        try:
+            appended = engine.write_pos
+        except ValueError:  # stopping in another thread: what it left is not taken
+            return True
         return appended > self._write_pos or self._draining is not None
 
     def _dispatch_loop(self) -> None:
@@ -196,6 +201,8 @@ class EngineTail:
 
     def _drain(self) -> bool:
         with self._dispatch_lock:
+            if self.engine is None:  # handed back meanwhile, its last rows drained
+                return False
             return self._drain_locked()
 
     def _drain_locked(self) -> bool:

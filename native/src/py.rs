@@ -1224,10 +1224,12 @@ impl PyEngine {
         Ok((count.held, count.holders, count.peak))
     }
 
-    /// Cut the dispatch's pause short (a reader came).
-    fn hurry(&self) -> PyResult<()> {
-        self.engine()?.hurry();
-        Ok(())
+    /// Cut the dispatch's pause short (a reader came); nothing once stopped (a reader
+    /// may come while another thread stops the engine).
+    fn hurry(&self) {
+        if let Some(engine) = &self.inner {
+            engine.hurry();
+        }
     }
 
     /// End every `wait_dispatched`, now and from here on: the dispatcher stops.
@@ -1581,15 +1583,26 @@ impl PyEngine {
 
     /// Stop the reactors (their sockets close) and make the log durable: its end.
     /// What was appended and not taken yet stays for `take_batch`.
-    fn stop(&mut self, py: Python<'_>) -> PyResult<u64> {
-        if let Some(r) = self.remote.take() {
+    /// The engine is taken out under a borrow that ends before the wait: a `&mut self`
+    /// held over `allow_threads` would make every other thread's call (the event loop's
+    /// `take_batch` while a worker thread stops the engine) raise "Already mutably
+    /// borrowed". Meanwhile `take_batch` finds nothing, and then what was left.
+    fn stop(slf: &Bound<'_, Self>) -> PyResult<u64> {
+        let py = slf.py();
+        let (remote, inner) = {
+            // (Another thread inside a call that waits without the GIL: RuntimeError
+            // "Already borrowed", and the caller tries again.)
+            let mut me = slf.try_borrow_mut()?;
+            (me.remote.take(), me.inner.take())
+        };
+        if let Some(r) = remote {
             py.allow_threads(|| r.stop());
             return Ok(0);
         }
-        match self.inner.take() {
+        match inner {
             Some(e) => {
                 let (synced, left) = py.allow_threads(|| e.stop_and_take());
-                if let Ok(mut slot) = self.left.lock() {
+                if let Ok(mut slot) = slf.try_borrow()?.left.lock() {
                     *slot = Some(left);
                 }
                 synced.map_err(os_error)

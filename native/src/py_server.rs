@@ -283,8 +283,10 @@ impl PyStoreServer {
 
     /// Stop the thread (its connections close; what they held is then in
     /// `take_released`).
-    fn stop(&mut self, py: Python<'_>) {
-        if let Some(s) = self.server.as_mut() {
+    /// (`&self`: a `&mut self` held over `allow_threads` would make the event loop's
+    /// calls meanwhile raise "Already mutably borrowed".)
+    fn stop(&self, py: Python<'_>) {
+        if let Some(s) = self.server.as_ref() {
             py.allow_threads(move || s.stop());
         }
     }

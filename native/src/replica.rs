@@ -37,6 +37,8 @@ const TICK: Duration = Duration::from_millis(10);
 /// Beyond the master's wait, how long an answer may take (`follower.py`'s timeout).
 const ANSWER_GRACE: Duration = Duration::from_secs(10);
 const READ_SIZE: usize = 256 * 1024;
+/// Why the loop stopped when `halt` stopped it (Python's copy loop knows the word).
+const HALTED: &str = "stopped";
 
 /// Where the copy starts and what its fetches say (`follower.follow`'s request).
 #[derive(Debug, Clone, Default)]
@@ -339,15 +341,19 @@ impl Conn {
         }
     }
 
-    /// One request and its answer within `HELLO_TIMEOUT` (the greeting).
-    fn call(&mut self, code: u16, header: &Value) -> Result<Frame, String> {
+    /// One request and its answer within `HELLO_TIMEOUT` (the greeting), given up at
+    /// once when halted.
+    fn call(&mut self, shared: &Shared, code: u16, header: &Value) -> Result<Frame, String> {
         let rid = self.send(code, header).map_err(|e| e.to_string())?;
         let deadline = Instant::now() + HELLO_TIMEOUT;
         let mut pending = VecDeque::new();
-        while Instant::now() < deadline {
+        while Instant::now() < deadline && !shared.stopping() {
             if let Some(f) = self.answer(rid, &mut pending).map_err(|e| e.to_string())? {
                 return Ok(f);
             }
+        }
+        if shared.stopping() {
+            return Err(HALTED.into());
         }
         Err(format!("no answer within {} s", HELLO_TIMEOUT.as_secs()))
     }
@@ -367,16 +373,53 @@ pub fn node_proof(secret: &[u8], challenge: &str, node: &str) -> String {
         .collect()
 }
 
+/// Dial `addr` within `HELLO_TIMEOUT`, given up at once when halted: `halt` joins this
+/// thread from the node's event loop (a new master stopping its copy), which a dial to
+/// a master cut off by the network would otherwise hold for the whole timeout.
+fn dial(shared: &Shared, addr: SocketAddr) -> io::Result<TcpStream> {
+    use mio::{Events, Interest, Poll, Token};
+    let mut poll = Poll::new()?;
+    let mut stream = mio::net::TcpStream::connect(addr)?;
+    poll.registry()
+        .register(&mut stream, Token(0), Interest::WRITABLE)?;
+    let mut events = Events::with_capacity(1);
+    let deadline = Instant::now() + HELLO_TIMEOUT;
+    loop {
+        if shared.stopping() {
+            return Err(io::Error::new(io::ErrorKind::Interrupted, HALTED));
+        }
+        if Instant::now() >= deadline {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out"));
+        }
+        poll.poll(&mut events, Some(TICK))?;
+        if events.is_empty() {
+            continue;
+        }
+        if let Some(e) = stream.take_error()? {
+            return Err(e);
+        }
+        match stream.peer_addr() {
+            Ok(_) => break,
+            Err(e) if e.kind() == io::ErrorKind::NotConnected => {} // (not yet: poll again)
+            Err(e) => return Err(e),
+        }
+    }
+    poll.registry().deregister(&mut stream)?;
+    let stream = TcpStream::from(std::os::fd::OwnedFd::from(stream));
+    stream.set_nonblocking(false)?;
+    Ok(stream)
+}
+
 /// Dial the master and greet it as `store/client.py` does: the node proof (a second
 /// HELLO answering the first's challenge), or a user's credentials.
-fn connect(p: &Params) -> Result<Conn, String> {
+fn connect(shared: &Shared, p: &Params) -> Result<Conn, String> {
     let sockaddr: SocketAddr = p
         .master
         .to_socket_addrs()
         .map_err(|e| e.to_string())?
         .next()
         .ok_or("no address")?;
-    let stream = TcpStream::connect_timeout(&sockaddr, HELLO_TIMEOUT).map_err(|e| e.to_string())?;
+    let stream = dial(shared, sockaddr).map_err(|e| e.to_string())?;
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
     stream
         .set_read_timeout(Some(TICK))
@@ -397,7 +440,7 @@ fn connect(p: &Params) -> Result<Conn, String> {
         hello["username"] = json!(user);
         hello["password"] = json!(password);
     }
-    let mut answer = conn.call(HELLO, &hello)?;
+    let mut answer = conn.call(shared, HELLO, &hello)?;
     if let (Some(secret), Kind::Response) = (&p.secret, answer.kind) {
         let challenge = header_of(&answer)
             .get("challenge")
@@ -405,7 +448,7 @@ fn connect(p: &Params) -> Result<Conn, String> {
             .unwrap_or("")
             .to_string();
         let proof = node_proof(secret, &challenge, &p.node);
-        answer = conn.call(HELLO, &json!({"node": p.node, "node_proof": proof}))?;
+        answer = conn.call(shared, HELLO, &json!({"node": p.node, "node_proof": proof}))?;
     }
     if answer.kind == Kind::Error {
         let (status, message) = error_of(&answer);
@@ -428,8 +471,9 @@ fn starts(history: &Value) -> Vec<u64> {
 
 /// The loop; its last event (why it stopped).
 fn copy(shared: &Shared, appender: &Appender, p: &Params) -> Event {
-    let mut conn = match connect(p) {
+    let mut conn = match connect(shared, p) {
         Ok(c) => c,
+        Err(_) if shared.stopping() => return stopped(HALTED),
         Err(why) => return stopped(format!("{} unreachable ({why})", p.master)),
     };
     let mut first = true;
@@ -455,7 +499,7 @@ fn copy(shared: &Shared, appender: &Appender, p: &Params) -> Event {
             (st.meta_inc.clone(), st.meta_seq, st.readers)
         };
         if shared.stopping() {
-            return stopped("stopped");
+            return stopped(HALTED);
         }
         if appender.behind() {
             std::thread::sleep(Duration::from_millis(1)); // the dispatch catches up first
@@ -485,7 +529,7 @@ fn copy(shared: &Shared, appender: &Appender, p: &Params) -> Event {
                 Err(e) => return stopped(format!("replication from {}: {e}", p.master)),
             }
             if shared.stopping() {
-                return stopped("stopped");
+                return stopped(HALTED);
             }
             // A reader started waiting while the fetch is lazy and this node holds bytes
             // its readers may not see yet: the same fetch again, eager.
@@ -539,7 +583,7 @@ fn copy(shared: &Shared, appender: &Appender, p: &Params) -> Event {
                 return stopped("lock poisoned");
             };
             if shared.stopping() {
-                return stopped("stopped"); // halted: nothing written after it
+                return stopped(HALTED); // halted: nothing written after it
             }
             if let Err(e) = appender.copy_raw(offset, &answer.body, base, &mut marked) {
                 let write = e.kind() != io::ErrorKind::InvalidData;
@@ -812,6 +856,28 @@ mod tests {
             other => panic!("stopped expected, got {other:?}"),
         }
         assert_eq!(engine.write_pos(), 0);
+        let _ = engine.stop();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn halt_returns_at_once_while_the_master_does_not_answer_the_greeting() {
+        // Accepted by the kernel, never answered: the copy waits in its greeting.
+        let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+        let (engine, dir) = engine("silent");
+        let copier = Copier::start(
+            engine.appender(),
+            params(silent.local_addr().unwrap().to_string()),
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let took = Instant::now();
+        copier.halt();
+        assert!(took.elapsed() < HELLO_TIMEOUT / 4, "{:?}", took.elapsed());
+        match copier.next_event(Duration::from_secs(1)) {
+            Some(Event::Stopped { why, write, .. }) => assert!(why == HALTED && !write),
+            other => panic!("stopped expected, got {other:?}"),
+        }
         let _ = engine.stop();
         let _ = std::fs::remove_dir_all(&dir);
     }

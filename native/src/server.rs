@@ -715,7 +715,8 @@ impl Shared {
 pub struct Server {
     shared: Arc<Shared>,
     waker: Arc<Waker>,
-    thread: Option<JoinHandle<()>>,
+    /// Taken by `stop` (from `&self`: other threads go on calling while it joins).
+    thread: Mutex<Option<JoinHandle<()>>>,
     woken: UnixStream,
     next_conn: Mutex<u64>,
 }
@@ -759,7 +760,7 @@ impl Server {
         Ok(Server {
             shared,
             waker,
-            thread: Some(thread),
+            thread: Mutex::new(Some(thread)),
             woken,
             next_conn: Mutex::new(1),
         })
@@ -956,10 +957,11 @@ impl Server {
     }
 
     /// Stop the thread; the connections close.
-    pub fn stop(&mut self) {
+    pub fn stop(&self) {
         self.shared.stopping.store(true, Ordering::Release);
         let _ = self.waker.wake();
-        if let Some(t) = self.thread.take() {
+        let thread = self.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(t) = thread {
             let _ = t.join();
         }
     }
@@ -2171,7 +2173,7 @@ mod tests {
         // Its frame and its end in one readiness: the short read of the frame must not
         // be taken for "drained, wait for the next edge" (there is none after an end).
         let engine = engine("sends-and-closes");
-        let mut server = Server::start(engine.appender()).unwrap();
+        let server = Server::start(engine.appender()).unwrap();
         let (conn, mut client) = connect(&server);
         let (busy_conn, mut busy) = connect(&server);
         std::thread::sleep(Duration::from_millis(100)); // adopted, read, waiting
@@ -2201,7 +2203,7 @@ mod tests {
     #[test]
     fn a_carried_connection_appends_forwards_and_keeps_a_producer_once() {
         let engine = engine("carried");
-        let mut server = Server::start(engine.appender()).unwrap();
+        let server = Server::start(engine.appender()).unwrap();
         let (conn, mut client) = connect(&server);
         let mut dec = Pending::new();
         // Two PUBLISH frames and a PULL between them, pipelined.
@@ -2271,7 +2273,7 @@ mod tests {
     #[test]
     fn a_group_masters_answers_wait_for_the_acknowledged_offset() {
         let engine = engine("held");
-        let mut server = Server::start(engine.appender()).unwrap();
+        let server = Server::start(engine.appender()).unwrap();
         server.hold(Duration::from_secs(30));
         let (_, mut client) = connect(&server);
         let mut dec = Pending::new();
@@ -2296,7 +2298,7 @@ mod tests {
         assert_eq!((a.kind, a.request_id, b.request_id), (Kind::Response, 1, 2));
         // Held, then failed by a step-down; refused while Python refuses writes.
         server.stop();
-        let mut server = Server::start(engine.appender()).unwrap();
+        let server = Server::start(engine.appender()).unwrap();
         server.hold(Duration::from_secs(30));
         server.acked(end_of(&header(&b)["results"]));
         let (_, mut client) = connect(&server);
@@ -2337,7 +2339,7 @@ mod tests {
     #[test]
     fn a_replicas_fetches_are_answered_here_and_release_held_appends() {
         let engine = engine("fetch");
-        let mut server = Server::start(engine.appender()).unwrap();
+        let server = Server::start(engine.appender()).unwrap();
         server.hold(Duration::from_secs(30));
         server.fetching(Some(Fetching {
             epoch: 1,
@@ -2470,7 +2472,7 @@ mod tests {
     #[test]
     fn an_append_python_makes_holds_the_frames_after_it() {
         let engine = engine("held");
-        let mut server = Server::start(engine.appender()).unwrap();
+        let server = Server::start(engine.appender()).unwrap();
         let (conn, mut client) = connect(&server);
         let mut dec = Pending::new();
         let props = request(
@@ -2506,7 +2508,7 @@ mod tests {
         // More answers than MAX_UNSENT while the client writes before it reads: the
         // server stops reading it, writes, and reads it again as the answers go.
         let engine = engine("late");
-        let mut server = Server::start(engine.appender()).unwrap();
+        let server = Server::start(engine.appender()).unwrap();
         let (_, client) = connect(&server);
         client
             .set_read_timeout(Some(Duration::from_secs(30)))
@@ -2540,7 +2542,7 @@ mod tests {
             head in proptest::collection::vec(any::<u8>(), 0..40),
         ) {
             let engine = engine("fuzz");
-            let mut server = Server::start(engine.appender()).unwrap();
+            let server = Server::start(engine.appender()).unwrap();
             let (_, mut client) = connect(&server);
             client.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
             let mut bytes = head.clone();
