@@ -67,8 +67,10 @@ LAST_LOOK = 1.0  # ... doubling up to this
 # A candidate busy only with what it publishes (a client that publishes without a
 # pause is never quiet) is not read for up to this long, so that what is under way
 # settles and it can go over; at most this many times while it is a candidate, each
-# try twice as long after the one before (on a loaded machine the first may not do).
+# try twice as long after the one before and held twice as long, up to QUIESCE_MAX_S
+# (on a loaded machine its appends may take longer than the first hold to be answered).
 QUIESCE_S = 0.05
+QUIESCE_MAX_S = 0.8
 QUIESCE_TRIES = 8
 # What a look finds: never (the connection is not the kind), parked (not while its
 # subscriptions or rights are what they are: looked at again when they change), busy
@@ -208,7 +210,7 @@ class Handover:
         it is held now."""
         began, tries = self._quiesced.get(conn, (0.0, 0))
         if conn._quiescing:
-            if now - began < QUIESCE_S:
+            if now - began < min(QUIESCE_S * 2 ** (tries - 1), QUIESCE_MAX_S):
                 return True
             conn.quiesce(False)  # something else keeps it busy: read it again
             return False
