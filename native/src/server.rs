@@ -1689,16 +1689,7 @@ impl Loop {
                 _ => {
                     // Not master any more, or its metadata moved past what is kept
                     // here: Python answers it.
-                    if let Some(c) = self.conns.get_mut(&p.conn) {
-                        c.up += 1;
-                    }
-                    self.up.push(Up::Frame {
-                        conn: p.conn,
-                        code: p.frame.code,
-                        request_id: p.frame.request_id,
-                        header: p.frame.header,
-                        body: p.frame.body,
-                    });
+                    self.fetch_up(p.conn, p.frame);
                     continue;
                 }
             };
@@ -1713,22 +1704,26 @@ impl Loop {
                         c.queue(bytes);
                     }
                 }
-                None => {
-                    if let Some(c) = self.conns.get_mut(&p.conn) {
-                        c.up += 1;
-                    }
-                    self.up.push(Up::Frame {
-                        conn: p.conn,
-                        code: p.frame.code,
-                        request_id: p.frame.request_id,
-                        header: p.frame.header,
-                        body: p.frame.body,
-                    });
-                }
+                None => self.fetch_up(p.conn, p.frame),
             }
             ids.push(p.conn);
         }
         ids
+    }
+
+    /// A parked fetch goes up to Python after all (a fetch holds no later frames of its
+    /// connection, unlike an append: `up_frame`).
+    fn fetch_up(&mut self, conn: u64, f: Frame) {
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.up += 1;
+        }
+        self.up.push(Up::Frame {
+            conn,
+            code: f.code,
+            request_id: f.request_id,
+            header: f.header,
+            body: f.body,
+        });
     }
 
     /// An append's answer: out now, or held until the group acknowledges `end`.
