@@ -7,7 +7,7 @@ A write that fails (a full disk) is said to the master with the next fetch, whic
 the replica out of the in-sync set at once; while its disk is full the replica writes
 nothing, and asks for one record a second to stay known to the master as alive.
 
-On the native plane with LIGHTGATE_GROUP_NATIVE=1 the steady state (plain log bytes, one
+On the native plane (unless LIGHTGATE_GROUP_NATIVE=0) the steady state (plain log bytes, one
 answer after another) is copied by a Rust loop (store.replication.native_copy), which
 hands back to this one whatever else an answer holds."""
 

@@ -1,4 +1,4 @@
-"""A replica's steady-state copy on the native plane (LIGHTGATE_GROUP_NATIVE=1): once
+"""A replica's steady-state copy on the native plane (unless LIGHTGATE_GROUP_NATIVE=0): once
 the copy loop (store.replication.follower) has made its first fetch of a connection
 (the fork check) and has no cut, start-over or metadata snapshot under way, the native
 engine takes the log's tail and a Rust loop (serving.lightgate_native.ReplicaCopy,

@@ -42,12 +42,11 @@ log = logging.getLogger("lightgate.store.replication")
 
 def group_native(repl: ReplicationConfig | None) -> bool:
     """Whether a group's node runs natively (the master's server and writer, the
-    replicas' fetches and copy): on the native plane, with LIGHTGATE_GROUP_NATIVE=1.
-    Not the default yet: it is two to three times cheaper a message, but elections
-    after a master's loss ran past their limit on a loaded machine in two test runs of
-    the group-fault suite, not yet explained (docs/native-plane.md)."""
+    replicas' fetches and copy): on the native plane, unless LIGHTGATE_GROUP_NATIVE=0
+    keeps the group's nodes on Python's writer and server (the reference, and a way
+    back should the native group misbehave)."""
     return (plane.NATIVE is not None and repl is not None
-            and os.environ.get("LIGHTGATE_GROUP_NATIVE", "0") == "1")
+            and os.environ.get("LIGHTGATE_GROUP_NATIVE", "1") != "0")
 
 
 class NativeMaster:

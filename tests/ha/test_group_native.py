@@ -39,7 +39,7 @@ PLANES = [
 @pytest.fixture(params=PLANES)
 def plane_name(request, monkeypatch) -> str:
     monkeypatch.setenv("LIGHTGATE_NATIVE", "1" if request.param == "native" else "0")
-    monkeypatch.setenv("LIGHTGATE_GROUP_NATIVE", "1")  # (opt-in: store.replication.native_master)
+    monkeypatch.setenv("LIGHTGATE_GROUP_NATIVE", "1")  # (the default; said for clarity)
     return request.param
 
 
@@ -107,7 +107,7 @@ def test_the_master_carries_connections_and_answers_publish_once_replicated(
     import redis
 
     g = group
-    # Every node's ready line says its plane: natively with LIGHTGATE_GROUP_NATIVE=1.
+    # Every node's ready line says its plane: a group's nodes run natively by default.
     assert {n.addrs["plane"] for n in g.nodes} == {plane_name}
     m = in_sync(g)
     node = g.nodes[m]
