@@ -66,9 +66,8 @@ FIRST_LOOK = 0.01  # seconds before a candidate that was busy is looked at again
 LAST_LOOK = 1.0  # ... doubling up to this
 # A candidate busy only with what it publishes (a client that publishes without a
 # pause is never quiet) is not read for up to this long, so that what is under way
-# settles and it can go over; at most this many times while it is a candidate, each
-# try twice as long after the one before and held twice as long, up to QUIESCE_MAX_S
-# (on a loaded machine its appends may take longer than the first hold to be answered).
+# settles and it can go over; at most this many times while it is a candidate, each try
+# twice as long after the one before and held twice as long, up to QUIESCE_MAX_S.
 QUIESCE_S = 0.05
 QUIESCE_MAX_S = 0.8
 QUIESCE_TRIES = 8
