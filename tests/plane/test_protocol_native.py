@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway import mqtt
@@ -50,9 +50,16 @@ def connected(version: int, keepalive: int, receive_max: int) -> tuple[mp.MqttPr
     return core, native
 
 
+# A v5 publish's topic alias: (the alias, the topic sent with it or "", whether the
+# native core is to take the publish if its topic is allowed).
+Alias = tuple[int, str, bool]
+
+
 @st.composite
-def client_packets(draw: st.DrawFn, version: int) -> tuple[bytes, bool]:
-    """One packet a client sends, and whether the native core is to take it."""
+def client_packets(draw: st.DrawFn, version: int) -> tuple[bytes, bool, Alias | None]:
+    """One packet a client sends, whether the native core is to take it, and its topic
+    alias (a publish by the alias alone is to be taken as the topic the alias was set
+    to, which the test reads from the Python core when it comes)."""
     kind = draw(st.sampled_from(["publish"] * 6 + ["ping", "puback", "subscribe",
                                                     "disconnect", "garbage"]))
     if kind == "publish":
@@ -71,18 +78,20 @@ def client_packets(draw: st.DrawFn, version: int) -> tuple[bytes, bool]:
         pid = draw(st.integers(1, 5)) if qos else None
         data = mqtt.encode(mqtt.Publish(topic_sent, draw(st.binary(max_size=20)), qos,
                                         retain, False, pid, props), version)
-        native = (qos < 2 and not retain and topic in ALLOWED and "user_property" not in props)
-        return data, native
+        rest = qos < 2 and not retain and "user_property" not in props
+        alias = (props["topic_alias"], topic_sent, rest) if "topic_alias" in props else None
+        return data, rest and topic in ALLOWED, alias
     if kind == "ping":
-        return b"\xc0\x00", True
+        return b"\xc0\x00", True, None
     if kind == "puback":
-        return mqtt.encode(mqtt.Puback(draw(st.integers(1, 6))), version), True
+        return mqtt.encode(mqtt.Puback(draw(st.integers(1, 6))), version), True, None
     if kind == "subscribe":
         sub = mqtt.Subscribe(1, [("a/#", mqtt.SubscriptionOptions(qos=1))])
-        return mqtt.encode(sub, version), False
+        return mqtt.encode(sub, version), False, None
     if kind == "disconnect":
-        return b"\xe0\x00", False
-    return draw(st.sampled_from([b"\x30\x02\xff\xff", b"\x00\x00", b"\x62\x02\x00\x01"])), False
+        return b"\xe0\x00", False, None
+    garbage = draw(st.sampled_from([b"\x30\x02\xff\xff", b"\x00\x00", b"\x62\x02\x00\x01"]))
+    return garbage, False, None
 
 
 @st.composite
@@ -125,6 +134,10 @@ def _native_feed(native: Any, data: bytes, chunk: int) -> bool:
 
 @settings(max_examples=300, deadline=None)
 @given(session=sessions())
+@example(session={  # the alias set to an allowed topic, then used alone: taken
+    "version": 5, "keepalive": 0, "receive_max": 1, "chunk": 1,
+    "steps": [("in", (b"0\x07\x00\x01a\x03#\x00\x01", True, (1, "a", True))),
+              ("in", (b"0\x06\x00\x00\x03#\x00\x01", False, (1, "", True)))]})
 def test_native_answers_what_it_takes_as_python_does(session: dict[str, Any]) -> None:
     version = session["version"]
     core, native = connected(version, session["keepalive"], session["receive_max"])
@@ -142,7 +155,9 @@ def test_native_answers_what_it_takes_as_python_does(session: dict[str, Any]) ->
             assert native.take_output() == core.data_to_send()
             assert native.window == core.window
             continue
-        data, takes = arg
+        data, takes, alias = arg
+        if alias is not None and not alias[1]:  # by the alias alone: the topic it was set to
+            takes = alias[2] and (core._aliases_in or {}).get(alias[0]) in ALLOWED
         demoted = _native_feed(native, data, session["chunk"])
         if not demoted:
             assert takes or _edge(core, data), "native took a packet that is Python's"
