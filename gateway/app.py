@@ -155,6 +155,7 @@ async def _serve(opts: GatewayOptions, signals: Signals, reload: Reload,
             partial(serve_http, max_body=opts.gateway.http_max_body,
                     allowed_hosts=opts.gateway.http_allowed_hosts), app, opts.http)
         gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
+        broker.registry.gateway_id = gateway_id  # (a session it holds says so)
         nursery.start_soon(_announce, store, gateway_id, dict(bound))
         bound["store"] = opts.store
         bound["plane"] = "native" if engine is not None else "python"

@@ -38,6 +38,11 @@ from serving.rate_limited_log import RateLimitedLog
 from store.api import AuthManager, Store, StoreError
 
 log = logging.getLogger("lightgate.gateway")
+
+# A persistent session another gateway holds connected (its client moved here before
+# that gateway took in how its old connection ended): how long that gateway's release
+# is waited for, at most (a gateway that died never releases it).
+RELEASE_WAIT_S = 2.0
 _not_kept = RateLimitedLog(log)  # the store refusing writes refuses each session's
 
 
@@ -69,6 +74,9 @@ class SessionRegistry:
         # Persistent sessions in the store: counted by each expiry sweep, plus those
         # made and discarded here since.
         self.persistent = 0
+        # This gateway's id among the store's gateways (gateway.app); None in `serve`,
+        # the only gateway of its store.
+        self.gateway_id: str | None = None
 
     # -- opening ----------------------------------------------------------------------
     async def open(self, client_id: str, clean_start: bool, expiry: int, version: int,
@@ -98,6 +106,8 @@ class SessionRegistry:
         if session is not None and session.connection is not None:
             await session.connection.take_over()  # closed, will sent, session detached
             session = self.by_id.get(client_id)
+        if session is None:
+            await self._released_elsewhere(client_id)
         await self.wills.client_back(client_id, clean_start)
         if clean_start:
             if session is not None or await self.store.meta_get("sessions", client_id):
@@ -114,9 +124,11 @@ class SessionRegistry:
         if owner is not None:
             session.owner = owner
         if expiry > 0:
+            info = {"version": version, "expiry": expiry, "owner": session.owner}
+            if self.gateway_id is not None:  # connected here (`_released_elsewhere`)
+                info["gateway"] = self.gateway_id
             try:
-                await self.store.meta_put("sessions", client_id, {
-                    "version": version, "expiry": expiry, "owner": session.owner})
+                await self.store.meta_put("sessions", client_id, info)
             except StoreError:  # refused (a full disk, the store away): as it was
                 if made and self.by_id.get(client_id) is session:
                     del self.by_id[client_id]
@@ -129,6 +141,27 @@ class SessionRegistry:
         session.version = version
         session.disconnected_at = None
         return session, present
+
+    async def _released_elsewhere(self, client_id: str) -> None:
+        """Wait while another gateway holds the session connected, at most RELEASE_WAIT_S:
+        a client that left it and came here at once is otherwise served from what that
+        gateway kept before it took in the client's last acknowledgements (they came
+        again here) or wrote after it (a clean start's discard undone). Its detach
+        records `disconnected_at` once what the client acknowledged is kept."""
+        if self.gateway_id is None:
+            return
+        info: dict[str, Any] | None = None
+        with trio.move_on_after(RELEASE_WAIT_S) as waited:
+            while True:
+                info = await self.store.meta_get("sessions", client_id)
+                if info is None or "disconnected_at" in info \
+                        or info.get("gateway") in (None, self.gateway_id):
+                    return
+                await trio.sleep(0.02)
+        if waited.cancelled_caught:
+            log.info("session %r: gateway %s did not release it within %g s (gone?); "
+                     "taken as the store holds it", client_id,
+                     info and info.get("gateway"), RELEASE_WAIT_S)
 
     async def _check_owner(self, client_id: str, owner: str) -> None:
         """ClientIdTaken if another identity holds the client id: a live connection's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
@@ -15,6 +17,7 @@ from tests.conftest import RedisServer, Server
 from tests.mqtt.paho_client import Client
 from tests.mqtt.raw import RawClient
 from tests.native.test_protocol import Raw
+from tests.proc import pause
 
 
 def uid(prefix: str) -> str:
@@ -101,6 +104,36 @@ def test_persistent_session_moves_from_a_to_b_without_loss(cluster) -> None:
     assert [m.payload for m in dev.expect(5)] == [b"offline-%d" % i for i in range(5)]
     pub.publish(topic, b"live-on-b", 1)
     assert dev.expect(1)[0].payload == b"live-on-b"
+    dev.expect_none(0.3)
+    dev.disconnect()
+    pub.disconnect()
+
+
+def test_a_session_that_moves_before_its_gateway_took_its_end_in(cluster) -> None:
+    """The device acknowledges a message on gateway A and leaves; A is stopped before it
+    takes that in, and the device comes back on B at once. B waits for A to release the
+    session (what A kept once it took the acknowledgement and the DISCONNECT in), so the
+    acknowledged message does not come again, and nothing is lost."""
+    _, (a, b), _ = cluster
+    topic = uid("cmd") + "/dev1"
+    cid = uid("dev")
+    dev = Client(a.port, cid, clean=False)
+    dev.subscribe(topic, 1)
+    pub = Client(b.port, uid("pub"))
+    pub.publish(topic, b"on-a", 1)
+    assert dev.expect(1)[0].payload == b"on-a"
+    assert a.proc is not None
+    pause(a.proc.pid)  # its PUBACK and DISCONNECT wait in A's socket
+    try:
+        dev.disconnect()
+        for i in range(3):
+            pub.publish(topic, b"offline-%d" % i, 1)
+        threading.Timer(0.5, os.kill, (a.proc.pid, signal.SIGCONT)).start()
+        dev = Client(b.port, cid, clean=False)
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+    assert dev.connack[0] is True
+    assert [m.payload for m in dev.expect(3)] == [b"offline-%d" % i for i in range(3)]
     dev.expect_none(0.3)
     dev.disconnect()
     pub.disconnect()
