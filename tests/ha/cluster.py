@@ -134,6 +134,15 @@ class Group:
             return roles.index("master") + 1 if roles.count("master") == 1 else None
         return int(wait_for(one, timeout, "one master")) - 1
 
+    def replicas_leader_last(self, m: int) -> list[int]:
+        """Master m's replicas, the controller's Raft leader last: a test that stops or
+        kills the first tests a replica's loss, and the master's lease goes on without a
+        Raft election (one may outlast a short lease on a loaded machine, and the master
+        steps down)."""
+        leader = cluster(self.nodes[m])["controller"]["leader"]
+        return sorted((i for i in range(len(self.nodes)) if i != m),
+                      key=lambda i: self.raft[i] == leader)
+
     def insync(self, i: int) -> list[str]:
         """Node i's in-sync set as master, if the controller has recorded it too (the
         set elections choose from); else []."""

@@ -18,6 +18,7 @@ import trio
 from store.replication.follower import FETCH_WAIT_MS
 from store.sdk import AsyncProducer
 from tests.ha.cluster import Group, cluster, log_bytes, read_topic, wait_for
+from tests.proc import pause
 
 TOPIC = "fork"
 WINDOW_S = 10.0
@@ -76,7 +77,7 @@ def test_forced_fork_old_master_cuts_unacked_tail(tmp_path: Path) -> None:
 
         # Freeze both replicas: the master appends, but no replica fetches, so no ack.
         for r in replicas:
-            os.kill(g.nodes[r].proc.pid, signal.SIGSTOP)
+            pause(g.nodes[r].proc.pid)  # (every thread: a native copy thread too)
             frozen.append(r)
         froze = time.monotonic()
         # Each replica had a fetch waiting at the master (long poll, FETCH_WAIT_MS): let

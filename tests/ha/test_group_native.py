@@ -156,7 +156,7 @@ def test_an_append_waits_for_a_paused_replica_of_the_in_sync_set(
         plane_name: str, group: Group) -> None:
     g = group
     m = in_sync(g)
-    replica = g.nodes[replicas_leader_last(g, m)[0]]
+    replica = g.nodes[g.replicas_leader_last(m)[0]]
     c = Raw(g.nodes[m].native)
     assert c.call(p.HELLO, {}).kind == p.RESPONSE
     t = uid("gp")
@@ -297,7 +297,7 @@ def test_a_replica_killed_mid_burst_comes_back_and_loses_nothing(
         plane_name: str, group: Group) -> None:
     g = group
     m, c, t = master_conn(g, "gk")
-    r = replicas_leader_last(g, m)[0]
+    r = g.replicas_leader_last(m)[0]
     c.sock.settimeout(30)
     acked: set[bytes] = set()
     for k in range(12):
@@ -362,14 +362,6 @@ def replicas_of(g: Group, m: int) -> list[int]:
     return [i for i in range(len(g.nodes)) if i != m]
 
 
-def replicas_leader_last(g: Group, m: int) -> list[int]:
-    """Master m's replicas, the controller's Raft leader last: a test that kills the first
-    tests a replica's loss, and the master's lease goes on without a Raft election (one
-    may outlast a short lease on a loaded machine, and the master steps down)."""
-    leader = cluster(g.nodes[m])["controller"]["leader"]
-    return sorted(replicas_of(g, m), key=lambda i: g.raft[i] == leader)
-
-
 def test_replicas_fetches_are_answered_natively(plane_name: str, group: Group) -> None:
     """On the native plane the replicas' steady REPL_FETCH is answered by the native
     server (long polls included) and releases the held appends there: a burst of
@@ -413,7 +405,7 @@ def test_a_replicas_readers_see_acknowledged_messages_only(
     it until it is acknowledged, and the append is answered only then."""
     g = group
     m = in_sync(g)
-    a, b = (g.nodes[i] for i in replicas_of(g, m))
+    b, a = (g.nodes[i] for i in g.replicas_leader_last(m))  # b: stopped, not the leader
     master = g.nodes[m]
     c = Raw(master.native)
     assert c.call(p.HELLO, {}).kind == p.RESPONSE
@@ -421,7 +413,7 @@ def test_a_replicas_readers_see_acknowledged_messages_only(
     takes_writes(c, f"{t}/x")
     wait_for(lambda: len(read_topic(a.native, t)) == 1, 10, "the first on a")
     assert b.proc is not None
-    os.kill(b.proc.pid, signal.SIGSTOP)
+    pause(b.proc.pid)  # (every thread stopped: its copy thread too)
     try:
         c.sock.sendall(publish_frame([f"{t}/x"], 2))
         wait_for(lambda: cluster(a)["log_end"] == cluster(master)["log_end"]
@@ -458,7 +450,7 @@ def test_a_replica_killed_mid_burst_loses_no_acknowledged_message(
     g = quick_group
     m = in_sync(g)
     master = g.nodes[m]
-    v, s = replicas_leader_last(g, m)
+    v, s = g.replicas_leader_last(m)
     victim, survivor = g.nodes[v], g.nodes[s]
     c = Raw(master.native)
     assert c.call(p.HELLO, {}).kind == p.RESPONSE

@@ -16,6 +16,7 @@ import redis
 from store.sdk import Producer
 from tests.conftest import RedisServer
 from tests.ha.cluster import Group, read_topic, wait_for
+from tests.proc import pause
 
 TOPIC = "told"
 
@@ -57,8 +58,8 @@ def test_the_master_tells_once_per_append_when_it_is_readable(tmp_path: Path,
         # A replica stopped: the next append is written but not acknowledged (it waits
         # for the stopped one until it leaves the in-sync set), and nobody is told of it
         # until then; when told, readers of the master read it.
-        stopped = g.nodes[(m + 1) % 3]
-        stopped.proc.send_signal(signal.SIGSTOP)
+        stopped = g.nodes[g.replicas_leader_last(m)[0]]
+        pause(stopped.proc.pid)  # (every thread: a native copy thread too)
         def late() -> None:
             with Producer(master, idempotent=False) as prod:
                 prod.send(TOPIC, b"late", key="k")

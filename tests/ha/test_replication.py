@@ -18,6 +18,7 @@ from store import protocol as p
 from store.sdk import Consumer, Producer
 from tests.conftest import Server
 from tests.ha.cluster import cluster, log_bytes, native_call, read_topic, wait_for
+from tests.proc import pause
 
 TOPIC = "ha"
 
@@ -192,7 +193,7 @@ def test_metadata_larger_than_a_frame_is_copied_in_pages(tmp_path: Path) -> None
     blob = "x" * 12_000
     try:
         wait_for(lambda: cluster(master)["replicas"], 10, "the replica to fetch")
-        replica.proc.send_signal(signal.SIGSTOP)
+        pause(replica.proc.pid)  # (every thread: a native copy thread too)
         for batch in range(16):
             native_call(master.native, p.META_WRITE, {"ops": [
                 ["put", "sessions", f"dev-{batch}-{i}", {"blob": blob, "n": i}]
