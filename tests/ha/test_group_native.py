@@ -358,6 +358,13 @@ def test_a_replica_copying_natively_becomes_master_when_the_master_is_killed(
                  "every acknowledged message readable")
 
 
+def fetches_between(before: dict, after: dict) -> tuple[int, int]:
+    """The replicas' fetches a master answered between two of its /api/v1/cluster
+    views: (natively, by Python)."""
+    return (after["native_fetches"] - before["native_fetches"],
+            after["fetches"] - before["fetches"])
+
+
 def replicas_of(g: Group, m: int) -> list[int]:
     return [i for i in range(len(g.nodes)) if i != m]
 
@@ -368,12 +375,8 @@ def test_replicas_fetches_are_answered_natively(plane_name: str, group: Group) -
     appends, one in flight as a device's QoS 1, costs Python's fetch handler nothing
     per append. Every acknowledged message is read on each replica."""
     g = group
-    m = in_sync(g)
+    m, c, t = master_conn(g, "gf")
     node = g.nodes[m]
-    c = Raw(node.native)
-    assert c.call(p.HELLO, {}).kind == p.RESPONSE
-    t = uid("gf")
-    takes_writes(c, f"{t}/w")
     before = cluster(node)
     n = 150
     for rid in range(10, 10 + n):
@@ -381,8 +384,7 @@ def test_replicas_fetches_are_answered_natively(plane_name: str, group: Group) -
         answer = c.recv()
         assert (answer.kind, answer.request_id) == (p.RESPONSE, rid), answer.header
     after = cluster(node)
-    native_fetches = after["native_fetches"] - before["native_fetches"]
-    python_fetches = after["fetches"] - before["fetches"]
+    native_fetches, python_fetches = fetches_between(before, after)
     if plane_name == "native":
         # One answer per append per replica (lazy: not a second for the read limit).
         assert n <= native_fetches <= 2 * n + 20, (native_fetches, python_fetches)
@@ -495,12 +497,8 @@ def test_metadata_changes_reach_the_replicas_through_native_fetches(
     native plane the replicas' fetches a change or two behind are answered natively with
     the ops they lack (as Python encodes them: bytes values too), not by Python."""
     g = group
-    m = in_sync(g)
+    m, c, t = master_conn(g, "gm")
     node = g.nodes[m]
-    c = Raw(node.native)
-    assert c.call(p.HELLO, {}).kind == p.RESPONSE
-    t = uid("gm")
-    takes_writes(c, f"{t}/w")
     before = cluster(node)
     n = 60
     for i in range(n):
@@ -509,8 +507,7 @@ def test_metadata_changes_reach_the_replicas_through_native_fetches(
                    rid=10 + i)
         assert (f.kind, f.request_id) == (p.RESPONSE, 10 + i), f.header
     after = cluster(node)
-    native_fetches = after["native_fetches"] - before["native_fetches"]
-    python_fetches = after["fetches"] - before["fetches"]
+    native_fetches, python_fetches = fetches_between(before, after)
     if plane_name == "native":
         assert native_fetches >= n and python_fetches < n // 4, (native_fetches,
                                                                   python_fetches)
