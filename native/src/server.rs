@@ -2015,6 +2015,14 @@ mod tests {
         serde_json::from_slice(&f.header).unwrap()
     }
 
+    /// Whether nothing comes on `s` for `wait` (its read timeout is 5 s again after).
+    fn silent_for(s: &StdStream, wait: Duration) -> bool {
+        s.set_read_timeout(Some(wait)).unwrap();
+        let silent = s.peek(&mut [0u8; 1]).is_err();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        silent
+    }
+
     fn wait_up(server: &Server) -> Vec<Up> {
         let until = Instant::now() + Duration::from_secs(5);
         loop {
@@ -2276,17 +2284,10 @@ mod tests {
         out.extend(publish(2, &["b"], ""));
         client.write_all(&out).unwrap();
         assert!(matches!(&wait_up(&server)[..], [Up::Appended]));
-        client
-            .set_read_timeout(Some(Duration::from_millis(300)))
-            .unwrap();
-        let mut buf = [0u8; 1];
         assert!(
-            client.peek(&mut buf).is_err(),
+            silent_for(&client, Duration::from_millis(300)),
             "answered before acknowledged"
         );
-        client
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
         server.acked(1); // (inside the first record: nothing yet)
         server.acked(1 << 20); // both
         let (a, b) = (recv(&mut client, &mut dec), recv(&mut client, &mut dec));
@@ -2406,17 +2407,10 @@ mod tests {
         );
         assert_eq!(h["epochs"], serde_json::json!([[1, 0]]));
         // Not answered until the replica says it holds the append: then at once.
-        gateway
-            .set_read_timeout(Some(Duration::from_millis(200)))
-            .unwrap();
-        let mut buf = [0u8; 1];
         assert!(
-            gateway.peek(&mut buf).is_err(),
+            silent_for(&gateway, Duration::from_millis(200)),
             "answered before replicated"
         );
-        gateway
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
         server.meta_ops(1, vec![br#"["put","sessions","k",1]"#.to_vec()]);
         replica.write_all(&fetch(3, end, "")).unwrap();
         let stored = recv(&mut gateway, &mut gdec);
