@@ -259,6 +259,10 @@ def test_a_full_master_under_mqtt_load_loses_nothing(group: Group,
         # end the gateway's connection with a traceback.
         assert "native connection from 127.0.0.1 failed" not in g.nodes[m].logs()
         sub.disconnect()
+    except AssertionError as exc:  # what the gateway and each node said, to see why
+        tails = "\n".join(f"--- {name}: {srv.logs()[-3000:]}" for name, srv in
+                           [("gateway", gw), *((f"node {i}", n) for i, n in enumerate(g.nodes))])
+        raise AssertionError(f"{exc}\n{tails}") from exc
     finally:
         if load is not None:
             load.stop_event.set()
