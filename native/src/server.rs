@@ -678,7 +678,10 @@ struct Group {
     acked: u64,
     refusal: Option<(u16, String)>,
     held: VecDeque<HeldAnswer>,
-    /// A group's master: Python hears of appends (`Up::Appended`).
+    /// A group's master replicating asynchronously: Python hears of appends
+    /// (`Up::Appended`: they count as acknowledged at once). In sync mode it hears of the
+    /// replicas' positions instead (`Up::Fetched`, every `REPORT_EVERY` at most): a wake
+    /// of the interpreter per turn cost the master more than its native work.
     report: bool,
     /// An append was made since the last turn.
     appended: bool,
@@ -837,8 +840,8 @@ impl Server {
     }
 
     /// A store group's master: each append's answer waits for `acked` to reach its
-    /// end, or fails after `timeout` (zero: answered at once, asynchronous replication);
-    /// Python hears of appends (`Up::Appended`).
+    /// end, or fails after `timeout` (zero: answered at once, asynchronous replication,
+    /// and Python hears of appends: `Up::Appended`).
     pub fn hold(&self, timeout: Duration) {
         self.down(Down::Hold(timeout));
     }
@@ -1169,7 +1172,7 @@ impl Loop {
                     }
                 }
                 Down::Hold(timeout) => {
-                    self.group.report = true;
+                    self.group.report = timeout.is_zero();
                     self.group.timeout = (!timeout.is_zero()).then_some(timeout);
                 }
                 Down::Acked(offset) => {
@@ -2034,6 +2037,18 @@ mod tests {
         }
     }
 
+    /// Whether `cond` came true within 5 s.
+    fn wait_for(cond: impl Fn() -> bool) -> bool {
+        let until = Instant::now() + Duration::from_secs(5);
+        while !cond() {
+            if Instant::now() > until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        true
+    }
+
     fn stamp(producer: &str, epoch: u64, seq: u64) -> Stamp {
         Stamp {
             producer: producer.into(),
@@ -2283,11 +2298,14 @@ mod tests {
         let mut out = publish(1, &["a"], "");
         out.extend(publish(2, &["b"], ""));
         client.write_all(&out).unwrap();
-        assert!(matches!(&wait_up(&server)[..], [Up::Appended]));
+        let stored = wait_for(|| engine.write_pos() > 0);
+        assert!(stored, "not appended");
         assert!(
             silent_for(&client, Duration::from_millis(300)),
             "answered before acknowledged"
         );
+        // Sync replication: Python hears of the replicas' positions, not of appends.
+        assert!(server.take_up().is_empty());
         server.acked(1); // (inside the first record: nothing yet)
         server.acked(1 << 20); // both
         let (a, b) = (recv(&mut client, &mut dec), recv(&mut client, &mut dec));
@@ -2299,7 +2317,8 @@ mod tests {
         server.acked(end_of(&header(&b)["results"]));
         let (_, mut client) = connect(&server);
         client.write_all(&publish(3, &["c"], "")).unwrap();
-        let _ = wait_up(&server);
+        let end = engine.write_pos();
+        assert!(wait_for(|| engine.write_pos() > end), "not appended");
         server.fail_held("this node stopped being master".into());
         let failed = recv(&mut client, &mut dec);
         assert_eq!(
@@ -2329,6 +2348,20 @@ mod tests {
             .as_str()
             .unwrap()
             .contains("within 0.2 s"));
+        server.stop();
+    }
+
+    #[test]
+    fn an_asynchronous_masters_appends_are_answered_at_once_and_told_to_python() {
+        let engine = engine("async");
+        let server = Server::start(engine.appender()).unwrap();
+        server.hold(Duration::ZERO);
+        let (_, mut client) = connect(&server);
+        let mut dec = Pending::new();
+        client.write_all(&publish(1, &["a"], "")).unwrap();
+        let answer = recv(&mut client, &mut dec);
+        assert_eq!((answer.kind, answer.request_id), (Kind::Response, 1));
+        assert!(matches!(&wait_up(&server)[..], [Up::Appended]));
         server.stop();
     }
 

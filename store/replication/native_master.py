@@ -101,8 +101,11 @@ class NativeMaster:
             done.set()
 
     def _appended(self) -> None:
-        """Native appends were made: into the index now, so that replicas' long polls
-        (REPL_FETCH reads up to the dispatched end) wake without the dispatch's pause."""
+        """Native appends were made (told in asynchronous replication only, where they
+        count as acknowledged at once): into the index now, so that replicas' long polls
+        that Python answers (REPL_FETCH reads up to the dispatched end) wake without the
+        dispatch's pause. In sync mode the dispatcher takes them after its pause, and
+        readers wait for the acknowledgement anyway."""
         self.store.commitlog.catch_up()
         if self.repl.cfg.mode != "sync":
             self.repl._acked_now()  # (acknowledged at once)

@@ -418,6 +418,9 @@ class Replication:
         if self.role == REPLICA or self.cfg.mode != "sync":
             return
         self._untell(end, names)
+        # The log's end moved here (`_release` acknowledges no further than it): what the
+        # replicas last said they hold may be acknowledged now, with no fetch to come.
+        self._release()
         self._tell_readers()
 
     def _release(self) -> None:
