@@ -95,6 +95,43 @@ def test_a_reader_that_misses_again_and_again_tells_the_engine_once() -> None:
     assert told == [(["q"], recent.IDLE_S)]
 
 
+def test_a_ring_nobody_reads_stops_being_fed_for_a_while(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue read once (a subscription's first pull) and then never: past UNREAD_MAX
+    messages its ring goes, the engine is told to stop keeping its records, and the
+    reader's misses start no ring for COLD_S; one that reads in between keeps its."""
+    monkeypatch.setattr(recent, "UNREAD_MAX", 10)
+    r = RecentMessages()
+    told = telling(r)
+    for q in ("once", "read"):
+        r.get(q, 0, 1)
+    offsets = {"once": 0, "read": 0}
+
+    def feed(n: int) -> None:
+        for _ in range(n):
+            r.add([msg(q, offsets[q]) for q in offsets])
+            offsets["once"] += 1
+            offsets["read"] += 1
+            got = r.get("read", offsets["read"], 10)
+            assert got == ([], offsets["read"])  # at the end, from the ring
+
+    feed(9)
+    assert r.get("once", 0, 10) is not None  # still kept: a read now...
+    feed(20)  # ... then none for 20 messages
+    assert r.stats()["queues"] == 1
+    assert told[-1] == (["once"], 0.0)
+    told.clear()
+    assert r.get("once", offsets["once"], 10) is None  # cold: read the store
+    r.add([msg("once", offsets["once"])])
+    assert r.get("once", offsets["once"], 10) is None and told == []
+    later = time.monotonic() + recent.COLD_S
+    monkeypatch.setattr(recent.time, "monotonic", lambda: later)
+    assert r.get("once", offsets["once"] + 1, 10) is None
+    assert told == [(["once"], recent.IDLE_S)]  # a miss wants the next message again
+    r.add([msg("once", offsets["once"] + 1)])
+    assert r.get("once", offsets["once"] + 1, 10) is not None
+
+
 def test_memory_is_bounded() -> None:
     r = RecentMessages(per_queue=10, max_bytes=50_000)
     for q in range(20):
