@@ -21,6 +21,7 @@ from gateway.broker import Broker
 from gateway.config import GatewayOptions
 from gateway.listener import start_listeners
 from gateway.store_link import StoreLink
+from gateway.takeover import release_ask
 from notify import open_bus
 from serving import plane
 from serving.gc_tuning import tune_for_serving
@@ -135,6 +136,8 @@ async def _serve(opts: GatewayOptions, signals: Signals, reload: Reload,
         store = RemoteStore(client)
         auth = await _replica_auth(store, client.hello, opts)
         broker = Broker(store, opts.gateway, auth, opts.auth_backends)
+        gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
+        broker.registry.gateway_id = gateway_id  # (a session it holds says so)
         if engine is not None:  # quiet plain-TCP publishers go native after CONNACK
             broker.use_engine(engine)
         if auth.enabled:
@@ -142,6 +145,8 @@ async def _serve(opts: GatewayOptions, signals: Signals, reload: Reload,
             reload.add("users and policies", auth.reread)
         if opts.notify:
             nursery.start_soon(broker.run_notify, bus)
+            broker.registry.ask_release = (  # (gateway.takeover)
+                lambda *ask: bus.publish({release_ask(*ask)}))
         nursery.start_soon(broker.run_poll_fallback, bus if opts.notify else None)
         await nursery.start(broker.run_connections)
         await nursery.start(broker.run_housekeeping)
@@ -154,8 +159,6 @@ async def _serve(opts: GatewayOptions, signals: Signals, reload: Reload,
         bound["http"] = await nursery.start(
             partial(serve_http, max_body=opts.gateway.http_max_body,
                     allowed_hosts=opts.gateway.http_allowed_hosts), app, opts.http)
-        gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
-        broker.registry.gateway_id = gateway_id  # (a session it holds says so)
         nursery.start_soon(_announce, store, gateway_id, dict(bound))
         bound["store"] = opts.store
         bound["plane"] = "native" if engine is not None else "python"

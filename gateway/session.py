@@ -195,6 +195,9 @@ class Session:
     # Who made it, with auth on ("backend:name"): only they resume it. None: a session
     # stored before sessions had owners (the first to resume it claims it), or auth off.
     owner: str | None = None
+    # The token its connection's open wrote to its record in the store (a gateway of
+    # several: gateway.takeover); None otherwise.
+    claim: str | None = None
 
     def has_state(self) -> bool:
         """Subscriptions, messages in flight or shared groups: a delivery task is due."""

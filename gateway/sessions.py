@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from gateway import replay
+from gateway import replay, takeover
 from gateway.background import Background
 from gateway.cache import Templates
 from gateway.locks import ClientLocks
@@ -39,10 +40,6 @@ from store.api import AuthManager, Store, StoreError
 
 log = logging.getLogger("lightgate.gateway")
 
-# A persistent session another gateway holds connected (its client moved here before
-# that gateway took in how its old connection ended): how long that gateway's release
-# is waited for, at most (a gateway that died never releases it).
-RELEASE_WAIT_S = 2.0
 _not_kept = RateLimitedLog(log)  # the store refusing writes refuses each session's
 
 
@@ -77,6 +74,9 @@ class SessionRegistry:
         # This gateway's id among the store's gateways (gateway.app); None in `serve`,
         # the only gateway of its store.
         self.gateway_id: str | None = None
+        # Asks another gateway over the notify bus to release a session's claim:
+        # (holder, claim, client id) (gateway.takeover; None: no bus between gateways).
+        self.ask_release: Callable[[str, str, str], None] | None = None
 
     # -- opening ----------------------------------------------------------------------
     async def open(self, client_id: str, clean_start: bool, expiry: int, version: int,
@@ -103,11 +103,15 @@ class SessionRegistry:
         if owner is not None:
             await self._check_owner(client_id, owner)
         session = self.by_id.get(client_id)
+        if session is not None and session.connection is None \
+                and not await takeover.current_here(self, session):
+            await takeover.forget_here(self, session)  # another gateway served it since
+            session = None
         if session is not None and session.connection is not None:
             await session.connection.take_over()  # closed, will sent, session detached
             session = self.by_id.get(client_id)
         if session is None:
-            await self._released_elsewhere(client_id)
+            await takeover.released_elsewhere(self, client_id)
         await self.wills.client_back(client_id, clean_start)
         if clean_start:
             if session is not None or await self.store.meta_get("sessions", client_id):
@@ -123,10 +127,12 @@ class SessionRegistry:
             session = self._new(client_id, expiry, version)
         if owner is not None:
             session.owner = owner
+        claim = None
         if expiry > 0:
             info = {"version": version, "expiry": expiry, "owner": session.owner}
-            if self.gateway_id is not None:  # connected here (`_released_elsewhere`)
+            if self.gateway_id is not None:  # connected here (gateway.takeover)
                 info["gateway"] = self.gateway_id
+                info["claim"] = claim = uuid.uuid4().hex[:12]  # (gateway.takeover)
             try:
                 await self.store.meta_put("sessions", client_id, info)
             except StoreError:  # refused (a full disk, the store away): as it was
@@ -140,28 +146,12 @@ class SessionRegistry:
         session.expiry = expiry
         session.version = version
         session.disconnected_at = None
+        session.claim = claim
         return session, present
 
-    async def _released_elsewhere(self, client_id: str) -> None:
-        """Wait while another gateway holds the session connected, at most RELEASE_WAIT_S:
-        a client that left it and came here at once is otherwise served from what that
-        gateway kept before it took in the client's last acknowledgements (they came
-        again here) or wrote after it (a clean start's discard undone). Its detach
-        records `disconnected_at` once what the client acknowledged is kept."""
-        if self.gateway_id is None:
-            return
-        info: dict[str, Any] | None = None
-        with trio.move_on_after(RELEASE_WAIT_S) as waited:
-            while True:
-                info = await self.store.meta_get("sessions", client_id)
-                if info is None or "disconnected_at" in info \
-                        or info.get("gateway") in (None, self.gateway_id):
-                    return
-                await trio.sleep(0.02)
-        if waited.cancelled_caught:
-            log.info("session %r: gateway %s did not release it within %g s (gone?); "
-                     "taken as the store holds it", client_id,
-                     info and info.get("gateway"), RELEASE_WAIT_S)
+    async def release(self, client_id: str, claim: str) -> None:
+        """Another gateway's client took this session over: gateway.takeover."""
+        await takeover.release(self, client_id, claim)
 
     async def _check_owner(self, client_id: str, owner: str) -> None:
         """ClientIdTaken if another identity holds the client id: a live connection's
@@ -306,6 +296,8 @@ class SessionRegistry:
         info: dict[str, Any] = {"version": session.version, "expiry": session.expiry,
                                 "disconnected_at": session.disconnected_at,
                                 "owner": session.owner}
+        if session.claim is not None:  # whose copy the record is (gateway.takeover)
+            info["claim"] = session.claim
         will = self.wills.record(session.client_id)
         if will is not None:  # kept with the session: published after a restart too
             info["will"] = will
@@ -321,8 +313,11 @@ class SessionRegistry:
     async def _expire_later(self, s: Session) -> None:
         await trio.sleep(s.expiry)
         if self.by_id.get(s.client_id) is s and s.expired():
-            log.info("session %r expired after %ds offline", s.client_id, s.expiry)
             try:
+                if not await takeover.current_here(self, s):
+                    await takeover.forget_here(self, s)  # its client went on elsewhere
+                    return
+                log.info("session %r expired after %ds offline", s.client_id, s.expiry)
                 await self.discard(s.client_id)
                 self.stats.sessions_expired += 1
             except StoreError as exc:  # the periodic expiry check will try again
@@ -336,6 +331,10 @@ class SessionRegistry:
         items = await self.store.meta_items("sessions")
         for client_id, info in items:
             s = self.by_id.get(client_id)
+            if s is not None and s.connection is None and s.claim is not None \
+                    and s.claim != info.get("claim"):
+                await takeover.forget_here(self, s)  # another gateway's now: as stored
+                s = None
             if s is not None:
                 if s.expired(now):
                     await self.discard(client_id)

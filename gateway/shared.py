@@ -212,7 +212,10 @@ class SharedGroups:
         self.background.start(_run_group, g, scope)
         return g
 
-    async def leave(self, s: Session, shared: tuple[str, str]) -> None:
+    async def leave(self, s: Session, shared: tuple[str, str], *, keep: bool = False
+                    ) -> None:
+        """`s` leaves the group; the last member out deletes its position from the
+        store, unless `keep` (its session went on elsewhere: gateway.takeover)."""
         g = self.groups.get(shared)
         if g is None:
             return
@@ -224,7 +227,8 @@ class SharedGroups:
             if not self.by_queue[g.queue]:
                 del self.by_queue[g.queue]
             self._scopes.pop(shared).cancel()
-            await self.store.meta_delete("offsets", group_key(*shared))
+            if not keep:
+                await self.store.meta_delete("offsets", group_key(*shared))
 
     async def flush_offsets(self) -> None:
         ops = []

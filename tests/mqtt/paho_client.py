@@ -48,6 +48,7 @@ class Client:
         self.connected = threading.Event()
         self.disconnected = threading.Event()
         self.connack: tuple = ()
+        self.disconnect_reason: object = None  # the last disconnect's (paho's ReasonCode)
         self._acks: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
         self.granted: dict[int, list] = {}
@@ -76,6 +77,7 @@ class Client:
         self.connected.set()
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        self.disconnect_reason = reason_code
         self.connected.clear()
         self.disconnected.set()
 

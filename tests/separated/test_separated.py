@@ -139,6 +139,98 @@ def test_a_session_that_moves_before_its_gateway_took_its_end_in(cluster) -> Non
     pub.disconnect()
 
 
+@pytest.mark.parametrize("version", [4, 5])
+def test_a_session_still_connected_on_a_is_taken_over_by_its_client_on_b(
+        cluster, version: int) -> None:
+    """The device's old connection on A is still up (a device that roamed leaves it
+    half-open) when it connects on B: A closes it as a takeover (MQTT 5: DISCONNECT
+    0x8E), B resumes the session at once rather than after A's keepalive or B's wait,
+    and what is published next reaches the device once, on B."""
+    _, (a, b), _ = cluster
+    topic = uid("cmd") + "/dev1"
+    cid = uid("dev")
+    old = Client(a.port, cid, clean=False, clean_start=False, version=version,
+                 properties=_expiry(600) if version == 5 else None)
+    old.subscribe(topic, 1)
+    pub = Client(b.port, uid("pub"))
+    pub.publish(topic, b"on-a", 1)
+    assert old.expect(1)[0].payload == b"on-a"
+    started = time.monotonic()
+    new = Client(b.port, cid, clean=False, clean_start=False, version=version,
+                 properties=_expiry(600) if version == 5 else None)
+    took = time.monotonic() - started
+    assert new.connack[0] is True  # the session, with its subscription
+    assert old.disconnected.wait(5), "A kept the old connection"
+    if version == 5:
+        assert old.disconnect_reason == 0x8E  # Session taken over
+    assert took < 1.5, f"B waited {took:.2f} s for A to release the session"
+    assert a.wait_log("connected on another gateway")
+    pub.publish(topic, b"on-b", 1)
+    assert new.expect(1)[0].payload == b"on-b"
+    new.expect_none(0.3)
+    assert old.messages.empty()
+    new.disconnect()
+    pub.disconnect()
+
+
+def test_a_session_back_on_a_after_b_is_what_b_left(cluster) -> None:
+    """A→B→A: A kept its copy of the session when the device left it; on B the device
+    subscribed to more. Back on A it gets the session as B left it (the store's), not
+    A's older copy: a message to B's subscription reaches it."""
+    _, (a, b), _ = cluster
+    base, cid = uid("roam"), uid("dev")
+    dev = Client(a.port, cid, clean=False)
+    dev.subscribe(f"{base}/on-a", 1)
+    dev.disconnect()
+    dev = Client(b.port, cid, clean=False)
+    assert dev.connack[0] is True
+    dev.subscribe(f"{base}/on-b", 1)
+    dev.disconnect()
+    dev = Client(a.port, cid, clean=False)
+    assert dev.connack[0] is True
+    pub = Client(b.port, uid("pub"))
+    pub.publish(f"{base}/on-b", b"b", 1)
+    pub.publish(f"{base}/on-a", b"a", 1)
+    assert sorted(m.payload for m in dev.expect(2)) == [b"a", b"b"]
+    dev.disconnect()
+    pub.disconnect()
+
+
+def test_a_gateways_old_copy_expiring_leaves_the_session_its_client_resumed_elsewhere(
+        cluster) -> None:
+    """A session with a 2 s expiry leaves A and is resumed on B at once. When A's copy
+    expires it is only dropped: it used to be discarded from the store, deleting the
+    session B serves (its subscriptions and positions)."""
+    _, (a, b), _ = cluster
+    topic, cid = uid("exp") + "/cmd", uid("dev")
+    dev = Client(a.port, cid, clean=False, clean_start=False, version=5,
+                 properties=_expiry(2))
+    dev.subscribe(topic, 1)
+    dev.disconnect()
+    dev = Client(b.port, cid, clean=False, clean_start=False, version=5,
+                 properties=_expiry(2))
+    assert dev.connack[0] is True
+    time.sleep(3)  # A's copy expires meanwhile
+    dev.disconnect()
+    dev = Client(a.port, cid, clean=False, clean_start=False, version=5,
+                 properties=_expiry(2))
+    assert dev.connack[0] is True  # kept: resumed from the store's record
+    pub = Client(b.port, uid("pub"))
+    pub.publish(topic, b"still-subscribed", 1)
+    assert dev.expect(1)[0].payload == b"still-subscribed"
+    dev.disconnect()
+    pub.disconnect()
+
+
+def _expiry(seconds: int) -> object:
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    props = Properties(PacketTypes.CONNECT)
+    props.SessionExpiryInterval = seconds
+    return props
+
+
 def test_redis_down_falls_back_to_polling_and_push_resumes(cluster) -> None:
     store, (a, b), redis = cluster
     topic = uid("rd") + "/x"
