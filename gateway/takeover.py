@@ -31,14 +31,29 @@ trusted as the bus is: whoever can write to the notify channel can end connectio
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
 if TYPE_CHECKING:
+    from gateway.locks import ClientLocks
     from gateway.session import Session
-    from gateway.sessions import SessionRegistry
+    from gateway.shared import SharedGroups
+    from store.api import Store
+
+
+class SessionRegistry(Protocol):
+    """What of gateway.sessions.SessionRegistry a takeover uses."""
+
+    store: Store
+    locks: ClientLocks
+    groups: SharedGroups
+    by_id: dict[str, Session]
+    gateway_id: str | None
+    ask_release: Callable[[str, str, str], None] | None
+
+    def _unindex(self, s: Session, queue: str) -> None: ...
 
 log = logging.getLogger("lightgate.gateway")
 
