@@ -16,7 +16,7 @@ from gateway.mqtt import Will
 from gateway.retained import Retained, stored_size
 from gateway.session import NEVER_EXPIRES, Session
 from gateway.stats import Stats
-from store.api import Message, Store
+from store.api import Message, Store, StoreError
 
 log = logging.getLogger("lightgate.gateway")
 WILL_SETTLE_S = 5.0  # a will's publish and its record's update, at most, at shutdown
@@ -49,7 +49,7 @@ class Wills:
         if delay <= 0 or not self.background.running:
             self.background.spawn(self.publish, s.client_id, will)
         else:
-            self._hold(s.client_id, will, time.time() + delay, restored=False)
+            self._hold(s.client_id, will, time.time() + delay, restored=False, claim=s.claim)
 
     async def client_back(self, client_id: str, clean_start: bool) -> None:
         """A CONNECT for `client_id` (under its lock): a will waiting for it goes now if
@@ -81,26 +81,34 @@ class Wills:
                 will = Will(w["topic"], w["payload"], w["qos"], w["retain"], w["props"] or {})
                 self._hold(client_id, will, w["due"], restored=True)
 
-    def _hold(self, client_id: str, will: Will, due: float, restored: bool) -> None:
+    def _hold(self, client_id: str, will: Will, due: float, restored: bool,
+              claim: str | None = None) -> None:
         """Publish `will` at `due` unless a connection to its session comes first
-        (`client_back` cancels it) [MQTT-3.1.3-9]."""
+        (`client_back` cancels it) [MQTT-3.1.3-9]. `claim`: the session's on this
+        gateway, one of several (gateway.takeover)."""
         scope = trio.CancelScope()
         self.pending[client_id] = PendingWill(will, due, scope)
-        self.background.spawn(self._delayed, client_id, will, due, scope, restored)
+        self.background.spawn(self._delayed, client_id, will, due, scope, restored, claim)
 
     async def _delayed(self, client_id: str, will: Will, due: float,
-                       scope: trio.CancelScope, restored: bool) -> None:
+                       scope: trio.CancelScope, restored: bool, claim: str | None) -> None:
         with scope:
             await trio.sleep(max(0.0, due - time.time()))
         pending = self.pending.get(client_id)
         if scope.cancelled_caught or pending is None or pending.scope is not scope:
             return  # the client is back (or a newer will took its place)
         del self.pending[client_id]
-        if restored:
-            # Read from the store at start: the client may have come back through
-            # another gateway, which rewrote the record without the will.
-            info = await self.store.meta_get("sessions", client_id)
-            if info is not None and "will" not in info:
+        if restored or claim is not None:
+            # The client may have come back through another gateway: that one rewrote
+            # the record, without the will, under a claim of its own. (A record this
+            # gateway could not write yet, the store away, says neither: published.)
+            try:
+                info = await self.store.meta_get("sessions", client_id)
+            except StoreError:
+                info = None
+            if info is not None and (
+                    info.get("claim") not in (None, claim) if claim is not None
+                    else "will" not in info):
                 return
         # Published and struck from the session's record as one step that a shutdown
         # waits for (bounded): cut between the two, the restart would publish it again.

@@ -222,6 +222,30 @@ def test_a_gateways_old_copy_expiring_leaves_the_session_its_client_resumed_else
     pub.disconnect()
 
 
+def test_a_delayed_will_is_not_sent_once_its_device_is_back_on_another_gateway(
+        cluster) -> None:
+    """A v5 device with a 2 s will delay vanishes from A and is back on B within it:
+    A's will timer finds the session resumed elsewhere (the record's claim is B's) and
+    sends nothing, as one broker would not [MQTT-3.1.3-9]. Gone for good, a device's
+    will comes as before."""
+    _, (a, b), _ = cluster
+    topic, cid = uid("wd"), uid("dev")
+    watcher = Client(b.port, uid("w"), version=5)
+    watcher.subscribe(topic, 1)
+    will = mqtt.Will(topic, b"gone", 1, False, {"will_delay_interval": 2})
+    dev = RawClient(a.port, version=5)
+    dev.connect(cid, clean=False, will=will, properties={"session_expiry_interval": 60})
+    dev.close()  # abnormal: A's will waits 2 s ...
+    time.sleep(0.5)
+    dev = RawClient(b.port, version=5)  # ... and the device is back in time, on B
+    dev.connect(cid, clean=False, will=will, properties={"session_expiry_interval": 60})
+    watcher.expect_none(3)
+    dev.close()  # gone for good: B's will comes
+    [m] = watcher.expect(1, timeout=6)
+    assert m.payload == b"gone"
+    watcher.disconnect()
+
+
 def _expiry(seconds: int) -> object:
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
