@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from gateway import takeover
 from gateway.auth.chain import BackendConfig
 from gateway.auth.mqtt import MqttAuth
 from gateway.background import Background
@@ -35,7 +36,6 @@ from gateway.sessions import ClientIdTaken, SessionLimitReached, SessionRegistry
 from gateway.shared import SharedGroup, SharedGroups
 from gateway.stats import APPEND_BUCKETS, Stats
 from gateway.store_link import Elsewhere
-from gateway.takeover import RELEASE, asks_among, parse_release
 from gateway.wills import Wills
 from notify import Bus, LocalBus, RedisBus
 from serving.read_budget import ReadBudget
@@ -246,7 +246,7 @@ class Broker:
         if AUTH_EVENT in names and self.background.running:
             self.background.spawn(self._reload_auth)
         for name in names:
-            if name.startswith(RELEASE):
+            if name.startswith(takeover.RELEASE):
                 self._release_asked(name)
                 continue
             if name == "*":  # notify lost events (e.g. Redis reconnect): look everywhere
@@ -265,9 +265,9 @@ class Broker:
     def _release_asked(self, name: str) -> None:
         """Another gateway's client asks for a session this one holds connected
         (gateway.takeover): that connection is closed as if taken over here."""
-        ask = parse_release(name)
+        ask = takeover.parse_release(name)
         if ask is not None and ask[0] == self.registry.gateway_id:
-            self.background.spawn(self.registry.release, ask[2], ask[1])
+            self.background.spawn(takeover.release, self.registry, ask[2], ask[1])
 
     def stored_here(self, stored: list[Message]) -> None:
         """This gateway's appends, acknowledged by a separated store and in its cache:
@@ -292,7 +292,7 @@ class Broker:
         a shared group) or an event of the gateway's own. Asked from the store's writer
         thread, so that a batch only native subscribers read wakes no event loop. A
         session promoted back to Python reads its queues from its position then."""
-        if name in _EVENTS or name in self.queue_groups or name.startswith(RELEASE):
+        if name in _EVENTS or name in self.queue_groups or name.startswith(takeover.RELEASE):
             return True
         try:
             for session in self.queue_subs.get(name, ()):
@@ -314,7 +314,7 @@ class Broker:
         except RuntimeError:  # changed under us (the event loop's thread): ask of each
             candidates = set(names)
         candidates |= names & _EVENTS
-        candidates.update(asks_among(names))
+        candidates.update(takeover.asks_among(names))
         return [name for name in candidates if self.wants_news(name)]
 
     async def run_notify(self, bus: Bus) -> None:

@@ -149,10 +149,6 @@ class SessionRegistry:
         session.claim = claim
         return session, present
 
-    async def release(self, client_id: str, claim: str) -> None:
-        """Another gateway's client took this session over: gateway.takeover."""
-        await takeover.release(self, client_id, claim)
-
     async def _check_owner(self, client_id: str, owner: str) -> None:
         """ClientIdTaken if another identity holds the client id: a live connection's
         session, or a persistent one kept for it. Taking it over would end the other's
@@ -269,20 +265,26 @@ class SessionRegistry:
         if s is None or s.persistent:
             self.persistent = max(0, self.persistent - 1)
         if s is not None:
-            for o in s.outgoing.values():
-                if o.group is not None:  # a QoS 2 kept for it: nobody else gets it
-                    o.group.acked(o.offset)
-            for sub in list(s.subscriptions.values()):
-                if sub.shared:
-                    await self.groups.leave(s, sub.shared)
-                else:
-                    self._unindex(s, sub.queue)
+            await self.unload(s)
         await self.store.meta_write([
             ("delete", "sessions", client_id, None),
             ("delete_prefix", "subscriptions", client_id + NUL, None),
             ("delete_prefix", "offsets", offset_key(client_id, ""), None),
             ("delete_prefix", "inflight", client_id + NUL, None),
         ])
+
+    async def unload(self, s: Session, *, keep_groups: bool = False) -> None:
+        """What this gateway holds for `s` besides `by_id` goes: its messages in flight
+        of shared groups count as acknowledged here, it leaves its groups (their
+        positions stay in the store if `keep_groups`) and its queues' readers."""
+        for o in s.outgoing.values():
+            if o.group is not None:  # a QoS 2 kept for it: nobody else gets it here
+                o.group.acked(o.offset)
+        for sub in list(s.subscriptions.values()):
+            if sub.shared:
+                await self.groups.leave(s, sub.shared, keep=keep_groups)
+            else:
+                self._unindex(s, sub.queue)
 
     async def detached(self, session: Session) -> None:
         """The connection of `session` closed; keep or drop the session per its expiry."""

@@ -39,7 +39,6 @@ import trio
 if TYPE_CHECKING:
     from gateway.locks import ClientLocks
     from gateway.session import Session
-    from gateway.shared import SharedGroups
     from store.api import Store
 
 
@@ -48,12 +47,11 @@ class SessionRegistry(Protocol):
 
     store: Store
     locks: ClientLocks
-    groups: SharedGroups
     by_id: dict[str, Session]
     gateway_id: str | None
     ask_release: Callable[[str, str, str], None] | None
 
-    def _unindex(self, s: Session, queue: str) -> None: ...
+    async def unload(self, s: Session, *, keep_groups: bool = False) -> None: ...
 
 log = logging.getLogger("lightgate.gateway")
 
@@ -144,13 +142,6 @@ async def forget_here(reg: SessionRegistry, s: Session) -> None:
     of it in the store changes (a shared group keeps its position)."""
     if reg.by_id.get(s.client_id) is s:
         del reg.by_id[s.client_id]
-    for o in s.outgoing.values():
-        if o.group is not None:  # (its new gateway sends it from the session's record)
-            o.group.acked(o.offset)
-    for sub in list(s.subscriptions.values()):
-        if sub.shared:
-            await reg.groups.leave(s, sub.shared, keep=True)
-        else:
-            reg._unindex(s, sub.queue)
+    await reg.unload(s, keep_groups=True)  # (its new gateway resends from the record)
     log.info("session %r: resumed on another gateway since it left this one; this "
              "gateway's copy dropped", s.client_id)

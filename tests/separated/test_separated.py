@@ -16,6 +16,7 @@ from store import protocol as p
 from tests.conftest import RedisServer, Server
 from tests.mqtt.paho_client import Client
 from tests.mqtt.raw import RawClient
+from tests.mqtt.test_paho_v5 import connect_props
 from tests.native.test_protocol import Raw
 from tests.proc import pause
 
@@ -150,14 +151,14 @@ def test_a_session_still_connected_on_a_is_taken_over_by_its_client_on_b(
     topic = uid("cmd") + "/dev1"
     cid = uid("dev")
     old = Client(a.port, cid, clean=False, clean_start=False, version=version,
-                 properties=_expiry(600) if version == 5 else None)
+                 properties=connect_props(SessionExpiryInterval=600) if version == 5 else None)
     old.subscribe(topic, 1)
     pub = Client(b.port, uid("pub"))
     pub.publish(topic, b"on-a", 1)
     assert old.expect(1)[0].payload == b"on-a"
     started = time.monotonic()
     new = Client(b.port, cid, clean=False, clean_start=False, version=version,
-                 properties=_expiry(600) if version == 5 else None)
+                 properties=connect_props(SessionExpiryInterval=600) if version == 5 else None)
     took = time.monotonic() - started
     assert new.connack[0] is True  # the session, with its subscription
     assert old.disconnected.wait(5), "A kept the old connection"
@@ -204,16 +205,16 @@ def test_a_gateways_old_copy_expiring_leaves_the_session_its_client_resumed_else
     _, (a, b), _ = cluster
     topic, cid = uid("exp") + "/cmd", uid("dev")
     dev = Client(a.port, cid, clean=False, clean_start=False, version=5,
-                 properties=_expiry(2))
+                 properties=connect_props(SessionExpiryInterval=2))
     dev.subscribe(topic, 1)
     dev.disconnect()
     dev = Client(b.port, cid, clean=False, clean_start=False, version=5,
-                 properties=_expiry(2))
+                 properties=connect_props(SessionExpiryInterval=2))
     assert dev.connack[0] is True
     time.sleep(3)  # A's copy expires meanwhile
     dev.disconnect()
     dev = Client(a.port, cid, clean=False, clean_start=False, version=5,
-                 properties=_expiry(2))
+                 properties=connect_props(SessionExpiryInterval=2))
     assert dev.connack[0] is True  # kept: resumed from the store's record
     pub = Client(b.port, uid("pub"))
     pub.publish(topic, b"still-subscribed", 1)
@@ -244,15 +245,6 @@ def test_a_delayed_will_is_not_sent_once_its_device_is_back_on_another_gateway(
     [m] = watcher.expect(1, timeout=6)
     assert m.payload == b"gone"
     watcher.disconnect()
-
-
-def _expiry(seconds: int) -> object:
-    from paho.mqtt.packettypes import PacketTypes
-    from paho.mqtt.properties import Properties
-
-    props = Properties(PacketTypes.CONNECT)
-    props.SessionExpiryInterval = seconds
-    return props
 
 
 def test_redis_down_falls_back_to_polling_and_push_resumes(cluster) -> None:
