@@ -27,6 +27,7 @@ from starlette.staticfiles import StaticFiles
 from gateway.broker import Broker
 from gateway.metrics import STORE_STATS_TIMEOUT_S, metrics_route
 from gateway.session import NUL, Session
+from gateway.sessions import stored_sessions
 from lightqueue.routing import split_partition_queue
 from lightqueue.since import parse_since, parse_time
 from lightqueue.topic import validate_topic_filter
@@ -317,7 +318,7 @@ class GatewayApi:
     async def sessions(self, request: Request) -> JSONResponse:
         """Live sessions and offline persistent ones, which only the store knows."""
         rows = []
-        for cid, info in await self.store.meta_items("sessions"):
+        for cid, info in stored_sessions(await self.store.meta_items("sessions")):
             live = self.broker.sessions.get(cid)
             rows.append({"client_id": cid, "connected": bool(live and live.connection),
                          "persistent": True, "expiry": info.get("expiry"),

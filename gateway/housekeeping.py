@@ -13,7 +13,7 @@ from gateway import statistics
 from gateway.background import Background
 from gateway.config import GatewayConfig
 from gateway.retained import Retained
-from gateway.sessions import SessionRegistry
+from gateway.sessions import SessionRegistry, stored_sessions
 from gateway.shared import SharedGroups
 from gateway.stats import Stats
 from gateway.wills import Wills
@@ -62,6 +62,7 @@ class Housekeeping:
         except StoreError as exc:  # separated mode, store away: the expiry sweep counts
             log.warning("stored sessions not counted, pending wills not restored: %s", exc)
             return
+        items = stored_sessions(items)
         self.sessions.persistent = len(items)
         self.wills.restore(items)
 

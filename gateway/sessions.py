@@ -128,7 +128,9 @@ class SessionRegistry:
         if owner is not None:
             session.owner = owner
         claim = None
-        if expiry > 0:
+        if expiry > 0 or self.gateway_id is not None:
+            # A session without expiry keeps nothing; its record only says where it is
+            # connected, for a takeover from another gateway (gateway.takeover).
             info = {"version": version, "expiry": expiry, "owner": session.owner}
             if self.gateway_id is not None:  # connected here (gateway.takeover)
                 info["gateway"] = self.gateway_id
@@ -138,7 +140,8 @@ class SessionRegistry:
             except StoreError:  # refused (a full disk, the store away): as it was
                 if made and self.by_id.get(client_id) is session:
                     del self.by_id[client_id]
-                    self.persistent = max(0, self.persistent - 1)
+                    if expiry > 0:
+                        self.persistent = max(0, self.persistent - 1)
                 elif session.connection is None and session.disconnected_at is None:
                     session.disconnected_at = time.time()  # offline still: it expires
                 raise
@@ -181,7 +184,7 @@ class SessionRegistry:
 
     async def _load(self, client_id: str) -> Session | None:
         info = await self.store.meta_get("sessions", client_id)
-        if info is None:
+        if info is None or connected_only(info):
             return None
         s = Session(client_id, persistent=True, version=info.get("version", 4),
                     expiry=info.get("expiry", NEVER_EXPIRES), owner=info.get("owner"))
@@ -330,7 +333,7 @@ class SessionRegistry:
         count of persistent sessions is taken afresh on the way."""
         now = time.time()
         gone = 0
-        items = await self.store.meta_items("sessions")
+        items = stored_sessions(await self.store.meta_items("sessions"))
         for client_id, info in items:
             s = self.by_id.get(client_id)
             if s is not None and s.connection is None and s.claim is not None \
@@ -490,6 +493,17 @@ def _sent_upto(s: Session, queue: str, acked: int) -> int:
     nxt = s.cursors.get(queue, acked)
     upto = s._restored_upto.get(queue) if s._restored_upto else None
     return nxt if upto is None else max(nxt, upto + 1)
+
+
+def connected_only(info: dict[str, Any]) -> bool:
+    """Whether a session record is only a clean session's claim (a gateway holds it
+    connected; it ends with the connection), not a session to resume."""
+    return info.get("expiry") == 0
+
+
+def stored_sessions(items: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict]]:
+    """The records of sessions that outlive their connection, among `items`."""
+    return [(cid, info) for cid, info in items if not connected_only(info)]
 
 
 def _expired(info: dict[str, Any], now: float) -> bool:

@@ -1,7 +1,9 @@
-"""Session takeover across gateways: a persistent session's client connects on one
-gateway while another still holds its old connection (half-open after the device
-roamed, or still up). MQTT says the server closes the existing connection; with several
-gateways over one store, the one holding it is told to.
+"""Session takeover across gateways: a client connects on one gateway while another
+still holds its old connection (half-open after the device roamed, or still up). MQTT
+says the server closes the existing connection; with several gateways over one store,
+the one holding it is told to. A clean session keeps nothing in the store, but its
+record is written all the same (expiry 0: a claim, not a session to resume) so that
+its connection is found.
 
 The session's record in the store says which gateway holds it connected and under which
 claim: a token each connection's open writes there (`SessionRegistry._open`). The

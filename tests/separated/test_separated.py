@@ -174,6 +174,45 @@ def test_a_session_still_connected_on_a_is_taken_over_by_its_client_on_b(
     pub.disconnect()
 
 
+@pytest.mark.parametrize("version", [4, 5])
+def test_a_clean_sessions_connection_on_a_is_closed_when_its_client_connects_on_b(
+        cluster, version: int) -> None:
+    """A clean session keeps nothing, but its client id still names one connection:
+    the device's new connection on B makes A close the old one (MQTT 5: DISCONNECT
+    0x8E) and publish its will, at once rather than at A's keepalive. Both stayed up
+    before, and the old one's end on A later deleted whatever B then held under the
+    client id."""
+    store, (a, b), _ = cluster
+    cid, will_topic = uid("dev"), uid("will") + "/dev"
+    watcher = Client(b.port, uid("watch"))
+    watcher.subscribe(will_topic, 1)
+    old = Client(a.port, cid, version=version, will=(will_topic, b"gone", 1, False))
+    started = time.monotonic()
+    new = Client(b.port, cid, version=version)
+    took = time.monotonic() - started
+    assert new.connack[0] is False  # clean: nothing resumed
+    assert old.disconnected.wait(5), "A kept the old connection"
+    if version == 5:
+        assert old.disconnect_reason == 0x8E  # Session taken over
+    assert took < 1.5, f"B waited {took:.2f} s for A to close the old connection"
+    assert watcher.expect(1)[0].payload == b"gone"
+    # The new connection is the one left: it works, and A's end of the old one did not
+    # take B's claim away (a third connection on A closes B's, as MQTT says).
+    new.subscribe(will_topic, 1)
+    watcher.publish(will_topic, b"after", 1)
+    assert new.expect(1)[0].payload == b"after"
+    again = Client(a.port, cid, version=version)
+    assert new.disconnected.wait(5), "B kept the replaced connection"
+    raw = Raw(store.native)
+    assert raw.call(p.META_GET, {"cf": "sessions", "key": cid}).header["value"]["expiry"] == 0
+    again.disconnect()
+    deadline = time.monotonic() + 5
+    while raw.call(p.META_GET, {"cf": "sessions", "key": cid}).header.get("value"):
+        assert time.monotonic() < deadline, "a clean session's record outlived it"
+        time.sleep(0.05)
+    watcher.disconnect()
+
+
 def test_a_session_back_on_a_after_b_is_what_b_left(cluster) -> None:
     """A→B→A: A kept its copy of the session when the device left it; on B the device
     subscribed to more. Back on A it gets the session as B left it (the store's), not
