@@ -138,6 +138,8 @@ async def _serve(opts: GatewayOptions, signals: Signals, reload: Reload,
         broker = Broker(store, opts.gateway, auth, opts.auth_backends)
         gateway_id = f"gw-{uuid.uuid4().hex[:12]}"
         broker.registry.gateway_id = gateway_id  # (a session it holds says so)
+        broker.shared.lease_with(gateway_id, store)
+        nursery.start_soon(broker.shared.keep_leases)
         if engine is not None:  # quiet plain-TCP publishers go native after CONNACK
             broker.use_engine(engine)
         if auth.enabled:

@@ -5,11 +5,18 @@ A message counts as done only when its member acknowledges it (PUBACK/PUBCOMP), 
 on the socket write (which lost messages in rocketmq-mqtt): if the member disconnects
 first, the message goes back to the front of the group's queue for another member. The
 group's resume point (first unacknowledged offset) is kept in the store.
+
+With several gateways over one store, one gateway at a time hands a group's messages
+out (store.leases): a gateway holds the group's lease while it asks for it every
+LEASE_ASK_S, and stops on its own once LEASE_FENCE_S passed without an answer. A gateway that
+takes the lease over resumes at the position its holder last kept: what that one handed
+out but had not seen acknowledged is sent again (QoS 1, at least once).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict, deque
 from typing import Protocol
 
@@ -17,7 +24,7 @@ import trio
 
 from gateway.background import Background
 from gateway.session import NUL, Session
-from store.api import Message, Store, StoreError
+from store.api import LEASE_ASK_S, LEASE_FENCE_S, Message, Store, StoreError
 
 log = logging.getLogger("lightgate.gateway.shared")
 
@@ -32,6 +39,15 @@ class GroupCache(Protocol):
 
     async def pull(self, queue: str, offset: int, max_count: int = 64
                    ) -> tuple[list[Message], int]: ...
+
+
+class Leaser(Protocol):
+    """The store's leases on shared groups (store.client.RemoteStore)."""
+
+    async def shared_lease(self, gateway_id: str, held: dict[str, bool]
+                           ) -> dict[str, str | None]: ...
+
+    async def shared_leave(self, gateway_id: str, names: list[str]) -> dict[str, int]: ...
 
 
 class Member(Protocol):
@@ -63,10 +79,17 @@ class SharedGroup:
         self.dirty = True
         self.delivered = 0
         self.redelivered = 0
+        # Until when this gateway may hand out (trio's clock): always, alone over the
+        # store; with other gateways, while it holds the group's lease (fenced).
+        self.lease_until = math.inf
 
     @property
     def name(self) -> str:
         return f"$share/{self.group}/{self.filter}"
+
+    @property
+    def serving(self) -> bool:
+        return trio.current_time() < self.lease_until
 
     def acked_offset(self) -> int:
         offsets = [*self.pending, *(m.offset_in(self.queue) for m in self.retry)]
@@ -137,7 +160,7 @@ class SharedGroup:
 
     async def _hand_out_batches(self, touched: set[Member]) -> None:
         cache = self.cache
-        while True:
+        while self.serving:
             from_retry = bool(self.retry)
             if from_retry:
                 batch = [self.retry[0]]
@@ -192,6 +215,13 @@ class SharedGroups:
         self.groups: dict[tuple[str, str], SharedGroup] = {}
         self.by_queue: dict[str, set[SharedGroup]] = {}
         self._scopes: dict[tuple[str, str], trio.CancelScope] = {}
+        # Set on a gateway over a store other gateways may share: groups are leased.
+        self.gateway_id: str | None = None
+        self.leaser: Leaser | None = None
+
+    def lease_with(self, gateway_id: str, leaser: Leaser) -> None:
+        """Hand a group out only while this gateway holds its lease (store.leases)."""
+        self.gateway_id, self.leaser = gateway_id, leaser
 
     async def join(self, s: Session, shared: tuple[str, str]) -> SharedGroup:
         g = await self._group(*shared)
@@ -210,7 +240,47 @@ class SharedGroups:
         self.by_queue.setdefault(topic_filter, set()).add(g)
         scope = self._scopes[key] = trio.CancelScope()
         self.background.start(_run_group, g, scope)
+        if self.leaser is not None:
+            g.lease_until = -math.inf  # until the store says this gateway holds it
+            try:
+                await self._ask({key: g})
+            except StoreError as exc:  # the next round of keep_leases asks again
+                log.warning("shared group %s: lease not asked yet: %s", g.name, exc)
         return g
+
+    async def keep_leases(self) -> None:
+        """Ask for the leases of every group here, every LEASE_ASK_S (gateways over a
+        store others share: store.leases)."""
+        while True:
+            await trio.sleep(LEASE_ASK_S)
+            try:
+                await self._ask(dict(self.groups))
+            except StoreError as exc:  # each holder fences itself if this goes on
+                log.debug("shared group leases not renewed: %s", exc)
+
+    async def _ask(self, groups: dict[tuple[str, str], SharedGroup]) -> None:
+        if not groups or self.leaser is None or self.gateway_id is None:
+            return
+        asked_at = trio.current_time()
+        holders = await self.leaser.shared_lease(
+            self.gateway_id, {group_key(*k): g.serving for k, g in groups.items()})
+        for key, g in groups.items():
+            if self.groups.get(key) is not g:
+                continue  # left meanwhile
+            if holders.get(group_key(*key)) != self.gateway_id:
+                g.lease_until = -math.inf
+                continue
+            if not g.serving:  # taken over: resume where the last holder kept it
+                await self._resume(g)
+            g.lease_until = asked_at + LEASE_FENCE_S
+            g.wake()
+
+    async def _resume(self, g: SharedGroup) -> None:
+        pos = await self.store.meta_get("offsets", group_key(g.group, g.filter))
+        g.pending.clear()  # (what members still hold of it: their acks find nothing)
+        g.retry.clear()
+        if pos is not None:
+            g.cursor = pos["acked"]
 
     async def leave(self, s: Session, shared: tuple[str, str], *, keep: bool = False
                     ) -> None:
@@ -221,24 +291,38 @@ class SharedGroups:
             return
         g.remove(s)
         s.groups.discard(g)
-        if not g.members:  # nobody left: the group and its position go
+        if not g.members:  # nobody left here: the group goes
             del self.groups[shared]
             self.by_queue[g.queue].discard(g)
             if not self.by_queue[g.queue]:
                 del self.by_queue[g.queue]
             self._scopes.pop(shared).cancel()
-            if not keep:
+            if not keep and not await self._read_elsewhere(g):
                 await self.store.meta_delete("offsets", group_key(*shared))
+
+    async def _read_elsewhere(self, g: SharedGroup) -> bool:
+        """Whether other gateways still read `g`, which this one leaves; its holder
+        keeps its position for the next first."""
+        if self.leaser is None or self.gateway_id is None:
+            return False
+        name = group_key(g.group, g.filter)
+        if g.serving:
+            await self.store.meta_put("offsets", name, _position(g))
+        left = await self.leaser.shared_leave(self.gateway_id, [name])
+        return bool(left.get(name))
 
     async def flush_offsets(self) -> None:
         ops = []
         for g in self.groups.values():
-            if g.dirty:
+            if g.dirty and g.serving:  # (only its holder moves a leased group's position)
                 g.dirty = False
-                ops.append(("put", "offsets", group_key(g.group, g.filter),
-                            {"acked": g.acked_offset(), "next": g.cursor}))
+                ops.append(("put", "offsets", group_key(g.group, g.filter), _position(g)))
         if ops:
             await self.store.meta_write(ops)
+
+
+def _position(g: SharedGroup) -> dict[str, int]:
+    return {"acked": g.acked_offset(), "next": g.cursor}
 
 
 async def _run_group(g: SharedGroup, scope: trio.CancelScope) -> None:

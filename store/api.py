@@ -39,10 +39,13 @@ from store.common import (
 )
 from store.http import store_routes, topic_rows
 from store.http_auth import auth_app
+from store.leases import FENCE_S as LEASE_FENCE_S
+from store.leases import LEASE_ASK_S
 from store.record import Message, encode_properties
 
 __all__ = [
-    "ALLOW", "AUTH_EVENT", "DENY", "IGNORE", "SCRAM_ITERATIONS", "SCRAM_METHOD",
+    "ALLOW", "AUTH_EVENT", "DENY", "IGNORE", "LEASE_ASK_S", "LEASE_FENCE_S",
+    "SCRAM_ITERATIONS", "SCRAM_METHOD",
     "AuthConfig", "AuthError", "AuthFailed", "AuthManager", "Backend", "Credentials",
     "Decision", "DecisionCache", "FutureLike", "HistoryBatch", "LocalStore", "Message",
     "NativeClient", "PullResult", "QueueSeek", "RemoteStore", "Store", "StoreClosedError",

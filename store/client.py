@@ -64,8 +64,8 @@ SEND_QUEUE = 256
 RETRY_SAFE = frozenset({
     p.PULL, p.QUEUE_RANGE, p.QUEUE_ENDS, p.QUEUE_TAIL, p.FETCH_OFFSETS, p.GET_MESSAGE,
     p.FIND_KEY, p.TOPIC_LIST, p.TOPIC_DESCRIBE, p.META_GET, p.META_ITEMS, p.STATS,
-    p.CLUSTER, p.GATEWAY_LIST, p.GATEWAY_HEARTBEAT, p.WILDCARD_ADD, p.USER_LIST,
-    p.ACL_LIST,
+    p.CLUSTER, p.GATEWAY_LIST, p.GATEWAY_HEARTBEAT, p.SHARED_LEASE, p.WILDCARD_ADD,
+    p.USER_LIST, p.ACL_LIST,
 })
 MAX_ATTEMPTS = 3  # of a RETRY_SAFE request (a failover costs one)
 
@@ -718,3 +718,16 @@ class RemoteStore:
         header, _ = await self.client.request(p.GATEWAY_HEARTBEAT,
                                               {"id": gateway_id, "info": info})
         return header["gateways"]
+
+    async def shared_lease(self, gateway_id: str, held: dict[str, bool]
+                           ) -> dict[str, str | None]:
+        """Each shared group's holder (store.leases), asked for all of `held` at once."""
+        header, _ = await self.client.request(p.SHARED_LEASE,
+                                              {"member": gateway_id, "held": held})
+        return header["holders"]
+
+    async def shared_leave(self, gateway_id: str, names: list[str]) -> dict[str, int]:
+        """This gateway reads these shared groups no more: how many others still do."""
+        header, _ = await self.client.request(p.SHARED_LEASE,
+                                              {"member": gateway_id, "leave": names})
+        return header["left"]

@@ -40,8 +40,8 @@ SUPER = "super"  # marker: only a Super user
 STORE_NODE = "store node"  # marker: only a store node of the group (the group secret)
 
 AUTH_CFS = ("users", "acl")
-_NODE_CODES = {p.PUBLISH, p.WILDCARD_ADD, p.GATEWAY_HEARTBEAT, p.META_GET,
-               p.META_ITEMS}
+_NODE_CODES = {p.PUBLISH, p.WILDCARD_ADD, p.GATEWAY_HEARTBEAT, p.SHARED_LEASE,
+               p.META_GET, p.META_ITEMS}
 _SUPER_CODES = {p.USER_ADD, p.USER_UPDATE, p.USER_DELETE, p.USER_LIST, p.ACL_ADD,
                 p.ACL_DELETE, p.ACL_LIST}
 _CLUSTER_GET = {p.STATS, p.CLUSTER, p.GATEWAY_LIST, p.GET_MESSAGE, p.FIND_KEY}

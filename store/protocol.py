@@ -54,6 +54,7 @@ STATS = 80
 CLUSTER = 81  # the store group's view: nodes, roles, epochs, lag (the dashboard)
 GATEWAY_HEARTBEAT = 90
 GATEWAY_LIST = 91
+SHARED_LEASE = 92  # which gateway hands out a shared group's messages (store.leases)
 USER_ADD = 100  # users and policies: Super users only
 USER_UPDATE = 101
 USER_DELETE = 102

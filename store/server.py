@@ -32,6 +32,7 @@ from store.carried import Carrier
 from store.common import PullResult, RawPull, StoreError, StoreFullError
 from store.groups import MAX_ATTEMPTS, GroupRegistry, offset_key
 from store.history import MAX_BYTES as HISTORY_MAX_BYTES
+from store.leases import Leases
 from store.native_acl import NODE, STORE_NODE, SUPER, Need, message_need, needs
 from store.outbox import Outbox
 from store.producers import PUBLISHES, Stamp
@@ -138,6 +139,7 @@ class NativeServer:
         self.store = store
         self.auth = auth or AuthManager(store)  # disabled unless configured
         self.groups = GroupRegistry()
+        self.leases = Leases()  # shared subscription groups' gateways (store.leases)
         self.redelivery = Redelivery(store, store.config.max_retry_messages)
         self.waiters = QueueWaiters()
         self.gateways: dict[str, dict[str, Any]] = {}
@@ -182,6 +184,7 @@ class NativeServer:
             p.CLUSTER: self._cluster,
             p.GATEWAY_HEARTBEAT: self._gateway_heartbeat,
             p.GATEWAY_LIST: self._gateway_list,
+            p.SHARED_LEASE: self._shared_lease,
             p.USER_ADD: self._user_add,
             p.USER_UPDATE: self._user_update,
             p.USER_DELETE: self._user_delete,
@@ -898,6 +901,14 @@ class NativeServer:
 
     async def _gateway_list(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
         return {"gateways": self._live_gateways()}, b""
+
+    async def _shared_lease(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:
+        member, now = str(f.header["member"]), time.monotonic()
+        if "leave" in f.header:
+            return {"left": self.leases.leave(member, [str(n) for n in f.header["leave"]],
+                                              now)}, b""
+        held = {str(n): bool(v) for n, v in dict(f.header["held"]).items()}
+        return {"holders": self.leases.ask(member, held, now)}, b""
 
     # -- users and policies (Super only; checked in _check) ---------------------------
     async def _user_add(self, f: p.Frame, ctx: ConnCtx) -> tuple[dict, bytes]:

@@ -6,8 +6,6 @@ import os
 import signal
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
@@ -19,21 +17,7 @@ from tests.mqtt.raw import RawClient
 from tests.mqtt.test_paho_v5 import connect_props
 from tests.native.test_protocol import Raw
 from tests.proc import pause
-
-
-def uid(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def cluster(tmp_path, redis_server: RedisServer) -> Iterator[tuple]:
-    store = Server(tmp_path / "store", "--notify", redis_server.url, command="store").start()
-    gateways = [Server(None, "--store", store.native, "--notify", redis_server.url,
-                       command="gateway").start() for _ in range(2)]
-    yield store, gateways, redis_server
-    for srv in (*gateways, store):
-        if srv.proc is not None:
-            assert srv.stop() == 0, srv.logs()[-2000:]
+from tests.separated.conftest import uid
 
 
 def test_device_on_a_reaches_wildcard_subscriber_on_b(cluster) -> None:
