@@ -171,6 +171,8 @@ class SharedGroup:
                 if not batch:
                     return
             for msg in batch:
+                if not self.serving:
+                    return  # the lease ran out while the pull waited (a cut link)
                 if self.retry and not from_retry:
                     break  # a member left with messages: those go first
                 conn = self._pick()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+from tests.conftest import Server
+from tests.ha.proxy import Proxy
 from tests.mqtt.paho_client import Client
 from tests.separated.conftest import uid
 
@@ -95,3 +97,43 @@ def _all(c: Client) -> list:
     while not c.messages.empty():
         out.append(c.messages.get())
     return out
+
+
+def test_a_holder_cut_off_from_the_store_stops_and_the_other_takes_over(
+        tmp_path, redis_server) -> None:
+    """Gateway A holds the group and its link to the store is cut (a TCP proxy the test
+    owns: packets dropped). B takes the group over within the lease timeout; once the
+    link heals, A stays idle: every message reaches a member once."""
+    store = Server(tmp_path / "store", "--notify", redis_server.url, command="store").start()
+    host, port = store.native.rsplit(":", 1)
+    link = Proxy((host, int(port)))
+    a = Server(None, "--store", link.addr, "--notify", redis_server.url,
+               command="gateway").start()
+    b = Server(None, "--store", store.native, "--notify", redis_server.url,
+               command="gateway").start()
+    try:
+        base = uid("sh")
+        ma, mb = members(a, b, base)
+        if probe(ma, mb, b.port, base) == 1:  # B holds it: hand it to A
+            mb.disconnect()
+            time.sleep(1.0)
+            mb = Client(b.port, uid("mb"))
+            mb.subscribe(f"$share/g/{base}/#", 1)
+            assert probe(ma, mb, b.port, base) == 0
+        link.cut()
+        during = [f"c{i}".encode() for i in range(10)]
+        publish(b.port, base, during)
+        assert {m.payload for m in mb.expect(10, timeout=15)} == set(during)
+        link.heal()
+        time.sleep(3.0)  # A's link back: it asks again, and is told B holds the group
+        after = [f"h{i}".encode() for i in range(10)]
+        publish(b.port, base, after)
+        got = drain(ma, mb, quiet=2.0)
+        assert sorted(got) == sorted(after), got
+        assert _all(ma) == []
+        mb.disconnect()
+    finally:
+        link.cut()
+        for srv in (a, b, store):
+            srv.kill()
+        link.close()
