@@ -299,7 +299,8 @@ class SharedGroups:
             if not self.by_queue[g.queue]:
                 del self.by_queue[g.queue]
             self._scopes.pop(shared).cancel()
-            if not keep and not await self._read_elsewhere(g):
+            elsewhere = await self._read_elsewhere(g)  # (leaves its lease, if any)
+            if not keep and not elsewhere:
                 await self.store.meta_delete("offsets", group_key(*shared))
 
     async def _read_elsewhere(self, g: SharedGroup) -> bool:
