@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -202,6 +204,22 @@ async def _copy_page(repl: Replica, meta: dict[str, Any]) -> list[Any] | None:
         repl.mark_meta(True)
         return None
     return [meta["inc"], int(meta["seq"]), *meta["next"]]
+
+
+@contextmanager
+def moot_when_stopped() -> Iterator[None]:
+    """Around `follow` in a scope that stops it: a stop (a new role, a new master) that
+    comes as the master's connection fails leaves trio a group of the cancellation and
+    the failure. The scope takes the cancellation and the failure went on up: it ended
+    the store node. Stopped, the failure is moot; it is logged, and the stop goes on."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        cancelled, rest = group.split(trio.Cancelled)
+        if cancelled is None:
+            raise
+        log.info("replication stopped as it failed: %r", rest and _leaf(rest))
+        raise cancelled from None
 
 
 def _leaf(exc: BaseException) -> BaseException:

@@ -28,7 +28,7 @@ from store.config import ReplicationConfig
 from store.record import dumps_json
 from store.replication.controller import HEARTBEAT_S, Controller, RaftConfig
 from store.replication.epochs import Epoch, EpochFile, fork_point, implicit
-from store.replication.follower import follow
+from store.replication.follower import follow, moot_when_stopped
 from store.replication.insync import InSync
 from store.replication.metalog import MetaLog
 from store.replication.space import Space, no_space
@@ -907,7 +907,8 @@ class Replication:
             if self.before_follow is not None:  # the native writer hands the log back
                 with trio.CancelScope(shield=True):
                     await self.before_follow()
-            await follow(self, master_addr, epoch)
+            with moot_when_stopped():
+                await follow(self, master_addr, epoch)
 
     def _stop_following(self) -> None:
         copier = self.copier

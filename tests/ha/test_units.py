@@ -3,11 +3,17 @@ set and the acks waiting on it, the controller's election rule, the metadata cha
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
+import pytest
+import trio
+
+from store.common import StoreError
 from store.metadata import COLUMN_FAMILIES, Metadata
 from store.replication.controller import choose_master
 from store.replication.epochs import EpochFile, fork_point, implicit
+from store.replication.follower import moot_when_stopped
 from store.replication.insync import InSync
 from store.replication.metalog import MetaLog
 
@@ -214,3 +220,24 @@ def test_space_full_on_an_error_or_a_low_disk_until_there_is_room() -> None:
     assert s.measured(999) is None and s.full  # not room enough yet
     assert s.measured(1000) is False and s.full is None
     assert s.measured(99) is True and s.full == "99 bytes free on the disk"
+
+
+async def _follow_stopped_as_it_fails(guarded: bool) -> bool:
+    """A replica's follow stopped (its scope cancelled: a new role) just as its master
+    closed the connection: trio's nursery holds both. Whether the stop went through."""
+    with trio.CancelScope() as scope, \
+            moot_when_stopped() if guarded else contextlib.nullcontext():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            await trio.sleep(0)
+            scope.cancel()
+            raise StoreError("replication from m: the master closed the connection")
+    return scope.cancelled_caught
+
+
+def test_a_follow_stopped_as_its_master_closes_ends_quietly() -> None:
+    """Seen under a full disk's step-down: the failure left the scope beside the
+    cancellation and ended the store node (the group then had no master to elect)."""
+    with pytest.raises(BaseExceptionGroup):
+        trio.run(_follow_stopped_as_it_fails, False)
+    assert trio.run(_follow_stopped_as_it_fails, True)
