@@ -8,9 +8,9 @@ group's resume point (first unacknowledged offset) is kept in the store.
 
 With several gateways over one store, one gateway at a time hands a group's messages
 out (store.leases): a gateway holds the group's lease while it asks for it every
-LEASE_ASK_S, and stops on its own once LEASE_FENCE_S passed without an answer. A gateway that
-takes the lease over resumes at the position its holder last kept: what that one handed
-out but had not seen acknowledged is sent again (QoS 1, at least once).
+LEASE_ASK_S, and stops on its own once LEASE_FENCE_S passed without an answer. A
+gateway that takes the lease over resumes at the position its holder last kept: what
+that one handed out but had not seen acknowledged is sent again (QoS 1, at least once).
 """
 
 from __future__ import annotations
