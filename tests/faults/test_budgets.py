@@ -22,6 +22,7 @@ import pytest
 from tests.conftest import Server
 from tests.faults.hostile import RssPeak, metric, metrics, rss, ws_upgrade
 from tests.mqtt.paho_client import Client
+from tests.mqtt.test_paho_v5 import connect_props
 from tests.security.test_tls import SecureClient
 
 MiB = 1024 * 1024
@@ -345,7 +346,7 @@ def test_anonymous_persistent_sessions_are_capped(tmp_path: Path) -> None:
     try:
         # A well-behaved device: a persistent v5 session (1 h) made before the flood.
         dev = Client(srv.port, "device-1", version=5, clean_start=False,
-                     properties=_expiry_props(3600))
+                     properties=connect_props(SessionExpiryInterval=3600))
         dev.subscribe("fleet/device-1/cmd", 1)
         dev.disconnect()
         pub = Client(srv.port, "app", version=5)
@@ -369,7 +370,7 @@ def test_anonymous_persistent_sessions_are_capped(tmp_path: Path) -> None:
         # The device's session works throughout: it gets what was sent while it was away.
         pub.publish("fleet/device-1/cmd", b"reboot", 1)
         dev = Client(srv.port, "device-1", version=5, clean_start=False,
-                     properties=_expiry_props(3600))
+                     properties=connect_props(SessionExpiryInterval=3600))
         assert dev.connack[0] is True
         assert [m.payload for m in dev.expect(1)] == [b"reboot"]
         dev.disconnect()
@@ -395,15 +396,6 @@ def test_v3_sessions_expire_and_make_room(tmp_path: Path) -> None:
         assert _run_flood(srv.port, 10, 4) == {"0": 10}
     finally:
         srv.stop()
-
-
-def _expiry_props(seconds: int) -> Any:
-    from paho.mqtt.packettypes import PacketTypes
-    from paho.mqtt.properties import Properties
-
-    props = Properties(PacketTypes.CONNECT)
-    props.SessionExpiryInterval = seconds
-    return props
 
 
 def _retain_all(c: Client, topics: list[str], payload: bytes) -> list[int]:
