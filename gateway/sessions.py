@@ -110,17 +110,18 @@ class SessionRegistry:
         if session is not None and session.connection is not None:
             await session.connection.take_over()  # closed, will sent, session detached
             session = self.by_id.get(client_id)
+        stored = None  # its record in the store, when the session is not here
         if session is None:
-            await takeover.released_elsewhere(self, client_id)
+            stored = await takeover.released_elsewhere(self, client_id)
         await self.wills.client_back(client_id, clean_start)
         if clean_start:
-            if session is not None or await self.store.meta_get("sessions", client_id):
+            if session is not None or stored is not None:
                 await self.discard(client_id)
             session, present = None, False
         elif session is not None:
             present = True
         else:
-            session = await self._load(client_id)
+            session = await self._load(client_id, stored)
             present = session is not None
         made = session is None
         if session is None:
@@ -182,8 +183,8 @@ class SessionRegistry:
             self.persistent += 1
         return session
 
-    async def _load(self, client_id: str) -> Session | None:
-        info = await self.store.meta_get("sessions", client_id)
+    async def _load(self, client_id: str, info: dict[str, Any] | None) -> Session | None:
+        """The session stored as `info` (its record), with what it holds in the store."""
         if info is None or connected_only(info):
             return None
         s = Session(client_id, persistent=True, version=info.get("version", 4),

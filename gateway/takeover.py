@@ -89,32 +89,34 @@ def asks_among(names: Collection[str]) -> list[str]:
     return [name for name in names if name.startswith(RELEASE)]
 
 
-async def released_elsewhere(reg: SessionRegistry, client_id: str) -> None:
-    """Wait while another gateway holds the session connected, asking it to release
-    it, RELEASE_WAIT_S at most: a client that left it and came here at once is
-    otherwise served from what that gateway kept before it took in the client's last
-    acknowledgements (they came again here) or wrote after it (a clean start's discard
-    undone). Its detach records `disconnected_at` once what the client acknowledged
-    is kept."""
+async def released_elsewhere(reg: SessionRegistry, client_id: str
+                             ) -> dict[str, Any] | None:
+    """The session's record in the store, once no other gateway holds it connected:
+    while one does, ask it to release it and wait, RELEASE_WAIT_S at most. A client
+    that left it and came here at once is otherwise served from what that gateway kept
+    before it took in the client's last acknowledgements (they came again here) or
+    wrote after it (a clean start's discard undone). Its detach records
+    `disconnected_at` once what the client acknowledged is kept."""
+    info: dict[str, Any] | None = await reg.store.meta_get("sessions", client_id)
     if reg.gateway_id is None:
-        return
-    info: dict[str, Any] | None = None
+        return info
     asked = False
     with trio.move_on_after(RELEASE_WAIT_S) as waited:
         while True:
-            info = await reg.store.meta_get("sessions", client_id)
             if info is None or "disconnected_at" in info \
                     or info.get("gateway") in (None, reg.gateway_id):
-                return
+                return info
             claim = info.get("claim")
             if not asked and reg.ask_release is not None and isinstance(claim, str):
                 reg.ask_release(str(info["gateway"]), claim, client_id)
                 asked = True
             await trio.sleep(0.02)
+            info = await reg.store.meta_get("sessions", client_id)
     if waited.cancelled_caught:
         log.info("session %r: gateway %s did not release it within %g s (gone?); "
                  "taken as the store holds it", client_id,
                  info and info.get("gateway"), RELEASE_WAIT_S)
+    return info
 
 
 async def release(reg: SessionRegistry, client_id: str, claim: str) -> None:
