@@ -73,23 +73,26 @@ class Leases:
         out: dict[str, int] = {}
         for name in names:
             lease = self.leases.get(name)
-            if lease is None:
-                out[name] = 0
-                continue
-            lease.members.pop(member, None)
-            lease.expire(now)
-            if not lease.members:
-                del self.leases[name]
-            out[name] = len(lease.members)
+            if lease is not None:
+                lease.members.pop(member, None)
+            out[name] = self._expire(name, now)
         return out
 
     def _sweep(self, now: float) -> None:
         """Forget the groups whose every gateway went silent (stopped, or gone)."""
         self._swept = now
-        for name, lease in list(self.leases.items()):
-            lease.expire(now)
-            if not lease.members:
-                del self.leases[name]
+        for name in list(self.leases):
+            self._expire(name, now)
+
+    def _expire(self, name: str, now: float) -> int:
+        """The count of gateways still reading group `name`; none: it is forgotten."""
+        lease = self.leases.get(name)
+        if lease is None:
+            return 0
+        lease.expire(now)
+        if not lease.members:
+            del self.leases[name]
+        return len(lease.members)
 
     def holders(self) -> dict[str, str | None]:
         return {name: lease.holder for name, lease in self.leases.items()}
